@@ -1,0 +1,33 @@
+"""Engine section of an experiment config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """Inference engines that generate rollouts.
+
+    ``backend='embedded'`` starts our CPU server (transformers-backed, SGLang's HTTP
+    protocol) on loopback; ``backend='sglang'`` launches ``python -m sglang.launch_server``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["embedded", "sglang"] = "embedded"
+    num_engines: int = Field(1, ge=1)
+    host: str = "127.0.0.1"
+    base_port: int = Field(0, ge=0, le=65535, description="0 = pick free ports.")
+    max_running_requests: int = Field(16, ge=1, description="Decode batch size cap.")
+    num_threads: int = Field(1, ge=1, description="torch threads in each engine process.")
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    startup_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for /health.")
+    request_timeout_s: float = Field(600.0, gt=0)
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "abort", description="SGLang pause_generation mode used around weight updates."
+    )
+    sglang_args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Extra sglang.launch_server flags (GPU)."
+    )

@@ -1,0 +1,17 @@
+"""Logging section of an experiment config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LoggingConfig(BaseModel):
+    """wandb (offline by default) plus a console line per step and a metrics.jsonl file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "moe-async"
+    output_dir: str = Field("runs", description="Run dirs are created under this path.")

