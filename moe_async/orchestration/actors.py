@@ -1,0 +1,213 @@
+"""Ray actors: the buffer, the trainer, the engine manager and the rollout manager.
+
+Every actor asks for ``num_cpus=0``: the pieces share the machine's cores and set their
+own thread counts (``trainer.num_threads``, ``engine.num_threads``) so trainer and
+engines do not oversubscribe them. The actors only adapt the plain classes of
+``buffer``, ``trainer``, ``engines`` and ``rollout`` to Ray; they hold no logic of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+
+from moe_async.config import ExperimentConfig
+from moe_async.types import Group
+
+
+@ray.remote(num_cpus=0)
+class BufferActor:
+    """Ray home of :class:`moe_async.buffer.buffer.RolloutBuffer` (an async actor, so
+    waiting callers do not block admissions)."""
+
+    def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0):
+        from moe_async.buffer.buffer import RolloutBuffer
+
+        self.buf = RolloutBuffer(groups_per_step, max_staleness, start_version)
+
+    async def admit(self) -> int | None:
+        return self.buf.admit()
+
+    async def cancel(self, reason: str = "cancelled") -> None:
+        self.buf.cancel(reason)
+
+    async def put(self, group: Group) -> None:
+        self.buf.put(group)
+
+    async def set_engine_version(self, version: int) -> None:
+        self.buf.set_engine_version(version)
+
+    async def get_batch(self, trainer_version: int, timeout_s: float) -> list[Group] | None:
+        """Wait up to ``timeout_s`` seconds for ``B`` fresh groups; ``None`` on time-out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            batch = self.buf.get_batch(trainer_version)
+            if batch is not None or time.monotonic() > deadline:
+                return batch
+            await asyncio.sleep(0.05)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.buf.stats()
+
+
+class BufferProxy:
+    """The async ``admit/put/cancel`` interface the RolloutManager expects, over a Ray
+    handle of :class:`BufferActor`."""
+
+    def __init__(self, handle: Any):
+        self.h = handle
+
+    async def admit(self) -> int | None:
+        return await self.h.admit.remote()
+
+    async def put(self, group: Group) -> None:
+        await self.h.put.remote(group)
+
+    async def cancel(self, reason: str = "cancelled") -> None:
+        await self.h.cancel.remote(reason)
+
+
+@ray.remote(num_cpus=0)
+class EngineManager:
+    """Launches the engines (embedded CPU servers or SGLang) and shuts them down."""
+
+    def __init__(self, cfg: ExperimentConfig, model_path: str):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.engines: list[Any] = []
+
+    def launch(self) -> list[str]:
+        """Start ``engine.num_engines`` servers; returns their base URLs once healthy.
+
+        Raises: RuntimeError naming the engine whose process died or timed out.
+        """
+        from moe_async.engines.base import make_engine
+
+        ec = self.cfg.engine
+        for i in range(ec.num_engines):
+            port = ec.base_port + i if ec.base_port else 0
+            eng = make_engine(ec, self.model_path, port)
+            self.engines.append(eng)
+            eng.launch()
+        return [e.url for e in self.engines]
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+        self.engines = []
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor:
+    """Megatron-Core trainer plus the sending side of weight sync."""
+
+    def __init__(self, cfg: ExperimentConfig, model_path: str):
+        import torch
+
+        from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+        torch.set_num_threads(cfg.trainer.num_threads)
+        self.cfg = cfg
+        self.trainer = MegatronTrainer(cfg.trainer, model_path)
+        self.transport = None
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def connect_engines(self, urls: list[str]) -> None:
+        from moe_async.engines.client import SyncEngineClient
+        from moe_async.weight_sync.transport import BroadcastTransport
+
+        clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
+        self.transport = BroadcastTransport(clients, self.cfg.weight_sync, pause_mode=self.cfg.engine.pause_mode)
+        self.transport.connect()
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """GRPO advantages per group, then one optimizer step on all samples."""
+        from moe_async.trainer.advantages import compute_grpo_advantages
+
+        adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
+        samples = [s for g in groups for s in g.samples]
+        flat_adv = [a for ga in adv for a in ga]
+        return self.trainer.train_step(samples, flat_adv)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Send the current weights to every engine under the trainer's version."""
+        assert self.transport is not None, "connect_engines() first"
+        return self.transport.send(self.trainer.export_hf_weights(), self.trainer.version)
+
+    def checksums(self) -> dict[str, str]:
+        return self.trainer.hf_checksums()
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+@ray.remote(num_cpus=0)
+class RolloutActor:
+    """Runs :class:`moe_async.rollout.manager.RolloutManager` in an event loop: generation
+    keeps going while the trainer trains; the buffer's admission rule paces it."""
+
+    def __init__(self, cfg: ExperimentConfig, model_path: str, urls: list[str], buffer: Any):
+        from moe_async.engines.client import EngineClient
+        from moe_async.models.prepare import load_tokenizer
+        from moe_async.rollout.manager import RolloutManager
+        from moe_async.rollout.reward import RewardPool
+        from moe_async.rollout.tasks import TaskDataset
+
+        import json
+        from pathlib import Path
+
+        self.cfg = cfg
+        tok = load_tokenizer(model_path)
+        self.dataset = TaskDataset(cfg.rollout, tok)
+        hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
+        self.clients = [EngineClient(u, timeout_s=cfg.engine.request_timeout_s) for u in urls]
+        self.reward_pool = RewardPool(self.dataset.score, timeout_s=cfg.rollout.reward_timeout_s)
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        self.manager = RolloutManager(
+            cfg.rollout,
+            self.dataset,
+            self.clients,
+            BufferProxy(buffer),
+            self.reward_pool,
+            eos_token_ids=eos,
+            max_context_len=int(hf_cfg.get("max_position_embeddings", 2048)),
+        )
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def evaluate(self) -> dict[str, float]:
+        return await self.manager.evaluate(self.dataset.eval_problems(), self.cfg.rollout.eval_max_new_tokens)
+
+    async def start(self) -> None:
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self.manager.run(self._stop))
+
+    async def stop(self) -> None:
+        """Stop generating; in-flight groups are abandoned (never put)."""
+        if self._stop is not None:
+            self._stop.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=30)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            exc = None if self._task.cancelled() else self._task.exception()
+            self._task = None
+            if exc is not None:
+                raise exc
+
+    async def error(self) -> str | None:
+        """The generation loop's exception, if it died (checked by the driver each step)."""
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            exc = self._task.exception()
+            return repr(exc) if exc else None
+        return None
+
+    async def metrics(self) -> dict[str, Any]:
+        return self.manager.metrics()

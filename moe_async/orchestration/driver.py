@@ -1,0 +1,135 @@
+"""The driver loop of ``moe-async train``.
+
+    prepare HF checkpoint -> Ray: engines, trainer, buffer, rollout
+    eval (held-out) -> start generation (it never waits for training)
+    for step: batch = buffer.get_batch(trainer_version)     # staleness-checked
+              metrics = trainer.train_step(batch)            # GRPO + TIS, version += 1
+              every k steps: trainer -> engines weight sync; buffer.set_engine_version
+    stop generation -> final sync -> eval -> checksum trainer vs engines -> shut down
+
+``sync``, ``one_step_off`` and ``fully_async`` share this one loop body; only the
+buffer's staleness bound ``K`` differs (K=0 makes generation wait for each update).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from moe_async.config import ExperimentConfig, dump_config
+from moe_async.logging.run_logger import RunLogger, make_run_dir
+
+
+def _batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    stale = [trainer_version - v for s in samples for v in s.weight_versions]
+    rewards = [s.reward for s in samples]
+    return {
+        "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
+        "rollout/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+        "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
+        "rollout/reward_errors": float(sum(s.reward_error is not None for s in samples)),
+        "buffer/staleness_mean": sum(stale) / max(1, len(stale)),
+        "buffer/staleness_max": float(max(stale, default=0)),
+        "buffer/staleness_min": float(min(stale, default=0)),
+        "train/response_tokens": float(sum(len(s.response_ids) for s in samples)),
+    }
+
+
+def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Run one experiment end to end and return its summary (also in summary.json).
+
+    Raises: whatever a component raises (config/model/engine errors name their source);
+    engines and Ray are shut down on every exit path.
+    """
+    import ray
+
+    from moe_async.models.prepare import prepare_hf_checkpoint
+    from moe_async.orchestration.actors import BufferActor, EngineManager, RolloutActor, TrainerActor
+
+    run_dir = make_run_dir(cfg.logging, cfg.name)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    print(f"[moe-async] run dir: {run_dir}", flush=True)
+    model_path = str(prepare_hf_checkpoint(cfg.model))
+    print(f"[moe-async] model: {model_path}", flush=True)
+    logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=True, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    engines = EngineManager.remote(cfg, model_path)
+    K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
+    try:
+        urls = ray.get(engines.launch.remote())
+        trainer = TrainerActor.remote(cfg, model_path)
+        ray.get(trainer.connect_engines.remote(urls))
+        buffer = BufferActor.remote(B, K, ray.get(trainer.version.remote()))
+        rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
+        if cfg.eval_before:
+            ev = ray.get(rollout.evaluate.remote())
+            summary["eval_before"] = ev
+            print(f"[moe-async] held-out accuracy before: {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
+        ray.get(rollout.start.remote())
+        t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, ray.get(trainer.version.remote())
+        synced_version = version
+        for step in range(1, cfg.num_steps + 1):
+            t0 = time.perf_counter()
+            groups = None
+            while groups is None:
+                groups = ray.get(buffer.get_batch.remote(version, 5.0))
+                err = ray.get(rollout.error.remote())
+                if err:
+                    raise RuntimeError(f"rollout loop died: {err}")
+            t1 = time.perf_counter()
+            idle += t1 - t0
+            m = _batch_metrics(groups, version)
+            m.update(ray.get(trainer.train_step.remote(groups)))
+            version = ray.get(trainer.version.remote())
+            if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
+                m.update(ray.get(trainer.sync_weights.remote()))
+                ray.get(buffer.set_engine_version.remote(version))
+                synced_version = version
+            tokens += m["train/response_tokens"]
+            elapsed = time.perf_counter() - t_start
+            bstats = ray.get(buffer.stats.remote())
+            m.update({
+                "train/weight_version": float(version),
+                "engine/weight_version": float(synced_version),
+                "perf/step_seconds": time.perf_counter() - t0,
+                "perf/tokens_per_s": tokens / elapsed,
+                "perf/trainer_idle_frac": idle / elapsed,
+                "buffer/samples_dropped": float(bstats["samples_dropped"]),
+                "buffer/buffered_groups": float(bstats["buffered_groups"]),
+            })
+            logger.log(m, step)
+            logger.console_step(step, cfg.num_steps, m)
+        ray.get(rollout.stop.remote())
+        summary["buffer"] = ray.get(buffer.stats.remote())
+        summary["rollout"] = ray.get(rollout.metrics.remote())
+        if cfg.eval_after:
+            ev = ray.get(rollout.evaluate.remote())
+            summary["eval_after"] = ev
+            print(f"[moe-async] held-out accuracy after:  {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
+        from moe_async.engines.client import SyncEngineClient
+
+        trainer_sums = ray.get(trainer.checksums.remote())
+        engine_sums = [SyncEngineClient(u).weights_checksum() for u in urls]
+        summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
+        summary["final_weight_version"] = version
+        summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
+        summary["wall_seconds"] = time.perf_counter() - t_start
+        logger.summary(summary)
+        ray.get(trainer.shutdown.remote())
+    finally:
+        try:
+            ray.get(engines.shutdown.remote(), timeout=60)
+        finally:
+            logger.close()
+            ray.shutdown()
+    print(f"[moe-async] done. run files: {run_dir}", flush=True)
+    if cfg.logging.wandb_mode == "offline":
+        print(f"[moe-async] wandb offline run: sync later with `wandb sync {run_dir / 'wandb'}/offline-run-*`", flush=True)
+    return summary

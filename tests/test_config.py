@@ -1,0 +1,66 @@
+"""Experiment config: YAML + overrides, errors naming the field, cross checks (C11)."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_async.cli import main
+from moe_async.config import ConfigError, dump_config, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["cpu_demo.yaml", "cpu_smoke.yaml"])
+def test_shipped_configs_load_and_round_trip(name, tmp_path):
+    cfg = load_config(CONFIGS / name)
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
+
+
+def test_overrides_typed():
+    cfg = load_config(CONFIGS / "cpu_smoke.yaml", ["trainer.lr=3e-5", "rollout.task_kwargs.max_digits=2", "async.max_staleness=3"])
+    assert cfg.trainer.lr == 3e-5 and isinstance(cfg.trainer.lr, float)
+    assert cfg.rollout.task_kwargs["max_digits"] == 2
+    assert cfg.async_.max_staleness == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["trainer.lrr=1"], "trainer.lrr: unknown key"),
+        (["rollout.temperature=-1"], "rollout.temperature"),
+        (["engine.backend=vllm"], "engine.backend"),
+        (["async.mode=sync", "async.max_staleness=2"], "max_staleness must be 0"),
+        (["trainer.off_policy_correction=none"], "off_policy_correction"),  # C11
+        (["weight_sync.interval_steps=3", "async.max_staleness=1"], "interval_steps"),
+        (["model.top_k=8"], "model.top_k"),
+        (["nonsense"], "key.sub=value"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        load_config(CONFIGS / "cpu_smoke.yaml", overrides)
+
+
+def test_sync_mode_without_correction_is_allowed():
+    cfg = load_config(CONFIGS / "cpu_smoke.yaml", ["async.mode=sync", "async.max_staleness=0", "trainer.off_policy_correction=none"])
+    assert cfg.async_.mode == "sync"
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: YAML error"):
+        load_config(bad)
+    bad.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_cli_reports_config_errors(capsys):
+    assert main(["show-config", str(CONFIGS / "cpu_smoke.yaml"), "trainer.bogus=1"]) == 2
+    assert "trainer.bogus: unknown key" in capsys.readouterr().err
+    assert main(["show-config", str(CONFIGS / "cpu_smoke.yaml")]) == 0
