@@ -1,0 +1,239 @@
+"""Engine processes: the ``Engine`` interface and its two implementations.
+
+Both run a server process speaking SGLang's HTTP protocol on ``host:port``:
+
+* :class:`EmbeddedEngine`: ``python -m moe_async.engines.embedded.server`` (CPU, transformers).
+* :class:`SGLangEngine`: ``python -m sglang.launch_server`` (GPU).
+
+Lifecycle: ``launch()`` spawns the process in its own session (process group), logs its
+output to a file, and waits for ``GET /health`` up to ``cfg.startup_timeout_s``; if the
+process dies first, the error carries the tail of its log. ``shutdown()`` sends SIGTERM to
+the group, then SIGKILL after a grace period; an ``atexit`` hook does the same for engines
+still running when the interpreter exits, and the embedded server also exits by itself
+when its parent is gone (``--parent-pid``), so no server is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+import httpx
+
+from moe_async.engines.config import EngineConfig
+
+_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _shutdown_all() -> None:
+    for eng in list(_LIVE):
+        try:
+            eng.shutdown()
+        except Exception:
+            pass
+
+
+atexit.register(_shutdown_all)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineLaunchError(RuntimeError):
+    """The engine process exited or did not become healthy in time."""
+
+
+class Engine(abc.ABC):
+    """One inference server process."""
+
+    @abc.abstractmethod
+    def launch(self) -> "Engine":
+        """Start the server and block until ``/health`` answers 200."""
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the server (idempotent)."""
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Whether the server process is running."""
+
+    def __enter__(self) -> "Engine":
+        return self.launch()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class _SubprocessEngine(Engine):
+    """A server started as a child process in its own session."""
+
+    name = "engine"
+
+    def __init__(self, cfg: EngineConfig, model_path: str, port: int = 0):
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self.host = cfg.host
+        self.port = port or free_port(cfg.host)
+        self.proc: subprocess.Popen | None = None
+        self.log_path: str | None = None
+        self._log_file = None
+
+    @abc.abstractmethod
+    def command(self) -> list[str]:
+        """argv of the server process."""
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = str(self.cfg.num_threads)
+        env["MKL_NUM_THREADS"] = str(self.cfg.num_threads)
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def launch(self) -> "Engine":
+        if self.alive:
+            return self
+        fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log")
+        self._log_file = os.fdopen(fd, "wb")
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env(),
+            start_new_session=True,
+        )
+        _LIVE.add(self)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                self.shutdown()
+                raise EngineLaunchError(
+                    f"{self.name} server exited with code {rc} during startup; log tail:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        tail = self.log_tail()
+        self.shutdown()
+        raise EngineLaunchError(
+            f"{self.name} server at {self.url} not healthy after {self.cfg.startup_timeout_s}s; "
+            f"log tail:\n{tail}"
+        )
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n_bytes))
+            return f.read().decode("utf-8", "replace")
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        _LIVE.discard(self)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # the group this engine created
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=grace_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class EmbeddedEngine(_SubprocessEngine):
+    """The CPU engine: ``python -m moe_async.engines.embedded.server``."""
+
+    name = "embedded"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "moe_async.engines.embedded.server",
+            "--model-path", self.model_path,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-running-requests", str(self.cfg.max_running_requests),
+            "--num-threads", str(self.cfg.num_threads),
+            "--dtype", self.cfg.dtype,
+            "--parent-pid", str(os.getpid()),
+        ]
+
+
+_SGLANG_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+class SGLangEngine(_SubprocessEngine):
+    """The GPU engine: ``python -m sglang.launch_server`` with routed-expert capture on.
+
+    ``cfg.sglang_args`` become extra flags: ``{"tp_size": 2, "enable_dp_attention": True}``
+    -> ``--tp-size 2 --enable-dp-attention`` (``False`` drops the flag).
+    """
+
+    name = "sglang"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", _SGLANG_DTYPE[self.cfg.dtype],
+            "--max-running-requests", str(self.cfg.max_running_requests),
+            "--enable-return-routed-experts",
+        ]
+        for key, val in self.cfg.sglang_args.items():
+            flag = "--" + key.replace("_", "-")
+            if val is True:
+                cmd.append(flag)
+            elif val is False:
+                continue
+            else:
+                cmd += [flag, str(val)]
+        return cmd
+
+
+def make_engine(cfg: EngineConfig, model_path: str, port: int = 0) -> Engine:
+    """The engine ``cfg.backend`` names (not launched)."""
+    if cfg.backend == "embedded":
+        return EmbeddedEngine(cfg, model_path, port)
+    if cfg.backend == "sglang":
+        return SGLangEngine(cfg, model_path, port)
+    raise ValueError(f"engines.backend must be embedded|sglang, got {cfg.backend!r}")

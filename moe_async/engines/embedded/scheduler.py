@@ -1,0 +1,519 @@
+"""Continuous batching for the embedded engine: one thread owns the model.
+
+Data path of a request: HTTP handler -> :meth:`Scheduler.submit` (waiting queue) ->
+prefill alone (batch 1, no padding; the first token is sampled from its last logits) ->
+its KV cache joins the running decode batch (left-padded to the batch's KV length) ->
+one batched decode step per iteration for every running request -> finished requests
+leave the batch (rows dropped, all-padding columns trimmed) -> their ``Future`` resolves.
+
+Control commands (pause, abort, weight apply, checksums) are callables queued with
+:meth:`Scheduler.call` and run by the same thread *between* forward passes, so a weight
+update is atomic with respect to decoding: no forward pass sees a mix of old and new
+tensors.
+
+Legend (shapes): ``B`` running requests, ``T`` padded KV length, ``S`` tokens fed in one
+forward, ``H`` KV heads, ``D`` head dim, ``V`` vocab, ``L`` MoE layers, ``K`` router top-k.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import logging
+import queue
+import re
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+log = logging.getLogger("moe_async.engines.embedded")
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+@dataclass
+class SamplingParams:
+    """The subset of SGLang's ``sampling_params`` the embedded engine honours."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k
+    min_p: float = 0.0
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        d = dict(d or {})
+        p = cls()
+        for key in ("temperature", "top_p", "min_p"):
+            if d.get(key) is not None:
+                setattr(p, key, float(d[key]))
+        if d.get("top_k") is not None:
+            p.top_k = int(d["top_k"])
+        if d.get("max_new_tokens") is not None:
+            p.max_new_tokens = int(d["max_new_tokens"])
+        if d.get("stop_token_ids") is not None:
+            p.stop_token_ids = [int(t) for t in d["stop_token_ids"]]
+        p.ignore_eos = bool(d.get("ignore_eos", False))
+        if d.get("sampling_seed") is not None:
+            p.sampling_seed = int(d["sampling_seed"])
+        if p.temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < -1:
+            raise ValueError(f"sampling_params.top_k must be -1 or >= 0, got {p.top_k}")
+        if p.max_new_tokens < 0:
+            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
+        return p
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Req:
+    """One generation request and everything it has produced so far."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    max_new_tokens: int = 0  # after clamping to the context
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    input_token_logprobs: list[list] | None = None
+    routed: list[np.ndarray] = field(default_factory=list)  # chunks of [S, L, K] int32
+    finish: dict | None = None
+    num_retractions: int = 0
+    created: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class RoutingCapture:
+    """Forward hooks on every MoE router that record its top-k expert ids.
+
+    Works for transformers' ``*TopKRouter`` modules (output ``(logits, scores, indices)``)
+    and for plain routers returning logits (top-k taken here).
+    """
+
+    _NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+
+    def __init__(self, model: torch.nn.Module, top_k: int):
+        self.top_k = top_k
+        modules = dict(model.named_modules())
+        found = []
+        for name, mod in modules.items():
+            m = self._NAME.search(name)
+            parent = modules.get(name.rsplit(".", 1)[0])
+            if m and parent is not None and hasattr(parent, "experts"):
+                found.append((int(m.group(1)), mod))
+        found.sort(key=lambda x: x[0])
+        self.num_layers = len(found)
+        self._buf: list[torch.Tensor | None] = [None] * self.num_layers
+        for slot, (_, mod) in enumerate(found):
+            mod.register_forward_hook(self._make_hook(slot))
+
+    def _make_hook(self, slot: int):
+        def hook(_mod, _inp, out):
+            if isinstance(out, tuple) and len(out) == 3:
+                idx = out[2]
+            else:
+                logits = out[0] if isinstance(out, tuple) else out
+                idx = torch.topk(logits, self.top_k, dim=-1).indices
+            self._buf[slot] = idx.detach().reshape(-1, idx.shape[-1]).to(torch.int32)
+
+        return hook
+
+    def take(self, num_tokens: int) -> np.ndarray:
+        """``[num_tokens, L, K]`` int32 routing of the last forward (tokens in b, s order)."""
+        if self.num_layers == 0:
+            return np.zeros((num_tokens, 0, self.top_k), dtype=np.int32)
+        out = torch.stack([b for b in self._buf], dim=1).numpy()  # [N, L, K]
+        self._buf = [None] * self.num_layers
+        return out
+
+
+class Scheduler:
+    """Owns the model; runs prefill/decode and control commands on one thread."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        context_length: int,
+        max_running_requests: int,
+        eos_token_ids: set[int],
+        return_original_logprob: bool = False,
+        tokenizer: Any = None,
+    ):
+        self.model = model
+        self.context_length = context_length
+        self.max_running = max_running_requests
+        self.eos_token_ids = eos_token_ids
+        self.return_original_logprob = return_original_logprob
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.capture = RoutingCapture(model, self.top_k)
+        self.weight_version = 0
+        self.paused = False
+        self.max_decode_batch = 0  # largest decode batch seen (server info)
+        self.forward_sleep_s = 0.0  # SGLang's /slow_down: sleep after each decode step
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        # Batch KV cache: per layer (keys, values) [B, H, T, D]; pads[b] left-pad columns.
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.pads: list[int] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: Req) -> concurrent.futures.Future:
+        """Queue ``req``; returns the future resolving to its response dict."""
+        prompt_len = len(req.input_ids)
+        req.max_new_tokens = max(0, min(req.params.max_new_tokens, self.context_length - prompt_len))
+        if req.params.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
+        if req.max_new_tokens == 0:
+            # Prompt fills the context (or 0 tokens asked): nothing to run, never truncate.
+            self._finish(req, {"type": "length", "length": 0})
+            return req.future
+        with self._lock:
+            self.waiting.append(req)
+        self._wake.set()
+        return req.future
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the scheduler thread between forward passes."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    # control commands (call these through :meth:`call`)
+    def abort(self, rid: str | None = None, message: str = "aborted") -> int:
+        """Finish running/waiting requests (all, or the one ``rid``) with ``abort``."""
+        n = 0
+        keep = []
+        for i, r in enumerate(self.running):
+            if rid is None or r.rid == rid:
+                self._finish(r, self._abort_reason(message))
+                n += 1
+            else:
+                keep.append(i)
+        if len(keep) != len(self.running):
+            self._keep_rows(keep)
+        with self._lock:
+            remaining = deque()
+            for r in self.waiting:
+                if rid is None or r.rid == rid:
+                    self._finish(r, self._abort_reason(message))
+                    n += 1
+                else:
+                    remaining.append(r)
+            self.waiting = remaining
+        return n
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(message="aborted by pause_generation(mode=abort)")
+        elif mode == "retract":
+            with self._lock:
+                for r in reversed(self.running):
+                    r.num_retractions += 1
+                    self.waiting.appendleft(r)
+            self.running, self.kv, self.pads = [], None, []
+        elif mode != "in_place":
+            raise ValueError(f"pause mode must be abort|retract|in_place, got {mode!r}")
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def num_requests(self) -> int:
+        with self._lock:
+            return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        while not self._stop:
+            self._wake.clear()
+            self._run_commands()
+            try:
+                if not self.paused:
+                    self._admit()
+                if self.running and not self.paused:
+                    self._decode_step()
+                    if self.forward_sleep_s:
+                        self._wake.wait(self.forward_sleep_s)
+                    continue
+            except Exception as e:  # never let a bad batch kill the server
+                log.error("scheduler step failed: %s\n%s", e, traceback.format_exc())
+                for r in list(self.running):
+                    self._finish(r, self._abort_reason(f"internal error: {e}", 500))
+                self.running, self.kv, self.pads = [], None, []
+                continue
+            if self._cmds.empty():
+                self._wake.wait(0.5)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # reported to the caller
+                fut.set_exception(e)
+
+    def _admit(self) -> None:
+        while len(self.running) < self.max_running:
+            with self._lock:
+                if not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            try:
+                self._prefill(req)
+            except Exception as e:
+                log.error("prefill failed for %s: %s\n%s", req.rid, e, traceback.format_exc())
+                self._finish(req, self._abort_reason(f"internal error in prefill: {e}", 500))
+
+    # ------------------------------------------------------------------ model steps
+    @torch.inference_mode()
+    def _prefill(self, req: Req) -> None:
+        ids = req.input_ids + req.output_ids  # re-prefill after a retract includes outputs
+        need_input_lp = (
+            req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
+        )
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if need_input_lp else 1,
+        )
+        req.routed = [self.capture.take(len(ids))]  # [S, L, K]; recomputed after retract
+        logits_SV = out.logits[0].float()
+        if need_input_lp:
+            self._input_logprobs(req, logits_SV)
+        self._append(req, logits_SV[-1:])
+        if req.finish is not None:
+            return
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self._join(kv)
+        self.running.append(req)
+
+    def _input_logprobs(self, req: Req, logits_SV: torch.Tensor) -> None:
+        prompt = req.input_ids
+        lp_SV = torch.log_softmax(logits_SV[: len(prompt)], dim=-1)
+        start = min(req.logprob_start_len, len(prompt))
+        res = []
+        for pos in range(start, len(prompt)):
+            lp = None if pos == 0 else float(lp_SV[pos - 1, prompt[pos]])
+            res.append([lp, prompt[pos], None])
+        req.input_token_logprobs = res
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        assert self.kv is not None
+        B = len(self.running)
+        self.max_decode_batch = max(self.max_decode_batch, B)
+        T = self.kv[0][0].shape[2]
+        input_ids_B1 = torch.tensor([[r.output_ids[-1]] for r in self.running], dtype=torch.long)
+        pads = torch.tensor(self.pads, dtype=torch.long)
+        position_ids_B1 = (T - pads).unsqueeze(1)  # real tokens already cached = next position
+        cols = torch.arange(T + 1).unsqueeze(0)
+        attention_mask_BT = (cols >= pads.unsqueeze(1)).long()  # [B, T+1]
+        cache = DynamicCache(ddp_cache_data=self.kv)
+        out = self.model(
+            input_ids=input_ids_B1,
+            attention_mask=attention_mask_BT,
+            position_ids=position_ids_B1,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        self.kv = [(layer.keys, layer.values) for layer in cache.layers]
+        routing_BLK = self.capture.take(B)
+        logits_BV = out.logits[:, -1].float()
+        keep = []
+        for b, r in enumerate(self.running):
+            r.routed.append(routing_BLK[b : b + 1])
+            self._append(r, logits_BV[b : b + 1])
+            if r.finish is None:
+                keep.append(b)
+        if len(keep) != B:
+            self._keep_rows(keep)
+
+    # ------------------------------------------------------------------ batch KV bookkeeping
+    def _join(self, kv_new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n = kv_new[0][0].shape[2]
+        if self.kv is None:
+            self.kv, self.pads = kv_new, [0]
+            return
+        T = self.kv[0][0].shape[2]
+        T2 = max(T, n)
+        merged = []
+        for (k, v), (k1, v1) in zip(self.kv, kv_new):
+            merged.append(
+                (
+                    torch.cat([_left_pad(k, T2 - T), _left_pad(k1, T2 - n)], dim=0),
+                    torch.cat([_left_pad(v, T2 - T), _left_pad(v1, T2 - n)], dim=0),
+                )
+            )
+        self.kv = merged
+        self.pads = [p + (T2 - T) for p in self.pads] + [T2 - n]
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        self.running = [self.running[i] for i in keep]
+        if not keep:
+            self.kv, self.pads = None, []
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        pads = [self.pads[i] for i in keep]
+        trim = min(pads)
+        self.kv = [
+            (k.index_select(0, idx)[:, :, trim:], v.index_select(0, idx)[:, :, trim:])
+            for k, v in self.kv
+        ]
+        self.pads = [p - trim for p in pads]
+
+    # ------------------------------------------------------------------ sampling
+    def _append(self, req: Req, logits_1V: torch.Tensor) -> None:
+        """Sample one token for ``req`` from ``logits_1V``; record it and check stops."""
+        p = req.params
+        logits_V = logits_1V[0]
+        if p.greedy:
+            tok = int(torch.argmax(logits_V))
+        else:
+            x = logits_V / p.temperature
+            if p.top_k > 0 and p.top_k < x.numel():
+                kth = torch.topk(x, p.top_k).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            if p.top_p < 1.0:
+                sorted_x, order = torch.sort(x, descending=True)
+                probs = torch.softmax(sorted_x, dim=-1)
+                drop = (torch.cumsum(probs, dim=-1) - probs) > p.top_p
+                x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
+            probs = torch.softmax(x, dim=-1)
+            if p.min_p > 0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            tok = int(torch.multinomial(probs, 1, generator=req.generator))
+        # SGLang default: logprob of the temperature-scaled distribution (before top-k/p);
+        # greedy or --return-original-logprob: the raw distribution.
+        if p.greedy or self.return_original_logprob:
+            lp = torch.log_softmax(logits_V, dim=-1)[tok]
+        else:
+            lp = torch.log_softmax(logits_V / p.temperature, dim=-1)[tok]
+        req.output_ids.append(tok)
+        req.output_logprobs.append(float(lp))
+        req.output_versions.append(self.weight_version)
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            self._finish(req, {"type": "stop", "matched": tok})
+        elif tok in p.stop_token_ids:
+            self._finish(req, {"type": "stop", "matched": tok})
+        elif len(req.output_ids) >= req.max_new_tokens:
+            self._finish(req, {"type": "length", "length": req.max_new_tokens})
+
+    # ------------------------------------------------------------------ results
+    @staticmethod
+    def _abort_reason(message: str, status_code: int | None = None) -> dict:
+        return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        if req.finish is not None:
+            return
+        req.finish = reason
+        if not req.future.done():
+            req.future.set_result(self.response(req))
+
+    def response(self, req: Req) -> dict:
+        """SGLang's ``/generate`` response for one finished request."""
+        C = len(req.output_ids)
+        version = req.output_versions[-1] if req.output_versions else self.weight_version
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": C,
+            "cached_tokens": 0,
+            "weight_version": version,
+            # our extension: the weight_version that produced each output token
+            "output_token_weight_versions": list(req.output_versions),
+            # SGLang 0.5.23's span form of the same information
+            "weight_versions": _spans(req.output_versions, version),
+            "num_retractions": req.num_retractions,
+            "e2e_latency": time.monotonic() - req.created,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids)
+            ]
+            if req.input_token_logprobs is not None:
+                meta["input_token_logprobs"] = req.input_token_logprobs
+        if req.return_routed_experts:
+            # rows = tokens fed to the model = prompt + completion - 1 (0 if nothing ran)
+            if req.routed:
+                arr = np.ascontiguousarray(np.concatenate(req.routed, axis=0), dtype=np.int32)
+            else:
+                arr = np.zeros((0, self.capture.num_layers, self.top_k), dtype=np.int32)
+            meta["routed_experts"] = base64.b64encode(arr.tobytes()).decode("ascii")
+            meta["routed_experts_shape"] = list(arr.shape)  # our extension
+        text = ""
+        if self.tokenizer is not None and C:
+            try:
+                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            except Exception:  # pragma: no cover - tokenizer quirks must not fail a request
+                text = ""
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Prepend ``n`` zero columns on the sequence dim of a ``[B, H, T, D]`` tensor."""
+    if n == 0:
+        return x
+    return F.pad(x, (0, 0, n, 0))
+
+
+def _spans(versions: list[int], current: int) -> list[dict]:
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans or [{"version": str(current), "start": 0, "end": 0}]

@@ -1,0 +1,441 @@
+"""The embedded engine's HTTP server: SGLang's endpoints and payloads, on a CPU.
+
+Run: ``python -m moe_async.engines.embedded.server --model-path DIR --host 127.0.0.1
+--port N --max-running-requests 16 --num-threads 1 --dtype fp32``.
+
+Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.py`` and
+``managers/io_struct.py``):
+
+* ``GET /health``, ``GET /get_model_info`` (also ``/model_info``), ``GET /get_weight_version``
+  -> ``{"weight_version": int}``.
+* ``POST /generate`` (``GenerateReqInput``: ``input_ids`` one list or a batch of lists,
+  ``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``return_routed_experts``,
+  ``rid``) -> ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
+  ``prompt_tokens``, ``completion_tokens``, ``finish_reason`` (``{"type": "stop",
+  "matched"}`` | ``{"type": "length", "length"}`` | ``{"type": "abort", "message"}``),
+  ``output_token_logprobs`` ``[[logprob, token_id, null], ...]``, ``weight_version``,
+  ``weight_versions`` (SGLang's spans) and ``routed_experts`` (base64 of int32
+  ``(prompt + completion - 1, moe_layers, top_k)``). Extensions: ``output_token_weight_versions``
+  (the weight_version of every output token) and ``routed_experts_shape``.
+  Logprobs follow SGLang's default: greedy requests get the raw ``log_softmax(logits)``;
+  sampled requests get ``log_softmax(logits / temperature)`` (before top-k/top-p), unless the
+  server runs with ``--return-original-logprob`` (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``).
+  A prompt + max_new_tokens beyond the context length clamps max_new_tokens; a prompt that
+  fills the context returns 0 tokens with finish_reason ``length``. Prompts are never cut.
+* ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``,
+  ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
+  ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
+* ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset,
+  world_size, group_name, backend}`` -> ``{"success", "message"}``.
+* ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name,
+  flush_cache, abort_all_requests, weight_version, load_format}``: receives the tensors
+  (``load_format="flattened_bucket"``: one uint8 broadcast; ``null``: one broadcast per
+  tensor) from group rank 0 and *stages* them; a call with a non-null ``weight_version`` ends
+  the update: everything staged is written into the model between two decode steps and
+  ``weight_version`` is set. An unknown name or a wrong shape is a 400 naming the tensor,
+  and the staged update is discarded. (SGLang applies each call at once; staging is what
+  makes a multi-bucket update atomic here.)
+* ``GET /weights_checksum`` (ours) -> ``{"weight_version", "checksums": {hf_name: sha256}}``
+  over the HF on-disk names (see :mod:`moe_async.engines.checksum`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any, Literal
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from moe_async.engines.embedded.scheduler import Req, SamplingParams, Scheduler
+from moe_async.engines.embedded.weights import HFWeightMap
+from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
+from moe_async.weight_sync.group import group_broadcast, init_weight_update_group
+
+log = logging.getLogger("moe_async.engines.embedded")
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32,
+           "bfloat16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- request bodies (SGLang's)
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class GenerateReqInput(_Body):
+    rid: str | list[str] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    return_routed_experts: bool = False
+    stream: bool = False
+
+
+class PauseGenerationReqInput(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortReq(_Body):
+    rid: str | None = ""
+    abort_all: bool = False
+
+
+class InitWeightsUpdateGroupReqInput(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class SlowDownReqInput(_Body):
+    forward_sleep_time: float | None = None
+
+
+class DestroyWeightsUpdateGroupReqInput(_Body):
+    group_name: str = "weight_update_group"
+
+
+class UpdateWeightsFromDistributedReqInput(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    load_format: str | None = None
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _fail(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+class EngineState:
+    """Everything the endpoints share: model, scheduler, weight map, staged update, groups."""
+
+    def __init__(self, args: argparse.Namespace):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(args.num_threads)
+        self.model_path = args.model_path
+        self.dtype = _DTYPES[args.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype)
+        self.model.eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        except Exception:
+            self.tokenizer = None
+        cfg = self.model.config
+        self.context_length = int(args.context_length or cfg.max_position_embeddings)
+        eos: set[int] = set()
+        for src in (cfg, getattr(self.model, "generation_config", None)):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if e is not None:
+                eos.update([e] if isinstance(e, int) else list(e))
+        self.weight_map = HFWeightMap(self.model)
+        self.scheduler = Scheduler(
+            self.model,
+            context_length=self.context_length,
+            max_running_requests=args.max_running_requests,
+            eos_token_ids=eos,
+            return_original_logprob=args.return_original_logprob,
+            tokenizer=self.tokenizer,
+        )
+        self.groups: dict[str, Any] = {}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.update_lock = asyncio.Lock()
+        self.pause_lock = asyncio.Lock()
+
+    # ---- weight updates ----
+    def receive(self, body: UpdateWeightsFromDistributedReqInput) -> int:
+        """Receive one update call's tensors from group rank 0 and stage them.
+
+        Bytes are received before any name/shape check so the collective never desyncs.
+        """
+        group = self.groups[body.group_name]
+        if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
+            raise ValueError(
+                f"names/dtypes/shapes lengths differ: {len(body.names)}/{len(body.dtypes)}/{len(body.shapes)}"
+            )
+        dtypes = [str_to_dtype(d) for d in body.dtypes]
+        if body.load_format == "flattened_bucket":
+            flat = torch.empty(
+                sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes)), dtype=torch.uint8
+            )
+            group_broadcast(group, flat, src=0)
+            named = unflatten(flat, body.names, body.dtypes, body.shapes)
+        elif body.load_format is None:
+            named = []
+            for n, d, s in zip(body.names, dtypes, body.shapes):
+                t = torch.empty(s, dtype=d)
+                group_broadcast(group, t, src=0)
+                named.append((n, t))
+        else:
+            raise ValueError(f"load_format must be null or 'flattened_bucket', got {body.load_format!r}")
+        for n, t in named:
+            self.weight_map.check(n, list(t.shape))
+        for n, t in named:
+            self.staged[n] = t.to(self.dtype).clone()
+        return len(named)
+
+
+def create_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="moe-async embedded engine")
+    sched = state.scheduler
+
+    async def on_sched(fn):
+        return await asyncio.wrap_future(sched.call(fn))
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health():
+        return Response(status_code=200 if sched.alive else 503)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        cfg = state.model.config
+        return {
+            "model_path": state.model_path,
+            "is_generation": True,
+            "weight_version": sched.weight_version,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+            "context_length": state.context_length,
+            "vocab_size": cfg.vocab_size,
+            "num_moe_layers": sched.capture.num_layers,
+            "moe_top_k": sched.top_k,
+            "num_experts": getattr(cfg, "num_local_experts", getattr(cfg, "num_experts", None)),
+        }
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        return {
+            "max_running_requests": sched.max_running,
+            "context_length": state.context_length,
+            "num_requests": sched.num_requests(),
+            "paused": sched.paused,
+            "max_decode_batch_size": sched.max_decode_batch,
+            "weight_version": sched.weight_version,
+        }
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": sched.weight_version}
+
+    @app.post("/generate")
+    async def generate(body: GenerateReqInput):
+        if body.stream:
+            return _error("stream=True is not supported by the embedded engine")
+        if body.input_ids is None:
+            if body.text is None:
+                return _error("one of input_ids or text is required")
+            if state.tokenizer is None:
+                return _error("text input needs a tokenizer; none found at the model path")
+            texts = [body.text] if isinstance(body.text, str) else body.text
+            batch = [state.tokenizer(t)["input_ids"] for t in texts]
+            single = isinstance(body.text, str)
+        else:
+            single = len(body.input_ids) == 0 or isinstance(body.input_ids[0], int)
+            batch = [body.input_ids] if single else body.input_ids
+
+        def pick(v, i, default):
+            if isinstance(v, list):
+                return v[i] if v[i] is not None else default
+            return default if v is None else v
+
+        vocab = state.model.config.vocab_size
+        reqs = []
+        for i, ids in enumerate(batch):
+            if len(ids) == 0:
+                return _error(f"input_ids[{i}] is empty")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                return _error(f"input_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
+            try:
+                params = SamplingParams.from_dict(pick(body.sampling_params, i, None))
+            except (ValueError, TypeError) as e:
+                return _error(str(e))
+            rid = pick(body.rid, i, None)
+            if isinstance(body.rid, str) and not single:
+                rid = f"{body.rid}_{i}"
+            req = Req(
+                input_ids=list(ids),
+                params=params,
+                return_logprob=bool(pick(body.return_logprob, i, False)),
+                logprob_start_len=int(pick(body.logprob_start_len, i, -1)),
+                return_routed_experts=body.return_routed_experts,
+            )
+            if rid:
+                req.rid = rid
+            reqs.append(req)
+        futs = [sched.submit(r) for r in reqs]
+        results = [await asyncio.wrap_future(f) for f in futs]
+        return results[0] if single else results
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationReqInput):
+        async with state.pause_lock:
+            await on_sched(lambda: sched.pause(body.mode))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        async with state.pause_lock:
+            await on_sched(sched.resume)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        # No prefix cache here; like SGLang, refuse while requests are in flight.
+        n = await on_sched(sched.num_requests)
+        if n:
+            return Response(f"Flush cache failed: {n} requests in flight.\n", status_code=400)
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortReq):
+        rid = None if body.abort_all else body.rid
+        if rid is None and not body.abort_all:
+            return Response(status_code=200)
+        await on_sched(lambda: sched.abort(rid))
+        return Response(status_code=200)
+
+    @app.api_route("/slow_down", methods=["GET", "POST"])
+    async def slow_down(body: SlowDownReqInput):
+        """SGLang's debug knob: sleep ``forward_sleep_time`` s after each decode step."""
+        sched.forward_sleep_s = float(body.forward_sleep_time or 0.0)
+        return Response(status_code=200)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput):
+        try:
+            group = await asyncio.to_thread(
+                init_weight_update_group,
+                master_address=body.master_address,
+                master_port=body.master_port,
+                rank=body.rank_offset,
+                world_size=body.world_size,
+                group_name=body.group_name,
+                backend=body.backend,
+            )
+        except Exception as e:
+            return _fail(f"init_weights_update_group failed: {type(e).__name__}: {e}")
+        state.groups[body.group_name] = group
+        return {"success": True, "message": f"joined {body.group_name!r} as rank {body.rank_offset}"}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput):
+        if state.groups.pop(body.group_name, None) is None:
+            return _fail(f"no weight update group named {body.group_name!r}")
+        return {"success": True, "message": "destroyed"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput):
+        if body.group_name not in state.groups:
+            return _fail(f"no weight update group named {body.group_name!r}; call /init_weights_update_group")
+        version = None
+        if body.weight_version is not None:
+            try:
+                version = int(body.weight_version)
+            except ValueError:
+                return _fail(f"weight_version must be an integer, got {body.weight_version!r}")
+        async with state.update_lock:
+            if body.abort_all_requests:
+                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
+            t0 = time.perf_counter()
+            try:
+                n = await asyncio.to_thread(state.receive, body)
+            except (KeyError, ValueError, RuntimeError) as e:
+                dropped = len(state.staged)
+                state.staged.clear()
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                return _fail(f"{msg} (staged update of {dropped} tensors discarded)")
+            if version is None:
+                return {"success": True, "message": f"staged {n} tensors ({len(state.staged)} in total)"}
+            staged, state.staged = state.staged, {}
+
+            def apply():
+                state.weight_map.apply(staged)
+                sched.weight_version = version
+
+            await on_sched(apply)
+            dt = time.perf_counter() - t0
+            return {
+                "success": True,
+                "message": f"applied {len(staged)} tensors; weight_version={version} ({dt:.3f}s)",
+            }
+
+    @app.get("/weights_checksum")
+    async def weights_checksum():
+        return await on_sched(
+            lambda: {"weight_version": sched.weight_version, "checksums": state.weight_map.checksums()}
+        )
+
+    return app
+
+
+def _watch_parent(pid: int) -> None:
+    """Exit when the launching process is gone, so the server is never orphaned."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:
+            pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="default: config.max_position_embeddings")
+    p.add_argument("--return-original-logprob", action="store_true",
+                   help="logprobs of the raw distribution even when temperature != 1")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="accepted for SGLang parity; routing is always captured here")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is gone")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    state = EngineState(args)
+    state.scheduler.start()
+    app = create_app(state)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    state.scheduler.stop()
+
+
+if __name__ == "__main__":
+    main()
