@@ -183,6 +183,23 @@ def test_pause_abort_and_in_place(engine):
         assert ref.output_ids == b.output_ids
         np.testing.assert_allclose(ref.output_logprobs, b.output_logprobs, atol=1e-5)
         assert c2.flush_cache()
+    # retract: KV dropped, the request re-prefills prompt + outputs on continue, same tokens
+    c3 = SyncEngineClient(eng.url, timeout_s=60)
+    httpx.post(f"{eng.url}/slow_down", json={"forward_sleep_time": 0.05})
+    try:
+        t3 = threading.Thread(target=lambda: res.setdefault("c", c3.generate(_prompt(4, 6), sp)))
+        t3.start()
+        time.sleep(0.6)
+        c3.pause_generation("retract")
+        time.sleep(0.2)
+        assert "c" not in res
+        c3.continue_generation()
+        t3.join(20)
+    finally:
+        httpx.post(f"{eng.url}/slow_down", json={"forward_sleep_time": None})
+        c3.close()
+    assert res["c"].output_ids == ref.output_ids
+    np.testing.assert_allclose(res["c"].output_logprobs, ref.output_logprobs, atol=1e-4)
 
 
 def _send(client, group, bucket, version=None):
