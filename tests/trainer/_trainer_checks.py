@@ -89,6 +89,13 @@ def main(tmp: str) -> None:
     res["aux_step"] = tr.train_step(ss, adv)
     # zero advantages + zero-weight samples only via aux: pg_loss == 0 exactly
     res["zero_adv_step"] = tr.train_step(ss, [0.0] * len(ss))
+    # torch_dist checkpoint: a reloaded trainer's next step equals the saving trainer's next step
+    ck = os.path.join(tmp, "ckpt")
+    tr.save_checkpoint(ck)
+    nxt = tr.train_step(ss, adv)
+    tr2 = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.01, lr=1e-3), path)
+    tr2.load_checkpoint(ck)
+    res["ckpt"] = {"version": tr2.version, "loss": (nxt["loss"], tr2.train_step(ss, adv)["loss"])}
     print(json.dumps(res))
 
 

@@ -65,3 +65,9 @@ def test_moe_aux_loss_included(res):
     assert aux["grad_norm"] != base["grad_norm"]  # the aux loss reaches the gradients
     z = res["zero_adv_step"]
     assert z["pg_loss"] == 0.0 and z["grad_norm"] > 0  # only the aux loss pushes
+
+
+def test_checkpoint_round_trip(res):
+    assert res["ckpt"]["version"] == 2
+    a, b = res["ckpt"]["loss"]
+    assert a == b
