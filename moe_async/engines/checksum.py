@@ -1,16 +1,6 @@
-"""Per-tensor checksums, comparable between the trainer and the engines.
+"""Per-tensor checksums, comparable between the trainer and the engines: one definition,
+in :mod:`moe_async.models.checksum`, re-exported here for engine code."""
 
-Both sides hash the same bytes: the tensor cast to float32, made contiguous, in C order.
-"""
+from moe_async.models.checksum import tensor_checksum
 
-from __future__ import annotations
-
-import hashlib
-
-import torch
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """sha256 hex digest of ``t.detach().to(torch.float32).contiguous()`` raw bytes."""
-    t32 = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    return hashlib.sha256(t32.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+__all__ = ["tensor_checksum"]
