@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# reasoning-gym settings with GRPO signal for the CPU demo model (see shared/notes/demo.md):
+# two terms, +/- only, 1 digit. Used when ``task_kwargs`` is not given for that task.
+DEMO_TASK_KWARGS: dict[str, dict[str, Any]] = {
+    "basic_arithmetic": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+", "-"],
+    },
+}
 
 
 class RolloutConfig(BaseModel):
@@ -34,3 +46,24 @@ class RolloutConfig(BaseModel):
     partial_rollout: bool = Field(
         True, description="Resume aborted requests from their prefix (else restart)."
     )
+    system_prompt: str = Field(
+        "You are a helpful assistant. Solve the problem and end with 'The answer is N.'",
+        description="Explicit short system prompt (avoids the template's injected default).",
+    )
+    max_abort_retries: int = Field(
+        16, ge=0, description="Resubmissions of an aborted request before its group is dropped."
+    )
+    return_routed_experts: bool = Field(False, description="Ask engines for routed experts (R3).")
+    reward_workers: int = Field(2, ge=1, description="Reward worker processes/threads.")
+    reward_use_processes: bool = Field(
+        True, description="Score in worker processes (a hung scorer is killed) instead of threads."
+    )
+    admit_poll_s: float = Field(0.05, gt=0, description="Sleep between refused admissions.")
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "RolloutConfig":
+        if "task_kwargs" not in self.model_fields_set and self.task in DEMO_TASK_KWARGS:
+            self.task_kwargs = dict(DEMO_TASK_KWARGS[self.task])
+        if self.prompt_style not in ("one_shot", "plain"):
+            raise ValueError(f"rollout.prompt_style must be 'one_shot' or 'plain', got {self.prompt_style!r}")
+        return self

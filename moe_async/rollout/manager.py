@@ -1,0 +1,354 @@
+"""The rollout manager: admitted GRPO groups -> engine requests -> rewards -> buffer.
+
+Runs in an asyncio loop (inside a Ray async actor in production; no Ray here). Engine
+clients follow a duck interface::
+
+    async generate(input_ids, sampling_params, return_logprob=True,
+                   return_routed_experts=False) -> GenerateOutput
+
+with ``output_ids``, ``output_logprobs``, ``finish_reason`` ('stop'|'length'|'abort'),
+``weight_version``, ``output_token_weight_versions``, ``routed_experts``, ``prompt_tokens``.
+The buffer has async ``admit() -> int | None``, ``put(group)``, ``cancel([reason])``.
+
+Per admitted group (``run``):
+
+1. the next train problem is tokenised; lengths are checked before sending (C7): a
+   prompt of ``>= max_context_len`` tokens is dropped (reason ``prompt_too_long``, the
+   admission is cancelled); otherwise ``max_new_tokens`` is clamped to
+   ``max_context_len - prompt_len``. A prompt is never cut.
+2. ``G`` requests go out concurrently, round-robin over engines.
+3. An aborted request (weight update) is resubmitted: with ``partial_rollout`` as a
+   continuation ``prompt + tokens_so_far`` for the remaining tokens, the segments
+   concatenated and every token keeping the version its segment was generated under (C5);
+   without it, restarted from the prompt with its tokens discarded. After
+   ``max_abort_retries`` resubmissions the group is dropped (reason ``abort_retries``).
+4. A 0-token completion gets finish reason ``length`` and ``loss_weight`` 0.
+5. Every sample is scored by the reward pool (per-sample timeout), then
+   ``Group(group_id, samples, start_version=admitted version)`` is put into the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from moe_async.rollout.config import RolloutConfig
+from moe_async.types import Group, Sample
+
+log = logging.getLogger(__name__)
+
+
+async def _gather_or_cancel(coros: list) -> list:
+    """``gather`` that cancels the siblings when one fails (no orphaned engine requests)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class DropGroup(Exception):
+    """A group that cannot be produced; ``reason`` is counted."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _EngineBusy:
+    """Time during which an engine had at least one request outstanding."""
+
+    def __init__(self) -> None:
+        self.outstanding = 0
+        self.since = 0.0
+        self.busy_s = 0.0
+
+    def enter(self) -> None:
+        if self.outstanding == 0:
+            self.since = time.monotonic()
+        self.outstanding += 1
+
+    def exit(self) -> None:
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self.busy_s += time.monotonic() - self.since
+
+    def total(self) -> float:
+        return self.busy_s + (time.monotonic() - self.since if self.outstanding else 0.0)
+
+
+class RolloutManager:
+    """Keeps up to ``cfg.max_concurrent_groups`` groups generating; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        dataset: Any,
+        engine_clients: list,
+        buffer: Any,
+        reward_pool: Any,
+        eos_token_ids: list[int] | None = None,
+        max_context_len: int = 2048,
+    ):
+        if not engine_clients:
+            raise ValueError("RolloutManager needs at least one engine client")
+        self.cfg = cfg
+        self.dataset = dataset
+        self.engines = list(engine_clients)
+        self.buffer = buffer
+        self.reward_pool = reward_pool
+        self.eos_token_ids = [int(t) for t in (eos_token_ids or [])]
+        self.max_context_len = int(max_context_len)
+        self._rr = itertools.count()
+        self._group_ids = itertools.count()
+        self._busy = [_EngineBusy() for _ in self.engines]
+        self.counters: Counter = Counter()
+        self.dropped: Counter = Counter()
+        self.gen_seconds = 0.0
+        try:
+            params = inspect.signature(buffer.cancel).parameters
+            self._cancel_takes_reason = len(params) >= 1
+        except (TypeError, ValueError):
+            self._cancel_takes_reason = False
+
+    # ================================================================== public
+    async def run(self, stop_event: asyncio.Event) -> None:
+        """Produce groups until ``stop_event`` is set; in-flight groups are then cancelled
+        (their admissions returned with ``buffer.cancel``)."""
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not stop_event.is_set():
+                tasks = {t for t in tasks if not t.done()}
+                if len(tasks) >= self.cfg.max_concurrent_groups:
+                    await self._wait_any(tasks, stop_event)
+                    continue
+                version = await self.buffer.admit()
+                if version is None:
+                    await self._sleep_or_stop(stop_event, self.cfg.admit_poll_s)
+                    continue
+                try:
+                    problem = self.dataset.next_train()
+                    prompt_ids = self.dataset.build_prompt_ids(problem)
+                except BaseException:
+                    await self._cancel("error")
+                    raise
+                max_new = self._check_length(len(prompt_ids), self.cfg.max_new_tokens)
+                if max_new is None:
+                    await self._cancel("prompt_too_long")
+                    continue
+                gid = next(self._group_ids)
+                tasks.add(asyncio.create_task(
+                    self._produce_group(gid, problem, prompt_ids, max_new, int(version)),
+                    name=f"group-{gid}",
+                ))
+        finally:
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def evaluate(self, problems: list, max_new_tokens: int | None = None) -> dict[str, float]:
+        """Greedy (temperature 0), one sample per problem, concurrent; exact-match scored."""
+        max_new_tokens = int(max_new_tokens or self.cfg.eval_max_new_tokens)
+        sem = asyncio.Semaphore(max(1, self.cfg.max_concurrent_groups * self.cfg.n_samples_per_prompt))
+
+        async def one(p: Any) -> tuple[float, int] | None:
+            async with sem:
+                prompt_ids = self.dataset.build_prompt_ids(p)
+                max_new = self._check_length(len(prompt_ids), max_new_tokens, count=False)
+                if max_new is None:
+                    return None
+                try:
+                    s = await self._generate_sample(prompt_ids, max_new, greedy=True)
+                except DropGroup:
+                    return None
+                text = self.dataset.decode(s.response_ids)
+                return float(self.dataset.score(p, text)), len(s.response_ids)
+
+        res = await asyncio.gather(*(one(p) for p in problems))
+        done = [r for r in res if r is not None]
+        n = len(done)
+        return {
+            "accuracy": sum(r for r, _ in done) / n if n else 0.0,
+            "n": n,
+            "n_skipped": len(problems) - n,
+            "mean_response_len": sum(L for _, L in done) / n if n else 0.0,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        m: dict[str, float] = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
+        for reason, n in self.dropped.items():
+            m[f"rollout/dropped/{reason}"] = float(n)
+        m["rollout/dropped_total"] = float(sum(self.dropped.values()))
+        m["rollout/gen_seconds"] = self.gen_seconds
+        for i, b in enumerate(self._busy):
+            m[f"rollout/engine_busy_s/{i}"] = b.total()
+        if hasattr(self.reward_pool, "metrics"):
+            m.update(self.reward_pool.metrics())
+        return m
+
+    # ================================================================ internals
+    def _check_length(self, prompt_len: int, max_new: int, count: bool = True) -> int | None:
+        """C7: ``None`` when the prompt alone fills the context, else the clamped budget."""
+        if prompt_len >= self.max_context_len:
+            if count:
+                self.dropped["prompt_too_long"] += 1
+            return None
+        room = self.max_context_len - prompt_len
+        if max_new > room:
+            if count:
+                self.counters["max_new_tokens_clamped"] += 1
+            return room
+        return max_new
+
+    async def _cancel(self, reason: str) -> None:
+        try:
+            if self._cancel_takes_reason:
+                await self.buffer.cancel(reason)
+            else:
+                await self.buffer.cancel()
+        except Exception:  # noqa: BLE001
+            log.exception("buffer.cancel failed")
+
+    @staticmethod
+    async def _sleep_or_stop(stop_event: asyncio.Event, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(stop_event.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    @staticmethod
+    async def _wait_any(tasks: set[asyncio.Task], stop_event: asyncio.Event) -> None:
+        stop = asyncio.create_task(stop_event.wait())
+        try:
+            await asyncio.wait(tasks | {stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+
+    def _sampling_params(self, max_new: int, greedy: bool) -> dict[str, Any]:
+        sp: dict[str, Any] = {"max_new_tokens": int(max_new)}
+        if greedy:
+            sp.update(temperature=0.0, top_p=1.0, top_k=1)
+        else:
+            sp.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k)
+        if self.eos_token_ids:
+            sp["stop_token_ids"] = list(self.eos_token_ids)
+        return sp
+
+    async def _produce_group(self, gid: int, problem: Any, prompt_ids: list[int], max_new: int,
+                             version: int) -> None:
+        put_attempted = False
+        try:
+            G = self.cfg.n_samples_per_prompt
+            samples = await _gather_or_cancel(
+                [self._generate_sample(prompt_ids, max_new) for _ in range(G)]
+            )
+            texts = [self.dataset.decode(s.response_ids) for s in samples]
+            results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
+            for i, (s, t, r) in enumerate(zip(samples, texts, results)):
+                s.response_text = t
+                s.reward = float(r.reward)
+                s.reward_error = r.error
+                s.answer = str(problem.answer)
+                s.metadata.update(task=self.cfg.task, problem_index=problem.index, group_id=gid,
+                                  sample_index=i)
+                s.validate()
+            group = Group(group_id=gid, samples=samples, start_version=version)
+            self.counters["samples_generated"] += len(samples)
+            self.counters["tokens_generated"] += group.num_tokens
+            self.counters["reward_errors"] += sum(s.reward_error is not None for s in samples)
+            put_attempted = True
+            await self.buffer.put(group)
+            self.counters["groups_produced"] += 1
+        except DropGroup as exc:
+            self.dropped[exc.reason] += 1
+            log.warning("group %d dropped: %s", gid, exc.reason)
+            await self._cancel(exc.reason)
+        except asyncio.CancelledError:
+            if not put_attempted:
+                self.dropped["stopped"] += 1
+                await asyncio.shield(self._cancel("stopped"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad group must not kill the loop
+            if put_attempted:
+                log.exception("buffer.put failed for group %d", gid)
+                self.dropped["put_failed"] += 1
+            else:
+                log.exception("group %d failed", gid)
+                self.dropped[f"error:{type(exc).__name__}"] += 1
+                await self._cancel("error")
+
+    async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False) -> Sample:
+        """One response, resubmitting aborted segments (C5); see the module docstring."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        routed = None
+        aborts = 0
+        finish = "length"
+        while True:
+            remaining = max_new - len(tokens)
+            if remaining <= 0:
+                finish = "length"
+                break
+            ids = list(prompt_ids) + tokens
+            out = await self._call_engine(ids, self._sampling_params(remaining, greedy))
+            seg_ids = [int(t) for t in (out.output_ids or [])]
+            seg_lp = [float(x) for x in (out.output_logprobs or [])]
+            seg_v = list(getattr(out, "output_token_weight_versions", None) or [])
+            if len(seg_lp) != len(seg_ids):
+                raise RuntimeError(f"engine returned {len(seg_ids)} tokens but {len(seg_lp)} logprobs")
+            if len(seg_v) != len(seg_ids):
+                seg_v = [int(out.weight_version)] * len(seg_ids)
+            seg_ids, seg_lp, seg_v = seg_ids[:remaining], seg_lp[:remaining], seg_v[:remaining]
+            self.counters["engine_tokens"] += len(seg_ids)
+            if out.finish_reason == "abort":
+                aborts += 1
+                self.counters["aborts"] += 1
+                if self.cfg.partial_rollout:
+                    tokens += seg_ids
+                    logprobs += seg_lp
+                    versions += [int(v) for v in seg_v]
+                else:
+                    self.counters["abort_discarded_tokens"] += len(seg_ids)
+                if aborts > self.cfg.max_abort_retries:
+                    raise DropGroup("abort_retries")
+                self.counters["resubmits"] += 1
+                await asyncio.sleep(0)
+                continue
+            tokens += seg_ids
+            logprobs += seg_lp
+            versions += [int(v) for v in seg_v]
+            routed = getattr(out, "routed_experts", None)
+            finish = out.finish_reason if out.finish_reason in ("stop", "length") else "length"
+            break
+        s = Sample(prompt_ids=list(prompt_ids), response_ids=tokens, rollout_logprobs=logprobs,
+                   weight_versions=versions, finish_reason=finish, routed_experts=routed)
+        s.metadata["aborts"] = aborts
+        if not tokens:
+            s.finish_reason = "length"
+            s.loss_weight = 0.0
+            self.counters["zero_token_samples"] += 1
+        return s
+
+    async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
+        i = next(self._rr) % len(self.engines)
+        busy = self._busy[i]
+        busy.enter()
+        t0 = time.monotonic()
+        try:
+            return await self.engines[i].generate(
+                ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts
+            )
+        finally:
+            self.gen_seconds += time.monotonic() - t0
+            busy.exit()
+            self.counters["requests"] += 1
