@@ -69,7 +69,7 @@ class RunLogger:
             f"step {step:>3}/{total} | reward {m.get('rollout/reward_mean', 0):.3f}"
             f" | acc {m.get('rollout/accuracy', 0):.3f}"
             f" | staleness mean {m.get('buffer/staleness_mean', 0):.2f} max {m.get('buffer/staleness_max', 0):.0f}"
-            f" | loss {m.get('train/loss', 0):+.4f} | sync {m.get('sync/seconds', 0):.2f}s"
+            f" | loss {m.get('train/loss', 0):+.4f} | aux {m.get('train/moe_aux_loss', 0):.3f} | sync {m.get('sync/seconds', 0):.2f}s"
             f" | {m.get('perf/tokens_per_s', 0):.0f} tok/s | trainer idle {m.get('perf/trainer_idle_frac', 0):.0%}"
             f" | dropped {m.get('buffer/samples_dropped', 0):.0f}"
         )

@@ -132,7 +132,7 @@ class TrainerActor:
         adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
         samples = [s for g in groups for s in g.samples]
         flat_adv = [a for ga in adv for a in ga]
-        return self.trainer.train_step(samples, flat_adv)
+        return {f"train/{k}": v for k, v in self.trainer.train_step(samples, flat_adv).items()}
 
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version."""
@@ -141,6 +141,27 @@ class TrainerActor:
 
     def checksums(self) -> dict[str, str]:
         return self.trainer.hf_checksums()
+
+    def check_engines(self, urls: list[str]) -> dict[str, float]:
+        """Check mode: compare per-tensor checksums of every engine with the trainer's.
+
+        Raises: WeightSyncError naming the engine, the version and the first differing tensors.
+        """
+        import time
+
+        from moe_async.engines.client import SyncEngineClient
+        from moe_async.weight_sync.transport import WeightSyncError
+
+        t0 = time.perf_counter()
+        mine = self.trainer.hf_checksums()
+        for i, u in enumerate(urls):
+            theirs = SyncEngineClient(u).weights_checksum()
+            if theirs["weight_version"] != self.trainer.version:
+                raise WeightSyncError(f"engine {i} ({u}) serves version {theirs['weight_version']}, trainer is at {self.trainer.version}")
+            bad = sorted(k for k in set(mine) | set(theirs["checksums"]) if mine.get(k) != theirs["checksums"].get(k))
+            if bad:
+                raise WeightSyncError(f"engine {i} ({u}) weights differ from the trainer's at version {self.trainer.version}: {bad[:5]} ({len(bad)} tensors)")
+        return {"sync/check_seconds": time.perf_counter() - t0, "sync/check_tensors": float(len(mine))}
 
     def shutdown(self) -> None:
         if self.transport is not None:
@@ -167,7 +188,12 @@ class RolloutActor:
         self.dataset = TaskDataset(cfg.rollout, tok)
         hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
         self.clients = [EngineClient(u, timeout_s=cfg.engine.request_timeout_s) for u in urls]
-        self.reward_pool = RewardPool(self.dataset.score, timeout_s=cfg.rollout.reward_timeout_s)
+        self.reward_pool = RewardPool(
+            self.dataset.score,
+            timeout_s=cfg.rollout.reward_timeout_s,
+            max_workers=cfg.rollout.reward_workers,
+            use_processes=cfg.rollout.reward_use_processes,
+        )
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.manager = RolloutManager(
             cfg.rollout,
@@ -211,3 +237,6 @@ class RolloutActor:
 
     async def metrics(self) -> dict[str, Any]:
         return self.manager.metrics()
+
+    async def close(self) -> None:
+        self.reward_pool.close()

@@ -90,6 +90,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             version = ray.get(trainer.version.remote())
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
                 m.update(ray.get(trainer.sync_weights.remote()))
+                if cfg.weight_sync.check:
+                    m.update(ray.get(trainer.check_engines.remote(urls)))
                 ray.get(buffer.set_engine_version.remote(version))
                 synced_version = version
             tokens += m["train/response_tokens"]
@@ -123,6 +125,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         summary["wall_seconds"] = time.perf_counter() - t_start
         logger.summary(summary)
         ray.get(trainer.shutdown.remote())
+        ray.get(rollout.close.remote())
     finally:
         try:
             ray.get(engines.shutdown.remote(), timeout=60)
