@@ -61,7 +61,8 @@ class ExperimentConfig(BaseModel):
         if a.max_staleness > 0 and t.off_policy_correction == "none":
             raise ValueError(
                 "trainer.off_policy_correction='none' with async.max_staleness>0 trains off-policy "
-                "data uncorrected; choose 'tis' (or set async.mode='sync')"
+                "data uncorrected; choose one of 'tis', 'tis_seq', 'mis', 'mis_seq', 'icepop', 'opsm', "
+                "'decoupled_ppo' (or set async.mode='sync')"
             )
         return self
 

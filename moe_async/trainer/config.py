@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The off-policy corrections of trainer/loss.py (formulas and sources there).
+OffPolicyCorrection = Literal["none", "tis", "tis_seq", "mis", "mis_seq", "icepop", "opsm", "decoupled_ppo"]
+
 
 class TrainerConfig(BaseModel):
     """Megatron-Core trainer: parallel layout, optimizer, GRPO loss.
@@ -33,10 +36,33 @@ class TrainerConfig(BaseModel):
     params_dtype: Literal["fp32", "bf16"] = "fp32"
     eps_clip: float = Field(0.2, gt=0, description="PPO clip, lower side (1 - eps).")
     eps_clip_high: float = Field(0.28, gt=0, description="PPO clip, upper side (1 + eps).")
-    off_policy_correction: Literal["tis", "none"] = Field(
-        "tis", description="Treatment of rollout/trainer mismatch: truncated IS or none."
+    off_policy_correction: OffPolicyCorrection = Field(
+        "tis",
+        description=(
+            "Treatment of off-policy / rollout-trainer mismatch, one loss (trainer/loss.py): "
+            "'tis' truncated IS per token min(exp(logp_old - logp_rollout), tis_cap) (Yao et al. "
+            "2025); 'tis_seq' the same with the per-sequence geometric-mean ratio; 'mis' / "
+            "'mis_seq' masked IS: tokens / sequences whose ratio leaves [mis_low, mis_high] are "
+            "rejected (Liu, Yao et al. 2025); 'icepop' tokens whose ratio leaves "
+            "[1/icepop_beta, icepop_beta] get zero gradient (Ring-1T, Ling team 2025); 'opsm' "
+            "token TIS plus masking negative-advantage sequences whose KL(rollout||train) "
+            "estimate exceeds opsm_delta (DeepSeek-V3.2 report); 'decoupled_ppo' PPO ratio to "
+            "a proximal policy recomputed with the weights before the update, times the "
+            "truncated behaviour weight (Hilton et al. 2022; AReaL); 'none' only for on-policy "
+            "(async.mode='sync')."
+        ),
     )
-    tis_cap: float = Field(2.0, gt=0, description="Cap C of the truncated importance weight.")
+    tis_cap: float = Field(
+        2.0, gt=0, description="Cap C of the truncated importance weight (tis, tis_seq, opsm, decoupled_ppo)."
+    )
+    mis_low: float = Field(0.5, ge=0, description="Lower bound of the ratio band kept by mis / mis_seq.")
+    mis_high: float = Field(2.0, gt=0, description="Upper bound of the ratio band kept by mis / mis_seq.")
+    icepop_beta: float = Field(
+        2.0, gt=1, description="IcePop band: token ratios outside [1/beta, beta] get zero gradient."
+    )
+    opsm_delta: float = Field(
+        1e-4, ge=0, description="OPSM threshold delta, nats per token, on the sequence KL(rollout||train)."
+    )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux loss weight.")
     num_threads: int = Field(1, ge=1, description="torch threads in the trainer process.")
     seed: int = 1234
@@ -45,4 +71,6 @@ class TrainerConfig(BaseModel):
     def _check(self) -> "TrainerConfig":
         if self.eps_clip >= 1:
             raise ValueError("trainer.eps_clip must be < 1")
+        if self.mis_low >= self.mis_high:
+            raise ValueError(f"trainer.mis_low ({self.mis_low}) must be < trainer.mis_high ({self.mis_high})")
         return self

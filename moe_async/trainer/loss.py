@@ -1,19 +1,49 @@
-"""Per-token GRPO policy loss with asymmetric clipping and truncated importance sampling.
+"""Per-token GRPO policy loss with asymmetric clipping and ONE off-policy correction.
 
-Legend: ``B`` sequences, ``T`` token positions (all tensors of one call share ``[B, T]``
-or any common shape; only elementwise ops are used).
+Legend: ``B`` sequences, ``T`` token positions. All tensors of one call share ``[B, T]``
+(``advantages`` may be ``[B, 1]``); the sequence-level corrections (``tis_seq``,
+``mis_seq``, ``opsm``) treat each row (last dimension) as one sequence, so they need
+``ndim >= 1`` and one sequence per row (the trainer packs one sample per row).
 
-Formula (per token, masked by ``loss_mask``):
+Formula (per token, masked by ``loss_mask``; ``m = loss_mask > 0``):
 
     ratio  = exp(logp - logp_old)                           (PPO ratio to the proximal policy)
     pg     = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))
-    tis    = min(exp(logp_old - logp_rollout), tis_cap)     (detached; only when "tis")
-    loss   = sum(tis * pg * loss_mask)
+    w      = off-policy weight (detached, >= 0; see below)
+    loss   = sum(w * pg * loss_mask)
 
-Sources: clipped surrogate with group advantages, GRPO (Shao et al., 2024, DeepSeekMath);
-asymmetric ("clip-higher") bounds, DAPO (Yu et al., 2025); truncated importance weight
-against the rollout engine's logprobs, Yao et al., 2025 ("Your efficient RL framework
-secretly brings you off-policy RL training").
+with ``d = logp_old - logp_rollout`` (log train/rollout ratio per token, detached) and
+``d_seq = sum_t(d * m) / sum_t(m)`` per row (log of the geometric-mean ratio):
+
+================  ==============================================================================
+correction        weight ``w`` per token
+================  ==============================================================================
+``none``          ``1``
+``tis``           ``min(exp(d), tis_cap)``  -- truncated IS, token level (Yao et al., 2025,
+                  "Your efficient RL framework secretly brings you off-policy RL training")
+``tis_seq``       ``min(exp(d_seq), tis_cap)`` for every token of the row -- the same at
+                  sequence level with the geometric-mean ratio (as GSPO, Zheng et al., 2025)
+``mis``           ``exp(d)`` if ``mis_low <= exp(d) <= mis_high`` else ``0`` -- masked IS /
+                  token rejection (Liu, Yao et al., 2025, "When speed kills stability:
+                  demystifying RL collapse from the training-inference mismatch")
+``mis_seq``       ``exp(d_seq)`` if ``mis_low <= exp(d_seq) <= mis_high`` else ``0`` for the
+                  whole row -- sequence rejection sampling (same source, geometric mean)
+``icepop``        ``exp(d)`` if ``1/icepop_beta <= exp(d) <= icepop_beta`` else ``0``
+                  (IcePop, Ring-1T / Ling team, 2025: tokens whose train/inference probability
+                  ratio leaves the band get no gradient)
+``opsm``          ``min(exp(d), tis_cap) * keep`` with ``keep = 0`` for a row whose advantage
+                  is negative and whose ``kl_seq = sum_t((logp_rollout - logp) * m) / sum_t(m)``
+                  (sequence KL(rollout || train) estimate, ``logp`` detached) exceeds
+                  ``opsm_delta``, else ``1`` -- Off-Policy Sequence Masking (DeepSeek-V3.2
+                  report, 2025), on top of token TIS
+``decoupled_ppo`` ``min(exp(d), tis_cap)`` with ``logp_old`` the REQUIRED proximal policy
+                  (logprobs recomputed with the weights before the update): the behaviour
+                  weight pi_prox / pi_behav of decoupled PPO (Hilton et al., 2022, "Batch size-
+                  invariance for policy optimization"; AReaL, Fu et al., 2025), truncated
+================  ==============================================================================
+
+Other sources: clipped surrogate with group advantages, GRPO (Shao et al., 2024,
+DeepSeekMath); asymmetric ("clip-higher") bounds, DAPO (Yu et al., 2025).
 
 With one optimizer step per batch the proximal policy equals the current one, so by default
 ``logp_old = logp.detach()`` (ratio == 1 in value, gradient of ``A * ratio`` == ``A * grad logp``).
@@ -21,11 +51,72 @@ With one optimizer step per batch the proximal policy equals the current one, so
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import get_args
 
 import torch
 
+from moe_async.trainer.config import OffPolicyCorrection
+
 Tensor = torch.Tensor
+
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
+
+
+def _row_mean(x: Tensor, m: Tensor) -> Tensor:
+    """Masked mean over the last dim, kept as ``[..., 1]``; rows with no token give 0."""
+    return (x * m).sum(-1, keepdim=True) / torch.clamp(m.sum(-1, keepdim=True), min=1.0)
+
+
+def off_policy_weight(
+    correction: str,
+    logp: Tensor,
+    logp_old: Tensor,
+    rollout_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    tis_cap: float = 2.0,
+    mis_low: float = 0.5,
+    mis_high: float = 2.0,
+    icepop_beta: float = 2.0,
+    opsm_delta: float = 1e-4,
+) -> tuple[Tensor, Tensor]:
+    """The detached per-token weight ``w`` of the module docstring's table.
+
+    Args: as :func:`grpo_token_loss` (all ``[B, T]`` float32/64 logprobs, natural log).
+
+    Returns:
+        ``(w, rejected)``: ``w`` ``[B, T]`` detached float weight (``>= 0``; ``0`` where a
+        token/sequence is masked); ``rejected`` ``[B, T]`` bool, True where the correction
+        zeroed the token (MIS/IcePop/OPSM), for the ``is_masked_frac`` metric.
+
+    Raises:
+        ValueError: unknown ``correction``.
+    """
+    with torch.no_grad():
+        m = (loss_mask > 0).to(logp.dtype)
+        d = logp_old.detach() - rollout_logp
+        no = torch.zeros_like(d, dtype=torch.bool)
+        if correction == "none":
+            return torch.ones_like(d), no
+        if correction in ("tis", "decoupled_ppo"):
+            return torch.clamp(torch.exp(d), max=tis_cap), no
+        if correction == "tis_seq":
+            w = torch.clamp(torch.exp(_row_mean(d, m)), max=tis_cap)
+            return w.expand_as(d).clone(), no
+        if correction in ("mis", "icepop", "mis_seq"):
+            lo, hi = (1.0 / icepop_beta, icepop_beta) if correction == "icepop" else (mis_low, mis_high)
+            r = torch.exp(_row_mean(d, m)).expand_as(d) if correction == "mis_seq" else torch.exp(d)
+            keep = (r >= lo) & (r <= hi)
+            # torch.where, not r * keep: an overflowed ratio (inf) times 0 would be NaN
+            return torch.where(keep, r, torch.zeros_like(r)), ~keep
+        if correction == "opsm":
+            kl_seq = _row_mean(rollout_logp - logp.detach(), m)
+            neg = (advantages < 0).expand_as(d)
+            drop = neg & (kl_seq > opsm_delta).expand_as(d)
+            w = torch.clamp(torch.exp(d), max=tis_cap)
+            return torch.where(drop, torch.zeros_like(w), w), drop
+    raise ValueError(f"off_policy_correction must be one of {OFF_POLICY_CORRECTIONS}, got {correction!r}")
 
 
 def grpo_token_loss(
@@ -37,10 +128,14 @@ def grpo_token_loss(
     *,
     eps_clip: float = 0.2,
     eps_clip_high: float = 0.28,
-    off_policy_correction: Literal["tis", "none"] = "tis",
+    off_policy_correction: str = "tis",
     tis_cap: float = 2.0,
+    mis_low: float = 0.5,
+    mis_high: float = 2.0,
+    icepop_beta: float = 2.0,
+    opsm_delta: float = 1e-4,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO clipped loss, summed over masked tokens.
+    """GRPO clipped loss with one off-policy correction, summed over masked tokens.
 
     Args:
         logp: ``[B, T]`` float, current-policy logprob (natural log) of each taken token,
@@ -48,42 +143,57 @@ def grpo_token_loss(
         advantages: ``[B, T]`` (or broadcastable, e.g. ``[B, 1]``) advantage per token.
         loss_mask: ``[B, T]`` float/bool; 0 excludes a token (prompt, padding). Non-binary
             values weight the token.
-        rollout_logp: ``[B, T]`` logprobs the rollout engine reported; required for "tis"
-            and for the mismatch metrics.
-        logp_old: ``[B, T]`` proximal-policy logprobs; default ``logp.detach()``.
+        rollout_logp: ``[B, T]`` logprobs the rollout engine reported; required for every
+            correction but ``"none"`` and used for the mismatch metrics.
+        logp_old: ``[B, T]`` proximal-policy logprobs; default ``logp.detach()``; REQUIRED for
+            ``"decoupled_ppo"`` (the recomputed logprobs of the weights before the update).
         eps_clip, eps_clip_high: clip range ``[1 - eps_clip, 1 + eps_clip_high]``.
-        off_policy_correction: ``"tis"`` multiplies each token's loss by the detached
-            truncated weight ``min(exp(logp_old - rollout_logp), tis_cap)``; ``"none"`` doesn't.
-        tis_cap: cap ``C`` of the weight (> 0).
+        off_policy_correction: one of :data:`OFF_POLICY_CORRECTIONS`; see the module table.
+        tis_cap: cap ``C > 0`` of the truncated weights (tis, tis_seq, opsm, decoupled_ppo).
+        mis_low, mis_high: band ``[low, high]`` of the ratio kept by mis / mis_seq.
+        icepop_beta: ``beta > 1``; IcePop keeps ratios in ``[1/beta, beta]``.
+        opsm_delta: OPSM threshold ``delta`` (nats per token) on the sequence KL estimate.
 
     Returns:
         ``(loss_sum, metrics)``: ``loss_sum`` a 0-d tensor (sum over tokens, NOT averaged;
         the caller divides by the global token count); ``metrics`` 0-d detached tensors, each
         the masked mean over tokens (``num_tokens`` = masked token count; 0 tokens -> 0.0):
         ``pg_loss`` (mean loss), ``clipfrac`` (fraction where the clipped branch is active),
-        ``tis_mean``, ``logp_diff_mean`` (|logp - rollout_logp|), ``kl_k3`` (Schulman's k3
-        estimator of KL(pi_rollout || pi_theta): ``exp(d) - 1 - d`` with
+        ``tis_mean`` (mean off-policy weight ``w``), ``is_masked_frac`` (fraction of tokens
+        the correction zeroed), ``logp_diff_mean`` (|logp - rollout_logp|), ``kl_k3``
+        (Schulman's k3 estimator of KL(pi_rollout || pi_theta): ``exp(d) - 1 - d`` with
         ``d = logp - rollout_logp``).
 
     Raises:
-        ValueError: "tis" without ``rollout_logp``, or an unknown correction.
+        ValueError: a correction other than "none" without ``rollout_logp``,
+            "decoupled_ppo" without ``logp_old``, or an unknown correction.
     """
-    if off_policy_correction not in ("tis", "none"):
-        raise ValueError(f"off_policy_correction must be 'tis' or 'none', got {off_policy_correction!r}")
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"off_policy_correction must be one of {OFF_POLICY_CORRECTIONS}, got {off_policy_correction!r}"
+        )
+    if off_policy_correction != "none" and rollout_logp is None:
+        raise ValueError(f"off_policy_correction={off_policy_correction!r} needs rollout_logp")
+    if off_policy_correction == "decoupled_ppo" and logp_old is None:
+        raise ValueError("off_policy_correction='decoupled_ppo' needs logp_old (the recomputed proximal logprobs)")
     mask = loss_mask.to(logp.dtype)
     if logp_old is None:
         logp_old = logp.detach()
+    logp_old = logp_old.detach()
     ratio = torch.exp(logp - logp_old)
     pg1 = -advantages * ratio
     pg2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
     pg = torch.maximum(pg1, pg2)
-    if off_policy_correction == "tis":
-        if rollout_logp is None:
-            raise ValueError("off_policy_correction='tis' needs rollout_logp")
-        tis = torch.clamp(torch.exp(logp_old.detach() - rollout_logp), max=tis_cap).detach()
-        pg = pg * tis
+    if off_policy_correction == "none":
+        w = torch.ones_like(logp).detach()
+        rejected = torch.zeros_like(logp, dtype=torch.bool)
     else:
-        tis = torch.ones_like(logp).detach()
+        w, rejected = off_policy_weight(
+            off_policy_correction, logp, logp_old, rollout_logp, torch.as_tensor(advantages), mask,
+            tis_cap=tis_cap, mis_low=mis_low, mis_high=mis_high, icepop_beta=icepop_beta,
+            opsm_delta=opsm_delta,
+        )
+        pg = pg * w
     loss_sum = (pg * mask).sum()
 
     with torch.no_grad():
@@ -96,7 +206,8 @@ def grpo_token_loss(
         metrics = {
             "pg_loss": loss_sum.detach() / denom,
             "clipfrac": mmean((pg2 > pg1).to(mask.dtype)),
-            "tis_mean": mmean(tis),
+            "tis_mean": mmean(w),
+            "is_masked_frac": mmean(rejected.to(mask.dtype)),
             "num_tokens": n,
         }
         if rollout_logp is not None:
