@@ -31,7 +31,7 @@ from moe_async.types import Sample
 
 Tensor = torch.Tensor
 
-_METRIC_KEYS = ("pg_loss", "clipfrac", "tis_mean", "logp_diff_mean", "kl_k3", "entropy")
+_METRIC_KEYS = ("pg_loss", "clipfrac", "tis_mean", "is_masked_frac", "logp_diff_mean", "kl_k3", "entropy")
 
 
 def _free_port() -> int:
@@ -350,6 +350,10 @@ class MegatronTrainer:
 
         cfg = self.cfg
         mbs_list = self._pack(batch, advantages)
+        # --- off-policy correction (issue 7): decoupled PPO's proximal policy ---
+        if cfg.off_policy_correction == "decoupled_ppo":
+            self._attach_proximal_logp(batch, mbs_list)
+        # --- end off-policy correction ---
         n_total = float(sum((mb["loss_mask"] > 0).sum().item() for mb in mbs_list))
         if n_total == 0:
             raise ValueError("train_step: batch has no loss-bearing response token")
@@ -368,6 +372,11 @@ class MegatronTrainer:
                 eps_clip_high=cfg.eps_clip_high,
                 off_policy_correction=cfg.off_policy_correction,
                 tis_cap=cfg.tis_cap,
+                logp_old=mb.get("logp_old"),  # off-policy correction: decoupled PPO only
+                mis_low=cfg.mis_low,
+                mis_high=cfg.mis_high,
+                icepop_beta=cfg.icepop_beta,
+                opsm_delta=cfg.opsm_delta,
             )
             with torch.no_grad():
                 ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
@@ -425,6 +434,25 @@ class MegatronTrainer:
             weight_version=float(self.version),
         )
         return out
+
+    # --- off-policy correction (issue 7) ---
+    def _attach_proximal_logp(self, batch: list[Sample], mbs_list: list[dict[str, Tensor]]) -> None:
+        """Decoupled PPO (Hilton et al., 2022; AReaL): ``mb["logp_old"] [B,S-1]`` float32 =
+        logprobs of the response tokens under the weights BEFORE this update (recomputed with
+        :meth:`compute_logprobs`, same packing), 0 elsewhere. Only the last PP stage uses it."""
+        prox = self.compute_logprobs(batch)
+        if not prox:  # not the last pipeline stage: the loss is not computed here
+            return
+        i = 0
+        for mb in mbs_list:
+            lo = torch.zeros_like(mb["rollout_logp"])
+            for b in range(mb["tokens"].shape[0]):
+                P, R = int(mb["prompt_len"][b]), int(mb["resp_len"][b])
+                if R:
+                    lo[b, P - 1 : P - 1 + R] = torch.tensor(prox[i], dtype=lo.dtype)
+                i += 1
+            mb["logp_old"] = lo
+    # --- end off-policy correction ---
 
     def _set_lr(self) -> None:
         """Linear warmup over ``lr_warmup_steps`` then constant ``lr``."""

@@ -96,6 +96,14 @@ def main(tmp: str) -> None:
     tr2 = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.01, lr=1e-3), path)
     tr2.load_checkpoint(ck)
     res["ckpt"] = {"version": tr2.version, "loss": (nxt["loss"], tr2.train_step(ss, adv)["loss"])}
+    # off-policy corrections (issue 7): decoupled PPO recomputes the proximal policy; with one
+    # step per batch it equals the current weights, so loss and grads equal plain TIS
+    dec = {}
+    for corr in ("tis", "decoupled_ppo", "icepop"):
+        trc = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3,
+                                            off_policy_correction=corr), path)
+        dec[corr] = trc.train_step(ss, adv)
+    res["corrections"] = dec
     print(json.dumps(res))
 
 

@@ -71,3 +71,13 @@ def test_checkpoint_round_trip(res):
     assert res["ckpt"]["version"] == 2
     a, b = res["ckpt"]["loss"]
     assert a == b
+
+
+def test_off_policy_corrections_through_the_trainer(res):
+    c = res["corrections"]
+    t, d = c["tis"], c["decoupled_ppo"]
+    for k in ("loss", "grad_norm", "tis_mean", "clipfrac"):  # proximal == current weights
+        assert d[k] == pytest.approx(t[k], rel=1e-5, abs=1e-7), k
+    assert d["is_masked_frac"] == 0.0
+    # random rollout logprobs are far from the model's: IcePop (beta 2) masks most tokens
+    assert 0 < c["icepop"]["is_masked_frac"] <= 1
