@@ -188,8 +188,10 @@ class RolloutActor:
         self.dataset = TaskDataset(cfg.rollout, tok)
         hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
         self.clients = [EngineClient(u, timeout_s=cfg.engine.request_timeout_s) for u in urls]
+        from moe_async.rollout.rewards import build_reward_fn
+
         self.reward_pool = RewardPool(
-            self.dataset.score,
+            build_reward_fn(cfg.rollout, self.dataset),  # rollout.reward
             timeout_s=cfg.rollout.reward_timeout_s,
             max_workers=cfg.rollout.reward_workers,
             use_processes=cfg.rollout.reward_use_processes,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -59,6 +59,20 @@ class RolloutConfig(BaseModel):
         True, description="Score in worker processes (a hung scorer is killed) instead of threads."
     )
     admit_poll_s: float = Field(0.05, gt=0, description="Sleep between refused admissions.")
+    # --- rewards (moe_async/rollout/rewards.py) ---
+    reward: Literal["reasoning_gym", "math_verify", "function", "remote"] = Field(
+        "reasoning_gym",
+        description=(
+            "Scorer: the task's reasoning-gym scorer (exact match), math-verify on \\boxed{} "
+            "answers, a user function (reward_function) or a reward model over HTTP (reward_url)."
+        ),
+    )
+    reward_function: str | None = Field(
+        None, description="'package.module:function' called as fn(response, answer, question) -> number."
+    )
+    reward_url: str | None = Field(
+        None, description="POST endpoint of a remote reward model: JSON in, {'reward': number} out."
+    )
 
     @model_validator(mode="after")
     def _defaults(self) -> "RolloutConfig":
@@ -66,4 +80,10 @@ class RolloutConfig(BaseModel):
             self.task_kwargs = dict(DEMO_TASK_KWARGS[self.task])
         if self.prompt_style not in ("one_shot", "plain"):
             raise ValueError(f"rollout.prompt_style must be 'one_shot' or 'plain', got {self.prompt_style!r}")
+        if self.reward == "function":
+            from moe_async.rollout.rewards import resolve_import_path
+
+            resolve_import_path(self.reward_function, "rollout.reward_function")  # fail at load
+        if self.reward == "remote" and not (self.reward_url or "").startswith(("http://", "https://")):
+            raise ValueError(f"rollout.reward_url must be an http(s) URL when rollout.reward='remote', got {self.reward_url!r}")
         return self
