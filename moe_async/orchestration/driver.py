@@ -56,9 +56,12 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=True, ignore_reinit_error=True,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS"):  # a cluster brought up by launch/slurm_train.sbatch
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
+    else:  # a local Ray bound to loopback
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=True, runtime_env=runtime_env)
     engines = EngineManager.remote(cfg, model_path)
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
