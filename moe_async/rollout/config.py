@@ -59,6 +59,23 @@ class RolloutConfig(BaseModel):
         True, description="Score in worker processes (a hung scorer is killed) instead of threads."
     )
     admit_poll_s: float = Field(0.05, gt=0, description="Sleep between refused admissions.")
+    # --- dynamic filtering (DAPO dynamic sampling; moe_async/rollout/manager.py) ---
+    dynamic_filter: bool = Field(
+        False,
+        description=(
+            "Drop groups whose G rewards are all equal (zero GRPO advantage: no gradient) before "
+            "the buffer and generate another group in their place (DAPO, Yu et al., 2025)."
+        ),
+    )
+    dynamic_filter_max_per_version: int = Field(
+        8,
+        ge=0,
+        description=(
+            "Cap on wasted generations: at most this many groups are filtered per engine weight "
+            "version; later all-equal groups of that version are kept (counted as "
+            "rollout/filter_cap_passed) so a task with no signal cannot stall training."
+        ),
+    )
     # --- rewards (moe_async/rollout/rewards.py) ---
     reward: Literal["reasoning_gym", "math_verify", "function", "remote"] = Field(
         "reasoning_gym",

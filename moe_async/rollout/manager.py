@@ -25,6 +25,13 @@ Per admitted group (``run``):
 4. A 0-token completion gets finish reason ``length`` and ``loss_weight`` 0.
 5. Every sample is scored by the reward pool (per-sample timeout), then
    ``Group(group_id, samples, start_version=admitted version)`` is put into the buffer.
+6. Dynamic filtering (``dynamic_filter``, DAPO's dynamic sampling): a group whose rewards
+   are all equal is not put; its admission is cancelled (reason ``filtered_equal_rewards``)
+   so the buffer admits another group in its place (over-sampling on demand). At most
+   ``dynamic_filter_max_per_version`` groups are filtered per admitted weight version
+   (the cap on wasted generations); beyond it such groups are kept and counted
+   (``filter_cap_passed``). Filtered samples/tokens are counted (``samples_filtered``,
+   ``tokens_filtered``).
 """
 
 from __future__ import annotations
@@ -113,6 +120,7 @@ class RolloutManager:
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
         self.gen_seconds = 0.0
+        self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         try:
             params = inspect.signature(buffer.cancel).parameters
             self._cancel_takes_reason = len(params) >= 1
@@ -265,6 +273,12 @@ class RolloutManager:
             self.counters["samples_generated"] += len(samples)
             self.counters["tokens_generated"] += group.num_tokens
             self.counters["reward_errors"] += sum(s.reward_error is not None for s in samples)
+            if self._filter_out(group, version):
+                self.dropped["filtered_equal_rewards"] += 1
+                self.counters["samples_filtered"] += len(samples)
+                self.counters["tokens_filtered"] += group.num_tokens
+                await self._cancel("filtered_equal_rewards")
+                return
             put_attempted = True
             await self.buffer.put(group)
             self.counters["groups_produced"] += 1
@@ -285,6 +299,20 @@ class RolloutManager:
                 log.exception("group %d failed", gid)
                 self.dropped[f"error:{type(exc).__name__}"] += 1
                 await self._cancel("error")
+
+    def _filter_out(self, group: Group, version: int) -> bool:
+        """Dynamic filtering (see the module docstring, step 6): True when ``group`` is to be
+        dropped because its rewards are all equal and the per-version cap is not reached."""
+        if not self.cfg.dynamic_filter or len(group.samples) < 2:
+            return False
+        r0 = group.samples[0].reward
+        if any(s.reward != r0 for s in group.samples):
+            return False
+        if self._filtered_per_version[version] >= self.cfg.dynamic_filter_max_per_version:
+            self.counters["filter_cap_passed"] += 1
+            return False
+        self._filtered_per_version[version] += 1
+        return True
 
     async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False) -> Sample:
         """One response, resubmitting aborted segments (C5); see the module docstring."""
