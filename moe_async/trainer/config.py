@@ -65,6 +65,16 @@ class TrainerConfig(BaseModel):
     )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux loss weight.")
     num_threads: int = Field(1, ge=1, description="torch threads in the trainer process.")
+    # --- router replay (moe_async/replay) ---
+    router_replay: Literal["off", "R3", "R2"] = Field(
+        "off",
+        description=(
+            "MoE routing replay through Megatron's RouterReplay: 'R3' forces the engine's "
+            "routed experts (rollout.return_routed_experts) on the trainer's routers, 'R2' the "
+            "routes of the trainer's own old-policy forward; gate weights always come from the "
+            "trainer's router scores. Agreement/mismatch metrics are reported in every mode."
+        ),
+    )
     seed: int = 1234
 
     @model_validator(mode="after")

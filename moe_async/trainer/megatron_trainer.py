@@ -25,6 +25,7 @@ import torch
 
 from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
+from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.config import TrainerConfig
 from moe_async.trainer.loss import grpo_token_loss
 from moe_async.types import Sample
@@ -158,6 +159,7 @@ class MegatronTrainer:
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
+            **replay_overrides(cfg.router_replay),  # router replay
         )
         use_te = torch.cuda.is_available() and _have_te()
         self.model = GPTModel(
@@ -167,6 +169,7 @@ class MegatronTrainer:
             post_process=ps.is_pipeline_last_stage(),
             **self.family.gpt_model_kwargs(self.hf_config),
         )
+        self.router_replay = RouterReplayHook(self.model, self.tf_config, cfg.router_replay)  # router replay
         if torch.cuda.is_available():
             self.model.cuda(torch.cuda.current_device())
         self._load_hf_weights(hf_path)
@@ -301,6 +304,7 @@ class MegatronTrainer:
                     resp_len=rlen,
                 )
             )
+            out[-1].update(self.router_replay.pack(chunk, S))  # router replay: routes, masks
         return out
 
     def _to_device(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -386,12 +390,18 @@ class MegatronTrainer:
                 sums["num_tokens"] = (mask > 0).sum().to(torch.float32)
             # Megatron divides by num_microbatches: multiply back, divide by the global count.
             loss = loss_sum * (num_mb / n_total)
+            self.router_replay.add_logprobs(logp, mb)  # router replay: mismatch metrics
             return loss, sums
 
         def forward_step(data_iterator, model):
             mb = self._to_device(next(data_iterator))
+            self.router_replay.before_forward(mb)  # router replay: this micro-batch's routes
             logits = model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
             return logits, partial(loss_func, mb)
+
+        def record_forward(mb):  # router replay (R2): the old policy's own routes
+            mb = self._to_device(mb)
+            return self.ddp_model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
 
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -399,15 +409,16 @@ class MegatronTrainer:
         self._set_lr()
         self.ddp_model.train()
         fb = get_forward_backward_func()
-        reduced = fb(
-            forward_step_func=forward_step,
-            data_iterator=iter(mbs_list),
-            model=[self.ddp_model],
-            num_microbatches=num_mb,
-            seq_length=S_max,
-            micro_batch_size=cfg.micro_batch_size,
-            forward_only=False,
-        )
+        with self.router_replay.step(mbs_list, record_forward):  # router replay: set/clear
+            reduced = fb(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs_list),
+                model=[self.ddp_model],
+                num_microbatches=num_mb,
+                seq_length=S_max,
+                micro_batch_size=cfg.micro_batch_size,
+                forward_only=False,
+            )
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step skipped (non-finite gradients)")
@@ -433,6 +444,7 @@ class MegatronTrainer:
             lr=float(self.optimizer.param_groups[0]["lr"]),
             weight_version=float(self.version),
         )
+        out.update(self.router_replay.metrics())  # router replay: agreement, mismatch
         return out
 
     # --- off-policy correction (issue 7) ---
@@ -482,19 +494,21 @@ class MegatronTrainer:
 
             def forward_step(data_iterator, model):
                 mb = self._to_device(next(data_iterator))
+                self.router_replay.before_forward(mb)  # router replay (R3: engine routes)
                 logits = model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
                 return logits, partial(loss_func, mb)
 
             self.ddp_model.eval()
-            reduced = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(mbs_list),
-                model=[self.ddp_model],
-                num_microbatches=len(mbs_list),
-                seq_length=max(mb["tokens"].shape[1] for mb in mbs_list),
-                micro_batch_size=self.cfg.micro_batch_size,
-                forward_only=True,
-            )
+            with self.router_replay.step(mbs_list):  # router replay: set/clear (R2: own routes)
+                reduced = get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(mbs_list),
+                    model=[self.ddp_model],
+                    num_microbatches=len(mbs_list),
+                    seq_length=max(mb["tokens"].shape[1] for mb in mbs_list),
+                    micro_batch_size=self.cfg.micro_batch_size,
+                    forward_only=True,
+                )
             self.ddp_model.train()
         if not ps.is_pipeline_last_stage():
             return []

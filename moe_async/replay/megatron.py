@@ -1,0 +1,321 @@
+"""Router replay in the Megatron-Core trainer, through Megatron's native ``RouterReplay``
+(``TransformerConfig.moe_enable_routing_replay``: one ``RouterReplay`` per ``TopKRouter``,
+consulted by ``topk_routing_with_score_function``).
+
+Modes (``trainer.router_replay``):
+
+- ``off``: routers choose their own experts. When samples carry engine routes, the
+  agreement between those and the trainer's choice is still measured.
+- ``R3``: rollout routing replay. Each MoE layer's top-k indices are set to the engine's
+  (``Sample.routed_experts``) before the forward (``REPLAY_FORWARD``; the same indices
+  stay queued for a recompute in ``REPLAY_BACKWARD``). Megatron gathers the gate weights
+  from the trainer's OWN router scores at those indices, so the router still gets gradients.
+- ``R2``: the routes of the trainer's own old-policy forward: a no-grad forward over the
+  same micro-batches with ``RECORD`` before the training forward, then replay of those.
+  With one optimizer step per batch the old and current policy coincide at the forward, so
+  R2 only differs from ``off`` when the policy moves between recording and training.
+
+Data path per micro-batch: ``routes_BSLK`` (-1 = no route) -> :func:`fill_padding`
+(padding and the unrouted last token get evenly spread valid experts) -> ``[S, B]`` token
+order of Megatron's router (``[S*B, K]`` per layer; this rank's sequence-parallel chunk)
+-> the router of each local MoE layer, matched by its global MoE-layer index (dense
+layers have no router, PP stages hold a subset).
+
+Legend: ``B`` sequences, ``S`` padded length, ``L`` MoE layers, ``K`` top-k, ``E`` experts,
+``N`` tokens seen by one router (``S_local * B``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from moe_async.replay.metrics import MismatchMeter
+from moe_async.replay.routes import batch_routes, fill_padding, num_pad_rows
+
+MODES = ("off", "R3", "R2")
+
+
+def moe_layer_pattern(tf_config: Any) -> list[int]:
+    """1/0 per decoder layer from Megatron's ``moe_layer_freq`` (int or list)."""
+    f, n = tf_config.moe_layer_freq, tf_config.num_layers
+    if isinstance(f, int):
+        return [1 if i % f == 0 else 0 for i in range(n)]
+    return [int(x) for x in f]
+
+
+def _measured_replay_class():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class MeasuredRouterReplay(RouterReplay):
+        """Megatron's ``RouterReplay`` that also counts, over real tokens, how often the
+        router's OWN top-k set equals a reference (the engine's routes), and records per
+        forward (a list, so several micro-batches can be recorded for R2)."""
+
+        def __init__(self, moe_index: int):
+            super().__init__()
+            # Megatron keeps every instance in a process-global list for its static helpers;
+            # this hook addresses its own routers, so do not leak into (or rely on) that list.
+            RouterReplay.global_router_replay_instances.remove(self)
+            self.moe_index = moe_index
+            self.reference: torch.Tensor | None = None  # [N, K] long
+            self.reference_real: torch.Tensor | None = None  # [N] bool
+            self.agree = 0
+            self.count = 0
+            self.recorded: list[torch.Tensor] = []
+            self.used: torch.Tensor | None = None  # top-k indices of the last forward
+
+        def _measure(self, natural: torch.Tensor) -> None:
+            if self.reference is None:
+                return
+            ref = self.reference.to(natural.device)
+            if ref.shape != natural.shape:
+                raise ValueError(f"MoE layer {self.moe_index}: reference routes {tuple(ref.shape)} vs router {tuple(natural.shape)}")
+            same = (torch.sort(natural, -1).values == torch.sort(ref, -1).values).all(-1)
+            real = self.reference_real.to(natural.device)
+            self.agree += int((same & real).sum())
+            self.count += int(real.sum())
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            act = self.router_replay_action
+            if act is None or act == RouterReplayAction.RECORD:
+                probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                self._measure(idx.detach())
+                if act == RouterReplayAction.RECORD:
+                    self.record_indices(idx.detach())
+                    self.recorded.append(idx.detach())
+            else:
+                if act == RouterReplayAction.REPLAY_FORWARD and self.reference is not None:
+                    with torch.no_grad():
+                        _, nat = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                    self._measure(nat)
+                if self.target_topk_idx is not None and self.target_topk_idx.shape[0] != scores.shape[0]:
+                    raise ValueError(
+                        f"MoE layer {self.moe_index}: {self.target_topk_idx.shape[0]} replay rows for "
+                        f"{scores.shape[0]} routed tokens"
+                    )
+                probs, idx = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            self.used = idx.detach()
+            return probs, idx
+
+        def reset(self) -> None:
+            self.clear_indices()
+            self.clear_router_replay_action()
+            self.reference = self.reference_real = None
+            self.recorded = []
+
+    return MeasuredRouterReplay, RouterReplayAction
+
+
+class RouterReplayHook:
+    """Drives Megatron's router replay for one model (see the module docstring).
+
+    Args:
+        model: the (unwrapped) Megatron model; its ``TopKRouter`` modules must have been built
+            with ``moe_enable_routing_replay=True`` (see :func:`transformer_overrides`).
+        tf_config: its ``TransformerConfig``.
+        mode: ``off`` | ``R3`` | ``R2``.
+
+    Use (trainer)::
+
+        extras = hook.pack(samples_of_mb, S)            # tensors added to the micro-batch
+        with hook.step(mbs, forward_fn) as h:            # forward_fn(mb) -> logits (R2 record)
+            ... h.before_forward(mb); model(...)         # in forward_step
+            ... h.add_logprobs(logp, mb)                 # in loss_func
+        metrics = hook.metrics()
+    """
+
+    def __init__(self, model: torch.nn.Module, tf_config: Any, mode: str = "off"):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        if mode not in MODES:
+            raise ValueError(f"trainer.router_replay must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.config = tf_config
+        self.num_experts = int(tf_config.num_moe_experts or 0)
+        self.top_k = int(tf_config.moe_router_topk or 0)
+        self.pattern = moe_layer_pattern(tf_config) if self.num_experts else []
+        self.num_moe_layers = sum(self.pattern)
+        cls, self._Action = _measured_replay_class()
+        self.routers: list[Any] = []
+        for mod in model.modules():
+            if isinstance(mod, TopKRouter):
+                if mod.router_replay is None:
+                    raise RuntimeError("TopKRouter built without moe_enable_routing_replay=True")
+                ln = mod.layer_number
+                if ln is None:
+                    raise RuntimeError("TopKRouter has no layer_number")
+                idx = sum(self.pattern[: ln - 1])  # global MoE-layer index (dense layers skipped)
+                mod.router_replay = cls(idx)
+                self.routers.append(mod.router_replay)
+        self.routers.sort(key=lambda r: r.moe_index)
+        if getattr(tf_config, "context_parallel_size", 1) > 1 and mode != "off":
+            raise NotImplementedError("router replay with context parallelism is not implemented")
+        self._meter = MismatchMeter(self.num_moe_layers)
+        self._mb = 0
+        self._strict = True
+        self._pad_offset = torch.zeros(self.num_moe_layers, dtype=torch.long)
+        self._r2: list[list[torch.Tensor]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.routers)
+
+    # ------------------------------------------------------------------ batching
+    def pack(self, samples: Sequence[Any], S: int) -> dict[str, torch.Tensor]:
+        """Extra micro-batch tensors: ``routes_BSLK`` long (-1 = none), ``routes_real_BS``
+        bool (when any sample has routes), ``routes_missing_B`` bool (loss-bearing samples
+        without routes: an error in an R3 train step) and ``rollout_lp_mask [B, S-1]``
+        (response tokens with rollout logprobs and loss_weight > 0, for the mismatch
+        metrics). Raises ValueError on a route length/shape mismatch."""
+        B = len(samples)
+        lp_mask = torch.zeros(B, S - 1)
+        for b, s in enumerate(samples):
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            if R and s.rollout_logprobs and s.loss_weight > 0:
+                lp_mask[b, P - 1 : P - 1 + R] = 1.0
+        out = {"rollout_lp_mask": lp_mask}
+        if not self.enabled:
+            return out
+        have = [s.routed_experts is not None for s in samples]
+        out["routes_missing_B"] = torch.tensor(
+            [not h and s.loss_weight > 0 and len(s.response_ids) > 0 for h, s in zip(have, samples)]
+        )
+        if any(have):
+            routes, real = batch_routes(
+                [s.routed_experts for s in samples],
+                [len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                S,
+                self.num_moe_layers,
+                self.top_k,
+            )
+            out.update(routes_BSLK=routes, routes_real_BS=real)
+        return out
+
+    # ------------------------------------------------------------------ step
+    def _token_rows(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """``[B, S, ...]`` -> this rank's router rows ``[S_local * B, ...]`` (s-major)."""
+        x = x_BS.transpose(0, 1)  # [S, B, ...]
+        if getattr(self.config, "sequence_parallel", False):
+            from megatron.core import parallel_state as ps
+
+            tp = ps.get_tensor_model_parallel_world_size()
+            if tp > 1:
+                if x.shape[0] % tp:
+                    raise ValueError(f"sequence length {x.shape[0]} not divisible by TP {tp}")
+                n = x.shape[0] // tp
+                r = ps.get_tensor_model_parallel_rank()
+                x = x[r * n : (r + 1) * n]
+        return x.reshape(-1, *x.shape[2:])
+
+    @contextmanager
+    def step(
+        self, mbs: Sequence[dict[str, torch.Tensor]], forward_fn: Callable[[dict], Any] | None = None
+    ) -> Iterator["RouterReplayHook"]:
+        """One pass of Megatron's schedule over ``mbs``. R2 with ``forward_fn``: first a
+        no-grad ``forward_fn(mb)`` per micro-batch with ``RECORD``, replayed in the pass; R2
+        without it (a forward-only old-policy pass, e.g. ``compute_logprobs``): the routers
+        choose freely (that pass IS the old policy). Then the replay action of the mode is
+        set; on exit every router's action, targets, references and recordings are cleared
+        (also on error). Metrics are reset on entry."""
+        self._meter.reset()
+        for r in self.routers:
+            r.agree = r.count = 0
+        self._mb = 0
+        self._r2 = []
+        self._pad_offset = torch.zeros(self.num_moe_layers, dtype=torch.long)
+        try:
+            self._strict = forward_fn is not None  # a train step: R3 routes are mandatory
+            r2_replay = self.enabled and self.mode == "R2" and forward_fn is not None
+            if r2_replay:
+                if self.config.pipeline_model_parallel_size > 1:
+                    raise NotImplementedError("R2 with pipeline parallelism is not implemented")
+                for r in self.routers:
+                    r.set_router_replay_action(self._Action.RECORD)
+                with torch.no_grad():
+                    for mb in mbs:
+                        forward_fn(mb)
+                self._r2 = [list(r.recorded) for r in self.routers]  # [router][mb] -> [N, K]
+                for r in self.routers:
+                    r.recorded = []
+            if self.enabled:
+                replay = self.mode == "R3" or r2_replay
+                act = self._Action.REPLAY_FORWARD if replay else None
+                for r in self.routers:
+                    r.router_replay_action = act
+            yield self
+        finally:
+            for r in self.routers:
+                r.reset()
+
+    def before_forward(self, mb: dict[str, torch.Tensor]) -> None:
+        """Set this micro-batch's replay targets (R3/R2) and agreement references."""
+        i, self._mb = self._mb, self._mb + 1
+        if not self.enabled:
+            return
+        routes = mb.get("routes_BSLK")
+        if routes is not None:
+            rows = self._token_rows(routes)  # [N, L, K]
+            real = self._token_rows(mb["routes_real_BS"])  # [N]
+            for r in self.routers:
+                r.reference = rows[:, r.moe_index]
+                r.reference_real = real
+        else:
+            for r in self.routers:
+                r.reference = r.reference_real = None
+        if self.mode == "R3":
+            missing = mb.get("routes_missing_B")
+            if missing is not None and bool(missing.any()):
+                if self._strict or routes is not None:
+                    i = int(missing.nonzero()[0, 0])
+                    raise ValueError(
+                        "trainer.router_replay='R3' needs routed experts on every sample "
+                        f"(sample {i} of micro-batch {self._mb - 1} has none; set "
+                        "rollout.return_routed_experts)"
+                    )
+                for r in self.routers:  # forward-only pass over route-less samples: own routing
+                    r.router_replay_action = None
+                return
+            for r in self.routers:
+                r.router_replay_action = self._Action.REPLAY_FORWARD
+            if routes is None:  # only route-less, loss-free samples: all rows are padding
+                B, S = mb["tokens"].shape
+                routes = torch.full((B, S, self.num_moe_layers, self.top_k), -1, dtype=torch.long)
+            rows = self._token_rows(routes)
+            filled = fill_padding(rows, self.num_experts, self._pad_offset)
+            self._pad_offset = self._pad_offset + num_pad_rows(rows)  # rotation continues across mbs
+            for r in self.routers:
+                r.set_target_indices(filled[:, r.moe_index].contiguous())
+        elif self.mode == "R2" and self._r2:
+            for j, r in enumerate(self.routers):
+                r.set_target_indices(self._r2[j][i])
+
+    def add_logprobs(self, logp_BS1: torch.Tensor, mb: dict[str, torch.Tensor]) -> None:
+        """Accumulate the train/rollout mismatch of one micro-batch (in ``loss_func``)."""
+        self._meter.add_logprobs(logp_BS1.detach(), mb["rollout_logp"], mb["rollout_lp_mask"])
+
+    def metrics(self) -> dict[str, float]:
+        """Mismatch metrics of the last step (see :class:`MismatchMeter`)."""
+        for r in self.routers:
+            self._meter.set_layer(r.moe_index, r.agree, r.count)
+        return self._meter.result()
+
+    def used_routes(self) -> list[torch.Tensor | None]:
+        """Top-k indices each local router used in its last forward (tests)."""
+        return [r.used for r in self.routers]
+
+
+def transformer_overrides(mode: str) -> dict[str, Any]:
+    """``TransformerConfig`` keyword overrides: the native replay hooks are always built
+    (cost: one branch per router when idle) so agreement is measured in every mode."""
+    if mode not in MODES:
+        raise ValueError(f"trainer.router_replay must be one of {MODES}, got {mode!r}")
+    return {"moe_enable_routing_replay": True}
+
+
+def routes_to_numpy(idx: torch.Tensor, B: int, S: int) -> np.ndarray:
+    """A router's ``[S*B, K]`` rows back to ``[B, S, K]`` (1 process, no SP)."""
+    return idx.reshape(S, B, -1).transpose(0, 1).cpu().numpy()
