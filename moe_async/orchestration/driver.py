@@ -9,12 +9,20 @@
 
 ``sync``, ``one_step_off`` and ``fully_async`` share this one loop body; only the
 buffer's staleness bound ``K`` differs (K=0 makes generation wait for each update).
+
+Per-step metrics beyond the trainer's: ``buffer/staleness_hist/<k>`` (tokens of the batch
+k versions old), ``buffer/dropped/<reason>`` and ``rollout/dropped/<reason>`` (cumulative
+counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
+``perf/trainer_idle_frac`` (time waiting for a batch / loop time), ``perf/engine_idle_frac``,
+``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); the last
+values are in ``summary["perf"]``.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from typing import Any
 
 from moe_async.config import ExperimentConfig, dump_config
@@ -34,7 +42,24 @@ def _batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
         "buffer/staleness_max": float(max(stale, default=0)),
         "buffer/staleness_min": float(min(stale, default=0)),
         "train/response_tokens": float(sum(len(s.response_ids) for s in samples)),
+        "train/samples": float(len(samples)),
+        # this batch's tokens per staleness (trainer version - token version)
+        **{f"buffer/staleness_hist/{k}": float(c) for k, c in sorted(Counter(stale).items())},
     }
+
+
+def _loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> dict[str, float]:
+    """Cumulative since generation started: drop/filter counts by reason (buffer and rollout),
+    engine idle fraction (1 - mean over engines of busy time / elapsed; an engine is busy while
+    it has a request outstanding)."""
+    m = {f"buffer/dropped/{r}": float(n) for r, n in bstats["drop_reasons"].items()}
+    keys = ("rollout/dropped_total", "rollout/samples_filtered", "rollout/tokens_filtered",
+            "rollout/filter_cap_passed", "rollout/reward_errors", "rollout/aborts")
+    m.update({k: v for k, v in rmetrics.items() if k.startswith("rollout/dropped/") or k in keys})
+    busy = [v - busy0.get(k, 0.0) for k, v in rmetrics.items() if k.startswith("rollout/engine_busy_s/")]
+    if busy and elapsed > 0:
+        m["perf/engine_idle_frac"] = max(0.0, 1.0 - sum(busy) / len(busy) / elapsed)
+    return m
 
 
 def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -75,7 +100,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             ev = ray.get(rollout.evaluate.remote())
             summary["eval_before"] = ev
             print(f"[moe-async] held-out accuracy before: {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
+        busy0 = {k: v for k, v in ray.get(rollout.metrics.remote()).items() if k.startswith("rollout/engine_busy_s/")}
         ray.get(rollout.start.remote())
+        n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, ray.get(trainer.version.remote())
         synced_version = version
         for step in range(1, cfg.num_steps + 1):
@@ -98,19 +125,25 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 ray.get(buffer.set_engine_version.remote(version))
                 synced_version = version
             tokens += m["train/response_tokens"]
+            n_samples += m["train/samples"]
             elapsed = time.perf_counter() - t_start
             bstats = ray.get(buffer.stats.remote())
+            m.update(_loop_metrics(bstats, ray.get(rollout.metrics.remote()), busy0, elapsed))
             m.update({
                 "train/weight_version": float(version),
                 "engine/weight_version": float(synced_version),
                 "perf/step_seconds": time.perf_counter() - t0,
                 "perf/tokens_per_s": tokens / elapsed,
                 "perf/trainer_idle_frac": idle / elapsed,
+                "perf/samples_per_s": n_samples / elapsed,
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
             logger.log(m, step)
             logger.console_step(step, cfg.num_steps, m)
+        summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
+                                                 "perf/trainer_idle_frac", "perf/engine_idle_frac")}
+        summary["perf"]["loop_seconds"] = elapsed
         ray.get(rollout.stop.remote())
         summary["buffer"] = ray.get(buffer.stats.remote())
         summary["rollout"] = ray.get(rollout.metrics.remote())
