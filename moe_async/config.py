@@ -64,6 +64,16 @@ class ExperimentConfig(BaseModel):
                 "data uncorrected; choose one of 'tis', 'tis_seq', 'mis', 'mis_seq', 'icepop', 'opsm', "
                 "'decoupled_ppo' (or set async.mode='sync')"
             )
+        # router replay: R3 replays the engine's routes (R2 uses them for the agreement metric)
+        r = self.rollout
+        if t.router_replay != "off" and not r.return_routed_experts:
+            if t.router_replay == "R3" and "return_routed_experts" in r.model_fields_set:
+                raise ValueError(
+                    "trainer.router_replay='R3' replays the engine's routed experts: "
+                    "rollout.return_routed_experts must be true (it is set to false)"
+                )
+            if "return_routed_experts" not in r.model_fields_set:
+                r.return_routed_experts = True
         return self
 
     @property

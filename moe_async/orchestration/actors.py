@@ -187,7 +187,11 @@ class RolloutActor:
         tok = load_tokenizer(model_path)
         self.dataset = TaskDataset(cfg.rollout, tok)
         hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
-        self.clients = [EngineClient(u, timeout_s=cfg.engine.request_timeout_s) for u in urls]
+        from moe_async.models import get_family  # router replay: SGLang sends routes without a shape
+
+        a = get_family(hf_cfg.get("model_type")).arch_args(hf_cfg)
+        moe = dict(moe_layers=a.num_layers, top_k=a.top_k) if a.num_experts else {}
+        self.clients = [EngineClient(u, timeout_s=cfg.engine.request_timeout_s, **moe) for u in urls]
         from moe_async.rollout.rewards import build_reward_fn
 
         self.reward_pool = RewardPool(

@@ -329,6 +329,7 @@ class RolloutManager:
                 break
             ids = list(prompt_ids) + tokens
             out = await self._call_engine(ids, self._sampling_params(remaining, greedy))
+            raw_n = len(out.output_ids or [])  # router replay: routes cover ids + raw_n tokens
             seg_ids = [int(t) for t in (out.output_ids or [])]
             seg_lp = [float(x) for x in (out.output_logprobs or [])]
             seg_v = list(getattr(out, "output_token_weight_versions", None) or [])
@@ -342,6 +343,7 @@ class RolloutManager:
                 aborts += 1
                 self.counters["aborts"] += 1
                 if self.cfg.partial_rollout:
+                    routed = self._join_routes(routed, ids, out, raw_n, seg_ids)  # router replay
                     tokens += seg_ids
                     logprobs += seg_lp
                     versions += [int(v) for v in seg_v]
@@ -355,7 +357,7 @@ class RolloutManager:
             tokens += seg_ids
             logprobs += seg_lp
             versions += [int(v) for v in seg_v]
-            routed = getattr(out, "routed_experts", None)
+            routed = self._join_routes(routed, ids, out, raw_n, seg_ids)  # router replay
             finish = out.finish_reason if out.finish_reason in ("stop", "length") else "length"
             break
         s = Sample(prompt_ids=list(prompt_ids), response_ids=tokens, rollout_logprobs=logprobs,
@@ -366,6 +368,20 @@ class RolloutManager:
             s.loss_weight = 0.0
             self.counters["zero_token_samples"] += 1
         return s
+
+    def _join_routes(self, routed, ids: list[int], out: Any, raw_n: int, seg_ids: list[int]):
+        """Router replay: the kept routes (``None`` or ``[len(ids) - 1, L, K]``) extended by
+        this segment's (engine: ``len(ids) + raw_n - 1`` rows), cut to the kept tokens and
+        stored compact (moe_async.replay.routes). ``None`` when routes were not requested."""
+        seg = getattr(out, "routed_experts", None)
+        if not self.cfg.return_routed_experts or seg is None:
+            return None
+        from moe_async.replay.routes import compact_routes, join_segments, truncate_routes
+
+        if len(seg) == 0 and raw_n == 0:  # aborted before anything ran
+            return routed
+        joined = join_segments(routed, len(ids), seg, len(ids) + raw_n)
+        return compact_routes(truncate_routes(joined, len(ids) + len(seg_ids)))
 
     async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
         i = next(self._rr) % len(self.engines)

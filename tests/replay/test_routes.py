@@ -135,3 +135,15 @@ def test_mismatch_meter():
     assert out["mismatch_kl_k3"] == pytest.approx((3 - 1 - np.log(3)) / 2)
     assert out["mismatch_ratio_gt2_frac"] == pytest.approx(0.5)
     assert out["routing_agreement_l0"] == 0.75 and out["routing_agreement"] == 0.5
+
+
+def test_config_cross_check_r3_routes():
+    from moe_async.config import ConfigError, load_config
+
+    assert load_config(None).rollout.return_routed_experts is False
+    assert load_config(None, ["trainer.router_replay=R3"]).rollout.return_routed_experts is True
+    assert load_config(None, ["trainer.router_replay=R2"]).rollout.return_routed_experts is True
+    with pytest.raises(ConfigError, match="rollout.return_routed_experts must be true"):
+        load_config(None, ["trainer.router_replay=R3", "rollout.return_routed_experts=false"])
+    with pytest.raises(ConfigError, match="router_replay"):
+        load_config(None, ["trainer.router_replay=R4"])
