@@ -291,6 +291,39 @@ def _patch_maybe_move_tensor_to_cpu() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
 
 
+# ---------------------------------------------------------------------------------------
+# Mend 8: TP>1 with MoE demands sequence parallel, and transformer/torch_norm.py
+# (WrappedTorchNorm, the local spec's norm without Apex) asserts ``not
+# config.sequence_parallel``. Under sequence parallelism a norm sees only this rank's
+# sequence shard, so its weight gradient is partial; Megatron sums such gradients over TP
+# in distributed/finalize_model_grads.py for params marked ``sequence_parallel``. The mend
+# builds the same torch norm (from a copy of the config with sequence_parallel off) and
+# marks its params ``sequence_parallel = True`` so that reduction happens.
+# ---------------------------------------------------------------------------------------
+def _patch_torch_norm_sequence_parallel() -> None:
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls, "_moe_async_sp_mend", False):
+        return
+    orig_new = cls.__new__
+
+    def __new__(klass, config, hidden_size, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return orig_new(klass, config, hidden_size, *args, **kwargs)
+        cfg = copy.copy(config)
+        cfg.sequence_parallel = False
+        norm = orig_new(klass, cfg, hidden_size, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    cls.__new__ = staticmethod(__new__)  # type: ignore[assignment]
+    cls._moe_async_sp_mend = True
+
+
 def apply_cpu_compat() -> bool:
     """Apply every CPU mend once (idempotent). Returns True when the mends are active,
     False (and changes nothing) when CUDA is available.
@@ -313,6 +346,8 @@ def apply_cpu_compat() -> bool:
             _APPLIED.append("te_general_gemm")  # transformer/moe/moe_utils.py
             _patch_maybe_move_tensor_to_cpu()
             _APPLIED.append("maybe_move_tensor_to_cpu")  # moe_utils.py, token_dispatcher.py
+            _patch_torch_norm_sequence_parallel()
+            _APPLIED.append("torch_norm_sequence_parallel")  # transformer/torch_norm.py
             _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
         if not _mode_active():
             CudaToCpuMode().__enter__()

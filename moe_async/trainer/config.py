@@ -33,6 +33,14 @@ class TrainerConfig(BaseModel):
     adam_eps: float = 1e-8
     clip_grad: float = Field(1.0, gt=0, description="Global grad-norm clip.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per micro-batch.")
+    make_vocab_size_divisible_by: int = Field(
+        128,
+        ge=1,
+        description=(
+            "Megatron's vocab-parallel embedding/output layer get V rounded up to a multiple of "
+            "this x TP (zero rows, masked out of the softmax, dropped again on export)."
+        ),
+    )
     params_dtype: Literal["fp32", "bf16"] = "fp32"
     eps_clip: float = Field(0.2, gt=0, description="PPO clip, lower side (1 - eps).")
     eps_clip_high: float = Field(0.28, gt=0, description="PPO clip, upper side (1 + eps).")

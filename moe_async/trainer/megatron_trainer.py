@@ -6,14 +6,23 @@ response), ``V`` vocab, ``R`` response tokens of one sample, ``P`` prompt tokens
 One code path for both kinds of machine: NCCL + TE layer spec when CUDA and
 transformer_engine are present, gloo + local layer spec + ``moe_async.compat`` otherwise.
 
-Status: 1 process (TP=PP=EP=DP=1) is complete and tested. TP/EP > 1 weight loading and
-export (slicing/gathering full tensors) raise ``NotImplementedError``; the schedule,
-loss and micro-batching are written to work with PP (forward_step returns
-``(output, loss_func)``, micro-batches share one sequence length when PP > 1).
+Layouts: any TP (with sequence parallel) x PP x EP x DP that Megatron-Core builds (tested
+on CPU/gloo: 1 process, TP2+SP, EP2, PP2, TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4; see
+tests/trainer/test_layouts.py). HF weights are sliced per rank and gathered back for export
+with :mod:`moe_async.trainer.sharding` (driven by Megatron's ``sharded_state_dict()``).
+
+Data path at DP > 1: every rank is given the SAME global batch; rank ``d`` of the data-parallel
+group trains on the contiguous slice ``d`` of it (padded with zero-weight copies so every DP
+rank runs the same number of micro-batches, which EP's all-to-all needs); TP/PP ranks of
+one replica see the same slice. The loss is ``sum(token losses) / N_global`` with ``N_global``
+the loss-bearing tokens of the whole global batch (all-reduced over DP), multiplied by
+``dp_size`` to undo DDP's gradient averaging, so losses and gradients do not depend on the
+DP split or the micro-batching. Metrics are reduced over DP/PP and equal on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import socket
@@ -28,6 +37,7 @@ from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.config import TrainerConfig
 from moe_async.trainer.loss import grpo_token_loss
+from moe_async.trainer.sharding import gather_full_state, load_full_state, needed_names, padded_vocab_size
 from moe_async.types import Sample
 
 Tensor = torch.Tensor
@@ -162,14 +172,35 @@ class MegatronTrainer:
             **replay_overrides(cfg.router_replay),  # router replay
         )
         use_te = torch.cuda.is_available() and _have_te()
+        gpt_kwargs = self.family.gpt_model_kwargs(self.hf_config)
+        # V: HF vocab; Megatron's vocab-parallel layers get V padded (zero rows, sliced off
+        # the logits before the softmax and off the exported tensors).
+        self.vocab_size = int(gpt_kwargs["vocab_size"])
+        gpt_kwargs["vocab_size"] = padded_vocab_size(
+            self.vocab_size, cfg.tensor_model_parallel_size, cfg.make_vocab_size_divisible_by
+        )
         self.model = GPTModel(
             config=self.tf_config,
             transformer_layer_spec=self.family.layer_spec(self.hf_config, use_te=use_te),
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
-            **self.family.gpt_model_kwargs(self.hf_config),
+            parallel_output=False,  # logits gathered over TP: [B,S,V_padded] on every TP rank
+            **gpt_kwargs,
         )
         self.router_replay = RouterReplayHook(self.model, self.tf_config, cfg.router_replay)  # router replay
+        # Megatron flags expert params for the expert-DP gradient reduction and the expert
+        # optimizer only when EP > 1 (moe/experts.py, tensor_parallel/layers.py: allreduce =
+        # not (is_expert and EP > 1)). We flag them at every EP:
+        # * at EP == 1, TP > 1, ETP == 1 every TP rank runs the full experts on its own
+        #   sequence-parallel tokens, so expert grads must be summed over the expert-DP group
+        #   (which holds the TP ranks), not the dense DP group; otherwise the TP ranks'
+        #   experts drift apart after the first step;
+        # * the optimizer is then always (dense, expert) chained, so torch_dist optimizer
+        #   checkpoints have the same keys at EP == 1 and EP > 1 (save at EP2, resume at EP1).
+        # At EP == 1, TP == 1 the expert-DP group equals the DP group: nothing else changes.
+        for n, p in self.model.named_parameters():
+            if ".mlp.experts." in n:
+                p.allreduce = False
         if torch.cuda.is_available():
             self.model.cuda(torch.cuda.current_device())
         self._load_hf_weights(hf_path)
@@ -199,19 +230,16 @@ class MegatronTrainer:
         self.tf_config.finalize_model_grads_func = finalize_model_grads
 
     def _load_hf_weights(self, hf_path: str) -> None:
-        """HF safetensors (all ``*.safetensors`` in ``hf_path``) -> mapping -> model params.
-        Raises KeyError naming unused/missing tensors, ValueError on a shape mismatch."""
+        """HF safetensors (all ``*.safetensors`` in ``hf_path``) -> family mapping (full
+        1-process Megatron tensors) -> this rank's slices (:func:`sharding.load_full_state`).
+
+        Every rank reads the files (CPU memory: one full copy per rank while loading).
+        Raises KeyError naming unused/missing HF tensors (the mapping), local parameters with
+        no source, or converted tensors that no rank of the world uses; ValueError on a shape
+        mismatch (vocab padding excepted)."""
+        import torch.distributed as dist
         from safetensors.torch import load_file
 
-        if (
-            self.cfg.tensor_model_parallel_size > 1
-            or self.cfg.expert_model_parallel_size > 1
-            or self.cfg.pipeline_model_parallel_size > 1
-        ):
-            raise NotImplementedError(
-                "loading HF weights with TP/EP/PP > 1 (slicing full tensors per rank) is not "
-                "implemented yet; use 1 process or a torch_dist checkpoint"
-            )
         files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {hf_path}")
@@ -222,20 +250,18 @@ class MegatronTrainer:
                     raise ValueError(f"tensor {k!r} appears in two safetensors files ({f})")
                 hf_state[k] = v
         meg = self.family.hf_to_megatron(hf_state, self.hf_config)
-        params = dict(self.model.named_parameters())
-        unset = []
-        for name, p in params.items():
-            key = local_spec_name(name)
-            if key not in meg:
-                unset.append(name)
-                continue
-            src = meg.pop(key)
-            if tuple(src.shape) != tuple(p.shape):
-                raise ValueError(f"shape mismatch for {name}: HF gives {tuple(src.shape)}, model {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(src.to(dtype=p.dtype, device=p.device))
-        if unset or meg:
-            raise KeyError(f"weight load: model params not set {unset}, converted tensors unused {sorted(meg)}")
+        del hf_state
+        # TE-spec names (fused norms) -> the local-spec names of the mapping table
+        meg_local = {local_spec_name(k): v for k, v in meg.items()}
+        load_full_state(self.model, meg_local, self.vocab_size)
+        used = needed_names(self.model)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sorted(used))
+            used = set().union(*map(set, everyone))
+        unused = sorted(set(meg_local) - used)
+        if unused:
+            raise KeyError(f"weight load: converted tensors used by no rank: {unused}")
 
     def close(self) -> None:
         """Destroy the process groups this trainer created (safe to call twice)."""
@@ -272,6 +298,8 @@ class MegatronTrainer:
         for start in range(0, len(samples), mbs):
             chunk = samples[start : start + mbs]
             S = fixed_len or max(lens[start : start + mbs])
+            tp = self.cfg.tensor_model_parallel_size
+            S = -(-S // tp) * tp  # sequence parallel splits S over TP ranks
             B = len(chunk)
             tokens = torch.zeros(B, S, dtype=torch.long)
             loss_mask = torch.zeros(B, S - 1)
@@ -312,9 +340,10 @@ class MegatronTrainer:
             return {k: v.cuda(non_blocking=True) for k, v in mb.items()}
         return mb
 
-    @staticmethod
-    def _token_logp(logits_BSV: Tensor, tokens_BS: Tensor) -> tuple[Tensor, Tensor]:
-        """logprob ``[B,S-1]`` of tokens 1..S-1 and the entropy ``[B,S-1]`` (fp32)."""
+    def _token_logp(self, logits_BSV: Tensor, tokens_BS: Tensor) -> tuple[Tensor, Tensor]:
+        """``logp_BSV [B,S-1,V]`` (fp32 log-softmax over the HF vocab V: the padded vocab rows
+        are dropped first) and the logprob ``[B,S-1]`` of tokens 1..S-1."""
+        logits_BSV = logits_BSV[..., : self.vocab_size]
         logp_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
         logp = logp_BSV.gather(-1, tokens_BS[:, 1:].unsqueeze(-1)).squeeze(-1)
         return logp_BSV, logp
@@ -353,12 +382,14 @@ class MegatronTrainer:
         )
 
         cfg = self.cfg
+        batch, advantages = self._dp_local(batch, advantages)  # DP: this replica's slice
         mbs_list = self._pack(batch, advantages)
         # --- off-policy correction (issue 7): decoupled PPO's proximal policy ---
         if cfg.off_policy_correction == "decoupled_ppo":
             self._attach_proximal_logp(batch, mbs_list)
         # --- end off-policy correction ---
-        n_total = float(sum((mb["loss_mask"] > 0).sum().item() for mb in mbs_list))
+        n_total = self._dp_sum(float(sum((mb["loss_mask"] > 0).sum().item() for mb in mbs_list)))
+        dp = self._dp_size()
         if n_total == 0:
             raise ValueError("train_step: batch has no loss-bearing response token")
         num_mb = len(mbs_list)
@@ -388,8 +419,9 @@ class MegatronTrainer:
                 sums = {k: m[k] * n for k in _METRIC_KEYS if k in m}
                 sums["entropy"] = (ent * (mask > 0)).sum()
                 sums["num_tokens"] = (mask > 0).sum().to(torch.float32)
-            # Megatron divides by num_microbatches: multiply back, divide by the global count.
-            loss = loss_sum * (num_mb / n_total)
+            # Megatron divides by num_microbatches and DDP averages over DP: multiply both
+            # back, divide by the global (all DP ranks) token count.
+            loss = loss_sum * (num_mb * dp / n_total)
             self.router_replay.add_logprobs(logp, mb)  # router replay: mismatch metrics
             return loss, sums
 
@@ -428,12 +460,10 @@ class MegatronTrainer:
         for d in reduced or []:
             for k, v in d.items():
                 tot[k] += float(v)
+        tot = self._world_metric_sum(tot)
         n = max(tot["num_tokens"], 1.0)
         out = {k: tot[k] / n for k in _METRIC_KEYS}
-        aux = 0.0
-        tracker = get_moe_layer_wise_logging_tracker()
-        if "load_balancing_loss" in tracker:
-            aux = float(tracker["load_balancing_loss"]["values"].sum()) / num_mb
+        aux = self._aux_loss_mean(num_mb)
         clear_aux_losses_tracker()
         out.update(
             moe_aux_loss=aux,
@@ -466,6 +496,95 @@ class MegatronTrainer:
             mb["logp_old"] = lo
     # --- end off-policy correction ---
 
+    # ------------------------------------------------------------------ data parallel
+    def _dp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    def _dp_local(self, batch: list[Sample], advantages: list[float]) -> tuple[list[Sample], list[float]]:
+        """This DP rank's contiguous slice of the global batch (every rank is given the same
+        global batch). Slices are padded to ``ceil(len/dp)`` with zero-weight copies of the
+        first sample (no loss, no token count) so that every DP rank runs the same number of
+        micro-batches (EP all-to-all and DDP are collectives over DP ranks)."""
+        from megatron.core import parallel_state as ps
+
+        dp = self._dp_size()
+        b, a = list(batch), list(advantages)
+        if dp > 1:
+            r = ps.get_data_parallel_rank()
+            per = -(-len(batch) // dp)
+            lo, hi = min(r * per, len(batch)), min((r + 1) * per, len(batch))
+            b, a = list(batch[lo:hi]), list(advantages[lo:hi])
+            while len(b) < per:
+                b.append(dataclasses.replace(batch[0], loss_weight=0.0))
+                a.append(0.0)
+        b = self._pad_for_pp(b)
+        return b, a + [0.0] * (len(b) - len(a))
+
+    def _pad_for_pp(self, samples: list[Sample]) -> list[Sample]:
+        """With PP > 1 every micro-batch must hold exactly ``micro_batch_size`` sequences (the
+        p2p receive buffers are sized from it): pad with zero-weight copies of the first
+        sample. Identity at PP == 1."""
+        mbs = self.cfg.micro_batch_size
+        if self.cfg.pipeline_model_parallel_size == 1 or not samples or len(samples) % mbs == 0:
+            return list(samples)
+        pad = [dataclasses.replace(samples[0], loss_weight=0.0)] * (mbs - len(samples) % mbs)
+        return list(samples) + pad
+
+    def _dp_sum(self, x: float) -> float:
+        """Sum of a per-DP-rank scalar over the DP group (float64 on the DP group)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self._dp_size() == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return float(t.item())
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _world_metric_sum(self, tot: dict[str, float]) -> dict[str, float]:
+        """Metric sums of the whole global batch on every rank: the last PP stage's TP rank 0
+        of each DP replica contributes its local sums, all-reduced (SUM) over the world."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return tot
+        keys = sorted(tot)
+        owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        t = torch.tensor([tot[k] if owner else 0.0 for k in keys], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
+
+    def _aux_loss_mean(self, num_mb: int) -> float:
+        """MoE load-balancing loss (unscaled, summed over MoE layers) averaged over the
+        micro-batches and DP ranks - the average whose gradient Megatron applies (its
+        ``MoEAuxLossAutoScaler`` scale is 1/num_mb and DDP averages over DP). The tracker
+        holds one value per layer, on the PP stage owning the layer, equal on the TP ranks
+        (the router reduces token counts over TP); summed over PP, averaged over DP."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        vals = tracker["load_balancing_loss"]["values"].detach().clone().to(torch.float64) \
+            if "load_balancing_loss" in tracker else None
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        if multi:
+            # every rank takes part (a rank whose layers logged nothing contributes zeros)
+            n = self.tf_config.num_layers
+            v = torch.zeros(n, dtype=torch.float64, device=self._comm_device())
+            if vals is not None:
+                v[: vals.numel()] = vals.to(v.device)
+            dist.all_reduce(v, group=ps.get_pipeline_model_parallel_group())
+            dist.all_reduce(v, group=ps.get_data_parallel_group())
+            return float(v.sum()) / (num_mb * self._dp_size())
+        return float(vals.sum()) / num_mb if vals is not None else 0.0
+
     def _set_lr(self) -> None:
         """Linear warmup over ``lr_warmup_steps`` then constant ``lr``."""
         w = self.cfg.lr_warmup_steps
@@ -479,12 +598,17 @@ class MegatronTrainer:
         """Per-response-token logprobs (natural log, temperature 1) under the current
         weights, aligned with ``Sample.rollout_logprobs`` (entry j = log p(response_ids[j] |
         prompt, response_ids[:j])). Runs through Megatron's schedule (forward only).
-        On non-last PP stages returns an empty list."""
+
+        Collective: every rank of the world calls it with the same ``samples``; each DP
+        replica computes all of them (no DP split), and the last PP stage's result is
+        broadcast over the PP group, so every rank returns the same lists."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not samples:
             return []
+        n_real = len(samples)
+        samples = self._pad_for_pp(samples)
         with cpu_device_scope():
             mbs_list = self._pack(samples, None)
 
@@ -510,44 +634,64 @@ class MegatronTrainer:
                     forward_only=True,
                 )
             self.ddp_model.train()
-        if not ps.is_pipeline_last_stage():
-            return []
         out: list[list[float]] = []
-        for mb, d in zip(mbs_list, reduced):
-            for b in range(mb["tokens"].shape[0]):
-                P, R = int(mb["prompt_len"][b]), int(mb["resp_len"][b])
-                out.append(d["logp"][b, P - 1 : P - 1 + R].tolist())
-        return out
+        if ps.is_pipeline_last_stage():
+            for mb, d in zip(mbs_list, reduced):
+                for b in range(mb["tokens"].shape[0]):
+                    P, R = int(mb["prompt_len"][b]), int(mb["resp_len"][b])
+                    out.append(d["logp"][b, P - 1 : P - 1 + R].tolist())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            import torch.distributed as dist
+
+            box = [out]
+            dist.broadcast_object_list(
+                box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
+            out = box[0]
+        return out[:n_real]
 
     # ------------------------------------------------------------------ export
     def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """Current weights as ``(hf_name, full_tensor)`` under HF on-disk names.
 
-        Data path: gather PP/EP -> gather TP -> rename to HF (the family's mapping table:
-        fuse/split qkv and gate/up) -> cast to ``dtype`` (default: the model's dtype) ->
-        yield. Tensors are detached CPU copies, safe to keep. At 1 process the gathers are
-        identities; TP/EP/PP > 1 raises NotImplementedError for now. Raises KeyError if a
-        parameter has no HF name or an HF tensor is left unset.
+        Data path: every rank's primary shards (TP slices, EP experts under their global ids,
+        PP stages' layers under their global layer index) -> point-to-point to global rank 0
+        -> full 1-process Megatron tensor, vocab padding dropped
+        (:func:`sharding.gather_full_state`) -> rename to HF (the family's mapping table:
+        split qkv and gate/up) -> cast to ``dtype`` (default: the model's dtype) -> yield.
+
+        Collective at world size > 1: EVERY rank must exhaust the iterator. Global rank 0
+        yields every HF tensor (detached CPU copies, safe to keep); other ranks yield nothing.
+        Raises KeyError if a parameter has no HF name or an HF tensor is left unset (rank 0),
+        ValueError if shards do not tile a tensor exactly once.
         """
-        if (
-            self.cfg.tensor_model_parallel_size > 1
-            or self.cfg.expert_model_parallel_size > 1
-            or self.cfg.pipeline_model_parallel_size > 1
-        ):
-            raise NotImplementedError("export_hf_weights with TP/EP/PP > 1 (gathers) is not implemented yet")
+        import torch.distributed as dist
 
-        def named() -> Iterator[tuple[str, Tensor]]:
-            for n, p in self.model.named_parameters():
-                yield n, p.detach().to("cpu")
-
-        for hf_name, t in self.family.megatron_to_hf(named(), self.hf_config):
-            t = t.to(dtype) if dtype is not None else t
-            yield hf_name, t.clone()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with cpu_device_scope():
+            full = gather_full_state(self.model, self.vocab_size, dst=0)
+            if rank != 0:
+                for _ in full:  # take part in the collectives
+                    pass
+                return
+            for hf_name, t in self.family.megatron_to_hf(full, self.hf_config):
+                t = t.to(dtype) if dtype is not None else t
+                yield hf_name, t.clone()
 
     def hf_checksums(self) -> dict[str, str]:
         """``{hf_name: tensor_checksum(tensor)}`` of the current weights (sha256 of fp32 bytes;
-        the engines compute the same with :func:`moe_async.models.tensor_checksum`)."""
-        return {n: tensor_checksum(t) for n, t in self.export_hf_weights()}
+        the engines compute the same with :func:`moe_async.models.tensor_checksum`).
+
+        Collective at world size > 1 (every rank calls it): computed on global rank 0 from
+        :meth:`export_hf_weights` and broadcast, so every rank returns the same dict."""
+        import torch.distributed as dist
+
+        sums = {n: tensor_checksum(t) for n, t in self.export_hf_weights()}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [sums]
+            dist.broadcast_object_list(box, src=0)
+            sums = box[0]
+        return sums
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:

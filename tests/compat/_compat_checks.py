@@ -28,6 +28,16 @@ def main() -> None:
     r["before_zeros_cuda"] = raises(lambda: torch.zeros(1, device="cuda"))
     r["before_seed"] = raises(lambda: mrandom.model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0))
     r["before_move_numpy"] = type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
+    # mend 8: torch norm under sequence parallel (transformer/torch_norm.py asserts)
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def _tcfg(sp: bool):
+        return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                                 sequence_parallel=sp, tensor_model_parallel_size=2 if sp else 1,
+                                 use_cpu_initialization=True)
+
+    r["before_norm_sp"] = raises(lambda: WrappedTorchNorm(_tcfg(True), 8, eps=1e-5))
 
     from moe_async import compat
 
@@ -54,6 +64,15 @@ def main() -> None:
     r["type_cast_ok"] = torch.ones(1).type(torch.float64).dtype == torch.float64
     r["move_numpy"] = type(token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
     r["move_numpy_utils"] = type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
+    cfg_sp = _tcfg(True)
+    n_sp = WrappedTorchNorm(cfg_sp, 8, eps=1e-5)
+    n_plain = WrappedTorchNorm(_tcfg(False), 8, eps=1e-5)
+    r["norm_sp_type"] = type(n_sp).__name__
+    r["norm_sp_marked"] = [getattr(p, "sequence_parallel", None) for p in n_sp.parameters()]
+    r["norm_plain_marked"] = [getattr(p, "sequence_parallel", None) for p in n_plain.parameters()]
+    r["norm_sp_cfg_untouched"] = cfg_sp.sequence_parallel is True
+    x = torch.randn(3, 8)
+    r["norm_sp_same_math"] = bool(torch.equal(n_sp(x), n_plain(x)))
 
     # RNG tracker: needs parallel state (1 process gloo)
     import torch.distributed as dist

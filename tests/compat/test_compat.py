@@ -30,12 +30,13 @@ def test_mends_still_needed(r):
     assert r["before_zeros_cuda"] is not None  # schedules/optimizer device="cuda"
     assert r["before_seed"] is not None  # tensor_parallel/random.py
     assert r["before_move_numpy"] == "Tensor"  # moe_utils.maybe_move_tensor_to_cpu on CPU
+    assert r["before_norm_sp"] == "AssertionError"  # torch_norm.py: no sequence parallel
 
 
 def test_applied_and_idempotent(r):
     assert r["apply1"] is True and r["apply2"] is True
     assert r["mends"] == ["rng_tracker", "cuda_streams", "current_device", "te_general_gemm",
-                          "maybe_move_tensor_to_cpu", "cuda_to_cpu_mode"]
+                          "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "cuda_to_cpu_mode"]
     assert r["modes_on_stack"] == 1
 
 
@@ -52,3 +53,12 @@ def test_mends_work(r):
 def test_cpu_rng_tracker(r):
     assert r["tracker_cls"] == "CpuRNGStatesTracker"
     assert r["fork_restores_outer"] and r["fork_advances"] and r["fork_reproducible"]
+
+
+def test_torch_norm_sequence_parallel(r):
+    """Mend 8: the torch RMSNorm is built under sequence parallelism, its params are marked
+    ``sequence_parallel`` (so finalize_model_grads sums their grads over TP), the math is the
+    plain norm's, and a norm built without sequence parallelism is not marked."""
+    assert r["norm_sp_type"] == "RMSNorm"
+    assert r["norm_sp_marked"] == [True] and r["norm_plain_marked"] == [None]
+    assert r["norm_sp_cfg_untouched"] and r["norm_sp_same_math"]

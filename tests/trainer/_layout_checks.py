@@ -1,0 +1,214 @@
+"""Layout checks for MegatronTrainer, run as ONE process per world size (parallel state and the
+compat layer are process-global). Writes a JSON file of results (rank 0).
+
+Modes:
+    python _layout_checks.py ref TMP
+        creates the tiny HF checkpoints TMP/tie{0,1} (before Megatron is imported), runs the
+        1-process reference of every checkpoint (2 steps), the C10 aux-loss checks at micro
+        batch sizes 1, 2, 4, and writes TMP/ref.json.
+    torchrun --nproc_per_node W _layout_checks.py run TMP OUT.json LAYOUT [LAYOUT ...] [c4]
+        for each LAYOUT (``tp{t}pp{p}ep{e}-tie{0|1}``) builds a trainer, checks the HF export
+        against the checkpoint bit-exactly, runs 2 steps (aux coeff 0), then the C10 checks,
+        destroys Megatron's parallel state and goes on with the next layout in the same
+        process. ``c4``: EP2 x DP2 torch_dist save, reload at EP1 and EP4 (W = 4).
+
+Data: 8 samples (lengths 9..13, one with loss_weight 0), advantages fixed, micro batch 2;
+at DP > 1 the trainer gives each DP rank its slice. lr 1e-3, fp32, vocab padded to a
+multiple of 96 x TP (so both padding directions are exercised: 288 rows at TP1, 384 at TP2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+import torch  # noqa: E402
+
+ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
+MBS = 2
+VOCAB_DIV = 96
+
+
+def samples(seed: int = 0):
+    from moe_async.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]):
+        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
+        rl = (-torch.rand(r, generator=g) * 6).tolist()
+        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
+                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
+    return out
+
+
+def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS):
+    from moe_async.trainer.config import TrainerConfig
+
+    return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         expert_model_parallel_size=ep, micro_batch_size=mbs, moe_aux_loss_coeff=aux,
+                         lr=1e-3, make_vocab_size_divisible_by=VOCAB_DIV)
+
+
+def parse(layout: str):
+    lay, tie = layout.split("-")
+    tp = int(lay.split("tp")[1].split("pp")[0])
+    pp = int(lay.split("pp")[1].split("ep")[0])
+    ep = int(lay.split("ep")[1])
+    return tp, pp, ep, tie
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def export_equals_disk(tr, path: str) -> bool | None:
+    from safetensors.torch import load_file
+
+    exported = dict(tr.export_hf_weights())  # collective: every rank iterates
+    if rank() != 0:
+        return None
+    disk = load_file(os.path.join(path, "model.safetensors"))
+    return set(exported) == set(disk) and all(torch.equal(exported[k], disk[k]) for k in disk)
+
+
+def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str) -> dict:
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    path = os.path.join(tmp, tie)
+    ss = samples()
+    res: dict = {}
+    t0 = time.perf_counter()
+    tr = MegatronTrainer(cfg(tp, pp, ep), path)
+    res["build_s"] = time.perf_counter() - t0
+    res["export_equals_disk"] = export_equals_disk(tr, path)
+    steps = []
+    for _ in range(2):
+        m = tr.train_step(ss, ADV)
+        steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "step_time_s")})
+    res["steps"] = steps
+    res["checksums_agree_on_ranks"] = _same_on_all_ranks(tr.hf_checksums())
+    lp = tr.compute_logprobs(ss[:3])
+    res["logp_first"] = [x[:3] for x in lp]
+    tr.close()
+    res["c10"] = c10(path, tp, pp, ep)
+    res["total_s"] = time.perf_counter() - t0
+    return res
+
+
+def c10(path: str, tp: int, pp: int, ep: int, mbs: int = MBS) -> dict:
+    """Aux coefficient 0.01: reported loss - pg_loss == 0.01 x aux; with zero advantages the
+    policy gradient vanishes, so the gradient is coeff x d(aux): coefficient 0.02 must give
+    exactly twice the grad norm of 0.01 (the aux loss reaches the gradient, linearly, with
+    the configured coefficient), coefficient 0 gives 0."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    ss = samples()
+    out = {}
+    for coeff in (0.01, 0.02):
+        tr = MegatronTrainer(cfg(tp, pp, ep, aux=coeff, mbs=mbs), path)
+        z = tr.train_step(ss, [0.0] * len(ss))
+        m = tr.train_step(ss, ADV)
+        out[str(coeff)] = {"zero_adv": {k: z[k] for k in ("loss", "pg_loss", "moe_aux_loss", "grad_norm")},
+                           "adv": {k: m[k] for k in ("loss", "pg_loss", "moe_aux_loss", "grad_norm")}}
+        tr.close()
+    return out
+
+
+def _same_on_all_ranks(obj) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return all(b == box[0] for b in box)
+
+
+def c4(tmp: str) -> dict:
+    """EP2 x DP2 on 4 ranks: one step, torch_dist save; experts 0-3 of every layer saved
+    exactly once (chunk metadata tiles each expert tensor once); reload at EP1 (DP4) and EP4:
+    the HF checksums equal the saving run's."""
+    import torch.distributed as dist
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    path = os.path.join(tmp, "tie0")
+    ck = os.path.join(tmp, "c4_ckpt")
+    ss = samples()
+    tr = MegatronTrainer(cfg(1, 1, 2), path)
+    before = tr.hf_checksums()
+    tr.train_step(ss, ADV)
+    ref = tr.hf_checksums()
+    tr.save_checkpoint(ck)
+    tr.close()
+    dist.barrier()
+    res: dict = {"trained_tensors_changed": sum(before[k] != ref[k] for k in ref), "n": len(ref)}
+    if rank() == 0:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        md = FileSystemReader(ck).read_metadata().state_dict_metadata
+        experts = {}
+        for key, m in md.items():
+            if not (key.startswith("decoder.layers.mlp.experts.") and key.endswith(".weight")):
+                continue
+            cover = torch.zeros(tuple(m.size), dtype=torch.int32)
+            for c in m.chunks:
+                cover[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] += 1
+            # axis 0 = layer, axis 1 = expert (Megatron's prepended axes)
+            per_expert = [int(cover[:, e].min()) for e in range(cover.shape[1])] + \
+                         [int(cover[:, e].max()) for e in range(cover.shape[1])]
+            experts[key] = {"shape": list(m.size), "min_max": per_expert}
+        res["saved_experts"] = experts
+    for ep in (1, 4):
+        tr = MegatronTrainer(cfg(1, 1, ep), path)
+        tr.load_checkpoint(ck)
+        got = tr.hf_checksums()
+        res[f"reload_ep{ep}_equal"] = got == ref
+        res[f"reload_ep{ep}_n"] = len(got)
+        tr.close()
+    return res
+
+
+def main_ref(tmp: str) -> None:
+    from _tiny import make_tiny_mixtral  # before Megatron is imported
+
+    for tie in (0, 1):
+        make_tiny_mixtral(os.path.join(tmp, f"tie{tie}"), tie=bool(tie))
+    res = {}
+    for tie in ("tie0", "tie1"):
+        res[tie] = run_layout(tmp, 1, 1, 1, tie)
+    res["c10_mbs"] = {str(mbs): c10(os.path.join(tmp, "tie0"), 1, 1, 1, mbs=mbs) for mbs in (1, 4)}
+    with open(os.path.join(tmp, "ref.json"), "w") as f:
+        json.dump(res, f)
+
+
+def main_run(tmp: str, out: str, layouts: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    res: dict = {}
+    t0 = time.perf_counter()
+    for lay in layouts:
+        if lay == "c4":
+            res["c4"] = c4(tmp)
+        else:
+            res[lay] = run_layout(tmp, *parse(lay))
+    res["wall_s"] = time.perf_counter() - t0
+    if rank() == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "ref":
+        main_ref(sys.argv[2])
+    else:
+        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])
