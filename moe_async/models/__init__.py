@@ -17,6 +17,7 @@ import torch
 
 from moe_async.models import llama as _llama  # noqa: F401  (registers "llama")
 from moe_async.models import mixtral as _mixtral  # noqa: F401  (registers "mixtral")
+from moe_async.models import qwen3_moe as _qwen3_moe  # noqa: F401  (registers "qwen3_moe")
 from moe_async.models.checksum import tensor_checksum
 from moe_async.models.family import (
     ArchArgs,

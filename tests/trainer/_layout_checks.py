@@ -1,13 +1,17 @@
 """Layout checks for MegatronTrainer, run as ONE process per world size (parallel state and the
 compat layer are process-global). Writes a JSON file of results (rank 0).
 
+Checkpoints: tie0/tie1 = tiny Mixtral untied/tied; qwen3 = tiny Qwen3-MoE with
+norm_topk_prob=True (untied), qwen3n = norm_topk_prob=False (tied).
+
 Modes:
     python _layout_checks.py ref TMP
-        creates the tiny HF checkpoints TMP/tie{0,1} (before Megatron is imported), runs the
-        1-process reference of every checkpoint (2 steps), the C10 aux-loss checks at micro
+        creates the tiny HF checkpoints under TMP (before Megatron is imported), runs the
+        1-process reference of every checkpoint (2 steps), HF logprob parity of the qwen3_moe
+        checkpoints, the C10 aux-loss checks at micro
         batch sizes 1, 2, 4, and writes TMP/ref.json.
     torchrun --nproc_per_node W _layout_checks.py run TMP OUT.json LAYOUT [LAYOUT ...] [c4]
-        for each LAYOUT (``tp{t}pp{p}ep{e}-tie{0|1}``) builds a trainer, checks the HF export
+        for each LAYOUT (``tp{t}pp{p}ep{e}-{checkpoint}``) builds a trainer, checks the HF export
         against the checkpoint bit-exactly, runs 2 steps (aux coeff 0), then the C10 checks,
         destroys Megatron's parallel state and goes on with the next layout in the same
         process. ``c4``: EP2 x DP2 torch_dist save, reload at EP1 and EP4 (W = 4).
@@ -174,14 +178,42 @@ def c4(tmp: str) -> dict:
     return res
 
 
+def hf_parity(path: str) -> dict:
+    """Max |logprob difference| between the 1-process trainer and transformers (fp32) on the
+    8 samples, and the smallest HF logprob (the model must be far from uniform)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    ss = samples()
+    tr = MegatronTrainer(cfg(), path)
+    mine = tr.compute_logprobs(ss)
+    tr.close()
+    m = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = []
+    with torch.no_grad():
+        for s in ss:
+            ids = s.prompt_ids + s.response_ids
+            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            P = len(s.prompt_ids)
+            ref.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
+    return {"maxdiff": max(abs(a - b) for x, y in zip(mine, ref) for a, b in zip(x, y)),
+            "lens_ok": [len(x) for x in mine] == [len(s.response_ids) for s in ss],
+            "ref_min": min(min(x) for x in ref)}
+
+
 def main_ref(tmp: str) -> None:
-    from _tiny import make_tiny_mixtral  # before Megatron is imported
+    from _tiny import make_tiny_mixtral, make_tiny_qwen3_moe  # before Megatron is imported
 
     for tie in (0, 1):
         make_tiny_mixtral(os.path.join(tmp, f"tie{tie}"), tie=bool(tie))
+    make_tiny_qwen3_moe(os.path.join(tmp, "qwen3"), tie=False, norm_topk_prob=True)
+    make_tiny_qwen3_moe(os.path.join(tmp, "qwen3n"), tie=True, norm_topk_prob=False)
     res = {}
-    for tie in ("tie0", "tie1"):
+    for tie in ("tie0", "tie1", "qwen3", "qwen3n"):
         res[tie] = run_layout(tmp, 1, 1, 1, tie)
+    for name in ("qwen3", "qwen3n"):
+        res[f"parity_{name}"] = hf_parity(os.path.join(tmp, name))
     res["c10_mbs"] = {str(mbs): c10(os.path.join(tmp, "tie0"), 1, 1, 1, mbs=mbs) for mbs in (1, 4)}
     with open(os.path.join(tmp, "ref.json"), "w") as f:
         json.dump(res, f)

@@ -23,8 +23,9 @@ import torch
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_layout_checks.py")
-W2 = ["tp2pp1ep1-tie0", "tp1pp1ep2-tie1", "tp1pp2ep1-tie1"]
-W4 = ["tp2pp1ep2-tie0", "tp1pp2ep2-tie0", "tp2pp2ep2-tie1", "tp1pp1ep4-tie1"]
+W2 = ["tp2pp1ep1-tie0", "tp1pp1ep2-tie1", "tp1pp2ep1-tie1", "tp2pp1ep1-qwen3"]
+W4 = ["tp2pp1ep2-tie0", "tp1pp2ep2-tie0", "tp2pp2ep2-tie1", "tp1pp1ep4-tie1", "tp2pp2ep2-qwen3n"]
+REFS = ["tie0", "tie1", "qwen3", "qwen3n"]
 REL = 1e-5
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
@@ -92,13 +93,13 @@ def test_layout_equals_one_process(res, layout):
         assert max(abs(a - b) for a, b in zip(x, y)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", ["tie0", "tie1"] + W2 + W4)
+@pytest.mark.parametrize("layout", REFS + W2 + W4)
 def test_export_bit_exact_after_load(res, layout):
     assert res[layout]["export_equals_disk"] is True
     assert res[layout]["checksums_agree_on_ranks"] is True
 
 
-@pytest.mark.parametrize("layout", ["tie0", "tie1"] + W2 + W4)
+@pytest.mark.parametrize("layout", REFS + W2 + W4)
 def test_c10_aux_loss_on_every_layout(res, layout):
     """C10: loss - pg_loss == 0.01 x aux (and 0.02 x aux); with zero advantages only the aux
     loss drives the gradient, and doubling its coefficient doubles the gradient exactly."""
@@ -140,3 +141,13 @@ def test_c4_experts_saved_once_and_reloaded_at_other_ep(res):
 
 def test_total_time(res):
     assert sum(res["times"].values()) < 300, res["times"]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3n"])
+def test_qwen3_moe_logprob_parity_with_hf(res, name):
+    """qwen3_moe (qk-norm, GQA, norm_topk_prob True (untied) / False (tied)) at 1 process
+    against transformers' Qwen3MoeForCausalLM, fp32."""
+    p = res[f"parity_{name}"]
+    assert p["lens_ok"]
+    assert p["ref_min"] < -7.0  # far from uniform (log 256 = -5.55)
+    assert p["maxdiff"] < 1e-4
