@@ -54,6 +54,12 @@ class GenerateOutput:
         rid: request id.
         text: decoded text ("" without a tokenizer).
         finish_info: the raw ``finish_reason`` dict.
+        sampling_mask: ``None`` or, per output token, the token ids the sampler could pick
+            after top-k/top-p/min-p truncation (SGLang's ``output_token_sampling_mask``;
+            greedy: just the chosen token).
+        sampling_logprobs: ``None`` or, per output token, the behaviour logprob: log of the
+            chosen token's probability renormalised over that support (``"selected"``
+            mode; 0.0 when greedy), or the list over the support (``"support"`` mode).
     """
 
     output_ids: list[int]
@@ -66,6 +72,8 @@ class GenerateOutput:
     rid: str = ""
     text: str = ""
     finish_info: dict = field(default_factory=dict)
+    sampling_mask: list[list[int]] | None = None
+    sampling_logprobs: list | None = None
 
 
 def _version(v: Any) -> int:
@@ -116,6 +124,8 @@ def parse_generate(
         rid=str(meta.get("id", "")),
         text=resp.get("text", ""),
         finish_info=finish if isinstance(finish, dict) else {},
+        sampling_mask=meta.get("output_token_sampling_mask"),
+        sampling_logprobs=meta.get("output_token_sampling_logprobs"),
     )
 
 
@@ -183,7 +193,8 @@ class _Base:
         )
 
     @staticmethod
-    def _generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid):
+    def _generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid,
+                       return_sampling_mask=False, sampling_logprobs_mode=None):
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params or {}),
@@ -192,6 +203,10 @@ class _Base:
         }
         if rid is not None:
             body["rid"] = rid
+        if return_sampling_mask:
+            body["return_sampling_mask"] = True
+            if sampling_logprobs_mode is not None:
+                body["sampling_logprobs_mode"] = sampling_logprobs_mode
         return body
 
     @staticmethod
@@ -248,8 +263,10 @@ class EngineClient(_Base):
 
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None,
                        return_logprob: bool = True, return_routed_experts: bool = False,
-                       rid: str | None = None) -> GenerateOutput:
-        body = self._generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid)
+                       rid: str | None = None, return_sampling_mask: bool = False,
+                       sampling_logprobs_mode: str | None = None) -> GenerateOutput:
+        body = self._generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid,
+                                   return_sampling_mask, sampling_logprobs_mode)
         r = await self._request("POST", "/generate", body, retry=_connect_only)
         return parse_generate(r.json(), self.moe_shape)
 
@@ -347,8 +364,10 @@ class SyncEngineClient(_Base):
 
     def generate(self, input_ids: list[int], sampling_params: dict | None = None,
                  return_logprob: bool = True, return_routed_experts: bool = False,
-                 rid: str | None = None) -> GenerateOutput:
-        body = self._generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid)
+                 rid: str | None = None, return_sampling_mask: bool = False,
+                 sampling_logprobs_mode: str | None = None) -> GenerateOutput:
+        body = self._generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid,
+                                   return_sampling_mask, sampling_logprobs_mode)
         r = self._request("POST", "/generate", body, retry=_connect_only)
         return parse_generate(r.json(), self.moe_shape)
 

@@ -284,3 +284,52 @@ def test_weight_update_over_gloo(engine):
     assert out.weight_version == 3 and out.output_token_weight_versions == [3] * len(out.output_ids)
     _check_against_hf(model, _prompt(9, 8), out, 6)
     c.close()
+
+
+def test_sampling_mask(engine):
+    """Per-token sampling support + behaviour logprob (SGLang's return_sampling_mask)."""
+    eng, _, model = engine
+    prompt = _prompt(6, 11)
+    with SyncEngineClient(eng.url, timeout_s=60) as c:
+        # greedy and top_k=1: the support is the chosen token, behaviour logprob 0
+        for sp in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 1}):
+            o = c.generate(prompt, {**sp, "max_new_tokens": 4, "ignore_eos": True},
+                           return_sampling_mask=True)
+            assert o.sampling_mask == [[t] for t in o.output_ids]
+            assert o.sampling_logprobs == [0.0] * 4
+        # top_k=5 at T=0.7: support = the 5 largest logits; logprob renormalised over them
+        sp = {"temperature": 0.7, "top_k": 5, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 3}
+        o = c.generate(prompt, sp, return_sampling_mask=True)
+        full = prompt + o.output_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([full])).logits[0].float() / 0.7
+        for i, (t, mask, lp) in enumerate(zip(o.output_ids, o.sampling_mask, o.sampling_logprobs)):
+            row = logits[len(prompt) - 1 + i]
+            top = torch.topk(row, 5)
+            assert mask == sorted(top.indices.tolist()) and t in mask
+            exp = torch.log_softmax(top.values, -1)[top.indices.tolist().index(t)]
+            assert abs(lp - float(exp)) < 1e-4
+        s = c.generate(prompt, sp, return_sampling_mask=True, sampling_logprobs_mode="support")
+        assert s.output_ids == o.output_ids and s.sampling_mask == o.sampling_mask
+        for mask, lps, lp, t in zip(s.sampling_mask, s.sampling_logprobs, o.sampling_logprobs, s.output_ids):
+            assert len(lps) == len(mask) and abs(np.logaddexp.reduce(lps)) < 1e-5
+            assert abs(lps[mask.index(t)] - lp) < 1e-6
+        # top_p=1, no top_k: a no-op truncation: whole vocab, logprob == the plain logprob
+        o = c.generate(prompt, {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 3, "sampling_seed": 1,
+                                "ignore_eos": True}, return_sampling_mask=True)
+        assert all(m == list(range(256)) for m in o.sampling_mask)
+        np.testing.assert_allclose(o.sampling_logprobs, o.output_logprobs, atol=1e-5)
+        # over the server's cap (--sampling-mask-max-tokens) would abort; unset mode without mask: 400
+        r = httpx.post(f"{eng.url}/generate", json={"input_ids": prompt, "sampling_logprobs_mode": "support"})
+        assert r.status_code == 400
+
+
+def test_routed_experts_of_empty_completion(engine):
+    """Prompt fills the context: 0 tokens, finish 'length', routes still cover P-1 rows."""
+    eng, _, model = engine
+    prompt = _prompt(CTX, 12)
+    with SyncEngineClient(eng.url, timeout_s=60) as c:
+        o = c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 8}, return_routed_experts=True)
+    assert o.output_ids == [] and o.finish_reason == "length" and o.prompt_tokens == CTX
+    assert o.routed_experts.shape == (CTX - 1, 2, 2)
+    np.testing.assert_array_equal(o.routed_experts, _hf_routing(model, prompt[:-1]))

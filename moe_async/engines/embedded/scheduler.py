@@ -93,6 +93,8 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_routed_experts: bool = False
+    return_sampling_mask: bool = False
+    sampling_logprobs_mode: str = "selected"  # "selected" | "support"
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     max_new_tokens: int = 0  # after clamping to the context
     output_ids: list[int] = field(default_factory=list)
@@ -100,6 +102,8 @@ class Req:
     output_versions: list[int] = field(default_factory=list)
     input_token_logprobs: list[list] | None = None
     routed: list[np.ndarray] = field(default_factory=list)  # chunks of [S, L, K] int32
+    sampling_mask: list[list[int]] = field(default_factory=list)  # per output token: support ids
+    sampling_logprobs: list = field(default_factory=list)  # per output token: float | list
     finish: dict | None = None
     num_retractions: int = 0
     created: float = field(default_factory=time.monotonic)
@@ -163,6 +167,7 @@ class Scheduler:
         eos_token_ids: set[int],
         return_original_logprob: bool = False,
         tokenizer: Any = None,
+        sampling_mask_max_tokens: int = 4096,
     ):
         self.model = model
         self.context_length = context_length
@@ -170,6 +175,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.return_original_logprob = return_original_logprob
         self.tokenizer = tokenizer
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
         cfg = model.config
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.capture = RoutingCapture(model, self.top_k)
@@ -207,7 +213,14 @@ class Scheduler:
         if req.params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
         if req.max_new_tokens == 0:
-            # Prompt fills the context (or 0 tokens asked): nothing to run, never truncate.
+            # Prompt fills the context (or 0 tokens asked): nothing is generated and the prompt
+            # is never cut. Routed experts must still cover the P-1 prompt positions that
+            # predict a following token, so run the forward pass for them when asked.
+            if req.return_routed_experts and prompt_len > 1:
+                with self._lock:
+                    self.waiting.append(req)
+                self._wake.set()
+                return req.future
             self._finish(req, {"type": "length", "length": 0})
             return req.future
         with self._lock:
@@ -315,7 +328,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ model steps
     @torch.inference_mode()
+    def _prefill_routing_only(self, req: Req) -> None:
+        """0-token request that wants routed experts: route the first P-1 prompt tokens."""
+        ids = req.input_ids[:-1]
+        self.model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False,
+                   logits_to_keep=1)
+        req.routed = [self.capture.take(len(ids))]
+        self._finish(req, {"type": "length", "length": 0})
+
+    @torch.inference_mode()
     def _prefill(self, req: Req) -> None:
+        if req.max_new_tokens == 0:
+            return self._prefill_routing_only(req)
         ids = req.input_ids + req.output_ids  # re-prefill after a retract includes outputs
         need_input_lp = (
             req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
@@ -417,22 +441,14 @@ class Scheduler:
         """Sample one token for ``req`` from ``logits_1V``; record it and check stops."""
         p = req.params
         logits_V = logits_1V[0]
+        probs = None
         if p.greedy:
             tok = int(torch.argmax(logits_V))
         else:
-            x = logits_V / p.temperature
-            if p.top_k > 0 and p.top_k < x.numel():
-                kth = torch.topk(x, p.top_k).values[-1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            if p.top_p < 1.0:
-                sorted_x, order = torch.sort(x, descending=True)
-                probs = torch.softmax(sorted_x, dim=-1)
-                drop = (torch.cumsum(probs, dim=-1) - probs) > p.top_p
-                x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-            probs = torch.softmax(x, dim=-1)
-            if p.min_p > 0:
-                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = self._sampling_probs(logits_V, p)
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
+        if req.return_sampling_mask and not self._record_mask(req, tok, probs):
+            return
         # SGLang default: logprob of the temperature-scaled distribution (before top-k/p);
         # greedy or --return-original-logprob: the raw distribution.
         if p.greedy or self.return_original_logprob:
@@ -448,6 +464,47 @@ class Scheduler:
             self._finish(req, {"type": "stop", "matched": tok})
         elif len(req.output_ids) >= req.max_new_tokens:
             self._finish(req, {"type": "length", "length": req.max_new_tokens})
+
+    @staticmethod
+    def _sampling_probs(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """``[V]`` the distribution the sampler draws from: temperature, then top-k, then
+        top-p over the top-k-renormalised probabilities, then min-p; zeros outside it."""
+        x = logits_V / p.temperature
+        if p.top_k > 0 and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            drop = (torch.cumsum(probs, dim=-1) - probs) > p.top_p
+            x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(x, dim=-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return probs
+
+    def _record_mask(self, req: Req, tok: int, probs: torch.Tensor | None) -> bool:
+        """Append SGLang's ``output_token_sampling_mask`` row (the support the sampler could
+        pick from, ascending ids) and behaviour logprob for ``tok``. Greedy: ``[tok]`` and 0.0.
+        A support over ``sampling_mask_max_tokens`` aborts the request, as SGLang does."""
+        if probs is None:
+            req.sampling_mask.append([tok])
+            req.sampling_logprobs.append([0.0] if req.sampling_logprobs_mode == "support" else 0.0)
+            return True
+        support = torch.nonzero(probs > 0).flatten()
+        if support.numel() > self.sampling_mask_max_tokens:
+            self._finish(req, self._abort_reason(
+                f"Sampling support exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}"
+                f" ({support.numel()} tokens); lower top_k/top_p or raise the server limit.", 400))
+            return False
+        kept = probs[support]
+        lps = torch.log(kept / kept.sum())
+        req.sampling_mask.append(support.tolist())
+        if req.sampling_logprobs_mode == "support":
+            req.sampling_logprobs.append(lps.tolist())
+        else:
+            req.sampling_logprobs.append(float(lps[(support == tok).nonzero()[0, 0]]))
+        return True
 
     # ------------------------------------------------------------------ results
     @staticmethod
@@ -485,8 +542,13 @@ class Scheduler:
             ]
             if req.input_token_logprobs is not None:
                 meta["input_token_logprobs"] = req.input_token_logprobs
+        if req.return_sampling_mask:
+            meta["output_token_sampling_mask"] = req.sampling_mask[:C]
+            meta["output_token_sampling_logprobs"] = req.sampling_logprobs[:C]
+            meta["output_token_sampling_mask_length"] = len(meta["output_token_sampling_mask"])
         if req.return_routed_experts:
-            # rows = tokens fed to the model = prompt + completion - 1 (0 if nothing ran)
+            # rows = prompt + completion - 1 (SGLang's (seqlen - 1, L, K)); a 0-token
+            # completion covers the prompt's first P - 1 tokens.
             if req.routed:
                 arr = np.ascontiguousarray(np.concatenate(req.routed, axis=0), dtype=np.int32)
             else:

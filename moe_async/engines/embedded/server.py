@@ -17,6 +17,15 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   ``weight_versions`` (SGLang's spans) and ``routed_experts`` (base64 of int32
   ``(prompt + completion - 1, moe_layers, top_k)``). Extensions: ``output_token_weight_versions``
   (the weight_version of every output token) and ``routed_experts_shape``.
+  ``return_sampling_mask`` (SGLang 0.5.23's field) adds ``output_token_sampling_mask`` (per
+  output token, the ascending token ids the sampler could pick after top-k/top-p/min-p;
+  greedy: the chosen token), ``output_token_sampling_logprobs`` (``sampling_logprobs_mode=
+  "selected"``: the chosen token's log-probability renormalised over that support, 0.0 when
+  greedy; ``"support"``: the list over the support) and ``output_token_sampling_mask_length``.
+  Truncation order here: temperature, top-k, top-p over the top-k-renormalised distribution,
+  min-p (SGLang intersects top-k and top-p computed on the full distribution; the mask always
+  describes what this sampler did). A 0-token completion with ``return_routed_experts``
+  still returns the prompt's ``P - 1`` routed rows.
   Logprobs follow SGLang's default: greedy requests get the raw ``log_softmax(logits)``;
   sampled requests get ``log_softmax(logits / temperature)`` (before top-k/top-p), unless the
   server runs with ``--return-original-logprob`` (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``).
@@ -79,6 +88,8 @@ class GenerateReqInput(_Body):
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None
     return_routed_experts: bool = False
+    return_sampling_mask: bool | list[bool] | None = None
+    sampling_logprobs_mode: Literal["selected", "support"] | list[Literal["selected", "support"] | None] | None = None
     stream: bool = False
 
 
@@ -157,6 +168,7 @@ class EngineState:
             eos_token_ids=eos,
             return_original_logprob=args.return_original_logprob,
             tokenizer=self.tokenizer,
+            sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         )
         self.groups: dict[str, Any] = {}
         self.staged: dict[str, torch.Tensor] = {}
@@ -283,7 +295,11 @@ def create_app(state: EngineState) -> FastAPI:
                 return_logprob=bool(pick(body.return_logprob, i, False)),
                 logprob_start_len=int(pick(body.logprob_start_len, i, -1)),
                 return_routed_experts=body.return_routed_experts,
+                return_sampling_mask=bool(pick(body.return_sampling_mask, i, False)),
+                sampling_logprobs_mode=pick(body.sampling_logprobs_mode, i, "selected"),
             )
+            if pick(body.sampling_logprobs_mode, i, None) is not None and not req.return_sampling_mask:
+                return _error("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
             if rid:
                 req.rid = rid
             reqs.append(req)
@@ -417,6 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: config.max_position_embeddings")
     p.add_argument("--return-original-logprob", action="store_true",
                    help="logprobs of the raw distribution even when temperature != 1")
+    p.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
+                   help="largest per-token sampling support returned (SGLang's flag); more aborts")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="accepted for SGLang parity; routing is always captured here")
     p.add_argument("--parent-pid", type=int, default=None,
