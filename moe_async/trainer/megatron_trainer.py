@@ -233,33 +233,58 @@ class MegatronTrainer:
         """HF safetensors (all ``*.safetensors`` in ``hf_path``) -> family mapping (full
         1-process Megatron tensors) -> this rank's slices (:func:`sharding.load_full_state`).
 
-        Every rank reads the files (CPU memory: one full copy per rank while loading).
-        Raises KeyError naming unused/missing HF tensors (the mapping), local parameters with
-        no source, or converted tensors that no rank of the world uses; ValueError on a shape
-        mismatch (vocab padding excepted)."""
+        When the files hold exactly the mapping table's HF on-disk names (the normal case),
+        each rank reads only the HF tensors its own shards come from (``safe_open``; e.g. an
+        EP rank reads its experts only), so host memory per rank is about its share of the
+        model plus one full tensor. Otherwise (transformers' in-memory fused layout, stray or
+        missing keys) every rank reads everything and the mapping raises naming the keys.
+        Raises KeyError naming unused/missing HF tensors, local parameters with no source, or
+        converted tensors that no rank of the world uses; ValueError on a shape mismatch
+        (vocab padding excepted) or a tensor present in two files."""
+        import contextlib
+
         import torch.distributed as dist
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {hf_path}")
-        hf_state: dict[str, Tensor] = {}
+        where: dict[str, str] = {}
         for f in files:
-            for k, v in load_file(f).items():
-                if k in hf_state:
-                    raise ValueError(f"tensor {k!r} appears in two safetensors files ({f})")
-                hf_state[k] = v
-        meg = self.family.hf_to_megatron(hf_state, self.hf_config)
-        del hf_state
-        # TE-spec names (fused norms) -> the local-spec names of the mapping table
-        meg_local = {local_spec_name(k): v for k, v in meg.items()}
+            with safe_open(f, framework="pt") as h:
+                for k in h.keys():
+                    if k in where:
+                        raise ValueError(f"tensor {k!r} appears in two safetensors files ({f})")
+                    where[k] = f
+        arch = self.family.arch_args(self.hf_config)
+        table = self.family.table(arch)
+        want = needed_names(self.model)  # 1-process local-spec names this rank slices from
+        if set(where) == set(table.hf_keys):
+            unknown = sorted(want - set(table.by_megatron))
+            if unknown:
+                raise KeyError(f"weight load: model params with no HF mapping: {unknown}")
+            meg_local: dict[str, Tensor] = {}
+            with contextlib.ExitStack() as stack:
+                handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
+                for m in sorted(want):
+                    rule, hs = table.by_megatron[m]
+                    meg_local[m] = rule.fuse([handles[where[h]].get_tensor(h) for h in hs], arch)
+        else:
+            hf_state: dict[str, Tensor] = {}
+            for f in files:
+                hf_state.update(load_file(f))
+            meg = self.family.hf_to_megatron(hf_state, self.hf_config)
+            del hf_state
+            # TE-spec names (fused norms) -> the local-spec names of the mapping table
+            meg_local = {local_spec_name(k): v for k, v in meg.items()}
         load_full_state(self.model, meg_local, self.vocab_size)
-        used = needed_names(self.model)
+        used = set(want)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, sorted(used))
             used = set().union(*map(set, everyone))
-        unused = sorted(set(meg_local) - used)
+        unused = sorted(set(table.by_megatron) - used)
         if unused:
             raise KeyError(f"weight load: converted tensors used by no rank: {unused}")
 

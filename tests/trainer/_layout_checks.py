@@ -202,6 +202,40 @@ def hf_parity(path: str) -> dict:
             "ref_min": min(min(x) for x in ref)}
 
 
+def load_paths(tmp: str) -> dict:
+    """The full-read fallback of the HF loader: a checkpoint in transformers' in-memory
+    layout (fused experts) loads and exports the on-disk tensors; a stray key is named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    src = os.path.join(tmp, "tie0")
+    out = {}
+    fused = os.path.join(tmp, "fused")
+    os.makedirs(fused, exist_ok=True)
+    shutil.copy(os.path.join(src, "config.json"), fused)
+    sd = {k: v.detach().contiguous() for k, v in AutoModelForCausalLM.from_pretrained(src).state_dict().items()}
+    out["fused_layout_differs"] = set(sd) != set(load_file(os.path.join(src, "model.safetensors")))
+    save_file(sd, os.path.join(fused, "model.safetensors"))
+    tr = MegatronTrainer(cfg(), fused)
+    out["fused_export_equals_disk"] = export_equals_disk(tr, src)
+    tr.close()
+    stray = os.path.join(tmp, "stray")
+    shutil.copytree(src, stray)
+    st = load_file(os.path.join(stray, "model.safetensors"))
+    st["model.layers.0.stray.weight"] = torch.zeros(2)
+    save_file(st, os.path.join(stray, "model.safetensors"))
+    try:
+        MegatronTrainer(cfg(), stray)
+        out["stray_error"] = None
+    except KeyError as e:
+        out["stray_error"] = str(e)
+    return out
+
+
 def main_ref(tmp: str) -> None:
     from _tiny import make_tiny_mixtral, make_tiny_qwen3_moe  # before Megatron is imported
 
@@ -214,6 +248,7 @@ def main_ref(tmp: str) -> None:
         res[tie] = run_layout(tmp, 1, 1, 1, tie)
     for name in ("qwen3", "qwen3n"):
         res[f"parity_{name}"] = hf_parity(os.path.join(tmp, name))
+    res["load_paths"] = load_paths(tmp)
     res["c10_mbs"] = {str(mbs): c10(os.path.join(tmp, "tie0"), 1, 1, 1, mbs=mbs) for mbs in (1, 4)}
     with open(os.path.join(tmp, "ref.json"), "w") as f:
         json.dump(res, f)

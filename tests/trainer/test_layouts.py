@@ -151,3 +151,11 @@ def test_qwen3_moe_logprob_parity_with_hf(res, name):
     assert p["lens_ok"]
     assert p["ref_min"] < -7.0  # far from uniform (log 256 = -5.55)
     assert p["maxdiff"] < 1e-4
+
+
+def test_hf_loader_full_read_fallback(res):
+    """Files that are not exactly the on-disk names: transformers' fused in-memory layout
+    loads (and exports the on-disk tensors bit-exactly); a stray key is named in a KeyError."""
+    lp = res["load_paths"]
+    assert lp["fused_layout_differs"] and lp["fused_export_equals_disk"]
+    assert lp["stray_error"] is not None and "model.layers.0.stray.weight" in lp["stray_error"]
