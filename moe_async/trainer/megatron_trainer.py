@@ -72,6 +72,12 @@ class MegatronTrainer:
     If ``torch.distributed`` / Megatron parallel state are already initialised (another
     trainer in the process) they are reused when the sizes agree.
 
+    At world size > 1 every public method is collective: all ranks call ``train_step``,
+    ``compute_logprobs``, ``export_hf_weights`` (and exhaust it), ``hf_checksums`` and the
+    checkpoint methods, with the same arguments (the same global batch on every rank).
+    Results: ``train_step`` metrics and ``compute_logprobs`` / ``hf_checksums`` are equal on
+    every rank; ``export_hf_weights`` yields on global rank 0 only.
+
     Attributes:
         version: weight_version, 0 after load, +1 per ``train_step``.
         hf_config: the HF config dict; ``family``: the model family.
@@ -401,10 +407,7 @@ class MegatronTrainer:
 
     def _train_step(self, batch: list[Sample], advantages: list[float]) -> dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer.moe.moe_utils import (
-            clear_aux_losses_tracker,
-            get_moe_layer_wise_logging_tracker,
-        )
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         cfg = self.cfg
         batch, advantages = self._dp_local(batch, advantages)  # DP: this replica's slice
