@@ -10,7 +10,15 @@ output to a file, and waits for ``GET /health`` up to ``cfg.startup_timeout_s``;
 process dies first, the error carries the tail of its log. ``shutdown()`` sends SIGTERM to
 the group, then SIGKILL after a grace period; an ``atexit`` hook does the same for engines
 still running when the interpreter exits, and the embedded server also exits by itself
-when its parent is gone (``--parent-pid``), so no server is ever orphaned.
+when its parent is gone (``--parent-pid``; SGLang: ``PR_SET_PDEATHSIG`` = SIGTERM on the
+server process, whose own handler takes its scheduler/detokenizer children down), so no
+server is orphaned even when the parent is killed with SIGKILL.
+
+Health and restart: :meth:`Engine.healthy` (process alive and ``GET /health`` 200) and
+:meth:`Engine.restart` (shutdown, then launch again on the same port, so clients keep their
+URL); :func:`ensure_healthy` restarts every engine that failed its check and returns their
+indices. A restarted engine has the checkpoint weights (version 0): the caller must
+re-join it to the weight-update group and push the current weights.
 """
 
 from __future__ import annotations
@@ -76,6 +84,20 @@ class Engine(abc.ABC):
     def alive(self) -> bool:
         """Whether the server process is running."""
 
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        """Process alive and ``GET /health`` answers 200 within ``timeout_s``."""
+        if not self.alive:
+            return False
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def restart(self) -> "Engine":
+        """Stop whatever is left of the server and launch it again (same port)."""
+        self.shutdown()
+        return self.launch()
+
     def __enter__(self) -> "Engine":
         return self.launch()
 
@@ -100,6 +122,9 @@ class _SubprocessEngine(Engine):
     @abc.abstractmethod
     def command(self) -> list[str]:
         """argv of the server process."""
+
+    def preexec(self) -> None:
+        """Runs in the child before exec (after ``setsid``)."""
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -127,6 +152,7 @@ class _SubprocessEngine(Engine):
             stdin=subprocess.DEVNULL,
             env=self.env(),
             start_new_session=True,
+            preexec_fn=self.preexec,
         )
         _LIVE.add(self)
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -209,6 +235,9 @@ class SGLangEngine(_SubprocessEngine):
 
     name = "sglang"
 
+    def preexec(self) -> None:
+        _set_pdeathsig(signal.SIGTERM)
+
     def command(self) -> list[str]:
         cmd = [
             sys.executable, "-m", "sglang.launch_server",
@@ -228,6 +257,26 @@ class SGLangEngine(_SubprocessEngine):
             else:
                 cmd += [flag, str(val)]
         return cmd
+
+
+def _set_pdeathsig(sig: int) -> None:
+    """Linux: deliver ``sig`` to this process when the thread that forked it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def ensure_healthy(engines: list[Engine], timeout_s: float = 5.0) -> list[int]:
+    """Restart every engine that is dead or fails ``/health``; returns their indices."""
+    restarted = []
+    for i, eng in enumerate(engines):
+        if not eng.healthy(timeout_s):
+            eng.restart()
+            restarted.append(i)
+    return restarted
 
 
 def make_engine(cfg: EngineConfig, model_path: str, port: int = 0) -> Engine:

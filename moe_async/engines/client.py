@@ -426,3 +426,67 @@ class SyncEngineClient(_Base):
 
     def weights_checksum(self) -> dict:
         return self._request("GET", "/weights_checksum").json()
+
+
+class MultiEngineClient:
+    """Several engines behind one async client: least-loaded dispatch of ``generate``.
+
+    Each ``generate`` goes to the engine with the fewest requests in flight *from this
+    client* (ties: the lowest index, rotated so equal loads spread). Control calls (pause,
+    continue, flush, version) fan out to every engine and return their per-engine results.
+    On GPU clusters ``sglang-router`` (``python -m sglang_router.launch_router
+    --worker-urls ...``) does the same job for SGLang engines; pointing a single
+    :class:`EngineClient` at the router is equivalent, except that weight-update calls must
+    still go to each engine's own URL.
+    """
+
+    def __init__(self, urls: list[str], timeout_s: float = 600.0, **kw):
+        if not urls:
+            raise ValueError("MultiEngineClient needs at least one engine URL")
+        self.clients = [EngineClient(u, timeout_s, **kw) for u in urls]
+        self.inflight = [0] * len(urls)
+        self._next = 0
+
+    def pick(self) -> int:
+        n = len(self.clients)
+        order = [(self._next + j) % n for j in range(n)]
+        i = min(order, key=lambda k: self.inflight[k])
+        self._next = (i + 1) % n
+        return i
+
+    async def generate(self, *args, **kw) -> GenerateOutput:
+        i = self.pick()
+        self.inflight[i] += 1
+        try:
+            return await self.clients[i].generate(*args, **kw)
+        finally:
+            self.inflight[i] -= 1
+
+    async def _all(self, name: str, *args, **kw) -> list:
+        import asyncio
+
+        return list(await asyncio.gather(*[getattr(c, name)(*args, **kw) for c in self.clients]))
+
+    async def health(self) -> list[bool]:
+        return await self._all("health")
+
+    async def pause_generation(self, mode: str = "abort") -> list[dict]:
+        return await self._all("pause_generation", mode)
+
+    async def continue_generation(self) -> list[dict]:
+        return await self._all("continue_generation")
+
+    async def flush_cache(self) -> list[bool]:
+        return await self._all("flush_cache")
+
+    async def get_weight_version(self) -> list[int]:
+        return await self._all("get_weight_version")
+
+    async def aclose(self) -> None:
+        await self._all("aclose")
+
+    async def __aenter__(self) -> "MultiEngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

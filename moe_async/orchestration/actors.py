@@ -94,6 +94,16 @@ class EngineManager:
             eng.launch()
         return [e.url for e in self.engines]
 
+    def check_and_restart(self) -> list[int]:
+        """Restart engines whose process died or whose ``/health`` fails (same URLs).
+
+        Returns the restarted indices: those engines run the checkpoint weights again, so the
+        caller re-joins them to the weight-update group and re-sends the current weights.
+        """
+        from moe_async.engines.base import ensure_healthy
+
+        return ensure_healthy(self.engines)
+
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
