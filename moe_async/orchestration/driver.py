@@ -22,44 +22,33 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from typing import Any
 
 from moe_async.config import ExperimentConfig, dump_config
 from moe_async.logging.run_logger import RunLogger, make_run_dir
+from moe_async.orchestration.metrics import batch_metrics, loop_metrics
 
 
-def _batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
-    samples = [s for g in groups for s in g.samples]
-    stale = [trainer_version - v for s in samples for v in s.weight_versions]
-    rewards = [s.reward for s in samples]
-    return {
-        "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
-        "rollout/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
-        "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
-        "rollout/reward_errors": float(sum(s.reward_error is not None for s in samples)),
-        "buffer/staleness_mean": sum(stale) / max(1, len(stale)),
-        "buffer/staleness_max": float(max(stale, default=0)),
-        "buffer/staleness_min": float(min(stale, default=0)),
-        "train/response_tokens": float(sum(len(s.response_ids) for s in samples)),
-        "train/samples": float(len(samples)),
-        # this batch's tokens per staleness (trainer version - token version)
-        **{f"buffer/staleness_hist/{k}": float(c) for k, c in sorted(Counter(stale).items())},
-    }
+def _init_ray() -> None:
+    """Attach to the cluster in ``RAY_ADDRESS`` (launch/slurm_train.sbatch), else start a
+    local Ray bound to loopback."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=True, runtime_env=runtime_env)
 
 
-def _loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> dict[str, float]:
-    """Cumulative since generation started: drop/filter counts by reason (buffer and rollout),
-    engine idle fraction (1 - mean over engines of busy time / elapsed; an engine is busy while
-    it has a request outstanding)."""
-    m = {f"buffer/dropped/{r}": float(n) for r, n in bstats["drop_reasons"].items()}
-    keys = ("rollout/dropped_total", "rollout/samples_filtered", "rollout/tokens_filtered",
-            "rollout/filter_cap_passed", "rollout/reward_errors", "rollout/aborts")
-    m.update({k: v for k, v in rmetrics.items() if k.startswith("rollout/dropped/") or k in keys})
-    busy = [v - busy0.get(k, 0.0) for k, v in rmetrics.items() if k.startswith("rollout/engine_busy_s/")]
-    if busy and elapsed > 0:
-        m["perf/engine_idle_frac"] = max(0.0, 1.0 - sum(busy) / len(busy) / elapsed)
-    return m
+def _evaluate(rollout, summary: dict, key: str, label: str) -> None:
+    import ray
+
+    ev = ray.get(rollout.evaluate.remote())
+    summary[key] = ev
+    print(f"[moe-async] held-out accuracy {label}: {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
 
 
 def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -80,13 +69,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     print(f"[moe-async] model: {model_path}", flush=True)
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    if os.environ.get("RAY_ADDRESS"):  # a cluster brought up by launch/slurm_train.sbatch
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
-    else:  # a local Ray bound to loopback
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=True, runtime_env=runtime_env)
+    _init_ray()
     engines = EngineManager.remote(cfg, model_path)
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
@@ -97,9 +80,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         buffer = BufferActor.remote(B, K, ray.get(trainer.version.remote()))
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
         if cfg.eval_before:
-            ev = ray.get(rollout.evaluate.remote())
-            summary["eval_before"] = ev
-            print(f"[moe-async] held-out accuracy before: {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
+            _evaluate(rollout, summary, "eval_before", "before")
         busy0 = {k: v for k, v in ray.get(rollout.metrics.remote()).items() if k.startswith("rollout/engine_busy_s/")}
         ray.get(rollout.start.remote())
         n_samples = 0.0
@@ -115,7 +96,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                     raise RuntimeError(f"rollout loop died: {err}")
             t1 = time.perf_counter()
             idle += t1 - t0
-            m = _batch_metrics(groups, version)
+            m = batch_metrics(groups, version)
             m.update(ray.get(trainer.train_step.remote(groups)))
             version = ray.get(trainer.version.remote())
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
@@ -128,7 +109,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             n_samples += m["train/samples"]
             elapsed = time.perf_counter() - t_start
             bstats = ray.get(buffer.stats.remote())
-            m.update(_loop_metrics(bstats, ray.get(rollout.metrics.remote()), busy0, elapsed))
+            m.update(loop_metrics(bstats, ray.get(rollout.metrics.remote()), busy0, elapsed))
             m.update({
                 "train/weight_version": float(version),
                 "engine/weight_version": float(synced_version),
@@ -148,9 +129,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         summary["buffer"] = ray.get(buffer.stats.remote())
         summary["rollout"] = ray.get(rollout.metrics.remote())
         if cfg.eval_after:
-            ev = ray.get(rollout.evaluate.remote())
-            summary["eval_after"] = ev
-            print(f"[moe-async] held-out accuracy after:  {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
+            _evaluate(rollout, summary, "eval_after", "after")
         from moe_async.engines.client import SyncEngineClient
 
         trainer_sums = ray.get(trainer.checksums.remote())

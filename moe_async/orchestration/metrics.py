@@ -1,0 +1,39 @@
+"""Per-step metrics the driver adds to the trainer's: batch rewards and staleness, drop and
+filter counts by reason, idle fractions and throughput."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    stale = [trainer_version - v for s in samples for v in s.weight_versions]
+    rewards = [s.reward for s in samples]
+    return {
+        "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
+        "rollout/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+        "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
+        "rollout/reward_errors": float(sum(s.reward_error is not None for s in samples)),
+        "buffer/staleness_mean": sum(stale) / max(1, len(stale)),
+        "buffer/staleness_max": float(max(stale, default=0)),
+        "buffer/staleness_min": float(min(stale, default=0)),
+        "train/response_tokens": float(sum(len(s.response_ids) for s in samples)),
+        "train/samples": float(len(samples)),
+        # this batch's tokens per staleness (trainer version - token version)
+        **{f"buffer/staleness_hist/{k}": float(c) for k, c in sorted(Counter(stale).items())},
+    }
+
+
+def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> dict[str, float]:
+    """Cumulative since generation started: drop/filter counts by reason (buffer and rollout),
+    engine idle fraction (1 - mean over engines of busy time / elapsed; an engine is busy while
+    it has a request outstanding)."""
+    m = {f"buffer/dropped/{r}": float(n) for r, n in bstats["drop_reasons"].items()}
+    keys = ("rollout/dropped_total", "rollout/samples_filtered", "rollout/tokens_filtered",
+            "rollout/filter_cap_passed", "rollout/reward_errors", "rollout/aborts")
+    m.update({k: v for k, v in rmetrics.items() if k.startswith("rollout/dropped/") or k in keys})
+    busy = [v - busy0.get(k, 0.0) for k, v in rmetrics.items() if k.startswith("rollout/engine_busy_s/")]
+    if busy and elapsed > 0:
+        m["perf/engine_idle_frac"] = max(0.0, 1.0 - sum(busy) / len(busy) / elapsed)
+    return m
