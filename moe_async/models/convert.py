@@ -1,0 +1,607 @@
+"""Checkpoint conversion HF safetensors <-> Megatron ``torch_dist``, at any TP/PP/EP layout.
+
+Used by ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``. Both
+directions go through the family's ONE declarative mapping table (``moe_async.models``:
+``ModelFamily.table``) and the trainer's sharding helpers (``moe_async.trainer.sharding``:
+per-rank slices read from Megatron's own ``sharded_state_dict()`` metadata), i.e. the same
+path as ``MegatronTrainer``'s HF load and HF export; the Megatron model is built with the
+same family helpers as the trainer (``transformer_config``, ``layer_spec``,
+``gpt_model_kwargs``, ``padded_vocab_size``).
+
+HF -> Megatron (:func:`hf_to_megatron_checkpoint`): the HF config is checked against the
+family spec first (``arch_args``; a mismatch raises ``ValueError`` naming the field). The
+safetensors files (``model.safetensors.index.json`` when present, else ``*.safetensors``)
+are read ONE FILE AT A TIME with ``safe_open``; a rank reads only the tensors its own shards
+come from (an EP rank: its experts). A Megatron tensor whose HF sources span files (q/k/v,
+gate/up) is fused once its last source has been read; the pending sources are all that is
+kept between files. Transformers' in-memory fused expert layout (``experts.gate_up_proj``
+``[E,2I,H]`` / ``experts.down_proj`` ``[E,H,I]``, ``mlp.gate``) is accepted too (each fused
+tensor is rewritten to the per-expert on-disk names by the family's ``normalize_hf_state``).
+Any HF key the table does not use, and any table source that no file holds, raises
+``KeyError`` naming the keys BEFORE anything is written. The model's sharded state dict is
+written with ``megatron.core.dist_checkpointing.save`` under the ``"model"`` key (the same
+keys as ``MegatronTrainer.save_checkpoint``'s model part), plus ``hf_config.json`` and
+``moe_async_convert.json`` (family, vocab, the layout it was written at).
+
+Megatron -> HF (:func:`megatron_to_hf_checkpoint`): builds the model at the requested
+layout (any: ``torch_dist`` reshards on load), ``dist_checkpointing.load``; every checkpoint
+tensor the model does not ask for raises ``KeyError`` (strict ``raise_unexpected``), every
+model tensor missing from the checkpoint too (``raise_all``). Full tensors are gathered to
+rank 0 one at a time (``gather_full_state``), split into HF names by the mapping table
+(which raises naming any HF tensor left unset or Megatron tensor left unused), and written
+as sharded safetensors of at most ``max_shard_size`` bytes each, with
+``model.safetensors.index.json``; ``config.json``, generation config and tokenizer files
+are copied from the reference HF dir. Host memory on rank 0: its model share + one output
+file's worth of tensors.
+
+Why not megatron-bridge / mbridge (evaluated 2026-11-29 in this repo's venv: Python 3.11,
+CPU-only torch, megatron-core 0.16.1, transformers 5.23, no CUDA, no transformer_engine):
+megatron-bridge 0.3.1 (latest on PyPI; 0.3.0 the only other) cannot be installed or imported
+here: its wheel requires transformers<5.0 (this repo runs transformers 5.23, whose in-memory
+MoE layout it does not know), transformer-engine[core_cu13,pytorch]>=2.10 (CUDA 13 builds),
+mamba-ssm, causal-conv1d, nvidia-resiliency-ext, and with --no-deps ``import megatron.bridge``
+fails at once in megatron/bridge/peft/lora_layers.py (``import transformer_engine.pytorch``,
+ModuleNotFoundError) - it is a GPU-only library. mbridge 0.15.1 (latest) installs with
+--no-deps and imports against megatron-core 0.16.1, but cannot build a model without
+Transformer Engine: ``AutoBridge.from_config(...).get_model()`` calls
+``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``, which fails on this
+machine with ``NameError: name 'TENorm' is not defined`` (megatron-core's TE spec without TE);
+past that it moves modules with ``.cuda(torch.cuda.current_device())`` (core/util.py) and
+allocates its TP/PP broadcast buffers and export tensors on ``torch.cuda.current_device()``
+(core/util.py, core/bridge.py), so neither load nor export runs without a GPU. It also only
+moves weights between HF files and a live model (no torch_dist writer), reads for each
+Megatron parameter the HF names its table asks for (an extra HF key is never reported), and
+maps only the per-expert on-disk names (models/mixtral.py: ``experts.{e}.w1/w3``), not
+transformers 5's fused ``experts.gate_up_proj``. So the conversion here reuses this repo's own mapping
+table and Megatron's ``sharded_state_dict`` / ``dist_checkpointing`` (which do run on CPU
+with gloo).
+
+Public API:
+    hf_to_megatron_checkpoint(hf_dir, out_dir, tp=1, pp=1, ep=1, progress=True) -> dict
+    megatron_to_hf_checkpoint(megatron_dir, hf_config_dir, out_dir, max_shard_size="5GB",
+                              tp=1, pp=1, ep=1, progress=True) -> dict
+    read_hf_index(hf_dir) -> dict[str, str]         (HF key -> file)
+    parse_size(text) -> int                          ("5GB" -> bytes)
+    build_model(hf_config, tp, pp, ep) -> (GPTModel, vocab_size)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import time
+from typing import Any, Iterator
+
+import torch
+
+from moe_async.models import get_family, hf_config_dict
+
+Tensor = torch.Tensor
+
+INDEX_NAME = "model.safetensors.index.json"
+# Files copied from the reference HF dir next to the converted weights (when present).
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+META_NAME = "moe_async_convert.json"
+# Megatron-Core's default make_vocab_size_divisible_by (Megatron-LM); only the stored shape
+# depends on it, the HF tensors never (padding rows are zeros, dropped on export).
+DEFAULT_VOCAB_DIV = 128
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` / ``"500MB"`` / ``"10KB"`` / ``"123"`` -> bytes (powers of 1000, as
+    transformers' ``max_shard_size``; ``GiB``/``MiB``/``KiB`` are powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper()
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for u, m in units.items():
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * m)
+    return int(t)
+
+
+def read_hf_index(hf_dir: str) -> dict[str, str]:
+    """HF tensor name -> absolute file path, from ``model.safetensors.index.json`` when
+    present (and every file it names must exist), else from the keys of every
+    ``*.safetensors`` in ``hf_dir``. ValueError on a key in two files."""
+    from safetensors import safe_open
+
+    idx = os.path.join(hf_dir, INDEX_NAME)
+    if os.path.exists(idx):
+        with open(idx) as f:
+            wm = json.load(f)["weight_map"]
+        out = {k: os.path.join(hf_dir, v) for k, v in wm.items()}
+        for p in sorted(set(out.values())):
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"{INDEX_NAME} names {os.path.basename(p)}, which is not in {hf_dir}")
+        return out
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files (and no {INDEX_NAME}) in {hf_dir}")
+    out = {}
+    for fp in files:
+        with safe_open(fp, framework="pt") as h:
+            for k in h.keys():
+                if k in out:
+                    raise ValueError(f"tensor {k!r} appears in two safetensors files ({out[k]}, {fp})")
+                out[k] = fp
+    return out
+
+
+def _pbar(total: int, desc: str, enabled: bool, unit: str = "B"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, leave=False)
+
+
+# ----------------------------------------------------------------------------------- dist
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def parallel_layout(tp: int, pp: int, ep: int):
+    """torch.distributed (gloo on CPU, NCCL with CUDA; world from ``WORLD_SIZE``/``RANK``/
+    ``MASTER_ADDR``/``MASTER_PORT`` as set by torchrun, 1 process otherwise) + Megatron
+    parallel state at (tp, pp, ep) with ETP 1, the CPU compat mends and the CPU device scope.
+    Destroys the Megatron parallel state (and the process group if it created it) on exit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
+
+    own_pg = False
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init = f"tcp://127.0.0.1:{port}"
+        else:
+            init = "env://"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo",
+            init_method=init,
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=world,
+        )
+        own_pg = True
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is already initialised in this process")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp*pp={tp * pp}")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+    try:
+        apply_cpu_compat()
+        with cpu_device_scope():
+            model_parallel_manual_seed(1234)
+            yield
+    finally:
+        ps.destroy_model_parallel()
+        if own_pg:
+            dist.destroy_process_group()
+
+
+def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str = "fp32",
+                vocab_div: int = DEFAULT_VOCAB_DIV):
+    """This rank's ``GPTModel`` stage for ``hf_config`` at the current Megatron parallel
+    state, built exactly as ``MegatronTrainer._build`` does (same family helpers, vocab
+    padded to a multiple of ``vocab_div * tp``). Returns ``(model, hf_vocab_size)``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from moe_async.trainer.megatron_trainer import _have_te
+    from moe_async.trainer.sharding import padded_vocab_size
+
+    d = hf_config_dict(hf_config)
+    fam = get_family(d.get("model_type"))
+    tf = fam.transformer_config(
+        d,
+        params_dtype=params_dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    kw = fam.gpt_model_kwargs(d)
+    vocab = int(kw["vocab_size"])
+    kw["vocab_size"] = padded_vocab_size(vocab, tp, vocab_div)
+    use_te = torch.cuda.is_available() and _have_te()
+    model = GPTModel(
+        config=tf,
+        transformer_layer_spec=fam.layer_spec(d, use_te=use_te),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=False,
+        **kw,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model, vocab
+
+
+def _dtype_of(hf_cfg: dict, index: dict[str, str]) -> str:
+    """``"fp32"`` or ``"bf16"``: the dtype the Megatron model is built in = the dtype of the
+    HF tensors on disk (so that the conversion is a copy, never a cast). ValueError for
+    other dtypes or a mix."""
+    from safetensors import safe_open
+
+    seen = set()
+    for fp in sorted(set(index.values())):
+        with safe_open(fp, framework="pt") as h:
+            for k in h.keys():
+                seen.add(h.get_slice(k).get_dtype())
+    names = {"F32": "fp32", "BF16": "bf16"}
+    bad = sorted(seen - set(names))
+    if bad or len(seen) != 1:
+        raise ValueError(f"HF tensors must all be F32 or all BF16, found {sorted(seen)}")
+    return names[seen.pop()]
+
+
+# ------------------------------------------------------------------------- HF -> Megatron
+def check_hf_keys(fam, a, index: dict[str, str], progress: bool = False) -> dict[str, str]:
+    """Key-level validation of an HF checkpoint against the family table (no tensor data
+    read, except the fused-expert tensors of transformers' in-memory layout, read to learn
+    the per-expert names they stand for). Returns ``{on-disk HF name: file}`` where names
+    that come from a fused tensor map to ``"fused:" + fused key``. KeyError naming unused
+    HF keys / missing sources (every rank computes the same answer)."""
+    from safetensors import safe_open
+
+    table = fam.table(a)
+    want = set(table.hf_keys)
+    src: dict[str, str] = {}
+    stray: list[str] = []
+    for k, fp in index.items():
+        if k in want:
+            src[k] = fp
+            continue
+        if a.tie_word_embeddings and k == "lm_head.weight":
+            src[k] = fp  # checked equal to the embedding while reading
+            continue
+        # an alternative layout? normalize a placeholder of the right shape to learn the names
+        with safe_open(fp, framework="pt") as h:
+            shape = h.get_slice(k).get_shape()
+        probe = fam.normalize_hf_state({k: torch.empty(shape, dtype=torch.int8)}, a)
+        if set(probe) == {k}:
+            stray.append(k)
+            continue
+        for n in probe:
+            if n not in want:
+                stray.append(f"{n} (from {k})")
+            elif n in src:
+                raise ValueError(f"HF checkpoint gives {n!r} in both the fused and the per-expert layout")
+            else:
+                src[n] = "fused:" + k
+    missing = sorted(want - set(src))
+    if stray or missing:
+        raise KeyError(
+            "HF -> Megatron conversion: "
+            + (f"unused HF tensors {sorted(stray)[:20]} (of {len(stray)}); " if stray else "")
+            + (f"missing HF tensors {missing[:20]} (of {len(missing)})" if missing else "")
+        )
+    return src
+
+
+@torch.no_grad()
+def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: int,
+                       progress: bool = True) -> dict[str, Any]:
+    """Copy this rank's slices of the HF checkpoint (``index``: key -> file) into ``model``,
+    one file at a time. Returns stats (bytes read by this rank, files). KeyError naming
+    unused / missing HF keys (before any copy), local params with no source; ValueError on
+    shape mismatch (vocab padding excepted) or an untied-in-config head that differs."""
+    from safetensors import safe_open
+
+    from moe_async.trainer.sharding import _fit_vocab, local_pieces
+
+    fam = get_family(hf_cfg.get("model_type"))
+    a = fam.arch_args(hf_cfg)
+    table = fam.table(a)
+    src = check_hf_keys(fam, a, index)
+    pieces = local_pieces(model)
+    by_name: dict[str, list] = {}
+    for pc in pieces:
+        if pc.name not in table.by_megatron:
+            raise KeyError(f"weight load: model param {pc.param} (as {pc.name}) has no HF mapping")
+        by_name.setdefault(pc.name, []).append(pc)
+    # HF on-disk names this rank needs, and the (file, stored key) each is read from
+    need: dict[str, str] = {}
+    for m in by_name:
+        for h in table.by_megatron[m][1]:
+            need[h] = src[h]
+    files: dict[str, set[str]] = {}  # file -> stored keys to read from it
+    for h, s in need.items():
+        if s.startswith("fused:"):
+            k = s[len("fused:"):]
+            files.setdefault(index[k], set()).add(k)
+        else:
+            files.setdefault(s, set()).add(h)
+    if a.tie_word_embeddings and "lm_head.weight" in index:
+        files.setdefault(index["lm_head.weight"], set()).add("lm_head.weight")
+        files.setdefault(index["model.embed_tokens.weight"], set()).add("model.embed_tokens.weight")
+    pending: dict[str, Tensor] = {}  # HF on-disk name -> tensor, until its Megatron tensor is fused
+    done: set[str] = set()
+    tied_check: dict[str, Tensor] = {}
+    nbytes = 0
+    total = sum(os.path.getsize(f) for f in files)
+    bar = _pbar(total, f"HF->Megatron rank {_rank()}", progress)
+    for fp in sorted(files):
+        with safe_open(fp, framework="pt") as h:
+            for k in sorted(files[fp]):
+                t = h.get_tensor(k)
+                nbytes += t.numel() * t.element_size()
+                if k in ("lm_head.weight", "model.embed_tokens.weight") and a.tie_word_embeddings:
+                    tied_check[k] = t
+                    if k == "lm_head.weight":
+                        continue
+                if k in need and not need[k].startswith("fused:"):
+                    pending[k] = t
+                else:
+                    for n, v in fam.normalize_hf_state({k: t}, a).items():
+                        if n in need:
+                            pending[n] = v
+        bar.update(os.path.getsize(fp))
+        # fuse every Megatron tensor whose sources are all read, copy its slices, drop them
+        for m, pcs in by_name.items():
+            if m in done:
+                continue
+            rule, hs = table.by_megatron[m]
+            if not all(x in pending for x in hs):
+                continue
+            full = rule.fuse([pending[x] for x in hs], a)
+            full = _fit_vocab(m, full, pcs[0].full_shape, vocab_size)
+            for pc in pcs:
+                pc.data.copy_(full[pc.index()].to(dtype=pc.data.dtype, device=pc.data.device))
+            done.add(m)
+            for x in hs:
+                pending.pop(x, None)
+    bar.close()
+    if len(tied_check) == 2 and not torch.equal(tied_check["lm_head.weight"], tied_check["model.embed_tokens.weight"]):
+        raise ValueError("tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
+    unset = sorted(set(by_name) - done)
+    if unset:  # pragma: no cover - check_hf_keys guarantees the sources
+        raise KeyError(f"HF -> Megatron conversion: Megatron tensors not set {unset[:20]}")
+    return {"bytes_read": nbytes, "files": len(files)}
+
+
+def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
+                              progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV) -> dict[str, Any]:
+    """HF checkpoint dir -> Megatron torch_dist checkpoint dir at layout (tp, pp, ep) (the
+    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)). Returns stats
+    on every rank: ``seconds``, ``bytes_read`` (summed over ranks), ``hf_bytes``."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    hf_cfg = hf_config_dict(hf_dir)
+    fam = get_family(hf_cfg.get("model_type"))
+    a = fam.arch_args(hf_cfg)  # refuses an unsupported config, naming the field
+    index = read_hf_index(hf_dir)
+    check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
+    dtype = _dtype_of(hf_cfg, index)
+    with parallel_layout(tp, pp, ep):
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+        stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and _rank() == 0)
+        if _rank() == 0:
+            if os.path.exists(out_dir) and os.listdir(out_dir):
+                raise FileExistsError(f"{out_dir} exists and is not empty")
+            os.makedirs(out_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, out_dir)
+        t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)
+        dist.all_reduce(t)
+        if _rank() == 0:
+            with open(os.path.join(out_dir, "hf_config.json"), "w") as f:
+                json.dump(hf_cfg, f, indent=2, sort_keys=True)
+            meta = {
+                "format": "moe_async megatron torch_dist (model only)",
+                "model_type": hf_cfg["model_type"],
+                "vocab_size": vocab,
+                "params_dtype": dtype,
+                "vocab_div": vocab_div,
+                "saved_layout": {"tp": tp, "pp": pp, "ep": ep, "world": _world()},
+            }
+            with open(os.path.join(out_dir, META_NAME), "w") as f:
+                json.dump(meta, f, indent=2)
+        dist.barrier()
+        world = _world()
+    hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
+    return {"seconds": time.perf_counter() - t0, "bytes_read": float(t.item()), "hf_bytes": hf_bytes,
+            "world": world}
+
+
+# ------------------------------------------------------------------------- Megatron -> HF
+def load_megatron_into_model(model, megatron_dir: str) -> None:
+    """``dist_checkpointing.load`` of the ``model`` part of a torch_dist checkpoint into
+    ``model`` (any saved layout). KeyError naming checkpoint tensors the model does not use
+    or model tensors absent from the checkpoint."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    sd = model.sharded_state_dict()
+    loaded, missing, unexpected = dist_checkpointing.load(
+        {"model": sd}, megatron_dir, strict=StrictHandling.RETURN_ALL
+    )
+    # optimizer state saved by MegatronTrainer.save_checkpoint is not a model tensor
+    unexpected = sorted(k for k in unexpected if not k.startswith("optimizer."))
+    missing = sorted(missing)
+    if missing or unexpected:
+        raise KeyError(
+            "Megatron -> HF conversion: "
+            + (f"model tensors missing from the checkpoint {missing[:20]} (of {len(missing)}); " if missing else "")
+            + (f"unused checkpoint tensors {unexpected[:20]} (of {len(unexpected)})" if unexpected else "")
+        )
+    model.load_state_dict(loaded["model"])
+
+
+def _checkpoint_dtype(megatron_dir: str) -> str:
+    meta = os.path.join(megatron_dir, META_NAME)
+    if os.path.exists(meta):
+        with open(meta) as f:
+            return json.load(f).get("params_dtype", "fp32")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(megatron_dir).read_metadata().state_dict_metadata
+    for k, m in md.items():
+        if k.endswith("word_embeddings.weight") and hasattr(m, "properties"):
+            return "bf16" if m.properties.dtype == torch.bfloat16 else "fp32"
+    return "fp32"
+
+
+class ShardWriter:
+    """Writes ``(name, tensor)`` pairs into ``model-XXXXX-of-YYYYY.safetensors`` files of at
+    most ``max_bytes`` each (a larger tensor gets a file of its own), then renames them and
+    writes ``model.safetensors.index.json`` (``metadata.total_size`` = tensor bytes)."""
+
+    def __init__(self, out_dir: str, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.buf: dict[str, Tensor] = {}
+        self.buf_bytes = 0
+        self.files: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, t: Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if name in self.buf or any(name in f for f in self.files):
+            raise KeyError(f"HF tensor {name!r} written twice")
+        if self.buf and self.buf_bytes + n > self.max_bytes:
+            self.flush()
+        self.buf[name] = t.contiguous()
+        self.buf_bytes += n
+        self.total += n
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.buf:
+            return
+        i = len(self.files)
+        save_file(self.buf, os.path.join(self.out_dir, f".part-{i:05d}.safetensors"), metadata={"format": "pt"})
+        self.files.append(list(self.buf))
+        self.buf, self.buf_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        self.flush()
+        n = len(self.files)
+        names = []
+        weight_map = {}
+        for i, keys in enumerate(self.files):
+            fn = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, f".part-{i:05d}.safetensors"), os.path.join(self.out_dir, fn))
+            names.append(fn)
+            weight_map.update({k: fn for k in keys})
+        if n > 1:
+            with open(os.path.join(self.out_dir, INDEX_NAME), "w") as f:
+                json.dump({"metadata": {"total_size": self.total},
+                           "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        return names
+
+
+def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: str,
+                              max_shard_size: str | int = "5GB", tp: int = 1, pp: int = 1, ep: int = 1,
+                              progress: bool = True, vocab_div: int | None = None) -> dict[str, Any]:
+    """Megatron torch_dist checkpoint (any saved layout) -> HF checkpoint dir, loaded at
+    layout (tp, pp, ep) in the current torchrun world (1 process otherwise). The HF config
+    (and tokenizer files) come from ``hf_config_dir``; it must be the config the checkpoint
+    was converted from (``hf_config.json`` in the checkpoint is compared when present:
+    ValueError naming the first differing field). Returns stats on every rank."""
+    import torch.distributed as dist
+
+    from moe_async.trainer.sharding import gather_full_state
+
+    t0 = time.perf_counter()
+    hf_cfg = hf_config_dict(hf_config_dir)
+    fam = get_family(hf_cfg.get("model_type"))
+    fam.arch_args(hf_cfg)
+    saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
+    if os.path.exists(saved_cfg_p):
+        with open(saved_cfg_p) as f:
+            saved = json.load(f)
+        arch_saved, arch_now = get_family(saved.get("model_type")).arch_args(saved), fam.arch_args(hf_cfg)
+        if arch_saved != arch_now:
+            diff = [k for k in arch_now.__dataclass_fields__ if getattr(arch_saved, k) != getattr(arch_now, k)]
+            raise ValueError(f"--hf-config does not match the checkpoint's HF config: field {diff[0]} "
+                             f"({getattr(arch_now, diff[0])!r} vs saved {getattr(arch_saved, diff[0])!r})")
+    if vocab_div is None:
+        meta_p = os.path.join(megatron_dir, META_NAME)
+        vocab_div = DEFAULT_VOCAB_DIV
+        if os.path.exists(meta_p):
+            with open(meta_p) as f:
+                vocab_div = int(json.load(f).get("vocab_div", DEFAULT_VOCAB_DIV))
+    dtype = _checkpoint_dtype(megatron_dir)
+    written: list[str] = []
+    nbytes = 0
+    with parallel_layout(tp, pp, ep):
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+        load_megatron_into_model(model, megatron_dir)
+        full = gather_full_state(model, vocab, dst=0)
+        if _rank() == 0:
+            if os.path.exists(out_dir) and os.listdir(out_dir):
+                raise FileExistsError(f"{out_dir} exists and is not empty")
+            os.makedirs(out_dir, exist_ok=True)
+            w = ShardWriter(out_dir, parse_size(max_shard_size))
+            n_hf = len(fam.hf_keys(hf_cfg))
+            from tqdm import tqdm
+
+            with tqdm(total=n_hf, desc="Megatron->HF", unit="tensor", disable=not progress, leave=False) as bar:
+                for name, t in fam.megatron_to_hf(full, hf_cfg):
+                    w.add(name, t)
+                    bar.update(1)
+            written = w.close()
+            nbytes = w.total
+            for fn in HF_SIDE_FILES:
+                p = os.path.join(hf_config_dir, fn)
+                if os.path.exists(p):
+                    shutil.copy(p, os.path.join(out_dir, fn))
+        else:
+            for _ in full:  # collective: take part in the gather
+                pass
+        dist.barrier()
+        world = _world()
+    return {"seconds": time.perf_counter() - t0, "files": written, "bytes_written": nbytes, "world": world}
+
+
+def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of an HF checkpoint dir, one file at a time."""
+    from safetensors import safe_open
+
+    index = read_hf_index(hf_dir)
+    by_file: dict[str, list[str]] = {}
+    for k, fp in index.items():
+        by_file.setdefault(fp, []).append(k)
+    for fp in sorted(by_file):
+        with safe_open(fp, framework="pt") as h:
+            for k in sorted(by_file[fp]):
+                yield k, h.get_tensor(k)

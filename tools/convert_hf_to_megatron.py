@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""Convert a Hugging Face checkpoint to a Megatron torch_dist checkpoint (model only).
+
+    python tools/convert_hf_to_megatron.py --hf HF_DIR --out MEG_DIR
+    torchrun --nproc_per_node 2 tools/convert_hf_to_megatron.py --hf HF_DIR --out MEG_DIR --ep 2
+    torchrun --nproc_per_node 4 tools/convert_hf_to_megatron.py --hf HF_DIR --out MEG_DIR --tp 2 --ep 2
+
+Families: mixtral, qwen3_moe, llama (moe_async.models registry). The HF config is checked
+against the family spec first (a mismatch is refused naming the field). Safetensors are
+read one file at a time (model.safetensors.index.json when present); each rank reads only
+the tensors its shards come from. Both HF expert layouts are accepted (per-expert on-disk
+keys, transformers' fused experts.gate_up_proj / down_proj). Any unused HF key or unset
+Megatron tensor raises, naming it, before anything is written. The torch_dist output can be
+loaded at any other TP/PP/EP layout (see tools/convert_megatron_to_hf.py). World size > 1:
+run under torchrun (gloo on CPU, NCCL with CUDA); DP = world / (tp * pp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf", required=True, help="HF checkpoint dir (config.json + *.safetensors)")
+    ap.add_argument("--out", required=True, help="output Megatron torch_dist dir (must be empty or absent)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    ap.add_argument("--vocab-div", type=int, default=128,
+                    help="vocab rows padded to a multiple of this x TP (Megatron's make_vocab_size_divisible_by)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    from moe_async.models.convert import _rank, hf_to_megatron_checkpoint
+
+    st = hf_to_megatron_checkpoint(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
+                                   progress=not args.no_progress, vocab_div=args.vocab_div)
+    if _rank() == 0:
+        print(json.dumps({"out": args.out, **st}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+#!/usr/bin/env python
+"""Convert a Megatron torch_dist checkpoint back to a Hugging Face checkpoint.
+
+    python tools/convert_megatron_to_hf.py --megatron MEG_DIR --hf-config HF_DIR --out OUT_DIR
+    torchrun --nproc_per_node 2 tools/convert_megatron_to_hf.py ... --ep 2   (load sharded)
+
+MEG_DIR: written by tools/convert_hf_to_megatron.py or MegatronTrainer.save_checkpoint
+(optimizer state ignored), at ANY saved TP/PP/EP layout: torch_dist reshards on load to
+--tp/--pp/--ep in this run's world. HF_DIR supplies config.json and the tokenizer /
+generation-config files copied next to the weights. Output: sharded safetensors of at most
+--max-shard-size each + model.safetensors.index.json (one model.safetensors when it fits).
+Any checkpoint tensor left unused, model tensor missing, or HF tensor left unset raises,
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron", required=True, help="Megatron torch_dist checkpoint dir")
+    ap.add_argument("--hf-config", required=True, help="reference HF dir (config.json, tokenizer files)")
+    ap.add_argument("--out", required=True, help="output HF dir (must be empty or absent)")
+    ap.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, 2GiB")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    from moe_async.models.convert import _rank, megatron_to_hf_checkpoint
+
+    st = megatron_to_hf_checkpoint(args.megatron, args.hf_config, args.out, max_shard_size=args.max_shard_size,
+                                   tp=args.tp, pp=args.pp, ep=args.ep, progress=not args.no_progress)
+    if _rank() == 0:
+        print(json.dumps({"out": args.out, **st}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
