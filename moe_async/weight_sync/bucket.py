@@ -65,6 +65,8 @@ class Bucket:
         parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self.tensors]
         if not parts:
             return torch.empty(0, dtype=torch.uint8)
+        if len(parts) == 1:  # one tensor: its own bytes, no copy (a contiguous CPU/GPU view)
+            return parts[0]
         return torch.cat(parts)
 
 

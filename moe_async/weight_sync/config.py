@@ -4,21 +4,47 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import warnings
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Below this budget most real tensors exceed a bucket (case C2): warn when the config loads.
+SMALL_BUCKET_BYTES = 1024**2
 
 
 class WeightSyncConfig(BaseModel):
     """How trained weights reach the engines.
 
-    Data path: Megatron params -> HF names (models mapping table) -> buckets of at most
-    ``bucket_bytes`` (flattened) -> broadcast over a dedicated process group (NCCL on GPU,
-    gloo on CPU) -> engine ``/update_weights_from_distributed``.
+    Data path (``transport: broadcast``): Megatron params -> HF names (models mapping table)
+    -> buckets of at most ``bucket_bytes`` (flattened; bucket k+1 packed while bucket k is
+    broadcast) -> broadcast over a dedicated process group (NCCL on GPU, gloo on CPU) ->
+    engine ``/update_weights_from_distributed``. ``transport: disk`` (fallback): safetensors
+    files under ``disk_dir`` -> engine ``/update_weights_from_disk``.
     """
 
     model_config = ConfigDict(extra="forbid")
 
+    transport: Literal["broadcast", "disk"] = Field(
+        "broadcast", description="broadcast (bucketed, process group) | disk (safetensors + /update_weights_from_disk)."
+    )
     bucket_bytes: int = Field(512 * 1024**2, ge=1, description="Bucket budget in bytes.")
     interval_steps: int = Field(1, ge=1, description="Sync every k optimizer steps.")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     check: bool = Field(False, description="Compare per-tensor checksums after every sync.")
     timeout_s: float = Field(600.0, gt=0)
+    overlap: bool = Field(True, description="Pack bucket k+1 in a background thread while bucket k is broadcast.")
+    disk_dir: str | None = Field(
+        None, description="Directory the disk transport writes (must be readable by the engines); default: a temp dir."
+    )
+
+    @model_validator(mode="after")
+    def _warn_small_buckets(self) -> "WeightSyncConfig":
+        if self.transport == "broadcast" and self.bucket_bytes < SMALL_BUCKET_BYTES:
+            warnings.warn(
+                f"weight_sync.bucket_bytes={self.bucket_bytes} is below {SMALL_BUCKET_BYTES} bytes: every "
+                f"tensor larger than the budget is sent alone in a bucket grown to its size (C2), "
+                f"and the many small broadcasts are slow",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self

@@ -14,14 +14,26 @@ SGLang's ``update_weights_from_distributed``):
 
 The HTTP call and the broadcast must overlap (the engine's handler blocks in the
 receiving broadcast), so each bucket's POSTs run in threads while this thread
-broadcasts.
+broadcasts. Packing overlaps too (``weight_sync.overlap``): a background thread pulls
+tensors from the exporter, groups and flattens bucket k+1 (a queue of depth 1: double
+buffering) while this thread broadcasts bucket k.
+
+:class:`DiskTransport` is the fallback (``weight_sync.transport: disk``): safetensors
+shards of at most ``bucket_bytes`` under a directory the engines can read, then SGLang's
+``/update_weights_from_disk`` with the new ``weight_version``. :func:`make_transport`
+picks one from the config.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import os
+import queue
+import shutil
 import socket
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Iterator, Sequence
@@ -59,6 +71,101 @@ def _lookahead(it: Iterable[Bucket]) -> Iterator[tuple[Bucket, bool]]:
     yield prev, True
 
 
+_END = object()
+
+
+def _pack(bucket: Bucket, last: bool) -> tuple[Bucket, torch.Tensor, bool]:
+    return bucket, bucket.flatten(), last
+
+
+def packed_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    overlap: bool = True,
+    stats: dict[str, float] | None = None,
+) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
+    """Yield ``(bucket, flat_uint8, is_last)`` for every bucket of ``named_tensors``.
+
+    With ``overlap`` the producer (pulling from ``named_tensors``: for the trainer, the
+    gather/convert/cast of ``export_hf_weights``; then :meth:`Bucket.flatten`) runs in a
+    background thread ahead of the consumer (queue depth 1: double buffering), so packing
+    bucket k+1 overlaps whatever the consumer does with bucket k (the broadcast). Exceptions
+    of the producer re-raise here. ``stats`` (optional) gets ``pack_seconds`` (producer busy
+    time) and ``wait_seconds`` (consumer time spent waiting for a packed bucket).
+    """
+    stats = stats if stats is not None else {}
+    stats.setdefault("pack_seconds", 0.0)
+    stats.setdefault("wait_seconds", 0.0)
+    gen = _overlapped if overlap else _serial
+    return gen(_lookahead(make_buckets(named_tensors, bucket_bytes)), stats)
+
+
+def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
+    while True:
+        t0 = time.perf_counter()
+        b = next(it, None)
+        item = None if b is None else _pack(*b)
+        dt = time.perf_counter() - t0
+        stats["pack_seconds"] += dt
+        stats["wait_seconds"] += dt
+        if item is None:
+            return
+        yield item
+
+
+def _overlapped(it: Iterator[tuple[Bucket, bool]], stats: dict) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
+    q: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                b = next(it, None)
+                item = _END if b is None else _pack(*b)
+                stats["pack_seconds"] += time.perf_counter() - t0
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if item is _END:
+                    return
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+            q.put(e)
+
+    th = threading.Thread(target=produce, name="weight-sync-pack", daemon=True)
+    th.start()
+    try:
+        while True:
+            t0 = time.perf_counter()
+            item = q.get()
+            stats["wait_seconds"] += time.perf_counter() - t0
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while th.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            th.join(0.1)
+
+
+def _post(client: Any, path: str, body: dict) -> dict:
+    """POST ``body`` to an engine endpoint the client has no method for (no retries)."""
+    fn = getattr(client, path.strip("/"), None)
+    if fn is not None:
+        return fn(**body)
+    return client._request("POST", path, body, retry=None).json()
+
+
 class WeightTransport(abc.ABC):
     """Moves one versioned update of HF-named tensors into every engine."""
 
@@ -75,7 +182,11 @@ class WeightTransport(abc.ABC):
         """
 
     def close(self) -> None:  # noqa: B027 - optional
-        """Release resources."""
+        """Release per-connection resources (a later connect() may follow)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional
+        """close() and release everything (thread pools)."""
+        self.close()
 
 
 class BroadcastTransport(WeightTransport):
@@ -113,12 +224,19 @@ class BroadcastTransport(WeightTransport):
         self.backend = resolve_backend(cfg.backend)
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+        self._warned: set[str] = set()
+        #: optional ``callback(bucket, is_last)`` after each bucket is acknowledged (tests, logging)
+        self.on_bucket = None
 
     @property
     def world_size(self) -> int:
         return 1 + len(self.clients) * self.ranks_per_engine
 
     def connect(self) -> None:
+        """Create the weight-update group with every engine (collective with them); an
+        existing group is left first, so connect() also re-joins restarted engines."""
+        if self.group is not None:
+            self.close()
         port = free_port(self.master_address)
         futs = [
             self._pool.submit(
@@ -153,13 +271,21 @@ class BroadcastTransport(WeightTransport):
         if self.group is None:
             raise WeightSyncError("BroadcastTransport.send before connect()")
         t0 = time.perf_counter()
+        stats: dict[str, float] = {}
+        # the packer starts pulling from the exporter at once; the engines pause meanwhile
+        buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats)
         for c in self.clients:
             c.pause_generation(mode=self.pause_mode)
         t_paused = time.perf_counter()
-        nbytes, nbuckets = 0, 0
+        nbytes, nbuckets, bcast_s, oversize = 0, 0, 0.0, 0
         try:
-            for bucket, last in _lookahead(make_buckets(named_tensors, self.cfg.bucket_bytes)):
-                flat = bucket.flatten()
+            for bucket, flat, last in buckets:
+                if bucket.nbytes > self.cfg.bucket_bytes:
+                    oversize += 1
+                    if bucket.names[0] not in self._warned:
+                        self._warned.add(bucket.names[0])
+                        log.warning("weight sync: %s (%d bytes) exceeds bucket_bytes=%d; sent alone in a "
+                                    "grown bucket", bucket.names[0], bucket.nbytes, self.cfg.bucket_bytes)
                 futs = [
                     self._pool.submit(
                         c.update_weights_from_distributed,
@@ -173,12 +299,17 @@ class BroadcastTransport(WeightTransport):
                     )
                     for c in self.clients
                 ]
+                tb = time.perf_counter()
                 group_broadcast(self.group, flat, src=0)
                 for i, f in enumerate(futs):
                     self._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_distributed")
+                bcast_s += time.perf_counter() - tb
                 nbytes += flat.numel()
                 nbuckets += 1
+                if self.on_bucket is not None:
+                    self.on_bucket(bucket, last)
         finally:
+            buckets.close()
             for c in self.clients:
                 c.continue_generation()
         t1 = time.perf_counter()
@@ -189,8 +320,133 @@ class BroadcastTransport(WeightTransport):
             "sync/gbps": nbytes / secs / 1e9 if secs > 0 else 0.0,
             "sync/pause_seconds": t1 - t_paused,
             "sync/buckets": float(nbuckets),
+            "sync/broadcast_seconds": bcast_s,
+            "sync/pack_seconds": stats["pack_seconds"],
+            "sync/pack_wait_seconds": stats["wait_seconds"],
+            "sync/oversize_buckets": float(oversize),
+            "sync/weight_version": float(weight_version),
         }
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Leave the weight-update group on every engine (``/destroy_weights_update_group``)
+        so a later :meth:`connect` (this transport or a new one) can re-create it."""
+        if self.group is not None:
+            for i, c in enumerate(self.clients):
+                try:
+                    _post(c, "/destroy_weights_update_group", {"group_name": self.group_name})
+                except Exception as e:  # noqa: BLE001 - best effort on the way out
+                    log.warning("engine %d: destroy_weights_update_group failed: %s", i, e)
         self.group = None
+
+    def shutdown(self) -> None:
+        self.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class DiskTransport(WeightTransport):
+    """Fallback: safetensors shards in a directory every engine can read, then SGLang's
+    ``POST /update_weights_from_disk {model_path, weight_version, flush_cache}``.
+
+    Each update goes to its own subdirectory ``v{weight_version}`` (shards of at most
+    ``bucket_bytes``, a tensor larger than that alone in its shard; the checkpoint's
+    ``config.json`` is not needed by the engines here); the previous one is removed after
+    the engines confirm. Engines apply the whole directory atomically.
+    """
+
+    def __init__(self, clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort"):
+        self.clients = list(clients)
+        self.cfg = cfg
+        self.pause_mode = pause_mode
+        self._own_dir = cfg.disk_dir is None
+        self.root = cfg.disk_dir
+        self._prev: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+
+    def connect(self) -> None:
+        if self.root is None:
+            self.root = tempfile.mkdtemp(prefix="moe_async_weights_")
+        os.makedirs(self.root, exist_ok=True)
+
+    def _write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], path: str) -> tuple[int, int]:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        nbytes, nfiles = 0, 0
+        for bucket in make_buckets(named_tensors, self.cfg.bucket_bytes):
+            tensors = {n: t.detach().contiguous() for n, t in zip(bucket.names, bucket.tensors)}
+            save_file(tensors, os.path.join(path, f"model-{nfiles:05d}.safetensors"))
+            nbytes += bucket.nbytes
+            nfiles += 1
+        return nbytes, nfiles
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
+        if self.root is None:
+            raise WeightSyncError("DiskTransport.send before connect()")
+        t0 = time.perf_counter()
+        path = os.path.join(self.root, f"v{weight_version}")
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        nbytes, nfiles = self._write(named_tensors, path)  # before pausing: engines keep generating
+        t_written = time.perf_counter()
+        for c in self.clients:
+            c.pause_generation(mode=self.pause_mode)
+        t_paused = time.perf_counter()
+        try:
+            body = {"model_path": path, "weight_version": weight_version, "flush_cache": True}
+            futs = [self._pool.submit(_post, c, "/update_weights_from_disk", body) for c in self.clients]
+            for i, f in enumerate(futs):
+                BroadcastTransport._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_disk")
+        finally:
+            for c in self.clients:
+                c.continue_generation()
+        t1 = time.perf_counter()
+        if self._prev and self._prev != path:
+            shutil.rmtree(self._prev, ignore_errors=True)
+        self._prev = path
+        secs = t1 - t0
+        return {
+            "sync/bytes": float(nbytes),
+            "sync/seconds": secs,
+            "sync/gbps": nbytes / secs / 1e9 if secs > 0 else 0.0,
+            "sync/pause_seconds": t1 - t_paused,
+            "sync/buckets": float(nfiles),
+            "sync/write_seconds": t_written - t0,
+            "sync/weight_version": float(weight_version),
+        }
+
+    def close(self) -> None:
+        if self._own_dir and self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+
+    def shutdown(self) -> None:
+        self.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_transport(clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
+                   **kw: Any) -> WeightTransport:
+    """The transport ``cfg.transport`` names (``broadcast`` | ``disk``), not yet connected."""
+    if cfg.transport == "disk":
+        return DiskTransport(clients, cfg, pause_mode=pause_mode)
+    return BroadcastTransport(clients, cfg, pause_mode=pause_mode, **kw)
+
+
+def check_engines(clients: Sequence[Any], trainer_checksums: dict[str, str], weight_version: int) -> dict[str, float]:
+    """Check mode: every engine serves ``weight_version`` and its per-tensor checksums equal
+    the trainer's, bit for bit.
+
+    Returns ``sync/check_seconds`` and ``sync/check_tensors``.
+    Raises: WeightSyncError naming the engine, the version and the first differing tensors.
+    """
+    t0 = time.perf_counter()
+    for i, c in enumerate(clients):
+        theirs = c.weights_checksum()
+        if int(theirs["weight_version"]) != int(weight_version):
+            raise WeightSyncError(f"engine {i} serves version {theirs['weight_version']}, trainer is at {weight_version}")
+        sums = theirs["checksums"]
+        bad = sorted(k for k in set(trainer_checksums) | set(sums) if trainer_checksums.get(k) != sums.get(k))
+        if bad:
+            raise WeightSyncError(f"engine {i} weights differ from the trainer's at version {weight_version}: "
+                                  f"{bad[:5]} ({len(bad)} of {len(trainer_checksums)} tensors)")
+    return {"sync/check_seconds": time.perf_counter() - t0, "sync/check_tensors": float(len(trainer_checksums))}

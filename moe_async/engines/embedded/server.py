@@ -44,8 +44,17 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   ``weight_version`` is set. An unknown name or a wrong shape is a 400 naming the tensor,
   and the staged update is discarded. (SGLang applies each call at once; staging is what
   makes a multi-bucket update atomic here.)
-* ``GET /weights_checksum`` (ours) -> ``{"weight_version", "checksums": {hf_name: sha256}}``
-  over the HF on-disk names (see :mod:`moe_async.engines.checksum`).
+* ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache,
+  abort_all_requests}`` (SGLang's ``UpdateWeightFromDiskReqInput``): reads every
+  ``*.safetensors`` under ``model_path`` (HF on-disk names), checks every name and shape
+  (a 400 naming the tensor, nothing applied), then writes them all into the model between
+  two decode steps and sets ``weight_version`` -> ``{"success", "message",
+  "num_paused_requests"}``. (weight-sync disk transport)
+* ``POST /debug_receive_broadcast`` ``{group_name, nbytes}`` (ours, benchmarks only):
+  receives one raw ``nbytes`` uint8 broadcast from group rank 0 -> ``{"success", "seconds"}``.
+* ``GET /weights_checksum`` (ours) -> ``{"weight_version", "checksums": {hf_name: sha256},
+  "bytes_received"}`` over the HF on-disk names (see :mod:`moe_async.engines.checksum`);
+  ``bytes_received``: bytes of all weight-update broadcasts so far.
 """
 
 from __future__ import annotations
@@ -119,6 +128,21 @@ class DestroyWeightsUpdateGroupReqInput(_Body):
     group_name: str = "weight_update_group"
 
 
+# --- weight-sync additions (moe_async/weight_sync owns these two bodies) ---
+class UpdateWeightFromDiskReqInput(_Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    flush_cache: bool = True
+
+
+class DebugReceiveBroadcastReqInput(_Body):
+    group_name: str = "weight_update_group"
+    nbytes: int
+# --- end weight-sync additions ---
+
+
 class UpdateWeightsFromDistributedReqInput(_Body):
     names: list[str]
     dtypes: list[str]
@@ -172,6 +196,7 @@ class EngineState:
         )
         self.groups: dict[str, Any] = {}
         self.staged: dict[str, torch.Tensor] = {}
+        self.bytes_received = 0  # weight-sync: over every weight-update broadcast so far
         self.update_lock = asyncio.Lock()
         self.pause_lock = asyncio.Lock()
 
@@ -192,20 +217,41 @@ class EngineState:
                 sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes)), dtype=torch.uint8
             )
             group_broadcast(group, flat, src=0)
+            self.bytes_received += flat.numel()  # weight-sync: bytes received == bytes sent
             named = unflatten(flat, body.names, body.dtypes, body.shapes)
         elif body.load_format is None:
             named = []
             for n, d, s in zip(body.names, dtypes, body.shapes):
                 t = torch.empty(s, dtype=d)
                 group_broadcast(group, t, src=0)
+                self.bytes_received += t.numel() * t.element_size()
                 named.append((n, t))
         else:
             raise ValueError(f"load_format must be null or 'flattened_bucket', got {body.load_format!r}")
         for n, t in named:
             self.weight_map.check(n, list(t.shape))
         for n, t in named:
-            self.staged[n] = t.to(self.dtype).clone()
+            # views into this call's fresh buffer: no clone needed (a cast copies anyway)
+            self.staged[n] = t if t.dtype == self.dtype else t.to(self.dtype)
         return len(named)
+
+    # --- weight-sync addition: disk transport ---
+    def read_disk(self, model_path: str) -> dict[str, torch.Tensor]:
+        """Every tensor of the ``*.safetensors`` files under ``model_path``, name/shape-checked."""
+        import glob
+
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors files under {model_path!r}")
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            for n, t in load_file(f).items():
+                self.weight_map.check(n, list(t.shape))
+                out[n] = t if t.dtype == self.dtype else t.to(self.dtype)
+        return out
+    # --- end weight-sync addition ---
 
 
 def create_app(state: EngineState) -> FastAPI:
@@ -400,10 +446,54 @@ def create_app(state: EngineState) -> FastAPI:
                 "message": f"applied {len(staged)} tensors; weight_version={version} ({dt:.3f}s)",
             }
 
+    # --- weight-sync additions: disk transport, raw-broadcast benchmark ---
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput):
+        version = None
+        if body.weight_version is not None:
+            try:
+                version = int(body.weight_version)
+            except ValueError:
+                return _fail(f"weight_version must be an integer, got {body.weight_version!r}")
+        async with state.update_lock:
+            if body.abort_all_requests:
+                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
+            try:
+                new = await asyncio.to_thread(state.read_disk, body.model_path)
+            except (KeyError, ValueError, OSError) as e:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                return _fail(f"{msg} (nothing applied)")
+
+            def apply():
+                state.weight_map.apply(new)
+                if version is not None:
+                    sched.weight_version = version
+
+            await on_sched(apply)
+            return {"success": True, "message": f"applied {len(new)} tensors from {body.model_path}",
+                    "num_paused_requests": 0}
+
+    @app.post("/debug_receive_broadcast")
+    async def debug_receive_broadcast(body: DebugReceiveBroadcastReqInput):
+        if body.group_name not in state.groups:
+            return _fail(f"no weight update group named {body.group_name!r}")
+
+        def recv():
+            buf = torch.empty(body.nbytes, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            group_broadcast(state.groups[body.group_name], buf, src=0)
+            return time.perf_counter() - t0
+
+        async with state.update_lock:
+            secs = await asyncio.to_thread(recv)
+        return {"success": True, "seconds": secs}
+    # --- end weight-sync additions ---
+
     @app.get("/weights_checksum")
     async def weights_checksum():
         return await on_sched(
-            lambda: {"weight_version": sched.weight_version, "checksums": state.weight_map.checksums()}
+            lambda: {"weight_version": sched.weight_version, "checksums": state.weight_map.checksums(),
+                     "bytes_received": state.bytes_received}
         )
 
     return app

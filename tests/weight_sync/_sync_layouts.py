@@ -1,0 +1,168 @@
+"""Weight sync from a torchrun/gloo MegatronTrainer into ONE running embedded engine.
+
+    torchrun --nproc_per_node W _sync_layouts.py ENGINE_URL MODEL_DIR OUT.json LAYOUT [LAYOUT ...]
+
+LAYOUT is ``tp{t}pp{p}ep{e}``. For each layout (Megatron's parallel state destroyed and
+re-created between layouts, as in tests/trainer/_layout_checks.py): build the trainer from
+MODEL_DIR (the engine's checkpoint); global rank 0 connects a BroadcastTransport to the
+engine (re-creating the weight-update group; closed with /destroy_weights_update_group at
+the end of the layout), every rank takes part in ``export_hf_weights``. For each bucket
+limit (C1: 1 byte, largest tensor - 1, the whole model; C2: 1 KiB): one train step, a sync,
+the check mode (engine /weights_checksum == trainer hf_checksums), then a second sync of the
+same weights. Then one sync through the DiskTransport. Rank 0 writes the results as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+
+import torch
+
+ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
+
+
+def samples(seed: int = 0):
+    from moe_async.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p, r in [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]:
+        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
+        rl = (-torch.rand(r, generator=g) * 6).tolist()
+        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
+                          weight_versions=[0] * r, loss_weight=1.0))
+    return out
+
+
+def parse(layout: str) -> tuple[int, int, int]:
+    tp = int(layout.split("tp")[1].split("pp")[0])
+    pp = int(layout.split("pp")[1].split("ep")[0])
+    ep = int(layout.split("ep")[1])
+    return tp, pp, ep
+
+
+def bcast(obj, src: int = 0):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def run_layout(url: str, model_dir: str, layout: str) -> dict:
+    import torch.distributed as dist
+
+    from moe_async.engines.client import SyncEngineClient
+    from moe_async.trainer.config import TrainerConfig
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.transport import BroadcastTransport, DiskTransport, check_engines
+
+    tp, pp, ep = parse(layout)
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                       expert_model_parallel_size=ep, micro_batch_size=2,
+                                       moe_aux_loss_coeff=0.0, lr=1e-3), model_dir)
+    res: dict = {"build_s": time.perf_counter() - t0, "syncs": []}
+    sizes = {n: t.numel() * t.element_size() for n, t in tr.export_hf_weights()}  # rank 0 only
+    sizes = bcast(sizes)
+    total, largest = sum(sizes.values()), max(sizes.values())
+    res.update(total_bytes=total, largest_bytes=largest, n_tensors=len(sizes))
+    limits = {"c1_one_tensor": 1, "c1_below_largest": largest - 1, "c1_whole_model": total, "c2_1KiB": 1024}
+
+    client = transport = None
+    base = None
+    if rank == 0:
+        client = SyncEngineClient(url, timeout_s=120)
+        base = client.get_weight_version()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cfg = WeightSyncConfig(bucket_bytes=1, backend="gloo", timeout_s=120)
+        res["small_bucket_config_warned"] = any("bucket_bytes" in str(x.message) for x in w)
+        transport = BroadcastTransport([client], cfg, pause_mode="in_place")
+        transport.connect()
+    base = bcast(base)
+    ss = samples()
+    for label, limit in limits.items():
+        tr.train_step(ss, ADV)
+        version = base + tr.version
+        sums = tr.hf_checksums()  # collective
+        rec: dict = {"label": label, "limit": limit, "version": version}
+        for attempt in ("first", "repeat"):
+            if rank == 0:
+                transport.cfg = transport.cfg.model_copy(update={"bucket_bytes": limit})
+                where: dict[str, int] = {}
+                nb = [0]
+
+                def on_bucket(bucket, last, where=where, nb=nb):
+                    for n in bucket.names:
+                        where[n] = nb[0]
+                    nb[0] += 1
+
+                transport.on_bucket = on_bucket
+                before = client.weights_checksum()
+                m = transport.send(tr.export_hf_weights(), version)
+                try:  # a failure is recorded, not raised: the other ranks must not hang
+                    chk = check_engines([client], sums, version)
+                except Exception as ex:  # noqa: BLE001
+                    chk = {"check_error": f"{type(ex).__name__}: {ex}"}
+                after = client.weights_checksum()
+                e = "model.layers.0.block_sparse_moe.experts.0"
+                rec[attempt] = {
+                    **m, **chk,
+                    "bytes_received": after["bytes_received"] - before["bytes_received"],
+                    "version_before": before["weight_version"], "version_after": after["weight_version"],
+                    "checksums_equal": after["checksums"] == sums,
+                    "changed_tensors": sum(before["checksums"][k] != after["checksums"][k] for k in sums),
+                    "gate_up_split": where.get(f"{e}.w1.weight") != where.get(f"{e}.w3.weight"),
+                    "max_bucket_tensors": max(list(where.values()).count(b) for b in set(where.values())),
+                }
+            else:
+                for _ in tr.export_hf_weights():
+                    pass
+        res["syncs"].append(rec)
+    # the disk fallback: one more step, then safetensors + /update_weights_from_disk
+    tr.train_step(ss, ADV)
+    version = base + tr.version
+    sums = tr.hf_checksums()
+    if rank == 0:
+        disk = DiskTransport([client], WeightSyncConfig(transport="disk", bucket_bytes=16 * 1024, timeout_s=120),
+                             pause_mode="in_place")
+        disk.connect()
+        m = disk.send(tr.export_hf_weights(), version)
+        try:
+            chk = check_engines([client], sums, version)
+        except Exception as ex:  # noqa: BLE001
+            chk = {"check_error": f"{type(ex).__name__}: {ex}"}
+        res["disk"] = {**m, **chk, "checksums_equal": client.weights_checksum()["checksums"] == sums}
+        disk.shutdown()
+        transport.shutdown()
+        client.close()
+    else:
+        for _ in tr.export_hf_weights():
+            pass
+    tr.close()
+    dist.barrier()
+    res["total_s"] = time.perf_counter() - t0
+    return res
+
+
+def main(url: str, model_dir: str, out: str, layouts: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    res = {lay: run_layout(url, model_dir, lay) for lay in layouts}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -1,0 +1,29 @@
+"""One embedded engine (tiny random Mixtral, untied) shared by the weight-sync tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory):
+    """``(engine, model_dir)``: an EmbeddedEngine serving a tiny Mixtral (2 layers, hidden 64,
+    4 experts top-2, vocab 256: embedding 64 KiB fp32)."""
+    from _tiny import make_tiny_mixtral
+
+    from moe_async.engines.base import make_engine
+    from moe_async.engines.config import EngineConfig
+
+    model_dir = str(tmp_path_factory.mktemp("ws_tiny_mixtral"))
+    make_tiny_mixtral(model_dir, tie=False)
+    eng = make_engine(EngineConfig(startup_timeout_s=180, num_threads=1, max_running_requests=16), model_dir, 0)
+    eng.launch()
+    try:
+        yield eng, model_dir
+    finally:
+        eng.shutdown()

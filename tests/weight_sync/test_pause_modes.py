@@ -1,0 +1,95 @@
+"""Requests in flight while the trainer's weights are synced, in each SGLang pause mode.
+
+abort: every request comes back (finish_reason ``abort``, its partial tokens all from the
+old version); retract and in_place: every request finishes its full length, and its
+per-token versions (``meta_info['output_token_weight_versions']``) switch once, from the old
+version to the new one, never back and never to anything else (no half-updated model).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from moe_async.engines.client import SyncEngineClient
+from moe_async.weight_sync.config import WeightSyncConfig
+from moe_async.weight_sync.transport import BroadcastTransport, check_engines
+
+N_REQ, MAX_NEW = 4, 24
+
+
+def _disk_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+@pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_requests_in_flight_during_sync(tiny_engine, mode):
+    from moe_async.engines.checksum import tensor_checksum
+
+    eng, model_dir = tiny_engine
+    shapes = {n: t.shape for n, t in _disk_tensors(model_dir).items()}
+    client = SyncEngineClient(eng.url, timeout_s=120)
+    old = client.get_weight_version()
+    new = old + 1
+    g = torch.Generator().manual_seed(new)
+    weights = {n: torch.randn(s, generator=g) * 0.05 for n, s in sorted(shapes.items())}
+    tr = BroadcastTransport([client], WeightSyncConfig(bucket_bytes=8 * 1024, backend="gloo", timeout_s=120),
+                            pause_mode=mode)
+    tr.connect()
+    sp = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    outs: dict[int, object] = {}
+    errs: list[BaseException] = []
+
+    def gen(i: int) -> None:
+        try:
+            with SyncEngineClient(eng.url, timeout_s=120) as c:
+                outs[i] = c.generate(_prompt(5 + i, 100 + i), sp)
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    httpx.post(f"{eng.url}/slow_down", json={"forward_sleep_time": 0.05})
+    try:
+        ths = [threading.Thread(target=gen, args=(i,)) for i in range(N_REQ)]
+        for t in ths:
+            t.start()
+        time.sleep(0.6)  # a few tokens decoded at the old version
+        m = tr.send(list(weights.items()), new)
+        for t in ths:
+            t.join(120)
+    finally:
+        httpx.post(f"{eng.url}/slow_down", json={"forward_sleep_time": None})
+    assert not errs, errs
+    assert sorted(outs) == list(range(N_REQ))  # none lost
+    sums = {n: tensor_checksum(t) for n, t in weights.items()}
+    chk = check_engines([client], sums, new)
+    assert chk["sync/check_seconds"] > 0
+    assert m["sync/buckets"] > 1 and m["sync/pause_seconds"] > 0
+    for i, o in outs.items():
+        v = o.output_token_weight_versions
+        assert len(v) == len(o.output_ids), i
+        if mode == "abort":
+            assert o.finish_reason == "abort", (i, o.finish_reason)
+            assert 0 < len(o.output_ids) < MAX_NEW and set(v) == {old}
+        else:
+            assert o.finish_reason == "length" and len(o.output_ids) == MAX_NEW, (i, o.finish_reason)
+            k = v.index(new)  # the update landed mid-request ...
+            assert 0 < k and v == [old] * k + [new] * (MAX_NEW - k), v  # ... once, atomically
+            assert o.weight_version == new
+    # after the update a new request runs on the new weights only
+    o = client.generate(_prompt(6, 7), {"temperature": 0.0, "max_new_tokens": 3})
+    assert set(o.output_token_weight_versions) == {new}
+    tr.shutdown()
+    client.close()
