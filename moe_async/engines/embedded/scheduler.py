@@ -394,10 +394,17 @@ class Scheduler:
         self.kv = [(layer.keys, layer.values) for layer in cache.layers]
         routing_BLK = self.capture.take(B)
         logits_BV = out.logits[:, -1].float()
+        # One batched log_softmax (and argmax) for every row instead of one per request:
+        # the vocab is large (49k for SmolLM2) and this was most of the per-step overhead.
+        temps = [1.0 if (r.params.greedy or self.return_original_logprob) else r.params.temperature
+                 for r in self.running]
+        scaled = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps).unsqueeze(1)
+        lp_BV = torch.log_softmax(scaled, dim=-1)
+        argmax_B = torch.argmax(logits_BV, dim=-1).tolist()
         keep = []
         for b, r in enumerate(self.running):
             r.routed.append(routing_BLK[b : b + 1])
-            self._append(r, logits_BV[b : b + 1])
+            self._append(r, logits_BV[b : b + 1], lp_BV[b], argmax_B[b])
             if r.finish is None:
                 keep.append(b)
         if len(keep) != B:
@@ -437,13 +444,17 @@ class Scheduler:
         self.pads = [p - trim for p in pads]
 
     # ------------------------------------------------------------------ sampling
-    def _append(self, req: Req, logits_1V: torch.Tensor) -> None:
-        """Sample one token for ``req`` from ``logits_1V``; record it and check stops."""
+    def _append(self, req: Req, logits_1V: torch.Tensor, lp_V: torch.Tensor | None = None,
+                argmax: int | None = None) -> None:
+        """Sample one token for ``req`` from ``logits_1V``; record it and check stops.
+
+        ``lp_V``/``argmax``: the row's logprobs (of the distribution the returned logprob is
+        defined on) and argmax, when the caller computed them batched."""
         p = req.params
         logits_V = logits_1V[0]
         probs = None
         if p.greedy:
-            tok = int(torch.argmax(logits_V))
+            tok = argmax if argmax is not None else int(torch.argmax(logits_V))
         else:
             probs = self._sampling_probs(logits_V, p)
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
@@ -451,7 +462,9 @@ class Scheduler:
             return
         # SGLang default: logprob of the temperature-scaled distribution (before top-k/p);
         # greedy or --return-original-logprob: the raw distribution.
-        if p.greedy or self.return_original_logprob:
+        if lp_V is not None:
+            lp = lp_V[tok]
+        elif p.greedy or self.return_original_logprob:
             lp = torch.log_softmax(logits_V, dim=-1)[tok]
         else:
             lp = torch.log_softmax(logits_V / p.temperature, dim=-1)[tok]
