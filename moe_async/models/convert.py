@@ -451,12 +451,14 @@ def load_megatron_into_model(model, megatron_dir: str) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     sd = model.sharded_state_dict()
-    loaded, missing, unexpected = dist_checkpointing.load(
+    # Megatron's naming: "unexpected" = requested by the model but absent from the checkpoint,
+    # "missing" = in the checkpoint but not requested.
+    loaded, in_ckpt_only, absent = dist_checkpointing.load(
         {"model": sd}, megatron_dir, strict=StrictHandling.RETURN_ALL
     )
+    missing = sorted(absent)
     # optimizer state saved by MegatronTrainer.save_checkpoint is not a model tensor
-    unexpected = sorted(k for k in unexpected if not k.startswith("optimizer."))
-    missing = sorted(missing)
+    unexpected = sorted(k for k in in_ckpt_only if not k.startswith("optimizer."))
     if missing or unexpected:
         raise KeyError(
             "Megatron -> HF conversion: "
