@@ -129,10 +129,11 @@ class TrainerActor:
 
     def connect_engines(self, urls: list[str]) -> None:
         from moe_async.engines.client import SyncEngineClient
-        from moe_async.weight_sync.transport import BroadcastTransport
+        from moe_async.weight_sync.transport import make_transport
 
         clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
-        self.transport = BroadcastTransport(clients, self.cfg.weight_sync, pause_mode=self.cfg.engine.pause_mode)
+        # weight_sync.transport: broadcast (bucketed, overlapped packing) | disk (fallback)
+        self.transport = make_transport(clients, self.cfg.weight_sync, pause_mode=self.cfg.engine.pause_mode)
         self.transport.connect()
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -157,25 +158,18 @@ class TrainerActor:
 
         Raises: WeightSyncError naming the engine, the version and the first differing tensors.
         """
-        import time
-
         from moe_async.engines.client import SyncEngineClient
-        from moe_async.weight_sync.transport import WeightSyncError
+        from moe_async.weight_sync.transport import check_engines
 
         t0 = time.perf_counter()
         mine = self.trainer.hf_checksums()
-        for i, u in enumerate(urls):
-            theirs = SyncEngineClient(u).weights_checksum()
-            if theirs["weight_version"] != self.trainer.version:
-                raise WeightSyncError(f"engine {i} ({u}) serves version {theirs['weight_version']}, trainer is at {self.trainer.version}")
-            bad = sorted(k for k in set(mine) | set(theirs["checksums"]) if mine.get(k) != theirs["checksums"].get(k))
-            if bad:
-                raise WeightSyncError(f"engine {i} ({u}) weights differ from the trainer's at version {self.trainer.version}: {bad[:5]} ({len(bad)} tensors)")
-        return {"sync/check_seconds": time.perf_counter() - t0, "sync/check_tensors": float(len(mine))}
+        m = check_engines([SyncEngineClient(u) for u in urls], mine, self.trainer.version)
+        m["sync/check_seconds"] = time.perf_counter() - t0  # including the trainer's checksums
+        return m
 
     def shutdown(self) -> None:
         if self.transport is not None:
-            self.transport.close()
+            self.transport.shutdown()
 
 
 @ray.remote(num_cpus=0)
