@@ -298,10 +298,51 @@ class RouterReplayHook:
         self._meter.add_logprobs(logp_BS1.detach(), mb["rollout_logp"], mb["rollout_lp_mask"])
 
     def metrics(self) -> dict[str, float]:
-        """Mismatch metrics of the last step (see :class:`MismatchMeter`)."""
+        """Mismatch metrics of the last step (see :class:`MismatchMeter`), over the whole
+        global batch and every MoE layer, equal on every rank.
+
+        Collective at world size > 1 (every rank calls it, e.g. at the end of ``train_step``):
+        the per-rank sums are all-reduced over the world. Logprob sums come from the last
+        PP stage's TP rank 0 (TP ranks hold the same gathered logits); agreement counts from
+        every TP rank under sequence parallelism (each routes its own sequence chunk), else
+        from TP rank 0; PP stages hold disjoint layers and DP replicas disjoint samples, so
+        both are summed."""
+        agree = [0] * self.num_moe_layers
+        count = [0] * self.num_moe_layers
         for r in self.routers:
-            self._meter.set_layer(r.moe_index, r.agree, r.count)
+            agree[r.moe_index] += r.agree
+            count[r.moe_index] += r.count
+        self._reduce_world(agree, count)
+        for j in range(self.num_moe_layers):
+            self._meter.set_layer(j, agree[j], count[j])
         return self._meter.result()
+
+    def _reduce_world(self, agree: list[int], count: list[int]) -> None:
+        """In place: the meter's logprob sums and ``agree``/``count`` summed over the world
+        (see :meth:`metrics`); no-op on 1 process."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        from megatron.core import parallel_state as ps
+
+        m = self._meter
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        lp_owner = ps.is_pipeline_last_stage() and tp_rank == 0
+        route_owner = tp_rank == 0 or bool(getattr(self.config, "sequence_parallel", False))
+        lp = [m.n, m.absdiff, m.k3, m.gt2] if lp_owner else [0.0] * 4
+        rt = [float(x) for x in agree + count] if route_owner else [0.0] * (2 * self.num_moe_layers)
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        t = torch.tensor(lp + rt, dtype=torch.float64, device=dev)
+        dist.all_reduce(t)
+        mx = torch.tensor([m.absmax if lp_owner else 0.0], dtype=torch.float64, device=dev)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        v = t.tolist()
+        m.n, m.absdiff, m.k3, m.gt2 = v[:4]
+        m.absmax = float(mx.item())
+        L = self.num_moe_layers
+        agree[:] = [int(round(x)) for x in v[4 : 4 + L]]
+        count[:] = [int(round(x)) for x in v[4 + L :]]
 
     def used_routes(self) -> list[torch.Tensor | None]:
         """Top-k indices each local router used in its last forward (tests)."""

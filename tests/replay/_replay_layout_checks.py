@@ -1,0 +1,216 @@
+"""Router replay (R3) at multi-process layouts (gloo, CPU). Writes a JSON file of results.
+
+Modes:
+    python _replay_layout_checks.py ref TMP
+        creates the tiny Mixtral checkpoints TMP/a (the trainer, seed 0) and TMP/b (the
+        "engine", seed 1: another router, so its routes disagree with the trainer's own
+        choice), the 8 samples with engine routes (TMP/samples.pkl), and runs the 1-process
+        references: R3 at micro-batch sizes 1, 2, 4 and ``off`` at 2 (2 steps each) -> TMP/ref.json.
+    torchrun --nproc_per_node 2 _replay_layout_checks.py run TMP OUT.json LAYOUT [LAYOUT ...]
+        for each LAYOUT ``tp{t}pp{p}ep{e}``: R3 trainer, 2 steps on the same samples, the
+        routers' actual top-k sets captured on every rank (forward hooks on Megatron's
+        ``TopKRouter``: its routing map) and gathered to rank 0, which maps every router row
+        back to (sample, token) INDEPENDENTLY of the replay hook (DP slice, micro-batch,
+        ``[S, B]`` order, sequence-parallel chunk of the TP rank, global MoE-layer index of
+        the router) and compares it with the supplied routes; then Megatron's parallel state
+        is destroyed and the next layout runs in the same process.
+
+Data: 8 samples (lengths 9..13, sample 4 with loss_weight 0), micro batch 2, fixed
+advantages, lr 1e-3, fp32, aux-loss coefficient 0 (the aux loss sees padding rows, whose
+number depends on the layout's padding), so loss and grad norm must equal 1 process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+E, K, L = 4, 2, 2
+ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
+LENS = [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]
+MBS = 2
+STEPS = 2
+KEYS = ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "routing_agreement",
+        "routing_agreement_l0", "routing_agreement_l1", "mismatch_logp_absdiff_mean",
+        "mismatch_logp_absdiff_max", "mismatch_kl_k3", "mismatch_num_tokens", "step_time_s")
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def make_samples(tmp: str) -> None:
+    """Checkpoints a/b and the samples, routes from b's HF gates (``tokens - 1`` rows)."""
+    from _tiny import make_tiny_mixtral
+    from transformers import MixtralForCausalLM
+
+    from moe_async.replay.routes import compact_routes
+    from moe_async.types import Sample
+
+    make_tiny_mixtral(os.path.join(tmp, "a"), seed=0)
+    other = MixtralForCausalLM.from_pretrained(make_tiny_mixtral(os.path.join(tmp, "b"), seed=1)).eval()
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, (p, r) in enumerate(LENS):
+        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
+        rl = (-torch.rand(r, generator=g) * 6).tolist()
+        got = []
+        hooks = [lay.mlp.gate.register_forward_hook(lambda m, a, o: got.append(o[2].clone()))
+                 for lay in other.model.layers]
+        with torch.no_grad():
+            other(torch.tensor([ids[:-1]]))
+        for h in hooks:
+            h.remove()
+        routes = torch.stack([x.reshape(len(ids) - 1, K) for x in got], dim=1).numpy()  # [T-1, L, K]
+        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl, weight_versions=[0] * r,
+                          routed_experts=compact_routes(routes, E), loss_weight=0.0 if i == 4 else 1.0))
+    with open(os.path.join(tmp, "samples.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def load_samples(tmp: str):
+    with open(os.path.join(tmp, "samples.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
+def capture(tr) -> tuple[dict, list]:
+    """Forward hooks on every local ``TopKRouter``: ``{global moe index: [routing_map [N, E]
+    bool per forward]}``. The index is the router's global layer number (dense layers: none
+    here), read from Megatron, not from the replay hook."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    seen: dict[int, list] = {}
+    hooks = []
+    for m in tr.model.modules():
+        if isinstance(m, TopKRouter):
+            j = m.layer_number - 1  # every layer is MoE in this model
+            seen[j] = []
+            hooks.append(m.register_forward_hook(lambda mod, i, o, j=j: seen[j].append(o[1].detach().cpu().numpy())))
+    return seen, hooks
+
+
+def my_layout(tr) -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                sp=bool(tr.tf_config.sequence_parallel))
+
+
+def check_routes(entries: list[dict], ss, mbs: int) -> dict:
+    """Every rank's captured routing maps of ONE train step -> (sample, token) rows; compare
+    with the supplied routes on real tokens (rows ``< n - 1``). Returns agree / checked /
+    expected counts and the number of real rows checked more or less than once."""
+    seen_count = {}
+    agree = checked = 0
+    for e in entries:
+        per = -(-len(ss) // e["dp"])
+        local = ss[e["dp_rank"] * per : (e["dp_rank"] + 1) * per]
+        for j, calls in e["maps"].items():
+            j = int(j)
+            for k, rmap in enumerate(calls):
+                chunk = list(range(e["dp_rank"] * per + k * mbs, e["dp_rank"] * per + min((k + 1) * mbs, len(local))))
+                B = len(chunk)
+                N = rmap.shape[0]
+                S_loc = N // B
+                assert S_loc * B == N, (N, B)
+                off = e["tp_rank"] * S_loc if e["sp"] else 0
+                used = rmap.reshape(S_loc, B, E)
+                for b, gi in enumerate(chunk):
+                    s = ss[gi]
+                    n = len(s.prompt_ids) + len(s.response_ids)
+                    for i in range(S_loc):
+                        t = off + i
+                        if t >= n - 1:
+                            continue
+                        if e["tp_rank"] and not e["sp"]:
+                            continue  # TP without SP: every TP rank routes all rows; count rank 0
+                        want = np.zeros(E, dtype=bool)
+                        want[s.routed_experts[t, j].astype(np.int64)] = True
+                        agree += int((used[i, b] == want).all() and used[i, b].sum() == K)
+                        checked += 1
+                        seen_count[(gi, t, j)] = seen_count.get((gi, t, j), 0) + 1
+    expected = L * sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in ss)
+    return dict(agree=agree, checked=checked, expected=expected,
+                not_once=sum(1 for v in seen_count.values() if v != 1) + (expected - len(seen_count)))
+
+
+def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS) -> dict:
+    import torch.distributed as dist
+
+    from moe_async.trainer.config import TrainerConfig
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    t0 = time.perf_counter()
+    tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                       expert_model_parallel_size=ep, micro_batch_size=mbs, moe_aux_loss_coeff=0.0,
+                                       lr=1e-3, router_replay=mode), os.path.join(tmp, "a"))
+    res: dict = {"build_s": time.perf_counter() - t0, "steps": [], "routes": []}
+    seen, hooks = capture(tr)
+    for _ in range(STEPS):
+        for v in seen.values():
+            v.clear()
+        m = tr.train_step(ss, ADV)
+        res["steps"].append({k: m.get(k) for k in KEYS})
+        mine = dict(my_layout(tr), maps={j: list(v) for j, v in seen.items()})
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box: list = [None] * dist.get_world_size()
+            dist.all_gather_object(box, mine)
+        else:
+            box = [mine]
+        if rank() == 0:
+            res["routes"].append(check_routes(box, ss, mbs))
+    for h in hooks:
+        h.remove()
+    res["clean"] = all(r.target_topk_idx is None and not r.replay_backward_list and r.router_replay_action is None
+                       for r in tr.router_replay.routers)
+    lp = tr.compute_logprobs(ss[:3])  # R3 in a forward-only pass (engine routes replayed)
+    res["logp_first"] = [x[:3] for x in lp]
+    tr.close()
+    res["total_s"] = time.perf_counter() - t0
+    return res
+
+
+def main_ref(tmp: str) -> None:
+    make_samples(tmp)
+    ss = load_samples(tmp)
+    res = {f"R3_mbs{m}": run_trainer(tmp, ss, "R3", mbs=m) for m in (1, 2, 4)}
+    res["off_mbs2"] = run_trainer(tmp, ss, "off")
+    with open(os.path.join(tmp, "ref.json"), "w") as f:
+        json.dump(res, f)
+
+
+def main_run(tmp: str, out: str, layouts: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    ss = load_samples(tmp)
+    res: dict = {}
+    t0 = time.perf_counter()
+    for lay in layouts:
+        tp = int(lay.split("tp")[1].split("pp")[0])
+        pp = int(lay.split("pp")[1].split("ep")[0])
+        ep = int(lay.split("ep")[1])
+        res[lay] = run_trainer(tmp, ss, "R3", tp, pp, ep)
+    res["wall_s"] = time.perf_counter() - t0
+    if rank() == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "ref":
+        main_ref(sys.argv[2])
+    else:
+        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -1,0 +1,127 @@
+"""Router replay (R3) at multi-process layouts (gloo, CPU): TP2 + sequence parallel (each
+router sees its TP rank's sequence chunk), EP2 (DP2 over the dense part: each rank its slice
+of the batch), PP2 (each stage replays only its own layers, matched by global layer number).
+
+Two launches (see _replay_layout_checks.py): the 1-process references (plain python; R3 at
+micro-batch sizes 1, 2, 4 and ``off``) and ONE 2-process torchrun looping over the three
+layouts (Megatron's parallel state destroyed and re-initialised between them). The routes
+come from another random router, so the trainer's own choice disagrees with them on most
+tokens (``off``): the route check fails without replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "_replay_layout_checks.py")
+LAYOUTS = ["tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1"]
+REL = 1e-5
+REAL_ROWS = 2 * sum(n - 1 for n in (12, 9, 12, 13, 11, 13, 10, 10))  # (real token, MoE layer) pairs
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], timeout: int) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-6000:])
+    return time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("replay_layouts"))
+    times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
+    times["w2"] = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        "--master_addr=127.0.0.1", f"--master_port={_port()}", SCRIPT, "run", tmp,
+                        os.path.join(tmp, "w2.json"), *LAYOUTS], timeout=400)
+    out = {}
+    for name in ("ref", "w2"):
+        with open(os.path.join(tmp, f"{name}.json")) as f:
+            out.update(json.load(f))
+    out["times"] = times
+    print("replay layout check wall times (s):", times)
+    return out
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def test_routes_differ_without_replay(res):
+    """Sanity of the data: the trainer's own routing matches the supplied routes on few
+    (real token, layer) pairs, so every route check below would fail without replay."""
+    for r in res["off_mbs2"]["routes"]:
+        assert r["checked"] == r["expected"] == REAL_ROWS
+        assert r["agree"] < 0.5 * r["checked"]
+
+
+@pytest.mark.parametrize("run", ["R3_mbs1", "R3_mbs2", "R3_mbs4", *LAYOUTS])
+def test_r3_top_k_equals_supplied_routes_on_every_real_token(res, run):
+    """The routers' actual top-k sets (captured from Megatron's routing map on every rank and
+    mapped back to (sample, token, global MoE layer) independently of the replay hook) equal
+    the supplied routes on 100% of real tokens, each checked exactly once, in both steps."""
+    got = res[run]
+    assert len(got["routes"]) == 2
+    for r in got["routes"]:
+        assert r["expected"] == REAL_ROWS
+        assert r["checked"] == REAL_ROWS and r["not_once"] == 0
+        assert r["agree"] == REAL_ROWS
+    assert got["clean"]  # replay targets/actions cleared after each step and compute_logprobs
+
+
+@pytest.mark.parametrize("run", ["R3_mbs1", "R3_mbs4", *LAYOUTS])
+def test_r3_loss_and_grad_norm_equal_one_process(res, run):
+    """Loss, grad norm and entropy of both steps equal the 1-process R3 run (micro batch 2):
+    at each layout and at other micro-batchings of 1 process (micro-batches > 1 with replay:
+    2, 4 or 8 micro-batches per rank)."""
+    ref = res["R3_mbs2"]
+    for s, r in zip(res[run]["steps"], ref["steps"]):
+        assert s["num_tokens"] == r["num_tokens"] == 45
+        for k in ("loss", "grad_norm", "entropy"):
+            assert _rel(s[k], r[k]) <= REL, (k, s[k], r[k])
+    assert res[run]["steps"][0]["loss"] != res[run]["steps"][1]["loss"]
+    for x, y in zip(res[run]["logp_first"], ref["logp_first"]):
+        assert max(abs(a - b) for a, b in zip(x, y)) < 1e-4
+
+
+def test_r3_changes_the_step(res):
+    assert _rel(res["R3_mbs2"]["steps"][0]["loss"], res["off_mbs2"]["steps"][0]["loss"]) > 1e-3
+
+
+@pytest.mark.parametrize("run", LAYOUTS)
+def test_mismatch_metrics_reduced_over_ranks(res, run):
+    """Agreement (the router's own choice vs the supplied routes, measured under replay) and
+    the logprob mismatch metrics cover the whole batch and all layers on every layout: equal
+    to 1 process (PP stages hold disjoint layers, DP ranks disjoint samples, SP ranks
+    disjoint sequence chunks)."""
+    ref = res["R3_mbs2"]
+    for s, r in zip(res[run]["steps"], ref["steps"]):
+        assert s["mismatch_num_tokens"] == r["mismatch_num_tokens"] == 45
+        for k in ("routing_agreement", "routing_agreement_l0", "routing_agreement_l1"):
+            assert s[k] == pytest.approx(r[k], rel=1e-12), k
+        assert s["routing_agreement"] < 0.5
+        for k in ("mismatch_logp_absdiff_mean", "mismatch_logp_absdiff_max", "mismatch_kl_k3"):
+            assert _rel(s[k], r[k]) <= 1e-4, (k, s[k], r[k])
+
+
+def test_total_time(res):
+    assert sum(res["times"].values()) < 200, res["times"]
