@@ -217,10 +217,11 @@ def parallel_layout(tp: int, pp: int, ep: int):
 
 
 def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str = "fp32",
-                vocab_div: int = DEFAULT_VOCAB_DIV):
+                vocab_div: int = DEFAULT_VOCAB_DIV, padded_vocab: int | None = None):
     """This rank's ``GPTModel`` stage for ``hf_config`` at the current Megatron parallel
     state, built exactly as ``MegatronTrainer._build`` does (same family helpers, vocab
-    padded to a multiple of ``vocab_div * tp``). Returns ``(model, hf_vocab_size)``."""
+    padded to a multiple of ``vocab_div * tp``, or to ``padded_vocab`` rows when given).
+    Returns ``(model, hf_vocab_size)``."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -238,7 +239,7 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
     )
     kw = fam.gpt_model_kwargs(d)
     vocab = int(kw["vocab_size"])
-    kw["vocab_size"] = padded_vocab_size(vocab, tp, vocab_div)
+    kw["vocab_size"] = padded_vocab if padded_vocab is not None else padded_vocab_size(vocab, tp, vocab_div)
     use_te = torch.cuda.is_available() and _have_te()
     model = GPTModel(
         config=tf,
@@ -253,22 +254,31 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
     return model, vocab
 
 
+# HF tensors kept in fp32 by Megatron whatever the params dtype (deepseek_v3's router bias is
+# an fp32 buffer), so they may differ from the checkpoint's dtype.
+FP32_ANYWAY = (".e_score_correction_bias",)
+
+
 def _dtype_of(hf_cfg: dict, index: dict[str, str]) -> str:
     """``"fp32"`` or ``"bf16"``: the dtype the Megatron model is built in = the dtype of the
-    HF tensors on disk (so that the conversion is a copy, never a cast). ValueError for
-    other dtypes or a mix."""
+    HF embedding on disk, so that the conversion is a copy, never a cast. ValueError naming
+    the first tensor of another dtype (``FP32_ANYWAY`` tensors may be F32)."""
     from safetensors import safe_open
 
-    seen = set()
+    names = {"F32": "fp32", "BF16": "bf16"}
+    dtypes: dict[str, str] = {}
     for fp in sorted(set(index.values())):
         with safe_open(fp, framework="pt") as h:
             for k in h.keys():
-                seen.add(h.get_slice(k).get_dtype())
-    names = {"F32": "fp32", "BF16": "bf16"}
-    bad = sorted(seen - set(names))
-    if bad or len(seen) != 1:
-        raise ValueError(f"HF tensors must all be F32 or all BF16, found {sorted(seen)}")
-    return names[seen.pop()]
+                dtypes[k] = h.get_slice(k).get_dtype()
+    ref = dtypes.get("model.embed_tokens.weight")
+    if ref not in names:
+        raise ValueError(f"model.embed_tokens.weight has dtype {ref}; supported: F32, BF16")
+    for k in sorted(dtypes):
+        if dtypes[k] != ref and not (k.endswith(FP32_ANYWAY) and dtypes[k] == "F32"):
+            raise ValueError(f"HF tensor {k} has dtype {dtypes[k]}, the checkpoint's is {ref} "
+                             "(a mixed-dtype checkpoint would not round-trip exactly)")
+    return names[ref]
 
 
 # ------------------------------------------------------------------------- HF -> Megatron
@@ -468,6 +478,17 @@ def load_megatron_into_model(model, megatron_dir: str) -> None:
     model.load_state_dict(loaded["model"])
 
 
+def saved_vocab_rows(megatron_dir: str) -> int | None:
+    """Rows of the saved (padded) embedding / output layer of a torch_dist checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(megatron_dir).read_metadata().state_dict_metadata
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if k in md and hasattr(md[k], "size"):
+            return int(md[k].size[0])
+    return None
+
+
 def _checkpoint_dtype(megatron_dir: str) -> str:
     meta = os.path.join(megatron_dir, META_NAME)
     if os.path.exists(meta):
@@ -563,10 +584,15 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
             with open(meta_p) as f:
                 vocab_div = int(json.load(f).get("vocab_div", DEFAULT_VOCAB_DIV))
     dtype = _checkpoint_dtype(megatron_dir)
+    # the padded vocab rows are part of the saved global shape: load with the same rows (the
+    # padding rule of another TP could give a different count), which must split over TP
+    rows = saved_vocab_rows(megatron_dir)
+    if rows is not None and rows % tp:
+        raise ValueError(f"the checkpoint's padded vocab ({rows} rows) does not split over tp={tp}")
     written: list[str] = []
     nbytes = 0
     with parallel_layout(tp, pp, ep):
-        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div, padded_vocab=rows)
         load_megatron_into_model(model, megatron_dir)
         full = gather_full_state(model, vocab, dst=0)
         if _rank() == 0:
@@ -578,7 +604,12 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
             from tqdm import tqdm
 
             with tqdm(total=n_hf, desc="Megatron->HF", unit="tensor", disable=not progress, leave=False) as bar:
+                out_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
                 for name, t in fam.megatron_to_hf(full, hf_cfg):
+                    # Megatron keeps some params in fp32 in a bf16 model (the torch norms):
+                    # back to the checkpoint dtype (they were loaded from it: lossless)
+                    if t.dtype != out_dtype and not name.endswith(FP32_ANYWAY):
+                        t = t.to(out_dtype)
                     w.add(name, t)
                     bar.update(1)
             written = w.close()

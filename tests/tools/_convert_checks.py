@@ -3,7 +3,7 @@
     python _convert_checks.py prep TMP
         makes the tiny HF checkpoints (before Megatron is imported): ``mix`` (Mixtral, untied)
         and ``qwen`` (Qwen3-MoE, tied, norm_topk_prob=False), each 2 layers, 4 experts top-2,
-        fp32, re-saved by transformers as 4+ safetensors shards with
+        fp32, and ``llama`` (dense, bf16, tied), re-saved by transformers as 3+ safetensors shards with
         ``model.safetensors.index.json``, plus a fake tokenizer file; ``{name}_fused``: the
         same weights in transformers' in-memory layout (fused ``experts.gate_up_proj`` /
         ``down_proj``), sharded; the HF logits on a fixed prompt. Then, 1 process: HF ->
@@ -35,7 +35,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-NAMES = ("mix", "qwen")
+NAMES = ("mix", "qwen")  # MoE, fp32: every layout, logits vs Megatron
+ALL = (*NAMES, "llama")  # + dense Llama, bf16: EP1 / TP2 round trips
+SHARD = {"mix": "300KB", "qwen": "300KB", "llama": "60KB"}  # -> 3+ files each
 PROMPT = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 200, 11, 2]]
 
 
@@ -56,14 +58,17 @@ def make_checkpoints(tmp: str) -> None:
 
     make_tiny_mixtral(p(tmp, "mix_single"), tie=False)
     make_tiny_qwen3_moe(p(tmp, "qwen_single"), tie=True, norm_topk_prob=False)
-    for name in NAMES:
+    make_tiny_llama_bf16(p(tmp, "llama_single"))
+    for name in ALL:
         m = AutoModelForCausalLM.from_pretrained(p(tmp, f"{name}_single")).eval()
-        m.save_pretrained(p(tmp, name), max_shard_size="300KB")  # transformers' own sharded save
+        m.save_pretrained(p(tmp, name), max_shard_size=SHARD[name])  # transformers' own sharded save
         with open(p(tmp, name, "tokenizer_config.json"), "w") as f:
             json.dump({"fake": name}, f)
         with torch.no_grad():
             logits = m(torch.tensor(PROMPT)).logits.float()
         torch.save(logits, p(tmp, f"hf_logits_{name}.pt"))
+        if name == "llama":
+            continue
         # transformers' in-memory layout (fused experts), sharded
         fused = p(tmp, f"{name}_fused")
         os.makedirs(fused)
@@ -72,6 +77,18 @@ def make_checkpoints(tmp: str) -> None:
         for k, v in m.state_dict().items():
             w.add(k, v.detach().clone())
         w.close()
+
+
+def make_tiny_llama_bf16(path: str) -> None:
+    """Dense Llama, bf16 on disk, tied (the dtype must survive the round trip)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, initializer_range=0.2,
+                      rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
 def hf_tensors(d: str) -> dict:
@@ -206,17 +223,21 @@ def main_prep(tmp: str) -> None:
     import convert_megatron_to_hf as m2h_cli
 
     res: dict = {}
-    for name in NAMES:
+    for name in ALL:
         h2m_cli.main(["--hf", p(tmp, name), "--out", p(tmp, f"meg_ep1_{name}"), "--no-progress"])
         m2h_cli.main(["--megatron", p(tmp, f"meg_ep1_{name}"), "--hf-config", p(tmp, name),
-                      "--out", p(tmp, f"back_ep1_{name}"), "--max-shard-size", "300KB", "--no-progress"])
+                      "--out", p(tmp, f"back_ep1_{name}"), "--max-shard-size", SHARD[name], "--no-progress"])
+        if name == "llama":
+            continue
         ml = megatron_logits(p(tmp, f"meg_ep1_{name}"), p(tmp, name))
         hl = torch.load(p(tmp, f"hf_logits_{name}.pt"))
         res[f"meg_logits_ep1_{name}"] = {"maxdiff": float((ml - hl).abs().max()), "shape_ok": ml.shape == hl.shape,
                                          "hf_logit_std": float(hl.std())}
+    # vocab padded to 96 x TP: 288 rows at TP1, which TP2 must load as 288 (not 384)
+    h2m_cli.main(["--hf", p(tmp, "mix"), "--out", p(tmp, "meg_v96_mix"), "--vocab-div", "96", "--no-progress"])
     res["errors"] = error_cases(tmp)
     res["n_hf_files"] = {n: len(set(json.load(open(p(tmp, n, "model.safetensors.index.json")))["weight_map"].values()))
-                         for n in NAMES}
+                         for n in ALL}
     with open(p(tmp, "prep.json"), "w") as f:
         json.dump(res, f)
 
@@ -240,6 +261,9 @@ def main_w2(tmp: str) -> None:
         m2h_cli.main(["--megatron", p(tmp, f"meg_tp2_{name}"), "--hf-config", p(tmp, name),
                       "--out", p(tmp, f"back_tp2at2_{name}"), "--tp", "2", "--max-shard-size", "300KB",
                       "--no-progress"])
+    h2m_cli.main(["--hf", p(tmp, "llama"), "--out", p(tmp, "meg_tp2_llama"), "--tp", "2", "--no-progress"])
+    m2h_cli.main(["--megatron", p(tmp, "meg_v96_mix"), "--hf-config", p(tmp, "mix"),
+                  "--out", p(tmp, "back_v96at2_mix"), "--tp", "2", "--max-shard-size", "300KB", "--no-progress"])
     if rank() == 0:
         with open(p(tmp, "w2.json"), "w") as f:
             json.dump({"ok": True}, f)
@@ -276,13 +300,27 @@ def main_final(tmp: str) -> None:
     from transformers import AutoModelForCausalLM
 
     res: dict = {}
+    m2h_cli.main(["--megatron", p(tmp, "meg_tp2_llama"), "--hf-config", p(tmp, "llama"),
+                  "--out", p(tmp, "back_tp2_llama"), "--max-shard-size", SHARD["llama"], "--no-progress"])
+    for name in ("llama",):
+        hl = torch.load(p(tmp, f"hf_logits_{name}.pt"))
+        for src in ("ep1", "tp2"):
+            back = p(tmp, f"back_{src}_{name}")
+            r = compare_dirs(p(tmp, name), back)
+            m = AutoModelForCausalLM.from_pretrained(back).eval()
+            with torch.no_grad():
+                r["hf_logits_equal"] = bool(torch.equal(m(torch.tensor(PROMPT)).logits.float(), hl))
+            r["dtypes"] = sorted({str(t.dtype) for t in hf_tensors(back).values()})
+            res[f"{src}_{name}"] = r
     for name in NAMES:
         for src in ("ep2", "tp2", "fused_ep2"):
             m2h_cli.main(["--megatron", p(tmp, f"meg_{src}_{name}"), "--hf-config", p(tmp, name),
                           "--out", p(tmp, f"back_{src}_{name}"), "--max-shard-size", "300KB", "--no-progress"])
         hl = torch.load(p(tmp, f"hf_logits_{name}.pt"))
-        for src in ("ep1", "ep2", "tp2", "fused_ep2", "ep1at2", "tp2at2"):
+        for src in ("ep1", "ep2", "tp2", "fused_ep2", "ep1at2", "tp2at2", "v96at2"):
             back = p(tmp, f"back_{src}_{name}")
+            if not os.path.exists(back):  # v96at2: mixtral only
+                continue
             r = compare_dirs(p(tmp, name), back)
             m = AutoModelForCausalLM.from_pretrained(back).eval()
             with torch.no_grad():

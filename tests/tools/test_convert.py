@@ -24,6 +24,7 @@ HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_convert_checks.py")
 NAMES = ["mix", "qwen"]
 # back_{src}_{name}: src = where the torch_dist checkpoint was written / how it was read back
+# (ep1at2: saved at EP1, read at EP2; v96at2: vocab padded at TP1 to 288 rows, read at TP2)
 SOURCES = ["ep1", "ep2", "tp2", "fused_ep2", "ep1at2", "tp2at2"]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo conversion checks")
@@ -65,10 +66,9 @@ def res(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("src", SOURCES)
-def test_round_trip_bit_exact(res, src, name):
-    r = res[f"{src}_{name}"]
+@pytest.mark.parametrize("key", [f"{s}_{n}" for s in SOURCES for n in NAMES] + ["v96at2_mix"])
+def test_round_trip_bit_exact(res, key):
+    r = res[key]
     assert r["same_names"], (r["extra"], r["missing"])
     assert r["unequal"] == [], r["unequal"]
     assert r["has_index"]  # sharded output (300KB shards) with model.safetensors.index.json
@@ -76,7 +76,16 @@ def test_round_trip_bit_exact(res, src, name):
     assert r["hf_logits_equal"]  # transformers model from the round-tripped dir: equal logits
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("key", ["ep1_llama", "tp2_llama"])
+def test_dense_bf16_round_trip(res, key):
+    """Dense llama family, bf16 on disk: bit-exact and still bf16 (the model is built in the
+    checkpoint's dtype: a copy, never a cast)."""
+    r = res[key]
+    assert r["same_names"] and r["unequal"] == [] and r["has_index"] and r["hf_logits_equal"]
+    assert r["dtypes"] == ["torch.bfloat16"]
+
+
+@pytest.mark.parametrize("name", NAMES + ["llama"])
 def test_sources_are_sharded(res, name):
     assert res["n_hf_files"][name] >= 3
 
@@ -110,4 +119,4 @@ def test_nothing_written_on_refusal(res):
 
 
 def test_total_time(res):
-    assert sum(res["times"].values()) < 300, res["times"]
+    assert sum(res["times"].values()) < 480, res["times"]  # ~60 s CPU; wall depends on the shared machine
