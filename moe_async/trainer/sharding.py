@@ -91,14 +91,22 @@ def _renumber(local: str, sh_key: str, prepend: int, gofs: tuple[int, ...]) -> s
         # Global (non-layer) tensor: the sharded key is the 1-process name. (The last PP
         # stage's tied output layer is keyed as the embedding, which is what it is.)
         return sh_key if sh_key in VOCAB_PARAMS else local
-    if prepend < 1:
-        raise ValueError(f"{local!r}: layer tensor without a prepended layer axis")
-    name = f"{m.group(1)}{gofs[0]}{m.group(3)}"
+    # deepseek_v3: with non-homogeneous layers (``moe_layer_freq`` a list: dense + MoE layers)
+    # Megatron keys each layer by its global number (transformer_block.py sharded_state_dict,
+    # ``non_homogeneous_layers``) and prepends no layer axis; the expert axis is then axis 0.
+    km = _LAYER_RE.match(sh_key)
+    if km is not None:
+        layer, n_layer_axes = km.group(2), 0
+    else:
+        if prepend < 1:
+            raise ValueError(f"{local!r}: layer tensor without a prepended layer axis")
+        layer, n_layer_axes = gofs[0], 1
+    name = f"{m.group(1)}{layer}{m.group(3)}"
     e = _EXPERT_RE.match(name)
     if e is not None:
-        if prepend < 2:
+        if prepend < n_layer_axes + 1:
             raise ValueError(f"{local!r}: expert tensor without a prepended expert axis")
-        name = f"{e.group(1)}{gofs[1]}{e.group(3)}"
+        name = f"{e.group(1)}{gofs[n_layer_axes]}{e.group(3)}"
     return name
 
 
@@ -109,6 +117,9 @@ def local_pieces(model: torch.nn.Module) -> list[Piece]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     params = dict(model.named_parameters())
+    # deepseek_v3: the router's fp32 expert bias (HF e_score_correction_bias) is a buffer that
+    # is loaded and exported like a parameter.
+    params.update({n: b for n, b in model.named_buffers() if n.endswith(".router.expert_bias")})
     sd = model.sharded_state_dict()
     out: list[Piece] = []
     for pname, p in params.items():

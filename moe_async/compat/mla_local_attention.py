@@ -1,0 +1,80 @@
+"""Local (non-TE) core attention for Megatron-Core's MLA (not a patch: a module the
+deepseek_v3 family puts into its layer spec).
+
+Answers megatron/core/transformer/multi_latent_attention.py (0.16.1):
+``MultiLatentAttention.__init__`` builds ``core_attention`` with ``k_channels=q_head_dim`` and
+``v_channels=v_head_dim``, but the local ``DotProductAttention``
+(megatron/core/transformer/dot_product_attention.py) accepts neither keyword (TypeError), and
+sizes its output from ``config.kv_channels``. So ``get_gpt_layer_local_spec(
+multi_latent_attention=True)`` cannot be built without Transformer Engine. This subclass takes
+both keywords and sizes the context output ``[sq, b, heads/TP * v_channels]`` from
+``v_channels``; the scores use the ``softmax_scale`` MLA passes (1/sqrt(q_head_dim) x mscale^2).
+The math is DotProductAttention's (baddbmm -> masked softmax in fp32 -> bmm).
+
+Test: tests/models/test_deepseek_v3_mapping.py::test_mla_local_attention_mend (fails when
+plain DotProductAttention starts accepting ``k_channels``: the mend is then not needed).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.utils import divide
+
+
+class MLADotProductAttention(DotProductAttention):
+    """``DotProductAttention`` that accepts MLA's ``k_channels`` / ``v_channels``."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=attention_type,
+            attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        if softmax_scale is None and k_channels is not None:
+            import math
+
+            self.softmax_scale = 1.0 / math.sqrt(k_channels)
+            if self.config.apply_query_key_layer_scaling:
+                self.softmax_scale /= self.layer_number
+        if v_channels is not None:
+            tp = self.pg_collection.tp.size()
+            self.hidden_size_per_partition = divide(v_channels * self.config.num_attention_heads, tp)
+            self.hidden_size_per_attention_head = v_channels
+
+
+def mend_mla_without_te() -> bool:
+    """Mend megatron/core/transformer/multi_latent_attention.py (0.16.1) when Transformer
+    Engine is absent: its ``from megatron.core.extensions.transformer_engine import TELinear``
+    does NOT raise without TE (that module subclasses a ``MagicMock`` stand-in), so the file
+    sets ``HAVE_TE = True`` and ``MultiLatentAttention.__init__`` then calls
+    ``isinstance(self.linear_proj, TELinear)`` with a mock -> ``TypeError: isinstance() arg 2
+    must be a type``. Setting the module's ``HAVE_TE = False`` (what its ``except ImportError``
+    branch would have set) skips that fp8/fp4-only check. Applied only when ``TELinear`` is not
+    a class (i.e. TE is absent); idempotent. Returns True when the mend is active.
+
+    Test: tests/models/test_deepseek_v3_mapping.py::test_mla_local_attention_mend."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if isinstance(mla.TELinear, type):
+        return False  # real Transformer Engine: nothing to mend
+    mla.HAVE_TE = False
+    return True

@@ -1,0 +1,402 @@
+"""DeepSeek-V3 family (HF ``model_type="deepseek_v3"``, transformers' ``DeepseekV3ForCausalLM``):
+config reading, Megatron ``MLATransformerConfig`` / block spec, and parameter mapping.
+
+Architecture -> Megatron-Core 0.16.1:
+
+* MLA attention (``MLASelfAttention``, local spec ``multi_latent_attention=True`` with
+  ``qk_layernorm=True`` so the ``q_a``/``kv_a`` RMSNorms exist). HF and Megatron lay the
+  projections out identically (q per head ``[nope; rope]``, ``kv_a`` ``[kv_lora; rope]``, ``kv_b``
+  per head ``[k_nope; v]``), so every attention weight maps 1:1. ``rope_interleave=True`` (HF
+  default: rotary dims in interleaved pairs) is what Megatron's MLA RoPE does
+  (``rope_utils._apply_rotary_pos_emb_bshd(multi_latent_attention=True)`` de-interleaves).
+* First ``first_k_dense_replace`` layers dense (``intermediate_size``), the rest MoE
+  (``moe_layer_freq`` list; ``moe_intermediate_size`` per routed expert, shared experts of
+  width ``moe_intermediate_size * n_shared_experts`` -> ``moe_shared_expert_intermediate_size``).
+* Router: sigmoid scores in fp32 (``moe_router_dtype="fp32"``), ``e_score_correction_bias``
+  -> Megatron's fp32 buffer ``router.expert_bias`` (``moe_router_enable_expert_bias``; used for
+  the choice only), group-limited top-k (``n_group``/``topk_group`` ->
+  ``moe_router_num_groups``/``moe_router_group_topk``), top-k weights renormalised
+  (``norm_topk_prob=True``; Megatron always renormalises sigmoid top-k for k > 1) and scaled by
+  ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``).
+
+  Megatron scores a group by the sum of its top ``topk // group_topk`` experts; HF by the sum
+  of its top 2. They agree iff ``num_experts_per_tok // topk_group == 2`` (DeepSeek-V3: 8 // 4)
+  or every group is selected (``topk_group >= n_group``: no group limit, mapped to none).
+
+Rejected with the field named (never approximated): scaled RoPE (``rope_parameters.rope_type``
+other than default, e.g. YaRN), ``rope_interleave=False``, ``norm_topk_prob=False``,
+``attention_bias``, ``hidden_act`` other than silu, ``pretraining_tp`` != 1,
+``rms_norm_eps`` != 1e-6 (HF's ``q_a_layernorm``/``kv_a_layernorm`` use a fixed 1e-6, Megatron
+uses one epsilon for all norms), group settings Megatron cannot reproduce (see above).
+``num_mtp_layers`` is ignored like transformers does (no MTP head is built; a checkpoint that
+holds MTP tensors fails the mapping's unused-key check).
+
+HF on-disk names (transformers 5.23 ``save_pretrained``) <-> Megatron (local spec). ``{i}``
+layer, ``{e}`` routed expert; ``A`` = ``model.layers.{i}.self_attn.``; ``n`` heads, ``dn``/``dr``/
+``dv`` = qk_nope/qk_rope/v head dims, ``rq``/``rkv`` = q/kv lora ranks.
+
+| Megatron (decoder.layers.{i}.)                        | HF                                          |
+| ----------------------------------------------------- | ------------------------------------------- |
+| input_layernorm.weight [H]                            | model.layers.{i}.input_layernorm.weight     |
+| self_attention.linear_q_proj.weight [n(dn+dr),H]      | A q_proj.weight          (q_lora_rank None) |
+| self_attention.linear_q_down_proj.weight [rq,H]       | A q_a_proj.weight        (q_lora_rank set)  |
+| self_attention.q_layernorm.weight [rq]                | A q_a_layernorm.weight   (q_lora_rank set)  |
+| self_attention.linear_q_up_proj.weight [n(dn+dr),rq]  | A q_b_proj.weight        (q_lora_rank set)  |
+| self_attention.linear_kv_down_proj.weight [rkv+dr,H]  | A kv_a_proj_with_mqa.weight                 |
+| self_attention.kv_layernorm.weight [rkv]              | A kv_a_layernorm.weight                     |
+| self_attention.linear_kv_up_proj.weight [n(dn+dv),rkv]| A kv_b_proj.weight                          |
+| self_attention.linear_proj.weight [H,n dv]            | A o_proj.weight                             |
+| pre_mlp_layernorm.weight [H]                          | post_attention_layernorm.weight             |
+| dense: mlp.linear_fc1.weight [2I,H]                   | mlp.gate_proj ; mlp.up_proj                 |
+| dense: mlp.linear_fc2.weight [H,I]                    | mlp.down_proj.weight                        |
+| moe: mlp.router.weight [E,H]                          | mlp.gate.weight                             |
+| moe: mlp.router.expert_bias [E] (fp32 buffer)         | mlp.gate.e_score_correction_bias            |
+| moe: mlp.experts.local_experts.{e}.linear_fc1 [2I',H] | mlp.experts.{e}.gate_proj ; .up_proj        |
+| moe: mlp.experts.local_experts.{e}.linear_fc2 [H,I']  | mlp.experts.{e}.down_proj.weight            |
+| moe: mlp.shared_experts.linear_fc1.weight [2Is,H]     | mlp.shared_experts.gate_proj ; .up_proj     |
+| moe: mlp.shared_experts.linear_fc2.weight [H,Is]      | mlp.shared_experts.down_proj.weight         |
+
+plus ``embedding.word_embeddings.weight`` / ``model.embed_tokens.weight``,
+``decoder.final_layernorm.weight`` / ``model.norm.weight``, ``output_layer.weight`` /
+``lm_head.weight`` (absent when tied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from moe_async.models.family import (
+    ArchArgs,
+    ModelFamily,
+    hf_config_dict,
+    read_rope_theta,
+    register_family,
+    reject_fields,
+)
+from moe_async.models.mapping import ExpandedTable, Rule, cat_rows, split_rows_2
+
+_L = "model.layers.{i}."
+_A = _L + "self_attn."
+_M = "decoder.layers.{i}."
+_S = _M + "self_attention."
+_X = _L + "mlp.experts.{e}."
+
+# scope: "global" | "layer" (every layer) | "dense" (i < first_k_dense_replace) |
+# "moe" (the other layers) | "expert" (moe layers x routed experts) | "q_lora" / "q_full"
+# (every layer, when q_lora_rank is set / None).
+DEEPSEEK_V3_RULES: list[Rule] = [
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    Rule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",), scope="layer"),
+    Rule(_S + "linear_q_proj.weight", (_A + "q_proj.weight",), scope="q_full"),
+    Rule(_S + "linear_q_down_proj.weight", (_A + "q_a_proj.weight",), scope="q_lora"),
+    Rule(_S + "q_layernorm.weight", (_A + "q_a_layernorm.weight",), scope="q_lora"),
+    Rule(_S + "linear_q_up_proj.weight", (_A + "q_b_proj.weight",), scope="q_lora"),
+    Rule(_S + "linear_kv_down_proj.weight", (_A + "kv_a_proj_with_mqa.weight",), scope="layer"),
+    Rule(_S + "kv_layernorm.weight", (_A + "kv_a_layernorm.weight",), scope="layer"),
+    Rule(_S + "linear_kv_up_proj.weight", (_A + "kv_b_proj.weight",), scope="layer"),
+    Rule(_S + "linear_proj.weight", (_A + "o_proj.weight",), scope="layer"),
+    Rule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), scope="layer"),
+    # dense layers
+    Rule(
+        _M + "mlp.linear_fc1.weight",
+        (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+        fuse=cat_rows,
+        split=split_rows_2,
+        scope="dense",
+    ),
+    Rule(_M + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), scope="dense"),
+    # MoE layers
+    Rule(_M + "mlp.router.weight", (_L + "mlp.gate.weight",), scope="moe"),
+    Rule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",), scope="moe"),
+    Rule(
+        _M + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+        (_X + "gate_proj.weight", _X + "up_proj.weight"),
+        fuse=cat_rows,
+        split=split_rows_2,
+        scope="expert",
+    ),
+    Rule(_M + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_X + "down_proj.weight",), scope="expert"),
+    Rule(
+        _M + "mlp.shared_experts.linear_fc1.weight",
+        (_L + "mlp.shared_experts.gate_proj.weight", _L + "mlp.shared_experts.up_proj.weight"),
+        fuse=cat_rows,
+        split=split_rows_2,
+        scope="moe",
+    ),
+    Rule(_M + "mlp.shared_experts.linear_fc2.weight", (_L + "mlp.shared_experts.down_proj.weight",), scope="moe"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",)),
+]
+
+
+@dataclass(frozen=True)
+class DeepseekV3Args(ArchArgs):
+    """:class:`ArchArgs` plus the DeepSeek-V3 fields (``head_dim`` = qk_nope + qk_rope,
+    ``intermediate_size`` = the routed experts' width)."""
+
+    dense_intermediate_size: int = 0
+    first_k_dense: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    shared_intermediate_size: int | None = None
+    n_group: int | None = None  # None: no group limit
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_k_dense, self.num_layers))
+
+
+class DeepseekV3Family(ModelFamily):
+    model_types = ("deepseek_v3",)
+
+    def arch_args(self, hf_config: Any) -> DeepseekV3Args:
+        d = hf_config_dict(hf_config)
+        if d.get("model_type") not in self.model_types:
+            raise ValueError(f"not a DeepSeek-V3 config: model_type={d.get('model_type')!r}")
+        reject_fields(
+            d,
+            {
+                "hidden_act": "silu",
+                "attention_bias": False,
+                "pretraining_tp": lambda v: v in (None, 1),
+                "rope_interleave": True,
+                "norm_topk_prob": True,
+                "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
+                "scoring_func": "sigmoid",
+                "rms_norm_eps": lambda v: float(v) == 1e-6,
+            },
+        )
+        nh, h = d["num_attention_heads"], d["hidden_size"]
+        L = d["num_hidden_layers"]
+        E = d.get("n_routed_experts")
+        if not E:
+            raise ValueError("deepseek_v3 config without n_routed_experts")
+        k = d.get("first_k_dense_replace") or 0
+        if not 0 <= k < L:
+            raise ValueError(f"unsupported HF config field first_k_dense_replace={k} (num_hidden_layers={L})")
+        if d.get("moe_layer_freq", 1) != 1:
+            raise ValueError(f"unsupported HF config field moe_layer_freq={d['moe_layer_freq']!r} (supported: 1)")
+        topk = d["num_experts_per_tok"]
+        ng, tg = d.get("n_group") or 1, d.get("topk_group") or 1
+        if E % ng:
+            raise ValueError(f"unsupported HF config field n_group={ng}: n_routed_experts={E} not divisible")
+        if tg >= ng:
+            ng_m = tg_m = None  # every group selected: no group limit
+        else:
+            if topk % tg or topk // tg != 2:
+                raise ValueError(
+                    f"unsupported HF config field topk_group={tg}: HF scores a group by its top-2 experts,"
+                    f" Megatron by its top num_experts_per_tok // topk_group = {topk // tg}; need 2"
+                )
+            if E // ng < 2:
+                raise ValueError(f"unsupported HF config field n_group={ng}: fewer than 2 experts per group")
+            ng_m, tg_m = ng, tg
+        nsh = d.get("n_shared_experts") or 0
+        moe_i = d["moe_intermediate_size"]
+        return DeepseekV3Args(
+            model_type=d["model_type"],
+            vocab_size=d["vocab_size"],
+            hidden_size=h,
+            intermediate_size=moe_i,
+            num_layers=L,
+            num_attention_heads=nh,
+            num_key_value_heads=nh,
+            head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=read_rope_theta(d),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            num_experts=int(E),
+            top_k=int(topk),
+            dense_intermediate_size=d["intermediate_size"],
+            first_k_dense=int(k),
+            q_lora_rank=d.get("q_lora_rank"),
+            kv_lora_rank=d["kv_lora_rank"],
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"],
+            shared_intermediate_size=moe_i * nsh if nsh else None,
+            n_group=ng_m,
+            topk_group=tg_m,
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        )
+
+    def rules(self) -> list[Rule]:
+        return DEEPSEEK_V3_RULES
+
+    # ---- mapping -------------------------------------------------------------------------
+    def table(self, a: DeepseekV3Args) -> ExpandedTable:
+        """Exact-name table: like :func:`mapping.expand` with the layer scopes above."""
+        layers = list(range(a.num_layers))
+        dense, moe = layers[: a.first_k_dense], a.moe_layers
+        idx_of = {
+            "global": [{}],
+            "layer": [{"i": i} for i in layers],
+            "q_lora": [{"i": i} for i in layers] if a.q_lora_rank is not None else [],
+            "q_full": [{"i": i} for i in layers] if a.q_lora_rank is None else [],
+            "dense": [{"i": i} for i in dense],
+            "moe": [{"i": i} for i in moe],
+            "expert": [{"i": i, "e": e} for i in moe for e in range(a.num_experts)],
+        }
+        if a.shared_intermediate_size is None and any("shared_experts" in r.megatron for r in self.rules()):
+            rules = [r for r in self.rules() if "shared_experts" not in r.megatron]
+        else:
+            rules = self.rules()
+        by_m: dict[str, tuple[Rule, tuple[str, ...]]] = {}
+        hf_keys: list[str] = []
+        for r in rules:
+            if r.megatron == "output_layer.weight" and a.tie_word_embeddings:
+                continue
+            for kw in idx_of[r.scope]:
+                m = r.megatron.format(**kw)
+                hs = tuple(x.format(**kw) for x in r.hf)
+                if m in by_m:
+                    raise ValueError(f"mapping declares Megatron name {m!r} twice")
+                by_m[m] = (r, hs)
+                hf_keys.extend(hs)
+        if len(set(hf_keys)) != len(hf_keys):
+            raise ValueError("mapping declares an HF name twice")
+        return ExpandedTable(by_m, tuple(hf_keys))
+
+    def normalize_hf_state(self, hf_state: Mapping[str, torch.Tensor], a: ArchArgs) -> dict[str, torch.Tensor]:
+        """Accept transformers' in-memory layout too: ``mlp.experts.gate_up_proj`` [E,2I,H]
+        (gate rows first) and ``mlp.experts.down_proj`` [E,H,I] -> per-expert on-disk names."""
+        out = dict(hf_state)
+        for i in range(a.num_layers):
+            pre = f"model.layers.{i}.mlp.experts."
+            moves = {}
+            gu = out.pop(pre + "gate_up_proj", None)
+            if gu is not None:
+                inter = gu.shape[1] // 2
+                for e in range(gu.shape[0]):
+                    moves[pre + f"{e}.gate_proj.weight"] = gu[e, :inter]
+                    moves[pre + f"{e}.up_proj.weight"] = gu[e, inter:]
+            dn = out.pop(pre + "down_proj", None)
+            if dn is not None:
+                for e in range(dn.shape[0]):
+                    moves[pre + f"{e}.down_proj.weight"] = dn[e]
+            for key, v in moves.items():
+                if key in out:
+                    raise ValueError(f"HF state gives {key!r} in both the fused and the per-expert layout")
+                out[key] = v
+        return out
+
+    # ---- Megatron model ------------------------------------------------------------------
+    def transformer_config(
+        self,
+        hf_config: Any,
+        *,
+        params_dtype: str = "fp32",
+        moe_aux_loss_coeff: float = 0.0,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        **overrides: Any,
+    ):
+        """Megatron ``MLATransformerConfig`` (CPU-safe settings as in
+        :meth:`ModelFamily.transformer_config`). The expert-bias update rate defaults to 0
+        (bias kept as loaded); pass ``moe_router_bias_update_rate`` to enable the
+        aux-loss-free update."""
+        import torch.nn.functional as F
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        a = self.arch_args(hf_config)
+        if params_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"params_dtype must be 'fp32' or 'bf16', got {params_dtype!r}")
+        bf16 = params_dtype == "bf16"
+        kw: dict[str, Any] = dict(
+            num_layers=a.num_layers,
+            hidden_size=a.hidden_size,
+            ffn_hidden_size=a.dense_intermediate_size,
+            num_attention_heads=a.num_attention_heads,
+            # MLA
+            multi_latent_attention=True,
+            q_lora_rank=a.q_lora_rank,
+            kv_lora_rank=a.kv_lora_rank,
+            qk_head_dim=a.qk_nope_head_dim,
+            qk_pos_emb_head_dim=a.qk_rope_head_dim,
+            v_head_dim=a.v_head_dim,
+            qk_layernorm=True,  # builds the q_a / kv_a RMSNorms of the local MLA spec
+            rope_type="rope",
+            rotary_base=a.rope_theta,
+            rotary_percent=1.0,
+            rotary_scaling_factor=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.0,
+            layernorm_epsilon=a.rms_norm_eps,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            bf16=bf16,
+            pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=1,
+            sequence_parallel=tensor_model_parallel_size > 1,
+            attention_softmax_in_fp32=True,
+            apply_rope_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+            # MoE
+            num_moe_experts=a.num_experts,
+            moe_layer_freq=[0] * a.first_k_dense + [1] * (a.num_layers - a.first_k_dense),
+            moe_ffn_hidden_size=a.intermediate_size,
+            moe_shared_expert_intermediate_size=a.shared_intermediate_size,
+            moe_router_topk=a.top_k,
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False,
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0,
+            moe_router_dtype="fp32",
+            moe_router_num_groups=a.n_group,
+            moe_router_group_topk=a.topk_group,
+            moe_router_topk_scaling_factor=a.routed_scaling_factor,
+            moe_router_load_balancing_type="seq_aux_loss" if moe_aux_loss_coeff else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+        )
+        kw.update(overrides)
+        return MLATransformerConfig(**kw)
+
+    def layer_spec(self, hf_config: Any, *, use_te: bool = False):
+        """Block spec (dense / MoE layers per ``first_k_dense_replace``), sliced to this
+        pipeline stage (parallel state must be initialised when PP > 1)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        pp = 1
+        if ps.model_parallel_is_initialized():
+            pp = ps.get_pipeline_model_parallel_world_size()
+        cfg = self.transformer_config(hf_config, pipeline_model_parallel_size=pp)
+        block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=use_te, normalization="RMSNorm")
+        if not use_te:
+            # Megatron 0.16.1's local MLA spec is not buildable (see moe_async.compat.mla_local_attention)
+            from moe_async.compat.mla_local_attention import MLADotProductAttention, mend_mla_without_te
+
+            mend_mla_without_te()
+
+            for spec in {id(s): s for s in block.layer_specs}.values():
+                spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+        return block
+
+
+DEEPSEEK_V3 = register_family(DeepseekV3Family())

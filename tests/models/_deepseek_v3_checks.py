@@ -1,0 +1,142 @@
+"""deepseek_v3 through MegatronTrainer in ONE fresh process (Megatron parallel state and the
+CPU compat layer are process-global); prints a JSON dict of results on the last line.
+
+For each variant (q_lora_rank 32 untied / None tied): logprob parity with HF (fp32), the same
+routed experts (and weights) on every token of every MoE layer, export == checkpoint, and one
+train step that moves the weights (expert bias kept: update rate 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
+
+import torch  # noqa: E402
+from _tiny_deepseek_v3 import make_tiny_deepseek_v3  # noqa: E402
+from _trainer_checks import samples  # noqa: E402
+
+from moe_async.trainer.config import TrainerConfig  # noqa: E402
+from moe_async.trainer.megatron_trainer import MegatronTrainer  # noqa: E402
+
+
+def hf_run(path, ss):
+    """HF logprobs of the response tokens and, per sample, per MoE layer, the routed expert
+    sets and weights of every token."""
+    from transformers import DeepseekV3ForCausalLM
+
+    m = DeepseekV3ForCausalLM.from_pretrained(path).eval()
+    routes: list = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda mod, i, o, k=k: routes.append((k, o[2], o[1])))
+        for k, layer in enumerate(m.model.layers)
+        if hasattr(layer.mlp, "gate")
+    ]
+    lps, rts = [], []
+    with torch.no_grad():
+        for s in ss:
+            routes.clear()
+            ids = s.prompt_ids + s.response_ids
+            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            P = len(s.prompt_ids)
+            lps.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
+            rts.append({k: (idx.clone(), w.clone()) for k, idx, w in routes})
+    for h in hooks:
+        h.remove()
+    return lps, rts
+
+
+def megatron_routes(tr, ss):
+    routes: list = []
+    hooks = [
+        layer.mlp.router.register_forward_hook(lambda mod, i, o, k=k: routes.append((k, o[0].detach().clone(), o[1].clone())))
+        for k, layer in enumerate(tr.model.decoder.layers)
+        if hasattr(layer.mlp, "router")
+    ]
+    mine = tr.compute_logprobs(ss)  # micro_batch_size=1: one forward per sample, in order
+    for h in hooks:
+        h.remove()
+    per_sample = [routes[i * 2 : (i + 1) * 2] for i in range(len(ss))]  # 2 MoE layers
+    return mine, [{k: (probs, rmap) for k, probs, rmap in r} for r in per_sample]
+
+
+def main(tmp: str) -> None:
+    res: dict = {}
+    ss = samples()
+    for name, kw in (("qlora", dict(q_lora_rank=32, tie=False)), ("noqlora", dict(q_lora_rank=None, tie=True))):
+        path = make_tiny_deepseek_v3(os.path.join(tmp, name), **kw)
+        tr = MegatronTrainer(TrainerConfig(micro_batch_size=1, moe_aux_loss_coeff=0.0, lr=1e-3), path)
+        mine, mroutes = megatron_routes(tr, ss)
+        ref, hroutes = hf_run(path, ss)
+        res[f"parity_maxdiff_{name}"] = max(abs(a - b) for x, y in zip(mine, ref) for a, b in zip(x, y))
+        res[f"ref_logp_min_{name}"] = min(min(x) for x in ref)
+        res[f"lens_ok_{name}"] = [len(x) for x in mine] == [len(s.response_ids) for s in ss]
+        same, total, wdiff, bias_flips = 0, 0, 0.0, 0
+        for s, hr, mr in zip(ss, hroutes, mroutes):
+            assert sorted(hr) == sorted(mr), (sorted(hr), sorted(mr))
+            for k in hr:
+                idx, w = hr[k]
+                probs, rmap = mr[k]
+                assert rmap.shape[0] == idx.shape[0], (rmap.shape, idx.shape)
+                for t in range(idx.shape[0]):
+                    total += 1
+                    hs = set(idx[t].tolist())
+                    ms = set(torch.nonzero(rmap[t]).flatten().tolist())
+                    same += hs == ms
+                    for j, e in enumerate(idx[t].tolist()):
+                        wdiff = max(wdiff, abs(float(w[t, j]) - float(probs[t, e])))
+        res[f"routes_same_{name}"] = (same, total)
+        res[f"route_weight_maxdiff_{name}"] = wdiff
+        # the bias must matter: routing on the plain sigmoid scores would differ somewhere
+        from transformers import DeepseekV3ForCausalLM
+
+        hm = DeepseekV3ForCausalLM.from_pretrained(path)
+        res[f"bias_nonzero_{name}"] = all(
+            float(l.mlp.gate.e_score_correction_bias.abs().min()) > 0 for l in hm.model.layers[1:]
+        )
+        for l in hm.model.layers[1:]:
+            l.mlp.gate.e_score_correction_bias.zero_()
+        _, r0 = hf_run_model(hm, ss)
+        res[f"bias_changes_routes_{name}"] = any(
+            not torch.equal(torch.sort(r0[i][k][0], -1)[0], torch.sort(hroutes[i][k][0], -1)[0])
+            for i in range(len(ss)) for k in hroutes[i]
+        )
+        exported = dict(tr.export_hf_weights())
+        from safetensors.torch import load_file
+
+        disk = load_file(os.path.join(path, "model.safetensors"))
+        res[f"export_equals_disk_{name}"] = set(exported) == set(disk) and all(
+            torch.equal(exported[k], disk[k]) for k in disk
+        )
+        before = tr.hf_checksums()
+        m = tr.train_step(ss, [1.0, -0.5, 0.7, -1.2, 3.0])
+        after = tr.hf_checksums()
+        res[f"step_{name}"] = {k: m[k] for k in ("loss", "grad_norm", "num_tokens")}
+        res[f"unchanged_{name}"] = sorted(k for k in before if before[k] == after[k])
+        res[f"n_tensors_{name}"] = len(before)
+        tr.close()
+    print(json.dumps(res))
+
+
+def hf_run_model(m, ss):
+    routes: list = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda mod, i, o, k=k: routes.append((k, o[2], o[1])))
+        for k, layer in enumerate(m.model.layers)
+        if hasattr(layer.mlp, "gate")
+    ]
+    rts = []
+    with torch.no_grad():
+        for s in ss:
+            routes.clear()
+            m(torch.tensor([s.prompt_ids + s.response_ids]))
+            rts.append({k: (idx.clone(), w.clone()) for k, idx, w in routes})
+    for h in hooks:
+        h.remove()
+    return None, rts
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
