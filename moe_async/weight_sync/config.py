@@ -33,6 +33,12 @@ class WeightSyncConfig(BaseModel):
     check: bool = Field(False, description="Compare per-tensor checksums after every sync.")
     timeout_s: float = Field(600.0, gt=0)
     overlap: bool = Field(True, description="Pack bucket k+1 in a background thread while bucket k is broadcast.")
+    pause_scope: Literal["sync", "last_bucket"] = Field(
+        "sync",
+        description="Engines paused for the whole sync (SGLang: each bucket is applied at once), or only "
+        "for the last bucket (engines that stage buckets and apply on the versioned last call, e.g. "
+        "the embedded engine: generation goes on while the other buckets arrive; shorter stall).",
+    )
     disk_dir: str | None = Field(
         None, description="Directory the disk transport writes (must be readable by the engines); default: a temp dir."
     )

@@ -74,8 +74,55 @@ def _lookahead(it: Iterable[Bucket]) -> Iterator[tuple[Bucket, bool]]:
 _END = object()
 
 
-def _pack(bucket: Bucket, last: bool) -> tuple[Bucket, torch.Tensor, bool]:
-    return bucket, bucket.flatten(), last
+class PackPool:
+    """Flat buffers reused across buckets and syncs (``slots`` of them, grown on demand).
+
+    Packing into a fresh multi-MiB allocation page-faults (and the kernel zeroes) every page
+    of it on every bucket; at 64 MiB+ that costs as much as the copy itself. A bucket of one
+    tensor needs no buffer at all: its own bytes are sent (zero copy).
+    """
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.bufs: list[torch.Tensor | None] = [None] * slots
+        self.free: queue.Queue = queue.Queue()
+        self.reset()
+
+    def reset(self) -> None:
+        """All slots free again (call only when no packed buffer is in use)."""
+        self.free = queue.Queue()
+        for i in range(self.slots):
+            self.free.put(i)
+
+    def acquire(self, stop: threading.Event | None = None) -> int:
+        while True:
+            try:
+                return self.free.get(timeout=0.1)
+            except queue.Empty:
+                if stop is not None and stop.is_set():
+                    raise _Stopped() from None
+
+    def release(self, slot: int) -> None:
+        self.free.put(slot)
+
+    def pack(self, slot: int, bucket: Bucket) -> torch.Tensor:
+        if len(bucket.tensors) == 1:
+            return bucket.flatten()
+        n = bucket.nbytes
+        buf = self.bufs[slot]
+        dev = bucket.tensors[0].device
+        if buf is None or buf.numel() < n or buf.device != dev:
+            self.bufs[slot] = buf = torch.empty(n, dtype=torch.uint8, device=dev)
+        off = 0
+        for t in bucket.tensors:
+            v = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[off: off + v.numel()].copy_(v)
+            off += v.numel()
+        return buf[:n]
+
+
+class _Stopped(Exception):
+    pass
 
 
 def packed_buckets(
@@ -84,46 +131,54 @@ def packed_buckets(
     *,
     overlap: bool = True,
     stats: dict[str, float] | None = None,
+    pool: PackPool | None = None,
 ) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
     """Yield ``(bucket, flat_uint8, is_last)`` for every bucket of ``named_tensors``.
 
     With ``overlap`` the producer (pulling from ``named_tensors``: for the trainer, the
-    gather/convert/cast of ``export_hf_weights``; then :meth:`Bucket.flatten`) runs in a
-    background thread ahead of the consumer (queue depth 1: double buffering), so packing
-    bucket k+1 overlaps whatever the consumer does with bucket k (the broadcast). Exceptions
-    of the producer re-raise here. ``stats`` (optional) gets ``pack_seconds`` (producer busy
-    time) and ``wait_seconds`` (consumer time spent waiting for a packed bucket).
+    gather/convert/cast of ``export_hf_weights``; then packing) runs in a background thread
+    ahead of the consumer (queue depth 1: double buffering), so packing bucket k+1 overlaps
+    whatever the consumer does with bucket k (the broadcast). A yielded ``flat`` is valid
+    until the consumer asks for the next bucket (its buffer is then reused, see
+    :class:`PackPool`; 3 slots with overlap, 1 without). Exceptions of the producer re-raise
+    here. ``stats`` (optional) gets ``pack_seconds`` (producer busy time) and
+    ``wait_seconds`` (consumer time spent waiting for a packed bucket).
     """
     stats = stats if stats is not None else {}
     stats.setdefault("pack_seconds", 0.0)
     stats.setdefault("wait_seconds", 0.0)
+    need = 3 if overlap else 1
+    if pool is None or pool.slots < need:
+        pool = PackPool(need)
+    pool.reset()
     gen = _overlapped if overlap else _serial
-    return gen(_lookahead(make_buckets(named_tensors, bucket_bytes)), stats)
+    return gen(_lookahead(make_buckets(named_tensors, bucket_bytes)), stats, pool)
 
 
-def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
+def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
     while True:
         t0 = time.perf_counter()
         b = next(it, None)
-        item = None if b is None else _pack(*b)
+        flat = None if b is None else pool.pack(0, b[0])
         dt = time.perf_counter() - t0
         stats["pack_seconds"] += dt
         stats["wait_seconds"] += dt
-        if item is None:
+        if b is None:
             return
-        yield item
+        yield b[0], flat, b[1]
 
 
-def _overlapped(it: Iterator[tuple[Bucket, bool]], stats: dict) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
+def _overlapped(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
     q: queue.Queue = queue.Queue(maxsize=1)
     stop = threading.Event()
 
     def produce() -> None:
         try:
             while not stop.is_set():
+                slot = pool.acquire(stop)
                 t0 = time.perf_counter()
                 b = next(it, None)
-                item = _END if b is None else _pack(*b)
+                item = _END if b is None else (b[0], pool.pack(slot, b[0]), b[1], slot)
                 stats["pack_seconds"] += time.perf_counter() - t0
                 while not stop.is_set():
                     try:
@@ -133,6 +188,8 @@ def _overlapped(it: Iterator[tuple[Bucket, bool]], stats: dict) -> Iterator[tupl
                         continue
                 if item is _END:
                     return
+        except _Stopped:
+            return
         except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
             q.put(e)
 
@@ -147,7 +204,8 @@ def _overlapped(it: Iterator[tuple[Bucket, bool]], stats: dict) -> Iterator[tupl
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            yield item[0], item[1], item[2]
+            pool.release(item[3])  # the consumer is done with this bucket's buffer
     finally:
         stop.set()
         while th.is_alive():  # unblock a producer waiting on a full queue
@@ -225,6 +283,7 @@ class BroadcastTransport(WeightTransport):
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
         self._warned: set[str] = set()
+        self._pack_pool = PackPool(3)  # reused flat buffers: up to 3 x bucket_bytes
         #: optional ``callback(bucket, is_last)`` after each bucket is acknowledged (tests, logging)
         self.on_bucket = None
 
@@ -262,6 +321,10 @@ class BroadcastTransport(WeightTransport):
         for i, f in enumerate(futs):
             self._check(i, f.result(timeout=self.cfg.timeout_s), "init_weights_update_group")
 
+    def _pause(self) -> None:
+        for c in self.clients:
+            c.pause_generation(mode=self.pause_mode)
+
     @staticmethod
     def _check(i: int, resp: Any, what: str) -> None:
         if isinstance(resp, dict) and resp.get("success") is False:
@@ -272,14 +335,20 @@ class BroadcastTransport(WeightTransport):
             raise WeightSyncError("BroadcastTransport.send before connect()")
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
-        # the packer starts pulling from the exporter at once; the engines pause meanwhile
-        buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats)
-        for c in self.clients:
-            c.pause_generation(mode=self.pause_mode)
-        t_paused = time.perf_counter()
+        buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
+                                 pool=self._pack_pool)
+        whole = self.cfg.pause_scope == "sync"
+        paused = False
+        t_paused = t0
         nbytes, nbuckets, bcast_s, oversize = 0, 0, 0.0, 0
         try:
+            if whole:
+                self._pause()
+                paused, t_paused = True, time.perf_counter()
             for bucket, flat, last in buckets:
+                if last and not paused:  # pause_scope=last_bucket: engines stage until here
+                    self._pause()
+                    paused, t_paused = True, time.perf_counter()
                 if bucket.nbytes > self.cfg.bucket_bytes:
                     oversize += 1
                     if bucket.names[0] not in self._warned:
@@ -310,8 +379,9 @@ class BroadcastTransport(WeightTransport):
                     self.on_bucket(bucket, last)
         finally:
             buckets.close()
-            for c in self.clients:
-                c.continue_generation()
+            if paused:
+                for c in self.clients:
+                    c.continue_generation()
         t1 = time.perf_counter()
         secs = t1 - t0
         return {

@@ -10,7 +10,7 @@ import torch
 
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.transport import (
-    BroadcastTransport, DiskTransport, WeightSyncError, check_engines, make_transport, packed_buckets,
+    BroadcastTransport, DiskTransport, PackPool, WeightSyncError, check_engines, make_transport, packed_buckets,
 )
 
 
@@ -20,11 +20,18 @@ def _named(n=7):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("limit", [1, 200, 10**9])
+@pytest.mark.parametrize("limit", [1, 200, 400, 10**9])
 def test_packed_buckets_order_last_and_bytes(overlap, limit):
+    """A flat is valid until the next one is asked for (buffers are reused): copy as we go."""
     named = _named()
     stats: dict = {}
-    got = list(packed_buckets(iter(named), limit, overlap=overlap, stats=stats))
+    pool = PackPool(3)
+    got = []
+    for _ in range(2):  # the pool is reused across syncs
+        got = [(b, f.clone(), last) for b, f, last in packed_buckets(iter(named), limit, overlap=overlap,
+                                                                      stats=stats, pool=pool)]
+    if limit == 400:
+        assert sum(len(b.names) > 1 for b, _, _ in got) >= 2  # several reused multi-tensor buffers
     assert [n for b, _, _ in got for n in b.names] == [n for n, _ in named]
     assert [last for _, _, last in got] == [False] * (len(got) - 1) + [True]
     flat = torch.cat([f for _, f, _ in got])
