@@ -4,10 +4,12 @@ Modes:
     python _replay_layout_checks.py ref TMP
         creates the tiny Mixtral checkpoints TMP/a (the trainer, seed 0) and TMP/b (the
         "engine", seed 1: another router, so its routes disagree with the trainer's own
-        choice), the 8 samples with engine routes (TMP/samples.pkl), and runs the 1-process
-        references: R3 at micro-batch sizes 1, 2, 4 and ``off`` at 2 (2 steps each) -> TMP/ref.json.
+        choice), the 8 samples with engine routes (TMP/samples_a.pkl), a tiny DeepSeek-V3
+        TMP/ds (4 layers, the first dense) with the same tokens and random routes
+        (TMP/samples_ds.pkl), and runs the 1-process references: Mixtral R3 at micro-batch
+        sizes 1, 2, 4 and ``off`` at 2, DeepSeek R3 and ``off`` at 2 (2 steps each) -> TMP/ref.json.
     torchrun --nproc_per_node 2 _replay_layout_checks.py run TMP OUT.json LAYOUT [LAYOUT ...]
-        for each LAYOUT ``tp{t}pp{p}ep{e}``: R3 trainer, 2 steps on the same samples, the
+        for each LAYOUT ``tp{t}pp{p}ep{e}[-MODEL[-MODE]]`` (MODEL a | ds, MODE R3 | off): the trainer, 2 steps on the same samples, the
         routers' actual top-k sets captured on every rank (forward hooks on Megatron's
         ``TopKRouter``: its routing map) and gathered to rank 0, which maps every router row
         back to (sample, token) INDEPENDENTLY of the replay hook (DP slice, micro-batch,
@@ -22,6 +24,7 @@ number depends on the layout's padding), so loss and grad norm must equal 1 proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -33,13 +36,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-E, K, L = 4, 2, 2
+# model -> (experts, top-k, MoE layers): "a" tiny Mixtral (2 MoE layers), "ds" tiny
+# DeepSeek-V3 with 4 layers, the first dense (MoE layers = decoder layers 2..4, group-limited
+# sigmoid routing with expert bias), routes drawn at random (distinct experts per row)
+DIMS = {"a": (4, 2, 2), "ds": (8, 4, 3)}
 ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
 LENS = [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]
 MBS = 2
 STEPS = 2
 KEYS = ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "routing_agreement",
-        "routing_agreement_l0", "routing_agreement_l1", "mismatch_logp_absdiff_mean",
+        "routing_agreement_l0", "routing_agreement_l1", "routing_agreement_l2", "mismatch_logp_absdiff_mean",
         "mismatch_logp_absdiff_max", "mismatch_kl_k3", "mismatch_num_tokens", "step_time_s")
 
 
@@ -48,14 +54,18 @@ def rank() -> int:
 
 
 def make_samples(tmp: str) -> None:
-    """Checkpoints a/b and the samples, routes from b's HF gates (``tokens - 1`` rows)."""
+    """Checkpoints a/b and the samples, routes from b's HF gates (``tokens - 1`` rows);
+    checkpoint ds and its samples (same tokens, random routes)."""
     from _tiny import make_tiny_mixtral
+    from _tiny_deepseek_v3 import make_tiny_deepseek_v3
     from transformers import MixtralForCausalLM
 
     from moe_async.replay.routes import compact_routes
     from moe_async.types import Sample
 
     make_tiny_mixtral(os.path.join(tmp, "a"), seed=0)
+    make_tiny_deepseek_v3(os.path.join(tmp, "ds"), num_hidden_layers=4)
+    E, K, _ = DIMS["a"]
     other = MixtralForCausalLM.from_pretrained(make_tiny_mixtral(os.path.join(tmp, "b"), seed=1)).eval()
     g = torch.Generator().manual_seed(0)
     out = []
@@ -72,12 +82,20 @@ def make_samples(tmp: str) -> None:
         routes = torch.stack([x.reshape(len(ids) - 1, K) for x in got], dim=1).numpy()  # [T-1, L, K]
         out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl, weight_versions=[0] * r,
                           routed_experts=compact_routes(routes, E), loss_weight=0.0 if i == 4 else 1.0))
-    with open(os.path.join(tmp, "samples.pkl"), "wb") as f:
+    with open(os.path.join(tmp, "samples_a.pkl"), "wb") as f:
         pickle.dump(out, f)
+    E, K, L = DIMS["ds"]
+    ds = []
+    for s in out:
+        n = len(s.prompt_ids) + len(s.response_ids)
+        r = torch.rand(n - 1, L, E, generator=g).argsort(-1)[..., :K].numpy()
+        ds.append(dataclasses.replace(s, routed_experts=compact_routes(r, E)))
+    with open(os.path.join(tmp, "samples_ds.pkl"), "wb") as f:
+        pickle.dump(ds, f)
 
 
-def load_samples(tmp: str):
-    with open(os.path.join(tmp, "samples.pkl"), "rb") as f:
+def load_samples(tmp: str, model: str):
+    with open(os.path.join(tmp, f"samples_{model}.pkl"), "rb") as f:
         return pickle.load(f)
 
 
@@ -87,11 +105,13 @@ def capture(tr) -> tuple[dict, list]:
     here), read from Megatron, not from the replay hook."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    n, f = tr.tf_config.num_layers, tr.tf_config.moe_layer_freq
+    pattern = [1 if i % f == 0 else 0 for i in range(n)] if isinstance(f, int) else list(f)
     seen: dict[int, list] = {}
     hooks = []
     for m in tr.model.modules():
         if isinstance(m, TopKRouter):
-            j = m.layer_number - 1  # every layer is MoE in this model
+            j = sum(pattern[: m.layer_number - 1])  # MoE layers before this one (dense skipped)
             seen[j] = []
             hooks.append(m.register_forward_hook(lambda mod, i, o, j=j: seen[j].append(o[1].detach().cpu().numpy())))
     return seen, hooks
@@ -105,10 +125,11 @@ def my_layout(tr) -> dict:
                 sp=bool(tr.tf_config.sequence_parallel))
 
 
-def check_routes(entries: list[dict], ss, mbs: int) -> dict:
+def check_routes(entries: list[dict], ss, mbs: int, model: str) -> dict:
     """Every rank's captured routing maps of ONE train step -> (sample, token) rows; compare
     with the supplied routes on real tokens (rows ``< n - 1``). Returns agree / checked /
     expected counts and the number of real rows checked more or less than once."""
+    E, K, L = DIMS[model]
     seen_count = {}
     agree = checked = 0
     for e in entries:
@@ -143,7 +164,7 @@ def check_routes(entries: list[dict], ss, mbs: int) -> dict:
                 not_once=sum(1 for v in seen_count.values() if v != 1) + (expected - len(seen_count)))
 
 
-def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS) -> dict:
+def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS, model="a") -> dict:
     import torch.distributed as dist
 
     from moe_async.trainer.config import TrainerConfig
@@ -152,7 +173,7 @@ def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS) -> dict:
     t0 = time.perf_counter()
     tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                        expert_model_parallel_size=ep, micro_batch_size=mbs, moe_aux_loss_coeff=0.0,
-                                       lr=1e-3, router_replay=mode), os.path.join(tmp, "a"))
+                                       lr=1e-3, router_replay=mode), os.path.join(tmp, model))
     res: dict = {"build_s": time.perf_counter() - t0, "steps": [], "routes": []}
     seen, hooks = capture(tr)
     for _ in range(STEPS):
@@ -167,7 +188,7 @@ def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS) -> dict:
         else:
             box = [mine]
         if rank() == 0:
-            res["routes"].append(check_routes(box, ss, mbs))
+            res["routes"].append(check_routes(box, ss, mbs, model))
     for h in hooks:
         h.remove()
     res["clean"] = all(r.target_topk_idx is None and not r.replay_backward_list and r.router_replay_action is None
@@ -181,9 +202,12 @@ def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS) -> dict:
 
 def main_ref(tmp: str) -> None:
     make_samples(tmp)
-    ss = load_samples(tmp)
+    ss = load_samples(tmp, "a")
     res = {f"R3_mbs{m}": run_trainer(tmp, ss, "R3", mbs=m) for m in (1, 2, 4)}
     res["off_mbs2"] = run_trainer(tmp, ss, "off")
+    ds = load_samples(tmp, "ds")
+    res["ds_R3_mbs2"] = run_trainer(tmp, ds, "R3", model="ds")
+    res["ds_off_mbs2"] = run_trainer(tmp, ds, "off", model="ds")
     with open(os.path.join(tmp, "ref.json"), "w") as f:
         json.dump(res, f)
 
@@ -192,14 +216,14 @@ def main_run(tmp: str, out: str, layouts: list[str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    ss = load_samples(tmp)
     res: dict = {}
     t0 = time.perf_counter()
     for lay in layouts:
-        tp = int(lay.split("tp")[1].split("pp")[0])
-        pp = int(lay.split("pp")[1].split("ep")[0])
-        ep = int(lay.split("ep")[1])
-        res[lay] = run_trainer(tmp, ss, "R3", tp, pp, ep)
+        par, model, mode = (lay.split("-") + ["a", "R3"][lay.count("-"):])[:3]
+        tp = int(par.split("tp")[1].split("pp")[0])
+        pp = int(par.split("pp")[1].split("ep")[0])
+        ep = int(par.split("ep")[1])
+        res[lay] = run_trainer(tmp, load_samples(tmp, model), mode, tp, pp, ep, model=model)
     res["wall_s"] = time.perf_counter() - t0
     if rank() == 0:
         with open(out, "w") as f:
