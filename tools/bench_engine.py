@@ -74,9 +74,14 @@ def main(argv=None) -> None:
         async def run():
             async with EngineClient(eng.url, timeout_s=600) as c:
                 await c.generate(prompts[0][:4], {**sp, "max_new_tokens": 2})  # warm-up
+                info0 = (await c._http.get("/server_info")).json().get("scheduler_stats")
                 t0 = time.perf_counter()
                 outs = await asyncio.gather(*[c.generate(p, sp, return_logprob=True) for p in prompts])
-                return outs, time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                info1 = (await c._http.get("/server_info")).json().get("scheduler_stats")
+                if info0 and info1:
+                    print("engine scheduler:", {k: round(info1[k] - info0[k], 3) for k in info1})
+                return outs, dt
 
         outs, eng_s = asyncio.run(run())
     finally:

@@ -131,12 +131,15 @@ class RoutingCapture:
                 found.append((int(m.group(1)), mod))
         found.sort(key=lambda x: x[0])
         self.num_layers = len(found)
+        self.enabled = True  # off while no request in the forward asked for routed experts
         self._buf: list[torch.Tensor | None] = [None] * self.num_layers
         for slot, (_, mod) in enumerate(found):
             mod.register_forward_hook(self._make_hook(slot))
 
     def _make_hook(self, slot: int):
         def hook(_mod, _inp, out):
+            if not self.enabled:
+                return
             if isinstance(out, tuple) and len(out) == 3:
                 idx = out[2]
             else:
@@ -153,6 +156,64 @@ class RoutingCapture:
         out = torch.stack([b for b in self._buf], dim=1).numpy()  # [N, L, K]
         self._buf = [None] * self.num_layers
         return out
+
+
+class LogitsHead:
+    """The model's forward split in two: the decoder (``model.model``) then ``lm_head``,
+    with logits only for the rows asked for.
+
+    On a CPU the LM head of a small model is most of a decode step (SmolLM2: a 49k x 576 fp32
+    matrix read once per step, memory bound). ``x @ W^T`` with a cached contiguous copy of
+    ``W^T`` streams that matrix faster than ``F.linear(x, W)`` does. It is used for a row
+    count only once it was checked bit-identical to ``F.linear`` for that count (so logits,
+    hence greedy tokens and logprobs, are unchanged); otherwise ``F.linear`` is used. The
+    copy is rebuilt after :meth:`invalidate` (the scheduler calls it after every control
+    command, weight updates included) or when the weight tensor changes identity.
+
+    Families whose causal-LM forward is not exactly ``lm_head(model(...))`` use the plain
+    ``model(...)`` call (``enabled`` False).
+    """
+
+    _FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        cfg = model.config
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.base = getattr(model, "model", None)
+        self.head = head
+        self.enabled = (
+            getattr(cfg, "model_type", "") in self._FAMILIES
+            and isinstance(head, torch.nn.Linear) and head.bias is None
+            and isinstance(self.base, torch.nn.Module)
+            and not getattr(cfg, "final_logit_softcapping", None)
+            and getattr(cfg, "logit_scale", None) in (None, 1, 1.0)
+        )
+        self._wt: torch.Tensor | None = None
+        self._key: tuple | None = None
+        self._exact: dict[int, bool] = {}  # rows -> x @ W^T bit-identical to F.linear
+
+    def invalidate(self) -> None:
+        self._wt, self._key = None, None
+
+    def hidden(self, **kw) -> torch.Tensor:
+        """``[B, S, H]`` last hidden states (``kw``: the decoder's forward arguments)."""
+        return self.base(**kw).last_hidden_state
+
+    def project(self, h_NH: torch.Tensor) -> torch.Tensor:
+        """``[N, V]`` logits of ``[N, H]`` hidden states."""
+        w = self.head.weight
+        key = (w.data_ptr(), tuple(w.shape), w.dtype)
+        if key != self._key:
+            self._wt, self._key = w.detach().t().contiguous(), key
+        h_NH = h_NH.contiguous()
+        n = h_NH.shape[0]
+        ok = self._exact.get(n)
+        if ok is None:
+            ref = F.linear(h_NH, w)
+            self._exact[n] = bool(torch.equal(ref, h_NH @ self._wt))
+            return ref
+        return h_NH @ self._wt if ok else F.linear(h_NH, w)
 
 
 class Scheduler:
@@ -179,9 +240,15 @@ class Scheduler:
         cfg = model.config
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.capture = RoutingCapture(model, self.top_k)
+        self.head = LogitsHead(model)
         self.weight_version = 0
         self.paused = False
         self.max_decode_batch = 0  # largest decode batch seen (server info)
+        # counters (server info; tools/bench_engine.py): forward passes, rows, seconds
+        # (``*_cpu_s``: the scheduler thread's CPU time, steadier than wall time on a busy host)
+        self.stats = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "decode_cpu_s": 0.0,
+                      "prefill_forwards": 0, "prefill_reqs": 0, "prefill_s": 0.0,
+                      "prefill_cpu_s": 0.0}
         self.forward_sleep_s = 0.0  # SGLang's /slow_down: sleep after each decode step
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -313,54 +380,113 @@ class Scheduler:
                 fut.set_result(fn())
             except BaseException as e:  # reported to the caller
                 fut.set_exception(e)
+            finally:
+                self.head.invalidate()  # a command may have written weights
 
     def _admit(self) -> None:
+        """Prefill every waiting request that fits, in one left-padded batch."""
         while len(self.running) < self.max_running:
+            batch: list[Req] = []
             with self._lock:
-                if not self.waiting:
-                    return
-                req = self.waiting.popleft()
-            try:
-                self._prefill(req)
-            except Exception as e:
-                log.error("prefill failed for %s: %s\n%s", req.rid, e, traceback.format_exc())
+                while self.waiting and len(self.running) + len(batch) < self.max_running:
+                    batch.append(self.waiting.popleft())
+            if not batch:
+                return
+            for req in [r for r in batch if r.max_new_tokens == 0]:  # routing-only, alone
+                self._prefill_guarded([req])
+            batch = [r for r in batch if r.max_new_tokens > 0]
+            if batch:
+                self._prefill_guarded(batch)
+
+    def _prefill_guarded(self, reqs: list[Req]) -> None:
+        st = self.stats
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            st["prefill_forwards"] += 1
+            st["prefill_reqs"] += len(reqs)
+            if reqs[0].max_new_tokens == 0:
+                self._prefill_routing_only(reqs[0])
+            else:
+                self._prefill(reqs)
+        except Exception as e:
+            log.error("prefill failed for %s: %s\n%s", [r.rid for r in reqs], e, traceback.format_exc())
+            for req in reqs:
                 self._finish(req, self._abort_reason(f"internal error in prefill: {e}", 500))
+        finally:
+            st["prefill_s"] += time.perf_counter() - t0
+            st["prefill_cpu_s"] += time.thread_time() - c0
 
     # ------------------------------------------------------------------ model steps
     @torch.inference_mode()
     def _prefill_routing_only(self, req: Req) -> None:
         """0-token request that wants routed experts: route the first P-1 prompt tokens."""
         ids = req.input_ids[:-1]
+        self.capture.enabled = True
         self.model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False,
                    logits_to_keep=1)
         req.routed = [self.capture.take(len(ids))]
         self._finish(req, {"type": "length", "length": 0})
 
     @torch.inference_mode()
-    def _prefill(self, req: Req) -> None:
-        if req.max_new_tokens == 0:
-            return self._prefill_routing_only(req)
-        ids = req.input_ids + req.output_ids  # re-prefill after a retract includes outputs
-        need_input_lp = (
-            req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
-        )
+    def _prefill(self, reqs: list[Req]) -> None:
+        """One forward over ``reqs`` (left-padded to the longest), first token of each, then
+        their KV joins the running batch. One request: no padding, no mask."""
+        seqs = [r.input_ids + r.output_ids for r in reqs]  # re-prefill after a retract includes outputs
+        n, S = len(reqs), max(len(x) for x in seqs)
+        pads = [S - len(x) for x in seqs]
+        need_lp = [r.return_logprob and r.logprob_start_len >= 0 and r.input_token_logprobs is None
+                   for r in reqs]
+        routed = any(r.return_routed_experts for r in reqs)
+        self.capture.enabled = routed
         cache = DynamicCache()
-        out = self.model(
-            input_ids=torch.tensor([ids], dtype=torch.long),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if need_input_lp else 1,
-        )
-        req.routed = [self.capture.take(len(ids))]  # [S, L, K]; recomputed after retract
-        logits_SV = out.logits[0].float()
-        if need_input_lp:
-            self._input_logprobs(req, logits_SV)
-        self._append(req, logits_SV[-1:])
-        if req.finish is not None:
+        if n == 1:
+            ids_NS, mask_NS, pos_NS = torch.tensor(seqs, dtype=torch.long), None, None
+        else:
+            ids_NS = torch.zeros(n, S, dtype=torch.long)
+            mask_NS = torch.zeros(n, S, dtype=torch.long)
+            for i, x in enumerate(seqs):
+                ids_NS[i, pads[i]:] = torch.tensor(x, dtype=torch.long)
+                mask_NS[i, pads[i]:] = 1
+            pos_NS = (mask_NS.cumsum(-1) - 1).clamp_(min=0)
+        kw = dict(input_ids=ids_NS, attention_mask=mask_NS, position_ids=pos_NS,
+                  past_key_values=cache, use_cache=True)
+        full: dict[int, torch.Tensor] = {}  # row -> [len(seq), V] logits (input logprobs)
+        if self.head.enabled:
+            h_NSH = self.head.hidden(**kw)
+            last_NV = self.head.project(h_NSH[:, -1])
+            for i in (i for i in range(n) if need_lp[i]):
+                full[i] = self.head.project(h_NSH[i, pads[i]:])
+        else:
+            logits = self.model(**kw, logits_to_keep=0 if any(need_lp) else 1).logits
+            last_NV = logits[:, -1]
+            for i in (i for i in range(n) if need_lp[i]):
+                full[i] = logits[i, pads[i]:]
+        if routed:
+            routing = self.capture.take(n * S).reshape(n, S, self.capture.num_layers, -1)
+        last_NV = last_NV.float()
+        keep = []
+        for i, req in enumerate(reqs):
+            # [S, L, K] over prompt (+ outputs after a retract): recomputed on re-prefill
+            req.routed = [routing[i, pads[i]:]] if req.return_routed_experts else []
+            if need_lp[i]:
+                self._input_logprobs(req, full[i].float())
+            self._append(req, last_NV[i : i + 1])
+            if req.finish is None:
+                keep.append(i)
+        if not keep:
             return
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self._join(kv)
-        self.running.append(req)
+        if len(keep) != n:
+            idx = torch.tensor(keep, dtype=torch.long)
+            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
+            pads = [pads[i] for i in keep]
+        for j, p in enumerate(pads):
+            if p:  # padding columns: zeros, as _left_pad makes them (never NaN under a mask)
+                for k, v in kv:
+                    k[j, :, :p] = 0
+                    v[j, :, :p] = 0
+        self._join(kv, pads)
+        self.running.extend(reqs[i] for i in keep)
 
     def _input_logprobs(self, req: Req, logits_SV: torch.Tensor) -> None:
         prompt = req.input_ids
@@ -377,57 +503,75 @@ class Scheduler:
         assert self.kv is not None
         B = len(self.running)
         self.max_decode_batch = max(self.max_decode_batch, B)
+        st = self.stats
+        st["decode_steps"] += 1
+        st["decode_rows"] += B
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            self._decode_step_inner(B)
+        finally:
+            st["decode_s"] += time.perf_counter() - t0
+            st["decode_cpu_s"] += time.thread_time() - c0
+
+    def _decode_step_inner(self, B: int) -> None:
         T = self.kv[0][0].shape[2]
         input_ids_B1 = torch.tensor([[r.output_ids[-1]] for r in self.running], dtype=torch.long)
-        pads = torch.tensor(self.pads, dtype=torch.long)
-        position_ids_B1 = (T - pads).unsqueeze(1)  # real tokens already cached = next position
-        cols = torch.arange(T + 1).unsqueeze(0)
-        attention_mask_BT = (cols >= pads.unsqueeze(1)).long()  # [B, T+1]
+        if any(self.pads):
+            pads = torch.tensor(self.pads, dtype=torch.long)
+            position_ids_B1 = (T - pads).unsqueeze(1)  # real tokens already cached = next position
+            cols = torch.arange(T + 1).unsqueeze(0)
+            attention_mask_BT = (cols >= pads.unsqueeze(1)).long()  # [B, T+1]
+        else:  # no padding: what generate() passes for an unpadded batch
+            position_ids_B1 = torch.full((B, 1), T, dtype=torch.long)
+            attention_mask_BT = torch.ones(B, T + 1, dtype=torch.long)
+        routed = any(r.return_routed_experts for r in self.running)
+        self.capture.enabled = routed
         cache = DynamicCache(ddp_cache_data=self.kv)
-        out = self.model(
-            input_ids=input_ids_B1,
-            attention_mask=attention_mask_BT,
-            position_ids=position_ids_B1,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        kw = dict(input_ids=input_ids_B1, attention_mask=attention_mask_BT,
+                  position_ids=position_ids_B1, past_key_values=cache, use_cache=True)
+        if self.head.enabled:
+            logits_BV = self.head.project(self.head.hidden(**kw)[:, -1])
+        else:
+            logits_BV = self.model(**kw).logits[:, -1]
         self.kv = [(layer.keys, layer.values) for layer in cache.layers]
-        routing_BLK = self.capture.take(B)
-        logits_BV = out.logits[:, -1].float()
-        # One batched log_softmax (and argmax) for every row instead of one per request:
-        # the vocab is large (49k for SmolLM2) and this was most of the per-step overhead.
+        routing_BLK = self.capture.take(B) if routed else None
+        logits_BV = logits_BV.float()
+        # Batched over rows: each row's logprob is x[tok] - logsumexp(x) of the distribution
+        # the returned logprob is defined on (no [B, V] log_softmax written out).
         temps = [1.0 if (r.params.greedy or self.return_original_logprob) else r.params.temperature
                  for r in self.running]
         scaled = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps).unsqueeze(1)
-        lp_BV = torch.log_softmax(scaled, dim=-1)
+        lse_B = torch.logsumexp(scaled, dim=-1).tolist()
         argmax_B = torch.argmax(logits_BV, dim=-1).tolist()
         keep = []
         for b, r in enumerate(self.running):
-            r.routed.append(routing_BLK[b : b + 1])
-            self._append(r, logits_BV[b : b + 1], lp_BV[b], argmax_B[b])
+            if r.return_routed_experts:
+                r.routed.append(routing_BLK[b : b + 1])
+            self._append(r, logits_BV[b : b + 1], (scaled[b], lse_B[b]), argmax_B[b])
             if r.finish is None:
                 keep.append(b)
         if len(keep) != B:
             self._keep_rows(keep)
 
     # ------------------------------------------------------------------ batch KV bookkeeping
-    def _join(self, kv_new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _join(self, kv_new: list[tuple[torch.Tensor, torch.Tensor]], new_pads: list[int]) -> None:
+        """Append rows ``kv_new`` (left-padded by ``new_pads``) to the running batch KV."""
         n = kv_new[0][0].shape[2]
         if self.kv is None:
-            self.kv, self.pads = kv_new, [0]
-            return
-        T = self.kv[0][0].shape[2]
-        T2 = max(T, n)
-        merged = []
-        for (k, v), (k1, v1) in zip(self.kv, kv_new):
-            merged.append(
-                (
-                    torch.cat([_left_pad(k, T2 - T), _left_pad(k1, T2 - n)], dim=0),
-                    torch.cat([_left_pad(v, T2 - T), _left_pad(v1, T2 - n)], dim=0),
-                )
-            )
-        self.kv = merged
-        self.pads = [p + (T2 - T) for p in self.pads] + [T2 - n]
+            self.kv, self.pads = kv_new, list(new_pads)
+        else:
+            T = self.kv[0][0].shape[2]
+            T2 = max(T, n)
+            self.kv = [
+                (torch.cat([_left_pad(k, T2 - T), _left_pad(k1, T2 - n)], dim=0),
+                 torch.cat([_left_pad(v, T2 - T), _left_pad(v1, T2 - n)], dim=0))
+                for (k, v), (k1, v1) in zip(self.kv, kv_new)
+            ]
+            self.pads = [p + (T2 - T) for p in self.pads] + [p + (T2 - n) for p in new_pads]
+        trim = min(self.pads)
+        if trim:  # all-padding columns
+            self.kv = [(k[:, :, trim:], v[:, :, trim:]) for k, v in self.kv]
+            self.pads = [p - trim for p in self.pads]
 
     def _keep_rows(self, keep: list[int]) -> None:
         self.running = [self.running[i] for i in keep]
@@ -444,12 +588,14 @@ class Scheduler:
         self.pads = [p - trim for p in pads]
 
     # ------------------------------------------------------------------ sampling
-    def _append(self, req: Req, logits_1V: torch.Tensor, lp_V: torch.Tensor | None = None,
+    def _append(self, req: Req, logits_1V: torch.Tensor,
+                lp_V: torch.Tensor | tuple[torch.Tensor, float] | None = None,
                 argmax: int | None = None) -> None:
         """Sample one token for ``req`` from ``logits_1V``; record it and check stops.
 
         ``lp_V``/``argmax``: the row's logprobs (of the distribution the returned logprob is
-        defined on) and argmax, when the caller computed them batched."""
+        defined on; or that distribution's logits row and its logsumexp) and argmax, when the
+        caller computed them batched."""
         p = req.params
         logits_V = logits_1V[0]
         probs = None
@@ -462,7 +608,9 @@ class Scheduler:
             return
         # SGLang default: logprob of the temperature-scaled distribution (before top-k/p);
         # greedy or --return-original-logprob: the raw distribution.
-        if lp_V is not None:
+        if isinstance(lp_V, tuple):  # (scaled logits row, its logsumexp)
+            lp = float(lp_V[0][tok]) - lp_V[1]
+        elif lp_V is not None:
             lp = lp_V[tok]
         elif p.greedy or self.return_original_logprob:
             lp = torch.log_softmax(logits_V, dim=-1)[tok]

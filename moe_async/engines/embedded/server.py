@@ -292,6 +292,7 @@ def create_app(state: EngineState) -> FastAPI:
             "num_requests": sched.num_requests(),
             "paused": sched.paused,
             "max_decode_batch_size": sched.max_decode_batch,
+            "scheduler_stats": dict(sched.stats),
             "weight_version": sched.weight_version,
         }
 
