@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from moe_async.models.convert import _rank, hf_to_megatron_checkpoint
+    from moe_async.models.convert import hf_to_megatron_checkpoint
 
     st = hf_to_megatron_checkpoint(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                    progress=not args.no_progress, vocab_div=args.vocab_div)
-    if _rank() == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({"out": args.out, **st}))
     return 0
 

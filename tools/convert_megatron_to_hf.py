@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from moe_async.models.convert import _rank, megatron_to_hf_checkpoint
+    from moe_async.models.convert import megatron_to_hf_checkpoint
 
     st = megatron_to_hf_checkpoint(args.megatron, args.hf_config, args.out, max_shard_size=args.max_shard_size,
                                    tp=args.tp, pp=args.pp, ep=args.ep, progress=not args.no_progress)
-    if _rank() == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({"out": args.out, **st}))
     return 0
 

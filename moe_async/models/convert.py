@@ -237,6 +237,8 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
     )
+    # every parameter is overwritten by the load: allocate without the random init
+    tf.perform_initialization = False
     kw = fam.gpt_model_kwargs(d)
     vocab = int(kw["vocab_size"])
     kw["vocab_size"] = padded_vocab if padded_vocab is not None else padded_vocab_size(vocab, tp, vocab_div)
