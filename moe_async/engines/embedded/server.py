@@ -51,7 +51,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   two decode steps and sets ``weight_version`` -> ``{"success", "message",
   "num_paused_requests"}``. (weight-sync disk transport)
 * ``POST /debug_receive_broadcast`` ``{group_name, nbytes}`` (ours, benchmarks only):
-  receives one raw ``nbytes`` uint8 broadcast from group rank 0 -> ``{"success", "seconds"}``.
+  receives one raw ``nbytes`` uint8 broadcast from group rank 0 into a reused buffer ->
+  ``{"success", "seconds"}``.
 * ``GET /weights_checksum`` (ours) -> ``{"weight_version", "checksums": {hf_name: sha256},
   "bytes_received"}`` over the HF on-disk names (see :mod:`moe_async.engines.checksum`);
   ``bytes_received``: bytes of all weight-update broadcasts so far.
@@ -197,6 +198,9 @@ class EngineState:
         self.groups: dict[str, Any] = {}
         self.staged: dict[str, torch.Tensor] = {}
         self.bytes_received = 0  # weight-sync: over every weight-update broadcast so far
+        self.recv_arena: list[torch.Tensor] = []  # weight-sync: see _recv_buffer
+        self.recv_index = 0
+        self.bench_buf: torch.Tensor | None = None  # /debug_receive_broadcast's reused buffer
         self.update_lock = asyncio.Lock()
         self.pause_lock = asyncio.Lock()
 
@@ -213,9 +217,7 @@ class EngineState:
             )
         dtypes = [str_to_dtype(d) for d in body.dtypes]
         if body.load_format == "flattened_bucket":
-            flat = torch.empty(
-                sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes)), dtype=torch.uint8
-            )
+            flat = self._recv_buffer(sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes)))
             group_broadcast(group, flat, src=0)
             self.bytes_received += flat.numel()  # weight-sync: bytes received == bytes sent
             named = unflatten(flat, body.names, body.dtypes, body.shapes)
@@ -234,6 +236,20 @@ class EngineState:
             # views into this call's fresh buffer: no clone needed (a cast copies anyway)
             self.staged[n] = t if t.dtype == self.dtype else t.to(self.dtype)
         return len(named)
+
+    # --- weight-sync addition: receive buffers reused across updates ---
+    def _recv_buffer(self, n: int) -> torch.Tensor:
+        """The next bucket's receive buffer: the i-th bucket of an update reuses the i-th buffer
+        of the previous update (staged tensors are views into them until the update is applied
+        or discarded, which resets the index), so steady-state syncs page-fault nothing."""
+        i = self.recv_index
+        if i == len(self.recv_arena):
+            self.recv_arena.append(torch.empty(0, dtype=torch.uint8))
+        if self.recv_arena[i].numel() < n:
+            self.recv_arena[i] = torch.empty(n, dtype=torch.uint8)
+        self.recv_index += 1
+        return self.recv_arena[i][:n]
+    # --- end weight-sync addition ---
 
     # --- weight-sync addition: disk transport ---
     def read_disk(self, model_path: str) -> dict[str, torch.Tensor]:
@@ -429,12 +445,14 @@ def create_app(state: EngineState) -> FastAPI:
                 n = await asyncio.to_thread(state.receive, body)
             except (KeyError, ValueError, RuntimeError) as e:
                 dropped = len(state.staged)
+                state.recv_index = 0
                 state.staged.clear()
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
                 return _fail(f"{msg} (staged update of {dropped} tensors discarded)")
             if version is None:
                 return {"success": True, "message": f"staged {n} tensors ({len(state.staged)} in total)"}
             staged, state.staged = state.staged, {}
+            state.recv_index = 0  # applied below before this handler returns (update_lock held)
 
             def apply():
                 state.weight_map.apply(staged)
@@ -480,7 +498,9 @@ def create_app(state: EngineState) -> FastAPI:
             return _fail(f"no weight update group named {body.group_name!r}")
 
         def recv():
-            buf = torch.empty(body.nbytes, dtype=torch.uint8)
+            if state.bench_buf is None or state.bench_buf.numel() < body.nbytes:
+                state.bench_buf = torch.ones(body.nbytes, dtype=torch.uint8)  # touched: no page faults
+            buf = state.bench_buf[: body.nbytes]
             t0 = time.perf_counter()
             group_broadcast(state.groups[body.group_name], buf, src=0)
             return time.perf_counter() - t0
