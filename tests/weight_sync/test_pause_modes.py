@@ -98,3 +98,36 @@ def test_requests_in_flight_during_sync(tiny_engine, mode, scope):
     assert set(o.output_token_weight_versions) == {new}
     tr.shutdown()
     client.close()
+
+
+def test_disk_fallback_serves_the_new_weights(tiny_engine, tmp_path):
+    """weight_sync.transport=disk: after /update_weights_from_disk the engine's greedy tokens
+    equal transformers' on the same new tensors (nothing derived from the old weights kept)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_async.engines.checksum import tensor_checksum
+    from moe_async.engines.embedded.weights import HFWeightMap
+    from moe_async.weight_sync.transport import make_transport
+
+    eng, model_dir = tiny_engine
+    client = SyncEngineClient(eng.url, timeout_s=120)
+    version = client.get_weight_version() + 1
+    g = torch.Generator().manual_seed(1000 + version)
+    weights = {n: torch.randn(t.shape, generator=g) * 0.2 for n, t in sorted(_disk_tensors(model_dir).items())}
+    tr = make_transport([client], WeightSyncConfig(transport="disk", bucket_bytes=64 * 1024, disk_dir=str(tmp_path)),
+                        pause_mode="in_place")
+    tr.connect()
+    m = tr.send(list(weights.items()), version)
+    assert m["sync/buckets"] > 1 and m["sync/bytes"] == sum(t.numel() * 4 for t in weights.values())
+    check_engines([client], {n: tensor_checksum(t) for n, t in weights.items()}, version)
+    assert os.listdir(tmp_path) == [f"v{version}"]
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    HFWeightMap(ref).apply(weights)
+    prompt = _prompt(7, 9)
+    out = client.generate(prompt, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+    with torch.no_grad():
+        exp = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 7, dtype=torch.long),
+                           do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, 7:].tolist()
+    assert out.output_ids == exp and set(out.output_token_weight_versions) == {version}
+    tr.shutdown()
+    client.close()
