@@ -57,12 +57,24 @@ table and Megatron's ``sharded_state_dict`` / ``dist_checkpointing`` (which do r
 with gloo).
 
 Public API:
-    hf_to_megatron_checkpoint(hf_dir, out_dir, tp=1, pp=1, ep=1, progress=True) -> dict
+    hf_to_megatron_checkpoint(hf_dir, out_dir, tp=1, pp=1, ep=1, progress=True, vocab_div=128) -> dict
     megatron_to_hf_checkpoint(megatron_dir, hf_config_dir, out_dir, max_shard_size="5GB",
-                              tp=1, pp=1, ep=1, progress=True) -> dict
-    read_hf_index(hf_dir) -> dict[str, str]         (HF key -> file)
-    parse_size(text) -> int                          ("5GB" -> bytes)
-    build_model(hf_config, tp, pp, ep) -> (GPTModel, vocab_size)
+                              tp=1, pp=1, ep=1, progress=True, vocab_div=None) -> dict
+    parallel_layout(tp, pp, ep)        context: process group + Megatron parallel state
+    build_model(hf_config, tp, pp, ep, params_dtype="fp32", vocab_div=128, padded_vocab=None)
+        -> (GPTModel, hf_vocab_size)
+    load_hf_into_model(model, hf_config, index, vocab_size)   (HF files -> this rank's shards)
+    load_megatron_into_model(model, megatron_dir)            (strict torch_dist load)
+    read_hf_index(hf_dir) -> dict[str, str]   (HF key -> file); iter_hf_tensors(hf_dir)
+    ShardWriter(out_dir, max_bytes)           (sharded safetensors + index json)
+    parse_size(text) -> int                   ("5GB" -> bytes)
+
+Throughput (tools/bench_convert.py, random fp32 Mixtral of 345 MB in 4 files, 1 process, this
+2-core shared CPU machine): the conversion is bounded by Megatron's torch_dist writer/reader
+(dist_checkpointing.save ~0.55-0.8 s, load ~0.45-0.7 s for these bytes: forked writer
+processes, fsync, planning) against ~0.16-0.5 s for a plain safetensors read + write of the
+same bytes from the page cache; the HF read + mapping + copy into the model is ~0.24 s and
+the gather + split + safetensors write ~0.4 s.
 """
 
 from __future__ import annotations

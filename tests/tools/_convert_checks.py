@@ -3,7 +3,8 @@
     python _convert_checks.py prep TMP
         makes the tiny HF checkpoints (before Megatron is imported): ``mix`` (Mixtral, untied)
         and ``qwen`` (Qwen3-MoE, tied, norm_topk_prob=False), each 2 layers, 4 experts top-2,
-        fp32, and ``llama`` (dense, bf16, tied), re-saved by transformers as 3+ safetensors shards with
+        fp32, ``llama`` (dense, bf16, tied) and ``ds`` (deepseek_v3: MLA, first layer dense,
+        shared expert, non-zero fp32 ``e_score_correction_bias``), re-saved by transformers as 3+ safetensors shards with
         ``model.safetensors.index.json``, plus a fake tokenizer file; ``{name}_fused``: the
         same weights in transformers' in-memory layout (fused ``experts.gate_up_proj`` /
         ``down_proj``), sharded; the HF logits on a fixed prompt. Then, 1 process: HF ->
@@ -36,8 +37,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 NAMES = ("mix", "qwen")  # MoE, fp32: every layout, logits vs Megatron
-ALL = (*NAMES, "llama")  # + dense Llama, bf16: EP1 / TP2 round trips
-SHARD = {"mix": "300KB", "qwen": "300KB", "llama": "60KB"}  # -> 3+ files each
+ALL = (*NAMES, "llama", "ds")  # + dense Llama, bf16: EP1 / TP2; DeepSeek-V3: EP1 / EP2
+SHARD = {"mix": "300KB", "qwen": "300KB", "llama": "60KB", "ds": "300KB"}  # -> 3+ files each
 PROMPT = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 200, 11, 2]]
 
 
@@ -59,6 +60,9 @@ def make_checkpoints(tmp: str) -> None:
     make_tiny_mixtral(p(tmp, "mix_single"), tie=False)
     make_tiny_qwen3_moe(p(tmp, "qwen_single"), tie=True, norm_topk_prob=False)
     make_tiny_llama_bf16(p(tmp, "llama_single"))
+    from _tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+    make_tiny_deepseek_v3(p(tmp, "ds_single"))  # MLA, dense + MoE layers, shared expert, fp32 router bias
     for name in ALL:
         m = AutoModelForCausalLM.from_pretrained(p(tmp, f"{name}_single")).eval()
         m.save_pretrained(p(tmp, name), max_shard_size=SHARD[name])  # transformers' own sharded save
@@ -262,6 +266,9 @@ def main_w2(tmp: str) -> None:
                       "--out", p(tmp, f"back_tp2at2_{name}"), "--tp", "2", "--max-shard-size", "300KB",
                       "--no-progress"])
     h2m_cli.main(["--hf", p(tmp, "llama"), "--out", p(tmp, "meg_tp2_llama"), "--tp", "2", "--no-progress"])
+    h2m_cli.main(["--hf", p(tmp, "ds"), "--out", p(tmp, "meg_ep2_ds"), "--ep", "2", "--no-progress"])
+    m2h_cli.main(["--megatron", p(tmp, "meg_ep1_ds"), "--hf-config", p(tmp, "ds"),
+                  "--out", p(tmp, "back_ep1at2_ds"), "--ep", "2", "--max-shard-size", "300KB", "--no-progress"])
     m2h_cli.main(["--megatron", p(tmp, "meg_v96_mix"), "--hf-config", p(tmp, "mix"),
                   "--out", p(tmp, "back_v96at2_mix"), "--tp", "2", "--max-shard-size", "300KB", "--no-progress"])
     if rank() == 0:
@@ -302,9 +309,11 @@ def main_final(tmp: str) -> None:
     res: dict = {}
     m2h_cli.main(["--megatron", p(tmp, "meg_tp2_llama"), "--hf-config", p(tmp, "llama"),
                   "--out", p(tmp, "back_tp2_llama"), "--max-shard-size", SHARD["llama"], "--no-progress"])
-    for name in ("llama",):
+    m2h_cli.main(["--megatron", p(tmp, "meg_ep2_ds"), "--hf-config", p(tmp, "ds"),
+                  "--out", p(tmp, "back_ep2_ds"), "--max-shard-size", "300KB", "--no-progress"])
+    for name, srcs in (("llama", ("ep1", "tp2")), ("ds", ("ep1", "ep2", "ep1at2"))):
         hl = torch.load(p(tmp, f"hf_logits_{name}.pt"))
-        for src in ("ep1", "tp2"):
+        for src in srcs:
             back = p(tmp, f"back_{src}_{name}")
             r = compare_dirs(p(tmp, name), back)
             m = AutoModelForCausalLM.from_pretrained(back).eval()
@@ -312,6 +321,10 @@ def main_final(tmp: str) -> None:
                 r["hf_logits_equal"] = bool(torch.equal(m(torch.tensor(PROMPT)).logits.float(), hl))
             r["dtypes"] = sorted({str(t.dtype) for t in hf_tensors(back).values()})
             res[f"{src}_{name}"] = r
+    res["ds_bias_absmax"] = [float(t.abs().max()) for k, t in hf_tensors(p(tmp, "ds")).items()
+                             if k.endswith("e_score_correction_bias")]
+    ml = megatron_logits(p(tmp, "meg_ep2_ds"), p(tmp, "ds"))
+    res["meg_logits_ep2_ds"] = {"maxdiff": float((ml - torch.load(p(tmp, "hf_logits_ds.pt"))).abs().max())}
     for name in NAMES:
         for src in ("ep2", "tp2", "fused_ep2"):
             m2h_cli.main(["--megatron", p(tmp, f"meg_{src}_{name}"), "--hf-config", p(tmp, name),

@@ -85,13 +85,22 @@ def test_dense_bf16_round_trip(res, key):
     assert r["dtypes"] == ["torch.bfloat16"]
 
 
-@pytest.mark.parametrize("name", NAMES + ["llama"])
+@pytest.mark.parametrize("key", ["ep1_ds", "ep2_ds", "ep1at2_ds"])
+def test_deepseek_v3_round_trip(res, key):
+    """deepseek_v3 (MLA, dense first layer, shared expert, fp32 router bias): bit-exact, the
+    bias kept in fp32, equal HF logits; written at EP1 / EP2, read at 1 process / EP2."""
+    r = res[key]
+    assert r["same_names"] and r["unequal"] == [] and r["hf_logits_equal"], r
+    assert min(res["ds_bias_absmax"]) > 0  # non-zero e_score_correction_bias
+
+
+@pytest.mark.parametrize("name", NAMES + ["llama", "ds"])
 def test_sources_are_sharded(res, name):
     assert res["n_hf_files"][name] >= 3
 
 
 @pytest.mark.parametrize("key", ["meg_logits_ep1_mix", "meg_logits_ep1_qwen", "meg_logits_ep2_mix",
-                                 "meg_logits_ep2_qwen"])
+                                 "meg_logits_ep2_qwen", "meg_logits_ep1_ds", "meg_logits_ep2_ds"])
 def test_megatron_logits_match_hf(res, key):
     assert res[key]["maxdiff"] < 1e-4
 
