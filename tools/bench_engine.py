@@ -59,10 +59,10 @@ def main(argv=None) -> None:
     with torch.inference_mode():
         model.generate(ids[:, :4], attention_mask=torch.ones_like(ids[:, :4]), do_sample=False,
                        max_new_tokens=2, pad_token_id=0)  # warm-up
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=M, min_new_tokens=M, pad_token_id=0)
-        hf_s = time.perf_counter() - t0
+        hf_s, hf_cpu = time.perf_counter() - t0, time.thread_time() - c0
     hf_tokens = (out.shape[1] - ids.shape[1]) * N
     del model
 
@@ -79,11 +79,10 @@ def main(argv=None) -> None:
                 outs = await asyncio.gather(*[c.generate(p, sp, return_logprob=True) for p in prompts])
                 dt = time.perf_counter() - t0
                 info1 = (await c._http.get("/server_info")).json().get("scheduler_stats")
-                if info0 and info1:
-                    print("engine scheduler:", {k: round(info1[k] - info0[k], 3) for k in info1})
-                return outs, dt
+                stats = {k: round(info1[k] - info0[k], 3) for k in info1} if info0 and info1 else {}
+                return outs, dt, stats
 
-        outs, eng_s = asyncio.run(run())
+        outs, eng_s, stats = asyncio.run(run())
     finally:
         eng.shutdown()
     eng_tokens = sum(len(o.output_ids) for o in outs)
@@ -95,6 +94,12 @@ def main(argv=None) -> None:
     print(f"embedded engine (HTTP):  {eng_tokens} tokens in {eng_s:.2f}s = {eng_tps:.1f} tok/s")
     print(f"ratio engine/transformers: {eng_tps / hf_tps:.2f} (goal >= 1.0); "
           f"greedy outputs identical for {same}/{N} prompts")
+    if stats:
+        # CPU seconds of the thread running the model: steadier than wall time on a shared host
+        eng_cpu = stats["decode_cpu_s"] + stats["prefill_cpu_s"]
+        print(f"engine scheduler: {stats}")
+        print(f"cpu: transformers {hf_cpu:.2f}s, engine scheduler thread {eng_cpu:.2f}s, "
+              f"ratio (transformers cpu / engine cpu) {hf_cpu / eng_cpu:.2f}")
 
 
 if __name__ == "__main__":

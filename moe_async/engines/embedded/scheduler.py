@@ -536,18 +536,18 @@ class Scheduler:
         self.kv = [(layer.keys, layer.values) for layer in cache.layers]
         routing_BLK = self.capture.take(B) if routed else None
         logits_BV = logits_BV.float()
-        # Batched over rows: each row's logprob is x[tok] - logsumexp(x) of the distribution
-        # the returned logprob is defined on (no [B, V] log_softmax written out).
+        # One batched log_softmax (and argmax) for every row instead of one per request (the
+        # fused log_softmax kernel is ~2x faster than logsumexp on a CPU).
         temps = [1.0 if (r.params.greedy or self.return_original_logprob) else r.params.temperature
                  for r in self.running]
         scaled = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps).unsqueeze(1)
-        lse_B = torch.logsumexp(scaled, dim=-1).tolist()
+        lp_BV = torch.log_softmax(scaled, dim=-1)
         argmax_B = torch.argmax(logits_BV, dim=-1).tolist()
         keep = []
         for b, r in enumerate(self.running):
             if r.return_routed_experts:
                 r.routed.append(routing_BLK[b : b + 1])
-            self._append(r, logits_BV[b : b + 1], (scaled[b], lse_B[b]), argmax_B[b])
+            self._append(r, logits_BV[b : b + 1], lp_BV[b], argmax_B[b])
             if r.finish is None:
                 keep.append(b)
         if len(keep) != B:
@@ -588,14 +588,12 @@ class Scheduler:
         self.pads = [p - trim for p in pads]
 
     # ------------------------------------------------------------------ sampling
-    def _append(self, req: Req, logits_1V: torch.Tensor,
-                lp_V: torch.Tensor | tuple[torch.Tensor, float] | None = None,
+    def _append(self, req: Req, logits_1V: torch.Tensor, lp_V: torch.Tensor | None = None,
                 argmax: int | None = None) -> None:
         """Sample one token for ``req`` from ``logits_1V``; record it and check stops.
 
         ``lp_V``/``argmax``: the row's logprobs (of the distribution the returned logprob is
-        defined on; or that distribution's logits row and its logsumexp) and argmax, when the
-        caller computed them batched."""
+        defined on) and argmax, when the caller computed them batched."""
         p = req.params
         logits_V = logits_1V[0]
         probs = None
@@ -608,9 +606,7 @@ class Scheduler:
             return
         # SGLang default: logprob of the temperature-scaled distribution (before top-k/p);
         # greedy or --return-original-logprob: the raw distribution.
-        if isinstance(lp_V, tuple):  # (scaled logits row, its logsumexp)
-            lp = float(lp_V[0][tok]) - lp_V[1]
-        elif lp_V is not None:
+        if lp_V is not None:
             lp = lp_V[tok]
         elif p.greedy or self.return_original_logprob:
             lp = torch.log_softmax(logits_V, dim=-1)[tok]
