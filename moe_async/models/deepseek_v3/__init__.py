@@ -394,8 +394,19 @@ class DeepseekV3Family(ModelFamily):
 
             mend_mla_without_te()
 
+            # The q / kv down projections are duplicated (not TP-split) Linears, as in the TE
+            # spec ("duplicated" TELinear). With the local spec's ColumnParallelLinear, Megatron
+            # 0.16.1 (multi_latent_attention.py, get_query_key_value_tensors, the "gather"
+            # branch) never sums k_pos_emb's gradient over the TP ranks' heads: at TP2+SP the
+            # grad norm was 1.9% off the 1-process value. The Linear's weight is marked
+            # sequence_parallel, so finalize_model_grads all-reduces its grad over TP.
+            import megatron.core.transformer.multi_latent_attention as mla
+
             for spec in {id(s): s for s in block.layer_specs}.values():
-                spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+                sub = spec.submodules.self_attention.submodules
+                sub.core_attention = MLADotProductAttention
+                sub.linear_q_down_proj = mla.Linear
+                sub.linear_kv_down_proj = mla.Linear
         return block
 
 
