@@ -117,6 +117,11 @@ def main(tmp: str) -> None:
         res[f"unchanged_{name}"] = sorted(k for k in before if before[k] == after[k])
         res[f"n_tensors_{name}"] = len(before)
         tr.close()
+    # MoE aux loss (load-balancing on the sigmoid scores) reaches the loss and the gradients
+    tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.01, lr=1e-3), path)
+    res["aux_step"] = {k: v for k, v in tr.train_step(ss, [1.0, -0.5, 0.7, -1.2, 3.0]).items()
+                       if k in ("loss", "pg_loss", "moe_aux_loss", "grad_norm")}
+    tr.close()
     print(json.dumps(res))
 
 

@@ -60,3 +60,11 @@ def test_train_step(res, v):
         "model.layers.1.mlp.gate.e_score_correction_bias",
         "model.layers.2.mlp.gate.e_score_correction_bias",
     ]
+
+
+def test_moe_aux_loss_included(res):
+    aux, base = res["aux_step"], res["step_noqlora"]
+    assert aux["moe_aux_loss"] > 0
+    assert aux["loss"] - aux["pg_loss"] == pytest.approx(0.01 * aux["moe_aux_loss"], rel=1e-9)
+    assert aux["pg_loss"] == pytest.approx(base["loss"], rel=1e-5)  # same weights and data (mbs 2 vs 1)
+    assert aux["grad_norm"] != base["grad_norm"]

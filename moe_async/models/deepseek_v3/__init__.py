@@ -369,7 +369,9 @@ class DeepseekV3Family(ModelFamily):
             moe_router_num_groups=a.n_group,
             moe_router_group_topk=a.topk_group,
             moe_router_topk_scaling_factor=a.routed_scaling_factor,
-            moe_router_load_balancing_type="seq_aux_loss" if moe_aux_loss_coeff else "none",
+            # "aux_loss": the trainer reports the tracker's "load_balancing_loss" (DeepSeek-V3 trains
+            # with "seq_aux_loss", tracked as "seq_load_balancing_loss": pass it as an override)
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff else "none",
             moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
