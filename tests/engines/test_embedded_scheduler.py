@@ -135,3 +135,19 @@ def test_lm_head_cache_follows_weight_writes(model):
         sched.stop()
         with torch.no_grad():
             w.copy_(saved)
+
+
+def test_prefill_token_budget_splits_batches(model):
+    sched = Scheduler(model, context_length=128, max_running_requests=8, eos_token_ids={2},
+                      max_prefill_tokens=24)
+    prompts = [_prompt(5, 21), _prompt(6, 22), _prompt(19, 23), _prompt(11, 24)]
+    futs = [sched.submit(Req(input_ids=p, params=_greedy(5))) for p in prompts]
+    sched.start()
+    try:
+        outs = [f.result(timeout=120) for f in futs]
+        # [5, 6] (12 padded tokens), [19] (2 x 19 > 24), [11] (2 x 19 > 24 before it)
+        assert sched.stats["prefill_forwards"] == 3 and sched.stats["prefill_reqs"] == 4
+        for p, o in zip(prompts, outs):
+            assert o["output_ids"] == _hf_greedy(model, p, 5)
+    finally:
+        sched.stop()

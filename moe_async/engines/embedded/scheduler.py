@@ -1,8 +1,10 @@
 """Continuous batching for the embedded engine: one thread owns the model.
 
 Data path of a request: HTTP handler -> :meth:`Scheduler.submit` (waiting queue) ->
-prefill alone (batch 1, no padding; the first token is sampled from its last logits) ->
-its KV cache joins the running decode batch (left-padded to the batch's KV length) ->
+prefill together with every request waiting at the same step (one left-padded forward, up to
+``max_prefill_tokens`` padded tokens; alone: no padding, no mask; the first token is sampled
+from its last logits) -> its KV cache joins the running decode batch (left-padded to the
+batch's KV length) ->
 one batched decode step per iteration for every running request -> finished requests
 leave the batch (rows dropped, all-padding columns trimmed) -> their ``Future`` resolves.
 
@@ -229,6 +231,7 @@ class Scheduler:
         return_original_logprob: bool = False,
         tokenizer: Any = None,
         sampling_mask_max_tokens: int = 4096,
+        max_prefill_tokens: int = 8192,
     ):
         self.model = model
         self.context_length = context_length
@@ -241,6 +244,7 @@ class Scheduler:
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.capture = RoutingCapture(model, self.top_k)
         self.head = LogitsHead(model)
+        self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = 0
         self.paused = False
         self.max_decode_batch = 0  # largest decode batch seen (server info)
@@ -387,8 +391,15 @@ class Scheduler:
         """Prefill every waiting request that fits, in one left-padded batch."""
         while len(self.running) < self.max_running:
             batch: list[Req] = []
+            longest = 0
             with self._lock:
                 while self.waiting and len(self.running) + len(batch) < self.max_running:
+                    n = len(self.waiting[0].input_ids) + len(self.waiting[0].output_ids)
+                    # padded tokens of the batch (attention is [n, S, S]) within the budget;
+                    # a request alone always fits
+                    if batch and (len(batch) + 1) * max(longest, n) > self.max_prefill_tokens:
+                        break
+                    longest = max(longest, n)
                     batch.append(self.waiting.popleft())
             if not batch:
                 return
