@@ -2,7 +2,7 @@
 
     python _deepseek_v3_layouts.py ref TMP            tiny 4-layer checkpoint (first dense) +
         1-process reference (HF logprobs, Megatron logprobs, 2 train steps) -> TMP/ref.json
-    torchrun --nproc_per_node 2 _deepseek_v3_layouts.py run TMP OUT.json LAYOUT...
+    torchrun --nproc_per_node W _deepseek_v3_layouts.py run TMP OUT.json LAYOUT...
         LAYOUT = tp{t}pp{p}ep{e}: logprobs, export == checkpoint, 2 train steps -> OUT.json
 """
 
@@ -78,15 +78,21 @@ def main() -> None:
         with open(os.path.join(tmp, "ref.json"), "w") as f:
             json.dump(out, f)
         return
+    import torch.distributed as dist
+
     out_path, layouts = sys.argv[3], sys.argv[4:]
+    dist.init_process_group("gloo")  # once: the trainers (one per layout) then do not own it
     out = {}
     for lay in layouts:
         tp, rest = lay[2:].split("pp")
         pp, ep = rest.split("ep")
         out[lay] = run(path, int(tp), int(pp), int(ep))
-    if int(os.environ.get("RANK", "0")) == 0:
+        dist.barrier()
+    if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
