@@ -122,6 +122,14 @@ def main(tmp: str) -> None:
     res["aux_step"] = {k: v for k, v in tr.train_step(ss, [1.0, -0.5, 0.7, -1.2, 3.0]).items()
                        if k in ("loss", "pg_loss", "moe_aux_loss", "grad_norm")}
     tr.close()
+    # bf16 params: the expert bias stays an fp32 buffer and exports bit-exactly
+    tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3, params_dtype="bf16"), path)
+    res["bf16_bias_dtypes"] = sorted({str(b.dtype) for n, b in tr.model.named_buffers() if n.endswith("expert_bias")})
+    ex = dict(tr.export_hf_weights())
+    res["bf16_bias_export_exact"] = all(
+        ex[k].dtype == torch.float32 and torch.equal(ex[k], disk[k]) for k in disk if k.endswith("e_score_correction_bias")
+    )
+    tr.close()
     print(json.dumps(res))
 
 

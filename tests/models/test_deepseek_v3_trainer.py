@@ -68,3 +68,8 @@ def test_moe_aux_loss_included(res):
     assert aux["loss"] - aux["pg_loss"] == pytest.approx(0.01 * aux["moe_aux_loss"], rel=1e-9)
     assert aux["pg_loss"] == pytest.approx(base["loss"], rel=1e-5)  # same weights and data (mbs 2 vs 1)
     assert aux["grad_norm"] != base["grad_norm"]
+
+
+def test_bf16_keeps_expert_bias_fp32(res):
+    assert res["bf16_bias_dtypes"] == ["torch.float32"]
+    assert res["bf16_bias_export_exact"]
