@@ -83,7 +83,6 @@ def test_in_memory_fused_layout(ckpt):
         ("norm_topk_prob", False),
         ("attention_bias", True),
         ("hidden_act", "gelu"),
-        ("rms_norm_eps", 1e-5),
         ("topk_group", 1),  # 4 // 1 = 4: Megatron would score groups by their top-4
         ("first_k_dense_replace", 3),
         ("pretraining_tp", 2),

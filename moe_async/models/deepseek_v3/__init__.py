@@ -25,9 +25,9 @@ Architecture -> Megatron-Core 0.16.1:
 
 Rejected with the field named (never approximated): scaled RoPE (``rope_parameters.rope_type``
 other than default, e.g. YaRN), ``rope_interleave=False``, ``norm_topk_prob=False``,
-``attention_bias``, ``hidden_act`` other than silu, ``pretraining_tp`` != 1,
-``rms_norm_eps`` != 1e-6 (HF's ``q_a_layernorm``/``kv_a_layernorm`` use a fixed 1e-6, Megatron
-uses one epsilon for all norms), group settings Megatron cannot reproduce (see above).
+``attention_bias``, ``hidden_act`` other than silu, ``pretraining_tp`` != 1, group settings
+Megatron cannot reproduce (see above). HF's ``q_a_layernorm``/``kv_a_layernorm`` use a fixed
+eps 1e-6 whatever ``rms_norm_eps`` is; the local spec builds Megatron's latent norms so too.
 ``num_mtp_layers`` is ignored like transformers does (no MTP head is built; a checkpoint that
 holds MTP tensors fails the mapping's unused-key check).
 
@@ -171,7 +171,6 @@ class DeepseekV3Family(ModelFamily):
                 "norm_topk_prob": True,
                 "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
                 "scoring_func": "sigmoid",
-                "rms_norm_eps": lambda v: float(v) == 1e-6,
             },
         )
         nh, h = d["num_attention_heads"], d["hidden_size"]
@@ -409,7 +408,24 @@ class DeepseekV3Family(ModelFamily):
                 sub.core_attention = MLADotProductAttention
                 sub.linear_q_down_proj = mla.Linear
                 sub.linear_kv_down_proj = mla.Linear
+                # HF's q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever rms_norm_eps is
+                sub.q_layernorm = _fixed_eps_norm(sub.q_layernorm, _HF_LATENT_NORM_EPS)
+                sub.kv_layernorm = _fixed_eps_norm(sub.kv_layernorm, _HF_LATENT_NORM_EPS)
         return block
+
+
+_HF_LATENT_NORM_EPS = 1e-6  # transformers DeepseekV3RMSNorm default, used by q_a/kv_a_layernorm
+
+
+def _fixed_eps_norm(base: type, eps: float) -> type:
+    """A norm "class" for a Megatron spec that builds ``base`` with ``eps`` fixed (Megatron's
+    MLA passes ``config.layernorm_epsilon`` to its q/kv latent norms)."""
+
+    def __new__(cls, *args, **kw):
+        kw["eps"] = eps
+        return base(*args, **kw)
+
+    return type(f"FixedEps{getattr(base, '__name__', 'Norm')}", (), {"__new__": __new__})
 
 
 DEEPSEEK_V3 = register_family(DeepseekV3Family())
