@@ -65,7 +65,7 @@ def megatron_routes(tr, ss):
 def main(tmp: str) -> None:
     res: dict = {}
     ss = samples()
-    for name, kw in (("qlora", dict(q_lora_rank=32, tie=False)), ("noqlora", dict(q_lora_rank=None, tie=True, rms_norm_eps=1e-2))):
+    for name, kw in (("qlora", dict(q_lora_rank=32, tie=False)), ("noqlora", dict(q_lora_rank=None, tie=True, rms_norm_eps=1e-2, rope_interleave=False))):
         path = make_tiny_deepseek_v3(os.path.join(tmp, name), **kw)
         tr = MegatronTrainer(TrainerConfig(micro_batch_size=1, moe_aux_loss_coeff=0.0, lr=1e-3), path)
         mine, mroutes = megatron_routes(tr, ss)

@@ -79,7 +79,6 @@ def test_in_memory_fused_layout(ckpt):
     "field,bad",
     [
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}),
-        ("rope_interleave", False),
         ("norm_topk_prob", False),
         ("attention_bias", True),
         ("hidden_act", "gelu"),

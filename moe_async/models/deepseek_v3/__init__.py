@@ -8,7 +8,9 @@ Architecture -> Megatron-Core 0.16.1:
   projections out identically (q per head ``[nope; rope]``, ``kv_a`` ``[kv_lora; rope]``, ``kv_b``
   per head ``[k_nope; v]``), so every attention weight maps 1:1. ``rope_interleave=True`` (HF
   default: rotary dims in interleaved pairs) is what Megatron's MLA RoPE does
-  (``rope_utils._apply_rotary_pos_emb_bshd(multi_latent_attention=True)`` de-interleaves).
+  (``rope_utils._apply_rotary_pos_emb_bshd(multi_latent_attention=True)`` de-interleaves);
+  ``rope_interleave=False`` is mapped by permuting the rope rows of ``q_proj``/``q_b_proj`` and
+  ``kv_a_proj_with_mqa`` (see ``_rope_perm``).
 * First ``first_k_dense_replace`` layers dense (``intermediate_size``), the rest MoE
   (``moe_layer_freq`` list; ``moe_intermediate_size`` per routed expert, shared experts of
   width ``moe_intermediate_size * n_shared_experts`` -> ``moe_shared_expert_intermediate_size``).
@@ -24,7 +26,7 @@ Architecture -> Megatron-Core 0.16.1:
   or every group is selected (``topk_group >= n_group``: no group limit, mapped to none).
 
 Rejected with the field named (never approximated): scaled RoPE (``rope_parameters.rope_type``
-other than default, e.g. YaRN), ``rope_interleave=False``, ``norm_topk_prob=False``,
+other than default, e.g. YaRN), ``norm_topk_prob=False``,
 ``attention_bias``, ``hidden_act`` other than silu, ``pretraining_tp`` != 1, group settings
 Megatron cannot reproduce (see above). HF's ``q_a_layernorm``/``kv_a_layernorm`` use a fixed
 eps 1e-6 whatever ``rms_norm_eps`` is; the local spec builds Megatron's latent norms so too.
@@ -84,17 +86,60 @@ _M = "decoder.layers.{i}."
 _S = _M + "self_attention."
 _X = _L + "mlp.experts.{e}."
 
+# rope_interleave=False: HF rotates pairs (j, j + dr/2); Megatron's MLA RoPE always rotates
+# pairs (2j, 2j + 1). Megatron's rope rows are HF's interleaved: m[2j] = h[j], m[2j+1] = h[j+dr/2]
+# (a row permutation, bit-exact both ways; identity when rope_interleave=True).
+def _rope_perm(dr: int) -> torch.Tensor:
+    return torch.arange(dr).view(2, dr // 2).t().reshape(-1)
+
+
+def _q_fuse(ts, a):
+    (t,) = ts
+    if a.rope_interleave:
+        return t
+    n, dr = a.num_attention_heads, a.qk_rope_head_dim
+    blk = t.reshape(n, a.qk_nope_head_dim + dr, -1)
+    blk = torch.cat([blk[:, : a.qk_nope_head_dim], blk[:, a.qk_nope_head_dim :][:, _rope_perm(dr)]], dim=1)
+    return blk.reshape(t.shape).contiguous()
+
+
+def _q_split(t, a):
+    if a.rope_interleave:
+        return [t]
+    n, dr = a.num_attention_heads, a.qk_rope_head_dim
+    blk = t.reshape(n, a.qk_nope_head_dim + dr, -1)
+    inv = torch.argsort(_rope_perm(dr))
+    blk = torch.cat([blk[:, : a.qk_nope_head_dim], blk[:, a.qk_nope_head_dim :][:, inv]], dim=1)
+    return [blk.reshape(t.shape).contiguous()]
+
+
+def _kv_a_fuse(ts, a):
+    (t,) = ts
+    if a.rope_interleave:
+        return t
+    r = a.kv_lora_rank
+    return torch.cat([t[:r], t[r:][_rope_perm(a.qk_rope_head_dim)]], dim=0).contiguous()
+
+
+def _kv_a_split(t, a):
+    if a.rope_interleave:
+        return [t]
+    r = a.kv_lora_rank
+    return [torch.cat([t[:r], t[r:][torch.argsort(_rope_perm(a.qk_rope_head_dim))]], dim=0).contiguous()]
+
+
 # scope: "global" | "layer" (every layer) | "dense" (i < first_k_dense_replace) |
 # "moe" (the other layers) | "expert" (moe layers x routed experts) | "q_lora" / "q_full"
 # (every layer, when q_lora_rank is set / None).
 DEEPSEEK_V3_RULES: list[Rule] = [
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
     Rule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",), scope="layer"),
-    Rule(_S + "linear_q_proj.weight", (_A + "q_proj.weight",), scope="q_full"),
+    Rule(_S + "linear_q_proj.weight", (_A + "q_proj.weight",), fuse=_q_fuse, split=_q_split, scope="q_full"),
     Rule(_S + "linear_q_down_proj.weight", (_A + "q_a_proj.weight",), scope="q_lora"),
     Rule(_S + "q_layernorm.weight", (_A + "q_a_layernorm.weight",), scope="q_lora"),
-    Rule(_S + "linear_q_up_proj.weight", (_A + "q_b_proj.weight",), scope="q_lora"),
-    Rule(_S + "linear_kv_down_proj.weight", (_A + "kv_a_proj_with_mqa.weight",), scope="layer"),
+    Rule(_S + "linear_q_up_proj.weight", (_A + "q_b_proj.weight",), fuse=_q_fuse, split=_q_split, scope="q_lora"),
+    Rule(_S + "linear_kv_down_proj.weight", (_A + "kv_a_proj_with_mqa.weight",), fuse=_kv_a_fuse, split=_kv_a_split,
+         scope="layer"),
     Rule(_S + "kv_layernorm.weight", (_A + "kv_a_layernorm.weight",), scope="layer"),
     Rule(_S + "linear_kv_up_proj.weight", (_A + "kv_b_proj.weight",), scope="layer"),
     Rule(_S + "linear_proj.weight", (_A + "o_proj.weight",), scope="layer"),
@@ -148,6 +193,7 @@ class DeepseekV3Args(ArchArgs):
     n_group: int | None = None  # None: no group limit
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
+    rope_interleave: bool = True
 
     @property
     def moe_layers(self) -> list[int]:
@@ -167,7 +213,6 @@ class DeepseekV3Family(ModelFamily):
                 "hidden_act": "silu",
                 "attention_bias": False,
                 "pretraining_tp": lambda v: v in (None, 1),
-                "rope_interleave": True,
                 "norm_topk_prob": True,
                 "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
                 "scoring_func": "sigmoid",
@@ -226,6 +271,7 @@ class DeepseekV3Family(ModelFamily):
             n_group=ng_m,
             topk_group=tg_m,
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            rope_interleave=bool(d.get("rope_interleave", True)),
         )
 
     def rules(self) -> list[Rule]:
