@@ -190,6 +190,46 @@ def _make(cfg: ModelConfig, final: Path) -> Path:
     return save_checkpoint_atomic(model, tok, final)
 
 
+def _check_hf_dir(p: Path) -> None:
+    """Fail fast, naming the file, on a ``model.hf_path`` no engine or trainer could load:
+    an unreadable ``config.json``, an unsupported ``model_type``, no ``*.safetensors``, or a
+    safetensors file whose header cannot be read (truncated / corrupt).
+
+    Raises: ValueError (config.json, model_type, corrupt file) or FileNotFoundError.
+    """
+    from moe_async.models.family import get_family
+
+    cfg_path = p / "config.json"
+    try:
+        hf_cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.hf_path: cannot read {cfg_path}: {type(e).__name__}: {e}") from e
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"model.hf_path: {cfg_path} is not a JSON object")
+    try:
+        get_family(hf_cfg.get("model_type"))
+    except ValueError as e:
+        raise ValueError(f"model.hf_path: {cfg_path}: {e}") from None
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model.hf_path {p} has no *.safetensors weight file")
+    for f in files:
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if n <= 0 or 8 + n > size:
+                    raise ValueError(f"header length {n} does not fit in {size} bytes")
+                header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + n + end != size:
+                raise ValueError(f"tensor data ends at byte {8 + n + end}, file has {size} bytes")
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"model.hf_path: {f} is not a readable safetensors file "
+                             f"(truncated or corrupt): {e}") from e
+
+
 def prepare_hf_checkpoint(cfg: ModelConfig) -> Path:
     """Return a HF checkpoint directory for ``cfg`` (made and cached when needed).
 
@@ -204,6 +244,7 @@ def prepare_hf_checkpoint(cfg: ModelConfig) -> Path:
             raise FileNotFoundError(f"model.hf_path {p} is not a directory")
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"model.hf_path {p} has no config.json")
+        _check_hf_dir(p)
         return p
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     final = root / _cache_key(cfg)

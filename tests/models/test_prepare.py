@@ -133,3 +133,41 @@ def test_cli_help() -> None:
     r = subprocess.run([sys.executable, str(root / "tools" / "upcycle.py"), "--help"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--num-experts" in r.stdout and "--top-k" in r.stdout
+
+
+def test_source_hf_rejects_unloadable_dir(tmp_path) -> None:
+    """A model.hf_path no engine could load fails at prepare, naming the file (not 15 s later
+    inside an engine's start-up log with Transformers' 'upgrade' advice)."""
+    import shutil
+
+    src = prep.prepare_hf_checkpoint(_rand_cfg(tmp_path / "c"))
+
+    def _copy(name: str) -> Path:
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        return d
+
+    bad_type = _copy("bad_type")
+    cfg = json.loads((bad_type / "config.json").read_text())
+    cfg["model_type"] = "not_a_family"
+    (bad_type / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json.*unsupported HF model_type 'not_a_family'"):
+        prep.prepare_hf_checkpoint(ModelConfig(source="hf", hf_path=str(bad_type)))
+
+    no_weights = _copy("no_weights")
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        prep.prepare_hf_checkpoint(ModelConfig(source="hf", hf_path=str(no_weights)))
+
+    corrupt = _copy("corrupt")
+    f = next(corrupt.glob("*.safetensors"))
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    with pytest.raises(ValueError, match=f"{f.name}.*truncated or corrupt"):
+        prep.prepare_hf_checkpoint(ModelConfig(source="hf", hf_path=str(corrupt)))
+
+    garbage = _copy("garbage")
+    next(garbage.glob("*.safetensors")).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        prep.prepare_hf_checkpoint(ModelConfig(source="hf", hf_path=str(garbage)))
