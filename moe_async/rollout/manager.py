@@ -251,6 +251,25 @@ class RolloutManager:
             sp["stop_token_ids"] = list(self.eos_token_ids)
         return sp
 
+    _MAX_REPORTED_REWARD_ERRORS = 5
+
+    def _report_reward_errors(self, samples: list) -> None:
+        """Log each distinct reward error message once (the first few), naming the reward
+        setting: otherwise a scorer that raises or returns garbage on every sample trains on
+        reward 0 with nothing but a count to show for it."""
+        seen = self.__dict__.setdefault("_reward_errors_seen", set())
+        for s in samples:
+            err = s.reward_error
+            if err is None or err in seen or len(seen) >= self._MAX_REPORTED_REWARD_ERRORS:
+                continue
+            seen.add(err)
+            field = {"function": f"rollout.reward_function={self.cfg.reward_function!r}",
+                     "remote": f"rollout.reward_url={self.cfg.reward_url!r}"}.get(
+                         self.cfg.reward, f"rollout.reward={self.cfg.reward!r}")
+            log.warning("reward error (%s), sample scored 0: %s%s", field, err,
+                        "" if len(seen) < self._MAX_REPORTED_REWARD_ERRORS
+                        else " (further distinct reward errors are only counted: rollout/reward_errors)")
+
     async def _produce_group(self, gid: int, problem: Any, prompt_ids: list[int], max_new: int,
                              version: int) -> None:
         put_attempted = False
@@ -273,6 +292,7 @@ class RolloutManager:
             self.counters["samples_generated"] += len(samples)
             self.counters["tokens_generated"] += group.num_tokens
             self.counters["reward_errors"] += sum(s.reward_error is not None for s in samples)
+            self._report_reward_errors(samples)
             if self._filter_out(group, version):
                 self.dropped["filtered_equal_rewards"] += 1
                 self.counters["samples_filtered"] += len(samples)

@@ -256,3 +256,24 @@ def test_evaluate_greedy() -> None:
     res = asyncio.run(m.evaluate(probs, 5))
     assert res["accuracy"] == 1.0 and res["n"] == 3 and res["mean_response_len"] == 4.0
     assert all(sp["temperature"] == 0.0 and sp["max_new_tokens"] == 5 for _, sp in eng.calls)
+
+
+def test_reward_errors_are_reported_naming_the_setting(caplog) -> None:
+    """A reward function that raises on every sample scores 0 (C8) but its message must be
+    visible once, naming rollout.reward_function, not only counted."""
+    import logging
+
+    class RaisingDataset(FakeDataset):
+        def score(self, p: Problem, text: str) -> float:
+            raise RuntimeError("boom from user reward")
+
+    cfg = RolloutConfig(n_samples_per_prompt=4, max_concurrent_groups=2, max_new_tokens=8,
+                        reward="function", reward_function="tests.rollout._user_rewards:returns_text")
+    buf = FakeBuffer(capacity=3)
+    m = _manager(cfg, RaisingDataset([10]), [FakeEngine(version=3)], buf)
+    with caplog.at_level(logging.WARNING, logger="moe_async.rollout.manager"):
+        _run(m, buf, 3)
+    assert m.metrics()["rollout/reward_errors"] == 12
+    msgs = [r.getMessage() for r in caplog.records if "reward error" in r.getMessage()]
+    assert len(msgs) == 1, msgs  # each distinct message once, not once per sample
+    assert "boom from user reward" in msgs[0] and "rollout.reward_function=" in msgs[0]
