@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 class ExperimentConfig(BaseModel):
     """One experiment. Unknown keys anywhere are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "experiment"
     seed: int = 1234
@@ -43,7 +43,7 @@ class ExperimentConfig(BaseModel):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":

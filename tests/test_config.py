@@ -64,3 +64,15 @@ def test_cli_reports_config_errors(capsys):
     assert main(["show-config", str(CONFIGS / "cpu_smoke.yaml"), "trainer.bogus=1"]) == 2
     assert "trainer.bogus: unknown key" in capsys.readouterr().err
     assert main(["show-config", str(CONFIGS / "cpu_smoke.yaml")]) == 0
+
+
+@pytest.mark.parametrize("override, field", [
+    ("trainer.lr=.inf", "trainer.lr"),
+    ("trainer.tis_cap=.inf", "trainer.tis_cap"),
+    ("rollout.reward_timeout_s=.inf", "rollout.reward_timeout_s"),  # C8: the timeout must bound a step
+    ("weight_sync.timeout_s=.inf", "weight_sync.timeout_s"),
+    ("engine.request_timeout_s=.inf", "engine.request_timeout_s"),
+])
+def test_infinite_values_rejected(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(CONFIGS / "cpu_smoke.yaml", [override])

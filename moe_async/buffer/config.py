@@ -14,7 +14,7 @@ class AsyncConfig(BaseModel):
     ``fully_async`` lets generation run ahead by up to ``max_staleness`` weight versions.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Literal["sync", "one_step_off", "fully_async"] = "fully_async"
     max_staleness: int = Field(1, ge=0, description="K: max versions between a token and training.")

@@ -14,7 +14,7 @@ class EngineConfig(BaseModel):
     protocol) on loopback; ``backend='sglang'`` launches ``python -m sglang.launch_server``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     backend: Literal["embedded", "sglang"] = "embedded"
     num_engines: int = Field(1, ge=1)

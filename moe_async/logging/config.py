@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class LoggingConfig(BaseModel):
     """wandb (offline by default) plus a console line per step and a metrics.jsonl file."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "moe-async"

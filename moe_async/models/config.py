@@ -22,7 +22,7 @@ class ModelConfig(BaseModel):
     * ``hf``: an existing HF checkpoint directory at ``hf_path``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     source: Literal["smollm2_upcycled", "random_moe", "hf"] = "smollm2_upcycled"
     hf_path: str | None = Field(None, description="HF checkpoint dir (source=hf).")

@@ -25,7 +25,7 @@ class RolloutConfig(BaseModel):
     A step trains on ``prompts_per_step`` GRPO groups of ``n_samples_per_prompt`` samples.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     task: str = Field("basic_arithmetic", description="reasoning-gym dataset name.")
     task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym args.")

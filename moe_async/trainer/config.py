@@ -19,7 +19,7 @@ class TrainerConfig(BaseModel):
     (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL").
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     tensor_model_parallel_size: int = Field(1, ge=1, description="TP size.")
     pipeline_model_parallel_size: int = Field(1, ge=1, description="PP size.")

@@ -22,7 +22,7 @@ class WeightSyncConfig(BaseModel):
     files under ``disk_dir`` -> engine ``/update_weights_from_disk``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     transport: Literal["broadcast", "disk"] = Field(
         "broadcast", description="broadcast (bucketed, process group) | disk (safetensors + /update_weights_from_disk)."
