@@ -43,6 +43,26 @@ def _init_ray() -> None:
                  log_to_driver=True, runtime_env=runtime_env)
 
 
+def _sigterm_to_exit() -> Any:
+    """Make SIGTERM (``kill``, Slurm, a container stop) raise ``SystemExit`` in the driver
+    (Ray's ``get`` reports it as exit code 1), like Ctrl-C raises KeyboardInterrupt, so
+    ``run_experiment``'s cleanup runs
+    (engines shut down, logger closed, ``ray.shutdown()``). Without it Ray's own handler
+    aborts the driver (exit 134, a C++ stack dump) and leaves actors to Ray's reaper.
+    Call after ``ray.init`` (which installs that handler). Returns the previous handler,
+    or None off the main thread (where handlers cannot be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _raise(signum, frame):  # noqa: ARG001
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _raise)
+
+
 def _evaluate(rollout, summary: dict, key: str, label: str) -> None:
     import ray
 
@@ -70,6 +90,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     _init_ray()
+    prev_sigterm = _sigterm_to_exit()
     engines = EngineManager.remote(cfg, model_path)
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
@@ -147,6 +168,10 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         finally:
             logger.close()
             ray.shutdown()
+            if prev_sigterm is not None:
+                import signal
+
+                signal.signal(signal.SIGTERM, prev_sigterm)
     print(f"[moe-async] done. run files: {run_dir}", flush=True)
     if cfg.logging.wandb_mode == "offline":
         print(f"[moe-async] wandb offline run: sync later with `wandb sync {run_dir / 'wandb'}/offline-run-*`", flush=True)
