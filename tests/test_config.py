@@ -76,3 +76,12 @@ def test_cli_reports_config_errors(capsys):
 def test_infinite_values_rejected(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(CONFIGS / "cpu_smoke.yaml", [override])
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rollout.task=nonexistent_task", r"rollout\.task='nonexistent_task' is not a reasoning-gym dataset"),
+    ("rollout.task_kwargs={bogus: 1}", r"rollout\.task_kwargs=.*bogus"),
+])
+def test_bad_task_rejected_at_load(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(CONFIGS / "cpu_smoke.yaml", [override])

@@ -95,6 +95,7 @@ class RolloutConfig(BaseModel):
     def _defaults(self) -> "RolloutConfig":
         if "task_kwargs" not in self.model_fields_set and self.task in DEMO_TASK_KWARGS:
             self.task_kwargs = dict(DEMO_TASK_KWARGS[self.task])
+        _check_task(self.task, self.task_kwargs)
         if self.prompt_style not in ("one_shot", "plain"):
             raise ValueError(f"rollout.prompt_style must be 'one_shot' or 'plain', got {self.prompt_style!r}")
         if self.reward == "function":
@@ -104,3 +105,17 @@ class RolloutConfig(BaseModel):
         if self.reward == "remote" and not (self.reward_url or "").startswith(("http://", "https://")):
             raise ValueError(f"rollout.reward_url must be an http(s) URL when rollout.reward='remote', got {self.reward_url!r}")
         return self
+
+
+def _check_task(task: str, task_kwargs: dict[str, Any]) -> None:
+    """Fail at config load, naming the field, on a task reasoning-gym does not know or on
+    ``task_kwargs`` its dataset refuses (not 25 s into ``train`` inside a Ray actor)."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        raise ValueError(f"rollout.task={task!r} is not a reasoning-gym dataset (e.g. {sorted(DATASETS)[:8]}...)")
+    try:
+        reasoning_gym.create_dataset(task, seed=0, size=1, **task_kwargs)
+    except Exception as e:  # noqa: BLE001 - TypeError (unknown arg) or the config's own check
+        raise ValueError(f"rollout.task_kwargs={task_kwargs!r} refused by {task!r}: {type(e).__name__}: {e}") from e
