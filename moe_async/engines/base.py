@@ -185,8 +185,14 @@ class _SubprocessEngine(Engine):
             return f.read().decode("utf-8", "replace")
 
     def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM to its process group, SIGKILL after ``grace_s`` s).
+
+        The log file is deleted when the server was still running (a clean stop) and kept
+        when it had died on its own (its path is in the error that reported the death).
+        """
         proc, self.proc = self.proc, None
         _LIVE.discard(self)
+        clean_stop = proc is not None and proc.poll() is None
         if proc is not None and proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)  # the group this engine created
@@ -203,6 +209,8 @@ class _SubprocessEngine(Engine):
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if clean_stop and self.log_path and os.path.exists(self.log_path):
+            os.remove(self.log_path)
 
 
 class EmbeddedEngine(_SubprocessEngine):

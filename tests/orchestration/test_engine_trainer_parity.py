@@ -53,7 +53,9 @@ def test_engine_logprobs_equal_megatron_logprobs(model_path):
             seqs.append([p, out.output_ids])
             engine_lp.append(out.output_logprobs)
     finally:
+        log_path = eng.log_path
         eng.shutdown()
+    assert log_path and not os.path.exists(log_path)  # a clean stop leaves no log behind
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _TRAINER, model_path], input=json.dumps(seqs),
                           capture_output=True, text=True, env=env, timeout=300)
