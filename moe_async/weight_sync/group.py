@@ -23,6 +23,16 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def bind_master_store(master_address: str, world_size: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """Rank 0's TCPStore, bound now to a port the OS picks (``store.port``), so the port
+    handed to the engines is already ours: no window in which another process can take it
+    (picking a free port, releasing it and binding it later races under load)."""
+    return dist.TCPStore(
+        master_address, 0, world_size, is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    )
+
+
 def init_weight_update_group(
     *,
     master_address: str,
@@ -32,6 +42,7 @@ def init_weight_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    store: dist.TCPStore | None = None,
 ) -> dist.ProcessGroup:
     """Create (collectively: every member must call it) the weight-update group.
 
@@ -42,6 +53,8 @@ def init_weight_update_group(
         group_name: store prefix, so several groups may share a port range.
         backend: ``gloo`` or ``nccl`` (``auto`` resolved by :func:`resolve_backend`).
         timeout_s: seconds before a collective fails instead of hanging.
+        store: rank 0 may pass the store from :func:`bind_master_store` (then
+            ``master_port`` is ``store.port``).
 
     Returns:
         A ``ProcessGroup`` whose ``broadcast`` is used by the sender and receivers.
@@ -51,9 +64,10 @@ def init_weight_update_group(
     """
     backend = resolve_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout
-    )
+    if store is None:
+        store = dist.TCPStore(
+            master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout
+        )
     store = dist.PrefixStore(group_name, store)
     if backend == "nccl":  # pragma: no cover - needs CUDA
         return dist.ProcessGroupNCCL(store, rank, world_size)

@@ -42,7 +42,12 @@ import torch
 
 from moe_async.weight_sync.bucket import Bucket, make_buckets
 from moe_async.weight_sync.config import WeightSyncConfig
-from moe_async.weight_sync.group import group_broadcast, init_weight_update_group, resolve_backend
+from moe_async.weight_sync.group import (
+    bind_master_store,
+    group_broadcast,
+    init_weight_update_group,
+    resolve_backend,
+)
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +301,8 @@ class BroadcastTransport(WeightTransport):
         existing group is left first, so connect() also re-joins restarted engines."""
         if self.group is not None:
             self.close()
-        port = free_port(self.master_address)
+        store = bind_master_store(self.master_address, self.world_size, self.cfg.timeout_s)
+        port = store.port
         futs = [
             self._pool.submit(
                 c.init_weights_update_group,
@@ -317,6 +323,7 @@ class BroadcastTransport(WeightTransport):
             group_name=self.group_name,
             backend=self.backend,
             timeout_s=self.cfg.timeout_s,
+            store=store,
         )
         for i, f in enumerate(futs):
             self._check(i, f.result(timeout=self.cfg.timeout_s), "init_weights_update_group")

@@ -58,3 +58,14 @@ def test_unflatten_rejects_wrong_sizes():
         unflatten(flat, b.names, ["float8"], b.shapes)
     with pytest.raises(ValueError):
         list(make_buckets([], 0))
+
+
+def test_master_store_binds_its_port_before_handing_it_out():
+    """The weight-update group's port is bound when it is chosen (no free-port race)."""
+    import socket
+
+    from moe_async.weight_sync.group import bind_master_store
+
+    store = bind_master_store("127.0.0.1", world_size=2, timeout_s=5)
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))  # already ours
