@@ -104,6 +104,16 @@ class EngineManager:
 
         return ensure_healthy(self.engines)
 
+    def dead_engines(self) -> list[str]:
+        """One line per engine whose process has exited: index, URL, exit code, log file
+        (kept, since it died on its own). Used to name the engine when a step fails."""
+        out = []
+        for i, e in enumerate(self.engines):
+            proc = getattr(e, "proc", None)
+            if proc is not None and proc.poll() is not None:
+                out.append(f"engine {i} at {e.url} exited with code {proc.returncode}; log: {getattr(e, 'log_path', None)}")
+        return out
+
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()

@@ -20,55 +20,13 @@ values are in ``summary["perf"]``.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from moe_async.config import ExperimentConfig, dump_config
 from moe_async.logging.run_logger import RunLogger, make_run_dir
+from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
-
-
-def _init_ray() -> None:
-    """Attach to the cluster in ``RAY_ADDRESS`` (launch/slurm_train.sbatch), else start a
-    local Ray bound to loopback."""
-    import ray
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
-    else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=True, runtime_env=runtime_env)
-
-
-def _sigterm_to_exit() -> Any:
-    """Make SIGTERM (``kill``, Slurm, a container stop) raise ``SystemExit`` in the driver
-    (Ray's ``get`` reports it as exit code 1), like Ctrl-C raises KeyboardInterrupt, so
-    ``run_experiment``'s cleanup runs
-    (engines shut down, logger closed, ``ray.shutdown()``). Without it Ray's own handler
-    aborts the driver (exit 134, a C++ stack dump) and leaves actors to Ray's reaper.
-    Call after ``ray.init`` (which installs that handler). Returns the previous handler,
-    or None off the main thread (where handlers cannot be set)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def _raise(signum, frame):  # noqa: ARG001
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, _raise)
-
-
-def _evaluate(rollout, summary: dict, key: str, label: str) -> None:
-    import ray
-
-    ev = ray.get(rollout.evaluate.remote())
-    summary[key] = ev
-    print(f"[moe-async] held-out accuracy {label}: {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
 
 
 def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -89,8 +47,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     print(f"[moe-async] model: {model_path}", flush=True)
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
-    _init_ray()
-    prev_sigterm = _sigterm_to_exit()
+    init_ray()
+    prev_sigterm = sigterm_to_exit()
     engines = EngineManager.remote(cfg, model_path)
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
@@ -101,7 +59,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         buffer = BufferActor.remote(B, K, ray.get(trainer.version.remote()))
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
         if cfg.eval_before:
-            _evaluate(rollout, summary, "eval_before", "before")
+            evaluate(rollout, summary, "eval_before", "before")
         busy0 = {k: v for k, v in ray.get(rollout.metrics.remote()).items() if k.startswith("rollout/engine_busy_s/")}
         ray.get(rollout.start.remote())
         n_samples = 0.0
@@ -150,7 +108,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         summary["buffer"] = ray.get(buffer.stats.remote())
         summary["rollout"] = ray.get(rollout.metrics.remote())
         if cfg.eval_after:
-            _evaluate(rollout, summary, "eval_after", "after")
+            evaluate(rollout, summary, "eval_after", "after")
         from moe_async.engines.client import SyncEngineClient
 
         trainer_sums = ray.get(trainer.checksums.remote())
@@ -162,6 +120,11 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         logger.summary(summary)
         ray.get(trainer.shutdown.remote())
         ray.get(rollout.close.remote())
+    except Exception as e:
+        dead = dead_engines(engines)
+        if dead:  # name the engine that died instead of the HTTP error it caused
+            raise RuntimeError("; ".join(dead)) from e
+        raise
     finally:
         try:
             ray.get(engines.shutdown.remote(), timeout=60)

@@ -13,7 +13,7 @@ def test_sigterm_runs_driver_cleanup(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import os, signal, threading, time
         import ray
-        from moe_async.orchestration.driver import _init_ray, _sigterm_to_exit
+        from moe_async.orchestration.lifecycle import init_ray as _init_ray, sigterm_to_exit as _sigterm_to_exit
 
         _init_ray()
         _sigterm_to_exit()

@@ -1,0 +1,58 @@
+"""Process-level helpers of the driver: Ray start/attach, SIGTERM handling, held-out eval
+printing, naming dead engines."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def init_ray() -> None:
+    """Attach to the cluster in ``RAY_ADDRESS`` (launch/slurm_train.sbatch), else start a
+    local Ray bound to loopback."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=True, runtime_env=runtime_env)
+
+
+def sigterm_to_exit() -> Any:
+    """Make SIGTERM (``kill``, Slurm, a container stop) raise ``SystemExit`` in the driver
+    (Ray's ``get`` reports it as exit code 1), like Ctrl-C raises KeyboardInterrupt, so
+    ``run_experiment``'s cleanup runs
+    (engines shut down, logger closed, ``ray.shutdown()``). Without it Ray's own handler
+    aborts the driver (exit 134, a C++ stack dump) and leaves actors to Ray's reaper.
+    Call after ``ray.init`` (which installs that handler). Returns the previous handler,
+    or None off the main thread (where handlers cannot be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _raise(signum, frame):  # noqa: ARG001
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _raise)
+
+
+def evaluate(rollout, summary: dict, key: str, label: str) -> None:
+    import ray
+
+    ev = ray.get(rollout.evaluate.remote())
+    summary[key] = ev
+    print(f"[moe-async] held-out accuracy {label}: {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
+
+
+def dead_engines(engines) -> list[str]:
+    import ray
+
+    try:
+        return ray.get(engines.dead_engines.remote(), timeout=30)
+    except Exception:  # the manager itself is gone: nothing more to say
+        return []
