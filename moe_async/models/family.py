@@ -115,6 +115,44 @@ def qkv_split(t: Tensor, a: ArchArgs) -> list[Tensor]:
     return [q.reshape(-1, h).contiguous(), k.reshape(-1, h).contiguous(), v.reshape(-1, h).contiguous()]
 
 
+# Rules every GQA decoder family (llama, mixtral, qwen3_moe) shares, in table order:
+# embedding first; per layer input norm, fused qkv, [q/k norms], o_proj, pre-MLP norm (the
+# family's MLP rules follow); final norm and output layer last.
+_HF_L = "model.layers.{i}."
+_MG_L = "decoder.layers.{i}."
+
+EMBEDDING_RULE = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))
+FINAL_RULES: tuple[Rule, ...] = (
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",)),
+)
+
+
+def gqa_attention_rules(*, qk_norm: bool = False) -> list[Rule]:
+    """Per-layer rules from the input norm through the pre-MLP norm of a GQA decoder
+    (HF ``self_attn.{q,k,v,o}_proj``, optional ``q_norm``/``k_norm``; Megatron local spec)."""
+    rules = [
+        Rule(_MG_L + "input_layernorm.weight", (_HF_L + "input_layernorm.weight",), scope="layer"),
+        Rule(
+            _MG_L + "self_attention.linear_qkv.weight",
+            (_HF_L + "self_attn.q_proj.weight", _HF_L + "self_attn.k_proj.weight", _HF_L + "self_attn.v_proj.weight"),
+            fuse=qkv_fuse,
+            split=qkv_split,
+            scope="layer",
+        ),
+    ]
+    if qk_norm:
+        rules += [
+            Rule(_MG_L + "self_attention.q_layernorm.weight", (_HF_L + "self_attn.q_norm.weight",), scope="layer"),
+            Rule(_MG_L + "self_attention.k_layernorm.weight", (_HF_L + "self_attn.k_norm.weight",), scope="layer"),
+        ]
+    rules += [
+        Rule(_MG_L + "self_attention.linear_proj.weight", (_HF_L + "self_attn.o_proj.weight",), scope="layer"),
+        Rule(_MG_L + "pre_mlp_layernorm.weight", (_HF_L + "post_attention_layernorm.weight",), scope="layer"),
+    ]
+    return rules
+
+
 # TE layer spec fuses the pre-attention / dense pre-MLP norms into the following linear.
 _TE_SUFFIX_TO_LOCAL = {
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",

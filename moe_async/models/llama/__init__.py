@@ -11,10 +11,11 @@ from typing import Any
 
 from moe_async.models.family import (
     ArchArgs,
+    EMBEDDING_RULE,
+    FINAL_RULES,
     ModelFamily,
     hf_config_dict,
-    qkv_fuse,
-    qkv_split,
+    gqa_attention_rules,
     read_rope_theta,
     register_family,
     reject_fields,
@@ -25,17 +26,8 @@ _L = "model.layers.{i}."
 _M = "decoder.layers.{i}."
 
 LLAMA_RULES: list[Rule] = [
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    Rule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",), scope="layer"),
-    Rule(
-        _M + "self_attention.linear_qkv.weight",
-        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
-        fuse=qkv_fuse,
-        split=qkv_split,
-        scope="layer",
-    ),
-    Rule(_M + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), scope="layer"),
-    Rule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), scope="layer"),
+    EMBEDDING_RULE,
+    *gqa_attention_rules(),
     Rule(
         _M + "mlp.linear_fc1.weight",
         (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
@@ -44,8 +36,7 @@ LLAMA_RULES: list[Rule] = [
         scope="layer",
     ),
     Rule(_M + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), scope="layer"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",)),
+    *FINAL_RULES,
 ]
 
 

@@ -26,10 +26,11 @@ import torch
 
 from moe_async.models.family import (
     ArchArgs,
+    EMBEDDING_RULE,
+    FINAL_RULES,
     ModelFamily,
     hf_config_dict,
-    qkv_fuse,
-    qkv_split,
+    gqa_attention_rules,
     read_rope_theta,
     register_family,
     reject_fields,
@@ -41,17 +42,8 @@ _M = "decoder.layers.{i}."
 _X = _L + "block_sparse_moe.experts.{e}."
 
 MIXTRAL_RULES: list[Rule] = [
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    Rule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",), scope="layer"),
-    Rule(
-        _M + "self_attention.linear_qkv.weight",
-        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
-        fuse=qkv_fuse,
-        split=qkv_split,
-        scope="layer",
-    ),
-    Rule(_M + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), scope="layer"),
-    Rule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), scope="layer"),
+    EMBEDDING_RULE,
+    *gqa_attention_rules(),
     Rule(_M + "mlp.router.weight", (_L + "block_sparse_moe.gate.weight",), scope="layer"),
     Rule(
         _M + "mlp.experts.local_experts.{e}.linear_fc1.weight",
@@ -61,8 +53,7 @@ MIXTRAL_RULES: list[Rule] = [
         scope="expert",
     ),
     Rule(_M + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_X + "w2.weight",), scope="expert"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",)),
+    *FINAL_RULES,
 ]
 
 
