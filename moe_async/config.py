@@ -82,6 +82,24 @@ class ExperimentConfig(BaseModel):
         return self.async_.max_staleness
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing a mapping that repeats a key.
+
+    Plain YAML keeps the last of two equal keys silently, so a config with ``lr`` written
+    twice would train with whichever came last; here it is an error naming key and line.
+    """
+
+    def construct_mapping(self, node, deep=False):  # noqa: D102 (PyYAML hook)
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"duplicate key {key!r} at line {line} (first at line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _parse_value(raw: str) -> Any:
     """Parse an override value with YAML rules (``1e-6`` -> float, ``true`` -> bool)."""
     try:
@@ -141,9 +159,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: YAML error: {e}") from e
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -85,3 +85,16 @@ def test_infinite_values_rejected(override, field):
 def test_bad_task_rejected_at_load(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(CONFIGS / "cpu_smoke.yaml", [override])
+
+
+def test_duplicate_yaml_keys_rejected(tmp_path):
+    """PyYAML keeps the last of two equal keys; a config must refuse them, naming key and lines."""
+    f = tmp_path / "dup.yaml"
+    f.write_text("trainer:\n  lr: 1.0e-5\n  micro_batch_size: 2\n  lr: 3.0e-4\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: duplicate key 'lr' at line 4 \(first at line 2\)"):
+        load_config(f)
+    f.write_text("trainer:\n  lr: 1.0e-5\ntrainer:\n  micro_batch_size: 2\n")
+    with pytest.raises(ConfigError, match="duplicate key 'trainer' at line 3"):
+        load_config(f)
+    f.write_text("trainer:\n  lr: 3.0e-4\n")  # the same keys in different sections are fine
+    assert load_config(f).trainer.lr == 3.0e-4
