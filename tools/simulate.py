@@ -16,7 +16,9 @@ What is modelled (each piece mirrors the code named):
   histogram), capped at ``max_new_tokens``; the same seeded draws for every mode.
 * **Rollout manager** (``moe_async/rollout/manager.py``): keeps up to
   ``max_concurrent_groups`` GRPO groups of ``G`` requests in flight, each request sent
-  round-robin over the engines; a refused admission sleeps ``admit_poll_s``; a group is put
+  round-robin over the engines; a refused admission sleeps ``admit_poll_s`` (a capacity
+  change is seen after a uniform random fraction of it, as is a new batch by the trainer's
+  ``batch_poll_s`` poll: the polls' phases are not modelled); a group is put
   into the buffer ``group_overhead_s`` (reward + put) after its last sample.
 * **Buffer**: the real :class:`moe_async.buffer.buffer.RolloutBuffer` (imported, not
   re-implemented): admission while ``admitted - retired < (v - v0 + K + 1) * B``, groups
@@ -155,6 +157,7 @@ class SimConfig:
     startup_s: float = 0.0               # generation starts this late on the loop clock
     admit_poll_s: float = 0.05           # rollout.admit_poll_s
     batch_poll_s: float = 0.05           # BufferActor.get_batch poll interval (0: exact)
+    poll_phase: float = 1.0              # a poll sees a change after U(0, poll_phase x interval)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -177,6 +180,8 @@ class SimConfig:
                 raise ValueError(f"{f.name} must be finite, got {v}")
             if f.name.endswith("_s") and v is not None and v < 0:
                 raise ValueError(f"{f.name} must be >= 0 seconds, got {v}")
+        if not 0.0 <= self.poll_phase <= 1.0:
+            raise ValueError(f"poll_phase must be in [0, 1], got {self.poll_phase}")
         if self.decode_step_s + self.decode_step_per_seq_s <= 0:
             raise ValueError("decode_step_s + decode_step_per_seq_s must be > 0 (a decode step takes time)")
         if self.sync_gbps <= 0 or self.sync_bytes < 0:
@@ -426,7 +431,9 @@ class Simulation:
         self._rr = itertools.count()
         self._gids = itertools.count()
         self.in_flight = 0
-        self.rollout_state = "wait_task"  # or "poll" (sleeping admit_poll_s)
+        self.rollout_state = "wait_task"  # or "poll" (sleeping admit_poll_s), "wait_capacity"
+        self._rollout_retry_at: float | None = None
+        self.poll_rng = random.Random(cfg.seed + 1)  # poll phases; lengths keep their own stream
         self.version = 0
         self.step = 0
         self.trainer_waiting = False
@@ -492,14 +499,11 @@ class Simulation:
     def _rollout_try(self) -> None:
         c = self.cfg
         self.rollout_state = "wait_task"
+        self._rollout_retry_at = None
         while self.in_flight < c.max_concurrent_groups:
             v = self.buf.admit()
-            if v is None:
-                if c.admit_poll_s > 0:
-                    self.rollout_state = "poll"
-                    self.at(self.now + c.admit_poll_s, self._rollout_try)
-                else:  # idealised manager: retried the moment capacity changes
-                    self.rollout_state = "wait_capacity"
+            if v is None:  # refused: only a capacity change (sync, retired group) helps
+                self.rollout_state = "poll" if c.admit_poll_s > 0 else "wait_capacity"
                 return
             self._start_group(int(v))
 
@@ -556,8 +560,13 @@ class Simulation:
             self._capacity_changed()
 
     def _capacity_changed(self) -> None:
+        """The manager sleeping in its admission poll sees a capacity change at its next
+        tick: after a uniform random part of ``admit_poll_s`` (its phase is not modelled)."""
         if self.rollout_state == "wait_capacity":
             self._rollout_try()
+        elif self.rollout_state == "poll" and self._rollout_retry_at is None:
+            self._rollout_retry_at = self.now + self.poll_rng.uniform(0.0, self.cfg.poll_phase * self.cfg.admit_poll_s)
+            self.at(self._rollout_retry_at, self._rollout_try)
 
     # trainer / driver
     def _trainer_begin_step(self) -> None:
@@ -566,13 +575,13 @@ class Simulation:
         self._trainer_try(self._try_token)
 
     def _trainer_wake(self) -> None:
-        """A group arrived while the trainer waits: it looks at the next poll tick."""
-        p = self.cfg.batch_poll_s
-        t = self.now if p <= 0 else self.wait_since + math.ceil((self.now - self.wait_since) / p - 1e-9) * p
-        if self.trainer_wake_at is None or t < self.trainer_wake_at:
-            self.trainer_wake_at = t
+        """A group arrived while the trainer waits: its ``get_batch`` poll sees it after a
+        uniform random part of ``batch_poll_s`` (the poll's phase is not modelled)."""
+        if self.trainer_wake_at is None:
+            p = self.cfg.batch_poll_s
+            self.trainer_wake_at = self.now + (self.poll_rng.uniform(0.0, self.cfg.poll_phase * p) if p > 0 else 0.0)
             self._try_token += 1
-            self.at(t, self._trainer_try, self._try_token)
+            self.at(self.trainer_wake_at, self._trainer_try, self._try_token)
 
     def _trainer_try(self, token: int) -> None:
         if token != self._try_token:
@@ -860,11 +869,15 @@ def _steady(per: list[dict]) -> float:
     return sum(p["samples"] for p in tail) / sum(p["step_s"] for p in tail)
 
 
-def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float, iters: int = 40) -> float:
-    """x in [lo, hi] with f(x) ~= target for an increasing f (clamped to the ends)."""
+def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float, iters: int = 40,
+            grow: bool = True) -> float:
+    """x in [lo, hi] with f(x) ~= target for an increasing f (clamped to lo; beyond hi only
+    when ``grow``, doubling it)."""
     if f(lo) >= target:
         return lo
-    while f(hi) < target and hi < 1e6:
+    while f(hi) < target:
+        if not grow or hi > 1e6:
+            return hi
         hi *= 2
     for _ in range(iters):
         mid = (lo + hi) / 2
@@ -942,7 +955,8 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0) -> tuple[S
       * ``decode_step_s`` (with ``prefill_s = prefill_steps x decode_step_s``) by bisection so
         that the simulated engine busy seconds per step equal the measured ones;
       * ``group_overhead_s`` (reward + put) by bisection so that the simulated trainer wait per
-        step equals the measured one;
+        step equals the measured one (when even 0 leaves the model waiting longer: ``poll_phase``,
+        the fraction of the poll intervals after which the polls see a change, instead);
       * ``startup_s`` so that the first step's simulated wait equals the measured one.
 
     One run at one decode batch size cannot separate batch-size scaling from per-step cost:
@@ -977,8 +991,14 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0) -> tuple[S
     g_over = _bisect(lambda x: steady(simulate(dataclasses.replace(cfg, group_overhead_s=x)), "wait_seconds"),
                      wait_target, 0.0, 1.0)
     cfg = dataclasses.replace(cfg, group_overhead_s=g_over)
+    if g_over == 0.0:  # the model waits longer than measured even without reward time: the
+        # polls saw the changes sooner than a uniformly random phase would (fit that fraction)
+        phase = _bisect(lambda x: steady(simulate(dataclasses.replace(cfg, poll_phase=x)), "wait_seconds"),
+                        wait_target, 0.0, 1.0, grow=False)
+        cfg = dataclasses.replace(cfg, poll_phase=phase)
     w1 = simulate(cfg)["wait_seconds"][0]
     cfg = dataclasses.replace(cfg, startup_s=max(0.0, per[0]["wait_s"] - w1))
+    final = simulate(cfg)
     fit = {
         "run_dir": meas["run_dir"], "mode": meas["mode"], "K": meas["K"],
         "targets": {"train_s": _mean([p["train_s"] for p in st]), "sync_s": stage["sync_fixed_s"],
@@ -987,8 +1007,11 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0) -> tuple[S
                     "overhead_s": stage["step_overhead_s"]},
         "fitted": {k: getattr(cfg, k) for k in ("train_fixed_s", "train_per_token_s", "first_step_extra_s",
                                                 "sync_fixed_s", "pause_s", "step_overhead_s", "decode_step_s",
-                                                "prefill_s", "group_overhead_s", "startup_s", "lengths",
+                                                "prefill_s", "group_overhead_s", "poll_phase", "startup_s", "lengths",
                                                 "length_mean", "length_sigma")},
+        # what the fitted model gives for the targets (a residual left when a fit hit a bound)
+        "model": {"engine_busy_s_per_step": steady(final, "engine_busy_seconds"),
+                  "wait_s_per_step": steady(final, "wait_seconds"), "first_wait_s": final["wait_seconds"][0]},
     }
     return cfg, fit
 
@@ -1057,6 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in fit["targets"].items()))
         print("  fitted:   " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in fit["fitted"].items()))
+        print("  model:    " + ", ".join(f"{k}={v:.4g}" for k, v in fit["model"].items()))
         ks = sorted({m["K"] for m in checks if m["K"] > 0} | set(args.staleness))
         pred = compare_modes(cfg, tuple(ks))
         by_k = {r["K"]: r for r in pred}

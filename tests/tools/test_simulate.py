@@ -238,3 +238,33 @@ def test_cli_cluster_scenario_runs(tmp_path, capsys):
     res = json.loads(out.read_text())["predicted"]
     assert [r["mode"] for r in res] == ["sync", "fully_async"] and res[0]["speedup"] == 1.0
     assert "fully_async" in capsys.readouterr().out
+
+
+def test_bench_async_json_is_read_with_its_config(tmp_path):
+    """A tools/bench_async.py --json file: config rebuilt from its path + overrides, sync first."""
+    truth = exact(num_steps=4, length_mean=8, max_new_tokens=8, group_overhead_s=0.02, admit_poll_s=0.05,
+                  batch_poll_s=0.05, prompt_tokens=0)
+    modes = {}
+    for mode, k in (("fully_async", 2), ("sync", 0)):
+        r = sim.simulate(dataclasses.replace(truth, mode=mode, max_staleness=k))
+        modes[mode] = {"perf": {"perf/samples_per_s": r["samples_per_s"], "perf/trainer_idle_frac": r["trainer_idle_frac"],
+                                "perf/engine_idle_frac": r["engine_idle_frac"], "loop_seconds": r["loop_seconds"]},
+                       "steps": [{"step": i + 1, "wait_s": r["wait_seconds"][i], "train_s": r["train_seconds"][i],
+                                  "sync_s": r["sync_seconds"][i], "pause_s": r["sync_seconds"][i],
+                                  "step_s": r["step_end_seconds"][i] - (r["step_end_seconds"][i - 1] if i else 0.0),
+                                  "engine_busy_s": r["engine_busy_seconds"][i], "samples": r["batch_samples"][i],
+                                  "response_len_mean": r["batch_tokens"][i] / r["batch_samples"][i]}
+                                 for i in range(r["steps"])]}
+    f = tmp_path / "ba.json"
+    f.write_text(json.dumps({"modes": modes, "config": str(ROOT / "configs" / "cpu_smoke.yaml"),
+                             "overrides": ["rollout.prompts_per_step=3"], "staleness": 2}))
+    runs = sim.measured_from_bench(f)
+    assert [(m["mode"], m["K"]) for m in runs] == [("sync", 0), ("fully_async", 2)]
+    assert runs[0]["config"]["rollout"]["prompts_per_step"] == 3  # the override applied
+    assert runs[0]["config"]["async"] == {"mode": "sync", "max_staleness": 0, "stale_policy": "drop"}
+    assert [p["tokens"] for p in runs[1]["per_step"]] == pytest.approx([8.0 * 8] * 4)
+    cfg, _ = sim.calibrate(runs[0])
+    assert cfg.groups_per_step == 3 and cfg.train_fixed_s == pytest.approx(truth.train_fixed_s)
+    with pytest.raises(ValueError, match="bench_async"):
+        (tmp_path / "x.json").write_text("{}")
+        sim.measured_from_bench(tmp_path / "x.json")
