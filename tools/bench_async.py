@@ -4,13 +4,34 @@ Runs the same config and seed twice in this invocation, once per mode (each a fr
 ``moe-async train`` process, one after the other), over the same number of trained
 samples, and prints for each: samples/s and tokens/s (trained, over the loop's wall time),
 trainer idle fraction (time the trainer waited for a batch / loop time), engine idle
-fraction, dropped groups, and the reward curve (mean reward of each step's batch); then the
-async/sync ratios. Absolute numbers on a shared CPU mean little; the ratio measured in the
-same run is the result.
+fraction, dropped groups, the reward curve (mean reward of each step's batch) and per-step
+timings (trainer wait, train step, weight sync); then the async/sync ratios. Absolute
+numbers on a shared CPU mean little; the ratio measured in the same run is the result.
+
+Placement (both modes): like a cluster where engines and trainer own disjoint devices, the
+trainer is pinned to one set of cores and the engine server to a disjoint set
+(``trainer.cpu_affinity`` / ``engine.cpu_affinity``), each with as many torch threads as
+cores. Default: the cores this process may use, split in two halves (2 cores: trainer on
+core 0, engine on core 1). In ``sync`` one side then idles while the other works, the
+situation asynchronous training removes. ``--no-pin`` leaves placement to the OS (and the
+config's thread counts).
+
+Stage balance: the speed-up of overlapping generation with training is largest when a
+batch's generation time is close to the train step + weight sync time; ``--set`` overrides
+(e.g. ``rollout.max_new_tokens``, ``rollout.prompts_per_step``) apply to both modes. The
+``sync`` run's timings print as ``gen/(train+sync)`` to guide that choice; ``BALANCE`` below
+holds the overrides chosen per config (``--no-balance`` drops them).
 
     .venv/bin/python tools/bench_async.py                       # cpu_smoke, 8 steps, K=2
-    .venv/bin/python tools/bench_async.py --config configs/cpu_demo.yaml --steps 12
-    .venv/bin/python tools/bench_async.py --set rollout.max_concurrent_groups=4
+    .venv/bin/python tools/bench_async.py --config configs/cpu_demo.yaml --steps 6
+    .venv/bin/python tools/bench_async.py --set rollout.max_new_tokens=16 --json out.json
+
+``--json`` output: ``ratios`` and ``rows`` (one list per mode: mode, samples/s, tokens/s,
+trainer idle frac, engine idle frac, dropped samples, trained samples, reward curve, mean
+reward, mean train step s), kept stable; plus ``modes`` (per mode: ``perf``, and ``steps``,
+one dict per step with ``wait_s``, ``train_s``, ``sync_s``, ``pause_s``, ``step_s``,
+``engine_busy_s``, ``samples``, ``reward_mean``, ``staleness_mean``, ``response_len_mean``),
+``placement`` and ``overrides``.
 
 Exit status 1 when a run fails (its output tail is printed).
 """
@@ -26,6 +47,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Stage balance per config (applied to both modes, before --set, printed): cpu_smoke's
+# 8-token responses make a batch's generation ~7x shorter than its train step on 1 core
+# each; 96 tokens bring gen / (train + sync) to ~0.75 (measured: sync 1.63 s gen, 2.12 s
+# train, 0.04 s sync per step).
+BALANCE = {"cpu_smoke.yaml": ["rollout.max_new_tokens=96"]}
 
 
 def run_mode(config: str, mode: str, k: int, steps: int, extra: list[str], out: Path) -> dict:
@@ -45,43 +72,131 @@ def run_mode(config: str, mode: str, k: int, steps: int, extra: list[str], out: 
     return summary
 
 
+def step_timings(steps: list[dict]) -> list[dict]:
+    """Per-step timings and batch statistics from the run's metrics.jsonl rows."""
+    out = []
+    for i, m in enumerate(steps, 1):
+        out.append({
+            "step": i,
+            "wait_s": m.get("perf/wait_seconds"),
+            "train_s": m.get("train/step_time_s"),
+            "sync_s": m.get("sync/seconds", 0.0),
+            "pause_s": m.get("sync/pause_seconds", 0.0),
+            "step_s": m.get("perf/step_seconds"),
+            "engine_busy_s": m.get("perf/engine_busy_seconds"),
+            "samples": m.get("train/samples"),
+            "reward_mean": m.get("rollout/reward_mean"),
+            "staleness_mean": m.get("buffer/staleness_mean"),
+            "response_len_mean": m.get("rollout/response_len_mean"),
+        })
+    return out
+
+
+def _mean(xs: list) -> float:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def placement(trainer_cores: str | None, engine_cores: str | None) -> tuple[list[int], list[int]]:
+    """Disjoint core lists for trainer and engine (default: this process's cores, halved).
+
+    Raises:
+        SystemExit: fewer than 2 usable cores, or the two lists overlap.
+    """
+    avail = sorted(os.sched_getaffinity(0))
+    if trainer_cores is None and engine_cores is None:
+        if len(avail) < 2:
+            raise SystemExit(f"pinning needs >= 2 cores, this process may use {avail}; pass --no-pin")
+        half = len(avail) // 2
+        return avail[:half], avail[half:]
+    if trainer_cores is None or engine_cores is None:
+        raise SystemExit("give both --trainer-cores and --engine-cores (or neither)")
+    t = [int(c) for c in trainer_cores.split(",")]
+    e = [int(c) for c in engine_cores.split(",")]
+    if set(t) & set(e):
+        raise SystemExit(f"--trainer-cores {t} and --engine-cores {e} overlap")
+    return t, e
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs/cpu_smoke.yaml"))
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per mode")
     ap.add_argument("--staleness", type=int, default=2, help="K of the fully_async run")
     ap.add_argument("--set", action="append", default=[], metavar="a.b=v", help="override for both runs")
+    ap.add_argument("--trainer-cores", default=None, help="comma-separated core ids (default: first half)")
+    ap.add_argument("--engine-cores", default=None, help="comma-separated core ids (default: second half)")
+    ap.add_argument("--no-pin", action="store_true", help="no CPU pinning (OS placement, config thread counts)")
+    ap.add_argument("--no-balance", action="store_true", help="do not apply the per-config BALANCE overrides")
+    ap.add_argument("--modes", default="sync,fully_async", help="comma-separated subset (debugging)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
-    res = {}
-    with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
-        for mode, k in (("sync", 0), ("fully_async", args.staleness)):
-            print(f"[bench] {mode} (K={k}), {args.steps} steps ...", flush=True)
-            res[mode] = run_mode(args.config, mode, k, args.steps, args.set, Path(tmp) / mode)
+    balance = BALANCE.get(Path(args.config).name, []) if not args.no_balance else []
+    if balance:
+        print(f"[bench] stage balance for {Path(args.config).name}: {' '.join(balance)} (--no-balance: off)", flush=True)
+    overrides = [*balance, *args.set]
+    place = None
+    if not args.no_pin:
+        t, e = placement(args.trainer_cores, args.engine_cores)
+        place = {"trainer_cores": t, "engine_cores": e}
+        fmt = lambda cs: "[" + ",".join(map(str, cs)) + "]"  # noqa: E731
+        overrides = [f"trainer.cpu_affinity={fmt(t)}", f"trainer.num_threads={len(t)}",
+                     f"engine.cpu_affinity={fmt(e)}", f"engine.num_threads={len(e)}", *overrides]
+        print(f"[bench] trainer on cores {t}, engine on cores {e} (both modes)", flush=True)
 
-    rows = []
+    res = {}
+    modes = [m for m in (("sync", 0), ("fully_async", args.staleness)) if m[0] in args.modes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+        for mode, k in modes:
+            print(f"[bench] {mode} (K={k}), {args.steps} steps ...", flush=True)
+            res[mode] = run_mode(args.config, mode, k, args.steps, overrides, Path(tmp) / mode)
+
+    rows, per_mode = [], {}
     for mode, s in res.items():
         p = s["perf"]
         curve = [round(m["rollout/reward_mean"], 3) for m in s["steps"]]
+        st = step_timings(s["steps"])
         rows.append((mode, p["perf/samples_per_s"], p["perf/tokens_per_s"], p["perf/trainer_idle_frac"],
                      p.get("perf/engine_idle_frac"), s["buffer"]["samples_dropped"], s["buffer"]["samples_trained"],
-                     curve, sum(curve) / len(curve),
-                     sum(m.get("train/step_time_s", 0.0) for m in s["steps"]) / len(s["steps"])))
-    print(f"\n{'mode':<12} {'samples/s':>9} {'tokens/s':>9} {'trainer_idle':>12} {'engine_idle':>11} "
-          f"{'dropped':>7} {'trained':>7} {'train_step_s':>12}  reward/step (mean)")
-    for mode, sps, tps, ti, ei, dr, tr, curve, rm, st in rows:
+                     curve, sum(curve) / len(curve), _mean([x["train_s"] for x in st])))
+        loop_s = p.get("loop_seconds") or sum(x["step_s"] for x in st)
+        # steady state: steps 2..N over their own time (the first step includes the pipeline fill)
+        tail = st[1:]
+        steady = (sum(x["samples"] for x in tail) / sum(x["step_s"] for x in tail)) if tail else float("nan")
+        per_mode[mode] = {"perf": {**p, "loop_seconds": loop_s, "steady_samples_per_s": steady},
+                          "steps": st, "dropped": s["buffer"]["samples_dropped"],
+                          "drop_reasons": s["buffer"].get("drop_reasons", {}),
+                          "aborts": s.get("rollout", {}).get("rollout/aborts", 0.0)}
+
+    print(f"\n{'mode':<12} {'samples/s':>9} {'steady':>7} {'tokens/s':>9} {'trainer_idle':>12} {'engine_idle':>11} "
+          f"{'dropped':>7} {'trained':>7} {'wait_s':>7} {'train_s':>7} {'sync_s':>7}  reward/step (mean)")
+    for (mode, sps, tps, ti, ei, dr, tr, curve, rm, _), pm in zip(rows, per_mode.values()):
         ei_s = f"{ei:11.3f}" if ei is not None else f"{'n/a':>11}"
-        print(f"{mode:<12} {sps:9.3f} {tps:9.2f} {ti:12.3f} {ei_s} {dr:7d} {tr:7d} {st:12.3f}  {curve} ({rm:.3f})")
-    s, a = res["sync"]["perf"], res["fully_async"]["perf"]
-    ratios = {
-        "samples_per_s_async_over_sync": a["perf/samples_per_s"] / s["perf/samples_per_s"],
-        "trainer_idle_async_over_sync": a["perf/trainer_idle_frac"] / max(s["perf/trainer_idle_frac"], 1e-9),
-    }
-    print(f"\nsamples/s   fully_async / sync = {ratios['samples_per_s_async_over_sync']:.2f}x")
-    print(f"trainer idle fully_async / sync = {ratios['trainer_idle_async_over_sync']:.2f}")
+        st = pm["steps"]
+        print(f"{mode:<12} {sps:9.3f} {pm['perf']['steady_samples_per_s']:7.3f} {tps:9.2f} {ti:12.3f} {ei_s} "
+              f"{dr:7d} {tr:7d} {_mean([x['wait_s'] for x in st]):7.2f} {_mean([x['train_s'] for x in st]):7.2f} "
+              f"{_mean([x['sync_s'] for x in st]):7.2f}  {curve} ({rm:.3f})")
+    if "sync" in per_mode:
+        st = per_mode["sync"]["steps"]
+        gen, tr, sy = _mean([x["wait_s"] for x in st]), _mean([x["train_s"] for x in st]), _mean([x["sync_s"] for x in st])
+        print(f"\nsync stage balance: gen {gen:.2f} s / (train {tr:.2f} s + sync {sy:.2f} s) = {gen / (tr + sy):.2f}")
+    ratios = {}
+    if len(res) == 2:
+        s, a = res["sync"]["perf"], res["fully_async"]["perf"]
+        ratios = {
+            "samples_per_s_async_over_sync": a["perf/samples_per_s"] / s["perf/samples_per_s"],
+            "trainer_idle_async_over_sync": a["perf/trainer_idle_frac"] / max(s["perf/trainer_idle_frac"], 1e-9),
+            "steady_samples_per_s_async_over_sync": (per_mode["fully_async"]["perf"]["steady_samples_per_s"]
+                                                     / per_mode["sync"]["perf"]["steady_samples_per_s"]),
+        }
+        print(f"samples/s   fully_async / sync = {ratios['samples_per_s_async_over_sync']:.2f}x "
+              f"(steady state, steps 2..N: {ratios['steady_samples_per_s_async_over_sync']:.2f}x)")
+        print(f"trainer idle fully_async / sync = {ratios['trainer_idle_async_over_sync']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ratios": ratios, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"ratios": ratios, "rows": rows, "modes": per_mode,
+                                               "placement": place, "overrides": overrides,
+                                               "config": args.config, "staleness": args.staleness}, indent=1))
     return 0
 
 

@@ -124,7 +124,9 @@ class _SubprocessEngine(Engine):
         """argv of the server process."""
 
     def preexec(self) -> None:
-        """Runs in the child before exec (after ``setsid``)."""
+        """Runs in the child before exec (after ``setsid``; after pinning to
+        ``cfg.cpu_affinity`` when set, so the server and all its threads and children
+        inherit the core mask)."""
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -143,6 +145,9 @@ class _SubprocessEngine(Engine):
     def launch(self) -> "Engine":
         if self.alive:
             return self
+        from moe_async.orchestration.affinity import check_cpu_affinity
+
+        cores = check_cpu_affinity(self.cfg.cpu_affinity, "engine.cpu_affinity")  # raises in the parent
         fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log")
         self._log_file = os.fdopen(fd, "wb")
         self.proc = subprocess.Popen(
@@ -152,7 +157,7 @@ class _SubprocessEngine(Engine):
             stdin=subprocess.DEVNULL,
             env=self.env(),
             start_new_session=True,
-            preexec_fn=self.preexec,
+            preexec_fn=self.preexec if cores is None else lambda: (os.sched_setaffinity(0, cores), self.preexec()),
         )
         _LIVE.add(self)
         deadline = time.monotonic() + self.cfg.startup_timeout_s

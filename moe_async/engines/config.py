@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class EngineConfig(BaseModel):
@@ -22,6 +22,11 @@ class EngineConfig(BaseModel):
     base_port: int = Field(0, ge=0, le=65535, description="0 = pick free ports.")
     max_running_requests: int = Field(16, ge=1, description="Decode batch size cap.")
     num_threads: int = Field(1, ge=1, description="torch threads in each engine process.")
+    cpu_affinity: list[int] | None = Field(
+        None,
+        description="Core ids every engine server process is pinned to (os.sched_setaffinity, Linux); "
+        "None = no pinning. Disjoint from trainer.cpu_affinity models engines and trainer on their own devices.",
+    )
     dtype: Literal["fp32", "bf16"] = "fp32"
     startup_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for /health.")
     request_timeout_s: float = Field(600.0, gt=0)
@@ -31,3 +36,10 @@ class EngineConfig(BaseModel):
     sglang_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Extra sglang.launch_server flags (GPU)."
     )
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _check_affinity(cls, v: list[int] | None) -> list[int] | None:
+        from moe_async.orchestration.affinity import validate_core_list
+
+        return validate_core_list(v)

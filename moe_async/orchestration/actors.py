@@ -21,33 +21,63 @@ from moe_async.types import Group
 @ray.remote(num_cpus=0)
 class BufferActor:
     """Ray home of :class:`moe_async.buffer.buffer.RolloutBuffer` (an async actor, so
-    waiting callers do not block admissions)."""
+    waiting callers do not block admissions).
+
+    Waits are woken by the events that can end them (``put`` wakes ``get_batch``;
+    ``set_engine_version``, ``cancel`` and stale drops wake ``admit_wait``) instead of
+    polling, so neither side loses a poll interval per step."""
 
     def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0):
         from moe_async.buffer.buffer import RolloutBuffer
 
         self.buf = RolloutBuffer(groups_per_step, max_staleness, start_version)
+        self._changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait_for(self, attempt, timeout_s: float):
+        """``attempt()`` now, then again after every change, until it is not ``None`` or
+        ``timeout_s`` seconds have passed (then ``None``)."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while True:
+                out = attempt()
+                left = deadline - time.monotonic()
+                if out is not None or left <= 0:
+                    return out
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
 
     async def admit(self) -> int | None:
         return self.buf.admit()
 
+    async def admit_wait(self, timeout_s: float) -> int | None:
+        """Like ``admit`` but waits up to ``timeout_s`` seconds for capacity to open."""
+        return await self._wait_for(self.buf.admit, timeout_s)
+
     async def cancel(self, reason: str = "cancelled") -> None:
         self.buf.cancel(reason)
+        await self._notify()
 
     async def put(self, group: Group) -> None:
         self.buf.put(group)
+        await self._notify()
 
     async def set_engine_version(self, version: int) -> None:
         self.buf.set_engine_version(version)
+        await self._notify()
 
     async def get_batch(self, trainer_version: int, timeout_s: float) -> list[Group] | None:
         """Wait up to ``timeout_s`` seconds for ``B`` fresh groups; ``None`` on time-out."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            batch = self.buf.get_batch(trainer_version)
-            if batch is not None or time.monotonic() > deadline:
-                return batch
-            await asyncio.sleep(0.05)
+        retired = self.buf.retired
+        batch = await self._wait_for(lambda: self.buf.get_batch(trainer_version), timeout_s)
+        if self.buf.retired != retired:  # stale groups dropped: their slots reopen admission
+            await self._notify()
+        return batch
 
     async def stats(self) -> dict[str, Any]:
         return self.buf.stats()
@@ -55,13 +85,17 @@ class BufferActor:
 
 class BufferProxy:
     """The async ``admit/put/cancel`` interface the RolloutManager expects, over a Ray
-    handle of :class:`BufferActor`."""
+    handle of :class:`BufferActor`. ``admit`` waits in the actor up to ``admit_wait_s``
+    seconds for capacity (``admit_waits`` tells the manager not to sleep after a refusal)."""
 
-    def __init__(self, handle: Any):
+    admit_waits = True
+
+    def __init__(self, handle: Any, admit_wait_s: float = 1.0):
         self.h = handle
+        self.admit_wait_s = admit_wait_s
 
     async def admit(self) -> int | None:
-        return await self.h.admit.remote()
+        return await self.h.admit_wait.remote(self.admit_wait_s)
 
     async def put(self, group: Group) -> None:
         await self.h.put.remote(group)
@@ -129,6 +163,10 @@ class TrainerActor:
 
         from moe_async.trainer.megatron_trainer import MegatronTrainer
 
+        from moe_async.orchestration.affinity import pin_this_process
+
+        # trainer.cpu_affinity: before torch starts its thread pool, which inherits the mask
+        pin_this_process(cfg.trainer.cpu_affinity, "trainer.cpu_affinity")
         torch.set_num_threads(cfg.trainer.num_threads)
         self.cfg = cfg
         self.trainer = MegatronTrainer(cfg.trainer, model_path)

@@ -14,8 +14,10 @@ Per-step metrics beyond the trainer's: ``buffer/staleness_hist/<k>`` (tokens of 
 k versions old), ``buffer/dropped/<reason>`` and ``rollout/dropped/<reason>`` (cumulative
 counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
 ``perf/trainer_idle_frac`` (time waiting for a batch / loop time), ``perf/engine_idle_frac``,
-``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); the last
-values are in ``summary["perf"]``.
+``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); per step
+``perf/wait_seconds`` (trainer waiting for the batch), ``perf/step_seconds`` (wait + train +
+sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
+outstanding during the step); the last cumulative values are in ``summary["perf"]``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             evaluate(rollout, summary, "eval_before", "before")
         busy0 = {k: v for k, v in ray.get(rollout.metrics.remote()).items() if k.startswith("rollout/engine_busy_s/")}
         ray.get(rollout.start.remote())
+        busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, ray.get(trainer.version.remote())
         synced_version = version
@@ -88,8 +91,12 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             n_samples += m["train/samples"]
             elapsed = time.perf_counter() - t_start
             bstats = ray.get(buffer.stats.remote())
-            m.update(loop_metrics(bstats, ray.get(rollout.metrics.remote()), busy0, elapsed))
+            rm = ray.get(rollout.metrics.remote())
+            m.update(loop_metrics(bstats, rm, busy0, elapsed))
+            busy_now = _mean_engine_busy(rm)
             m.update({
+                "perf/wait_seconds": t1 - t0,  # trainer idle this step (waiting for a batch)
+                "perf/engine_busy_seconds": busy_now - busy_prev,  # this step, mean over engines
                 "train/weight_version": float(version),
                 "engine/weight_version": float(synced_version),
                 "perf/step_seconds": time.perf_counter() - t0,
@@ -99,6 +106,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
+            busy_prev = busy_now
             logger.log(m, step)
             logger.console_step(step, cfg.num_steps, m)
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
@@ -139,3 +147,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     if cfg.logging.wandb_mode == "offline":
         print(f"[moe-async] wandb offline run: sync later with `wandb sync {run_dir / 'wandb'}/offline-run-*`", flush=True)
     return summary
+
+
+def _mean_engine_busy(rmetrics: dict) -> float:
+    """Mean over engines of the cumulative busy seconds in the rollout metrics."""
+    busy = [v for k, v in rmetrics.items() if k.startswith("rollout/engine_busy_s/")]
+    return sum(busy) / len(busy) if busy else 0.0

@@ -46,7 +46,11 @@ def evaluate(rollout, summary: dict, key: str, label: str) -> None:
 
     ev = ray.get(rollout.evaluate.remote())
     summary[key] = ev
-    print(f"[moe-async] held-out accuracy {label}: {ev['accuracy']:.3f} (n={ev['n']})", flush=True)
+    extra = ""
+    if "task_accuracy" in ev and ev["task_accuracy"] != ev["accuracy"]:
+        extra = f", task scorer accuracy {ev['task_accuracy']:.3f}"
+    print(f"[moe-async] held-out accuracy {label}: {ev['accuracy']:.3f} (configured reward >= 1; "
+          f"mean reward {ev.get('reward_mean', float('nan')):.3f}{extra}; n={ev['n']})", flush=True)
 
 
 def dead_engines(engines) -> list[str]:

@@ -8,7 +8,9 @@ clients follow a duck interface::
 
 with ``output_ids``, ``output_logprobs``, ``finish_reason`` ('stop'|'length'|'abort'),
 ``weight_version``, ``output_token_weight_versions``, ``routed_experts``, ``prompt_tokens``.
-The buffer has async ``admit() -> int | None``, ``put(group)``, ``cancel([reason])``.
+The buffer has async ``admit() -> int | None``, ``put(group)``, ``cancel([reason])``; a
+refused ``admit`` is retried after ``admit_poll_s`` seconds, or at once when the buffer sets
+``admit_waits = True`` (its ``admit`` itself waits for capacity, as the Ray proxy does).
 
 Per admitted group (``run``):
 
@@ -140,7 +142,8 @@ class RolloutManager:
                     continue
                 version = await self.buffer.admit()
                 if version is None:
-                    await self._sleep_or_stop(stop_event, self.cfg.admit_poll_s)
+                    if not getattr(self.buffer, "admit_waits", False):  # else admit() already waited
+                        await self._sleep_or_stop(stop_event, self.cfg.admit_poll_s)
                     continue
                 try:
                     problem = self.dataset.next_train()
@@ -164,11 +167,21 @@ class RolloutManager:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     async def evaluate(self, problems: list, max_new_tokens: int | None = None) -> dict[str, float]:
-        """Greedy (temperature 0), one sample per problem, concurrent; exact-match scored."""
+        """Held-out eval: greedy (temperature 0), one sample per problem, concurrent.
+
+        Scored by the same reward pool as training (``rollout.reward``, its timeout and
+        error isolation), so eval and the training curve use one scorer. Returns
+        ``reward_mean`` (mean configured reward), ``accuracy`` (fraction with configured
+        reward >= 1.0, as ``rollout/accuracy`` in training), ``task_accuracy`` (the task's
+        reasoning-gym exact-match scorer, ``dataset.score``, reported beside it; equal to
+        ``accuracy`` when ``rollout.reward='reasoning_gym'``), ``reward_errors`` (samples whose
+        configured reward failed or timed out, scored 0), ``n`` (scored), ``n_skipped``
+        (prompt too long or dropped) and ``mean_response_len`` (tokens).
+        """
         max_new_tokens = int(max_new_tokens or self.cfg.eval_max_new_tokens)
         sem = asyncio.Semaphore(max(1, self.cfg.max_concurrent_groups * self.cfg.n_samples_per_prompt))
 
-        async def one(p: Any) -> tuple[float, int] | None:
+        async def one(p: Any) -> tuple[float, str | None, float, int] | None:
             async with sem:
                 prompt_ids = self.dataset.build_prompt_ids(p)
                 max_new = self._check_length(len(prompt_ids), max_new_tokens, count=False)
@@ -178,17 +191,22 @@ class RolloutManager:
                     s = await self._generate_sample(prompt_ids, max_new, greedy=True)
                 except DropGroup:
                     return None
-                text = self.dataset.decode(s.response_ids)
-                return float(self.dataset.score(p, text)), len(s.response_ids)
+            text = self.dataset.decode(s.response_ids)
+            r = await self.reward_pool.score(p, text)
+            task_score = float(self.dataset.score(p, text))
+            return float(r.reward), r.error, task_score, len(s.response_ids)
 
         res = await asyncio.gather(*(one(p) for p in problems))
         done = [r for r in res if r is not None]
         n = len(done)
         return {
-            "accuracy": sum(r for r, _ in done) / n if n else 0.0,
+            "reward_mean": sum(r[0] for r in done) / n if n else 0.0,
+            "accuracy": sum(r[0] >= 1.0 for r in done) / n if n else 0.0,
+            "task_accuracy": sum(r[2] for r in done) / n if n else 0.0,
+            "reward_errors": sum(r[1] is not None for r in done),
             "n": n,
             "n_skipped": len(problems) - n,
-            "mean_response_len": sum(L for _, L in done) / n if n else 0.0,
+            "mean_response_len": sum(r[3] for r in done) / n if n else 0.0,
         }
 
     def metrics(self) -> dict[str, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The off-policy corrections of trainer/loss.py (formulas and sources there).
 OffPolicyCorrection = Literal["none", "tis", "tis_seq", "mis", "mis_seq", "icepop", "opsm", "decoupled_ppo"]
@@ -73,6 +73,10 @@ class TrainerConfig(BaseModel):
     )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux loss weight.")
     num_threads: int = Field(1, ge=1, description="torch threads in the trainer process.")
+    cpu_affinity: list[int] | None = Field(
+        None,
+        description="Core ids the trainer process is pinned to (os.sched_setaffinity, Linux); None = no pinning.",
+    )
     # --- router replay (moe_async/replay) ---
     router_replay: Literal["off", "R3", "R2"] = Field(
         "off",
@@ -84,6 +88,13 @@ class TrainerConfig(BaseModel):
         ),
     )
     seed: int = 1234
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _check_affinity(cls, v: list[int] | None) -> list[int] | None:
+        from moe_async.orchestration.affinity import validate_core_list
+
+        return validate_core_list(v)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

@@ -255,7 +255,30 @@ def test_evaluate_greedy() -> None:
     probs = [ds.next_train() for _ in range(3)]
     res = asyncio.run(m.evaluate(probs, 5))
     assert res["accuracy"] == 1.0 and res["n"] == 3 and res["mean_response_len"] == 4.0
+    assert res["task_accuracy"] == 1.0 and res["reward_mean"] == 1.0
     assert all(sp["temperature"] == 0.0 and sp["max_new_tokens"] == 5 for _, sp in eng.calls)
+
+
+def test_evaluate_scores_with_the_configured_reward() -> None:
+    """Eval uses the training reward (the pool), not the task's exact-match scorer; the
+    latter is reported beside it as task_accuracy."""
+    cfg = RolloutConfig(max_new_tokens=8)
+    ds = FakeDataset([10])
+    half = RewardPool(lambda p, text: 0.5 if "7" in text else 0.0, timeout_s=5.0, max_workers=1,
+                      use_processes=False)
+    m = RolloutManager(cfg, ds, [FakeEngine()], FakeBuffer(0), half, eos_token_ids=[EOS])
+    probs = [ds.next_train() for _ in range(3)]
+    res = asyncio.run(m.evaluate(probs, 5))
+    assert res["reward_mean"] == 0.5 and res["accuracy"] == 0.0  # configured reward: 0.5 each
+    assert res["task_accuracy"] == 1.0 and res["n"] == 3 and res["reward_errors"] == 0
+
+    def boom(p, text):
+        raise RuntimeError("scorer failed")
+
+    m = RolloutManager(cfg, ds, [FakeEngine()], FakeBuffer(0),
+                       RewardPool(boom, timeout_s=5.0, max_workers=1, use_processes=False), eos_token_ids=[EOS])
+    res = asyncio.run(m.evaluate(probs, 5))
+    assert res["reward_errors"] == 3 and res["reward_mean"] == 0.0 and res["task_accuracy"] == 1.0
 
 
 def test_reward_errors_are_reported_naming_the_setting(caplog) -> None:
