@@ -16,17 +16,18 @@ What is modelled (each piece mirrors the code named):
   histogram), capped at ``max_new_tokens``; the same seeded draws for every mode.
 * **Rollout manager** (``moe_async/rollout/manager.py``): keeps up to
   ``max_concurrent_groups`` GRPO groups of ``G`` requests in flight, each request sent
-  round-robin over the engines; a refused admission sleeps ``admit_poll_s`` (a capacity
-  change is seen after a uniform random fraction of it, as is a new batch by the trainer's
-  ``batch_poll_s`` poll: the polls' phases are not modelled); a group is put
-  into the buffer ``group_overhead_s`` (reward + put) after its last sample.
+  round-robin over the engines; a refused admission waits for a capacity change (version
+  bump, cancel, stale drop), as ``BufferActor.admit_wait`` does; a group is put into the
+  buffer ``group_overhead_s`` (reward + put) after its last sample. (``admit_poll_s`` /
+  ``batch_poll_s`` > 0 model the polling loops of the pipeline before it was event-driven:
+  a change is then seen after a uniform random fraction ``poll_phase`` of the interval.)
 * **Buffer**: the real :class:`moe_async.buffer.buffer.RolloutBuffer` (imported, not
   re-implemented): admission while ``admitted - retired < (v - v0 + K + 1) * B``, groups
   admitted and dropped whole, stale groups (oldest token more than ``K`` versions behind the
   trainer) dropped at hand-out (``async.stale_policy='drop'``, the only policy the config
   allows), per-token staleness histogram.
 * **Trainer / driver** (``moe_async/orchestration/driver.py``): waits for ``B`` fresh groups
-  (``get_batch`` polled every ``batch_poll_s``), trains ``train_fixed_s + train_per_token_s *
+  (``get_batch``, woken by each put), trains ``train_fixed_s + train_per_token_s *
   (prompt + response tokens)`` seconds, bumps the version, and every ``sync_interval``
   steps syncs weights for ``sync_fixed_s + sync_bytes / (sync_gbps * 1e9)`` seconds; the
   engines are paused for the last ``pause_s`` seconds of it (``None``: the whole sync,
@@ -67,19 +68,19 @@ step (~31 s), 60 GB of weights at 20 GB/s + 1 s per sync (4 s, engines paused th
 abort + partial rollouts), reward + put 0.5 s per group, 40 steps, seed 0. Output of
 ``python tools/simulate.py``::
 
-    mode          K   step_s samples/s trainer_idle engine_idle speedup  staleness(tokens)
-    sync          0  816.378     0.314        0.957       0.464    1.00  {0: 100%}
-    one_step_off  1  227.572     1.125        0.845       0.000    3.59  {0: 45%, 1: 55%}
-    fully_async   2  149.180     1.716        0.764       0.000    5.47  {0: 17%, 1: 57%, 2: 26%}
-    fully_async   4   98.829     2.590        0.644       0.000    8.26  {0: 6%, 1: 29%, 2: 35%, 3: 21%, 4: 9%}
+    mode          K   step_s samples/s  steady trainer_idle engine_idle speedup  staleness(tokens)
+    sync          0  816.375     0.314   0.312        0.957       0.464    1.00  {0: 100%}
+    one_step_off  1  226.465     1.130   1.130        0.845       0.000    3.60  {0: 44%, 1: 56%}
+    fully_async   2  149.641     1.711   1.728        0.765       0.000    5.46  {0: 17%, 1: 57%, 2: 26%}
+    fully_async   4   98.918     2.588   2.646        0.645       0.000    8.25  {0: 6%, 1: 29%, 2: 35%, 3: 22%, 4: 9%}
 
 Reading it: ``sync`` waits ~800 s per step for its slowest sample; the engines idle 46% of
 the time and, while they work, decode a time-weighted mean batch of 6 sequences (the tail
 runs alone). Bounded staleness keeps the engines computing (2-4% idle) with mean batches of
 15 (K=1), 25 (K=2), 42 (K=4): the admission cap ``(K+1) x B`` groups, not the engines'
 128 slots, bounds the work in flight, so the step time keeps falling with K while the
-trainer still idles 64-85%. The price: the hand-out check drops 16-20% of the generated
-samples as stale (238 groups at K=1, 254 at K=4), the long ones first, so the trained mean
+trainer still idles 64-85%. The price: the hand-out check drops 15-17% of the generated
+samples as stale (230 groups at K=1, 257 at K=4), the long ones first, so the trained mean
 length falls from 4100 to ~3500 tokens; and at K=4, 19 groups exceed
 ``max_abort_retries=16`` (a 35k-token sample spans more than 16 syncs).
 """
@@ -155,8 +156,8 @@ class SimConfig:
     group_overhead_s: float = 0.0        # reward scoring + buffer put, per group
     step_overhead_s: float = 0.0         # driver bookkeeping after each step
     startup_s: float = 0.0               # generation starts this late on the loop clock
-    admit_poll_s: float = 0.05           # rollout.admit_poll_s
-    batch_poll_s: float = 0.05           # BufferActor.get_batch poll interval (0: exact)
+    admit_poll_s: float = 0.0            # 0: admission woken by capacity changes (BufferActor.admit_wait)
+    batch_poll_s: float = 0.0            # 0: get_batch woken by a put (> 0: the older 50 ms polls)
     poll_phase: float = 1.0              # a poll sees a change after U(0, poll_phase x interval)
     seed: int = 0
 
@@ -212,7 +213,7 @@ def cluster_scenario() -> SimConfig:
         prompt_tokens=512, lengths="lognormal", length_mean=4096, length_sigma=1.0, max_new_tokens=65536,
         train_fixed_s=30.0, train_per_token_s=1e-6, sync_fixed_s=1.0, sync_bytes=60e9, sync_gbps=20.0,
         pause_mode="abort", partial_rollout=True, group_overhead_s=0.5, step_overhead_s=0.1,
-        admit_poll_s=0.05, batch_poll_s=0.05, seed=0,
+        seed=0,
     )
 
 
@@ -888,8 +889,9 @@ def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float, it
     return (lo + hi) / 2
 
 
-def config_from_run(meas: dict[str, Any]) -> SimConfig:
-    """Pipeline shape (B, G, engines, caps, lengths, sync interval, pause mode, polls) of a run."""
+def config_from_run(meas: dict[str, Any], polled: bool = False) -> SimConfig:
+    """Pipeline shape (B, G, engines, caps, lengths, sync interval, pause mode) of a run;
+    ``polled``: the run's buffer waits polled (moe-async before its event-driven waits)."""
     rc = meas["config"]
     r, e, w, a = rc.get("rollout", {}), rc.get("engine", {}), rc.get("weight_sync", {}), rc.get("async", {})
     per = meas["per_step"]
@@ -915,7 +917,7 @@ def config_from_run(meas: dict[str, Any]) -> SimConfig:
         lengths=lengths, length_mean=max(1.0, mean_len), length_sigma=sigma, max_new_tokens=max_new,
         sync_interval=int(w.get("interval_steps", 1)), pause_mode=e.get("pause_mode", "abort"),
         partial_rollout=bool(r.get("partial_rollout", True)), max_abort_retries=int(r.get("max_abort_retries", 16)),
-        admit_poll_s=float(r.get("admit_poll_s", 0.05)), batch_poll_s=0.05,
+        admit_poll_s=float(r.get("admit_poll_s", 0.05)) if polled else 0.0, batch_poll_s=0.05 if polled else 0.0,
     )
 
 
@@ -942,7 +944,8 @@ def stage_times(meas: dict[str, Any]) -> dict[str, float]:
             "sync_fixed_s": sync_s, "sync_bytes": 0.0, "pause_s": pause_s, "step_overhead_s": overhead}
 
 
-def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0) -> tuple[SimConfig, dict[str, Any]]:
+def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0,
+              polled: bool = False) -> tuple[SimConfig, dict[str, Any]]:
     """Fit the model's stage times to one real run (best: ``sync``, 1 engine, 1 trainer).
 
     Fitted (steps 2.. are steady state; step 1 carries start-up):
@@ -968,7 +971,7 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0) -> tuple[S
     Raises: FileNotFoundError / ValueError naming the file or metric that is missing.
     """
     meas = run_dir if isinstance(run_dir, dict) else measured(run_dir)
-    base = config_from_run(meas)
+    base = config_from_run(meas, polled)
     per = meas["per_step"]
     st = per[1:] if len(per) > 1 else per
     stage = stage_times(meas)
@@ -991,7 +994,7 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0) -> tuple[S
     g_over = _bisect(lambda x: steady(simulate(dataclasses.replace(cfg, group_overhead_s=x)), "wait_seconds"),
                      wait_target, 0.0, 1.0)
     cfg = dataclasses.replace(cfg, group_overhead_s=g_over)
-    if g_over == 0.0:  # the model waits longer than measured even without reward time: the
+    if g_over == 0.0 and polled:  # the model waits longer than measured even without reward time: the
         # polls saw the changes sooner than a uniformly random phase would (fit that fraction)
         phase = _bisect(lambda x: steady(simulate(dataclasses.replace(cfg, poll_phase=x)), "wait_seconds"),
                         wait_target, 0.0, 1.0, grow=False)
@@ -1066,6 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", nargs="+", metavar="RUN", default=None,
                     help="run directories or tools/bench_async.py --json files: fit to the first run "
                          "(a bench file: its sync run), compare the prediction with every run given")
+    ap.add_argument("--polled", action="store_true",
+                    help="the runs polled the buffer every 50 ms (moe-async before commit 93596d1)")
     ap.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4], help="K values to compare with sync")
     ap.add_argument("--set", action="append", default=[], metavar="field=value", help="override a SimConfig field")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -1074,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     if args.calibrate:
         checks = [m for src in args.calibrate for m in _load_measured(src)]
-        cfg, fit = calibrate(checks[0])
+        cfg, fit = calibrate(checks[0], polled=args.polled)
         cfg = _parse_set(cfg, args.set)
         print(f"[simulate] calibrated on {fit['run_dir']} (mode {fit['mode']}, K={fit['K']})")
         print("  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in fit["targets"].items()))

@@ -202,22 +202,25 @@ def _write_run(d: Path, c: "sim.SimConfig", r: dict) -> None:
                                                          "loop_seconds": r["loop_seconds"]}}))
 
 
-def test_calibration_recovers_a_known_pipeline(tmp_path):
+@pytest.mark.parametrize("polled", [False, True])
+def test_calibration_recovers_a_known_pipeline(tmp_path, polled):
+    poll = 0.05 if polled else 0.0  # the buffer's waits: 50 ms polls (older pipeline) or events
     truth = exact(num_steps=8, length_mean=16, max_new_tokens=16, decode_step_s=0.013, prefill_s=0.013,
                   group_overhead_s=0.04, train_fixed_s=0.7, first_step_extra_s=0.2, sync_fixed_s=0.05,
-                  step_overhead_s=0.02, startup_s=0.3, admit_poll_s=0.05, batch_poll_s=0.05, prompt_tokens=0)
+                  step_overhead_s=0.02, startup_s=0.3, admit_poll_s=poll, batch_poll_s=poll, prompt_tokens=0)
     r = sim.simulate(truth)
     _write_run(tmp_path / "sync", truth, r)
     m = sim.measured(tmp_path / "sync")  # per-step values derived from the cumulative fractions
     assert [p["wait_s"] for p in m["per_step"]] == pytest.approx(r["wait_seconds"], abs=1e-9)
     assert [p["busy_s"] for p in m["per_step"]] == pytest.approx(r["engine_busy_seconds"], abs=1e-9)
-    cfg, fit = sim.calibrate(tmp_path / "sync")
+    cfg, fit = sim.calibrate(tmp_path / "sync", polled=polled)
+    assert (cfg.admit_poll_s, cfg.batch_poll_s) == (poll, poll)
     assert cfg.train_fixed_s == pytest.approx(0.7, rel=1e-6)
     assert cfg.first_step_extra_s == pytest.approx(0.2, rel=1e-6)
     assert cfg.sync_fixed_s == pytest.approx(0.05, rel=1e-6)
     assert cfg.step_overhead_s == pytest.approx(0.02, rel=1e-6)
     assert cfg.decode_step_s == pytest.approx(0.013, rel=1e-4)
-    assert cfg.group_overhead_s == pytest.approx(0.04, abs=0.05 + 1e-6)  # poll ticks quantise the wait
+    assert cfg.group_overhead_s == pytest.approx(0.04, abs=0.05 if polled else 1e-6)  # polls blur the wait
     pred = sim.simulate(cfg)
     assert pred["samples_per_s"] == pytest.approx(r["samples_per_s"], rel=0.02)
     # and predicts the async run of the same pipeline
@@ -242,8 +245,7 @@ def test_cli_cluster_scenario_runs(tmp_path, capsys):
 
 def test_bench_async_json_is_read_with_its_config(tmp_path):
     """A tools/bench_async.py --json file: config rebuilt from its path + overrides, sync first."""
-    truth = exact(num_steps=4, length_mean=8, max_new_tokens=8, group_overhead_s=0.02, admit_poll_s=0.05,
-                  batch_poll_s=0.05, prompt_tokens=0)
+    truth = exact(num_steps=4, length_mean=8, max_new_tokens=8, group_overhead_s=0.02, prompt_tokens=0)
     modes = {}
     for mode, k in (("fully_async", 2), ("sync", 0)):
         r = sim.simulate(dataclasses.replace(truth, mode=mode, max_staleness=k))
