@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode, k in modes:
             print(f"[bench] {mode} (K={k}), {args.steps} steps ...", flush=True)
             res[mode] = run_mode(args.config, mode, k, args.steps, overrides, Path(tmp) / mode)
+            p = res[mode]["perf"]
+            print(f"[bench] {mode}: {p['perf/samples_per_s']:.3f} samples/s over {p['loop_seconds']:.1f} s, "
+                  f"trainer idle {p['perf/trainer_idle_frac']:.3f}", flush=True)
 
     rows, per_mode = [], {}
     for mode, s in res.items():

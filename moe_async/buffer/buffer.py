@@ -21,8 +21,10 @@ Accounting invariant: ``samples_generated == samples_trained + samples_dropped +
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from moe_async.types import Group
 
@@ -165,3 +167,62 @@ class RolloutBuffer:
         """Restart at the saved version; admission counts restart from zero (C6)."""
         v = int(state["engine_version"])
         return cls(int(state["B"]), int(state["K"]), start_version=v)
+
+
+_T = TypeVar("_T")
+
+
+class AsyncRolloutBuffer:
+    """A :class:`RolloutBuffer` for one asyncio event loop whose waits are woken by the
+    events that can end them, not by polling: ``put`` wakes :meth:`get_batch_wait`;
+    ``set_engine_version``, ``cancel`` and stale drops (slots given back) wake
+    :meth:`admit_wait`. Used by the Ray buffer actor, so neither the trainer nor the
+    rollout side loses a poll interval per step (in ``sync`` mode both waits are on the
+    step's critical path)."""
+
+    def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0):
+        self.buf = RolloutBuffer(groups_per_step, max_staleness, start_version)
+        self._changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait_for(self, attempt: Callable[[], _T | None], timeout_s: float) -> _T | None:
+        """``attempt()`` now and after every change until it is not ``None``, or ``None``
+        once ``timeout_s`` seconds have passed."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while True:
+                out = attempt()
+                left = deadline - time.monotonic()
+                if out is not None or left <= 0:
+                    return out
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def admit_wait(self, timeout_s: float) -> int | None:
+        """:meth:`RolloutBuffer.admit`, waiting up to ``timeout_s`` s for capacity."""
+        return await self._wait_for(self.buf.admit, timeout_s)
+
+    async def get_batch_wait(self, trainer_version: int, timeout_s: float) -> list[Group] | None:
+        """:meth:`RolloutBuffer.get_batch`, waiting up to ``timeout_s`` s for ``B`` fresh groups."""
+        retired = self.buf.retired
+        batch = await self._wait_for(lambda: self.buf.get_batch(trainer_version), timeout_s)
+        if self.buf.retired != retired:  # stale groups dropped: their slots reopen admission
+            await self._notify()
+        return batch
+
+    async def put(self, group: Group) -> None:
+        self.buf.put(group)
+        await self._notify()
+
+    async def cancel(self, reason: str = "cancelled") -> None:
+        self.buf.cancel(reason)
+        await self._notify()
+
+    async def set_engine_version(self, version: int) -> None:
+        self.buf.set_engine_version(version)
+        await self._notify()

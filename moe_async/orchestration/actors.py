@@ -20,67 +20,37 @@ from moe_async.types import Group
 
 @ray.remote(num_cpus=0)
 class BufferActor:
-    """Ray home of :class:`moe_async.buffer.buffer.RolloutBuffer` (an async actor, so
-    waiting callers do not block admissions).
-
-    Waits are woken by the events that can end them (``put`` wakes ``get_batch``;
-    ``set_engine_version``, ``cancel`` and stale drops wake ``admit_wait``) instead of
-    polling, so neither side loses a poll interval per step."""
+    """Ray home of :class:`moe_async.buffer.buffer.AsyncRolloutBuffer` (an async actor, so
+    waiting callers do not block admissions; waits are woken by puts, version bumps and
+    cancels, not polled)."""
 
     def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0):
-        from moe_async.buffer.buffer import RolloutBuffer
+        from moe_async.buffer.buffer import AsyncRolloutBuffer
 
-        self.buf = RolloutBuffer(groups_per_step, max_staleness, start_version)
-        self._changed = asyncio.Condition()
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def _wait_for(self, attempt, timeout_s: float):
-        """``attempt()`` now, then again after every change, until it is not ``None`` or
-        ``timeout_s`` seconds have passed (then ``None``)."""
-        deadline = time.monotonic() + timeout_s
-        async with self._changed:
-            while True:
-                out = attempt()
-                left = deadline - time.monotonic()
-                if out is not None or left <= 0:
-                    return out
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=left)
-                except asyncio.TimeoutError:
-                    pass
+        self.abuf = AsyncRolloutBuffer(groups_per_step, max_staleness, start_version)
 
     async def admit(self) -> int | None:
-        return self.buf.admit()
+        return self.abuf.buf.admit()
 
     async def admit_wait(self, timeout_s: float) -> int | None:
         """Like ``admit`` but waits up to ``timeout_s`` seconds for capacity to open."""
-        return await self._wait_for(self.buf.admit, timeout_s)
+        return await self.abuf.admit_wait(timeout_s)
 
     async def cancel(self, reason: str = "cancelled") -> None:
-        self.buf.cancel(reason)
-        await self._notify()
+        await self.abuf.cancel(reason)
 
     async def put(self, group: Group) -> None:
-        self.buf.put(group)
-        await self._notify()
+        await self.abuf.put(group)
 
     async def set_engine_version(self, version: int) -> None:
-        self.buf.set_engine_version(version)
-        await self._notify()
+        await self.abuf.set_engine_version(version)
 
     async def get_batch(self, trainer_version: int, timeout_s: float) -> list[Group] | None:
         """Wait up to ``timeout_s`` seconds for ``B`` fresh groups; ``None`` on time-out."""
-        retired = self.buf.retired
-        batch = await self._wait_for(lambda: self.buf.get_batch(trainer_version), timeout_s)
-        if self.buf.retired != retired:  # stale groups dropped: their slots reopen admission
-            await self._notify()
-        return batch
+        return await self.abuf.get_batch_wait(trainer_version, timeout_s)
 
     async def stats(self) -> dict[str, Any]:
-        return self.buf.stats()
+        return self.abuf.buf.stats()
 
 
 class BufferProxy:

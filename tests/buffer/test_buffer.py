@@ -124,3 +124,63 @@ def test_property_no_stale_training_no_loss_no_duplicates(B, K, ops):
     assert len(trained_ids) == len(set(trained_ids))
     assert st_["samples_generated"] == 2 * next_id
     assert st_["samples_generated"] == st_["samples_trained"] + st_["samples_dropped"] + st_["samples_buffered"]
+
+
+def _spin(n: int = 5):
+    """Let the event loop run ``n`` rounds (no sleeping: a waiter that polls on a timer
+    would not be done after these)."""
+    import asyncio
+
+    async def go():
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    return go()
+
+
+def test_async_buffer_waits_are_woken_by_events_not_timers():
+    import asyncio
+
+    from moe_async.buffer.buffer import AsyncRolloutBuffer
+
+    async def main():
+        ab = AsyncRolloutBuffer(groups_per_step=2, max_staleness=0)
+        assert [await ab.admit_wait(0) for _ in range(3)] == [0, 0, None]  # capacity (0+0+1)*2
+        getter = asyncio.create_task(ab.get_batch_wait(0, timeout_s=60))
+        admitter = asyncio.create_task(ab.admit_wait(timeout_s=60))
+        await _spin()
+        assert not getter.done() and not admitter.done()
+        await ab.put(_group(0, [0, 0]))
+        await _spin()
+        assert not getter.done()  # one group of B=2
+        await ab.put(_group(1, [0, 0]))
+        await _spin()
+        assert getter.done() and [g.group_id for g in getter.result()] == [0, 1]
+        assert not admitter.done()  # trained groups do not free slots; the version must move
+        await ab.set_engine_version(1)
+        await _spin()
+        assert admitter.done() and admitter.result() == 1
+        # a cancel gives a slot back and wakes an admission waiter too
+        assert await ab.admit_wait(0) == 1 and await ab.admit_wait(0) is None
+        admitter = asyncio.create_task(ab.admit_wait(timeout_s=60))
+        await _spin()
+        assert not admitter.done()
+        await ab.cancel("prompt_too_long")
+        await _spin()
+        assert admitter.done() and admitter.result() == 1
+        assert await ab.get_batch_wait(1, timeout_s=0) is None  # time-out: None
+        # a stale drop at hand-out frees slots and wakes admission
+        ab2 = AsyncRolloutBuffer(groups_per_step=1, max_staleness=0)
+        assert await ab2.admit_wait(0) == 0 and await ab2.admit_wait(0) is None
+        await ab2.put(_group(5, [0, 0]))
+        await ab2.set_engine_version(1)  # capacity 2: one more admission
+        assert await ab2.admit_wait(0) == 1 and await ab2.admit_wait(0) is None
+        waiter = asyncio.create_task(ab2.admit_wait(timeout_s=60))
+        await _spin()
+        assert not waiter.done()
+        assert await ab2.get_batch_wait(1, timeout_s=0) is None  # group 5 is stale: dropped
+        await _spin()
+        assert waiter.done() and waiter.result() == 1
+        assert ab2.buf.stats()["drop_reasons"] == {"stale": 1}
+
+    asyncio.run(main())
