@@ -69,19 +69,21 @@ abort + partial rollouts), reward + put 0.5 s per group, 40 steps, seed 0. Outpu
 ``python tools/simulate.py``::
 
     mode          K   step_s samples/s  steady trainer_idle engine_idle speedup  staleness(tokens)
-    sync          0  816.375     0.314   0.312        0.957       0.464    1.00  {0: 100%}
-    one_step_off  1  226.465     1.130   1.130        0.845       0.000    3.60  {0: 44%, 1: 56%}
-    fully_async   2  149.641     1.711   1.728        0.765       0.000    5.46  {0: 17%, 1: 57%, 2: 26%}
-    fully_async   4   98.918     2.588   2.646        0.645       0.000    8.25  {0: 6%, 1: 29%, 2: 35%, 3: 22%, 4: 9%}
+    sync          0  816.324     0.314   0.312        0.957       0.464    1.00  {0: 100%}
+    one_step_off  1  226.830     1.129   1.129        0.845       0.000    3.60  {0: 45%, 1: 55%}
+    fully_async   2  149.525     1.712   1.729        0.765       0.000    5.46  {0: 17%, 1: 58%, 2: 26%}
+    fully_async   4   98.557     2.597   2.657        0.643       0.000    8.28  {0: 6%, 1: 29%, 2: 34%, 3: 22%, 4: 9%}
 
 Reading it: ``sync`` waits ~800 s per step for its slowest sample; the engines idle 46% of
 the time and, while they work, decode a time-weighted mean batch of 6 sequences (the tail
-runs alone). Bounded staleness keeps the engines computing (2-4% idle) with mean batches of
-15 (K=1), 25 (K=2), 42 (K=4): the admission cap ``(K+1) x B`` groups, not the engines'
-128 slots, bounds the work in flight, so the step time keeps falling with K while the
-trainer still idles 64-85%. The price: the hand-out check drops 15-17% of the generated
-samples as stale (230 groups at K=1, 257 at K=4), the long ones first, so the trained mean
-length falls from 4100 to ~3500 tokens; and at K=4, 19 groups exceed
+runs alone). Bounded staleness keeps the engines computing (2-4% idle; ``engine_idle`` is
+the client view, a request outstanding, as the driver logs it) with mean batches of
+15 (K=1), 25 (K=2), 42 (K=4): the admission cap of ``(K+1) x B`` untrained groups (and
+``max_concurrent_groups=128``), most of them waiting on one long sample, bounds the work in
+flight, not the engines' 128 slots, so the step time keeps falling with K while the trainer
+still idles 64-85%. The price: the hand-out check drops 15-17% of the generated
+samples as stale (230 groups at K=1, 254 at K=4), the long ones first, so the trained mean
+length falls from 4100 to ~3500 tokens; and at K=4, 18 groups exceed
 ``max_abort_retries=16`` (a 35k-token sample spans more than 16 syncs).
 """
 
@@ -96,7 +98,7 @@ import math
 import random
 import sys
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
