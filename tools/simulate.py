@@ -740,6 +740,7 @@ def compare_modes(base: SimConfig, ks: tuple[int, ...] = (1, 2)) -> list[dict[st
     out = [simulate(c) for c in runs]
     for r in out:
         r["speedup"] = r["samples_per_s"] / out[0]["samples_per_s"]
+        r["trainer_idle_over_sync"] = r["trainer_idle_frac"] / max(out[0]["trainer_idle_frac"], 1e-12)
     return out
 
 
