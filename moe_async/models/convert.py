@@ -83,6 +83,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import time
 from typing import Any, Iterator
@@ -482,7 +483,7 @@ def load_megatron_into_model(model, megatron_dir: str) -> None:
     )
     missing = sorted(absent)
     # optimizer state saved by MegatronTrainer.save_checkpoint is not a model tensor
-    unexpected = sorted(k for k in in_ckpt_only if not k.startswith("optimizer."))
+    unexpected = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
     if missing or unexpected:
         raise KeyError(
             "Megatron -> HF conversion: "
@@ -490,6 +491,12 @@ def load_megatron_into_model(model, megatron_dir: str) -> None:
             + (f"unused checkpoint tensors {unexpected[:20]} (of {len(unexpected)})" if unexpected else "")
         )
     model.load_state_dict(loaded["model"])
+
+
+def is_optimizer_key(key: str) -> bool:
+    """True for a torch_dist tensor key of Megatron optimizer state: ``optimizer.*`` (one
+    optimizer) or ``chained_<i>.optimizer.*`` (``ChainedOptimizer``: dense + expert)."""
+    return re.match(r"(chained_\d+\.)?optimizer\.", key) is not None
 
 
 def saved_vocab_rows(megatron_dir: str) -> int | None:

@@ -28,7 +28,7 @@ import os
 import socket
 import time
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -175,6 +175,7 @@ class MegatronTrainer:
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
+            **self._layout_overrides(),
             **replay_overrides(cfg.router_replay),  # router replay
         )
         use_te = torch.cuda.is_available() and _have_te()
@@ -234,6 +235,18 @@ class MegatronTrainer:
         )
         self.optimizer = get_megatron_optimizer(self.opt_config, [self.ddp_model])
         self.tf_config.finalize_model_grads_func = finalize_model_grads
+
+    def _layout_overrides(self) -> dict[str, Any]:
+        """TransformerConfig fields set by the trainer (beyond the family's): on CPU,
+        ``gradient_accumulation_fusion`` through the compat stand-in (each linear layer's
+        weight gradient is accumulated into DDP's ``main_grad`` by one in-place GEMM instead of
+        a fresh tensor plus an add per micro-batch; compat mend 12)."""
+        from moe_async.compat import enable_cpu_wgrad_accumulation_fusion
+
+        out: dict[str, Any] = {}
+        if self._cpu and os.environ.get("MOE_ASYNC_WGRAD_FUSION", "1") != "0" and enable_cpu_wgrad_accumulation_fusion():
+            out["gradient_accumulation_fusion"] = True
+        return out
 
     def _load_hf_weights(self, hf_path: str) -> None:
         """HF safetensors (all ``*.safetensors`` in ``hf_path``) -> family mapping (full
@@ -679,7 +692,9 @@ class MegatronTrainer:
         return out[:n_real]
 
     # ------------------------------------------------------------------ export
-    def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    def export_hf_weights(self, dtype: torch.dtype | None = None,
+                          out: Callable[[str, tuple[int, ...], torch.dtype], Tensor | None] | None = None,
+                          ) -> Iterator[tuple[str, Tensor]]:
         """Current weights as ``(hf_name, full_tensor)`` under HF on-disk names.
 
         Data path: every rank's primary shards (TP slices, EP experts under their global ids,
@@ -690,6 +705,9 @@ class MegatronTrainer:
 
         Collective at world size > 1: EVERY rank must exhaust the iterator. Global rank 0
         yields every HF tensor (detached CPU copies, safe to keep); other ranks yield nothing.
+        ``out(hf_name, shape, dtype)`` (optional, e.g. ``BroadcastTransport.destination``) may
+        return a tensor to copy (and cast) into instead of a fresh clone; that tensor is yielded
+        (the caller owns its lifetime). None from ``out``: a clone as without it.
         Raises KeyError if a parameter has no HF name or an HF tensor is left unset (rank 0),
         ValueError if shards do not tile a tensor exactly once.
         """
@@ -703,6 +721,11 @@ class MegatronTrainer:
                     pass
                 return
             for hf_name, t in self.family.megatron_to_hf(full, self.hf_config):
+                dst = out(hf_name, tuple(t.shape), dtype or t.dtype) if out is not None else None
+                if dst is not None:  # one copy (with the cast) into the caller's buffer
+                    dst.copy_(t)
+                    yield hf_name, dst
+                    continue
                 t = t.to(dtype) if dtype is not None else t
                 yield hf_name, t.clone()
 
@@ -739,15 +762,95 @@ class MegatronTrainer:
                 f.write(str(self.version))
 
     def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint` (any parallel layout)."""
-        from megatron.core import dist_checkpointing
+        """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
+        reshards on load).
 
+        Two kinds are accepted:
+
+        * written by :meth:`save_checkpoint`: model, optimizer state and ``version``;
+        * model only (``tools/convert_hf_to_megatron.py``, or any checkpoint without
+          optimizer tensors): the model is loaded, the optimizer starts fresh (its
+          state, if this trainer already stepped, is cleared; bf16 main params are re-read
+          from the loaded model, as Megatron-LM's ``--no-load-optim`` / ``--finetune`` do),
+          ``version`` is read from ``moe_async_version.txt`` when present, else 0; a log line
+          (``logging``, WARNING) says so.
+
+        The checkpoint's vocab rows (Megatron pads V) must equal this model's: ValueError
+        naming ``trainer.make_vocab_size_divisible_by`` and TP otherwise. A
+        ``hf_config.json`` next to the tensors (written by the converter) must describe
+        the same architecture as this trainer's HF config: ValueError naming the first
+        differing field. Collective at world size > 1.
+
+        Raises:
+            KeyError: naming the model tensors absent from the checkpoint, or the checkpoint
+                tensors (other than optimizer state) this model does not use (checked on
+                every rank, before any weight is changed).
+        """
+        import json
+        import logging
+
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        log = logging.getLogger(__name__)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"checkpoint dir {path} does not exist")
+        cfg_p = os.path.join(path, "hf_config.json")
+        if os.path.exists(cfg_p):
+            with open(cfg_p) as f:
+                saved = json.load(f)
+            a_saved = get_family(saved.get("model_type")).arch_args(saved)
+            a_now = self.family.arch_args(self.hf_config)
+            if a_saved != a_now:
+                diff = [k for k in dataclasses.fields(a_now) if getattr(a_saved, k.name) != getattr(a_now, k.name)]
+                k = diff[0].name if diff else "model_type"
+                raise ValueError(f"checkpoint {path}: its hf_config.json differs from this trainer's HF config "
+                                 f"in field {k} ({getattr(a_saved, k, None)!r} vs {getattr(a_now, k, None)!r})")
+        from moe_async.models.convert import is_optimizer_key, saved_vocab_rows
+
+        rows = saved_vocab_rows(path)
+        want = padded_vocab_size(self.vocab_size, self.cfg.tensor_model_parallel_size,
+                                 self.cfg.make_vocab_size_divisible_by)
+        if rows is not None and rows != want:
+            raise ValueError(
+                f"checkpoint {path} has {rows} (padded) vocab rows, this trainer's model {want} "
+                f"(V={self.vocab_size}, trainer.make_vocab_size_divisible_by="
+                f"{self.cfg.make_vocab_size_divisible_by}, TP={self.cfg.tensor_model_parallel_size}); "
+                "set make_vocab_size_divisible_by (or convert with --vocab-div) so that they agree")
         with cpu_device_scope():
             model_sd = self.model.sharded_state_dict()
-            loaded = dist_checkpointing.load({"model": model_sd}, path)
+            # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
+            # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
+            loaded, in_ckpt_only, absent = dist_checkpointing.load(
+                {"model": model_sd}, path, strict=StrictHandling.RETURN_ALL)
+            absent = set(absent)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                everyone: list = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, sorted(absent))
+                absent = set().union(*map(set, everyone))
+            has_opt = any(is_optimizer_key(k) for k in in_ckpt_only)
+            unused = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
+            if absent or unused:
+                raise KeyError(
+                    f"checkpoint {path}: "
+                    + (f"model tensors missing from it {sorted(absent)[:20]} (of {len(absent)}); " if absent else "")
+                    + (f"tensors this model does not use {unused[:20]} (of {len(unused)})" if unused else ""))
             self.model.load_state_dict(loaded["model"])
-            opt_sd = self.optimizer.sharded_state_dict(self.model.sharded_state_dict(), is_loading=True)
-            loaded = dist_checkpointing.load({"optimizer": opt_sd}, path)
-            self.optimizer.load_state_dict(loaded["optimizer"])
-        with open(os.path.join(path, "moe_async_version.txt")) as f:
-            self.version = int(f.read().strip())
+            if has_opt:
+                opt_sd = self.optimizer.sharded_state_dict(self.model.sharded_state_dict(), is_loading=True)
+                loaded = dist_checkpointing.load({"optimizer": opt_sd}, path)
+                self.optimizer.load_state_dict(loaded["optimizer"])
+            else:
+                for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                    opt.optimizer.state.clear()  # Adam moments and step: fresh
+                self.optimizer.reload_model_params()  # bf16: main (fp32) params <- loaded model
+        ver_p = os.path.join(path, "moe_async_version.txt")
+        if os.path.exists(ver_p):
+            with open(ver_p) as f:
+                self.version = int(f.read().strip())
+        else:
+            self.version = 0
+        if not has_opt:
+            log.warning("checkpoint %s holds no optimizer state: loaded the model only, the optimizer "
+                        "starts fresh (weight_version=%d)", path, self.version)
