@@ -146,6 +146,8 @@ class SimConfig:
     train_fixed_s: float = 1.0
     train_per_token_s: float = 0.0       # per prompt + response token of the batch
     first_step_extra_s: float = 0.0      # warm-up of the first optimizer step
+    train_trace_s: tuple[float, ...] = ()  # measured train step times: step i takes [i] (replaces the above)
+    sync_trace_s: tuple[float, ...] = ()   # measured sync times, likewise (engines paused throughout)
     sync_interval: int = 1               # weight_sync.interval_steps
     sync_fixed_s: float = 0.0
     sync_bytes: float = 0.0
@@ -181,7 +183,7 @@ class SimConfig:
             v = getattr(self, f.name)
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"{f.name} must be finite, got {v}")
-            if f.name.endswith("_s") and v is not None and v < 0:
+            if f.name.endswith("_s") and isinstance(v, (int, float)) and v < 0:
                 raise ValueError(f"{f.name} must be >= 0 seconds, got {v}")
         if not 0.0 <= self.poll_phase <= 1.0:
             raise ValueError(f"poll_phase must be in [0, 1], got {self.poll_phase}")
@@ -191,6 +193,10 @@ class SimConfig:
             raise ValueError(f"sync_gbps must be > 0 and sync_bytes >= 0, got {self.sync_gbps}, {self.sync_bytes}")
         if self.length_mean < 1 or self.length_sigma < 0:
             raise ValueError(f"length_mean must be >= 1 and length_sigma >= 0, got {self.length_mean}, {self.length_sigma}")
+        for name in ("train_trace_s", "sync_trace_s"):
+            tr = getattr(self, name)
+            if tr and (len(tr) < self.num_steps or min(tr) < 0 or not all(map(math.isfinite, tr))):
+                raise ValueError(f"{name} needs num_steps={self.num_steps} finite values >= 0, got {len(tr)}")
         if self.lengths == "empirical" and (not self.length_values or min(self.length_values) < 1):
             raise ValueError("lengths='empirical' needs length_values, all >= 1")
         if self.K < self.sync_interval - 1:  # the config's own cross-check (moe_async/config.py)
@@ -615,6 +621,8 @@ class Simulation:
         dt = c.train_fixed_s + c.train_per_token_s * (resp + n_samples * c.prompt_tokens)
         if self.step == 0:
             dt += c.first_step_extra_s
+        if c.train_trace_s:
+            dt = c.train_trace_s[self.step]
         self.train_times.append(dt)
         self.batch_tokens.append(resp)
         self.batch_samples.append(n_samples)
@@ -626,9 +634,10 @@ class Simulation:
         self.step += 1
         c = self.cfg
         if self.step % c.sync_interval == 0 or self.step == c.num_steps:
-            pause = c.sync_s if c.pause_s is None else min(c.pause_s, c.sync_s)
+            sync_s = c.sync_trace_s[self.step - 1] if c.sync_trace_s else c.sync_s
+            pause = sync_s if c.pause_s is None or c.sync_trace_s else min(c.pause_s, sync_s)
             self._sync_t0 = self.now
-            self.at(self.now + c.sync_s - pause, self._sync_pause, pause)
+            self.at(self.now + sync_s - pause, self._sync_pause, pause)
         else:
             self.sync_times.append(0.0)
             self._trainer_step_end()
@@ -1101,7 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
         posthoc = {}
         for m in checks[1:]:  # the check run's own trainer-side times, the engine fit kept
             pc = dataclasses.replace(cfg, **stage_times(m), mode=m["mode"] or "fully_async", max_staleness=m["K"],
-                                     startup_s=0.0)
+                                     startup_s=0.0, num_steps=len(m["per_step"]),
+                                     train_trace_s=tuple(p["train_s"] for p in m["per_step"]),
+                                     sync_trace_s=tuple(p["sync_s"] for p in m["per_step"]))
             pc = dataclasses.replace(pc, startup_s=max(0.0, m["per_step"][0]["wait_s"] - simulate(pc)["wait_seconds"][0]))
             r = simulate(pc)
             r["speedup"] = r["samples_per_s"] / pred[0]["samples_per_s"]
@@ -1128,8 +1139,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"engine idle {p['engine_idle_frac']:.3f} vs {m['engine_idle_frac']:.3f}"
                   + (f"; post-hoc samples/s {posthoc[m['run_dir']]['samples_per_s']:.3f}" if m["run_dir"] in posthoc else ""))
         if posthoc:
-            print("  (predicted: every parameter from the first run; post-hoc: that run's own trainer-side "
-                  "stage times and first-step wait, the engine/reward fit of the first run)")
+            print("  (predicted: every parameter from the first run; post-hoc: that run's own per-step train "
+                  "and sync times, driver overhead and first-step wait, the engine/reward fit of the first run)")
         out = {"fit": fit, "predicted": pred, "comparison": comp,
                "measured": [{k: v for k, v in m.items() if k not in ("config", "per_step", "rollout")} for m in checks]}
     else:

@@ -270,3 +270,14 @@ def test_bench_async_json_is_read_with_its_config(tmp_path):
     with pytest.raises(ValueError, match="bench_async"):
         (tmp_path / "x.json").write_text("{}")
         sim.measured_from_bench(tmp_path / "x.json")
+
+
+def test_train_and_sync_traces_replace_the_fixed_times():
+    c = exact(num_steps=3, sync_fixed_s=0.1)
+    r = sim.simulate(dataclasses.replace(c, train_trace_s=(0.2, 0.9, 0.4), sync_trace_s=(0.01, 0.02, 0.03)))
+    gen = 19 * 0.01
+    assert r["train_seconds"] == pytest.approx([0.2, 0.9, 0.4])
+    assert r["sync_seconds"] == pytest.approx([0.01, 0.02, 0.03])
+    assert r["step_seconds"] == pytest.approx([gen + 0.21, gen + 0.92, gen + 0.43], rel=1e-9)
+    with pytest.raises(ValueError, match="train_trace_s"):
+        dataclasses.replace(c, train_trace_s=(0.2,))
