@@ -103,6 +103,9 @@ class EngineManager:
 
         Returns the restarted indices: those engines run the checkpoint weights again, so the
         caller re-joins them to the weight-update group and re-sends the current weights.
+        Not called by the driver yet: the update group is one process group over the trainer
+        and all engines, which a restarted engine cannot rejoin without every member
+        re-forming it; a dead engine instead fails the run, named by :meth:`dead_engines`.
         """
         from moe_async.engines.base import ensure_healthy
 
