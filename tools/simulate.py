@@ -1090,8 +1090,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out: dict[str, Any] = {}
     if args.calibrate:
-        checks = [m for src in args.calibrate for m in _load_measured(src)]
-        cfg, fit = calibrate(checks[0], polled=args.polled)
+        try:
+            checks = [m for src in args.calibrate for m in _load_measured(src)]
+            cfg, fit = calibrate(checks[0], polled=args.polled)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--calibrate: {type(e).__name__}: {e}") from None
         cfg = _parse_set(cfg, args.set)
         print(f"[simulate] calibrated on {fit['run_dir']} (mode {fit['mode']}, K={fit['K']})")
         print("  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in fit["targets"].items()))
