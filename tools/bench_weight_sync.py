@@ -8,9 +8,22 @@ For each bucket size, interleaved and repeated:
   * raw: ONE ``broadcast`` of a uint8 buffer of the model's total bytes into the engine
     (``POST /debug_receive_broadcast``; timed by the receiver from its entering the broadcast
     to the last byte: the wire's limit between these two processes);
-  * sync: ``BroadcastTransport.send`` end to end (pause, per-bucket metadata POST + broadcast,
-    the engine's unflatten/stage, atomic apply on the last bucket, continue), with packing
-    overlapped (default), serial, and with ``pause_scope=last_bucket``.
+  * sync: ``BroadcastTransport.send`` end to end (pause, re-order to the engine's
+    ``/weights_layout``, pack, per-bucket metadata POST + broadcast, the engine's receive
+    into its standby parameters, atomic pointer-swap apply on the last bucket, continue):
+      - ``export``: the sender's whole path from the exporter's last step on: each tensor is
+        copied into ``BroadcastTransport.destination`` (what ``export_hf_weights(out=...)``
+        does instead of its clone: one copy of the model, in the producer thread, overlapped
+        with the broadcast of earlier buckets), then sent without packing;
+      - ``pack``: the source is the exporter's separate tensors, already copied (not timed),
+        the transport packs each bucket (one copy of the model), overlapped with the
+        broadcast; ``serial``: the same, packing not overlapped;
+      - ``last``: as ``pack`` with ``pause_scope=last_bucket``;
+      - ``flat``: the source tensors already lie end to end in the engine's layout order
+        (no copy on the sender at all): isolates what the transport and the engine add to
+        the wire.
+    ``export`` and ``pack`` each do one timed copy of the model on the sender; the raw
+    broadcast does none (on loopback the wire is itself a memory copy, so that copy shows).
 Each sync is paired with a raw broadcast just before it (load on a shared machine drifts);
 prints the median (and best) of sync GB/s / raw GB/s per bucket size, plus the generation
 stall (``sync/pause_seconds``: engines paused) for both pause scopes.
@@ -113,8 +126,33 @@ def main(argv=None) -> None:
         version = client.get_weight_version()
         raw_gbps = []
         raw_once()  # warm-up (first use of the pair's connections)
+        # "flat" source: the same tensors end to end in one buffer, in the engine's layout order
+        layout = tr.layout or [n for n, _ in named]
+        by_name = dict(named)
+        flat_src = torch.empty(total, dtype=torch.uint8)
+        named_flat, off = [], 0
+        for n in [n for n in layout if n in by_name] + [n for n, _ in named if n not in set(layout)]:
+            t = by_name[n]
+            nb = t.numel() * t.element_size()
+            v = flat_src[off: off + nb].view(t.dtype).view(t.shape)
+            v.copy_(t)
+            named_flat.append((n, v))
+            off += nb
+        print(f"engine layout published: {tr.layout is not None}", flush=True)
         variants = {"on": dict(overlap=True, pause_scope="sync"), "off": dict(overlap=False, pause_scope="sync"),
-                    "last": dict(overlap=True, pause_scope="last_bucket")}
+                    "last": dict(overlap=True, pause_scope="last_bucket"),
+                    "flat": dict(overlap=True, pause_scope="sync"), "export": dict(overlap=True, pause_scope="sync")}
+
+        def exported():  # export_hf_weights' last step with out=tr.destination
+            for n, t in named:
+                d = tr.destination(n, tuple(t.shape), t.dtype)
+                if d is None:
+                    yield n, t.clone()
+                else:
+                    d.copy_(t)
+                    yield n, d
+
+        sources = {"flat": lambda: named_flat, "export": exported}
         for mib in args.bucket_mib:
             res = {"bucket_mib": mib}
             per: dict[str, list] = {k: [] for k in variants}
@@ -125,7 +163,7 @@ def main(argv=None) -> None:
                     raw = total / recv_s / 1e9
                     raw_gbps.append(raw)
                     version += 1
-                    m = tr.send(named, version)
+                    m = tr.send(sources.get(key, lambda: named)(), version)
                     assert m["sync/bytes"] == total
                     per[key].append((m["sync/gbps"] / raw, raw, m))
             for key, xs in per.items():
@@ -141,8 +179,13 @@ def main(argv=None) -> None:
             rows.append(res)
             print(f"  bucket {mib:>7g} MiB: buckets {res['buckets_on']:>3}  raw {res['raw_gbps_on']:.2f} GB/s  "
                   f"sync {res['sync_gbps_on']:.2f} GB/s  ratio median {res['ratio_on']:.3f} (best "
-                  f"{res['ratio_best_on']:.3f}), serial {res['ratio_off']:.3f}  stall {res['stall_s_on']:.3f}s "
+                  f"{res['ratio_best_on']:.3f}), serial {res['ratio_off']:.3f}, export {res['ratio_export']:.3f} "
+                  f"(best {res['ratio_best_export']:.3f}), flat source {res['ratio_flat']:.3f} "
+                  f"(best {res['ratio_best_flat']:.3f})  stall {res['stall_s_on']:.3f}s "
                   f"(last-bucket pause: {res['stall_s_last']:.3f}s)", flush=True)
+            for key in ("export", "on", "flat"):
+                print(f"    detail ({key}, median): " + json.dumps(
+                    {k.removeprefix("sync/"): round(v, 4) for k, v in res[f"detail_{key}"].items()}), flush=True)
         sums = client.weights_checksum()
         from moe_async.engines.checksum import tensor_checksum
 
@@ -158,14 +201,19 @@ def main(argv=None) -> None:
           f"(trainer -> engine, loopback): median {sorted(raw_gbps)[len(raw_gbps) // 2]:.2f} GB/s")
     print("ratio = sync GB/s / raw GB/s of a broadcast of the same bytes just before it; median (best) of "
           f"{args.repeats} pairs")
-    print(f"{'bucket':>10} {'buckets':>8} {'raw GB/s':>9} {'sync GB/s':>10} {'ratio':>7} {'(best)':>7} "
-          f"{'serial':>7} {'stall s':>8} {'stall s, last-bucket pause':>27}")
+    print(f"{'bucket':>10} {'buckets':>8} {'raw GB/s':>9} {'export':>7} {'(best)':>7} {'pack':>7} {'(best)':>7} "
+          f"{'serial':>7} {'flat':>7} {'(best)':>7} {'stall s':>8} {'stall s, last-bucket pause':>27}")
     for r in rows:
-        print(f"{r['bucket_mib']:>7g}MiB {r['buckets_on']:>8} {r['raw_gbps_on']:>9.2f} {r['sync_gbps_on']:>10.2f} "
-              f"{r['ratio_on']:>7.3f} {r['ratio_best_on']:>7.3f} {r['ratio_off']:>7.3f} {r['stall_s_on']:>8.3f} "
-              f"{r['stall_s_last']:>27.3f}")
-    best = max(rows, key=lambda r: r["ratio_on"])
-    print(f"best: {best['bucket_mib']:g} MiB, median ratio {best['ratio_on']:.3f} (goal >= 0.9)")
+        print(f"{r['bucket_mib']:>7g}MiB {r['buckets_on']:>8} {r['raw_gbps_on']:>9.2f} "
+              f"{r['ratio_export']:>7.3f} {r['ratio_best_export']:>7.3f} "
+              f"{r['ratio_on']:>7.3f} {r['ratio_best_on']:>7.3f} {r['ratio_off']:>7.3f} {r['ratio_flat']:>7.3f} "
+              f"{r['ratio_best_flat']:>7.3f} {r['stall_s_on']:>8.3f} {r['stall_s_last']:>27.3f}")
+    for key, what in (("export", "exporter copies into the send buffer"), ("on", "separate source tensors, packed"),
+                      ("flat", "flat source, no copy on the sender")):
+        best = max(rows, key=lambda r: r[f"ratio_{key}"])
+        print(f"best ({what}): {best['bucket_mib']:g} MiB, median ratio {best[f'ratio_{key}']:.3f} "
+              f"(best {best[f'ratio_best_{key}']:.3f}; goal >= 0.9)")
+    print(f"engine buckets copied through scratch (not in layout order): {sums.get('recv_copies')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"total_bytes": total, "rows": rows}, f, indent=1)

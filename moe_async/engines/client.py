@@ -330,6 +330,13 @@ class EngineClient(_Base):
         """``{"weight_version": int, "checksums": {hf_name: sha256 hex}}`` (embedded engine only)."""
         return (await self._request("GET", "/weights_checksum")).json()
 
+    async def weights_layout(self) -> dict | None:
+        """``{"names", "shapes", "dtypes"}``: the HF tensors in the order the engine receives
+        without a copy (embedded engine's ``GET /weights_layout``); None when the engine has
+        no such endpoint (SGLang)."""
+        r = await self._http.get("/weights_layout")
+        return r.json() if r.status_code == 200 else None
+
 
 class SyncEngineClient(_Base):
     """Blocking twin of :class:`EngineClient` (``httpx.Client``)."""
@@ -426,6 +433,11 @@ class SyncEngineClient(_Base):
 
     def weights_checksum(self) -> dict:
         return self._request("GET", "/weights_checksum").json()
+
+    def weights_layout(self) -> dict | None:
+        """See :meth:`EngineClient.weights_layout`."""
+        r = self._http.get("/weights_layout")
+        return r.json() if r.status_code == 200 else None
 
 
 class MultiEngineClient:

@@ -3,7 +3,9 @@
 Data path of :class:`BroadcastTransport` (follows slime's distributed weight updater and
 SGLang's ``update_weights_from_distributed``):
 
-    trainer.export_hf_weights()   (gather PP/EP -> gather TP -> rename to HF -> cast)
+    trainer.export_hf_weights(out=transport.destination)   (gather PP/EP -> gather TP ->
+                                               rename to HF -> cast, into the send buffer)
+      -> in_layout_order(engines' /weights_layout)  (embedded engines; SGLang: export order)
       -> make_buckets(bucket_bytes)            (greedy, order kept; oversize tensor alone)
       -> engines: POST /pause_generation       (mode from config)
       -> per bucket: POST /update_weights_from_distributed {names, dtypes, shapes,
@@ -13,10 +15,13 @@ SGLang's ``update_weights_from_distributed``):
       -> POST /continue_generation
 
 The HTTP call and the broadcast must overlap (the engine's handler blocks in the
-receiving broadcast), so each bucket's POSTs run in threads while this thread
-broadcasts. Packing overlaps too (``weight_sync.overlap``): a background thread pulls
-tensors from the exporter, groups and flattens bucket k+1 (a queue of depth 1: double
-buffering) while this thread broadcasts bucket k.
+receiving broadcast): each bucket's POST is queued on that engine's poster thread (one
+per engine, so the engine sees the calls in broadcast order) and this thread broadcasts
+at once, reading the replies only after the last bucket. Packing overlaps too
+(``weight_sync.overlap``): a background thread pulls tensors from the exporter, groups and
+flattens bucket k+1 (a queue of depth 1: double buffering) while this thread broadcasts
+bucket k; tensors already end to end in one storage (the send buffer, in the engines'
+layout order) are sent without packing.
 
 :class:`DiskTransport` is the fallback (``weight_sync.transport: disk``): safetensors
 shards of at most ``bucket_bytes`` under a directory the engines can read, then SGLang's
@@ -40,7 +45,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from moe_async.weight_sync.bucket import Bucket, make_buckets
+from moe_async.weight_sync.bucket import Bucket, make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.group import (
     bind_master_store,
@@ -113,6 +118,9 @@ class PackPool:
     def pack(self, slot: int, bucket: Bucket) -> torch.Tensor:
         if len(bucket.tensors) == 1:
             return bucket.flatten()
+        span = contiguous_span(bucket.tensors)
+        if span is not None:  # already end to end in one storage (e.g. an exporter's flat buffer)
+            return span
         n = bucket.nbytes
         buf = self.bufs[slot]
         dev = bucket.tensors[0].device
@@ -128,6 +136,48 @@ class PackPool:
 
 class _Stopped(Exception):
     pass
+
+
+def contiguous_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The ``uint8`` view of ``tensors`` when they already lie end to end, in order, in one
+    storage (each contiguous): their flattened bucket without a copy. None otherwise."""
+    t0 = tensors[0]
+    st = t0.untyped_storage()
+    end = t0.data_ptr()
+    for t in tensors:
+        if (not t.is_contiguous() or t.device != t0.device or t.data_ptr() != end
+                or t.untyped_storage().data_ptr() != st.data_ptr()):
+            return None
+        end += t.numel() * t.element_size()
+    start = t0.data_ptr() - st.data_ptr()
+    return torch.empty(0, dtype=torch.uint8, device=t0.device).set_(st, start, (end - t0.data_ptr(),))
+
+
+def in_layout_order(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                    order: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_tensors`` re-ordered to follow ``order`` (an engine's ``/weights_layout``), so
+    that consecutive names of a bucket are consecutive in the engine's parameter buffer and
+    it receives the bucket in place. A tensor is yielded as soon as every name before it in
+    ``order`` was (those that arrive early are held: memory up to what the exporter yields
+    out of order); names missing from the stream are skipped at the end; names not in
+    ``order`` (or repeated) follow last, in arrival order (the engine names them in its
+    error)."""
+    pos = {n: i for i, n in enumerate(order)}
+    held: dict[int, tuple[str, torch.Tensor]] = {}
+    extra: list[tuple[str, torch.Tensor]] = []
+    nxt = 0
+    for name, t in named_tensors:
+        i = pos.get(name)
+        if i is None or i < nxt or i in held:
+            extra.append((name, t))
+            continue
+        held[i] = (name, t)
+        while nxt in held:
+            yield held.pop(nxt)
+            nxt += 1
+    for i in sorted(held):
+        yield held[i]
+    yield from extra
 
 
 def packed_buckets(
@@ -287,9 +337,18 @@ class BroadcastTransport(WeightTransport):
         self.backend = resolve_backend(cfg.backend)
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+        # one thread per engine posts its bucket metadata in order (the engine pairs the i-th
+        # call with the i-th broadcast), without the sender waiting for each reply
+        self._posters = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weight-sync-post{i}")
+                         for i in range(len(self.clients))]
         self._warned: set[str] = set()
         self._pack_pool = PackPool(3)  # reused flat buffers: up to 3 x bucket_bytes
-        #: optional ``callback(bucket, is_last)`` after each bucket is acknowledged (tests, logging)
+        #: the engines' common ``/weights_layout`` names (their buffer order), read at connect
+        self.layout: list[str] | None = None
+        self._slots: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # name -> (offset, shape, dtype)
+        self._send_nbytes = 0
+        self._send_buf: torch.Tensor | None = None
+        #: optional ``callback(bucket, is_last)`` after each bucket is broadcast (tests, logging)
         self.on_bucket = None
 
     @property
@@ -327,6 +386,52 @@ class BroadcastTransport(WeightTransport):
         )
         for i, f in enumerate(futs):
             self._check(i, f.result(timeout=self.cfg.timeout_s), "init_weights_update_group")
+        self._set_layout(self._common_layout())
+
+    def _set_layout(self, layout: dict | None) -> None:
+        self.layout = None if layout is None else list(layout["names"])
+        self._slots, off = {}, 0
+        if layout is not None:
+            for n, s, d in zip(layout["names"], layout["shapes"], layout["dtypes"]):
+                dt = str_to_dtype(d)
+                self._slots[n] = (off, tuple(s), dt)
+                off += nbytes_of(s, dt)
+        if off != self._send_nbytes:
+            self._send_buf = None
+        self._send_nbytes = off
+
+    def destination(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where an exporter may write tensor ``name`` so that it is sent without packing.
+
+        A view of this transport's send buffer (CPU, reused by every sync: valid until the
+        next ``send``), laid out in the engines' ``/weights_layout`` order, so a bucket of
+        consecutive names is one span (:func:`contiguous_span`). None when the engines publish
+        no layout (SGLang) or ``name``/``shape``/``dtype`` differ from it: the exporter then
+        makes its own copy and the bucket is packed. Memory: one copy of the model, allocated
+        on first use. Use: ``send(trainer.export_hf_weights(out=transport.destination), v)``.
+        """
+        slot = self._slots.get(name)
+        if slot is None or tuple(shape) != slot[1] or dtype != slot[2]:
+            return None
+        if self._send_buf is None:
+            self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8)
+        off, shp, dt = slot
+        return self._send_buf[off: off + nbytes_of(shp, dt)].view(dt).view(shp)
+
+    def _common_layout(self) -> dict | None:
+        """The engines' send order when all publish the same one (embedded engines), else None
+        (SGLang has no ``/weights_layout``: the exporter's order is kept)."""
+        layouts = []
+        for c in self.clients:
+            fn = getattr(c, "weights_layout", None)
+            try:
+                layouts.append(fn() if fn is not None else None)
+            except Exception as e:  # noqa: BLE001 - an optional extension: fall back to export order
+                log.info("weights_layout unavailable (%s); sending in export order", e)
+                return None
+        if not layouts or layouts[0] is None or any(x != layouts[0] for x in layouts):
+            return None
+        return layouts[0]
 
     def _pause(self) -> None:
         for c in self.clients:
@@ -338,16 +443,31 @@ class BroadcastTransport(WeightTransport):
             raise WeightSyncError(f"engine {i}: {what} failed: {resp.get('message')}")
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
+        """Send one full update (see the module docstring for the data path).
+
+        Tensors are re-ordered to the engines' ``/weights_layout`` when they publish one
+        (:func:`in_layout_order`). Each bucket's metadata POST is queued on the engine's
+        poster thread and the buffer broadcast at once; replies are read after the last
+        bucket (the engine refuses every later bucket of an update once one failed, and
+        then fails the versioned call: nothing is applied).
+
+        Raises:
+            WeightSyncError: before connect(), or naming the engine that answered
+                ``success: false`` (first failure).
+        """
         if self.group is None:
             raise WeightSyncError("BroadcastTransport.send before connect()")
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
+        if self.layout is not None:
+            named_tensors = in_layout_order(named_tensors, self.layout)
         buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
                                  pool=self._pack_pool)
         whole = self.cfg.pause_scope == "sync"
         paused = False
         t_paused = t0
-        nbytes, nbuckets, bcast_s, oversize = 0, 0, 0.0, 0
+        nbytes, nbuckets, bcast_s, oversize, ack_s = 0, 0, 0.0, 0, 0.0
+        pending: list[tuple[int, Any]] = []
         try:
             if whole:
                 self._pause()
@@ -362,8 +482,8 @@ class BroadcastTransport(WeightTransport):
                         self._warned.add(bucket.names[0])
                         log.warning("weight sync: %s (%d bytes) exceeds bucket_bytes=%d; sent alone in a "
                                     "grown bucket", bucket.names[0], bucket.nbytes, self.cfg.bucket_bytes)
-                futs = [
-                    self._pool.submit(
+                pending += [
+                    (i, self._posters[i].submit(
                         c.update_weights_from_distributed,
                         names=bucket.names,
                         dtypes=bucket.dtypes,
@@ -372,18 +492,20 @@ class BroadcastTransport(WeightTransport):
                         weight_version=weight_version if last else None,
                         flush_cache=last,
                         load_format="flattened_bucket",
-                    )
-                    for c in self.clients
+                    ))
+                    for i, c in enumerate(self.clients)
                 ]
                 tb = time.perf_counter()
                 group_broadcast(self.group, flat, src=0)
-                for i, f in enumerate(futs):
-                    self._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_distributed")
                 bcast_s += time.perf_counter() - tb
                 nbytes += flat.numel()
                 nbuckets += 1
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
+            ta = time.perf_counter()
+            for i, f in pending:
+                self._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_distributed")
+            ack_s = time.perf_counter() - ta
         finally:
             buckets.close()
             if paused:
@@ -398,6 +520,7 @@ class BroadcastTransport(WeightTransport):
             "sync/pause_seconds": t1 - t_paused,
             "sync/buckets": float(nbuckets),
             "sync/broadcast_seconds": bcast_s,
+            "sync/ack_wait_seconds": ack_s,
             "sync/pack_seconds": stats["pack_seconds"],
             "sync/pack_wait_seconds": stats["wait_seconds"],
             "sync/oversize_buckets": float(oversize),
@@ -418,6 +541,8 @@ class BroadcastTransport(WeightTransport):
     def shutdown(self) -> None:
         self.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in self._posters:
+            p.shutdown(wait=False, cancel_futures=True)
 
 
 class DiskTransport(WeightTransport):

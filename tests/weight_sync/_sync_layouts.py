@@ -9,7 +9,8 @@ engine (re-creating the weight-update group; closed with /destroy_weights_update
 the end of the layout), every rank takes part in ``export_hf_weights``. For each bucket
 limit (C1: 1 byte, largest tensor - 1, the whole model; C2: 1 KiB): one train step, a sync,
 the check mode (engine /weights_checksum == trainer hf_checksums), then a second sync of the
-same weights. Then one sync through the DiskTransport. Rank 0 writes the results as JSON.
+same weights (the exporter writing into ``transport.destination``). Then one sync through
+the DiskTransport. Rank 0 writes the results as JSON.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ def run_layout(url: str, model_dir: str, layout: str) -> dict:
 
                 transport.on_bucket = on_bucket
                 before = client.weights_checksum()
-                m = transport.send(tr.export_hf_weights(), version)
+                # the repeat: the exporter copies straight into the transport's send buffer
+                out = transport.destination if attempt == "repeat" else None
+                m = transport.send(tr.export_hf_weights(out=out), version)
                 try:  # a failure is recorded, not raised: the other ranks must not hang
                     chk = check_engines([client], sums, version)
                 except Exception as ex:  # noqa: BLE001
@@ -115,6 +118,8 @@ def run_layout(url: str, model_dir: str, layout: str) -> dict:
                 rec[attempt] = {
                     **m, **chk,
                     "bytes_received": after["bytes_received"] - before["bytes_received"],
+                    "recv_copies": after["recv_copies"] - before["recv_copies"],
+                    "layout_known": transport.layout is not None,
                     "version_before": before["weight_version"], "version_after": after["weight_version"],
                     "checksums_equal": after["checksums"] == sums,
                     "changed_tensors": sum(before["checksums"][k] != after["checksums"][k] for k in sums),

@@ -75,6 +75,8 @@ def test_sync_bit_exact(res, layout, label):
     assert repeat["checksums_equal"] and repeat["changed_tensors"] == 0
     assert repeat["version_before"] == repeat["version_after"] == rec["version"]
     assert repeat["sync/bytes"] == repeat["bytes_received"] == r["total_bytes"]
+    # sent in the engine's layout order: every bucket received in place (no scratch copy)
+    assert first["layout_known"] and first["recv_copies"] == repeat["recv_copies"] == 0
     for m in (first, repeat):
         for k in ("sync/seconds", "sync/gbps", "sync/pause_seconds", "sync/broadcast_seconds"):
             assert m[k] > 0, k

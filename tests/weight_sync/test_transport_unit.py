@@ -91,3 +91,62 @@ def test_check_engines_fails_loudly():
         check_engines([_Fake(2, dict(sums))], sums, 3)
     with pytest.raises(WeightSyncError, match=r"engine 1 .*\['b'\]"):
         check_engines([_Fake(3, dict(sums)), _Fake(3, {"a": "1", "b": "x"})], sums, 3)
+
+
+def test_contiguous_span_and_zero_copy_pack():
+    from moe_async.weight_sync.bucket import make_buckets
+    from moe_async.weight_sync.transport import contiguous_span
+
+    buf = torch.arange(40, dtype=torch.float32)
+    a, b, c = buf[2:10].view(2, 4), buf[10:16], buf[17:20]
+    span = contiguous_span([a, b])
+    assert span is not None and span.data_ptr() == a.data_ptr()
+    assert torch.equal(span, buf[2:16].view(torch.uint8))
+    assert contiguous_span([a, c]) is None  # a gap
+    assert contiguous_span([b, a]) is None  # out of order
+    assert contiguous_span([buf[0:8].view(2, 4).t(), buf[8:9]]) is None  # not contiguous
+    bucket = next(make_buckets([("a", a), ("b", b)], 10**6))
+    flat = PackPool(1).pack(0, bucket)
+    assert flat.data_ptr() == a.data_ptr() and torch.equal(flat, bucket.flatten())
+
+
+def test_in_layout_order():
+    from moe_async.weight_sync.transport import in_layout_order
+
+    pulled = []
+
+    def src(names):
+        for n in names:
+            pulled.append(n)
+            yield n, torch.tensor([ord(n[0])])
+
+    order = list("abcde")
+    it = in_layout_order(src("baxdce"), order)
+    assert next(it)[0] == "a" and pulled == ["b", "a"]  # yielded as soon as its turn comes
+    assert [n for n, _ in it] == ["b", "c", "d", "e", "x"]  # unknown names last
+    # a name missing from the stream does not hold the rest forever; repeats follow last
+    assert [n for n, _ in in_layout_order(src("ecab" + "a"), order)] == ["a", "b", "c", "e", "a"]
+
+
+def test_destination_views_follow_the_engine_layout():
+    tr = BroadcastTransport([], WeightSyncConfig(bucket_bytes=2**20))
+    assert tr.destination("w", (2, 3), torch.float32) is None  # no layout: exporter clones
+    tr._set_layout({"names": ["b", "a", "c"], "shapes": [[2, 3], [4], [1, 1]],
+                    "dtypes": ["float32", "float32", "bfloat16"]})
+    assert tr.layout == ["b", "a", "c"]
+    b = tr.destination("b", (2, 3), torch.float32)
+    a = tr.destination("a", (4,), torch.float32)
+    c = tr.destination("c", (1, 1), torch.bfloat16)
+    assert a.data_ptr() == b.data_ptr() + 24 and c.data_ptr() == a.data_ptr() + 16
+    assert tr.destination("a", (5,), torch.float32) is None  # other shape
+    assert tr.destination("a", (4,), torch.float16) is None  # other dtype
+    assert tr.destination("z", (4,), torch.float32) is None  # not the engine's
+    b.copy_(torch.ones(2, 3))
+    a.copy_(torch.arange(4.0))
+    got = list(packed_buckets(iter([("a", a), ("b", b)]), 10**6, overlap=False))  # unordered: packed
+    assert got[0][1].data_ptr() != b.data_ptr()
+    from moe_async.weight_sync.transport import in_layout_order
+
+    got = list(packed_buckets(in_layout_order(iter([("a", a), ("b", b)]), tr.layout), 10**6, overlap=False))
+    assert got[0][0].names == ["b", "a"] and got[0][1].data_ptr() == b.data_ptr()  # sent in place
+    assert torch.equal(got[0][1], torch.cat([torch.ones(6), torch.arange(4.0)]).view(torch.uint8))

@@ -39,11 +39,16 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
 * ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name,
   flush_cache, abort_all_requests, weight_version, load_format}``: receives the tensors
   (``load_format="flattened_bucket"``: one uint8 broadcast; ``null``: one broadcast per
-  tensor) from group rank 0 and *stages* them; a call with a non-null ``weight_version`` ends
-  the update: everything staged is written into the model between two decode steps and
-  ``weight_version`` is set. An unknown name or a wrong shape is a 400 naming the tensor,
-  and the staged update is discarded. (SGLang applies each call at once; staging is what
-  makes a multi-bucket update atomic here.)
+  tensor) from group rank 0 and *stages* them in a standby copy of the parameters; a call
+  with a non-null ``weight_version`` ends the update: names not sent keep their current
+  values, then the standby copy becomes the live one by pointer swap between two decode
+  steps (no copy) and ``weight_version`` is set. An unknown name or a wrong shape is a 400
+  naming the tensor, and the staged update is discarded. (SGLang applies each call at once;
+  staging is what makes a multi-bucket update atomic here.) A bucket whose names are
+  consecutive in ``GET /weights_layout`` order (and in the engine's dtype) is received
+  straight into the standby copy; others go through a scratch buffer and a copy.
+* ``GET /weights_layout`` (ours) -> ``{"names": [hf_name, ...], "shapes", "dtypes"}``: the
+  order in which a sender should send the tensors so that buckets land without a copy.
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache,
   abort_all_requests}`` (SGLang's ``UpdateWeightFromDiskReqInput``): reads every
   ``*.safetensors`` under ``model_path`` (HF on-disk names), checks every name and shape
@@ -55,7 +60,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   ``{"success", "seconds"}``.
 * ``GET /weights_checksum`` (ours) -> ``{"weight_version", "checksums": {hf_name: sha256},
   "bytes_received"}`` over the HF on-disk names (see :mod:`moe_async.engines.checksum`);
-  ``bytes_received``: bytes of all weight-update broadcasts so far.
+  ``bytes_received``: bytes of all weight-update broadcasts so far; ``recv_copies``: buckets
+  that went through the scratch buffer (not consecutive in ``/weights_layout`` order).
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from moe_async.engines.embedded.scheduler import Req, SamplingParams, Scheduler
-from moe_async.engines.embedded.weights import HFWeightMap
+from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
 from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
 from moe_async.weight_sync.group import group_broadcast, init_weight_update_group
 
@@ -196,19 +202,26 @@ class EngineState:
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         )
         self.groups: dict[str, Any] = {}
-        self.staged: dict[str, torch.Tensor] = {}
+        # weight-sync: live/standby parameter buffers (bound on the first update), scratch
+        self.arena = ParamArena(self.weight_map)
         self.bytes_received = 0  # weight-sync: over every weight-update broadcast so far
-        self.recv_arena: list[torch.Tensor] = []  # weight-sync: see _recv_buffer
-        self.recv_index = 0
+        self.recv_scratch = torch.empty(0, dtype=torch.uint8)  # weight-sync: see _recv_buffer
+        self.recv_copies = 0  # weight-sync: buckets received into scratch and copied
+        self.update_error: str | None = None  # weight-sync: a failed bucket of the update under way
         self.bench_buf: torch.Tensor | None = None  # /debug_receive_broadcast's reused buffer
         self.update_lock = asyncio.Lock()
         self.pause_lock = asyncio.Lock()
 
     # ---- weight updates ----
     def receive(self, body: UpdateWeightsFromDistributedReqInput) -> int:
-        """Receive one update call's tensors from group rank 0 and stage them.
+        """Receive one update call's tensors from group rank 0 into the standby parameters
+        (:class:`ParamArena`; the live ones are untouched until :meth:`ParamArena.swap`).
 
-        Bytes are received before any name/shape check so the collective never desyncs.
+        A flattened bucket whose names are consecutive in the arena (the order of
+        ``GET /weights_layout``) and in the engine's dtype is received straight into its
+        standby span; any other bucket into a reused scratch buffer, then copied (cast)
+        per tensor. The names/shapes are checked before, but the bytes are received even
+        when the check fails (then it raises after), so the collective never desyncs.
         """
         group = self.groups[body.group_name]
         if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
@@ -216,39 +229,49 @@ class EngineState:
                 f"names/dtypes/shapes lengths differ: {len(body.names)}/{len(body.dtypes)}/{len(body.shapes)}"
             )
         dtypes = [str_to_dtype(d) for d in body.dtypes]
+        if body.load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format must be null or 'flattened_bucket', got {body.load_format!r}")
+        error = None
+        if self.update_error is not None:
+            error = ValueError(f"an earlier bucket of this update failed ({self.update_error}); refused")
+        try:
+            for n, s in zip(body.names, body.shapes):
+                self.weight_map.check(n, list(s))
+        except (KeyError, ValueError) as e:
+            error = error or e
+        arena = self.arena
         if body.load_format == "flattened_bucket":
-            flat = self._recv_buffer(sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes)))
+            n_bytes = sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes))
+            span = None if error else arena.span(body.names, body.shapes, dtypes)
+            flat = span if span is not None else self._recv_buffer(n_bytes)
             group_broadcast(group, flat, src=0)
             self.bytes_received += flat.numel()  # weight-sync: bytes received == bytes sent
-            named = unflatten(flat, body.names, body.dtypes, body.shapes)
-        elif body.load_format is None:
-            named = []
+            if error:
+                raise error
+            if span is None:
+                self.recv_copies += 1
+                for n, t in unflatten(flat, body.names, body.dtypes, body.shapes):
+                    arena.standby(n).copy_(t)
+        else:
             for n, d, s in zip(body.names, dtypes, body.shapes):
-                t = torch.empty(s, dtype=d)
+                dst = None if error else arena.standby(n)
+                t = dst if dst is not None and dst.dtype == d else torch.empty(s, dtype=d)
                 group_broadcast(group, t, src=0)
                 self.bytes_received += t.numel() * t.element_size()
-                named.append((n, t))
-        else:
-            raise ValueError(f"load_format must be null or 'flattened_bucket', got {body.load_format!r}")
-        for n, t in named:
-            self.weight_map.check(n, list(t.shape))
-        for n, t in named:
-            # views into this call's fresh buffer: no clone needed (a cast copies anyway)
-            self.staged[n] = t if t.dtype == self.dtype else t.to(self.dtype)
-        return len(named)
+                if dst is not None and t is not dst:
+                    dst.copy_(t)
+            if error:
+                raise error
+        arena.mark(body.names)
+        return len(body.names)
 
-    # --- weight-sync addition: receive buffers reused across updates ---
+    # --- weight-sync addition: scratch receive buffer reused across buckets and updates ---
     def _recv_buffer(self, n: int) -> torch.Tensor:
-        """The next bucket's receive buffer: the i-th bucket of an update reuses the i-th buffer
-        of the previous update (staged tensors are views into them until the update is applied
-        or discarded, which resets the index), so steady-state syncs page-fault nothing."""
-        i = self.recv_index
-        if i == len(self.recv_arena):
-            self.recv_arena.append(torch.empty(0, dtype=torch.uint8))
-        if self.recv_arena[i].numel() < n:
-            self.recv_arena[i] = torch.empty(n, dtype=torch.uint8)
-        self.recv_index += 1
-        return self.recv_arena[i][:n]
+        """A scratch buffer of ``n`` bytes for a bucket that cannot land in the arena directly
+        (copied out before the next bucket is received, so one buffer is reused)."""
+        if self.recv_scratch.numel() < n:
+            self.recv_scratch = torch.empty(n, dtype=torch.uint8)
+        return self.recv_scratch[:n]
     # --- end weight-sync addition ---
 
     # --- weight-sync addition: disk transport ---
@@ -419,6 +442,8 @@ def create_app(state: EngineState) -> FastAPI:
         except Exception as e:
             return _fail(f"init_weights_update_group failed: {type(e).__name__}: {e}")
         state.groups[body.group_name] = group
+        if not state.arena.bound:  # weight-sync: live/standby buffers now, not in the first update
+            await on_sched(state.arena.bind)
         return {"success": True, "message": f"joined {body.group_name!r} as rank {body.rank_offset}"}
 
     @app.post("/destroy_weights_update_group")
@@ -441,28 +466,34 @@ def create_app(state: EngineState) -> FastAPI:
             if body.abort_all_requests:
                 await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
             t0 = time.perf_counter()
+            if not state.arena.bound:  # first update: parameters move into the live buffer
+                await on_sched(state.arena.bind)
             try:
                 n = await asyncio.to_thread(state.receive, body)
             except (KeyError, ValueError, RuntimeError) as e:
-                dropped = len(state.staged)
-                state.recv_index = 0
-                state.staged.clear()
+                dropped = len(state.arena.fresh)
+                state.arena.discard()
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                # a sender may post later buckets before it reads this reply: they are received
+                # and refused until the update's versioned call, which fails and clears this
+                state.update_error = msg if version is None else None
                 return _fail(f"{msg} (staged update of {dropped} tensors discarded)")
             if version is None:
-                return {"success": True, "message": f"staged {n} tensors ({len(state.staged)} in total)"}
-            staged, state.staged = state.staged, {}
-            state.recv_index = 0  # applied below before this handler returns (update_lock held)
+                return {"success": True, "message": f"staged {n} tensors ({len(state.arena.fresh)} in total)"}
+            staged = len(state.arena.fresh)
+            # names this update did not carry keep their live values (off the scheduler thread:
+            # the live buffer is only read there, and update_lock keeps other writers out)
+            await asyncio.to_thread(state.arena.fill_stale)
 
             def apply():
-                state.weight_map.apply(staged)
+                state.arena.swap()  # pointers only: between two forward passes
                 sched.weight_version = version
 
             await on_sched(apply)
             dt = time.perf_counter() - t0
             return {
                 "success": True,
-                "message": f"applied {len(staged)} tensors; weight_version={version} ({dt:.3f}s)",
+                "message": f"applied {staged} tensors; weight_version={version} ({dt:.3f}s)",
             }
 
     # --- weight-sync additions: disk transport, raw-broadcast benchmark ---
@@ -510,11 +541,17 @@ def create_app(state: EngineState) -> FastAPI:
         return {"success": True, "seconds": secs}
     # --- end weight-sync additions ---
 
+    # --- weight-sync addition ---
+    @app.get("/weights_layout")
+    async def weights_layout():
+        return state.arena.layout()
+    # --- end weight-sync addition ---
+
     @app.get("/weights_checksum")
     async def weights_checksum():
         return await on_sched(
             lambda: {"weight_version": sched.weight_version, "checksums": state.weight_map.checksums(),
-                     "bytes_received": state.bytes_received}
+                     "bytes_received": state.bytes_received, "recv_copies": state.recv_copies}
         )
 
     return app

@@ -123,3 +123,130 @@ class HFWeightMap:
 
     def checksums(self) -> dict[str, str]:
         return {n: tensor_checksum(self.view(n)) for n in self._slots}
+
+
+class ParamArena:
+    """Two flat copies of the model's parameters (live and standby), swapped by pointer.
+
+    Layout: every parameter of ``weight_map.model`` (``named_parameters`` order) laid end to
+    end in one ``uint8`` buffer, each at an offset aligned to its element size (a padding
+    gap only where alignment needs one). An HF on-disk name is a contiguous byte span of it
+    (a fused expert's gate rows, up rows and down matrix included), listed in arena order by
+    :meth:`names` — the order a sender should use so that a bucket of consecutive names is
+    one span and can be received straight into the standby buffer (no unflatten copy).
+
+    Update protocol (the embedded engine's ``/update_weights_from_distributed``):
+      * :meth:`bind` (once; scheduler thread): the live parameters become views of buffer A;
+      * each bucket is written into the standby buffer B (:meth:`span` for a received span,
+        :meth:`standby` for one tensor) and its names marked with :meth:`mark`;
+      * :meth:`fill_stale` (any thread): names not written in this update are copied live ->
+        standby, so a partial update keeps the current values of the rest;
+      * :meth:`swap` (scheduler thread, between two forward passes): every parameter's
+        ``.data`` now points into B; A becomes the standby. No tensor is copied here, and no
+        forward pass ever reads B while it is being written (atomic apply, case C1).
+    :meth:`discard` forgets a half-received update (B's bytes are then unused).
+
+    Memory: two copies of the parameters (``nbytes`` each).
+    """
+
+    def __init__(self, weight_map: HFWeightMap):
+        self.map = weight_map
+        self.params = weight_map._params
+        off = 0
+        self.param_off: dict[str, int] = {}
+        for pname, p in self.params.items():
+            es = p.element_size()
+            off = -(-off // es) * es
+            self.param_off[pname] = off
+            off += p.numel() * es
+        self.nbytes = off
+        # disk name -> (byte offset, byte length) in the arena
+        self.slot: dict[str, tuple[int, int]] = {}
+        for name, s in weight_map._slots.items():
+            p = self.params[s.param_name]
+            v = p.data[s.index]
+            if not v.is_contiguous():  # pragma: no cover - every slot of a contiguous param is
+                raise ValueError(f"{name!r} is not a contiguous slice of {s.param_name}")
+            start = (v.data_ptr() - p.data.data_ptr()) if v.numel() else 0
+            self.slot[name] = (self.param_off[s.param_name] + start, v.numel() * v.element_size())
+        self._order = sorted(self.slot, key=lambda n: self.slot[n][0])
+        self.bufs: list[torch.Tensor] | None = None  # [live, standby]
+        self.fresh: set[str] = set()
+
+    @property
+    def bound(self) -> bool:
+        return self.bufs is not None
+
+    def names(self) -> list[str]:
+        """HF on-disk names in arena order."""
+        return list(self._order)
+
+    def layout(self) -> dict[str, list]:
+        """``{"names", "shapes", "dtypes"}`` in arena order (``GET /weights_layout``)."""
+        dts = [self.params[self.map._slots[n].param_name].dtype for n in self._order]
+        return {"names": self.names(), "shapes": [list(self.map.shape(n)) for n in self._order],
+                "dtypes": [str(d).removeprefix("torch.") for d in dts]}
+
+    def _param_view(self, buf: torch.Tensor, pname: str) -> torch.Tensor:
+        p = self.params[pname]
+        off = self.param_off[pname]
+        return buf[off: off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+
+    @torch.no_grad()
+    def bind(self) -> None:
+        """Copy the parameters into buffer A and point them at it (scheduler thread only)."""
+        if self.bufs is not None:
+            return
+        a = torch.empty(self.nbytes, dtype=torch.uint8)
+        b = torch.empty(self.nbytes, dtype=torch.uint8)
+        for pname, p in self.params.items():
+            v = self._param_view(a, pname)
+            v.copy_(p.data)
+            p.data = v
+        self.bufs = [a, b]
+
+    def standby(self, name: str) -> torch.Tensor:
+        """The standby tensor behind on-disk ``name`` (its dtype and shape)."""
+        s = self.map._slots[name]
+        return self._param_view(self.bufs[1], s.param_name)[s.index]
+
+    def span(self, names: list[str], shapes: list, dtypes: list[torch.dtype]) -> torch.Tensor | None:
+        """The standby ``uint8`` span holding ``names`` end to end, or None when they are not
+        consecutive in the arena (then the caller receives elsewhere and copies).
+        Names and shapes must already be checked."""
+        if not names or self.bufs is None:
+            return None
+        off, _ = self.slot[names[0]]
+        start = end = off
+        for n, s, d in zip(names, shapes, dtypes):
+            o, nb = self.slot[n]
+            p = self.params[self.map._slots[n].param_name]
+            if o != end or d != p.dtype:
+                return None
+            end = o + nb
+        return self.bufs[1][start:end]
+
+    def mark(self, names) -> None:
+        self.fresh.update(names)
+
+    def discard(self) -> None:
+        self.fresh.clear()
+
+    @torch.no_grad()
+    def fill_stale(self) -> int:
+        """Copy live -> standby every name not written in this update; returns how many."""
+        live, standby = self.bufs
+        n = 0
+        for name, (o, nb) in self.slot.items():
+            if name not in self.fresh:
+                standby[o: o + nb].copy_(live[o: o + nb])
+                n += 1
+        return n
+
+    def swap(self) -> None:
+        """Point every parameter at the standby buffer; it becomes live (scheduler thread)."""
+        live, standby = self.bufs
+        for pname, p in self.params.items():
+            p.data = self._param_view(standby, pname)
+        self.bufs = [standby, live]
+        self.fresh.clear()
