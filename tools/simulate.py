@@ -956,8 +956,8 @@ def stage_times(meas: dict[str, Any]) -> dict[str, float]:
             "sync_fixed_s": sync_s, "sync_bytes": 0.0, "pause_s": pause_s, "step_overhead_s": overhead}
 
 
-def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0,
-              polled: bool = False) -> tuple[SimConfig, dict[str, Any]]:
+def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0, polled: bool = False,
+              decode_per_seq_s: float = 0.0) -> tuple[SimConfig, dict[str, Any]]:
     """Fit the model's stage times to one real run (best: ``sync``, 1 engine, 1 trainer).
 
     Fitted (steps 2.. are steady state; step 1 carries start-up):
@@ -975,7 +975,9 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0,
       * ``startup_s`` so that the first step's simulated wait equals the measured one.
 
     One run at one decode batch size cannot separate batch-size scaling from per-step cost:
-    ``decode_step_per_seq_s`` stays 0 (state it with ``--set`` when known).
+    ``decode_step_per_seq_s`` is taken as given (``decode_per_seq_s``, default 0: batching
+    is free) and ``decode_step_s`` fitted around it. What-ifs that change the decode batch
+    (``max_concurrent_groups``, ``max_running_requests``) depend on that value.
 
     ``run_dir`` may also be an already loaded :func:`measured` dict.
 
@@ -989,7 +991,8 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0,
     stage = stage_times(meas)
     busy_target = _mean([p["busy_s"] for p in st])
     wait_target = _mean([p["wait_s"] for p in st])
-    cfg = dataclasses.replace(base, **stage, group_overhead_s=0.0, startup_s=0.0)
+    cfg = dataclasses.replace(base, **stage, group_overhead_s=0.0, startup_s=0.0,
+                              decode_step_per_seq_s=decode_per_seq_s)
 
     def steady(r: dict, key: str) -> float:
         xs = r[key][1:] if len(r[key]) > 1 else r[key]
@@ -1022,6 +1025,7 @@ def calibrate(run_dir: str | Path | dict, prefill_steps: float = 1.0,
                     "overhead_s": stage["step_overhead_s"]},
         "fitted": {k: getattr(cfg, k) for k in ("train_fixed_s", "train_per_token_s", "first_step_extra_s",
                                                 "sync_fixed_s", "pause_s", "step_overhead_s", "decode_step_s",
+                                                "decode_step_per_seq_s",
                                                 "prefill_s", "group_overhead_s", "poll_phase", "startup_s", "lengths",
                                                 "length_mean", "length_sigma")},
         # what the fitted model gives for the targets (a residual left when a fit hit a bound)
@@ -1083,6 +1087,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(a bench file: its sync run), compare the prediction with every run given")
     ap.add_argument("--polled", action="store_true",
                     help="the runs polled the buffer every 50 ms (moe-async before commit 93596d1)")
+    ap.add_argument("--decode-per-seq", type=float, default=0.0, metavar="S",
+                    help="calibration: seconds a decode step grows per running sequence (not identifiable "
+                         "from one run; default 0)")
     ap.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4], help="K values to compare with sync")
     ap.add_argument("--set", action="append", default=[], metavar="field=value", help="override a SimConfig field")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -1092,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         try:
             checks = [m for src in args.calibrate for m in _load_measured(src)]
-            cfg, fit = calibrate(checks[0], polled=args.polled)
+            cfg, fit = calibrate(checks[0], polled=args.polled, decode_per_seq_s=args.decode_per_seq)
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"--calibrate: {type(e).__name__}: {e}") from None
         cfg = _parse_set(cfg, args.set)
