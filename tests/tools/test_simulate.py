@@ -281,3 +281,14 @@ def test_train_and_sync_traces_replace_the_fixed_times():
     assert r["step_seconds"] == pytest.approx([gen + 0.21, gen + 0.92, gen + 0.43], rel=1e-9)
     with pytest.raises(ValueError, match="train_trace_s"):
         dataclasses.replace(c, train_trace_s=(0.2,))
+
+
+def test_calibration_with_a_known_decode_slope(tmp_path):
+    truth = exact(num_steps=6, length_mean=16, max_new_tokens=16, decode_step_s=0.01, decode_step_per_seq_s=2e-3,
+                  prefill_s=0.01, train_fixed_s=0.5, prompt_tokens=0)
+    _write_run(tmp_path / "sync", truth, sim.simulate(truth))
+    cfg, _ = sim.calibrate(tmp_path / "sync", decode_per_seq_s=2e-3)
+    assert cfg.decode_step_s == pytest.approx(0.01, rel=1e-4)
+    cfg0, _ = sim.calibrate(tmp_path / "sync")  # slope unknown: the same busy time, all in d0
+    assert cfg0.decode_step_per_seq_s == 0.0
+    assert cfg0.decode_step_s == pytest.approx((15 * (0.01 + 8 * 2e-3) + 0.01) / 16, rel=1e-4)
