@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 tools/convert_hf_to_megatron.py --hf HF_DIR --out MEG_DIR --ep 2
     torchrun --nproc_per_node 4 tools/convert_hf_to_megatron.py --hf HF_DIR --out MEG_DIR --tp 2 --ep 2
 
-Families: mixtral, qwen3_moe, llama (moe_async.models registry). The HF config is checked
+Families: mixtral, qwen3_moe, deepseek_v3, llama (moe_async.models registry). The HF config is checked
 against the family spec first (a mismatch is refused naming the field). Safetensors are
 read one file at a time (model.safetensors.index.json when present); each rank reads only
 the tensors its shards come from. Both HF expert layouts are accepted (per-expert on-disk
@@ -35,13 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size")
     ap.add_argument("--vocab-div", type=int, default=128,
                     help="vocab rows padded to a multiple of this x TP (Megatron's make_vocab_size_divisible_by)")
+    ap.add_argument("--save-threads", type=int, default=2,
+                    help="torch_dist writer processes per rank (Megatron's thread_count)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
     from moe_async.models.convert import hf_to_megatron_checkpoint
 
     st = hf_to_megatron_checkpoint(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
-                                   progress=not args.no_progress, vocab_div=args.vocab_div)
+                                   progress=not args.no_progress, vocab_div=args.vocab_div,
+                                   save_threads=args.save_threads)
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({"out": args.out, **st}))
     return 0

@@ -176,10 +176,13 @@ def _world() -> int:
 
 
 @contextlib.contextmanager
-def parallel_layout(tp: int, pp: int, ep: int):
+def parallel_layout(tp: int, pp: int, ep: int, device_scope: bool = True):
     """torch.distributed (gloo on CPU, NCCL with CUDA; world from ``WORLD_SIZE``/``RANK``/
-    ``MASTER_ADDR``/``MASTER_PORT`` as set by torchrun, 1 process otherwise) + Megatron
-    parallel state at (tp, pp, ep) with ETP 1, the CPU compat mends and the CPU device scope.
+    ``MASTER_ADDR``/``MASTER_PORT`` as set by torchrun; 1 process otherwise, with an
+    in-memory ``HashStore`` instead of a TCP rendezvous) + Megatron parallel state at
+    (tp, pp, ep) with ETP 1, the CPU compat mends and (``device_scope=True``) the CPU device
+    scope (``moe_async.compat.cpu_device_scope``) for the whole body; with False the caller
+    enters it around Megatron calls only (it costs a Python call per torch op).
     Destroys the Megatron parallel state (and the process group if it created it) on exit."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -189,23 +192,14 @@ def parallel_layout(tp: int, pp: int, ep: int):
     own_pg = False
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init = f"tcp://127.0.0.1:{port}"
-        else:
-            init = "env://"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            "nccl" if torch.cuda.is_available() else "gloo",
-            init_method=init,
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=world,
-        )
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if world == 1:  # no rendezvous needed (a TCP store costs ~0.1 s to start)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=int(os.environ.get("RANK", "0")),
+                                    world_size=world)
         own_pg = True
     if ps.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised in this process")
@@ -222,6 +216,7 @@ def parallel_layout(tp: int, pp: int, ep: int):
         apply_cpu_compat()
         with cpu_device_scope():
             model_parallel_manual_seed(1234)
+        with cpu_device_scope() if device_scope else contextlib.nullcontext():
             yield
     finally:
         ps.destroy_model_parallel()
@@ -356,6 +351,8 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     table = fam.table(a)
     src = check_hf_keys(fam, a, index)
     pieces = local_pieces(model)
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
     by_name: dict[str, list] = {}
     for pc in pieces:
         if pc.name not in table.by_megatron:
@@ -408,7 +405,15 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
             full = rule.fuse([pending[x] for x in hs], a)
             full = _fit_vocab(m, full, pcs[0].full_shape, vocab_size)
             for pc in pcs:
-                pc.data.copy_(full[pc.index()].to(dtype=pc.data.dtype, device=pc.data.device))
+                p = tensors[pc.param]
+                if (len(pcs) == 1 and pc.data.data_ptr() == p.data_ptr() and pc.data.numel() == p.numel()
+                        and full.shape == p.shape and full.dtype == p.dtype and full.device == p.device
+                        and full.is_contiguous()):
+                    # this rank holds the whole tensor: the parameter takes the tensor just
+                    # read (no copy, and its never-touched allocation is freed unfaulted)
+                    p.data = full
+                else:
+                    pc.data.copy_(full[pc.index()].to(dtype=pc.data.dtype, device=pc.data.device))
             done.add(m)
             for x in hs:
                 pending.pop(x, None)
@@ -421,8 +426,25 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     return {"bytes_read": nbytes, "files": len(files)}
 
 
+def save_strategy(threads: int = 2):
+    """Megatron-Core's ``torch_dist`` save strategy (``TorchDistSaveShardedStrategy``) with
+    ``threads`` writer processes per rank (Megatron's default 2, faster here than 1: the
+    writer forks them and fsyncs every file). At DP > 1 it is wrapped in ``FullyParallelSaveStrategyWrapper`` so
+    that the replicated tensors' writes are spread over the data-parallel ranks instead of
+    all falling to DP rank 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    st = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        st = FullyParallelSaveStrategyWrapper(st, ps.get_data_parallel_group(with_context_parallel=True))
+    return st
+
+
 def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                              progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV) -> dict[str, Any]:
+                              progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV,
+                              save_threads: int = 2) -> dict[str, Any]:
     """HF checkpoint dir -> Megatron torch_dist checkpoint dir at layout (tp, pp, ep) (the
     world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)). Returns stats
     on every rank: ``seconds``, ``bytes_read`` (summed over ranks), ``hf_bytes``."""
@@ -436,15 +458,26 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     index = read_hf_index(hf_dir)
     check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
     dtype = _dtype_of(hf_cfg, index)
-    with parallel_layout(tp, pp, ep):
-        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+    from moe_async.compat import cpu_device_scope
+
+    with parallel_layout(tp, pp, ep, device_scope=False):
+        phases = {"setup_s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        with cpu_device_scope():
+            model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+        phases["build_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and _rank() == 0)
+        phases["read_map_copy_s"] = time.perf_counter() - t1
         if _rank() == 0:
             if os.path.exists(out_dir) and os.listdir(out_dir):
                 raise FileExistsError(f"{out_dir} exists and is not empty")
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save({"model": model.sharded_state_dict()}, out_dir)
+        t1 = time.perf_counter()
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, out_dir,
+                                sharded_strategy=save_strategy(save_threads))
+        phases["torch_dist_save_s"] = time.perf_counter() - t1
         t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)
         dist.all_reduce(t)
         if _rank() == 0:
@@ -463,7 +496,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         dist.barrier()
         world = _world()
     hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
-    return {"seconds": time.perf_counter() - t0, "bytes_read": float(t.item()), "hf_bytes": hf_bytes,
+    return {"seconds": time.perf_counter() - t0, "phases": phases, "bytes_read": float(t.item()), "hf_bytes": hf_bytes,
             "world": world}
 
 
@@ -573,6 +606,39 @@ class ShardWriter:
         return names
 
 
+def _full_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
+    """:func:`moe_async.trainer.sharding.gather_full_state` to rank 0, with a copy-free path
+    at world size 1: a tensor held whole by one local piece is yielded as that piece (a view
+    of the parameter, vocab padding sliced off) instead of being copied into a new buffer;
+    tensors made of several local pieces are assembled, each element exactly once
+    (ValueError otherwise). Same names, order and values as ``gather_full_state``."""
+    from moe_async.trainer.sharding import VOCAB_PARAMS, gather_full_state, local_pieces
+
+    if _world() > 1:
+        yield from gather_full_state(model, vocab_size, dst=0)
+        return
+    by_name: dict[str, list] = {}
+    for pc in local_pieces(model):
+        if pc.primary:
+            by_name.setdefault(pc.name, []).append(pc)
+    for name in sorted(by_name):
+        pcs = by_name[name]
+        if len(pcs) == 1 and tuple(pcs[0].data.shape) == tuple(pcs[0].full_shape):
+            full = pcs[0].data
+        else:
+            full = torch.empty(pcs[0].full_shape, dtype=pcs[0].data.dtype)
+            count = torch.zeros(pcs[0].full_shape, dtype=torch.int8)
+            for pc in pcs:
+                full[pc.index()] = pc.data
+                count[pc.index()] += 1
+            if not bool((count == 1).all()):
+                raise ValueError(f"{name}: local shards cover the full tensor {int(count.min())}.."
+                                 f"{int(count.max())} times")
+        if name in VOCAB_PARAMS and full.shape[0] > vocab_size:
+            full = full[:vocab_size]
+        yield name, full.to("cpu")
+
+
 def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: str,
                               max_shard_size: str | int = "5GB", tp: int = 1, pp: int = 1, ep: int = 1,
                               progress: bool = True, vocab_div: int | None = None) -> dict[str, Any]:
@@ -582,8 +648,6 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     was converted from (``hf_config.json`` in the checkpoint is compared when present:
     ValueError naming the first differing field). Returns stats on every rank."""
     import torch.distributed as dist
-
-    from moe_async.trainer.sharding import gather_full_state
 
     t0 = time.perf_counter()
     hf_cfg = hf_config_dict(hf_config_dir)
@@ -612,10 +676,20 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         raise ValueError(f"the checkpoint's padded vocab ({rows} rows) does not split over tp={tp}")
     written: list[str] = []
     nbytes = 0
-    with parallel_layout(tp, pp, ep):
-        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div, padded_vocab=rows)
+    from moe_async.compat import cpu_device_scope
+
+    with parallel_layout(tp, pp, ep, device_scope=False):
+        phases = {"setup_s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        with cpu_device_scope():
+            model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
+                                       padded_vocab=rows)
+        phases["build_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         load_megatron_into_model(model, megatron_dir)
-        full = gather_full_state(model, vocab, dst=0)
+        phases["torch_dist_load_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        full = _full_state(model, vocab)
         if _rank() == 0:
             if os.path.exists(out_dir) and os.listdir(out_dir):
                 raise FileExistsError(f"{out_dir} exists and is not empty")
@@ -635,6 +709,7 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
                     bar.update(1)
             written = w.close()
             nbytes = w.total
+            phases["gather_map_write_s"] = time.perf_counter() - t1
             for fn in HF_SIDE_FILES:
                 p = os.path.join(hf_config_dir, fn)
                 if os.path.exists(p):
@@ -644,7 +719,8 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
                 pass
         dist.barrier()
         world = _world()
-    return {"seconds": time.perf_counter() - t0, "files": written, "bytes_written": nbytes, "world": world}
+    return {"seconds": time.perf_counter() - t0, "phases": phases, "files": written, "bytes_written": nbytes,
+            "world": world}
 
 
 def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, Tensor]]:

@@ -12,8 +12,9 @@
         -> HF from EP1; the error cases (extra / missing HF key, config mismatch, extra /
         missing torch_dist tensor). Writes TMP/prep.json.
     torchrun --nproc_per_node 2 _convert_checks.py w2 TMP
-        HF -> Megatron at EP2 and at TP2 (and EP2 from the fused layout); Megatron -> HF
-        loading the EP1 checkpoint at EP2 and the TP2 checkpoint at TP2. Writes TMP/w2.json.
+        HF -> Megatron at EP2 and at TP2 (and EP2 from the fused layout; deepseek_v3 at EP2
+        and TP2); Megatron -> HF loading the EP1 checkpoint at EP2 and the TP2 checkpoint at
+        TP2. Writes TMP/w2.json.
     python _convert_checks.py final TMP
         Megatron -> HF at 1 process from the EP2 / TP2 checkpoints; every round-tripped dir
         compared with the original tensors (bit-exact, same names and dtypes) and by the
@@ -37,7 +38,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 NAMES = ("mix", "qwen")  # MoE, fp32: every layout, logits vs Megatron
-ALL = (*NAMES, "llama", "ds")  # + dense Llama, bf16: EP1 / TP2; DeepSeek-V3: EP1 / EP2
+ALL = (*NAMES, "llama", "ds")  # + dense Llama, bf16: EP1 / TP2; DeepSeek-V3: EP1 / EP2 / TP2
 SHARD = {"mix": "300KB", "qwen": "300KB", "llama": "60KB", "ds": "300KB"}  # -> 3+ files each
 PROMPT = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 200, 11, 2]]
 
@@ -267,6 +268,9 @@ def main_w2(tmp: str) -> None:
                       "--no-progress"])
     h2m_cli.main(["--hf", p(tmp, "llama"), "--out", p(tmp, "meg_tp2_llama"), "--tp", "2", "--no-progress"])
     h2m_cli.main(["--hf", p(tmp, "ds"), "--out", p(tmp, "meg_ep2_ds"), "--ep", "2", "--no-progress"])
+    h2m_cli.main(["--hf", p(tmp, "ds"), "--out", p(tmp, "meg_tp2_ds"), "--tp", "2", "--no-progress"])
+    m2h_cli.main(["--megatron", p(tmp, "meg_tp2_ds"), "--hf-config", p(tmp, "ds"),
+                  "--out", p(tmp, "back_tp2at2_ds"), "--tp", "2", "--max-shard-size", "300KB", "--no-progress"])
     m2h_cli.main(["--megatron", p(tmp, "meg_ep1_ds"), "--hf-config", p(tmp, "ds"),
                   "--out", p(tmp, "back_ep1at2_ds"), "--ep", "2", "--max-shard-size", "300KB", "--no-progress"])
     m2h_cli.main(["--megatron", p(tmp, "meg_v96_mix"), "--hf-config", p(tmp, "mix"),
@@ -311,7 +315,9 @@ def main_final(tmp: str) -> None:
                   "--out", p(tmp, "back_tp2_llama"), "--max-shard-size", SHARD["llama"], "--no-progress"])
     m2h_cli.main(["--megatron", p(tmp, "meg_ep2_ds"), "--hf-config", p(tmp, "ds"),
                   "--out", p(tmp, "back_ep2_ds"), "--max-shard-size", "300KB", "--no-progress"])
-    for name, srcs in (("llama", ("ep1", "tp2")), ("ds", ("ep1", "ep2", "ep1at2"))):
+    m2h_cli.main(["--megatron", p(tmp, "meg_tp2_ds"), "--hf-config", p(tmp, "ds"),
+                  "--out", p(tmp, "back_tp2_ds"), "--max-shard-size", "300KB", "--no-progress"])
+    for name, srcs in (("llama", ("ep1", "tp2")), ("ds", ("ep1", "ep2", "ep1at2", "tp2", "tp2at2"))):
         hl = torch.load(p(tmp, f"hf_logits_{name}.pt"))
         for src in srcs:
             back = p(tmp, f"back_{src}_{name}")
@@ -325,6 +331,8 @@ def main_final(tmp: str) -> None:
                              if k.endswith("e_score_correction_bias")]
     ml = megatron_logits(p(tmp, "meg_ep2_ds"), p(tmp, "ds"))
     res["meg_logits_ep2_ds"] = {"maxdiff": float((ml - torch.load(p(tmp, "hf_logits_ds.pt"))).abs().max())}
+    ml = megatron_logits(p(tmp, "meg_tp2_ds"), p(tmp, "ds"))
+    res["meg_logits_tp2_ds"] = {"maxdiff": float((ml - torch.load(p(tmp, "hf_logits_ds.pt"))).abs().max())}
     for name in NAMES:
         for src in ("ep2", "tp2", "fused_ep2"):
             m2h_cli.main(["--megatron", p(tmp, f"meg_{src}_{name}"), "--hf-config", p(tmp, name),

@@ -1,5 +1,5 @@
 """Case C3: HF -> Megatron torch_dist -> HF conversion (tools/convert_*.py), bit-exact, at
-EP1 / EP2 / TP2, for mixtral (untied) and qwen3_moe (tied, norm_topk_prob=False), from both
+EP1 / EP2 / TP2, for mixtral (untied), qwen3_moe (tied, norm_topk_prob=False), from both
 HF expert layouts; loud on every unused source / unset target; the converted Megatron
 model's logits equal transformers' within 1e-4 (fp32).
 
@@ -85,10 +85,11 @@ def test_dense_bf16_round_trip(res, key):
     assert r["dtypes"] == ["torch.bfloat16"]
 
 
-@pytest.mark.parametrize("key", ["ep1_ds", "ep2_ds", "ep1at2_ds"])
+@pytest.mark.parametrize("key", ["ep1_ds", "ep2_ds", "ep1at2_ds", "tp2_ds", "tp2at2_ds"])
 def test_deepseek_v3_round_trip(res, key):
     """deepseek_v3 (MLA, dense first layer, shared expert, fp32 router bias): bit-exact, the
-    bias kept in fp32, equal HF logits; written at EP1 / EP2, read at 1 process / EP2."""
+    bias kept in fp32, equal HF logits; written at EP1 / EP2 / TP2, read at 1 process / EP2 /
+    TP2."""
     r = res[key]
     assert r["same_names"] and r["unequal"] == [] and r["hf_logits_equal"], r
     assert min(res["ds_bias_absmax"]) > 0  # non-zero e_score_correction_bias
@@ -100,7 +101,8 @@ def test_sources_are_sharded(res, name):
 
 
 @pytest.mark.parametrize("key", ["meg_logits_ep1_mix", "meg_logits_ep1_qwen", "meg_logits_ep2_mix",
-                                 "meg_logits_ep2_qwen", "meg_logits_ep1_ds", "meg_logits_ep2_ds"])
+                                 "meg_logits_ep2_qwen", "meg_logits_ep1_ds", "meg_logits_ep2_ds",
+                                 "meg_logits_tp2_ds"])
 def test_megatron_logits_match_hf(res, key):
     assert res[key]["maxdiff"] < 1e-4
 
