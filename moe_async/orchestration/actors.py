@@ -169,7 +169,10 @@ class TrainerActor:
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version."""
         assert self.transport is not None, "connect_engines() first"
-        return self.transport.send(self.trainer.export_hf_weights(), self.trainer.version)
+        # The exporter writes each tensor straight into the transport's send buffer when the
+        # engines publish their layout (embedded engines), so buckets go out without packing.
+        out = getattr(self.transport, "destination", None)
+        return self.transport.send(self.trainer.export_hf_weights(out=out), self.trainer.version)
 
     def checksums(self) -> dict[str, str]:
         return self.trainer.hf_checksums()
