@@ -12,7 +12,9 @@ seed 1) before the process group exists (the other rank waits in the rendezvous)
 * one GRPO step on it and on a trainer built from ``orig`` directly (same layout, same
   batch): loss, grad norm and every exported tensor's checksum after the step;
 * a checkpoint without ``decoder.final_layernorm.weight`` (KeyError naming it) and a trainer
-  whose vocab padding differs from the checkpoint's (ValueError naming the setting).
+  whose vocab padding differs from the checkpoint's (ValueError naming the setting);
+* the stepped trainer's own checkpoint (model + optimizer) back to HF with
+  tools/convert_megatron_to_hf.py at EP2: the same tensors as the trainer's export.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def main(tmp: str) -> None:
     res["same_after_step"] = a == b
     res["n_tensors"] = len(a)
     res["version_after_step"] = tr.version
+    trained = os.path.join(tmp, "trained")
+    tr.save_checkpoint(trained)  # model + optimizer (chained_<i>.optimizer.* keys): back to HF below
 
     # loud failures: a model tensor missing from the checkpoint; a vocab padding mismatch
     from megatron.core import dist_checkpointing
@@ -107,11 +111,21 @@ def main(tmp: str) -> None:
         res["vocab_error"] = None
     except ValueError as e:
         res["vocab_error"] = str(e)[:500]
+    # the trained trainer's checkpoint -> HF (optimizer state ignored), at EP2 in this world
+    tr.close()  # Megatron parallel state (the converter sets up its own)
+    import convert_megatron_to_hf as m2h_cli
+
+    from moe_async.models import tensor_checksum
+    from moe_async.models.convert import iter_hf_tensors
+
+    m2h_cli.main(["--megatron", trained, "--hf-config", orig, "--out", os.path.join(tmp, "trained_hf"),
+                  "--ep", "2", "--no-progress"])
     if rank == 0:
+        back = {k: tensor_checksum(t) for k, t in iter_hf_tensors(os.path.join(tmp, "trained_hf"))}
+        res["trained_to_hf_equal"] = back == a
         with open(os.path.join(tmp, "load_converted.json"), "w") as f:
             json.dump(res, f)
     dist.barrier()
-    tr.close()
 
 
 if __name__ == "__main__":

@@ -70,3 +70,9 @@ def test_missing_model_key_is_named(res):
 def test_vocab_padding_mismatch_is_named(res):
     e = res["vocab_error"]
     assert e is not None and "make_vocab_size_divisible_by" in e and "256" in e and "288" in e
+
+
+def test_trainer_checkpoint_converts_back_to_hf(res):
+    """MegatronTrainer.save_checkpoint (with chained optimizer state) -> HF: the trainer's
+    exported tensors, bit for bit (checksums)."""
+    assert res["trained_to_hf_equal"]
