@@ -52,7 +52,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # 8-token responses make a batch's generation ~7x shorter than its train step on 1 core
 # each; 96 tokens bring gen / (train + sync) to ~0.75 (measured: sync 1.63 s gen, 2.12 s
 # train, 0.04 s sync per step).
-BALANCE = {"cpu_smoke.yaml": ["rollout.max_new_tokens=96"]}
+# cpu_demo: one prompt (4 samples) per step, generated one group at a time, so 6 steps of
+# both modes fit one ~8-minute run on 2 cores (measured: sync 5.4 s gen, 8.3 s train, 1.4 s
+# sync per step).
+BALANCE = {"cpu_smoke.yaml": ["rollout.max_new_tokens=96"],
+           "cpu_demo.yaml": ["rollout.prompts_per_step=1", "rollout.max_concurrent_groups=1"]}
 
 
 def run_mode(config: str, mode: str, k: int, steps: int, extra: list[str], out: Path) -> dict:
