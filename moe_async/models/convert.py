@@ -61,7 +61,7 @@ Public API:
                               save_threads=2) -> dict   (stats, incl. "phases" seconds)
     megatron_to_hf_checkpoint(megatron_dir, hf_config_dir, out_dir, max_shard_size="5GB",
                               tp=1, pp=1, ep=1, progress=True, vocab_div=None) -> dict
-    parallel_layout(tp, pp, ep, device_scope=True)  context: process group + Megatron parallel state
+    parallel_layout(tp, pp, ep)        context: process group + Megatron parallel state
     save_strategy(threads=2)           Megatron's torch_dist save strategy used here
     is_optimizer_key(key) -> bool      torch_dist key of Megatron optimizer state
     saved_vocab_rows(megatron_dir)     padded vocab rows of a torch_dist checkpoint
@@ -83,8 +83,9 @@ torch_dist itself: ``dist_checkpointing.save`` ~0.35 s (its async writer forks
 copies it into the model; Megatron merges the fc1 halves). The rest: model build 0.01 s (no
 random init: ``perform_initialization=False``), HF read + map 0.06 s (a parameter held whole
 by the rank takes the tensor read from safetensors, no copy), full state + map + safetensors
-write 0.16 s (copy-free at 1 process). The CPU device scope (a Python call per torch op) is
-entered only around the model build. Other runs the same day (noisy: other jobs write to
+write 0.16 s (copy-free at 1 process). The CPU compat layer's ``CudaToCpuMode`` (a Python
+call per torch op, on for the whole process once ``apply_cpu_compat`` ran) costs ~0.05 s of
+each direction. Other runs the same day (noisy: other jobs write to
 the same disk): qwen3_moe 345 MB 0.20 / 0.16, llama 345 MB 0.27 / 0.21, Mixtral 86 MB
 0.09 / 0.10 (torch_dist's fixed ~0.15 s per save/load dominates), Mixtral 773 MB 0.20 /
 0.13. The issue's goal (>= 0.5 against the plain baseline) is not met.
@@ -189,13 +190,11 @@ def _world() -> int:
 
 
 @contextlib.contextmanager
-def parallel_layout(tp: int, pp: int, ep: int, device_scope: bool = True):
+def parallel_layout(tp: int, pp: int, ep: int):
     """torch.distributed (gloo on CPU, NCCL with CUDA; world from ``WORLD_SIZE``/``RANK``/
     ``MASTER_ADDR``/``MASTER_PORT`` as set by torchrun; 1 process otherwise, with an
     in-memory ``HashStore`` instead of a TCP rendezvous) + Megatron parallel state at
-    (tp, pp, ep) with ETP 1, the CPU compat mends and (``device_scope=True``) the CPU device
-    scope (``moe_async.compat.cpu_device_scope``) for the whole body; with False the caller
-    enters it around Megatron calls only (it costs a Python call per torch op).
+    (tp, pp, ep) with ETP 1, the CPU compat mends and the CPU device scope.
     Destroys the Megatron parallel state (and the process group if it created it) on exit."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -229,7 +228,6 @@ def parallel_layout(tp: int, pp: int, ep: int, device_scope: bool = True):
         apply_cpu_compat()
         with cpu_device_scope():
             model_parallel_manual_seed(1234)
-        with cpu_device_scope() if device_scope else contextlib.nullcontext():
             yield
     finally:
         ps.destroy_model_parallel()
@@ -471,13 +469,10 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     index = read_hf_index(hf_dir)
     check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
     dtype = _dtype_of(hf_cfg, index)
-    from moe_async.compat import cpu_device_scope
-
-    with parallel_layout(tp, pp, ep, device_scope=False):
+    with parallel_layout(tp, pp, ep):
         phases = {"setup_s": time.perf_counter() - t0}
         t1 = time.perf_counter()
-        with cpu_device_scope():
-            model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
         phases["build_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and _rank() == 0)
@@ -689,14 +684,11 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         raise ValueError(f"the checkpoint's padded vocab ({rows} rows) does not split over tp={tp}")
     written: list[str] = []
     nbytes = 0
-    from moe_async.compat import cpu_device_scope
-
-    with parallel_layout(tp, pp, ep, device_scope=False):
+    with parallel_layout(tp, pp, ep):
         phases = {"setup_s": time.perf_counter() - t0}
         t1 = time.perf_counter()
-        with cpu_device_scope():
-            model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
-                                       padded_vocab=rows)
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
+                                   padded_vocab=rows)
         phases["build_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         load_megatron_into_model(model, megatron_dir)
