@@ -78,3 +78,43 @@ def mend_mla_without_te() -> bool:
         return False  # real Transformer Engine: nothing to mend
     mla.HAVE_TE = False
     return True
+
+
+def local_mla_submodules(sub) -> None:
+    """Make the local (non-TE) MLA spec of Megatron-Core 0.16.1 buildable and exact under TP,
+    in place on one layer's ``MLASelfAttentionSubmodules`` ``sub``:
+
+    * ``core_attention`` -> :class:`MLADotProductAttention` (see the module docstring);
+    * ``linear_q_down_proj`` / ``linear_kv_down_proj`` -> duplicated (not TP-split) Linears,
+      what the TE spec uses (``TELinear`` with ``parallel_mode="duplicated"``). Answers
+      megatron/core/models/gpt/gpt_layer_specs.py (``get_gpt_layer_local_spec`` builds them as
+      ``ColumnParallelLinear``) with megatron/core/transformer/multi_latent_attention.py
+      (``get_query_key_value_tensors``): on that branch ``kv_combined`` is gathered over TP
+      and ``k_pos_emb`` (the rope key, shared by all heads) is split off the gathered tensor,
+      so its gradient, which each TP rank computes from its own heads only, is never summed
+      over TP (the gather's backward only takes this rank's slice). At TP2+SP the grad norm
+      was 1.9% off the 1-process value. The Linear chosen here is the module MLA itself
+      accepts (``multi_latent_attention.Linear``); it marks its weight ``sequence_parallel``
+      under SP, so finalize_model_grads sums its partial (per sequence shard) gradient over TP,
+      and ``k_pos_emb`` is gathered with ``gather_from_sequence_parallel_region``, whose
+      backward reduce-scatters (sums) the heads' contributions.
+
+    Not a patch of Megatron code: a choice among the submodules MLA supports, for the local
+    spec only (the TE spec already uses duplicated ``TELinear``).
+
+    Test: tests/models/test_family_layouts.py (deepseek_v3 at TP2+SP, TP2+EP2, TP2+PP2+EP2 equal
+    the 1-process loss/grad norm; ``ds3cpl-tp2pp1ep1`` builds the down projections as
+    ``ColumnParallelLinear`` again and must still differ, i.e. fails once Megatron fixes the
+    k_pos_emb gradient and this part of the mend is no longer needed).
+
+    Raises RuntimeError when ``multi_latent_attention.Linear`` is unavailable."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if mla.Linear is None:
+        raise RuntimeError(
+            "megatron.core.transformer.multi_latent_attention.Linear is None (modelopt layers not importable):"
+            " the local MLA spec needs it for the duplicated q/kv down projections"
+        )
+    sub.core_attention = MLADotProductAttention
+    sub.linear_q_down_proj = mla.Linear
+    sub.linear_kv_down_proj = mla.Linear

@@ -75,3 +75,34 @@ def make_tiny_qwen3_moe(path: str, tie: bool = False, norm_topk_prob: bool = Tru
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def make_tiny_llama(path: str, tie: bool = True, seed: int = 0, init_std: float = 0.2, **overrides) -> str:
+    """Save a random dense LlamaForCausalLM (fp32) to ``path``: 2 layers, hidden 64, 4 heads /
+    2 KV heads, MLP width 128, vocab 256, tied embeddings by default (as SmolLM2); returns ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        initializer_range=init_std,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw))
+    with torch.no_grad():  # non-trivial norm weights so a swapped norm would show
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path

@@ -436,24 +436,14 @@ class DeepseekV3Family(ModelFamily):
         cfg = self.transformer_config(hf_config, pipeline_model_parallel_size=pp)
         block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=use_te, normalization="RMSNorm")
         if not use_te:
-            # Megatron 0.16.1's local MLA spec is not buildable (see moe_async.compat.mla_local_attention)
-            from moe_async.compat.mla_local_attention import MLADotProductAttention, mend_mla_without_te
+            # Megatron 0.16.1's local MLA spec is neither buildable nor exact under TP as is
+            # (core attention; q/kv down projections): see moe_async.compat.mla_local_attention
+            from moe_async.compat.mla_local_attention import local_mla_submodules, mend_mla_without_te
 
             mend_mla_without_te()
-
-            # The q / kv down projections are duplicated (not TP-split) Linears, as in the TE
-            # spec ("duplicated" TELinear). With the local spec's ColumnParallelLinear, Megatron
-            # 0.16.1 (multi_latent_attention.py, get_query_key_value_tensors, the "gather"
-            # branch) never sums k_pos_emb's gradient over the TP ranks' heads: at TP2+SP the
-            # grad norm was 1.9% off the 1-process value. The Linear's weight is marked
-            # sequence_parallel, so finalize_model_grads all-reduces its grad over TP.
-            import megatron.core.transformer.multi_latent_attention as mla
-
             for spec in {id(s): s for s in block.layer_specs}.values():
                 sub = spec.submodules.self_attention.submodules
-                sub.core_attention = MLADotProductAttention
-                sub.linear_q_down_proj = mla.Linear
-                sub.linear_kv_down_proj = mla.Linear
+                local_mla_submodules(sub)
                 # HF's q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever rms_norm_eps is
                 sub.q_layernorm = _fixed_eps_norm(sub.q_layernorm, _HF_LATENT_NORM_EPS)
                 sub.kv_layernorm = _fixed_eps_norm(sub.kv_layernorm, _HF_LATENT_NORM_EPS)

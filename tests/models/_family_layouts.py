@@ -1,0 +1,176 @@
+"""Model families at parallel layouts (CPU/gloo), run as ONE process per world size (Megatron's
+parallel state and the compat layer are process-global; the process group is owned here, and
+each trainer builds and destroys its own parallel state inside it).
+
+Checkpoints (tiny, random, fp32, written by ``ref`` before Megatron is imported):
+    ds3    deepseek_v3: 4 layers (first dense), MLA with q_lora, 8 routed experts top-4 in 4
+           groups (2 chosen), 1 shared expert, non-zero fp32 e_score_correction_bias
+    qwen3  qwen3_moe: 2 layers, GQA + qk-norm, 4 experts top-2, norm_topk_prob=True, untied
+    llama  dense llama: 2 layers, GQA, tied embeddings (as SmolLM2)
+
+Modes:
+    python _family_layouts.py ref TMP
+        writes the checkpoints under TMP, runs transformers' forward (HF logprobs) and the
+        1-process trainer of every checkpoint -> TMP/ref.json
+    torchrun --nproc_per_node W _family_layouts.py run TMP OUT.json CASE [CASE ...]
+        CASE = ``{ckpt}-tp{t}pp{p}ep{e}``; for each: logprobs, HF export == checkpoint, two
+        optimizer steps -> OUT.json (rank 0). ckpt ``ds3cpl``: the ds3 checkpoint with the q/kv
+        down projections built as Megatron's local spec builds them (ColumnParallelLinear),
+        i.e. without that part of moe_async.compat.mla_local_attention.local_mla_submodules
+
+Per run: the 8 samples below (lengths 9..13, one with loss_weight 0), fixed advantages, micro
+batch 2, lr 1e-3, Adam eps 1e-5, aux coeff 0, vocab padded to a multiple of 96 x TP. At DP > 1 the trainer
+gives each DP rank its slice of the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+# mixed signs, but not summing to ~0: a near-zero loss would make its relative difference
+# between layouts measure cancellation (with [1, -.5, .7, -1.2, 3, .4, -.9, 1.5] the loss is
+# -0.02 and fp32 rounding alone gives 7e-6 relative at deepseek_v3 TP2)
+ADV = [1.0, -0.5, 0.7, 1.2, 3.0, 0.4, -0.9, 1.5]
+CKPTS = ("ds3", "qwen3", "llama")
+# Adam's first step moves each weight by lr * g / (|g| + eps): with eps 1e-8, weights whose
+# gradient is ~1e-9 (rounding noise around an exact zero, e.g. key components that only shift
+# a softmax) move by up to lr depending on the last bits of g, and the second step's grad
+# norm then differed by 1.1e-5 (llama TP2) to 1.6e-5 (llama TP2+PP2) from 1 process although
+# the first step's gradients agreed to 1e-6. eps 1e-5 (still << the typical |g| ~ 5e-3) keeps
+# the update a smooth function of g.
+ADAM_EPS = 1e-5
+
+
+def samples(seed: int = 0):
+    from moe_async.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]):
+        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
+        rl = (-torch.rand(r, generator=g) * 6).tolist()
+        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
+                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
+    return out
+
+
+def cfg(tp=1, pp=1, ep=1):
+    from moe_async.trainer.config import TrainerConfig
+
+    return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         expert_model_parallel_size=ep, micro_batch_size=2, moe_aux_loss_coeff=0.0,
+                         lr=1e-3, adam_eps=ADAM_EPS, make_vocab_size_divisible_by=96)
+
+
+def parse(case: str) -> tuple[str, int, int, int]:
+    """``"ds3-tp2pp1ep2"`` -> ``("ds3", 2, 1, 2)``."""
+    ckpt, lay = case.split("-")
+    tp, rest = lay[2:].split("pp")
+    pp, ep = rest.split("ep")
+    return ckpt, int(tp), int(pp), int(ep)
+
+
+def upstream_mla_down_proj(on: bool) -> None:
+    """Build deepseek_v3's q/kv down projections as ColumnParallelLinear (Megatron 0.16.1's
+    local spec) while ``on``; restore the family's spec otherwise."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from moe_async.models.deepseek_v3 import DeepseekV3Family
+
+    orig = getattr(DeepseekV3Family, "_orig_layer_spec", None) or DeepseekV3Family.layer_spec
+    DeepseekV3Family._orig_layer_spec = orig
+    if not on:
+        DeepseekV3Family.layer_spec = orig
+        return
+
+    def layer_spec(self, hf_config, *, use_te=False):
+        block = orig(self, hf_config, use_te=use_te)
+        for spec in block.layer_specs:
+            sub = spec.submodules.self_attention.submodules
+            sub.linear_q_down_proj = sub.linear_kv_down_proj = ColumnParallelLinear
+        return block
+
+    DeepseekV3Family.layer_spec = layer_spec
+
+
+def run(path: str, tp: int, pp: int, ep: int) -> dict:
+    from safetensors.torch import load_file
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    t0 = time.perf_counter()
+    ss = samples()
+    tr = MegatronTrainer(cfg(tp, pp, ep), path)
+    res: dict = {"logp": tr.compute_logprobs(ss)}
+    exported = dict(tr.export_hf_weights())  # collective; rank 0 gets the tensors
+    if exported:
+        disk = load_file(os.path.join(path, "model.safetensors"))
+        res["export_equals_disk"] = set(exported) == set(disk) and all(torch.equal(exported[k], disk[k]) for k in disk)
+    res["steps"] = [{k: m[k] for k in ("loss", "grad_norm", "entropy", "num_tokens")}
+                    for m in (tr.train_step(ss, ADV), tr.train_step(ss, ADV))]
+    tr.close()
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def hf_logprobs(path: str) -> list[list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples():
+            ids = s.prompt_ids + s.response_ids
+            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            P = len(s.prompt_ids)
+            out.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
+    return out
+
+
+def main_ref(tmp: str) -> None:
+    from _tiny import make_tiny_llama, make_tiny_qwen3_moe  # before Megatron is imported
+    from _tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+    make_tiny_deepseek_v3(os.path.join(tmp, "ds3"), num_hidden_layers=4)
+    make_tiny_qwen3_moe(os.path.join(tmp, "qwen3"), tie=False, norm_topk_prob=True)
+    make_tiny_llama(os.path.join(tmp, "llama"), tie=True)
+    out = {}
+    for ck in CKPTS:
+        path = os.path.join(tmp, ck)
+        out[f"{ck}-hf"] = {"logp": hf_logprobs(path)}
+        out[f"{ck}-tp1pp1ep1"] = run(path, 1, 1, 1)
+    with open(os.path.join(tmp, "ref.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main_run(tmp: str, out_path: str, cases: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # once: the trainers (one per case) then do not own it
+    out = {}
+    for case in cases:
+        ck, tp, pp, ep = parse(case)
+        upstream_mla_down_proj(ck == "ds3cpl")
+        out[case] = run(os.path.join(tmp, "ds3" if ck == "ds3cpl" else ck), tp, pp, ep)
+        upstream_mla_down_proj(False)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "ref":
+        main_ref(sys.argv[2])
+    else:
+        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])
