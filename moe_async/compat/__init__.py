@@ -20,6 +20,7 @@ Public API:
     model_parallel_manual_seed(seed)       CPU-safe ``model_parallel_cuda_manual_seed``
     CpuRNGStatesTracker                    CPU RNG tracker (Megatron's tracker interface)
     applied_mends() -> list[str]           names of the mends applied in this process
+    enable_cpu_wgrad_accumulation_fusion() opt-in: Megatron's gradient_accumulation_fusion on CPU
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "model_parallel_manual_seed",
     "CpuRNGStatesTracker",
     "CudaToCpuMode",
+    "enable_cpu_wgrad_accumulation_fusion",
 ]
 
 _LOCK = threading.Lock()
@@ -322,6 +324,53 @@ def _patch_torch_norm_sequence_parallel() -> None:
 
     cls.__new__ = staticmethod(__new__)  # type: ignore[assignment]
     cls._moe_async_sp_mend = True
+
+
+# ---------------------------------------------------------------------------------------
+# Mend 12 (speed, opt-in): weight-gradient accumulation fusion. Answers
+# tensor_parallel/layers.py, which with ``gradient_accumulation_fusion=True`` calls Apex's
+# CUDA extension ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(input, grad_output,
+# main_grad)`` (``main_grad += grad_output^T @ input``) and refuses to build a linear layer
+# when that extension is absent. Without it every linear layer's backward allocates a
+# weight-gradient tensor per micro-batch and DDP's hook adds it to ``main_grad`` in a second
+# pass (distributed_data_parallel.py). The stand-in does the same accumulation with one
+# in-place GEMM (``addmm_``, BLAS beta=1). Applied only by
+# :func:`enable_cpu_wgrad_accumulation_fusion` (the trainer calls it on CPU).
+# ---------------------------------------------------------------------------------------
+class _CpuFusedWeightGradient:
+    """CPU stand-in for Apex's ``fused_weight_gradient_mlp_cuda`` (same signatures).
+
+    ``total_input [T, in]``, ``grad_output [T, out]``, ``main_grad [out, in]`` (fp32, or
+    bf16/fp16 for the ``_fp16`` variant); ``main_grad += grad_output^T @ total_input``.
+    Mixed dtypes (bf16 activations, fp32 main_grad) take the unfused numerics: the GEMM in
+    the activation dtype, then an fp32 add, as Megatron's unfused path does."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        if total_input.dtype == grad_output.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:
+            main_grad.add_(grad_output.t().matmul(total_input))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def enable_cpu_wgrad_accumulation_fusion() -> bool:
+    """Make ``TransformerConfig(gradient_accumulation_fusion=True)`` work on CPU (mend 12).
+    Returns True when the stand-in is in place (False, changing nothing, with CUDA)."""
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.tensor_parallel import layers
+
+    with _LOCK:
+        if not getattr(layers, "_grad_accum_fusion_available", False) or not hasattr(
+            layers, "fused_weight_gradient_mlp_cuda"
+        ):
+            layers.fused_weight_gradient_mlp_cuda = _CpuFusedWeightGradient
+            layers._grad_accum_fusion_available = True
+        if "wgrad_accumulation_fusion" not in _APPLIED:
+            _APPLIED.append("wgrad_accumulation_fusion")
+    return True
 
 
 def apply_cpu_compat() -> bool:

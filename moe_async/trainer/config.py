@@ -24,6 +24,30 @@ class TrainerConfig(BaseModel):
     tensor_model_parallel_size: int = Field(1, ge=1, description="TP size.")
     pipeline_model_parallel_size: int = Field(1, ge=1, description="PP size.")
     expert_model_parallel_size: int = Field(1, ge=1, description="EP size.")
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "CP size (Megatron-Core context parallelism: each sequence split into 2 x CP chunks, "
+            "attention over the CP group). Needs Transformer Engine: Megatron-Core 0.16.1's local "
+            "attention (transformer/dot_product_attention.py) asserts context_parallel_size == 1."
+        ),
+    )
+    virtual_pipeline_model_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Virtual pipeline stages per PP rank (Megatron's interleaved 1F1B schedule). Only "
+            "None/1 is accepted: this trainer builds one model chunk per pipeline rank."
+        ),
+    )
+    use_distributed_optimizer: bool = Field(
+        False,
+        description=(
+            "Megatron's distributed optimizer: Adam state and fp32 main params sharded over the "
+            "data-parallel group (grads reduce-scattered, params all-gathered)."
+        ),
+    )
     lr: float = Field(1e-6, gt=0, description="Adam learning rate.")
     min_lr: float = Field(0.0, ge=0)
     lr_warmup_steps: int = Field(0, ge=0)
@@ -102,4 +126,34 @@ class TrainerConfig(BaseModel):
             raise ValueError("trainer.eps_clip must be < 1")
         if self.mis_low >= self.mis_high:
             raise ValueError(f"trainer.mis_low ({self.mis_low}) must be < trainer.mis_high ({self.mis_high})")
+        if (self.virtual_pipeline_model_parallel_size or 1) > 1:
+            raise ValueError(
+                f"trainer.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} is not "
+                "supported: the trainer builds, loads, exports and checkpoints one model chunk per pipeline "
+                "rank, and Megatron's interleaved schedule needs a list of virtual-stage chunks (unset it)"
+            )
+        if self.context_parallel_size > 1 and not _have_transformer_engine():
+            raise ValueError(
+                f"trainer.context_parallel_size={self.context_parallel_size} needs Transformer Engine "
+                "(not importable here): Megatron-Core's local attention (transformer/"
+                "dot_product_attention.py) asserts 'Context parallelism is only supported by "
+                "TEDotProductAttention'"
+            )
         return self
+
+
+def _have_transformer_engine() -> bool:
+    """True when ``transformer_engine`` imports (with CUDA; the TE layer spec is used)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True

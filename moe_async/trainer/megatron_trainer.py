@@ -96,6 +96,12 @@ class MegatronTrainer:
         self.cfg = cfg
         self.hf_path = hf_path
         self.version = 0
+        if cfg.context_parallel_size > 1:  # the config allows it only where TE is importable
+            raise NotImplementedError(
+                f"trainer.context_parallel_size={cfg.context_parallel_size}: Megatron-Core supports it with "
+                "the TE layer spec, but this trainer does not yet split its packed micro-batches "
+                "(tokens, loss tensors, logprob gather) over the CP ranks"
+            )
         torch.set_num_threads(cfg.num_threads)
         self._owns_dist = False
         self._init_distributed(master_addr, master_port)
@@ -195,6 +201,12 @@ class MegatronTrainer:
             **gpt_kwargs,
         )
         self.router_replay = RouterReplayHook(self.model, self.tf_config, cfg.router_replay)  # router replay
+        # logits of the response positions only (see _forward); not under sequence parallelism
+        self._logit_rows: tuple[Tensor, Tensor] | None = None
+        self._rows_hook = None
+        out_layer = getattr(self.model, "output_layer", None) if self.model.post_process else None
+        if out_layer is not None and not out_layer.sequence_parallel:
+            self._rows_hook = out_layer.register_forward_pre_hook(self._select_logit_rows, with_kwargs=True)
         # Megatron flags expert params for the expert-DP gradient reduction and the expert
         # optimizer only when EP > 1 (moe/experts.py, tensor_parallel/layers.py: allreduce =
         # not (is_expert and EP > 1)). We flag them at every EP:
@@ -215,7 +227,9 @@ class MegatronTrainer:
         self.ddp_model = DistributedDataParallel(
             config=self.tf_config,
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=cfg.use_distributed_optimizer,
             ),
             module=self.model,
         )
@@ -231,7 +245,7 @@ class MegatronTrainer:
             clip_grad=cfg.clip_grad,
             bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(self.opt_config, [self.ddp_model])
         self.tf_config.finalize_model_grads_func = finalize_model_grads
@@ -244,7 +258,7 @@ class MegatronTrainer:
         from moe_async.compat import enable_cpu_wgrad_accumulation_fusion
 
         out: dict[str, Any] = {}
-        if self._cpu and os.environ.get("MOE_ASYNC_WGRAD_FUSION", "1") != "0" and enable_cpu_wgrad_accumulation_fusion():
+        if self._cpu and enable_cpu_wgrad_accumulation_fusion():
             out["gradient_accumulation_fusion"] = True
         return out
 
@@ -326,7 +340,8 @@ class MegatronTrainer:
         Each dict: ``tokens [B,S]`` long, ``position_ids [B,S]``, ``attention_mask
         [B,1,S,S]`` bool (True = masked, causal), and over the S-1 predicted positions:
         ``loss_mask [B,S-1]`` float (response tokens x loss_weight), ``advantages [B,S-1]``,
-        ``rollout_logp [B,S-1]``, ``resp_len [B]``, ``prompt_len [B]``.
+        ``rollout_logp [B,S-1]``, ``resp_len [B]``, ``prompt_len [B]``; ``logit_b [N]``,
+        ``logit_s [N]`` the (sequence, position) of the N response-predicting positions.
         """
         mbs = self.cfg.micro_batch_size
         lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -376,6 +391,10 @@ class MegatronTrainer:
                     resp_len=rlen,
                 )
             )
+            # response positions (b, t): the only rows whose logits the loss and logprobs use
+            rows = [(b, t) for b in range(B) for t in range(int(plen[b]) - 1, int(plen[b] + rlen[b]) - 1)]
+            out[-1]["logit_b"] = torch.tensor([b for b, _ in rows], dtype=torch.long)
+            out[-1]["logit_s"] = torch.tensor([t for _, t in rows], dtype=torch.long)
             out[-1].update(self.router_replay.pack(chunk, S))  # router replay: routes, masks
         return out
 
@@ -384,13 +403,55 @@ class MegatronTrainer:
             return {k: v.cuda(non_blocking=True) for k, v in mb.items()}
         return mb
 
-    def _token_logp(self, logits_BSV: Tensor, tokens_BS: Tensor) -> tuple[Tensor, Tensor]:
-        """``logp_BSV [B,S-1,V]`` (fp32 log-softmax over the HF vocab V: the padded vocab rows
-        are dropped first) and the logprob ``[B,S-1]`` of tokens 1..S-1."""
-        logits_BSV = logits_BSV[..., : self.vocab_size]
-        logp_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
-        logp = logp_BSV.gather(-1, tokens_BS[:, 1:].unsqueeze(-1)).squeeze(-1)
-        return logp_BSV, logp
+    def _forward(self, model, mb: dict[str, Tensor]) -> tuple[Tensor, bool]:
+        """Forward of one micro-batch: ``(output, rows_only)``. On the last PP stage the
+        output is the logits: ``[1,N,V_padded]`` for the N response positions of
+        ``mb["logit_b"/"logit_s"]`` when ``rows_only`` (the output layer is applied to those
+        hidden states only: prompt positions carry no loss), else ``[B,S,V_padded]``. Rows
+        are selected when the output layer is not sequence parallel (TP == 1); under
+        sequence parallelism its input is this rank's sequence shard and all rows go."""
+        rows_only = self._rows_hook is not None
+        self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
+        try:
+            return model(mb["tokens"], mb["position_ids"], mb["attention_mask"]), rows_only
+        finally:
+            self._logit_rows = None
+
+    def _select_logit_rows(self, module, args, kwargs):
+        """Forward pre-hook of the output layer (see :meth:`_forward`): hidden ``[S,B,H]`` ->
+        ``[N,1,H]`` of the selected (position, sequence) rows."""
+        if self._logit_rows is None:
+            return None
+        s, b = self._logit_rows
+        return (args[0][s, b].unsqueeze(1), *args[1:]), kwargs
+
+    def _token_logp(self, logits: Tensor, mb: dict[str, Tensor], rows_only: bool,
+                    entropy: bool = False) -> tuple[Tensor | None, Tensor]:
+        """``(entropy [B,S-1] or None, logp [B,S-1])``: fp32 (fp64 for fp64 logits) log-softmax over the HF vocab V
+        (the padded vocab rows are dropped first); ``logp[b,t]`` = log-prob of token t+1,
+        ``entropy[b,t]`` of the predicted distribution (no grad). With ``rows_only``
+        (``logits [1,N,V_padded]``) positions other than the response rows hold 0."""
+        tokens = mb["tokens"]
+        B, S = tokens.shape
+        wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        if rows_only:
+            b, s = mb["logit_b"], mb["logit_s"]
+            logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
+            lp = logp_NV.gather(-1, tokens[b, s + 1].unsqueeze(-1)).squeeze(-1)
+            logp = torch.zeros(B, S - 1, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
+            ent = None
+            if entropy:
+                with torch.no_grad():
+                    e = -(logp_NV.exp() * logp_NV).sum(-1)
+                    ent = torch.zeros(B, S - 1, dtype=e.dtype, device=e.device).index_put((b, s), e)
+            return ent, logp
+        logp_BSV = torch.log_softmax(logits[:, :-1, : self.vocab_size].to(wide), dim=-1)
+        logp = logp_BSV.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
+        return ent, logp
 
     # ------------------------------------------------------------------ train
     def train_step(self, batch: list[Sample], advantages: list[float]) -> dict[str, float]:
@@ -436,8 +497,8 @@ class MegatronTrainer:
         num_mb = len(mbs_list)
         S_max = max(mb["tokens"].shape[1] for mb in mbs_list)
 
-        def loss_func(mb: dict[str, Tensor], logits_BSV: Tensor):
-            logp_BSV, logp = self._token_logp(logits_BSV, mb["tokens"])
+        def loss_func(mb: dict[str, Tensor], rows_only: bool, logits: Tensor):
+            ent, logp = self._token_logp(logits, mb, rows_only, entropy=True)
             mask = mb["loss_mask"]
             loss_sum, m = grpo_token_loss(
                 logp,
@@ -455,7 +516,6 @@ class MegatronTrainer:
                 opsm_delta=cfg.opsm_delta,
             )
             with torch.no_grad():
-                ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
                 n = m["num_tokens"]
                 sums = {k: m[k] * n for k in _METRIC_KEYS if k in m}
                 sums["entropy"] = (ent * (mask > 0)).sum()
@@ -469,8 +529,8 @@ class MegatronTrainer:
         def forward_step(data_iterator, model):
             mb = self._to_device(next(data_iterator))
             self.router_replay.before_forward(mb)  # router replay: this micro-batch's routes
-            logits = model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
-            return logits, partial(loss_func, mb)
+            logits, rows_only = self._forward(model, mb)
+            return logits, partial(loss_func, mb, rows_only)
 
         def record_forward(mb):  # router replay (R2): the old policy's own routes
             mb = self._to_device(mb)
@@ -653,15 +713,15 @@ class MegatronTrainer:
         with cpu_device_scope():
             mbs_list = self._pack(samples, None)
 
-            def loss_func(mb, logits_BSV):
-                _, logp = self._token_logp(logits_BSV, mb["tokens"])
-                return logits_BSV.sum() * 0.0, {"logp": logp.float().cpu()}
+            def loss_func(mb, rows_only, logits):
+                _, logp = self._token_logp(logits, mb, rows_only)
+                return logits.sum() * 0.0, {"logp": logp.float().cpu()}
 
             def forward_step(data_iterator, model):
                 mb = self._to_device(next(data_iterator))
                 self.router_replay.before_forward(mb)  # router replay (R3: engine routes)
-                logits = model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
-                return logits, partial(loss_func, mb)
+                logits, rows_only = self._forward(model, mb)
+                return logits, partial(loss_func, mb, rows_only)
 
             self.ddp_model.eval()
             with self.router_replay.step(mbs_list):  # router replay: set/clear (R2: own routes)

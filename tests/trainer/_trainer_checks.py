@@ -44,7 +44,10 @@ def hf_logprobs(path: str, ss: list[Sample]) -> list[list[float]]:
 
 
 def main(tmp: str) -> None:
-    res: dict = {}
+    from megatron.core.tensor_parallel import layers
+
+    # compat mend 12 still needed: without Apex, Megatron refuses gradient_accumulation_fusion
+    res: dict = {"apex_wgrad_fusion_before": bool(layers._grad_accum_fusion_available)}
     ss = samples()
     adv = [1.0, -0.5, 0.7, -1.2, 3.0]
     for tie in (True, False):
@@ -52,6 +55,7 @@ def main(tmp: str) -> None:
         t0 = time.perf_counter()
         tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3), path)
         res[f"build_s_{tie}"] = time.perf_counter() - t0
+        res["grad_accum_fusion"] = bool(tr.tf_config.gradient_accumulation_fusion)
         mine, ref = tr.compute_logprobs(ss), hf_logprobs(path, ss)
         res[f"parity_maxdiff_{tie}"] = max(abs(a - b) for x, y in zip(mine, ref) for a, b in zip(x, y))
         res[f"parity_lens_ok_{tie}"] = [len(x) for x in mine] == [len(s.response_ids) for s in ss]
@@ -77,13 +81,21 @@ def main(tmp: str) -> None:
         if not tie:
             tr.close()
 
-    # micro-batch invariance (aux coeff 0: the load-balancing loss is per micro-batch by design)
+    # micro-batch invariance: the same global batch split into 1, 2, 4 micro-batches (aux
+    # coeff 0: Megatron's load-balancing loss is defined per micro-batch, over its tokens, so
+    # it is not split-invariant by design); clip_grad huge so the step leaves main_grad as is
     path = os.path.join(tmp, "tie1")
-    inv = {}
-    for mbs in (1, 4):
-        tr = MegatronTrainer(TrainerConfig(micro_batch_size=mbs, moe_aux_loss_coeff=0.0, lr=1e-3), path)
+    inv, grads = {}, {}
+    for mbs in (1, 2, 4):
+        tr = MegatronTrainer(TrainerConfig(micro_batch_size=mbs, moe_aux_loss_coeff=0.0, lr=1e-3, clip_grad=1e9),
+                             path)
         inv[mbs] = tr.train_step(ss, adv)
-    res["mb_invariance"] = {k: (inv[1][k], inv[4][k]) for k in ("loss", "grad_norm", "num_tokens", "kl_k3")}
+        grads[mbs] = torch.cat([p.main_grad.detach().flatten().double() for p in tr.model.parameters()])
+    res["mb_invariance"] = {
+        f"{k}_{mbs}": (inv[1][k], inv[mbs][k]) for mbs in (2, 4) for k in ("loss", "grad_norm", "num_tokens", "kl_k3")
+    }
+    res["mb_grad_rel"] = {str(mbs): float((grads[mbs] - grads[1]).norm() / grads[1].norm()) for mbs in (2, 4)}
+    res["mb_grad_n"] = int(grads[1].numel())
 
     tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.01, lr=1e-3), path)
     res["aux_step"] = tr.train_step(ss, adv)

@@ -3,7 +3,8 @@ HF export, C4 (experts saved once, reload at other EP) and C10 (aux loss on ever
 
 Three launches in all (see _layout_checks.py): the 1-process reference (plain python), one
 2-process torchrun looping over {TP2+SP, EP2, PP2} and one 4-process torchrun looping over
-{TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4} + C4; Megatron's parallel state is destroyed and
+{TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4} + C4, plus Megatron's distributed optimizer at DP2
+(2 processes), EP2 x DP2 and TP2 x DP2 (4 processes); Megatron's parallel state is destroyed and
 re-initialised between layouts inside a launch. Each layout: load the same tiny Mixtral (2
 layers, hidden 64, 4 experts top-2, vocab 256 padded to 96 x TP, fp32), export, two
 optimizer steps on the same 8 samples (aux coeff 0).
@@ -25,6 +26,9 @@ HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_layout_checks.py")
 W2 = ["tp2pp1ep1-tie0", "tp1pp1ep2-tie1", "tp1pp2ep1-tie1", "tp2pp1ep1-qwen3"]
 W4 = ["tp2pp1ep2-tie0", "tp1pp2ep2-tie0", "tp2pp2ep2-tie1", "tp1pp1ep4-tie1", "tp2pp2ep2-qwen3n"]
+# Megatron's distributed optimizer ("do"): DP2 (2 processes), EP2 x DP2 and TP2 x DP2 (4)
+DO2 = ["tp1pp1ep1do-tie0"]
+DO4 = ["tp1pp1ep2do-tie1", "tp2pp1ep1do-qwen3"]
 REFS = ["tie0", "tie1", "qwen3", "qwen3n"]
 REL = 1e-5
 
@@ -61,8 +65,8 @@ def _torchrun(n: int, tmp: str, out: str, layouts: list[str]) -> float:
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("layouts"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
-    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), W2)
-    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, "c4"])
+    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), W2 + DO2)
+    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4"])
     out = {}
     for name in ("ref", "w2", "w4"):
         with open(os.path.join(tmp, f"{name}.json")) as f:
@@ -76,7 +80,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("layout", W2 + W4)
+@pytest.mark.parametrize("layout", W2 + W4 + DO2 + DO4)
 def test_layout_equals_one_process(res, layout):
     ref = res[layout.split("-")[1]]
     got = res[layout]
@@ -93,7 +97,7 @@ def test_layout_equals_one_process(res, layout):
         assert max(abs(a - b) for a, b in zip(x, y)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", REFS + W2 + W4)
+@pytest.mark.parametrize("layout", REFS + W2 + W4 + DO2 + DO4)
 def test_export_bit_exact_after_load(res, layout):
     assert res[layout]["export_equals_disk"] is True
     assert res[layout]["checksums_agree_on_ranks"] is True

@@ -54,8 +54,18 @@ def test_train_step(res, tie):
 
 
 def test_micro_batch_invariance(res):
+    """1, 2 and 4 micro-batches of the same 5-sample batch: loss, grad norm and the whole
+    gradient (every parameter's main_grad, as one vector) agree within 1e-5 relative (fp32).
+
+    Measured (fp32): gradient |g_k - g_1| / |g_1| = 1.9e-6 for k = 2, 4 (6.9e-8 between 2 and
+    4), loss 9e-7, grad norm 1.7e-6. The residual is rounding: the same run with the model in
+    float64 (optimizer step skipped: Megatron's clip asserts fp32 grads) gives loss 3e-15 and
+    gradients 7e-9, the latter from Megatron's router softmax, which is float32 by design."""
     for k, (a, b) in res["mb_invariance"].items():
         assert abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-12), (k, a, b)
+    assert res["mb_grad_n"] > 10_000
+    for mbs, rel in res["mb_grad_rel"].items():
+        assert rel <= 1e-5, (mbs, rel)
 
 
 def test_moe_aux_loss_included(res):
@@ -81,3 +91,11 @@ def test_off_policy_corrections_through_the_trainer(res):
     assert d["is_masked_frac"] == 0.0
     # random rollout logprobs are far from the model's: IcePop (beta 2) masks most tokens
     assert 0 < c["icepop"]["is_masked_frac"] <= 1
+
+
+def test_cpu_wgrad_accumulation_fusion_mend(res):
+    """Compat mend 12: Apex's fused_weight_gradient_mlp_cuda is absent (Megatron would refuse
+    gradient_accumulation_fusion), the trainer turns the fusion on through the stand-in, and
+    the parity / invariance / layout checks above run with it."""
+    assert res["apex_wgrad_fusion_before"] is False
+    assert res["grad_accum_fusion"] is True
