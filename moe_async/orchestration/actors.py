@@ -177,6 +177,33 @@ class TrainerActor:
     def checksums(self) -> dict[str, str]:
         return self.trainer.hf_checksums()
 
+    def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
+        """Write ``<save_dir>/step_<step>`` (torch_dist model + optimizer, RNG, version and
+        ``extra``) and point ``<save_dir>/latest`` at it; returns the checkpoint path.
+
+        The checkpoint is written under ``step_<step>.tmp`` and renamed when complete, and
+        ``latest`` is replaced atomically after that, so a crash never leaves a partial
+        checkpoint under a valid name."""
+        import os
+        import shutil
+
+        final = os.path.join(save_dir, f"step_{step}")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        self.trainer.save_checkpoint(tmp, extra={**extra, "step": step})
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
+            f.write(f"step_{step}\n")
+        os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+        return final
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Load model, optimizer, version (hence LR schedule) and RNG from ``path``; returns
+        the ``extra`` dict saved with it (``step``, ``dataset``)."""
+        return self.trainer.load_checkpoint(path)
+
     def check_engines(self, urls: list[str]) -> dict[str, float]:
         """Check mode: compare per-tensor checksums of every engine with the trainer's.
 
@@ -271,6 +298,14 @@ class RolloutActor:
 
     async def metrics(self) -> dict[str, Any]:
         return self.manager.metrics()
+
+    async def data_state(self) -> dict[str, int]:
+        """The train-prompt position (epoch, index in its seeded order), for checkpoints."""
+        return self.dataset.state_dict()
+
+    async def load_data_state(self, state: dict[str, int]) -> None:
+        """Continue the train prompts from a checkpoint's position (before :meth:`start`)."""
+        self.dataset.load_state_dict(state)
 
     async def close(self) -> None:
         self.reward_pool.close()

@@ -18,6 +18,16 @@ counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
 ``perf/wait_seconds`` (trainer waiting for the batch), ``perf/step_seconds`` (wait + train +
 sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
 outstanding during the step); the last cumulative values are in ``summary["perf"]``.
+
+Checkpoints and resume (``trainer.save_interval``, ``trainer.save_dir``, ``trainer.load``):
+every ``save_interval`` steps and after the last one the trainer writes
+``<save_dir>/step_<N>`` (torch_dist model + optimizer, RNG, version, step and the prompt
+position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
+checkpoint before the buffer is made (its admission bound counts from the loaded version,
+case C6), the engines receive the loaded weights by a weight sync before any generation,
+the train prompts continue from the saved position (prompts drawn but not trained at save
+time, i.e. buffered or in flight, are skipped, as slime's data-source offset does), and the
+loop runs steps N+1..num_steps (num_steps counts in total, slime's convention).
 """
 
 from __future__ import annotations
@@ -42,7 +52,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     from moe_async.models.prepare import prepare_hf_checkpoint
     from moe_async.orchestration.actors import BufferActor, EngineManager, RolloutActor, TrainerActor
 
+    load_path, start_step = resolve_checkpoint(cfg)  # refused here, before any process starts
     run_dir = make_run_dir(cfg.logging, cfg.name)
+    save_dir = cfg.trainer.save_dir or str(run_dir / "checkpoints")
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"[moe-async] run dir: {run_dir}", flush=True)
     model_path = str(prepare_hf_checkpoint(cfg.model))
@@ -58,8 +70,22 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         urls = ray.get(engines.launch.remote())
         trainer = TrainerActor.remote(cfg, model_path)
         ray.get(trainer.connect_engines.remote(urls))
-        buffer = BufferActor.remote(B, K, ray.get(trainer.version.remote()))
+        resumed: dict[str, Any] = {}
+        if load_path is not None:
+            resumed = ray.get(trainer.load_checkpoint.remote(load_path))
+            summary["resumed_from"] = load_path
+            summary["start_step"] = start_step
+            summary["loaded_weights_digest"] = weights_digest(ray.get(trainer.checksums.remote()))
+            sync_m = ray.get(trainer.sync_weights.remote())  # engines get the loaded weights
+            if cfg.weight_sync.check:
+                sync_m.update(ray.get(trainer.check_engines.remote(urls)))
+            summary["resume_sync"] = sync_m
+            print(f"[moe-async] resumed from {load_path} at step {start_step} "
+                  f"(weight_version {ray.get(trainer.version.remote())})", flush=True)
+        buffer = BufferActor.remote(B, K, ray.get(trainer.version.remote()))  # v0 = loaded version (C6)
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
+        if resumed.get("dataset"):
+            ray.get(rollout.load_data_state.remote(resumed["dataset"]))
         if cfg.eval_before:
             evaluate(rollout, summary, "eval_before", "before")
         busy0 = {k: v for k, v in ray.get(rollout.metrics.remote()).items() if k.startswith("rollout/engine_busy_s/")}
@@ -68,7 +94,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, ray.get(trainer.version.remote())
         synced_version = version
-        for step in range(1, cfg.num_steps + 1):
+        for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
             groups = None
             while groups is None:
@@ -87,6 +113,12 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                     m.update(ray.get(trainer.check_engines.remote(urls)))
                 ray.get(buffer.set_engine_version.remote(version))
                 synced_version = version
+            si = cfg.trainer.save_interval
+            if si and (step % si == 0 or step == cfg.num_steps):
+                t_save = time.perf_counter()
+                data = ray.get(rollout.data_state.remote())
+                summary["last_checkpoint"] = ray.get(trainer.save_checkpoint.remote(save_dir, step, {"dataset": data}))
+                m["perf/save_seconds"] = time.perf_counter() - t_save
             tokens += m["train/response_tokens"]
             n_samples += m["train/samples"]
             elapsed = time.perf_counter() - t_start
@@ -123,6 +155,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         engine_sums = [SyncEngineClient(u).weights_checksum() for u in urls]
         summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
         summary["final_weight_version"] = version
+        summary["final_weights_digest"] = weights_digest(trainer_sums)
         summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
         summary["wall_seconds"] = time.perf_counter() - t_start
         logger.summary(summary)
@@ -147,6 +180,54 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     if cfg.logging.wandb_mode == "offline":
         print(f"[moe-async] wandb offline run: sync later with `wandb sync {run_dir / 'wandb'}/offline-run-*`", flush=True)
     return summary
+
+
+def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
+    """``(checkpoint dir, its step)`` for ``trainer.load``; ``(None, 0)`` when unset.
+
+    ``trainer.load`` is a ``step_<N>`` directory written by a run, or a save_dir whose
+    ``latest`` file names one. The step is the saved data-side step (``moe_async_state.json``),
+    else the weight_version (``moe_async_version.txt``).
+
+    Raises:
+        ValueError naming ``trainer.load`` when the path does not exist or is not such a
+        checkpoint, and naming ``num_steps`` when it is not above the checkpoint's step.
+    """
+    import json
+    import os
+
+    p = cfg.trainer.load
+    if p is None:
+        return None, 0
+    p = os.path.abspath(os.path.expanduser(p))
+    if not os.path.isdir(p):
+        raise ValueError(f"trainer.load={cfg.trainer.load!r}: no such directory")
+    latest = os.path.join(p, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            p = os.path.join(p, f.read().strip())
+    ver_p, state_p = os.path.join(p, "moe_async_version.txt"), os.path.join(p, "moe_async_state.json")
+    if not (os.path.isfile(ver_p) and os.path.isfile(os.path.join(p, "metadata.json"))):
+        raise ValueError(
+            f"trainer.load={cfg.trainer.load!r}: {p} is not a checkpoint of this trainer (needs the torch_dist "
+            "metadata.json and moe_async_version.txt written by trainer.save_interval)")
+    with open(ver_p) as f:
+        step = int(f.read().strip())
+    if os.path.isfile(state_p):
+        with open(state_p) as f:
+            step = int(json.load(f).get("extra", {}).get("step", step))
+    if cfg.num_steps <= step:
+        raise ValueError(f"num_steps={cfg.num_steps} counts steps in total and the checkpoint trainer.load={p} "
+                         f"is at step {step}: nothing left to train (set num_steps above {step})")
+    return p, step
+
+
+def weights_digest(checksums: dict[str, str]) -> str:
+    """One sha256 over the per-tensor checksums (name-sorted), to compare weights across runs."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(sorted(checksums.items())).encode()).hexdigest()
 
 
 def _mean_engine_busy(rmetrics: dict) -> float:

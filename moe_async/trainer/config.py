@@ -112,6 +112,28 @@ class TrainerConfig(BaseModel):
         ),
     )
     seed: int = 1234
+    # --- checkpoints (driver: moe_async/orchestration/driver.py) ---
+    save_interval: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Save a torch_dist checkpoint (model, optimizer, RNG, step, prompt position) every this "
+            "many steps and after the last step; 0 = never. Written to <save_dir>/step_<N> via a "
+            "temporary name and a rename, then <save_dir>/latest names it."
+        ),
+    )
+    save_dir: str | None = Field(
+        None, description="Directory of the step_<N> checkpoints; None = <run dir>/checkpoints."
+    )
+    load: str | None = Field(
+        None,
+        description=(
+            "Checkpoint to resume from: a step_<N> directory, or a save_dir holding a 'latest' "
+            "file. The run continues at step N+1 and stops at num_steps, which counts steps in "
+            "total, as slime's --num-rollout and verl's total_training_steps do. Checked before "
+            "any process starts."
+        ),
+    )
 
     @field_validator("cpu_affinity")
     @classmethod

@@ -805,10 +805,24 @@ class MegatronTrainer:
         return sums
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Save model + optimizer as a Megatron ``torch_dist`` checkpoint (layout-independent),
-        plus ``version``. The caller's script needs an ``if __name__ == "__main__"`` guard."""
+        plus ``version``, this rank's RNG state and ``extra``.
+
+        Files besides the torch_dist shards: ``moe_async_version.txt`` (``version``);
+        ``moe_async_state.json`` (rank 0: ``version``, the saving ``layout`` and ``extra``, a
+        JSON-able dict, e.g. the driver's data-side step and prompt position);
+        ``moe_async_rng/rank_<r>.pt`` (every rank: python ``random``, numpy, torch CPU and, when
+        CUDA is available, CUDA generator states, and Megatron's RNG tracker states, as
+        Megatron-LM's ``rng_state``). There is no separate scheduler state: the LR is a pure
+        function of ``version`` (:meth:`_set_lr`), so restoring the step restores the schedule.
+        The caller's script needs an ``if __name__ == "__main__"`` guard. Collective."""
+        import json
+        import random
+
+        import numpy as np
         from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel import random as mrandom
 
         os.makedirs(path, exist_ok=True)
         with cpu_device_scope():
@@ -817,17 +831,42 @@ class MegatronTrainer:
                 "optimizer": self.optimizer.sharded_state_dict(self.model.sharded_state_dict()),
             }
             dist_checkpointing.save(sd, path)
-        if torch.distributed.get_rank() == 0:
+        rank = torch.distributed.get_rank()
+        rng = {
+            "layout": self._ckpt_layout(),
+            "random": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "tracker": mrandom.get_cuda_rng_tracker().get_states(),
+        }
+        os.makedirs(os.path.join(path, "moe_async_rng"), exist_ok=True)
+        torch.save(rng, os.path.join(path, "moe_async_rng", f"rank_{rank}.pt"))
+        if rank == 0:
             with open(os.path.join(path, "moe_async_version.txt"), "w") as f:
                 f.write(str(self.version))
+            with open(os.path.join(path, "moe_async_state.json"), "w") as f:
+                json.dump({"version": self.version, "layout": self._ckpt_layout(), "extra": extra or {}}, f)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()  # every rank's files are written when any rank returns
 
-    def load_checkpoint(self, path: str) -> None:
+    def _ckpt_layout(self) -> dict[str, int]:
+        """The world layout RNG states belong to: world size, TP, PP, EP, DP."""
+        return {"world_size": torch.distributed.get_world_size(),
+                "tp": self.cfg.tensor_model_parallel_size, "pp": self.cfg.pipeline_model_parallel_size,
+                "ep": self.cfg.expert_model_parallel_size, "dp": self._dp_size()}
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
-        reshards on load).
+        reshards on load). Returns the ``extra`` dict given to :meth:`save_checkpoint` (``{}``
+        when the checkpoint has none).
 
         Two kinds are accepted:
 
-        * written by :meth:`save_checkpoint`: model, optimizer state and ``version``;
+        * written by :meth:`save_checkpoint`: model, optimizer state and ``version`` (which
+          also restores the LR schedule, a pure function of ``version``); this rank's RNG
+          states are restored when the saving layout (world size, TP, PP, EP, DP) equals this
+          one, else an INFO log line says they are not (Megatron-LM's ``--no-load-rng``);
         * model only (``tools/convert_hf_to_megatron.py``, or any checkpoint without
           optimizer tensors): the model is loaded, the optimizer starts fresh (its
           state, if this trainer already stepped, is cleared; bf16 main params are re-read
@@ -914,3 +953,26 @@ class MegatronTrainer:
         if not has_opt:
             log.warning("checkpoint %s holds no optimizer state: loaded the model only, the optimizer "
                         "starts fresh (weight_version=%d)", path, self.version)
+        rng_p = os.path.join(path, "moe_async_rng", f"rank_{dist.get_rank()}.pt")
+        if os.path.exists(rng_p):
+            rng = torch.load(rng_p, weights_only=False)  # written by save_checkpoint (numpy state)
+            if rng["layout"] == self._ckpt_layout():
+                import random
+
+                import numpy as np
+                from megatron.core.tensor_parallel import random as mrandom
+
+                random.setstate(rng["random"])
+                np.random.set_state(rng["numpy"])
+                torch.set_rng_state(rng["torch"])
+                if rng["cuda"] is not None and torch.cuda.is_available():
+                    torch.cuda.set_rng_state_all(rng["cuda"])
+                mrandom.get_cuda_rng_tracker().set_states(rng["tracker"])
+            else:
+                log.info("checkpoint %s: RNG state not restored, the layout changed (saved %s, now %s)",
+                         path, rng["layout"], self._ckpt_layout())
+        state_p = os.path.join(path, "moe_async_state.json")
+        if os.path.exists(state_p):
+            with open(state_p) as f:
+                return dict(json.load(f).get("extra") or {})
+        return {}
