@@ -33,6 +33,7 @@ loop runs steps N+1..num_steps (num_steps counts in total, slime's convention).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from moe_async.config import ExperimentConfig, dump_config
@@ -54,7 +55,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
 
     load_path, start_step = resolve_checkpoint(cfg)  # refused here, before any process starts
     run_dir = make_run_dir(cfg.logging, cfg.name)
-    save_dir = cfg.trainer.save_dir or str(run_dir / "checkpoints")
+    # absolute: the trainer actor's working directory need not be the driver's
+    save_dir = str(Path(cfg.trainer.save_dir).expanduser().resolve()) if cfg.trainer.save_dir else str(run_dir / "checkpoints")
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"[moe-async] run dir: {run_dir}", flush=True)
     model_path = str(prepare_hf_checkpoint(cfg.model))

@@ -33,12 +33,12 @@ def _procs_with_tag(tag: str) -> list[int]:
     return out
 
 
-def _train(out: Path, *overrides: str) -> tuple[dict, list[dict]]:
+def _train(out: Path, *overrides: str, cwd: Path = ROOT) -> tuple[dict, list[dict]]:
     tag = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MOE_ASYNC_TEST_TAG": tag}
     cmd = [sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), f"logging.output_dir={out}",
            "eval_before=false", "eval_after=false", "logging.wandb_mode=disabled", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert _procs_with_tag(tag) == []  # engines, Ray workers and raylet all gone
     (run_dir,) = list(out.iterdir())
@@ -48,8 +48,9 @@ def _train(out: Path, *overrides: str) -> tuple[dict, list[dict]]:
 
 
 def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> None:
-    ckpt = tmp_path / "ckpt"
-    s1, steps1 = _train(tmp_path / "a", "num_steps=2", "trainer.save_interval=1", f"trainer.save_dir={ckpt}")
+    ckpt = tmp_path.resolve() / "ckpt"  # given relative to the driver's cwd: resolved by the driver
+    s1, steps1 = _train(tmp_path / "a", "num_steps=2", "trainer.save_interval=1", "trainer.save_dir=ckpt",
+                        cwd=tmp_path)
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_1", "step_2"]  # no *.tmp left
     assert (ckpt / "latest").read_text().strip() == "step_2"
     for n in (1, 2):
