@@ -468,6 +468,7 @@ class BroadcastTransport(WeightTransport):
         t_paused = t0
         nbytes, nbuckets, bcast_s, oversize, ack_s = 0, 0, 0.0, 0, 0.0
         pending: list[tuple[int, Any]] = []
+        last_posted = False
         try:
             if whole:
                 self._pause()
@@ -495,6 +496,7 @@ class BroadcastTransport(WeightTransport):
                     ))
                     for i, c in enumerate(self.clients)
                 ]
+                last_posted = last
                 tb = time.perf_counter()
                 group_broadcast(self.group, flat, src=0)
                 bcast_s += time.perf_counter() - tb
@@ -506,6 +508,21 @@ class BroadcastTransport(WeightTransport):
             for i, f in pending:
                 self._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_distributed")
             ack_s = time.perf_counter() - ta
+        except BaseException:
+            if pending and not last_posted:
+                # abandoned mid-update (e.g. the exporter raised): the engines hold staged
+                # buckets that no versioned call will apply or drop; leaving the group makes
+                # them drop those (embedded engine), so the next update starts clean. The
+                # transport must be connect()ed again.
+                for _, f in pending:
+                    try:
+                        f.result(timeout=self.cfg.timeout_s)
+                    except Exception:  # noqa: BLE001 - the original error is what propagates
+                        pass
+                log.warning("weight sync abandoned before its last bucket: leaving the update group "
+                            "(engines drop the staged buckets); connect() before the next send")
+                self.close()
+            raise
         finally:
             buckets.close()
             if paused:

@@ -265,6 +265,12 @@ class EngineState:
         arena.mark(body.names)
         return len(body.names)
 
+    def drop_staged(self) -> None:
+        """Forget an update that never got its versioned call (the sender gave up mid-update):
+        its staged tensors and its failure, so they do not leak into the next update."""
+        self.arena.discard()
+        self.update_error = None
+
     # --- weight-sync addition: scratch receive buffer reused across buckets and updates ---
     def _recv_buffer(self, n: int) -> torch.Tensor:
         """A scratch buffer of ``n`` bytes for a bucket that cannot land in the arena directly
@@ -442,6 +448,8 @@ def create_app(state: EngineState) -> FastAPI:
         except Exception as e:
             return _fail(f"init_weights_update_group failed: {type(e).__name__}: {e}")
         state.groups[body.group_name] = group
+        async with state.update_lock:  # a new sender: an update it did not finish is dropped
+            state.drop_staged()
         if not state.arena.bound:  # weight-sync: live/standby buffers now, not in the first update
             await on_sched(state.arena.bind)
         return {"success": True, "message": f"joined {body.group_name!r} as rank {body.rank_offset}"}
@@ -450,6 +458,8 @@ def create_app(state: EngineState) -> FastAPI:
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput):
         if state.groups.pop(body.group_name, None) is None:
             return _fail(f"no weight update group named {body.group_name!r}")
+        async with state.update_lock:  # the sender left: an update it did not finish is dropped
+            state.drop_staged()
         return {"success": True, "message": "destroyed"}
 
     @app.post("/update_weights_from_distributed")
@@ -476,7 +486,8 @@ def create_app(state: EngineState) -> FastAPI:
                 msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
                 # a sender may post later buckets before it reads this reply: they are received
                 # and refused until the update's versioned call, which fails and clears this
-                state.update_error = msg if version is None else None
+                # (the first failure is kept: a refusal names it, not the refusal before it)
+                state.update_error = (state.update_error or msg) if version is None else None
                 return _fail(f"{msg} (staged update of {dropped} tensors discarded)")
             if version is None:
                 return {"success": True, "message": f"staged {n} tensors ({len(state.arena.fresh)} in total)"}
