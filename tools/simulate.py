@@ -754,6 +754,20 @@ def compare_modes(base: SimConfig, ks: tuple[int, ...] = (1, 2)) -> list[dict[st
 
 
 # ------------------------------------------------------------------------ calibration
+def _parse_file(path: Path, parse, errors) -> Any:
+    """``parse(path's text)``; a parse error, or a top level that is not a mapping (a list
+    for a ``.jsonl``), raises ValueError naming ``path``."""
+    try:
+        data = parse(path.read_text())
+    except errors as e:
+        raise ValueError(f"{path}: cannot parse: {e}") from None
+    want = list if path.suffix == ".jsonl" else dict
+    if not isinstance(data, want):
+        raise ValueError(f"{path}: top level must be a {'list of objects' if want is list else 'mapping'}, "
+                         f"got {type(data).__name__}")
+    return data
+
+
 def _read_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
     import yaml
 
@@ -761,9 +775,12 @@ def _read_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir / name}: not found (a run directory of `moe-async train` has "
                                     "config.yaml, metrics.jsonl and summary.json)")
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    cfg = _parse_file(run_dir / "config.yaml", yaml.safe_load, yaml.YAMLError)
+    steps = _parse_file(run_dir / "metrics.jsonl",
+                        lambda t: [json.loads(x) for x in t.splitlines() if x.strip()], ValueError)
+    if any(not isinstance(x, dict) for x in steps):
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: every line must be a JSON object")
+    summary = _parse_file(run_dir / "summary.json", json.loads, ValueError)
     if not steps:
         raise ValueError(f"{run_dir / 'metrics.jsonl'}: no steps logged")
     for k in ("train/step_time_s", "train/samples", "train/response_tokens", "perf/step_seconds",
@@ -838,7 +855,7 @@ def measured_from_bench(path: str | Path) -> list[dict[str, Any]]:
     from moe_async.config import load_config
 
     path = Path(path)
-    data = json.loads(path.read_text())
+    data = _parse_file(path, json.loads, ValueError)
     if not isinstance(data.get("modes"), dict) or "config" not in data:
         raise ValueError(f"{path}: not a tools/bench_async.py --json file with 'modes' and 'config'")
     out = []

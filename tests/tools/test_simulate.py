@@ -235,6 +235,25 @@ def test_calibrate_names_a_missing_file(tmp_path):
         sim.calibrate(tmp_path)
 
 
+@pytest.mark.parametrize("name,text", [("config.yaml", "a: [\n"), ("config.yaml", "[1]\n"),
+                                       ("metrics.jsonl", '{"a": 1}\n{trunc'),
+                                       ("metrics.jsonl", "[1]\n"), ("summary.json", "")])
+def test_calibrate_names_a_corrupt_run_file(tmp_path, name, text):
+    files = {"config.yaml": "name: x\n", "metrics.jsonl": '{"a": 1}\n', "summary.json": "{}"}
+    files[name] = text
+    for n, t in files.items():
+        (tmp_path / n).write_text(t)
+    with pytest.raises(SystemExit, match=f"--calibrate: .*{name}"):
+        sim.main(["--calibrate", str(tmp_path)])
+
+
+@pytest.mark.parametrize("text", ["garbage", "[1]"])
+def test_calibrate_names_a_corrupt_bench_json(tmp_path, text):
+    (tmp_path / "b.json").write_text(text)
+    with pytest.raises(SystemExit, match="--calibrate: .*b.json"):
+        sim.main(["--calibrate", str(tmp_path / "b.json")])
+
+
 def test_cli_cluster_scenario_runs(tmp_path, capsys):
     out = tmp_path / "o.json"
     assert sim.main(["--set", "num_steps=4", "--set", "num_engines=2", "--staleness", "2", "--json", str(out)]) == 0
