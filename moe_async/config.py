@@ -178,4 +178,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def dump_config(cfg: ExperimentConfig) -> str:
     """Serialise a config back to YAML (round-trips through :func:`load_config`)."""
-    return yaml.safe_dump(cfg.model_dump(by_alias=True), sort_keys=False)
+    from moe_async.models.config import RANDOM_ONLY_FIELDS
+
+    data = cfg.model_dump(by_alias=True)
+    if cfg.model.source != "random_moe":  # sizes of a random model: not this run's model
+        data["model"] = {k: v for k, v in data["model"].items() if k not in RANDOM_ONLY_FIELDS}
+    return yaml.safe_dump(data, sort_keys=False)

@@ -98,3 +98,14 @@ def test_duplicate_yaml_keys_rejected(tmp_path):
         load_config(f)
     f.write_text("trainer:\n  lr: 3.0e-4\n")  # the same keys in different sections are fine
     assert load_config(f).trainer.lr == 3.0e-4
+
+
+def test_random_model_sizes_only_with_random_source():
+    """The random_moe size fields neither appear in a dumped upcycled/hf config (they are not
+    the run's model) nor are accepted with those sources (they would be ignored)."""
+    cfg = load_config(CONFIGS / "cpu_demo.yaml")
+    text = dump_config(cfg)
+    assert "num_layers" not in text and "hidden_size" not in text and "init_seed" in text
+    assert "num_layers: 2" in dump_config(load_config(CONFIGS / "cpu_smoke.yaml"))
+    with pytest.raises(ConfigError, match=r"model: .*model.num_layers sets the size of a random_moe model"):
+        load_config(CONFIGS / "cpu_demo.yaml", ["model.num_layers=30"])

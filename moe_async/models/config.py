@@ -7,6 +7,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+RANDOM_ONLY_FIELDS = frozenset({"num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                                "num_key_value_heads", "max_position_embeddings"})
+
+
 class ModelConfig(BaseModel):
     """Which policy model to train and how it is made.
 
@@ -34,7 +38,7 @@ class ModelConfig(BaseModel):
     router_init_std: float = Field(
         0.02, gt=0, description="Std of the router weights at upcycling (never 0: ties)."
     )
-    # Sizes for source=random_moe only.
+    # Sizes for source=random_moe only (RANDOM_ONLY_FIELDS; refused with any other source).
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
     intermediate_size: int = Field(128, ge=8)
@@ -49,6 +53,10 @@ class ModelConfig(BaseModel):
             raise ValueError(f"model.top_k={self.top_k} > model.num_experts={self.num_experts}")
         if self.source == "hf" and not self.hf_path:
             raise ValueError("model.hf_path is required when model.source='hf'")
+        stray = sorted(RANDOM_ONLY_FIELDS & self.model_fields_set) if self.source != "random_moe" else []
+        if stray:
+            raise ValueError(f"model.{stray[0]} sets the size of a random_moe model; with "
+                             f"model.source={self.source!r} the architecture comes from the checkpoint")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("model.num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_size % self.num_attention_heads:
