@@ -64,6 +64,14 @@ class ExperimentConfig(BaseModel):
                 "data uncorrected; choose one of 'tis', 'tis_seq', 'mis', 'mis_seq', 'icepop', 'opsm', "
                 "'decoupled_ppo' (or set async.mode='sync')"
             )
+        # C1: SGLang applies each bucket as it arrives; pausing only for the last bucket
+        # would serve requests from half-updated weights (the embedded engine stages them)
+        if self.engine.backend == "sglang" and w.transport == "broadcast" and w.pause_scope == "last_bucket":
+            raise ValueError(
+                "weight_sync.pause_scope='last_bucket' needs an engine that stages buckets until the "
+                "versioned last one (engine.backend='embedded'); SGLang applies each bucket at once, so "
+                "requests would be served from half-updated weights: use pause_scope='sync'"
+            )
         # router replay: R3 replays the engine's routes (R2 uses them for the agreement metric)
         r = self.rollout
         if t.router_replay != "off" and not r.return_routed_experts:

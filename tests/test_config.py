@@ -109,3 +109,12 @@ def test_random_model_sizes_only_with_random_source():
     assert "num_layers: 2" in dump_config(load_config(CONFIGS / "cpu_smoke.yaml"))
     with pytest.raises(ConfigError, match=r"model: .*model.num_layers sets the size of a random_moe model"):
         load_config(CONFIGS / "cpu_demo.yaml", ["model.num_layers=30"])
+
+
+def test_last_bucket_pause_refused_with_sglang():
+    # SGLang applies each bucket as it arrives: pausing only for the last one would serve
+    # requests from half-updated weights (C1); the embedded engine stages, so it may.
+    with pytest.raises(ConfigError, match="weight_sync.pause_scope"):
+        load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["engine.backend=sglang", "weight_sync.pause_scope=last_bucket"])
+    assert load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["engine.backend=sglang"]).weight_sync.pause_scope == "sync"
+    assert load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["weight_sync.pause_scope=last_bucket"])
