@@ -100,6 +100,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):  # noqa: D102 (PyYAML hook)
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: merged by the base
+                continue  # loader; a key written next to it overrides the merged one (YAML)
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if key in seen:

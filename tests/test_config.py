@@ -118,3 +118,19 @@ def test_last_bucket_pause_refused_with_sglang():
         load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["engine.backend=sglang", "weight_sync.pause_scope=last_bucket"])
     assert load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["engine.backend=sglang"]).weight_sync.pause_scope == "sync"
     assert load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["weight_sync.pause_scope=last_bucket"])
+
+
+def test_yaml_merge_keys_still_work(tmp_path):
+    # the duplicate-key check must not break YAML anchors with merge keys; an explicit key
+    # next to a merge overrides the merged value (YAML merge semantics), not a duplicate
+    p = tmp_path / "m.yaml"
+    p.write_text("trainer: &t\n  lr: 1.0e-4\n  micro_batch_size: 2\n"
+                 "engine:\n  num_threads: 1\nrollout: {prompts_per_step: 2}\n"
+                 "logging: {wandb_mode: disabled}\n")
+    load_config(p)
+    p.write_text("trainer:\n  <<: {lr: 1.0e-4, micro_batch_size: 2}\n  lr: 2.0e-5\n")
+    cfg = load_config(p)
+    assert cfg.trainer.lr == 2.0e-5 and cfg.trainer.micro_batch_size == 2
+    p.write_text("trainer:\n  <<: {lr: 1.0e-4}\n  lr: 2.0e-5\n  lr: 3.0e-5\n")
+    with pytest.raises(ConfigError, match="duplicate key 'lr' at line 4"):
+        load_config(p)
