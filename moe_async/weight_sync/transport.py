@@ -514,9 +514,10 @@ class BroadcastTransport(WeightTransport):
                 # buckets that no versioned call will apply or drop; leaving the group makes
                 # them drop those (embedded engine), so the next update starts clean. The
                 # transport must be connect()ed again.
+                deadline = time.monotonic() + self.cfg.timeout_s  # one bound for all replies
                 for _, f in pending:
                     try:
-                        f.result(timeout=self.cfg.timeout_s)
+                        f.result(timeout=max(0.0, deadline - time.monotonic()))
                     except Exception:  # noqa: BLE001 - the original error is what propagates
                         pass
                 log.warning("weight sync abandoned before its last bucket: leaving the update group "
