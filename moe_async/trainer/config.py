@@ -154,6 +154,11 @@ class TrainerConfig(BaseModel):
                 "supported: the trainer builds, loads, exports and checkpoints one model chunk per pipeline "
                 "rank, and Megatron's interleaved schedule needs a list of virtual-stage chunks (unset it)"
             )
+        if self.use_distributed_optimizer and self.save_interval > 0:
+            raise ValueError(
+                "trainer.save_interval > 0 with trainer.use_distributed_optimizer=true is not supported yet: "
+                "Megatron 0.16.1's distributed-optimizer checkpoint formats fail on save or load here "
+                "(set save_interval: 0 or use_distributed_optimizer: false)")
         if self.context_parallel_size > 1 and not _have_transformer_engine():
             raise ValueError(
                 f"trainer.context_parallel_size={self.context_parallel_size} needs Transformer Engine "

@@ -824,6 +824,13 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel import random as mrandom
 
+        if self.cfg.use_distributed_optimizer:
+            # Megatron 0.16.1's distributed-optimizer state: the default (fully_sharded_model_space)
+            # format raises 'ShardedTensor.flattened_range is not supported', and a
+            # fully_reshardable save fails to load (KeyError 'step'); not wired yet
+            raise NotImplementedError(
+                "save_checkpoint with trainer.use_distributed_optimizer=true is not supported yet "
+                "(Megatron 0.16.1's distributed-optimizer checkpoint formats fail on save or load)")
         os.makedirs(path, exist_ok=True)
         with cpu_device_scope():
             sd = {
@@ -919,10 +926,28 @@ class MegatronTrainer:
                 "set make_vocab_size_divisible_by (or convert with --vocab-div) so that they agree")
         with cpu_device_scope():
             model_sd = self.model.sharded_state_dict()
+            # torch_dist reads into the tensors it is given: give it copies, so that a load
+            # failing halfway (a truncated shard) leaves this trainer's weights untouched
+            from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+            def _own_copy(x):
+                if isinstance(getattr(x, "data", None), torch.Tensor):
+                    x.data = x.data.detach().clone()
+                return x
+
+            dict_list_map_inplace(_own_copy, model_sd)
             # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
             # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
-            loaded, in_ckpt_only, absent = dist_checkpointing.load(
-                {"model": model_sd}, path, strict=StrictHandling.RETURN_ALL)
+            try:
+                loaded, in_ckpt_only, absent = dist_checkpointing.load(
+                    {"model": model_sd}, path, strict=StrictHandling.RETURN_ALL)
+            except BaseException as e:  # torch's CheckpointException derives from BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+                cause = lines[-1][:200] if lines else ""  # torch's text ends with the rank's error
+                raise RuntimeError(f"checkpoint {path}: cannot read its model tensors, the trainer's "
+                                   f"weights are unchanged ({type(e).__name__}: {cause})") from e
             absent = set(absent)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 everyone: list = [None] * dist.get_world_size()

@@ -108,6 +108,23 @@ def main(tmp: str) -> None:
     tr2 = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.01, lr=1e-3), path)
     tr2.load_checkpoint(ck)
     res["ckpt"] = {"version": tr2.version, "loss": (nxt["loss"], tr2.train_step(ss, adv)["loss"])}
+    # a corrupt checkpoint (every shard file truncated): a named error, weights untouched
+    import shutil
+
+    bad = os.path.join(tmp, "ckpt_truncated")
+    shutil.copytree(ck, bad)
+    for f in os.listdir(bad):
+        if f.endswith(".distcp"):
+            fp = os.path.join(bad, f)
+            with open(fp, "r+b") as fh:
+                fh.truncate(os.path.getsize(fp) // 2)
+    before = tr2.hf_checksums()
+    try:
+        tr2.load_checkpoint(bad)
+        res["corrupt_ckpt"] = {"error": None}
+    except RuntimeError as e:
+        res["corrupt_ckpt"] = {"error": str(e)[:400], "unchanged": tr2.hf_checksums() == before,
+                               "n": len(before)}
     # off-policy corrections (issue 7): decoupled PPO recomputes the proximal policy; with one
     # step per batch it equals the current weights, so loss and grads equal plain TIS
     dec = {}

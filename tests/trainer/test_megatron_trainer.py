@@ -83,6 +83,22 @@ def test_checkpoint_round_trip(res):
     assert a == b
 
 
+def test_corrupt_checkpoint_is_named_and_leaves_weights(res):
+    """Truncated .distcp shards: RuntimeError naming the checkpoint (torch raises a
+    BaseException subclass), and not one of the trainer's tensors changed."""
+    c = res["corrupt_ckpt"]
+    assert c["error"] is not None and "ckpt_truncated" in c["error"] and "unchanged" in c["error"]
+    assert c["unchanged"] and c["n"] > 10
+
+
+def test_distributed_optimizer_checkpoints_refused():
+    from moe_async.trainer.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="save_interval > 0 with trainer.use_distributed_optimizer"):
+        TrainerConfig(use_distributed_optimizer=True, save_interval=1)
+    TrainerConfig(use_distributed_optimizer=True)  # without checkpoints: fine
+
+
 def test_off_policy_corrections_through_the_trainer(res):
     c = res["corrections"]
     t, d = c["tis"], c["decoupled_ppo"]
