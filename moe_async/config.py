@@ -129,6 +129,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {ov!r} is not of the form key.sub=value")
         key, raw = ov.split("=", 1)
         parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {ov!r}: empty key part in {key.strip()!r} (expected key.sub=value)")
         node = data
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})

@@ -134,3 +134,9 @@ def test_yaml_merge_keys_still_work(tmp_path):
     p.write_text("trainer:\n  <<: {lr: 1.0e-4}\n  lr: 2.0e-5\n  lr: 3.0e-5\n")
     with pytest.raises(ConfigError, match="duplicate key 'lr' at line 4"):
         load_config(p)
+
+
+@pytest.mark.parametrize("ov", ["=3", ".lr=1", "trainer..lr=1", "trainer.=1"])
+def test_override_with_empty_key_named(ov):
+    with pytest.raises(ConfigError, match="empty key part"):
+        load_config(None, [ov])
