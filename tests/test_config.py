@@ -140,3 +140,12 @@ def test_yaml_merge_keys_still_work(tmp_path):
 def test_override_with_empty_key_named(ov):
     with pytest.raises(ConfigError, match="empty key part"):
         load_config(None, [ov])
+
+
+@pytest.mark.parametrize("field", ["trainer.cpu_affinity", "engine.cpu_affinity"])
+def test_cpu_affinity_takes_integers_only(field):
+    """YAML ``true`` is not core 1, nor ``"0"`` core 0 (pydantic's lax mode would accept both)."""
+    for bad in ("[true]", '["0"]', "[1.0]"):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(None, [f"{field}={bad}"])
+    assert getattr(load_config(None, [f"{field}=[0]"]), field.split(".")[0]).cpu_affinity == [0]

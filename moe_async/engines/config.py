@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 
 class EngineConfig(BaseModel):
@@ -22,7 +22,7 @@ class EngineConfig(BaseModel):
     base_port: int = Field(0, ge=0, le=65535, description="0 = pick free ports.")
     max_running_requests: int = Field(16, ge=1, description="Decode batch size cap.")
     num_threads: int = Field(1, ge=1, description="torch threads in each engine process.")
-    cpu_affinity: list[int] | None = Field(
+    cpu_affinity: list[StrictInt] | None = Field(
         None,
         description="Core ids every engine server process is pinned to (os.sched_setaffinity, Linux); "
         "None = no pinning. Disjoint from trainer.cpu_affinity models engines and trainer on their own devices.",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 # The off-policy corrections of trainer/loss.py (formulas and sources there).
 OffPolicyCorrection = Literal["none", "tis", "tis_seq", "mis", "mis_seq", "icepop", "opsm", "decoupled_ppo"]
@@ -97,7 +97,7 @@ class TrainerConfig(BaseModel):
     )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux loss weight.")
     num_threads: int = Field(1, ge=1, description="torch threads in the trainer process.")
-    cpu_affinity: list[int] | None = Field(
+    cpu_affinity: list[StrictInt] | None = Field(
         None,
         description="Core ids the trainer process is pinned to (os.sched_setaffinity, Linux); None = no pinning.",
     )
