@@ -27,3 +27,11 @@ def tiny_engine(tmp_path_factory):
         yield eng, model_dir
     finally:
         eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_shapes(tiny_engine):
+    """``{hf_name: torch.Size}`` of every tensor in the tiny engine's checkpoint."""
+    from safetensors.torch import load_file
+
+    return {n: t.shape for n, t in load_file(os.path.join(tiny_engine[1], "model.safetensors")).items()}

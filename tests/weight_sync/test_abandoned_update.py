@@ -6,8 +6,6 @@ once (not nested once per refused bucket)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,12 +17,6 @@ from moe_async.weight_sync.transport import BroadcastTransport
 pytestmark = pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 
 
-def _shapes(model_dir):
-    from safetensors.torch import load_file
-
-    return {n: t.shape for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
-
-
 def _dies_at(items, k):
     for i, it in enumerate(items):
         if i == k:
@@ -32,9 +24,9 @@ def _dies_at(items, k):
         yield it
 
 
-def test_abandoned_update_leaves_nothing_staged(tiny_engine):
-    eng, model_dir = tiny_engine
-    shapes = _shapes(model_dir)
+def test_abandoned_update_leaves_nothing_staged(tiny_engine, tiny_shapes):
+    eng, _ = tiny_engine
+    shapes = tiny_shapes
     client = SyncEngineClient(eng.url, timeout_s=120)
     tr = BroadcastTransport([client], WeightSyncConfig(bucket_bytes=8 * 1024, backend="gloo", timeout_s=120),
                             pause_mode="in_place")

@@ -5,8 +5,6 @@ update fails the whole update (later buckets refused, nothing applied, the next 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,15 +16,9 @@ from moe_async.weight_sync.transport import BroadcastTransport
 pytestmark = pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 
 
-def _shapes(model_dir):
-    from safetensors.torch import load_file
-
-    return {n: t.shape for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
-
-
-def test_layout_order_partial_update_and_failed_bucket(tiny_engine):
-    eng, model_dir = tiny_engine
-    shapes = _shapes(model_dir)
+def test_layout_order_partial_update_and_failed_bucket(tiny_engine, tiny_shapes):
+    eng, _ = tiny_engine
+    shapes = tiny_shapes
     client = SyncEngineClient(eng.url, timeout_s=120)
     tr = BroadcastTransport([client], WeightSyncConfig(bucket_bytes=8 * 1024, backend="gloo", timeout_s=120),
                             pause_mode="in_place")
