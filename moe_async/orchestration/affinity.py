@@ -29,6 +29,23 @@ def check_cpu_affinity(cores: Sequence[int] | None, field: str) -> set[int] | No
     return set(cores)
 
 
+def check_run_placement(trainer_cores: Sequence[int] | None, engine_cores: Sequence[int] | None) -> None:
+    """Launch-time check of ``trainer.cpu_affinity`` and ``engine.cpu_affinity`` on this host.
+
+    Called by the driver before any process or actor is created, so a core id that is valid
+    for the schema but absent here (e.g. ``[7]`` on a 2-core machine) is refused at once
+    instead of when the trainer actor pins itself. Config loading stays host-independent:
+    a config written for another machine still loads (``moe-async show-config``).
+
+    Raises:
+        ValueError: naming the field, its value, the missing cores and the cores this
+            process may run on (``os.sched_getaffinity(0)``, which Ray's workers and the
+            engine servers started from here inherit).
+    """
+    check_cpu_affinity(trainer_cores, "trainer.cpu_affinity")
+    check_cpu_affinity(engine_cores, "engine.cpu_affinity")
+
+
 def pin_this_process(cores: Sequence[int] | None, field: str) -> set[int] | None:
     """Pin every thread of the calling process (``/proc/self/task``) to ``cores``.
 

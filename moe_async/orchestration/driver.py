@@ -38,6 +38,7 @@ from typing import Any
 
 from moe_async.config import ExperimentConfig, dump_config
 from moe_async.logging.run_logger import RunLogger, make_run_dir
+from moe_async.orchestration.affinity import check_run_placement
 from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
 
@@ -53,6 +54,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     from moe_async.models.prepare import prepare_hf_checkpoint
     from moe_async.orchestration.actors import BufferActor, EngineManager, RolloutActor, TrainerActor
 
+    check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # cores of this host, before any process
     load_path, start_step = resolve_checkpoint(cfg)  # refused here, before any process starts
     run_dir = make_run_dir(cfg.logging, cfg.name)
     # absolute: the trainer actor's working directory need not be the driver's

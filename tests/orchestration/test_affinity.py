@@ -102,3 +102,30 @@ def test_engine_process_started_on_its_cores() -> None:
     with pytest.raises(ValueError, match=r"engine\.cpu_affinity"):
         bad.launch()
     assert bad.proc is None
+
+
+@pytest.mark.parametrize("field", ["trainer.cpu_affinity", "engine.cpu_affinity"])
+def test_absent_core_refused_at_launch_before_any_process(field, tmp_path, monkeypatch) -> None:
+    """A core valid for the schema but absent on this host loads (config stays host-independent)
+    and is refused by run_experiment before the run dir, the model, Ray or any engine exists."""
+    import ray
+
+    from moe_async.orchestration import driver
+
+    allowed = sorted(os.sched_getaffinity(0))
+    missing = max(allowed) + 7
+    cfg = load_config(None, [f"{field}=[{min(allowed)}, {missing}]", f"logging.output_dir={tmp_path / 'runs'}"])
+    assert getattr(cfg, field.split(".")[0]).cpu_affinity == [min(allowed), missing]  # loads on any host
+
+    def no_process(*a, **k):  # any of these means the check came too late
+        raise AssertionError("a process/actor/run dir was started before the affinity check")
+
+    monkeypatch.setattr(driver, "make_run_dir", no_process)
+    monkeypatch.setattr(driver, "init_ray", no_process)
+    with pytest.raises(ValueError) as ei:
+        driver.run_experiment(cfg)
+    msg = str(ei.value)
+    assert msg == (f"{field}={[min(allowed), missing]}: cores {[missing]} are not available here "
+                   f"(allowed: {allowed})")
+    assert not ray.is_initialized()
+    assert not (tmp_path / "runs").exists()
