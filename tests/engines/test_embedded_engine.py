@@ -2,7 +2,7 @@
 
 Checks values that would be wrong if the engine were: greedy tokens equal HF
 ``generate``; logprobs equal HF ``log_softmax``; routed experts equal HF's router top-k;
-context clamping; abort/in_place pauses; weight updates over gloo land bit-exactly
+context-length refusals (SGLang's 400s) and clipping; abort/in_place pauses; weight updates over gloo land bit-exactly
 (checksums equal the sender's) and atomically (staged until the versioned call).
 """
 
@@ -132,14 +132,38 @@ def test_batch_input_and_sampling(engine):
         assert [t for _, t, _ in x["meta_info"]["output_token_logprobs"]] == x["output_ids"]
 
 
-def test_context_length_clamps(engine):
+def test_context_length_refusals_and_default_clip(engine):
+    """As SGLang 0.5.23 (no --allow-auto-truncate): prompt >= context and an explicit
+    prompt + max_new_tokens > context are 400s naming the lengths, with SGLang's wording; the
+    default max_new_tokens (128) is clipped to the room left. Prompts are never cut."""
     eng, _, _ = engine
+    url = f"{eng.url}/generate"
+    sp = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    for n in (CTX + 3, CTX):
+        r = httpx.post(url, json={"input_ids": _prompt(n, n), "sampling_params": sp}, timeout=60)
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": f"The input ({n} tokens) is longer than the model's "
+                                                 f"context length ({CTX} tokens)."}}
+    r = httpx.post(url, json={"input_ids": _prompt(CTX - 1, 1), "sampling_params": sp}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        f"Requested token count exceeds the model's maximum context length of {CTX} tokens. "
+        f"You requested a total of {CTX - 1 + 16} tokens: {CTX - 1} tokens from the input messages "
+        "and 16 tokens for the completion. Please reduce the number of tokens in the input messages "
+        "or the completion to fit within the limit.")
+    # a batch with one element too long is refused whole, naming that element's lengths
+    r = httpx.post(url, json={"input_ids": [_prompt(8, 2), _prompt(CTX, 3)], "sampling_params": sp}, timeout=60)
+    assert r.status_code == 400 and f"The input ({CTX} tokens)" in r.json()["error"]["message"]
     with SyncEngineClient(eng.url, timeout_s=60) as c:
-        sp = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
-        outs = [c.generate(_prompt(n, n), sp) for n in (64, 63, 57)]
-        assert [len(o.output_ids) for o in outs] == [0, 1, 7]
-        assert [o.finish_reason for o in outs] == ["length"] * 3
-        assert [o.prompt_tokens for o in outs] == [64, 63, 57]  # never truncated
+        with pytest.raises(EngineRequestError, match=rf"HTTP 400: The input \({CTX} tokens\)"):
+            c.generate(_prompt(CTX, 4), sp)
+        fits = c.generate(_prompt(CTX - 16, 5), sp)  # exactly fills the context: allowed
+        assert len(fits.output_ids) == 16 and fits.finish_reason == "length"
+        no_budget = {"temperature": 0.0, "ignore_eos": True}  # default 128, clipped to the room
+        outs = [c.generate(_prompt(n, n), no_budget) for n in (CTX - 1, CTX - 7)]
+        assert [len(o.output_ids) for o in outs] == [1, 7]
+        assert [o.finish_reason for o in outs] == ["length"] * 2
+        assert [o.prompt_tokens for o in outs] == [CTX - 1, CTX - 7]  # never truncated
         with pytest.raises(EngineRequestError, match="outside"):
             c.generate([1, 999], sp)
         assert c.health()
@@ -325,11 +349,11 @@ def test_sampling_mask(engine):
 
 
 def test_routed_experts_of_empty_completion(engine):
-    """Prompt fills the context: 0 tokens, finish 'length', routes still cover P-1 rows."""
+    """max_new_tokens=0: 0 tokens, finish 'length', routes still cover P-1 rows."""
     eng, _, model = engine
-    prompt = _prompt(CTX, 12)
+    prompt = _prompt(CTX - 1, 12)
     with SyncEngineClient(eng.url, timeout_s=60) as c:
-        o = c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 8}, return_routed_experts=True)
-    assert o.output_ids == [] and o.finish_reason == "length" and o.prompt_tokens == CTX
-    assert o.routed_experts.shape == (CTX - 1, 2, 2)
+        o = c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 0}, return_routed_experts=True)
+    assert o.output_ids == [] and o.finish_reason == "length" and o.prompt_tokens == CTX - 1
+    assert o.routed_experts.shape == (CTX - 2, 2, 2)
     np.testing.assert_array_equal(o.routed_experts, _hf_routing(model, prompt[:-1]))

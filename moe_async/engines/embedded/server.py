@@ -29,8 +29,15 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   Logprobs follow SGLang's default: greedy requests get the raw ``log_softmax(logits)``;
   sampled requests get ``log_softmax(logits / temperature)`` (before top-k/top-p), unless the
   server runs with ``--return-original-logprob`` (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``).
-  A prompt + max_new_tokens beyond the context length clamps max_new_tokens; a prompt that
-  fills the context returns 0 tokens with finish_reason ``length``. Prompts are never cut.
+  Lengths as SGLang's ``TokenizerManager._validate_one_request`` (without
+  ``--allow-auto-truncate``): a prompt of ``>= context_length`` tokens is a 400 ``{"error":
+  {"message": "The input (P tokens) is longer than the model's context length (C tokens)."}}``;
+  an explicit ``max_new_tokens`` with ``P + max_new_tokens > C`` is a 400 ``"Requested token
+  count exceeds the model's maximum context length of C tokens. You requested a total of T
+  tokens: P tokens from the input messages and M tokens for the completion. ..."``; in a batch
+  one such element fails the whole request. Without an explicit ``max_new_tokens`` the default
+  (128) is clipped to ``C - P``, as SGLang's scheduler clips it (SGLang also keeps a margin of
+  one or two tokens below ``C`` there; not modelled). Prompts are never cut.
 * ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``,
   ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
   ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
@@ -163,6 +170,19 @@ class UpdateWeightsFromDistributedReqInput(_Body):
 
 def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _total_tokens_error(prompt_len: int, max_new_tokens: int, context_length: int) -> str | None:
+    """SGLang's refusal of ``prompt + max_new_tokens > context_length`` (its wording, sglang
+    0.5.23 ``TokenizerManager._validate_one_request``), or ``None`` when the request fits."""
+    total = prompt_len + max_new_tokens
+    if total <= context_length:
+        return None
+    return (f"Requested token count exceeds the model's maximum context length "
+            f"of {context_length} tokens. You requested a total of {total} "
+            f"tokens: {prompt_len} tokens from the input messages and "
+            f"{max_new_tokens} tokens for the completion. Please reduce the number "
+            f"of tokens in the input messages or the completion to fit within the limit.")
 
 
 def _fail(message: str, status: int = 400) -> JSONResponse:
@@ -374,10 +394,18 @@ def create_app(state: EngineState) -> FastAPI:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 return _error(f"input_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
+            if len(ids) >= state.context_length:  # SGLang's wording (TokenizerManager._validate_one_request)
+                return _error(f"The input ({len(ids)} tokens) is longer than the "
+                              f"model's context length ({state.context_length} tokens).")
+            sp = pick(body.sampling_params, i, None)
             try:
-                params = SamplingParams.from_dict(pick(body.sampling_params, i, None))
+                params = SamplingParams.from_dict(sp)
             except (ValueError, TypeError) as e:
                 return _error(str(e))
+            if isinstance(sp, dict) and sp.get("max_new_tokens") is not None:
+                err = _total_tokens_error(len(ids), params.max_new_tokens, state.context_length)
+                if err:
+                    return _error(err)
             rid = pick(body.rid, i, None)
             if isinstance(body.rid, str) and not single:
                 rid = f"{body.rid}_{i}"
