@@ -68,11 +68,14 @@ step (~31 s), 60 GB of weights at 20 GB/s + 1 s per sync (4 s, engines paused th
 abort + partial rollouts), reward + put 0.5 s per group, 40 steps, seed 0. Output of
 ``python tools/simulate.py``::
 
-    mode          K   step_s samples/s  steady trainer_idle engine_idle speedup  staleness(tokens)
-    sync          0  816.324     0.314   0.312        0.957       0.464    1.00  {0: 100%}
-    one_step_off  1  226.830     1.129   1.129        0.845       0.000    3.60  {0: 45%, 1: 55%}
-    fully_async   2  149.525     1.712   1.729        0.765       0.000    5.46  {0: 17%, 1: 58%, 2: 26%}
-    fully_async   4   98.557     2.597   2.657        0.643       0.000    8.28  {0: 6%, 1: 29%, 2: 34%, 3: 22%, 4: 9%}
+    mode          K   step_s samples/s  steady trainer_idle engine_idle speedup stale_dropped  staleness(tokens)
+    sync          0  816.324     0.314   0.312        0.957       0.464    1.00        0 (0%)  {0: 100%}
+    one_step_off  1  226.830     1.129   1.129        0.845       0.000    3.60     230 (15%)  {0: 45%, 1: 55%}
+    fully_async   2  149.525     1.712   1.729        0.765       0.000    5.46     251 (16%)  {0: 17%, 1: 58%, 2: 26%}
+    fully_async   4   98.557     2.597   2.657        0.643       0.000    8.28     254 (16%)  {0: 6%, 1: 29%, 2: 34%, 3: 22%, 4: 9%}
+
+(``stale_dropped``: groups dropped as stale at hand-out, the ``--json``'s
+``drop_reasons["stale"]``, and their share of the generated samples.)
 
 Reading it: ``sync`` waits ~800 s per step for its slowest sample; the engines idle 46% of
 the time and, while they work, decode a time-weighted mean batch of 6 sequences (the tail
@@ -81,7 +84,7 @@ the client view, a request outstanding, as the driver logs it) with mean batches
 15 (K=1), 25 (K=2), 42 (K=4): the admission cap of ``(K+1) x B`` untrained groups (and
 ``max_concurrent_groups=128``), most of them waiting on one long sample, bounds the work in
 flight, not the engines' 128 slots, so the step time keeps falling with K while the trainer
-still idles 64-85%. The price: the hand-out check drops 15-17% of the generated
+still idles 64-85%. The price: the hand-out check drops 15-16% of the generated
 samples as stale (230 groups at K=1, 254 at K=4), the long ones first, so the trained mean
 length falls from 4100 to ~3500 tokens; and at K=4, 18 groups exceed
 ``max_abort_retries=16`` (a 35k-token sample spans more than 16 syncs).
@@ -841,6 +844,8 @@ def measured(run_dir: str | Path) -> dict[str, Any]:
         "step_s_mean": per[-1]["loop_s"] / len(per),
         "steady_samples_per_s": _steady(per),
         "staleness_hist_tokens": {k: int(v) for k, v in sorted(hist.items())},
+        # cumulative; the driver logs a reason once it has happened, so absent = none
+        "stale_dropped_groups": int(last.get("buffer/dropped/stale", 0)),
         "rollout": summary.get("rollout", {}),
     }
 
@@ -1058,14 +1063,30 @@ def _fmt_hist(h: dict[int, int]) -> str:
     return "{" + ", ".join(f"{k}: {100 * v / tot:.0f}%" for k, v in sorted(h.items())) + "}"
 
 
+def _fmt_stale_dropped(r: dict[str, Any]) -> str:
+    """Groups dropped as stale at hand-out (the --json's ``drop_reasons['stale']``) and, when
+    known, their share of the generated samples (``buffer.samples_dropped`` counts only stale
+    drops: a cancelled admission never generated samples); ``-`` when the source lacks it."""
+    if "drop_reasons" in r:
+        groups = int(r["drop_reasons"].get("stale", 0))
+        gen = r.get("buffer", {}).get("samples_generated", 0)
+        dropped = r.get("buffer", {}).get("samples_dropped", 0)
+        return f"{groups} ({100 * dropped / gen:.0f}%)" if gen else str(groups)
+    if r.get("stale_dropped_groups") is not None:
+        return str(int(r["stale_dropped_groups"]))
+    return "-"
+
+
 def _table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    """The console table. ``stale_dropped``: groups dropped as stale at hand-out (share of the
+    generated samples in parentheses when known), see :func:`_fmt_stale_dropped`."""
     out = [f"{'':<22} {'K':>2} {'step_s':>8} {'samples/s':>9} {'steady':>7} {'trainer_idle':>12} {'engine_idle':>11}"
-           f" {'speedup':>7}  staleness(tokens)"]
+           f" {'speedup':>7} {'stale_dropped':>13}  staleness(tokens)"]
     for label, r in rows:
         ei = r.get("engine_idle_frac")
         out.append(f"{label:<22} {r['K']:>2} {r['step_s_mean']:8.3f} {r['samples_per_s']:9.3f} {r['steady_samples_per_s']:7.3f}"
                    f" {r['trainer_idle_frac']:12.3f} {ei if ei is not None else float('nan'):11.3f}"
-                   f" {r.get('speedup', float('nan')):7.2f}  {_fmt_hist(r['staleness_hist_tokens'])}")
+                   f" {r.get('speedup', float('nan')):7.2f} {_fmt_stale_dropped(r):>13}  {_fmt_hist(r['staleness_hist_tokens'])}")
     return "\n".join(out)
 
 

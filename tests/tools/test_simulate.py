@@ -131,6 +131,29 @@ def test_long_tail_drops_stale_groups_and_biases_lengths():
     assert r["mean_response_len"] < s["mean_response_len"]  # long samples miss the bound
 
 
+def test_console_table_has_the_stale_dropped_column(tmp_path):
+    """The console table shows what --json has: drop_reasons['stale'] (groups) and the stale
+    share of the generated samples; measured rows read the driver's buffer/dropped/stale."""
+    c = _long_tail(max_staleness=1, num_steps=40)
+    r, s = sim.simulate(c), sim.simulate(dataclasses.replace(c, mode="sync"))
+    groups = r["drop_reasons"]["stale"]
+    assert groups == r["buffer"]["groups_dropped"] > 0
+    pct = 100 * r["buffer"]["samples_dropped"] / r["buffer"]["samples_generated"]
+    m = {**r, "stale_dropped_groups": 7}
+    del m["drop_reasons"], m["buffer"]  # a measured row: the count only
+    lines = sim._table([("sync", s), ("fully_async", r), ("measured", m), ("bench", {**m, "stale_dropped_groups": None})]).splitlines()
+    end = lines[0].index("stale_dropped") + len("stale_dropped")
+    cells = [ln[end - 13:end].strip() for ln in lines[1:]]
+    assert cells == ["0 (0%)", f"{groups} ({pct:.0f}%)", "7", "-"]
+    # a run directory: the last step's cumulative buffer/dropped/stale
+    _write_run(tmp_path / "run", c, r)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    last["buffer/dropped/stale"] = float(groups)
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+    assert sim.measured(tmp_path / "run")["stale_dropped_groups"] == groups
+
+
 def test_pause_modes_token_versions():
     c = _long_tail(max_staleness=2, sync_fixed_s=0.2)
     lost = sim.simulate(dataclasses.replace(c, pause_mode="abort", partial_rollout=False))
