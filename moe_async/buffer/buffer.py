@@ -17,6 +17,8 @@ buffer (re)started):
 
 Groups are admitted and dropped whole (a GRPO group is the unit of an advantage).
 Accounting invariant: ``samples_generated == samples_trained + samples_dropped + samples_buffered``.
+A group still generating when generation stops (reason :data:`STOPPED`) is counted in
+``in_flight_at_stop``, not as a drop: nothing was refused, the run just ended.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from collections import Counter, deque
 from typing import Any, Callable, TypeVar
 
 from moe_async.types import Group
+
+
+STOPPED = "stopped"  # cancel() reason of a group that was in flight when generation stopped
 
 
 class RolloutBuffer:
@@ -61,6 +66,7 @@ class RolloutBuffer:
         self.samples_trained = 0
         self.samples_dropped = 0
         self.drop_reasons: Counter[str] = Counter()
+        self.in_flight_at_stop = 0
         self.staleness_hist: Counter[int] = Counter()
 
     # ---- admission (rollout side) -------------------------------------------------
@@ -78,10 +84,16 @@ class RolloutBuffer:
         return self.engine_version
 
     def cancel(self, reason: str = "cancelled") -> None:
-        """Give back an admitted slot whose group will never be put (e.g. prompt too long)."""
+        """Give back an admitted slot whose group will never be put (e.g. prompt too long).
+
+        ``reason`` is counted in ``drop_reasons``, except :data:`STOPPED` (the group was in
+        flight when generation stopped), counted in ``in_flight_at_stop``."""
         self.retired += 1
         self.cancelled += 1
-        self.drop_reasons[reason] += 1
+        if reason == STOPPED:
+            self.in_flight_at_stop += 1
+        else:
+            self.drop_reasons[reason] += 1
 
     def put(self, group: Group) -> None:
         """Add a finished group (all samples scored)."""
@@ -154,6 +166,7 @@ class RolloutBuffer:
             "samples_dropped": self.samples_dropped,
             "samples_buffered": self.samples_buffered,
             "drop_reasons": dict(self.drop_reasons),
+            "in_flight_at_stop": self.in_flight_at_stop,
             "staleness_hist": dict(self.staleness_hist),
         }
 

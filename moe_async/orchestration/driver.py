@@ -17,7 +17,11 @@ counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
 ``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); per step
 ``perf/wait_seconds`` (trainer waiting for the batch), ``perf/step_seconds`` (wait + train +
 sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
-outstanding during the step); the last cumulative values are in ``summary["perf"]``.
+outstanding during the step), ``perf/gen_seconds`` (wall-clock seconds since the previous
+step's metrics during which any engine had a request outstanding, so never more than that
+span; the per-request sum, which overlapping requests inflate, is
+``rollout/request_seconds_sum`` in ``summary["rollout"]``);
+the last cumulative values are in ``summary["perf"]``.
 
 Checkpoints and resume (``trainer.save_interval``, ``trainer.save_dir``, ``trainer.load``):
 every ``save_interval`` steps and after the last one the trainer writes
@@ -92,7 +96,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             ray.get(rollout.load_data_state.remote(resumed["dataset"]))
         if cfg.eval_before:
             evaluate(rollout, summary, "eval_before", "before")
-        busy0 = {k: v for k, v in ray.get(rollout.metrics.remote()).items() if k.startswith("rollout/engine_busy_s/")}
+        rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
+        busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
+        gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)
         ray.get(rollout.start.remote())
         busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
@@ -133,6 +139,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             m.update({
                 "perf/wait_seconds": t1 - t0,  # trainer idle this step (waiting for a batch)
                 "perf/engine_busy_seconds": busy_now - busy_prev,  # this step, mean over engines
+                "perf/gen_seconds": rm["rollout/gen_wall_seconds"] - gen_prev,  # this step, any engine busy
                 "train/weight_version": float(version),
                 "engine/weight_version": float(synced_version),
                 "perf/step_seconds": time.perf_counter() - t0,
@@ -142,7 +149,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
-            busy_prev = busy_now
+            busy_prev, gen_prev = busy_now, rm["rollout/gen_wall_seconds"]
             logger.log(m, step)
             logger.console_step(step, cfg.num_steps, m)
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",

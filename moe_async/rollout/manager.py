@@ -46,6 +46,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from moe_async.buffer.buffer import STOPPED
 from moe_async.rollout.config import RolloutConfig
 from moe_async.types import Group, Sample
 
@@ -73,7 +74,8 @@ class DropGroup(Exception):
 
 
 class _EngineBusy:
-    """Time during which an engine had at least one request outstanding."""
+    """Wall-clock seconds during which at least one request was outstanding (per engine, or
+    over all engines for the manager's generation span); overlapping requests count once."""
 
     def __init__(self) -> None:
         self.outstanding = 0
@@ -121,7 +123,8 @@ class RolloutManager:
         self._busy = [_EngineBusy() for _ in self.engines]
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
-        self.gen_seconds = 0.0
+        self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
+        self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         try:
             params = inspect.signature(buffer.cancel).parameters
@@ -132,7 +135,8 @@ class RolloutManager:
     # ================================================================== public
     async def run(self, stop_event: asyncio.Event) -> None:
         """Produce groups until ``stop_event`` is set; in-flight groups are then cancelled
-        (their admissions returned with ``buffer.cancel``)."""
+        (their admissions returned with ``buffer.cancel("stopped")``; counted as
+        ``rollout/in_flight_at_stop``, not as drops)."""
         tasks: set[asyncio.Task] = set()
         try:
             while not stop_event.is_set():
@@ -210,11 +214,19 @@ class RolloutManager:
         }
 
     def metrics(self) -> dict[str, float]:
+        """Cumulative since this manager was made: counters (``rollout/<name>``), drops by
+        reason, ``rollout/gen_wall_seconds`` (wall-clock s with >= 1 request outstanding on
+        any engine, never more than the elapsed time), ``rollout/request_seconds_sum`` (s
+        summed over requests; overlapping requests add up), ``rollout/engine_busy_s/<i>``
+        (per engine) and the reward pool's metrics."""
         m: dict[str, float] = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
         for reason, n in self.dropped.items():
             m[f"rollout/dropped/{reason}"] = float(n)
         m["rollout/dropped_total"] = float(sum(self.dropped.values()))
-        m["rollout/gen_seconds"] = self.gen_seconds
+        # wall-clock seconds with >= 1 request outstanding on any engine (<= elapsed time);
+        # the per-request sum exceeds wall time when requests overlap
+        m["rollout/gen_wall_seconds"] = self._gen_busy.total()
+        m["rollout/request_seconds_sum"] = self.request_seconds_sum
         for i, b in enumerate(self._busy):
             m[f"rollout/engine_busy_s/{i}"] = b.total()
         if hasattr(self.reward_pool, "metrics"):
@@ -325,9 +337,9 @@ class RolloutManager:
             log.warning("group %d dropped: %s", gid, exc.reason)
             await self._cancel(exc.reason)
         except asyncio.CancelledError:
-            if not put_attempted:
-                self.dropped["stopped"] += 1
-                await asyncio.shield(self._cancel("stopped"))
+            if not put_attempted:  # the run ended while it generated: not a drop
+                self.counters["in_flight_at_stop"] += 1
+                await asyncio.shield(self._cancel(STOPPED))
             raise
         except Exception as exc:  # noqa: BLE001 - one bad group must not kill the loop
             if put_attempted:
@@ -425,12 +437,14 @@ class RolloutManager:
         i = next(self._rr) % len(self.engines)
         busy = self._busy[i]
         busy.enter()
+        self._gen_busy.enter()
         t0 = time.monotonic()
         try:
             return await self.engines[i].generate(
                 ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts
             )
         finally:
-            self.gen_seconds += time.monotonic() - t0
+            self.request_seconds_sum += time.monotonic() - t0
+            self._gen_busy.exit()
             busy.exit()
             self.counters["requests"] += 1

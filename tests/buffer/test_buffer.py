@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_async.buffer.buffer import RolloutBuffer
+from moe_async.buffer.buffer import STOPPED, RolloutBuffer
 from moe_async.types import Group, Sample
 
 
@@ -55,6 +55,20 @@ def test_stale_groups_dropped_whole_and_counted():
     assert st_["groups_dropped"] == 1 and st_["samples_dropped"] == 2
     assert st_["drop_reasons"] == {"stale": 1}
     assert st_["samples_generated"] == st_["samples_trained"] + st_["samples_dropped"] + st_["samples_buffered"]
+
+
+def test_groups_in_flight_at_stop_are_not_drops():
+    buf = RolloutBuffer(2, 0)
+    for _ in range(2):
+        assert buf.admit() == 0
+    assert buf.admit() is None  # capacity (K+1)*B = 2 reached
+    buf.cancel("prompt_too_long")
+    buf.cancel(STOPPED)
+    st_ = buf.stats()
+    assert st_["drop_reasons"] == {"prompt_too_long": 1}  # not {"stopped": 1, ...}
+    assert st_["in_flight_at_stop"] == 1 and st_["in_flight"] == 0
+    assert st_["retired"] == 2 and buf.admit() == 0  # both slots given back
+    assert st_["samples_dropped"] == 0
 
 
 def test_get_batch_waits_for_whole_batch():

@@ -57,3 +57,19 @@ def test_console_and_files(smoke_run):
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert 0 <= summary["eval_before"]["accuracy"] <= 1
+
+
+def test_generation_span_and_groups_in_flight_at_stop(smoke_run):
+    """perf/gen_seconds is the wall-clock span of generation (overlapping requests once), so
+    its sum fits in the run's wall time; the per-request sum is kept apart. Groups still
+    generating at the end are in_flight_at_stop, not drops."""
+    _, _, summary, steps = smoke_run
+    r, b = summary["rollout"], summary["buffer"]
+    assert all(m["perf/gen_seconds"] > 0 for m in steps)
+    assert sum(m["perf/gen_seconds"] for m in steps) <= summary["wall_seconds"]
+    assert r["rollout/request_seconds_sum"] >= r["rollout/gen_wall_seconds"] >= sum(m["perf/gen_seconds"] for m in steps)
+    assert "stopped" not in b["drop_reasons"] and "rollout/dropped/stopped" not in r
+    assert b["in_flight_at_stop"] == r.get("rollout/in_flight_at_stop", 0.0)
+    assert b["in_flight"] == 0  # every admitted group is put, cancelled for a reason, or was stopped
+    refused = sum(n for reason, n in b["drop_reasons"].items() if reason != "stale")
+    assert b["admitted"] == b["groups_put"] + refused + b["in_flight_at_stop"]

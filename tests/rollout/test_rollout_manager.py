@@ -223,8 +223,63 @@ def test_groups_rewards_round_robin_and_metrics() -> None:
     mt = m.metrics()
     assert mt["rollout/groups_produced"] == 4 and mt["rollout/samples_generated"] == 16
     assert mt["rollout/tokens_generated"] == sum(g.num_tokens for g in buf.groups)
-    assert mt["rollout/gen_seconds"] > 0 and "rollout/engine_busy_s/1" in mt
+    assert mt["rollout/request_seconds_sum"] >= mt["rollout/gen_wall_seconds"] > 0 and "rollout/engine_busy_s/1" in mt
+    assert "rollout/gen_seconds" not in mt  # replaced: it was the per-request sum under a wall-time name
     assert engines[0].calls[0][1]["stop_token_ids"] == [EOS]
+
+
+def test_gen_wall_seconds_counts_overlapping_requests_once(monkeypatch) -> None:
+    """On a scripted clock: A on engine 0 over [0, 3], B on engine 1 over [0, 5], C on engine
+    0 over [10, 12]. Wall-clock span of generation = 5 + 2 = 7 s (overlap counted once); the
+    per-request sum is 3 + 5 + 2 = 10 s (the old rollout/gen_seconds)."""
+    import types
+
+    import moe_async.rollout.manager as manager_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(manager_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    class Gated:
+        def __init__(self):
+            self.gate = asyncio.Event()
+
+        async def generate(self, *a, **k):
+            await self.gate.wait()
+            self.gate.clear()
+
+    engines = [Gated(), Gated()]
+    m = _manager(RolloutConfig(n_samples_per_prompt=1), FakeDataset([10]), engines, FakeBuffer(capacity=1))
+    sp = {"max_new_tokens": 4}
+
+    async def main() -> list[dict]:
+        seen = []
+        ta = asyncio.create_task(m._call_engine([5, 6], sp))  # round robin: engine 0
+        tb = asyncio.create_task(m._call_engine([5, 6], sp))  # engine 1
+        await asyncio.sleep(0)
+        clock[0] = 3.0
+        engines[0].gate.set()
+        await ta
+        seen.append(m.metrics())  # B still outstanding
+        clock[0] = 5.0
+        engines[1].gate.set()
+        await tb
+        clock[0] = 10.0
+        seen.append(m.metrics())  # idle 5..10
+        tc = asyncio.create_task(m._call_engine([5, 6], sp))  # engine 0
+        await asyncio.sleep(0)
+        clock[0] = 12.0
+        engines[0].gate.set()
+        await tc
+        seen.append(m.metrics())
+        return seen
+
+    at3, at10, at12 = asyncio.run(main())
+    keys = ("rollout/gen_wall_seconds", "rollout/request_seconds_sum", "rollout/engine_busy_s/0",
+            "rollout/engine_busy_s/1")
+    assert [at3[k] for k in keys] == [3.0, 3.0, 3.0, 3.0]
+    assert [at10[k] for k in keys] == [5.0, 8.0, 3.0, 5.0]
+    assert [at12[k] for k in keys] == [7.0, 10.0, 5.0, 5.0]
+    assert at12["rollout/requests"] == 3.0
 
 
 def test_stop_cancels_in_flight_groups() -> None:
@@ -245,6 +300,9 @@ def test_stop_cancels_in_flight_groups() -> None:
 
     asyncio.run(main())
     assert buf.admitted == 2 and buf.cancels == ["stopped", "stopped"] and buf.groups == []
+    mt = m.metrics()  # in flight when the run ended: counted as such, not as dropped samples
+    assert mt["rollout/in_flight_at_stop"] == 2.0 and mt["rollout/dropped_total"] == 0.0
+    assert not any(k.startswith("rollout/dropped/") for k in mt)
 
 
 def test_evaluate_greedy() -> None:
