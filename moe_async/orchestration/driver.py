@@ -53,12 +53,12 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     Raises: whatever a component raises (config/model/engine errors name their source);
     engines and Ray are shut down on every exit path.
     """
+    check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # cores of this host, before any process
     import ray
 
     from moe_async.models.prepare import prepare_hf_checkpoint
     from moe_async.orchestration.actors import BufferActor, EngineManager, RolloutActor, TrainerActor
 
-    check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # cores of this host, before any process
     load_path, start_step = resolve_checkpoint(cfg)  # refused here, before any process starts
     run_dir = make_run_dir(cfg.logging, cfg.name)
     # absolute: the trainer actor's working directory need not be the driver's
