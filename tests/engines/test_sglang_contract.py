@@ -177,3 +177,60 @@ def test_response_keys_we_parse_are_the_ones_sglang_writes():
     gen_fields = {f for f in io.GenerateReqInput.__dataclass_fields__}
     assert {"return_routed_experts", "return_sampling_mask", "sampling_logprobs_mode",
             "routed_experts_start_len", "logprob_start_len"} <= gen_fields
+
+
+
+def _sglang_validate_one_request():
+    """sglang 0.5.23's ``TokenizerManager._validate_one_request``, compiled from its installed
+    source (tokenizer_manager.py imports uvloop and the GPU runtime, so it is not imported):
+    the function alone, with the names it reads bound to CPU stand-ins (no encoder-SWA replay,
+    neither an embedding request nor a GenerateReqInput, so only the length checks apply)."""
+    import __future__
+    import ast
+    import logging
+    import types
+    from pathlib import Path
+
+    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    path = root / "srt" / "managers" / "tokenizer_manager.py"
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TokenizerManager"]
+    (fn,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_validate_one_request"]
+    features = types.SimpleNamespace(enable_encoder_swa_bounded_replay=False)
+    ns = {"get_exec": lambda: types.SimpleNamespace(features=features),
+          "EmbeddingReqInput": type("EmbeddingReqInput", (), {}), "logger": logging.getLogger("sglang_contract"),
+          # the generation-only checks after the length checks (logprob ids, hidden states) are
+          # skipped: the request stand-in is not a GenerateReqInput
+          "GenerateReqInput": type("GenerateReqInput", (), {})}
+    code = compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)  # as the module does
+    exec(code, ns)
+    return ns["_validate_one_request"]
+
+
+def test_context_length_refusals_match_sglang():
+    """The embedded server's length refusals (sent as HTTP 400 ``{"error": {"message": ...}}``,
+    as SGLang's ``_create_error_response`` sends the ValueError) have SGLang's rule and
+    wording, for every (prompt, max_new_tokens) around the boundary, max_new_tokens unset too."""
+    import types
+
+    from moe_async.engines.embedded.server import context_length_error
+
+    validate = _sglang_validate_one_request()
+    ctx = 64
+    tm = types.SimpleNamespace(context_len=ctx, num_reserved_tokens=0, allow_auto_truncate=False,
+                               validate_total_tokens=True, is_generation=True,
+                               _validate_joint_schema_request=lambda obj, ids: None)
+    refused = 0
+    for prompt_len in (1, 40, 63, 64, 65, 200):
+        for max_new in (None, 0, 1, 23, 24, 25, 100):
+            obj = types.SimpleNamespace(sampling_params={} if max_new is None else {"max_new_tokens": max_new})
+            try:
+                validate(tm, obj, list(range(prompt_len)))
+                theirs = None
+            except ValueError as e:
+                theirs = str(e)
+            assert context_length_error(prompt_len, max_new, ctx) == theirs, (prompt_len, max_new)
+            refused += theirs is not None
+    # prompts 64, 65, 200 always (3 x 7); 1 + 100; 40 + {25, 100}; 63 + {23, 24, 25, 100}
+    assert refused == 21 + 1 + 2 + 4

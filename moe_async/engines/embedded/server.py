@@ -172,12 +172,21 @@ def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def _total_tokens_error(prompt_len: int, max_new_tokens: int, context_length: int) -> str | None:
-    """SGLang's refusal of ``prompt + max_new_tokens > context_length`` (its wording, sglang
-    0.5.23 ``TokenizerManager._validate_one_request``), or ``None`` when the request fits."""
-    total = prompt_len + max_new_tokens
-    if total <= context_length:
+def context_length_error(prompt_len: int, max_new_tokens: int | None, context_length: int) -> str | None:
+    """SGLang's refusal of a request that does not fit the context, or ``None`` when it fits.
+
+    Same rule and wording as sglang 0.5.23 ``TokenizerManager._validate_one_request``
+    without ``--allow-auto-truncate`` (and no speculative decoding, so no reserved tokens):
+    ``prompt_len >= context_length`` is refused; then, when the client set
+    ``max_new_tokens``, ``prompt_len + max_new_tokens > context_length`` is refused.
+    ``max_new_tokens=None`` (unset by the client) skips the second check.
+    """
+    if prompt_len >= context_length:
+        return (f"The input ({prompt_len} tokens) is longer than the "
+                f"model's context length ({context_length} tokens).")
+    if max_new_tokens is None or prompt_len + max_new_tokens <= context_length:
         return None
+    total = prompt_len + max_new_tokens
     return (f"Requested token count exceeds the model's maximum context length "
             f"of {context_length} tokens. You requested a total of {total} "
             f"tokens: {prompt_len} tokens from the input messages and "
@@ -394,18 +403,18 @@ def create_app(state: EngineState) -> FastAPI:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 return _error(f"input_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
-            if len(ids) >= state.context_length:  # SGLang's wording (TokenizerManager._validate_one_request)
-                return _error(f"The input ({len(ids)} tokens) is longer than the "
-                              f"model's context length ({state.context_length} tokens).")
+            err = context_length_error(len(ids), None, state.context_length)  # the prompt alone
+            if err:
+                return _error(err)
             sp = pick(body.sampling_params, i, None)
             try:
                 params = SamplingParams.from_dict(sp)
             except (ValueError, TypeError) as e:
                 return _error(str(e))
-            if isinstance(sp, dict) and sp.get("max_new_tokens") is not None:
-                err = _total_tokens_error(len(ids), params.max_new_tokens, state.context_length)
-                if err:
-                    return _error(err)
+            asked = isinstance(sp, dict) and sp.get("max_new_tokens") is not None
+            err = context_length_error(len(ids), params.max_new_tokens if asked else None, state.context_length)
+            if err:
+                return _error(err)
             rid = pick(body.rid, i, None)
             if isinstance(body.rid, str) and not single:
                 rid = f"{body.rid}_{i}"
