@@ -115,6 +115,9 @@ def step_timings(steps: list[dict]) -> list[dict]:
             "engine_busy_s": m.get("perf/engine_busy_seconds"),
             "samples": m.get("train/samples"),
             "reward_mean": m.get("rollout/reward_mean"),
+            # every sample generated since the previous step (filtered / stale-dropped included)
+            "reward_generated": m.get("rollout/reward_mean_generated_step"),
+            "samples_generated": m.get("rollout/samples_generated"),
             "staleness_mean": m.get("buffer/staleness_mean"),
             "response_len_mean": m.get("rollout/response_len_mean"),
         })
@@ -124,6 +127,37 @@ def step_timings(steps: list[dict]) -> list[dict]:
 def _mean(xs: list) -> float:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def reward_per_sample(per_mode: dict[str, dict]) -> dict[str, dict]:
+    """Reward per generated sample, per mode: the curve (one value per step: the mean reward of
+    the samples generated since the previous step, dynamic-filtered and stale-dropped ones
+    included, so filtering does not bias it), the curve against the cumulative number of
+    generated samples, and the mean over all generated samples with its binomial standard
+    error ``sqrt(p (1 - p) / n)`` (exact for 0/1 rewards, an approximation otherwise).
+
+    Printed as a table; returns ``{mode: {"curve", "samples", "mean", "se", "n"}}`` (empty
+    when the runs did not record ``rollout/reward_mean_generated_step``)."""
+    out: dict[str, dict] = {}
+    for mode, pm in per_mode.items():
+        st = [x for x in pm["steps"] if x.get("reward_generated") is not None]
+        if not st:
+            continue
+        n_cum = [x["samples_generated"] for x in st]
+        counts = [b - a for a, b in zip([0.0, *n_cum[:-1]], n_cum)]
+        n = sum(counts)
+        mean = sum(c * x["reward_generated"] for c, x in zip(counts, st)) / n if n else float("nan")
+        out[mode] = {"curve": [round(x["reward_generated"], 3) for x in st], "samples": n_cum,
+                     "mean": mean, "se": (mean * (1 - mean) / n) ** 0.5 if n and 0 <= mean <= 1 else float("nan"),
+                     "n": n}
+    if out:
+        print("\nreward per generated sample (each step: samples generated since the previous step)")
+        for mode, r in out.items():
+            half = len(r["curve"]) // 2
+            print(f"{mode:<12} mean {r['mean']:.3f} +- {r['se']:.3f} over {r['n']:.0f} samples; "
+                  f"steps 1..{half} {_mean(r['curve'][:half]):.3f}, steps {half + 1}..{len(r['curve'])} "
+                  f"{_mean(r['curve'][half:]):.3f}; curve {r['curve']} at samples {[int(x) for x in r['samples']]}")
+    return out
 
 
 def placement(trainer_cores: str | None, engine_cores: str | None) -> tuple[list[int], list[int]]:
@@ -213,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         st = per_mode["sync"]["steps"]
         gen, tr, sy = _mean([x["wait_s"] for x in st]), _mean([x["train_s"] for x in st]), _mean([x["sync_s"] for x in st])
         print(f"\nsync stage balance: gen {gen:.2f} s / (train {tr:.2f} s + sync {sy:.2f} s) = {gen / (tr + sy):.2f}")
+    reward = reward_per_sample(per_mode)
     ratios = {}
     if len(res) == 2:
         s, a = res["sync"]["perf"], res["fully_async"]["perf"]
@@ -225,8 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"samples/s   fully_async / sync = {ratios['samples_per_s_async_over_sync']:.2f}x "
               f"(steady state, steps 2..N: {ratios['steady_samples_per_s_async_over_sync']:.2f}x)")
         print(f"trainer idle fully_async / sync = {ratios['trainer_idle_async_over_sync']:.2f}")
+        if reward:
+            ratios["reward_per_sample_async_minus_sync"] = reward["fully_async"]["mean"] - reward["sync"]["mean"]
+            ratios["reward_per_sample_async_minus_sync_se"] = (reward["fully_async"]["se"] ** 2 + reward["sync"]["se"] ** 2) ** 0.5
+            print(f"reward per generated sample fully_async - sync = {ratios['reward_per_sample_async_minus_sync']:+.3f} "
+                  f"(standard error {ratios['reward_per_sample_async_minus_sync_se']:.3f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ratios": ratios, "rows": rows, "modes": per_mode,
+        Path(args.json).write_text(json.dumps({"ratios": ratios, "rows": rows, "modes": per_mode, "reward": reward,
                                                "placement": place, "overrides": overrides,
                                                "config": args.config, "staleness": args.staleness}, indent=1))
     return 0

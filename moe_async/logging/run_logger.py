@@ -64,11 +64,17 @@ class RunLogger:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def console_step(self, step: int, total: int, m: dict[str, Any]) -> str:
-        """Format and print the one-line step summary; returns the line."""
+        """Format and print the one-line step summary; returns the line.
+
+        ``reward`` is the trained batch's mean; ``gen reward`` (when known) the mean over every
+        sample generated since the previous step, including groups that dynamic filtering or
+        the staleness bound dropped: the policy's own reward, which filtering does not bias."""
+        gen = m.get("rollout/reward_mean_generated_step")
         line = (
             f"step {step:>3}/{total} | reward {m.get('rollout/reward_mean', 0):.3f}"
             f" | acc {m.get('rollout/accuracy', 0):.3f}"
-            f" | staleness mean {m.get('buffer/staleness_mean', 0):.2f} max {m.get('buffer/staleness_max', 0):.0f}"
+            + (f" | gen reward {gen:.3f}" if gen is not None else "")
+            + f" | staleness mean {m.get('buffer/staleness_mean', 0):.2f} max {m.get('buffer/staleness_max', 0):.0f}"
             f" | loss {m.get('train/loss', 0):+.4f} | aux {m.get('train/moe_aux_loss', 0):.3f} | sync {m.get('sync/seconds', 0):.2f}s"
             f" | {m.get('perf/tokens_per_s', 0):.0f} tok/s | trainer idle {m.get('perf/trainer_idle_frac', 0):.0%}"
             f" | dropped {m.get('buffer/samples_dropped', 0):.0f}"

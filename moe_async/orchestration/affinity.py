@@ -32,10 +32,12 @@ def check_cpu_affinity(cores: Sequence[int] | None, field: str) -> set[int] | No
 def check_run_placement(trainer_cores: Sequence[int] | None, engine_cores: Sequence[int] | None) -> None:
     """Launch-time check of ``trainer.cpu_affinity`` and ``engine.cpu_affinity`` on this host.
 
-    Called by the driver before any process or actor is created, so a core id that is valid
-    for the schema but absent here (e.g. ``[7]`` on a 2-core machine) is refused at once
-    instead of when the trainer actor pins itself. Config loading stays host-independent:
-    a config written for another machine still loads (``moe-async show-config``).
+    Called by the driver of a local run (no ``RAY_ADDRESS``) before any process or actor is
+    created, so a core id that is valid for the schema but absent here (e.g. ``[7]`` on a
+    2-core machine) is refused at once instead of when the trainer actor pins itself. On a
+    Ray cluster the actors run on other hosts; each checks its own cores when it pins.
+    Config loading stays host-independent: a config written for another machine still
+    loads (``moe-async show-config``).
 
     Raises:
         ValueError: naming the field, its value, the missing cores and the cores this

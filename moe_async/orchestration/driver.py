@@ -36,6 +36,7 @@ loop runs steps N+1..num_steps (num_steps counts in total, slime's convention).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     Raises: whatever a component raises (config/model/engine errors name their source);
     engines and Ray are shut down on every exit path.
     """
-    check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # cores of this host, before any process
+    if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
+        check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
     import ray
 
     from moe_async.models.prepare import prepare_hf_checkpoint
@@ -99,6 +101,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
         busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
         gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)
+        reward_prev = (rm0.get("rollout/reward_sum", 0.0), rm0.get("rollout/samples_generated", 0.0))
         ray.get(rollout.start.remote())
         busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
@@ -149,7 +152,11 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
-            busy_prev, gen_prev = busy_now, rm["rollout/gen_wall_seconds"]
+            # reward per sample generated since the last step, filtered/dropped ones included
+            rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
+            if rg[1] > reward_prev[1]:
+                m["rollout/reward_mean_generated_step"] = (rg[0] - reward_prev[0]) / (rg[1] - reward_prev[1])
+            busy_prev, gen_prev, reward_prev = busy_now, rm["rollout/gen_wall_seconds"], rg
             logger.log(m, step)
             logger.console_step(step, cfg.num_steps, m)
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",

@@ -31,8 +31,13 @@ def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> d
     it has a request outstanding)."""
     m = {f"buffer/dropped/{r}": float(n) for r, n in bstats["drop_reasons"].items()}
     keys = ("rollout/dropped_total", "rollout/samples_filtered", "rollout/tokens_filtered",
-            "rollout/filter_cap_passed", "rollout/reward_errors", "rollout/aborts")
+            "rollout/filter_cap_passed", "rollout/reward_errors", "rollout/aborts",
+            "rollout/samples_generated", "rollout/reward_sum")
     m.update({k: v for k, v in rmetrics.items() if k.startswith("rollout/dropped/") or k in keys})
+    # mean reward of every sample scored so far, trained or not (dynamic filtering and stale
+    # drops bias rollout/reward_mean, the trained batch's mean, away from the policy's reward)
+    if rmetrics.get("rollout/samples_generated"):
+        m["rollout/reward_mean_generated"] = rmetrics.get("rollout/reward_sum", 0.0) / rmetrics["rollout/samples_generated"]
     busy = [v - busy0.get(k, 0.0) for k, v in rmetrics.items() if k.startswith("rollout/engine_busy_s/")]
     if busy and elapsed > 0:
         m["perf/engine_idle_frac"] = max(0.0, 1.0 - sum(busy) / len(busy) / elapsed)

@@ -320,6 +320,8 @@ class RolloutManager:
                 s.validate()
             group = Group(group_id=gid, samples=samples, start_version=version)
             self.counters["samples_generated"] += len(samples)
+            # every scored sample, filtered or not: the reward per generated sample
+            self.counters["reward_sum"] += sum(s.reward for s in samples)
             self.counters["tokens_generated"] += group.num_tokens
             self.counters["reward_errors"] += sum(s.reward_error is not None for s in samples)
             self._report_reward_errors(samples)

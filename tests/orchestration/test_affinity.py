@@ -117,8 +117,8 @@ def test_absent_core_refused_at_launch_before_any_process(field, tmp_path, monke
     cfg = load_config(None, [f"{field}=[{min(allowed)}, {missing}]", f"logging.output_dir={tmp_path / 'runs'}"])
     assert getattr(cfg, field.split(".")[0]).cpu_affinity == [min(allowed), missing]  # loads on any host
 
-    def no_process(*a, **k):  # any of these means the check came too late
-        raise AssertionError("a process/actor/run dir was started before the affinity check")
+    def no_process(*a, **k):  # reached by a run that got past the affinity check
+        raise AssertionError("run dir / Ray start reached")
 
     monkeypatch.setattr(driver, "make_run_dir", no_process)
     monkeypatch.setattr(driver, "init_ray", no_process)
@@ -129,3 +129,7 @@ def test_absent_core_refused_at_launch_before_any_process(field, tmp_path, monke
                    f"(allowed: {allowed})")
     assert not ray.is_initialized()
     assert not (tmp_path / "runs").exists()
+    # attached to a Ray cluster (RAY_ADDRESS) the actors start on other hosts: not checked here
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(AssertionError, match="run dir / Ray start reached"):
+        driver.run_experiment(cfg)

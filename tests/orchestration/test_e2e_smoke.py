@@ -73,3 +73,18 @@ def test_generation_span_and_groups_in_flight_at_stop(smoke_run):
     assert b["in_flight"] == 0  # every admitted group is put, cancelled for a reason, or was stopped
     refused = sum(n for reason, n in b["drop_reasons"].items() if reason != "stale")
     assert b["admitted"] == b["groups_put"] + refused + b["in_flight_at_stop"]
+
+
+def test_reward_per_generated_sample(smoke_run):
+    """rollout/reward_mean_generated_step, weighted by the samples generated in each step,
+    adds up to the cumulative reward over every scored sample (rollout/reward_sum)."""
+    _, _, summary, steps = smoke_run
+    n_prev, total = 0.0, 0.0
+    for m in steps:
+        n = m["rollout/samples_generated"]
+        if n > n_prev:
+            total += m["rollout/reward_mean_generated_step"] * (n - n_prev)
+        n_prev = n
+    assert total == pytest.approx(steps[-1]["rollout/reward_sum"], abs=1e-9)
+    assert steps[-1]["rollout/reward_mean_generated"] == pytest.approx(steps[-1]["rollout/reward_sum"] / n_prev)
+    assert n_prev >= 5 * 2 * 4  # at least every trained sample was generated and scored

@@ -30,6 +30,7 @@ def test_demo_task_defaults() -> None:
     cfg = RolloutConfig()
     assert cfg.task == "basic_arithmetic"
     assert cfg.task_kwargs["operators"] == ["+", "-"] and cfg.task_kwargs["max_digits"] == 1
+    assert cfg.task_kwargs["allow_negation"] is False and cfg.task_kwargs["allow_parentheses"] is False
     assert RolloutConfig(task="chain_sum").task_kwargs == {}
 
 
@@ -42,9 +43,21 @@ def test_splits_disjoint_and_fixed() -> None:
     assert len({p.question for p in a.eval}) == 16
     assert [p.question for p in a.eval] == [p.question for p in b.eval]
     assert [p.question for p in a.train] == [p.question for p in b.train]
-    # a train set covering most of the 1-digit question space still leaves 16 disjoint ones
-    big = TaskDataset(_cfg(train_size=2000))
+    # a train set covering most of a question space still leaves 16 disjoint ones (1-digit
+    # terms with reasoning-gym's negation and parentheses: a larger space than the demo's)
+    wide = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+", "-"])
+    big = TaskDataset(_cfg(train_size=2000, task_kwargs=wide))
     assert len(big.eval) == 16 and not {p.question for p in big.train} & {p.question for p in big.eval}
+
+
+def test_demo_space_leaves_held_out_problems() -> None:
+    """The demo's task (no negation, no parentheses) has 242 distinct questions: the demo's
+    120 train problems leave its 48 held-out ones; 2000 would leave none (a warning)."""
+    demo = TaskDataset(_cfg(train_size=120, eval_size=48))
+    assert len(demo.eval) == 48
+    assert not {p.question for p in demo.train} & {p.question for p in demo.eval}
+    assert all("(" not in p.question and "--" not in p.question.replace(" ", "") for p in demo.train)
+    assert len(TaskDataset(_cfg(train_size=2000, eval_size=48)).eval) == 0
 
 
 def test_epoch_iteration_seeded() -> None:
