@@ -37,8 +37,11 @@ class TrainerConfig(BaseModel):
         None,
         ge=1,
         description=(
-            "Virtual pipeline stages per PP rank (Megatron's interleaved 1F1B schedule). Only "
-            "None/1 is accepted: this trainer builds one model chunk per pipeline rank."
+            "Virtual pipeline stages (model chunks) per PP rank: Megatron-Core's interleaved 1F1B "
+            "schedule. None/1: one chunk per PP rank. > 1 needs pipeline_model_parallel_size > 1 "
+            "(Megatron's parallel_state refuses it otherwise) and a layer count divisible by "
+            "PP x VPP (checked when the model is built); each PP rank holds layers "
+            "[(v*PP + p) * L/(PP*VPP), ...) in chunk v."
         ),
     )
     use_distributed_optimizer: bool = Field(
@@ -148,11 +151,12 @@ class TrainerConfig(BaseModel):
             raise ValueError("trainer.eps_clip must be < 1")
         if self.mis_low >= self.mis_high:
             raise ValueError(f"trainer.mis_low ({self.mis_low}) must be < trainer.mis_high ({self.mis_high})")
-        if (self.virtual_pipeline_model_parallel_size or 1) > 1:
+        if (self.virtual_pipeline_model_parallel_size or 1) > 1 and self.pipeline_model_parallel_size < 2:
             raise ValueError(
-                f"trainer.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} is not "
-                "supported: the trainer builds, loads, exports and checkpoints one model chunk per pipeline "
-                "rank, and Megatron's interleaved schedule needs a list of virtual-stage chunks (unset it)"
+                f"trainer.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
+                f"trainer.pipeline_model_parallel_size > 1 (got {self.pipeline_model_parallel_size}): Megatron-Core's "
+                "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
+                "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
             )
         if self.use_distributed_optimizer and self.save_interval > 0:
             raise ValueError(

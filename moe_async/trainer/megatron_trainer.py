@@ -8,8 +8,12 @@ transformer_engine are present, gloo + local layer spec + ``moe_async.compat`` o
 
 Layouts: any TP (with sequence parallel) x PP x EP x DP that Megatron-Core builds (tested
 on CPU/gloo: 1 process, TP2+SP, EP2, PP2, TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4; see
-tests/trainer/test_layouts.py). HF weights are sliced per rank and gathered back for export
-with :mod:`moe_async.trainer.sharding` (driven by Megatron's ``sharded_state_dict()``).
+tests/trainer/test_layouts.py), and virtual pipeline stages (``trainer.
+virtual_pipeline_model_parallel_size``: each PP rank holds a list of model chunks, one per
+``vp_stage``, run by Megatron's interleaved 1F1B schedule with one data iterator per chunk;
+PP2+VPP2 and PP2+VPP2+EP2 tested). HF weights are sliced per rank and gathered back for
+export with :mod:`moe_async.trainer.sharding` (driven by Megatron's ``sharded_state_dict()``,
+per chunk).
 
 Data path at DP > 1: every rank is given the SAME global batch; rank ``d`` of the data-parallel
 group trains on the contiguous slice ``d`` of it (padded with zero-weight copies so every DP
@@ -81,6 +85,9 @@ class MegatronTrainer:
     Attributes:
         version: weight_version, 0 after load, +1 per ``train_step``.
         hf_config: the HF config dict; ``family``: the model family.
+        models: this rank's model chunks (``GPTModel``), one per virtual pipeline stage in
+            ``vp_stage`` order (one element without virtual pipeline stages);
+            ``ddp_models``: their DDP wrappers. ``model`` / ``ddp_model``: the first chunk.
     """
 
     def __init__(
@@ -102,6 +109,12 @@ class MegatronTrainer:
                 "the TE layer spec, but this trainer does not yet split its packed micro-batches "
                 "(tokens, loss tensors, logprob gather) over the CP ranks"
             )
+        # virtual pipeline stages (model chunks per PP rank); None = one chunk (Megatron's "off")
+        vpp = cfg.virtual_pipeline_model_parallel_size
+        self._vpp: int | None = vpp if vpp is not None and vpp > 1 else None
+        if self._vpp:  # refused combinations are named before any process group is created
+            hf_cfg = hf_config_dict(hf_path)
+            self._check_virtual_pipeline(hf_cfg, get_family(hf_cfg.get("model_type")))
         torch.set_num_threads(cfg.num_threads)
         self._owns_dist = False
         self._init_distributed(master_addr, master_port)
@@ -115,11 +128,12 @@ class MegatronTrainer:
                 ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_expert_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size(),
             )
-            if got != (tp, pp, ep):
+            if got != (tp, pp, ep, self._vpp):
                 raise RuntimeError(
-                    f"Megatron parallel state already initialised with (tp, pp, ep)={got}, "
-                    f"this trainer wants {(tp, pp, ep)}"
+                    f"Megatron parallel state already initialised with (tp, pp, ep, vpp)={got}, "
+                    f"this trainer wants {(tp, pp, ep, self._vpp)}"
                 )
         else:
             ps.initialize_model_parallel(
@@ -127,6 +141,7 @@ class MegatronTrainer:
                 pipeline_model_parallel_size=pp,
                 expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=1,
+                virtual_pipeline_model_parallel_size=self._vpp,
             )
             self._owns_mp = True
         self._cpu = apply_cpu_compat()
@@ -181,6 +196,7 @@ class MegatronTrainer:
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self._vpp,
             **self._layout_overrides(),
             **replay_overrides(cfg.router_replay),  # router replay
         )
@@ -192,19 +208,41 @@ class MegatronTrainer:
         gpt_kwargs["vocab_size"] = padded_vocab_size(
             self.vocab_size, cfg.tensor_model_parallel_size, cfg.make_vocab_size_divisible_by
         )
-        self.model = GPTModel(
-            config=self.tf_config,
-            transformer_layer_spec=self.family.layer_spec(self.hf_config, use_te=use_te),
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
-            parallel_output=False,  # logits gathered over TP: [B,S,V_padded] on every TP rank
-            **gpt_kwargs,
-        )
-        self.router_replay = RouterReplayHook(self.model, self.tf_config, cfg.router_replay)  # router replay
+        # Megatron's MoE aux-loss tracker is process-global and sized by the layer count of the
+        # first model that logs into it (moe_utils.save_to_aux_losses_tracker): start it afresh
+        # for this model (a 4-layer trainer after a 2-layer one raised IndexError)
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+        layer_spec = self.family.layer_spec(self.hf_config, use_te=use_te)
+        if self._vpp:
+            from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+            if isinstance(layer_spec, TransformerBlockSubmodules):  # holds one PP stage's layers
+                raise NotImplementedError(self._vpp_block_spec_msg(self.hf_config))
+        # This PP rank's model chunks (Megatron-LM's get_model): one per virtual stage v, holding
+        # layers from Megatron's get_transformer_layer_offset(config, vp_stage=v); the first
+        # stage's chunk 0 embeds, the last stage's last chunk has the output layer.
+        self.models: list = []
+        for v in range(self._vpp or 1):
+            stage = dict(ignore_virtual=False, vp_stage=v) if self._vpp else {}
+            self.models.append(GPTModel(
+                config=self.tf_config,
+                transformer_layer_spec=layer_spec,
+                pre_process=ps.is_pipeline_first_stage(**stage),
+                post_process=ps.is_pipeline_last_stage(**stage),
+                parallel_output=False,  # logits gathered over TP: [B,S,V_padded] on every TP rank
+                vp_stage=v if self._vpp else None,
+                **gpt_kwargs,
+            ))
+        self.model = self.models[0]  # the only chunk without virtual pipeline stages
+        replay_root = self.model if len(self.models) == 1 else torch.nn.ModuleList(self.models)
+        self.router_replay = RouterReplayHook(replay_root, self.tf_config, cfg.router_replay)  # router replay
         # logits of the response positions only (see _forward); not under sequence parallelism
         self._logit_rows: tuple[Tensor, Tensor] | None = None
         self._rows_hook = None
-        out_layer = getattr(self.model, "output_layer", None) if self.model.post_process else None
+        last = self.models[-1]  # only the last chunk can hold the output layer
+        out_layer = getattr(last, "output_layer", None) if last.post_process else None
         if out_layer is not None and not out_layer.sequence_parallel:
             self._rows_hook = out_layer.register_forward_pre_hook(self._select_logit_rows, with_kwargs=True)
         # Megatron flags expert params for the expert-DP gradient reduction and the expert
@@ -217,22 +255,26 @@ class MegatronTrainer:
         # * the optimizer is then always (dense, expert) chained, so torch_dist optimizer
         #   checkpoints have the same keys at EP == 1 and EP > 1 (save at EP2, resume at EP1).
         # At EP == 1, TP == 1 the expert-DP group equals the DP group: nothing else changes.
-        for n, p in self.model.named_parameters():
-            if ".mlp.experts." in n:
-                p.allreduce = False
-        if torch.cuda.is_available():
-            self.model.cuda(torch.cuda.current_device())
+        for m in self.models:
+            for n, p in m.named_parameters():
+                if ".mlp.experts." in n:
+                    p.allreduce = False
+            if torch.cuda.is_available():
+                m.cuda(torch.cuda.current_device())
         self._load_hf_weights(hf_path)
 
-        self.ddp_model = DistributedDataParallel(
-            config=self.tf_config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=cfg.use_distributed_optimizer,
-            ),
-            module=self.model,
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
+        # one DDP wrapper per chunk; buckets only for chunk 0 (as Megatron-LM's get_model)
+        self.ddp_models = [
+            DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=m,
+                                    disable_bucketing=v > 0)
+            for v, m in enumerate(self.models)
+        ]
+        self.ddp_model = self.ddp_models[0]
         bf16 = cfg.params_dtype == "bf16"
         self.opt_config = OptimizerConfig(
             optimizer="adam",
@@ -247,7 +289,7 @@ class MegatronTrainer:
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
-        self.optimizer = get_megatron_optimizer(self.opt_config, [self.ddp_model])
+        self.optimizer = get_megatron_optimizer(self.opt_config, self.ddp_models)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
 
     def _layout_overrides(self) -> dict[str, Any]:
@@ -260,7 +302,49 @@ class MegatronTrainer:
         out: dict[str, Any] = {}
         if self._cpu and enable_cpu_wgrad_accumulation_fusion():
             out["gradient_accumulation_fusion"] = True
+        if self._vpp:
+            # Megatron-LM's interleaved-schedule defaults (overlap_p2p_comm on, batch_p2p_comm =
+            # not overlap_p2p_comm). A batched exchange at PP2 holds two sends and two receives
+            # between the same two ranks, matched in posting order: the backward gradient was
+            # received as the next chunk's activation (a 4-layer mixtral's step-1 grad norm was
+            # 6e4 vs 1.5 on gloo). Megatron-LM refuses that case ("pipeline-model-parallel size
+            # should be greater than 2 ... multiple p2p sends and recvs between same 2 ranks").
+            out.update(overlap_p2p_comm=True, batch_p2p_comm=False)
         return out
+
+    def _check_virtual_pipeline(self, hf_config: dict[str, Any], family: Any) -> None:
+        """Refuse, naming the field, what Megatron-Core (or this trainer) does not run with
+        virtual pipeline stages: a layer count not divisible by PP x VPP (ValueError; Megatron's
+        TransformerConfig), a family whose decoder block spec is sliced per pipeline stage
+        rather than per virtual stage (NotImplementedError; deepseek_v3's dense/MoE block
+        spec), router replay (NotImplementedError; its per-micro-batch state assumes one
+        forward per micro-batch on a rank)."""
+        vpp = self._vpp
+        if not vpp:
+            return
+        pp = self.cfg.pipeline_model_parallel_size
+        n = family.arch_args(hf_config).num_layers
+        if n % (pp * vpp):
+            raise ValueError(
+                f"trainer.virtual_pipeline_model_parallel_size={vpp}: the model's {n} layers are not divisible "
+                f"by pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp * vpp} "
+                "(Megatron-Core's TransformerConfig requires it)")
+        # a per-layer pattern (deepseek_v3: first-k dense layers) makes the family build its
+        # decoder from Megatron's get_gpt_decoder_block_spec, sliced per pipeline stage; the
+        # per-virtual-stage slice (vp_stage=...) is not wired (see also _build)
+        if isinstance(family.transformer_config(hf_config, pipeline_model_parallel_size=pp).moe_layer_freq, list):
+            raise NotImplementedError(self._vpp_block_spec_msg(hf_config))
+        if self.cfg.router_replay != "off":
+            raise NotImplementedError(
+                f"trainer.router_replay={self.cfg.router_replay!r} with trainer.virtual_pipeline_model_parallel_"
+                f"size={vpp}: the replay hook counts micro-batches (and rotates padding routes) per forward, "
+                "and the interleaved schedule runs each micro-batch once per model chunk")
+
+    def _vpp_block_spec_msg(self, hf_config: dict[str, Any]) -> str:
+        return (f"trainer.virtual_pipeline_model_parallel_size={self._vpp} with model_type "
+                f"{hf_config.get('model_type')!r}: the family's decoder block spec (dense and MoE layers) is "
+                "sliced per pipeline stage, not per virtual stage (Megatron's get_gpt_decoder_block_spec("
+                "vp_stage=...) is not wired)")
 
     def _load_hf_weights(self, hf_path: str) -> None:
         """HF safetensors (all ``*.safetensors`` in ``hf_path``) -> family mapping (full
@@ -292,7 +376,7 @@ class MegatronTrainer:
                     where[k] = f
         arch = self.family.arch_args(self.hf_config)
         table = self.family.table(arch)
-        want = needed_names(self.model)  # 1-process local-spec names this rank slices from
+        want = needed_names(self.models)  # 1-process local-spec names this rank slices from
         if set(where) == set(table.hf_keys):
             unknown = sorted(want - set(table.by_megatron))
             if unknown:
@@ -311,7 +395,7 @@ class MegatronTrainer:
             del hf_state
             # TE-spec names (fused norms) -> the local-spec names of the mapping table
             meg_local = {local_spec_name(k): v for k, v in meg.items()}
-        load_full_state(self.model, meg_local, self.vocab_size)
+        load_full_state(self.models, meg_local, self.vocab_size)
         used = set(want)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone: list = [None] * dist.get_world_size()
@@ -536,17 +620,19 @@ class MegatronTrainer:
             mb = self._to_device(mb)
             return self.ddp_model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
 
-        self.ddp_model.zero_grad_buffer()
+        for d in self.ddp_models:
+            d.zero_grad_buffer()
         self.optimizer.zero_grad()
         clear_aux_losses_tracker()
         self._set_lr()
-        self.ddp_model.train()
+        for d in self.ddp_models:
+            d.train()
         fb = get_forward_backward_func()
         with self.router_replay.step(mbs_list, record_forward):  # router replay: set/clear
             reduced = fb(
                 forward_step_func=forward_step,
-                data_iterator=iter(mbs_list),
-                model=[self.ddp_model],
+                data_iterator=self._data_iterators(mbs_list),
+                model=self.ddp_models,
                 num_microbatches=num_mb,
                 seq_length=S_max,
                 micro_batch_size=cfg.micro_batch_size,
@@ -626,12 +712,24 @@ class MegatronTrainer:
     def _pad_for_pp(self, samples: list[Sample]) -> list[Sample]:
         """With PP > 1 every micro-batch must hold exactly ``micro_batch_size`` sequences (the
         p2p receive buffers are sized from it): pad with zero-weight copies of the first
-        sample. Identity at PP == 1."""
+        sample. With virtual pipeline stages, also pad the number of micro-batches to a
+        multiple of PP (Megatron's interleaved schedule runs micro-batches in groups of
+        ``microbatch_group_size_per_vp_stage`` = PP and refuses a partial last group).
+        Identity at PP == 1."""
         mbs = self.cfg.micro_batch_size
-        if self.cfg.pipeline_model_parallel_size == 1 or not samples or len(samples) % mbs == 0:
+        unit = mbs * (self.cfg.pipeline_model_parallel_size if self._vpp else 1)
+        if self.cfg.pipeline_model_parallel_size == 1 or not samples or len(samples) % unit == 0:
             return list(samples)
-        pad = [dataclasses.replace(samples[0], loss_weight=0.0)] * (mbs - len(samples) % mbs)
+        pad = [dataclasses.replace(samples[0], loss_weight=0.0)] * (unit - len(samples) % unit)
         return list(samples) + pad
+
+    def _data_iterators(self, mbs_list: list[dict[str, Tensor]]):
+        """Megatron's ``data_iterator`` argument: one iterator over the micro-batches, or with
+        virtual pipeline stages one per model chunk (each chunk runs every micro-batch, in
+        order; the interleaved schedule calls ``forward_step`` with the chunk's iterator)."""
+        if len(self.ddp_models) == 1:
+            return iter(mbs_list)
+        return [iter(mbs_list) for _ in self.ddp_models]
 
     def _dp_sum(self, x: float) -> float:
         """Sum of a per-DP-rank scalar over the DP group (float64 on the DP group)."""
@@ -723,18 +821,20 @@ class MegatronTrainer:
                 logits, rows_only = self._forward(model, mb)
                 return logits, partial(loss_func, mb, rows_only)
 
-            self.ddp_model.eval()
+            for d in self.ddp_models:
+                d.eval()
             with self.router_replay.step(mbs_list):  # router replay: set/clear (R2: own routes)
                 reduced = get_forward_backward_func()(
                     forward_step_func=forward_step,
-                    data_iterator=iter(mbs_list),
-                    model=[self.ddp_model],
+                    data_iterator=self._data_iterators(mbs_list),
+                    model=self.ddp_models,
                     num_microbatches=len(mbs_list),
                     seq_length=max(mb["tokens"].shape[1] for mb in mbs_list),
                     micro_batch_size=self.cfg.micro_batch_size,
                     forward_only=True,
                 )
-            self.ddp_model.train()
+            for d in self.ddp_models:
+                d.train()
         out: list[list[float]] = []
         if ps.is_pipeline_last_stage():
             for mb, d in zip(mbs_list, reduced):
@@ -775,7 +875,7 @@ class MegatronTrainer:
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         with cpu_device_scope():
-            full = gather_full_state(self.model, self.vocab_size, dst=0)
+            full = gather_full_state(self.models, self.vocab_size, dst=0)
             if rank != 0:
                 for _ in full:  # take part in the collectives
                     pass
@@ -834,8 +934,8 @@ class MegatronTrainer:
         os.makedirs(path, exist_ok=True)
         with cpu_device_scope():
             sd = {
-                "model": self.model.sharded_state_dict(),
-                "optimizer": self.optimizer.sharded_state_dict(self.model.sharded_state_dict()),
+                **self._model_sharded_state_dict(),
+                "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict()),
             }
             dist_checkpointing.save(sd, path)
         rank = torch.distributed.get_rank()
@@ -856,6 +956,15 @@ class MegatronTrainer:
                 json.dump({"version": self.version, "layout": self._ckpt_layout(), "extra": extra or {}}, f)
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # every rank's files are written when any rank returns
+
+    def _model_sharded_state_dict(self) -> dict[str, Any]:
+        """The model part of a torch_dist state dict, as Megatron-LM's ``generate_state_dict``:
+        ``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": sd1, ...}`` for virtual
+        pipeline chunks (in ``vp_stage`` order). The tensor keys inside are global (layer
+        numbers from each chunk's offset), so checkpoints load at any PP/VPP layout."""
+        if len(self.models) == 1:
+            return {"model": self.model.sharded_state_dict()}
+        return {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
 
     def _ckpt_layout(self) -> dict[str, int]:
         """The world layout RNG states belong to: world size, TP, PP, EP, DP."""
@@ -925,7 +1034,7 @@ class MegatronTrainer:
                 f"{self.cfg.make_vocab_size_divisible_by}, TP={self.cfg.tensor_model_parallel_size}); "
                 "set make_vocab_size_divisible_by (or convert with --vocab-div) so that they agree")
         with cpu_device_scope():
-            model_sd = self.model.sharded_state_dict()
+            model_sd = self._model_sharded_state_dict()
             # torch_dist reads into the tensors it is given: give it copies, so that a load
             # failing halfway (a truncated shard) leaves this trainer's weights untouched
             from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
@@ -940,7 +1049,7 @@ class MegatronTrainer:
             # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
             try:
                 loaded, in_ckpt_only, absent = dist_checkpointing.load(
-                    {"model": model_sd}, path, strict=StrictHandling.RETURN_ALL)
+                    model_sd, path, strict=StrictHandling.RETURN_ALL)
             except BaseException as e:  # torch's CheckpointException derives from BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -960,9 +1069,10 @@ class MegatronTrainer:
                     f"checkpoint {path}: "
                     + (f"model tensors missing from it {sorted(absent)[:20]} (of {len(absent)}); " if absent else "")
                     + (f"tensors this model does not use {unused[:20]} (of {len(unused)})" if unused else ""))
-            self.model.load_state_dict(loaded["model"])
+            for key, m in zip(model_sd, self.models):
+                m.load_state_dict(loaded[key])
             if has_opt:
-                opt_sd = self.optimizer.sharded_state_dict(self.model.sharded_state_dict(), is_loading=True)
+                opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True)
                 loaded = dist_checkpointing.load({"optimizer": opt_sd}, path)
                 self.optimizer.load_state_dict(loaded["optimizer"])
             else:

@@ -14,7 +14,10 @@ is expanded with ``build()`` into its gate and up pieces), each with
 
 A local name ``decoder.layers.{l}...local_experts.{e}...`` becomes the 1-process name
 ``decoder.layers.{L}...local_experts.{E}...`` with ``L``/``E`` the global offsets of the
-prepended axes (PP stage layer offset, EP rank expert offset). The 1-process names are the
+prepended axes (PP stage layer offset, EP rank expert offset). With virtual pipeline stages
+a rank holds a list of model chunks (Megatron's ``model`` list, one per ``vp_stage``); every
+function below takes the list, and each chunk's metadata carries its own global layer offset
+(Megatron's ``get_transformer_layer_offset(config, vp_stage)``). The 1-process names are the
 keys of the family's mapping table (``ModelFamily.hf_to_megatron`` /
 ``megatron_to_hf``), so loading is ``HF -> full Megatron -> slice`` and export is
 ``gather -> full Megatron -> HF``.
@@ -26,7 +29,7 @@ raises ``ValueError``.
 
 Public API:
     padded_vocab_size(vocab, tp, divisible_by) -> int
-    local_pieces(model) -> list[Piece]
+    local_pieces(model) -> list[Piece]             (model: a GPTModel or a list of chunks)
     load_full_state(model, full, vocab_size) -> None
     gather_full_state(model, vocab_size, dst=0) -> Iterator[(name, tensor)]  (on ``dst``)
 """
@@ -35,11 +38,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence, Union
 
 import torch
 
 Tensor = torch.Tensor
+Chunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER_RE = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
@@ -64,7 +68,8 @@ class Piece:
         full_shape: shape of the full tensor (vocab rows padded).
         offset: offset of ``data`` in the full tensor, one entry per dim of ``data``.
         primary: True for exactly one replica of each shard over the whole world.
-        param: the local parameter name (``model.named_parameters()``).
+        param: the local parameter name (``model.named_parameters()``), prefixed with
+            ``chunk<v>.`` when the rank holds several virtual-pipeline chunks.
     """
 
     name: str
@@ -110,10 +115,20 @@ def _renumber(local: str, sh_key: str, prepend: int, gofs: tuple[int, ...]) -> s
     return name
 
 
-def local_pieces(model: torch.nn.Module) -> list[Piece]:
-    """This rank's shards of every parameter of ``model`` (a ``GPTModel``, not DDP-wrapped),
-    in ``named_parameters()`` order. Raises ValueError if a parameter has no sharded-state
-    entry or its pieces do not cover it."""
+def local_pieces(model: Chunks) -> list[Piece]:
+    """This rank's shards of every parameter of ``model`` (a ``GPTModel``, not DDP-wrapped,
+    or the list of this rank's virtual-pipeline chunks, in ``vp_stage`` order), in chunk then
+    ``named_parameters()`` order. Raises ValueError if a parameter has no sharded-state entry
+    or its pieces do not cover it."""
+    if isinstance(model, torch.nn.Module):
+        return _chunk_pieces(model, "")
+    chunks = list(model)
+    if len(chunks) == 1:
+        return _chunk_pieces(chunks[0], "")
+    return [pc for v, m in enumerate(chunks) for pc in _chunk_pieces(m, f"chunk{v}.")]
+
+
+def _chunk_pieces(model: torch.nn.Module, tag: str) -> list[Piece]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     params = dict(model.named_parameters())
@@ -149,7 +164,7 @@ def local_pieces(model: torch.nn.Module) -> list[Piece]:
                     full_shape=tuple(int(x) for x in sh.global_shape[k:]),
                     offset=gofs[k:],
                     primary=primary,
-                    param=pname,
+                    param=tag + pname,
                 )
             )
             covered += data.numel()
@@ -175,7 +190,7 @@ def _fit_vocab(name: str, t: Tensor, full_shape: tuple[int, ...], vocab_size: in
 
 
 @torch.no_grad()
-def load_full_state(model: torch.nn.Module, full: Mapping[str, Tensor], vocab_size: int) -> None:
+def load_full_state(model: Chunks, full: Mapping[str, Tensor], vocab_size: int) -> None:
     """Copy this rank's slices of the full 1-process Megatron tensors ``full`` (CPU, any
     float dtype; cast to the parameter dtype) into ``model``'s parameters.
 
@@ -198,14 +213,14 @@ def load_full_state(model: torch.nn.Module, full: Mapping[str, Tensor], vocab_si
         raise KeyError(f"weight load: model params with no converted tensor: {missing}")
 
 
-def needed_names(model: torch.nn.Module) -> set[str]:
+def needed_names(model: Chunks) -> set[str]:
     """1-process names this rank's parameters are sliced from."""
     return {pc.name for pc in local_pieces(model)}
 
 
 @torch.no_grad()
 def gather_full_state(
-    model: torch.nn.Module, vocab_size: int, dst: int = 0, group=None
+    model: Chunks, vocab_size: int, dst: int = 0, group=None
 ) -> Iterator[tuple[str, Tensor]]:
     """Full 1-process Megatron tensors, assembled from every rank's primary shards.
 

@@ -2,7 +2,9 @@
 compat layer are process-global). Writes a JSON file of results (rank 0).
 
 Checkpoints: tie0/tie1 = tiny Mixtral untied/tied; qwen3 = tiny Qwen3-MoE with
-norm_topk_prob=True (untied), qwen3n = norm_topk_prob=False (tied).
+norm_topk_prob=True (untied), qwen3n = norm_topk_prob=False (tied); l4 = tiny Mixtral with 4
+layers, tied (virtual pipeline: PP2 x VPP2 puts one layer in each model chunk; its runs use
+Adam eps 1e-5 and the advantages of tests/models/_family_layouts.py, see L4_ADV).
 
 Modes:
     python _layout_checks.py ref TMP
@@ -11,10 +13,12 @@ Modes:
         checkpoints, the C10 aux-loss checks at micro
         batch sizes 1, 2, 4, and writes TMP/ref.json.
     torchrun --nproc_per_node W _layout_checks.py run TMP OUT.json LAYOUT [LAYOUT ...] [c4]
-        for each LAYOUT (``tp{t}pp{p}ep{e}-{checkpoint}``) builds a trainer, checks the HF export
+        for each LAYOUT (``tp{t}pp{p}[vp{v}]ep{e}[do]-{checkpoint}``) builds a trainer, checks the HF export
         against the checkpoint bit-exactly, runs 2 steps (aux coeff 0), then the C10 checks,
         destroys Megatron's parallel state and goes on with the next layout in the same
         process. ``c4``: EP2 x DP2 torch_dist save, reload at EP1 and EP4 (W = 4).
+        ``vppck``: (W = 2) load the 1-process l4 checkpoint at PP2 x VPP2, one step, save;
+        ``vppck_load``: (W = 4) load that PP2 x VPP2 checkpoint at EP4.
 
 Data: 8 samples (lengths 9..13, one with loss_weight 0), advantages fixed, micro batch 2;
 at DP > 1 the trainer gives each DP rank its slice. lr 1e-3, fp32, vocab padded to a
@@ -35,6 +39,16 @@ import torch  # noqa: E402
 ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
 MBS = 2
 VOCAB_DIV = 96
+# the l4 checkpoint (4 layers): advantages not summing to ~0 and Adam eps 1e-5, as in
+# tests/models/_family_layouts.py, whose comments give the reasons (a near-zero loss makes its
+# relative difference measure cancellation; Adam's sign-like first step with eps 1e-8 amplifies
+# the rounding of ~1e-9 gradients into the second step)
+L4_ADV = [1.0, -0.5, 0.7, 1.2, 3.0, 0.4, -0.9, 1.5]
+L4_ADAM_EPS = 1e-5
+
+
+def adv_for(tie: str) -> list[float]:
+    return L4_ADV if tie == "l4" else ADV
 
 
 def samples(seed: int = 0):
@@ -50,23 +64,26 @@ def samples(seed: int = 0):
     return out
 
 
-def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False):
+def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie=""):
     from moe_async.trainer.config import TrainerConfig
 
+    extra = {"adam_eps": L4_ADAM_EPS} if tie == "l4" else {}
     return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          expert_model_parallel_size=ep, micro_batch_size=mbs, moe_aux_loss_coeff=aux,
-                         lr=1e-3, make_vocab_size_divisible_by=VOCAB_DIV, use_distributed_optimizer=dist_opt)
+                         lr=1e-3, make_vocab_size_divisible_by=VOCAB_DIV, use_distributed_optimizer=dist_opt,
+                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
 
 
 def parse(layout: str):
-    """``tp{t}pp{p}ep{e}[do]-{checkpoint}``; ``do``: Megatron's distributed optimizer."""
+    """``tp{t}pp{p}[vp{v}]ep{e}[do]-{checkpoint}`` -> ``(tp, pp, ep, checkpoint, dist_opt, vpp)``;
+    ``vp``: virtual pipeline stages per PP rank; ``do``: Megatron's distributed optimizer."""
+    import re
+
     lay, tie = layout.split("-")
-    dist_opt = lay.endswith("do")
-    lay = lay.removesuffix("do")
-    tp = int(lay.split("tp")[1].split("pp")[0])
-    pp = int(lay.split("pp")[1].split("ep")[0])
-    ep = int(lay.split("ep")[1])
-    return tp, pp, ep, tie, dist_opt
+    m = re.fullmatch(r"tp(\d+)pp(\d+)(?:vp(\d+))?ep(\d+)(do)?", lay)
+    if m is None:
+        raise ValueError(f"bad layout {layout!r}")
+    return int(m[1]), int(m[2]), int(m[4]), tie, m[5] is not None, int(m[3] or 1)
 
 
 def rank() -> int:
@@ -83,7 +100,7 @@ def export_equals_disk(tr, path: str) -> bool | None:
     return set(exported) == set(disk) and all(torch.equal(exported[k], disk[k]) for k in disk)
 
 
-def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = False) -> dict:
+def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = False, vpp: int = 1) -> dict:
     """Export check, 2 steps, checksums, logprobs; then C10 (skipped with the distributed
     optimizer: the aux-loss path does not depend on the optimizer)."""
     from moe_async.trainer.megatron_trainer import MegatronTrainer
@@ -92,12 +109,14 @@ def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = F
     ss = samples()
     res: dict = {}
     t0 = time.perf_counter()
-    tr = MegatronTrainer(cfg(tp, pp, ep, dist_opt=dist_opt), path)
+    tr = MegatronTrainer(cfg(tp, pp, ep, dist_opt=dist_opt, vpp=vpp, tie=tie), path)
     res["build_s"] = time.perf_counter() - t0
+    if vpp > 1:  # global layer numbers of each chunk, per rank (Megatron's interleaved assignment)
+        res["chunk_layers"] = _gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
     res["export_equals_disk"] = export_equals_disk(tr, path)
     steps = []
     for _ in range(2):
-        m = tr.train_step(ss, ADV)
+        m = tr.train_step(ss, adv_for(tie))
         steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "step_time_s")})
     res["steps"] = steps
     res["checksums_agree_on_ranks"] = _same_on_all_ranks(tr.hf_checksums())
@@ -105,12 +124,12 @@ def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = F
     res["logp_first"] = [x[:3] for x in lp]
     tr.close()
     if not dist_opt:
-        res["c10"] = c10(path, tp, pp, ep)
+        res["c10"] = c10(path, tp, pp, ep, vpp=vpp, tie=tie)
     res["total_s"] = time.perf_counter() - t0
     return res
 
 
-def c10(path: str, tp: int, pp: int, ep: int, mbs: int = MBS) -> dict:
+def c10(path: str, tp: int, pp: int, ep: int, mbs: int = MBS, vpp: int = 1, tie: str = "") -> dict:
     """Aux coefficient 0.01: reported loss - pg_loss == 0.01 x aux; with zero advantages the
     policy gradient vanishes, so the gradient is coeff x d(aux): coefficient 0.02 must give
     exactly twice the grad norm of 0.01 (the aux loss reaches the gradient, linearly, with
@@ -120,13 +139,24 @@ def c10(path: str, tp: int, pp: int, ep: int, mbs: int = MBS) -> dict:
     ss = samples()
     out = {}
     for coeff in (0.01, 0.02):
-        tr = MegatronTrainer(cfg(tp, pp, ep, aux=coeff, mbs=mbs), path)
+        tr = MegatronTrainer(cfg(tp, pp, ep, aux=coeff, mbs=mbs, vpp=vpp, tie=tie), path)
         z = tr.train_step(ss, [0.0] * len(ss))
-        m = tr.train_step(ss, ADV)
+        m = tr.train_step(ss, adv_for(tie))
         out[str(coeff)] = {"zero_adv": {k: z[k] for k in ("loss", "pg_loss", "moe_aux_loss", "grad_norm")},
                            "adv": {k: m[k] for k in ("loss", "pg_loss", "moe_aux_loss", "grad_norm")}}
         tr.close()
     return out
+
+
+def _gather(obj) -> list:
+    """``obj`` of every rank, in rank order (a 1-element list on 1 process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return box
 
 
 def _same_on_all_ranks(obj) -> bool:
@@ -181,6 +211,49 @@ def c4(tmp: str) -> dict:
         res[f"reload_ep{ep}_equal"] = got == ref
         res[f"reload_ep{ep}_n"] = len(got)
         tr.close()
+    return res
+
+
+def vpp_ckpt_ref(tmp: str) -> dict:
+    """1 process, l4: one step, torch_dist save (``l4_ckpt1``), then a second step; returns the
+    checksums at the save and the second step's loss/grad norm (the reference for
+    :func:`vpp_ckpt`)."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg(tie="l4"), os.path.join(tmp, "l4"))
+    tr.train_step(samples(), L4_ADV)
+    tr.save_checkpoint(os.path.join(tmp, "l4_ckpt1"))
+    saved = tr.hf_checksums()
+    m = tr.train_step(samples(), L4_ADV)
+    tr.close()
+    return {"saved": saved, "next": {k: m[k] for k in ("loss", "grad_norm")}}
+
+
+def vpp_ckpt(tmp: str) -> dict:
+    """PP2 x VPP2 (2 ranks, 2 chunks each): load the 1-process checkpoint (model + Adam state);
+    its checksums, then one step (must equal the 1-process second step); then save it
+    (``l4_ckpt_vpp``: per-chunk ``model0``/``model1`` state dicts) and record the checksums."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg(pp=2, vpp=2, tie="l4"), os.path.join(tmp, "l4"))
+    tr.load_checkpoint(os.path.join(tmp, "l4_ckpt1"))
+    res = {"loaded": tr.hf_checksums(), "version": tr.version}
+    m = tr.train_step(samples(), L4_ADV)
+    res["next"] = {k: m[k] for k in ("loss", "grad_norm")}
+    tr.save_checkpoint(os.path.join(tmp, "l4_ckpt_vpp"))
+    res["saved"] = tr.hf_checksums()
+    tr.close()
+    return res
+
+
+def vpp_ckpt_load(tmp: str) -> dict:
+    """EP4 (4 ranks, one chunk each): load the PP2 x VPP2 checkpoint; its checksums."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg(ep=4, tie="l4"), os.path.join(tmp, "l4"))
+    tr.load_checkpoint(os.path.join(tmp, "l4_ckpt_vpp"))
+    res = {"loaded": tr.hf_checksums(), "version": tr.version}
+    tr.close()
     return res
 
 
@@ -249,9 +322,11 @@ def main_ref(tmp: str) -> None:
         make_tiny_mixtral(os.path.join(tmp, f"tie{tie}"), tie=bool(tie))
     make_tiny_qwen3_moe(os.path.join(tmp, "qwen3"), tie=False, norm_topk_prob=True)
     make_tiny_qwen3_moe(os.path.join(tmp, "qwen3n"), tie=True, norm_topk_prob=False)
+    make_tiny_mixtral(os.path.join(tmp, "l4"), tie=True, num_hidden_layers=4)
     res = {}
-    for tie in ("tie0", "tie1", "qwen3", "qwen3n"):
+    for tie in ("tie0", "tie1", "qwen3", "qwen3n", "l4"):
         res[tie] = run_layout(tmp, 1, 1, 1, tie)
+    res["vpp_ckpt_ref"] = vpp_ckpt_ref(tmp)
     for name in ("qwen3", "qwen3n"):
         res[f"parity_{name}"] = hf_parity(os.path.join(tmp, name))
     res["load_paths"] = load_paths(tmp)
@@ -269,6 +344,10 @@ def main_run(tmp: str, out: str, layouts: list[str]) -> None:
     for lay in layouts:
         if lay == "c4":
             res["c4"] = c4(tmp)
+        elif lay == "vppck":
+            res["vppck"] = vpp_ckpt(tmp)
+        elif lay == "vppck_load":
+            res["vppck_load"] = vpp_ckpt_load(tmp)
         else:
             res[lay] = run_layout(tmp, *parse(lay))
     res["wall_s"] = time.perf_counter() - t0

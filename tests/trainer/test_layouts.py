@@ -2,12 +2,15 @@
 HF export, C4 (experts saved once, reload at other EP) and C10 (aux loss on every path).
 
 Three launches in all (see _layout_checks.py): the 1-process reference (plain python), one
-2-process torchrun looping over {TP2+SP, EP2, PP2} and one 4-process torchrun looping over
-{TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4} + C4, plus Megatron's distributed optimizer at DP2
-(2 processes), EP2 x DP2 and TP2 x DP2 (4 processes); Megatron's parallel state is destroyed and
-re-initialised between layouts inside a launch. Each layout: load the same tiny Mixtral (2
-layers, hidden 64, 4 experts top-2, vocab 256 padded to 96 x TP, fp32), export, two
-optimizer steps on the same 8 samples (aux coeff 0).
+2-process torchrun looping over {TP2+SP, EP2, PP2, PP2+VPP2} and one 4-process torchrun looping
+over {TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4, PP2+VPP2+EP2} + C4, plus Megatron's distributed
+optimizer at DP2 (2 processes), EP2 x DP2 and TP2 x DP2 (4 processes); Megatron's parallel
+state is destroyed and re-initialised between layouts inside a launch. Each layout: load the
+same tiny Mixtral (2 layers, hidden 64, 4 experts top-2, vocab 256 padded to 96 x TP, fp32;
+4 layers for the virtual pipeline layouts: one layer per model chunk), export, two optimizer
+steps on the same 8 samples (aux coeff 0). Virtual pipeline checkpoints: a 1-process
+torch_dist save loaded at PP2+VPP2 (then one step, equal to the 1-process next step), saved
+there (per-chunk model0/model1 state dicts) and loaded at EP4.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import torch
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_layout_checks.py")
-W2 = ["tp2pp1ep1-tie0", "tp1pp1ep2-tie1", "tp1pp2ep1-tie1", "tp2pp1ep1-qwen3"]
-W4 = ["tp2pp1ep2-tie0", "tp1pp2ep2-tie0", "tp2pp2ep2-tie1", "tp1pp1ep4-tie1", "tp2pp2ep2-qwen3n"]
+W2 = ["tp2pp1ep1-tie0", "tp1pp1ep2-tie1", "tp1pp2ep1-tie1", "tp2pp1ep1-qwen3", "tp1pp2vp2ep1-l4"]
+W4 = ["tp2pp1ep2-tie0", "tp1pp2ep2-tie0", "tp2pp2ep2-tie1", "tp1pp1ep4-tie1", "tp2pp2ep2-qwen3n",
+      "tp1pp2vp2ep2-l4"]
+# virtual pipeline (PP2 x VPP2) layouts, 4-layer checkpoint l4
+VPP = ["tp1pp2vp2ep1-l4", "tp1pp2vp2ep2-l4"]
 # Megatron's distributed optimizer ("do"): DP2 (2 processes), EP2 x DP2 and TP2 x DP2 (4)
 DO2 = ["tp1pp1ep1do-tie0"]
 DO4 = ["tp1pp1ep2do-tie1", "tp2pp1ep1do-qwen3"]
-REFS = ["tie0", "tie1", "qwen3", "qwen3n"]
+REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4"]
 REL = 1e-5
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
@@ -65,8 +71,8 @@ def _torchrun(n: int, tmp: str, out: str, layouts: list[str]) -> float:
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("layouts"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
-    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), W2 + DO2)
-    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4"])
+    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), [*W2, *DO2, "vppck"])
+    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4", "vppck_load"])
     out = {}
     for name in ("ref", "w2", "w4"):
         with open(os.path.join(tmp, f"{name}.json")) as f:
@@ -141,6 +147,28 @@ def test_c4_experts_saved_once_and_reloaded_at_other_ep(res):
         assert m["min_max"] == [1] * 8, key  # every element of experts 0-3 saved exactly once
     assert c4["reload_ep1_equal"] and c4["reload_ep4_equal"]
     assert c4["reload_ep1_n"] == c4["reload_ep4_n"] == 41
+
+
+@pytest.mark.parametrize("layout", VPP)
+def test_vpp_chunks_hold_interleaved_layers(res, layout):
+    """Megatron's interleaved assignment: PP rank p, chunk v holds layer v*PP + p + 1 (4 layers,
+    PP2 x VPP2); at EP2 the two EP ranks of a PP stage hold the same layers."""
+    want = {0: [[1], [3]], 1: [[2], [4]]}
+    got = res[layout]["chunk_layers"]
+    pp_rank = [0, 1] if len(got) == 2 else [0, 0, 1, 1]  # Megatron's rank order: TP, EP/DP, PP
+    assert [want[p] for p in pp_rank] == got
+
+
+def test_vpp_checkpoint_round_trip(res):
+    """1-process torch_dist save -> load at PP2+VPP2: bit-exact weights, version, and the next
+    step's loss/grad norm equal the 1-process run's next step (Adam state loaded per chunk);
+    then saved at PP2+VPP2 (model0/model1) -> loaded at EP4: bit-exact."""
+    ref, v, w = res["vpp_ckpt_ref"], res["vppck"], res["vppck_load"]
+    assert v["loaded"] == ref["saved"] and v["version"] == 1
+    for k in ("loss", "grad_norm"):
+        assert _rel(v["next"][k], ref["next"][k]) <= REL, (k, v["next"][k], ref["next"][k])
+    assert v["saved"] != v["loaded"]  # the step changed the weights
+    assert w["loaded"] == v["saved"] and w["version"] == 2
 
 
 def test_total_time(res):

@@ -10,9 +10,12 @@ from pydantic import ValidationError
 from moe_async.trainer.config import TrainerConfig, _have_transformer_engine
 
 
-def test_virtual_pipeline_refused():
-    with pytest.raises(ValidationError, match="virtual_pipeline_model_parallel_size=2.*one model chunk"):
-        TrainerConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+def test_virtual_pipeline_needs_pipeline_parallelism():
+    with pytest.raises(ValidationError, match="virtual_pipeline_model_parallel_size=2 needs "
+                                              "trainer.pipeline_model_parallel_size > 1 .got 1."):
+        TrainerConfig(virtual_pipeline_model_parallel_size=2)
+    assert TrainerConfig(pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2).virtual_pipeline_model_parallel_size == 2
     assert TrainerConfig(virtual_pipeline_model_parallel_size=1).virtual_pipeline_model_parallel_size == 1
 
 

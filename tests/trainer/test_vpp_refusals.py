@@ -1,0 +1,52 @@
+"""Virtual pipeline stages: combinations Megatron-Core (or this trainer) does not run are refused
+by ``MegatronTrainer`` before any process group is created, naming the field. (The layouts that
+run are checked in tests/trainer/test_layouts.py: PP2+VPP2 and PP2+VPP2+EP2 equal 1 process.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from _tiny import make_tiny_mixtral
+    from _tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+    tmp = tmp_path_factory.mktemp("vpp")
+    return {"l2": make_tiny_mixtral(str(tmp / "l2")),
+            "l4": make_tiny_mixtral(str(tmp / "l4"), num_hidden_layers=4),
+            "ds3": make_tiny_deepseek_v3(str(tmp / "ds3"), num_hidden_layers=4)}
+
+
+def _trainer(path, **kw):
+    import torch.distributed as dist
+
+    from moe_async.trainer.config import TrainerConfig
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    cfg = TrainerConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, **kw)
+    try:
+        return MegatronTrainer(cfg, path)
+    finally:
+        assert not dist.is_initialized()  # refused before torch.distributed was touched
+
+
+def test_layers_not_divisible_by_pp_times_vpp(ckpts):
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: the model's 2 layers are "
+                                         r"not divisible by .* = 4"):
+        _trainer(ckpts["l2"])
+
+
+def test_router_replay_refused(ckpts):
+    with pytest.raises(NotImplementedError, match=r"router_replay='R3' with trainer.virtual_pipeline"):
+        _trainer(ckpts["l4"], router_replay="R3")
+
+
+def test_block_spec_family_refused(ckpts):
+    with pytest.raises(NotImplementedError, match=r"model_type 'deepseek_v3': the family's decoder block spec"):
+        _trainer(ckpts["ds3"])
