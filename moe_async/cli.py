@@ -2,6 +2,11 @@
 
     moe-async train CONFIG.yaml [key.sub=value ...]     run an experiment
     moe-async show-config CONFIG.yaml [key.sub=value ...] print the validated config
+
+Bad user input (a config error, a missing config file, a ``cpu_affinity`` core this host
+lacks, a ``trainer.load`` that is no checkpoint, a bad ``model.hf_path``) prints one line
+``moe-async: <message>`` to stderr and exits with status 2; any other exception is a bug or
+a crash and keeps its traceback (exit status 1).
 """
 
 from __future__ import annotations
@@ -10,9 +15,24 @@ import argparse
 import sys
 
 from moe_async.config import ConfigError, dump_config, load_config
+from moe_async.errors import UserInputError
+
+
+def _refuse(e: BaseException) -> int:
+    """Print ``moe-async: <message>`` for a user-input error to stderr; return exit status 2.
+
+    A :class:`UserInputError` raised inside a Ray task reaches the driver as a
+    ``RayTaskError`` that is also an instance of the cause's class; its ``str`` carries the
+    remote traceback, so the original exception (``.cause``) is reported instead.
+    """
+    cause = getattr(e, "cause", None)
+    print(f"moe-async: {cause if isinstance(cause, UserInputError) else e}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``moe-async`` with ``argv`` (default ``sys.argv[1:]``); return the exit status:
+    0, or 2 for bad user input (argparse also exits with 2 on bad arguments)."""
     p = argparse.ArgumentParser(prog="moe-async", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("train", "run an experiment"), ("show-config", "print the validated config")):
@@ -23,14 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"moe-async: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     if args.cmd == "show-config":
         print(dump_config(cfg), end="")
         return 0
     from moe_async.orchestration.driver import run_experiment
 
-    run_experiment(cfg)
+    try:
+        run_experiment(cfg)
+    except (ConfigError, UserInputError) as e:
+        return _refuse(e)
     return 0
 
 

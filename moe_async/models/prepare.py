@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from moe_async.errors import UserInputError, UserInputFileNotFoundError
 from moe_async.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,8 @@ def _check_hf_dir(p: Path) -> None:
     an unreadable ``config.json``, an unsupported ``model_type``, no ``*.safetensors``, or a
     safetensors file whose header cannot be read (truncated / corrupt).
 
-    Raises: ValueError (config.json, model_type, corrupt file) or FileNotFoundError.
+    Raises: UserInputError, a ValueError (config.json, model_type, corrupt file), or
+    UserInputFileNotFoundError, a FileNotFoundError too (no safetensors file).
     """
     from moe_async.models.family import get_family
 
@@ -203,16 +205,16 @@ def _check_hf_dir(p: Path) -> None:
     try:
         hf_cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"model.hf_path: cannot read {cfg_path}: {type(e).__name__}: {e}") from e
+        raise UserInputError(f"model.hf_path: cannot read {cfg_path}: {type(e).__name__}: {e}") from e
     if not isinstance(hf_cfg, dict):
-        raise ValueError(f"model.hf_path: {cfg_path} is not a JSON object")
+        raise UserInputError(f"model.hf_path: {cfg_path} is not a JSON object")
     try:
         get_family(hf_cfg.get("model_type"))
     except ValueError as e:
-        raise ValueError(f"model.hf_path: {cfg_path}: {e}") from None
+        raise UserInputError(f"model.hf_path: {cfg_path}: {e}") from None
     files = sorted(p.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"model.hf_path {p} has no *.safetensors weight file")
+        raise UserInputFileNotFoundError(f"model.hf_path {p} has no *.safetensors weight file")
     for f in files:
         try:
             size = f.stat().st_size
@@ -226,8 +228,8 @@ def _check_hf_dir(p: Path) -> None:
             if 8 + n + end != size:
                 raise ValueError(f"tensor data ends at byte {8 + n + end}, file has {size} bytes")
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise ValueError(f"model.hf_path: {f} is not a readable safetensors file "
-                             f"(truncated or corrupt): {e}") from e
+            raise UserInputError(f"model.hf_path: {f} is not a readable safetensors file "
+                                 f"(truncated or corrupt): {e}") from e
 
 
 def prepare_hf_checkpoint(cfg: ModelConfig) -> Path:
@@ -237,13 +239,18 @@ def prepare_hf_checkpoint(cfg: ModelConfig) -> Path:
     * ``smollm2_upcycled``: SmolLM2-135M-Instruct upcycled to ``cfg.num_experts`` experts,
       top-``cfg.top_k`` (see :mod:`moe_async.models.upcycle`).
     * ``random_moe``: random Mixtral of ``cfg``'s sizes with the SmolLM2 tokenizer.
+
+    Raises:
+        UserInputFileNotFoundError (a FileNotFoundError and a
+        :class:`~moe_async.errors.UserInputError`) or UserInputError, naming ``model.hf_path``,
+        when ``hf_path`` is no loadable HF model directory (see :func:`_check_hf_dir`).
     """
     if cfg.source == "hf":
         p = Path(cfg.hf_path).expanduser()
         if not p.is_dir():
-            raise FileNotFoundError(f"model.hf_path {p} is not a directory")
+            raise UserInputFileNotFoundError(f"model.hf_path {p} is not a directory")
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"model.hf_path {p} has no config.json")
+            raise UserInputFileNotFoundError(f"model.hf_path {p} has no config.json")
         _check_hf_dir(p)
         return p
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()

@@ -10,22 +10,24 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from moe_async.errors import UserInputError
+
 
 def check_cpu_affinity(cores: Sequence[int] | None, field: str) -> set[int] | None:
     """The core set to pin to, or ``None`` when ``cores`` is unset.
 
     Raises:
-        ValueError: naming ``field`` when a core is not one this process may run on
-            (``os.sched_getaffinity(0)``) or when the platform cannot pin.
+        UserInputError (a ValueError): naming ``field`` when a core is not one this process
+            may run on (``os.sched_getaffinity(0)``) or when the platform cannot pin.
     """
     if cores is None:
         return None
     if not hasattr(os, "sched_setaffinity"):
-        raise ValueError(f"{field}={list(cores)}: CPU pinning needs Linux (os.sched_setaffinity)")
+        raise UserInputError(f"{field}={list(cores)}: CPU pinning needs Linux (os.sched_setaffinity)")
     allowed = os.sched_getaffinity(0)
     bad = sorted(set(cores) - allowed)
     if bad:
-        raise ValueError(f"{field}={list(cores)}: cores {bad} are not available here (allowed: {sorted(allowed)})")
+        raise UserInputError(f"{field}={list(cores)}: cores {bad} are not available here (allowed: {sorted(allowed)})")
     return set(cores)
 
 
@@ -40,7 +42,7 @@ def check_run_placement(trainer_cores: Sequence[int] | None, engine_cores: Seque
     loads (``moe-async show-config``).
 
     Raises:
-        ValueError: naming the field, its value, the missing cores and the cores this
+        UserInputError (a ValueError): naming the field, its value, the missing cores and the cores this
             process may run on (``os.sched_getaffinity(0)``, which Ray's workers and the
             engine servers started from here inherit).
     """
@@ -56,7 +58,7 @@ def pin_this_process(cores: Sequence[int] | None, field: str) -> set[int] | None
     ``None`` (nothing done) when ``cores`` is unset.
 
     Raises:
-        ValueError: see :func:`check_cpu_affinity`.
+        UserInputError: see :func:`check_cpu_affinity`.
     """
     mask = check_cpu_affinity(cores, field)
     if mask is None:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_async.config import ExperimentConfig, dump_config
+from moe_async.errors import UserInputError
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.orchestration.affinity import check_run_placement
 from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
@@ -52,22 +53,26 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run one experiment end to end and return its summary (also in summary.json).
 
     Raises: whatever a component raises (config/model/engine errors name their source);
-    engines and Ray are shut down on every exit path.
+    :class:`~moe_async.errors.UserInputError` at start-up, before Ray or any process starts,
+    for a ``cpu_affinity`` core this host lacks, a bad ``trainer.load`` or a bad
+    ``model.hf_path`` (no run dir is made); engines and Ray are shut down on every exit path.
     """
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
         check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
+    load_path, start_step = resolve_checkpoint(cfg)  # refused here, before Ray or any process starts
     import ray
 
     from moe_async.models.prepare import prepare_hf_checkpoint
     from moe_async.orchestration.actors import BufferActor, EngineManager, RolloutActor, TrainerActor
 
-    load_path, start_step = resolve_checkpoint(cfg)  # refused here, before any process starts
+    # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
+    model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
     run_dir = make_run_dir(cfg.logging, cfg.name)
     # absolute: the trainer actor's working directory need not be the driver's
     save_dir = str(Path(cfg.trainer.save_dir).expanduser().resolve()) if cfg.trainer.save_dir else str(run_dir / "checkpoints")
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"[moe-async] run dir: {run_dir}", flush=True)
-    model_path = str(prepare_hf_checkpoint(cfg.model))
+    model_path = model_path or str(prepare_hf_checkpoint(cfg.model))  # other sources: made (and cached) here
     print(f"[moe-async] model: {model_path}", flush=True)
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
@@ -208,8 +213,9 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
     else the weight_version (``moe_async_version.txt``).
 
     Raises:
-        ValueError naming ``trainer.load`` when the path does not exist or is not such a
-        checkpoint, and naming ``num_steps`` when it is not above the checkpoint's step.
+        UserInputError (a ValueError) naming ``trainer.load`` when the path does not exist or
+        is not such a checkpoint or its step file cannot be read, and naming ``num_steps``
+        when it is not above the checkpoint's step.
     """
     import json
     import os
@@ -219,24 +225,28 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
         return None, 0
     p = os.path.abspath(os.path.expanduser(p))
     if not os.path.isdir(p):
-        raise ValueError(f"trainer.load={cfg.trainer.load!r}: no such directory")
+        raise UserInputError(f"trainer.load={cfg.trainer.load!r}: no such directory")
     latest = os.path.join(p, "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
             p = os.path.join(p, f.read().strip())
     ver_p, state_p = os.path.join(p, "moe_async_version.txt"), os.path.join(p, "moe_async_state.json")
     if not (os.path.isfile(ver_p) and os.path.isfile(os.path.join(p, "metadata.json"))):
-        raise ValueError(
+        raise UserInputError(
             f"trainer.load={cfg.trainer.load!r}: {p} is not a checkpoint of this trainer (needs the torch_dist "
             "metadata.json and moe_async_version.txt written by trainer.save_interval)")
-    with open(ver_p) as f:
-        step = int(f.read().strip())
-    if os.path.isfile(state_p):
-        with open(state_p) as f:
-            step = int(json.load(f).get("extra", {}).get("step", step))
+    try:
+        with open(ver_p) as f:
+            step = int(f.read().strip())
+        if os.path.isfile(state_p):
+            with open(state_p) as f:
+                step = int(json.load(f).get("extra", {}).get("step", step))
+    except (OSError, ValueError, AttributeError, TypeError) as e:  # unreadable, not an int / JSON object
+        raise UserInputError(f"trainer.load={cfg.trainer.load!r}: cannot read the step of {p} "
+                             f"({type(e).__name__}: {e})") from e
     if cfg.num_steps <= step:
-        raise ValueError(f"num_steps={cfg.num_steps} counts steps in total and the checkpoint trainer.load={p} "
-                         f"is at step {step}: nothing left to train (set num_steps above {step})")
+        raise UserInputError(f"num_steps={cfg.num_steps} counts steps in total and the checkpoint trainer.load={p} "
+                             f"is at step {step}: nothing left to train (set num_steps above {step})")
     return p, step
 
 

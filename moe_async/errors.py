@@ -1,0 +1,27 @@
+"""Exception types for bad user input found after the config has loaded.
+
+:class:`moe_async.config.ConfigError` covers what the config file alone can tell. Some
+input can only be judged at start-up against this host or the file system: a
+``cpu_affinity`` core this machine lacks, a ``trainer.load`` path that is no checkpoint, a
+``model.hf_path`` that is no HF model directory. Those checks raise :class:`UserInputError`
+(its message names the field and the value), and ``moe-async train`` prints it as one line
+``moe-async: <message>`` and exits with status 2, as it does for a ConfigError. Any other
+exception is treated as a bug or a crash and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserInputError(ValueError):
+    """A value the user gave (a config field, a path) is unusable here; the message names it.
+
+    A ``ValueError`` subclass so that callers catching ``ValueError`` keep working.
+    """
+
+
+class UserInputFileNotFoundError(UserInputError, FileNotFoundError):
+    """A path the user gave does not exist or lacks a required file.
+
+    Both a :class:`UserInputError` and a ``FileNotFoundError`` (callers catching either keep
+    working); ``str(e)`` is the message alone.
+    """
