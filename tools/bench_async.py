@@ -8,6 +8,11 @@ fraction, dropped groups, the reward curve (mean reward of each step's batch) an
 timings (trainer wait, train step, weight sync); then the async/sync ratios. Absolute
 numbers on a shared CPU mean little; the ratio measured in the same run is the result.
 
+Reward per sample: each mode's curve of ``rollout/reward_mean_generated_step`` (the mean
+reward of every sample generated since the previous step, dynamic-filtered and stale-dropped
+ones included, so the filter does not bias it) against the number of generated samples,
+its mean with a binomial standard error, and the async - sync difference of the means.
+
 Placement (both modes): like a cluster where engines and trainer own disjoint devices, the
 trainer is pinned to one set of cores and the engine server to a disjoint set
 (``trainer.cpu_affinity`` / ``engine.cpu_affinity``), each with as many torch threads as
@@ -23,14 +28,15 @@ batch's generation time is close to the train step + weight sync time; ``--set``
 holds the overrides chosen per config (``--no-balance`` drops them).
 
     .venv/bin/python tools/bench_async.py                       # cpu_smoke, 8 steps, K=2
-    .venv/bin/python tools/bench_async.py --config configs/cpu_demo.yaml --steps 6
+    .venv/bin/python tools/bench_async.py --config configs/cpu_demo.yaml --steps 12
     .venv/bin/python tools/bench_async.py --set rollout.max_new_tokens=16 --json out.json
 
 ``--json`` output: ``ratios`` and ``rows`` (one list per mode: mode, samples/s, tokens/s,
 trainer idle frac, engine idle frac, dropped samples, trained samples, reward curve, mean
 reward, mean train step s), kept stable; plus ``modes`` (per mode: ``perf``, and ``steps``,
 one dict per step with ``wait_s``, ``train_s``, ``sync_s``, ``pause_s``, ``step_s``,
-``engine_busy_s``, ``samples``, ``reward_mean``, ``staleness_mean``, ``response_len_mean``),
+``engine_busy_s``, ``samples``, ``reward_mean``, ``reward_generated``, ``samples_generated``,
+``staleness_mean``, ``response_len_mean``), ``reward`` (see ``reward_per_sample``),
 ``placement`` and ``overrides``.
 
 Exit status 1 when a run fails (its output tail is printed).
@@ -52,11 +58,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # 8-token responses make a batch's generation ~7x shorter than its train step on 1 core
 # each; 96 tokens bring gen / (train + sync) to ~0.75 (measured: sync 1.63 s gen, 2.12 s
 # train, 0.04 s sync per step).
-# cpu_demo: one prompt (4 samples) per step, generated one group at a time, so 6 steps of
-# both modes fit one ~8-minute run on 2 cores (measured: sync 5.4 s gen, 8.3 s train, 1.4 s
-# sync per step).
-BALANCE = {"cpu_smoke.yaml": ["rollout.max_new_tokens=96"],
-           "cpu_demo.yaml": ["rollout.prompts_per_step=1", "rollout.max_concurrent_groups=1"]}
+# cpu_demo: as configured (4 prompts x 4 samples per step, dynamic filtering); the filter's
+# regenerated groups bring gen / (train + sync) to ~1.1 (measured: sync 44.6 s gen, 38.0 s
+# train, 2.7 s sync per step on 1 core each), so no override; 12 steps of both modes take
+# ~30 minutes and give each mode's reward per generated sample over ~500 samples.
+BALANCE = {"cpu_smoke.yaml": ["rollout.max_new_tokens=96"]}
 
 
 def run_mode(config: str, mode: str, k: int, steps: int, extra: list[str], out: Path) -> dict:
