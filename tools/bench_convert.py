@@ -1,29 +1,32 @@
 #!/usr/bin/env python
 """Conversion throughput (GB/s) against a plain safetensors read + write of the same bytes.
 
-    python tools/bench_convert.py [--hf DIR] [--family mixtral|qwen3_moe|llama]
-                                  [--layers 4 --hidden 512 --experts 8 ...] [--work DIR]
+    python tools/bench_convert.py [--hf DIR] [--family mixtral|qwen3_moe|llama|deepseek_v3]
+                                  [--layers 4 --hidden 512 --experts 8 ...] [--repeats 5]
+                                  [--fsync] [--save-threads 0] [--work DIR]
 
 Without --hf a random fp32 model of the given family and sizes is made with transformers
-and saved sharded (--shard-size). In ONE run, on the same files (page cache warm for all):
+and saved sharded (--shard-size). In ONE process, on the same files (page cache warm for
+all), after one untimed warm-up round (its times are printed as ``*_first_call_s``: the
+one-off costs a single CLI run pays, e.g. Megatron's lazy imports), --repeats rounds of:
 
 * baseline: every HF safetensors file read (``safetensors.torch.load_file``) and written
-  back (``save_file``) to a scratch dir, one file at a time; best of --repeats; the same
-  with an ``os.fsync`` of each written file is measured too (``baseline_fsync_s``), since
-  Megatron's torch_dist writer fsyncs every file it writes (not configurable in
-  megatron-core 0.16);
-* HF -> Megatron: ``tools/convert_hf_to_megatron.py``'s function (model build, shard-at-a-time
-  read, mapping, torch_dist save) at 1 process, wall time from the call;
+  back (``save_file``) to a scratch dir, one file at a time (with ``--fsync``: and each
+  written file fsynced);
+* HF -> Megatron: ``tools/convert_hf_to_megatron.py``'s function at 1 process (model build,
+  shard-at-a-time read, mapping, torch_dist save: in-process writer, ``--save-threads N``
+  for Megatron's forking writer; fsync only with ``--fsync``), wall time around the call;
 * Megatron -> HF: ``tools/convert_megatron_to_hf.py``'s function (model build, torch_dist
-  load, gather, mapping, sharded safetensors + index), wall time from the call;
+  load, gather, mapping, sharded safetensors + index; fsync only with ``--fsync``).
 
-and prints each as GB/s of HF tensor bytes (best of --repeats; the first call of the
-process is printed too), with ``ratio = conversion GB/s / baseline GB/s`` (goal >= 0.5)
-and the same against the fsync baseline, plus the conversion's own phase times (setup,
-model build, HF read + map + copy, torch_dist save / load, gather + map + write), as one
-JSON line. Importing Megatron-Core / transformers (seconds) happens before any timing and
-is printed as ``imports_s``. The round trip is checked bit-exact. Conversions are timed end
-to end, including Megatron's model build and dist_checkpointing's writer processes.
+Each round's ratio is ``baseline seconds / conversion seconds`` (= conversion GB/s /
+baseline GB/s, goal >= 0.5) with the baseline of the same round, so that load from other
+jobs on a shared machine hits both sides alike; the JSON line gives the median of those
+ratios (``ratio_*``), every round's ratio, the median seconds and GB/s of HF tensor bytes
+of each side, and the conversion's phase times of its median round (checks, process-group
+setup, model build, HF read + map + copy, torch_dist save / load, gather + map + write,
+teardown). The first round's round trip is checked bit-exact (``round_trip_bit_exact``).
+Importing Megatron-Core / transformers happens before any timing (``imports_s``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -39,25 +43,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+FAMILIES = ["mixtral", "qwen3_moe", "llama", "deepseek_v3"]
+
 
 def make_model(path: str, a) -> None:
-    """A random fp32 model of family ``a.family`` (mixtral / qwen3_moe / llama) saved sharded."""
+    """A random fp32 model of family ``a.family`` saved sharded (``a.shard_size``). MoE
+    families: ``a.experts`` experts of width ``a.ffn``; llama: dense, width ``a.ffn * a.experts``
+    (about the same bytes); deepseek_v3: MLA, first layer dense, 1 shared expert, groups of 2."""
     import torch
     import transformers as T
 
     torch.manual_seed(0)
     common = dict(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
+                  max_position_embeddings=512, tie_word_embeddings=False,
                   rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
     if a.family == "mixtral":
-        cfg = T.MixtralConfig(intermediate_size=a.ffn, num_local_experts=a.experts, num_experts_per_tok=2, **common)
+        cfg = T.MixtralConfig(intermediate_size=a.ffn, num_local_experts=a.experts, num_experts_per_tok=2,
+                              num_key_value_heads=4, **common)
         cls = T.MixtralForCausalLM
     elif a.family == "qwen3_moe":
         cfg = T.Qwen3MoeConfig(intermediate_size=a.ffn, moe_intermediate_size=a.ffn, num_experts=a.experts,
-                               num_experts_per_tok=2, head_dim=a.hidden // 8, **common)
+                               num_experts_per_tok=2, head_dim=a.hidden // 8, num_key_value_heads=4, **common)
         cls = T.Qwen3MoeForCausalLM
+    elif a.family == "deepseek_v3":
+        cfg = T.DeepseekV3Config(intermediate_size=a.ffn * 2, moe_intermediate_size=a.ffn, n_routed_experts=a.experts,
+                                 n_shared_experts=1, num_experts_per_tok=2, n_group=max(1, a.experts // 2),
+                                 topk_group=1, first_k_dense_replace=1, num_key_value_heads=8,
+                                 q_lora_rank=a.hidden // 2, kv_lora_rank=a.hidden // 4, qk_nope_head_dim=32,
+                                 qk_rope_head_dim=16, v_head_dim=32, **common)
+        cls = T.DeepseekV3ForCausalLM
     else:
-        cfg = T.LlamaConfig(intermediate_size=a.ffn * a.experts, **common)
+        cfg = T.LlamaConfig(intermediate_size=a.ffn * a.experts, num_key_value_heads=4, **common)
         cls = T.LlamaForCausalLM
     with torch.device("cpu"):
         m = cls(cfg)
@@ -66,7 +82,7 @@ def make_model(path: str, a) -> None:
 
 def baseline(hf: str, scratch: str, fsync: bool = False) -> float:
     """Seconds for load_file + save_file of every safetensors file of ``hf`` (+ ``os.fsync``
-    of each written file when ``fsync``: Megatron's torch_dist writer always fsyncs)."""
+    of each written file when ``fsync``)."""
     from safetensors.torch import load_file, save_file
 
     from moe_async.models.convert import read_hf_index
@@ -90,7 +106,7 @@ def baseline(hf: str, scratch: str, fsync: bool = False) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hf", default=None, help="existing HF checkpoint dir (default: make a random Mixtral)")
+    ap.add_argument("--hf", default=None, help="existing HF checkpoint dir (default: make a random model)")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir, removed)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
@@ -98,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--shard-size", default="100MB")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--family", default="mixtral", choices=["mixtral", "qwen3_moe", "llama"],
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--family", default="mixtral", choices=FAMILIES,
                     help="family of the random model (llama: dense, ffn = --ffn x --experts)")
-    ap.add_argument("--save-threads", type=int, default=2,
-                    help="torch_dist writer processes per rank (Megatron's thread_count, default 2)")
+    ap.add_argument("--save-threads", type=int, default=0,
+                    help="0: in-process torch_dist writer (default); N >= 1: Megatron's writer, N processes")
+    ap.add_argument("--fsync", action="store_true",
+                    help="fsync every written file, in the conversions and in the baseline alike")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
 
     import torch
 
@@ -114,9 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         hf = args.hf
         if hf is None:
             hf = os.path.join(work, "hf")
-            t0 = time.perf_counter()
-            make_model(hf, args)
-            print(f"made random {args.family} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            cfg_p = os.path.join(hf, "config.json")
+            if os.path.exists(cfg_p):  # a --work dir of an earlier run: reuse its model
+                with open(cfg_p) as f:
+                    if json.load(f).get("model_type") != args.family:
+                        ap.error(f"{hf} holds another family than --family {args.family}; use another --work")
+            else:
+                t0 = time.perf_counter()
+                make_model(hf, args)
+                print(f"made random {args.family} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         from moe_async.models.convert import (
             hf_to_megatron_checkpoint,
             iter_hf_tensors,
@@ -133,51 +159,63 @@ def main(argv: list[str] | None = None) -> int:
         imports_s = time.perf_counter() - t0
         idx = read_hf_index(hf)
         nbytes = sum(os.path.getsize(f) for f in set(idx.values()))
-        base = min(baseline(hf, os.path.join(work, f"plain{i}")) for i in range(args.repeats))
-        base_sync = min(baseline(hf, os.path.join(work, f"sync{i}"), fsync=True) for i in range(args.repeats))
-        h2m, m2h, ph_h2m, ph_m2h = [], [], [], []
-        for i in range(args.repeats):
+        rounds = []
+        exact = None
+        for i in range(args.repeats + 1):  # round 0: warm-up, not in the medians
             meg, back = os.path.join(work, f"meg{i}"), os.path.join(work, f"back{i}")
+            r = {"baseline_s": baseline(hf, os.path.join(work, f"plain{i}"), fsync=args.fsync)}
             t0 = time.perf_counter()
-            st = hf_to_megatron_checkpoint(hf, meg, progress=False, save_threads=args.save_threads)
-            h2m.append(time.perf_counter() - t0)
-            ph_h2m.append(st["phases"])
+            st = hf_to_megatron_checkpoint(hf, meg, progress=False, save_threads=args.save_threads, fsync=args.fsync)
+            r["h2m_s"] = time.perf_counter() - t0
+            r["h2m_phases"] = st["phases"]
             t0 = time.perf_counter()
-            st = megatron_to_hf_checkpoint(meg, hf, back, max_shard_size=args.shard_size, progress=False)
-            m2h.append(time.perf_counter() - t0)
-            ph_m2h.append(st["phases"])
+            st = megatron_to_hf_checkpoint(meg, hf, back, max_shard_size=args.shard_size, progress=False,
+                                           fsync=args.fsync)
+            r["m2h_s"] = time.perf_counter() - t0
+            r["m2h_phases"] = st["phases"]
             if i == 0:
                 a = dict(iter_hf_tensors(hf))
-                exact = all(torch.equal(a[k], t) for k, t in iter_hf_tensors(back)) and \
-                    set(a) == set(read_hf_index(back))
+                exact = all(torch.equal(a[k], t) and a[k].dtype == t.dtype for k, t in iter_hf_tensors(back)) \
+                    and set(a) == set(read_hf_index(back))
                 del a
             shutil.rmtree(meg)
             shutil.rmtree(back)
-        base2 = min(baseline(hf, os.path.join(work, f"plain_again{i}")) for i in range(args.repeats))
-        base = min(base, base2)
+            rounds.append(r)
+        first, timed = rounds[0], rounds[1:]
         gb = nbytes / 1e9
-        h2m_s, m2h_s = min(h2m), min(m2h)
+        med = statistics.median
+
+        def median_round(key: str) -> dict:
+            ordered = sorted(timed, key=lambda r: r[key])
+            return ordered[(len(ordered) - 1) // 2]
+
+        base_s = med(r["baseline_s"] for r in timed)
+        h2m_s = med(r["h2m_s"] for r in timed)
+        m2h_s = med(r["m2h_s"] for r in timed)
+        r_h2m = [r["baseline_s"] / r["h2m_s"] for r in timed]
+        r_m2h = [r["baseline_s"] / r["m2h_s"] for r in timed]
         out = {
             "family": args.family if args.hf is None else "from --hf",
-            "imports_s": round(imports_s, 3),
-            "hf_to_megatron_first_call_s": round(h2m[0], 3),
-            "megatron_to_hf_first_call_s": round(m2h[0], 3),
             "hf_gb": round(gb, 4),
             "files": len(set(idx.values())),
-            "baseline_read_write_s": round(base, 3),
-            "baseline_gbps": round(gb / base, 3),
+            "repeats": args.repeats,
+            "fsync": args.fsync,
+            "save_threads": args.save_threads,
+            "ratio_hf_to_megatron": round(med(r_h2m), 3),
+            "ratio_megatron_to_hf": round(med(r_m2h), 3),
+            "ratios_hf_to_megatron": [round(x, 3) for x in r_h2m],
+            "ratios_megatron_to_hf": [round(x, 3) for x in r_m2h],
+            "baseline_read_write_s": round(base_s, 3),
+            "baseline_gbps": round(gb / base_s, 3),
             "hf_to_megatron_s": round(h2m_s, 3),
             "hf_to_megatron_gbps": round(gb / h2m_s, 3),
             "megatron_to_hf_s": round(m2h_s, 3),
             "megatron_to_hf_gbps": round(gb / m2h_s, 3),
-            "ratio_hf_to_megatron": round(base / h2m_s, 3),
-            "ratio_megatron_to_hf": round(base / m2h_s, 3),
-            "baseline_fsync_s": round(base_sync, 3),
-            "ratio_hf_to_megatron_vs_fsync_baseline": round(base_sync / h2m_s, 3),
-            "ratio_megatron_to_hf_vs_fsync_baseline": round(base_sync / m2h_s, 3),
-            "phases_hf_to_megatron_s": {k: round(v, 3) for k, v in ph_h2m[h2m.index(h2m_s)].items()},
-            "phases_megatron_to_hf_s": {k: round(v, 3) for k, v in ph_m2h[m2h.index(m2h_s)].items()},
-            "save_threads": args.save_threads,
+            "phases_hf_to_megatron_s": {k: round(v, 3) for k, v in median_round("h2m_s")["h2m_phases"].items()},
+            "phases_megatron_to_hf_s": {k: round(v, 3) for k, v in median_round("m2h_s")["m2h_phases"].items()},
+            "imports_s": round(imports_s, 3),
+            "hf_to_megatron_first_call_s": round(first["h2m_s"], 3),
+            "megatron_to_hf_first_call_s": round(first["m2h_s"], 3),
             "round_trip_bit_exact": bool(exact),
             "threads": torch.get_num_threads(),
         }

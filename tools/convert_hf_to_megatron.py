@@ -35,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size")
     ap.add_argument("--vocab-div", type=int, default=128,
                     help="vocab rows padded to a multiple of this x TP (Megatron's make_vocab_size_divisible_by)")
-    ap.add_argument("--save-threads", type=int, default=2,
-                    help="torch_dist writer processes per rank (Megatron's thread_count)")
+    ap.add_argument("--fsync", action="store_true",
+                    help="fsync every written file (data, .metadata, json) before returning, for durability; "
+                         "off by default: the files are complete when the tool returns but may sit in the page "
+                         "cache until the OS flushes them")
+    ap.add_argument("--save-threads", type=int, default=0,
+                    help="0 (default): write each rank's items from the converting process; N >= 1: Megatron's "
+                         "own torch_dist writer with N forked writer processes per rank (it always fsyncs)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -44,11 +49,22 @@ def main(argv: list[str] | None = None) -> int:
 
     st = hf_to_megatron_checkpoint(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                    progress=not args.no_progress, vocab_div=args.vocab_div,
-                                   save_threads=args.save_threads)
+                                   save_threads=args.save_threads, fsync=args.fsync)
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({"out": args.out, **st}))
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` with a refused input (bad layout, config, keys, files) reported as one
+    ``convert_hf_to_megatron: error: ...`` line on stderr and exit status 2 instead of a traceback."""
+    try:
+        return main(argv)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"convert_hf_to_megatron: error: {msg}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

@@ -33,17 +33,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--fsync", action="store_true",
+                    help="fsync every written safetensors file and the index before returning, for durability "
+                         "(off by default: complete files, possibly still in the page cache)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
     from moe_async.models.convert import megatron_to_hf_checkpoint
 
     st = megatron_to_hf_checkpoint(args.megatron, args.hf_config, args.out, max_shard_size=args.max_shard_size,
-                                   tp=args.tp, pp=args.pp, ep=args.ep, progress=not args.no_progress)
+                                   tp=args.tp, pp=args.pp, ep=args.ep, progress=not args.no_progress,
+                                   fsync=args.fsync)
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({"out": args.out, **st}))
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` with a refused input (bad layout, config, keys, files) reported as one
+    ``convert_megatron_to_hf: error: ...`` line on stderr and exit status 2 instead of a traceback."""
+    try:
+        return main(argv)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"convert_megatron_to_hf: error: {msg}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

@@ -94,8 +94,10 @@ the same disk): qwen3_moe 345 MB 0.20 / 0.16, llama 345 MB 0.27 / 0.21, Mixtral 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -150,8 +152,9 @@ def read_hf_index(hf_dir: str) -> dict[str, str]:
 
     idx = os.path.join(hf_dir, INDEX_NAME)
     if os.path.exists(idx):
-        with open(idx) as f:
-            wm = json.load(f)["weight_map"]
+        wm = _json_object(idx, "safetensors index").get("weight_map")
+        if not isinstance(wm, dict):
+            raise ValueError(f"{idx} (safetensors index) has no weight_map object")
         out = {k: os.path.join(hf_dir, v) for k, v in wm.items()}
         for p in sorted(set(out.values())):
             if not os.path.exists(p):
@@ -232,7 +235,37 @@ def parallel_layout(tp: int, pp: int, ep: int):
     finally:
         ps.destroy_model_parallel()
         if own_pg:
-            dist.destroy_process_group()
+            _destroy_process_groups()
+
+
+def _destroy_process_groups() -> None:
+    """``dist.destroy_process_group()`` with the groups' C++ teardown on another thread.
+
+    Megatron's ``initialize_model_parallel`` creates ~20 groups even at 1 process; each gloo
+    group's destructor joins its worker threads, which took 0.05-0.45 s in all on this
+    shared 2-core machine, on the caller's clock. Here the destroy unregisters every group
+    at once (the global state is clean when it returns: a new ``init_process_group`` works),
+    while references to the group objects are kept and dropped on a background thread, where
+    the destructors then run (they do not hold the GIL while joining); the interpreter waits
+    for that thread at exit. At world size > 1 the
+    default group (which owns the TCP store and its port) is still destroyed here. Without
+    torch's ``distributed_c10d._world`` registry the destroy is plain."""
+    import threading
+
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        keep = [pg for pg in list(c10d._world.pg_map)
+                if dist.get_world_size() == 1 or pg is not dist.GroupMember.WORLD]
+    except (AttributeError, ImportError):  # pragma: no cover - other torch versions
+        keep = []
+    dist.destroy_process_group()
+    if keep:
+        # not a daemon: the interpreter waits for it at exit (a group destroyed while the
+        # process exits aborts it in C++: "terminate called without an active exception")
+        threading.Thread(target=keep.clear, name="moe_async-release-process-groups", daemon=False).start()
 
 
 def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str = "fp32",
@@ -437,60 +470,346 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     return {"bytes_read": nbytes, "files": len(files)}
 
 
-def save_strategy(threads: int = 2):
-    """Megatron-Core's ``torch_dist`` save strategy (``TorchDistSaveShardedStrategy``) with
-    ``threads`` writer processes per rank (Megatron's default 2, faster here than 1: the
-    writer forks them and fsyncs every file). At DP > 1 it is wrapped in ``FullyParallelSaveStrategyWrapper`` so
-    that the replicated tensors' writes are spread over the data-parallel ranks instead of
-    all falling to DP rank 0."""
+def save_strategy(threads: int = 0, fsync: bool = False):
+    """The ``torch_dist`` save strategy used here. ``threads=0`` (default):
+    :func:`in_process_save_strategy` (``fsync`` as given); ``threads>=1``: Megatron-Core's own
+    ``TorchDistSaveShardedStrategy`` with ``threads`` forked writer processes per rank (it
+    fsyncs every file whatever ``fsync`` says). At DP > 1 either is wrapped in
+    ``FullyParallelSaveStrategyWrapper`` so that the replicated tensors' writes are spread
+    over the data-parallel ranks instead of all falling to DP rank 0."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    st = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+    if threads < 0:
+        raise ValueError(f"save threads must be >= 0, got {threads}")
+    if threads == 0:
+        st = in_process_save_strategy(fsync=fsync)
+    else:
+        st = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
     if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         st = FullyParallelSaveStrategyWrapper(st, ps.get_data_parallel_group(with_context_parallel=True))
     return st
 
 
+def in_process_save_strategy(fsync: bool = False):
+    """A ``torch_dist`` save strategy that writes in the calling process.
+
+    It is Megatron-Core's ``TorchDistSaveShardedStrategy`` (same key translation,
+    ``MCoreSavePlanner``, decentralised plan, ``.metadata``, ``__<rank>_0.distcp`` file names,
+    items serialised with ``torch.save`` by torch DCP's ``_write_item``: the output is an
+    ordinary torch_dist checkpoint that ``dist_checkpointing.load`` reads at any layout) with
+    a different writer (a ``FileSystemWriterAsync`` subclass): Megatron's writer starts a
+    ``multiprocessing`` Manager process (spawn: a fresh interpreter, ~1-5 s on the first save
+    of a process), forks ``thread_count`` writer processes per save and fsyncs every file;
+    this one writes each rank's items into ONE file from the calling process, fsyncs the
+    data file and ``.metadata`` only when ``fsync`` is set, and skips the CRC32 that
+    ``torch.save`` computes per record (``torch.serialization.set_crc32_options(False)``
+    while writing; ``torch.load``, which DCP uses to read items, never checks it). Write
+    errors are returned to Megatron's finalisation as DCP's wrapped exceptions, so every rank
+    raises ``CheckpointException``."""
+    return _in_process_classes()[1](fsync=fsync)
+
+
+_CLASSES: tuple | None = None
+
+
+def _in_process_classes() -> tuple:
+    """(writer class, strategy class), defined once Megatron-Core is imported."""
+    global _CLASSES
+    if _CLASSES is not None:
+        return _CLASSES
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint.api import _wrap_exception
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    write_kw: dict[str, Any] = {}
+    if "serialization_format" in inspect.signature(_write_item).parameters:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        write_kw["serialization_format"] = SerializationFormat.TORCH_SAVE  # what DCP's reader expects
+
+    class InProcessWriter(FileSystemWriterAsync):
+        """``FileSystemWriterAsync`` whose save function writes in the calling process."""
+
+        def __init__(self, path, fsync: bool):
+            super().__init__(path, sync_files=fsync, thread_count=1)
+            self.fsync = fsync
+            self.results: Any = None
+
+        def prepare_write_data(self, plan, planner) -> None:
+            byte_items, tensor_items = [], []
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    byte_items.append((item, data))
+                    continue
+                t = data.detach()
+                if t.device.type != "cpu":
+                    t = t.to("cpu")
+                elif t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                    t = t.clone()  # torch.save would write the view's whole storage
+                tensor_items.append((item, t))
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            self.write_buckets = ([(os.path.join(self.checkpoint_dir, name), name, (byte_items, tensor_items))]
+                                  if byte_items or tensor_items else [])
+            self.results_queue = None
+
+        def get_save_function_and_args(self):
+            if not self.write_buckets:
+                self.results = []
+                return None, None, []
+            return self.write_in_process, None, []
+
+        def write_in_process(self) -> None:
+            transforms = [self.transforms] if hasattr(self, "transforms") else []
+            crc = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            results = []
+            try:
+                for path, key, (byte_items, tensor_items) in self.write_buckets:
+                    with open(path, "wb") as f:
+                        for item, data in byte_items + tensor_items:
+                            results.append(_write_item(*transforms, f, data, item, key, **write_kw))
+                        if self.fsync:
+                            f.flush()
+                            os.fsync(f.fileno())
+                self.results = results
+            except Exception as e:  # noqa: BLE001 - handed to Megatron's finalisation (raised on every rank)
+                self.results = _wrap_exception(e)
+            finally:
+                torch.serialization.set_crc32_options(crc)
+
+        def retrieve_write_results(self):
+            if self.results is None:
+                return _wrap_exception(RuntimeError("torch_dist in-process writer: nothing was written"))
+            return self.results
+
+    class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
+        """``TorchDistSaveShardedStrategy`` with :class:`InProcessWriter` (no cached plans)."""
+
+        def __init__(self, fsync: bool = False):
+            super().__init__("torch_dist", 1, thread_count=1)
+            self.fsync = fsync
+
+        def async_save(self, sharded_state_dict, checkpoint_dir):
+            # Megatron-Core 0.16.1 TorchDistSaveShardedStrategy.async_save, with another writer
+            sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
+            writer = InProcessWriter(checkpoint_dir, self.fsync)
+            ret = save_state_dict_async_plan(
+                pyt_state_dict, writer, None, 0,
+                planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                         flatten_state_dict=False),
+            )
+            return self._get_save_and_finalize_callbacks(writer, ret[0])
+
+    _CLASSES = (InProcessWriter, InProcessSaveStrategy)
+    return _CLASSES
+
+
+def whole_glu_tensors(sharded_state_dict: dict) -> int:
+    """Replace, in place, each Megatron SwiGLU ``linear_fc1`` ``ShardedTensorFactory`` whose two
+    halves (gate ``w``, up ``v``) are, in this order, ONE contiguous range of the global
+    tensor (experts at ETP 1 at any TP; dense fc1 at TP 1) by one ``ShardedTensor`` of the
+    whole local tensor (same key, global shape and offsets). Megatron's factory splits such a
+    tensor into two views on save (which its writer clones: ``torch.save`` of a view writes
+    the whole storage) and loads two halves that ``torch.cat`` merges into a new tensor; the
+    whole tensor saves without a copy, loads in place, and is stored as one item covering the
+    same elements, which DCP reads back at any layout (including through the factory).
+    Other factories are left alone. Returns how many were replaced."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    n = 0
+
+    def visit(d):
+        nonlocal n
+        items = d.items() if isinstance(d, dict) else enumerate(d)
+        for k, v in list(items):
+            if isinstance(v, (dict, list)):
+                visit(v)
+            elif isinstance(v, ShardedTensorFactory) and v.flattened_range is None and v.data is not None:
+                w_v = v.build()
+                if not (isinstance(w_v, list) and len(w_v) == 2 and all(isinstance(x, ShardedTensor) for x in w_v)):
+                    continue
+                w, u = w_v
+                ax = w.prepend_axis_num
+                whole = (w.key == u.key == v.key and u.prepend_axis_num == ax and w.flattened_range is None
+                         and u.flattened_range is None and w.global_offset[ax] == 0
+                         and u.global_offset[ax] == w.local_shape[0]
+                         and w.global_shape[ax] == w.local_shape[0] + u.local_shape[0] == v.data.shape[0]
+                         and w.global_shape == u.global_shape
+                         and w.global_offset[:ax] == u.global_offset[:ax]
+                         and w.global_offset[ax + 1:] == u.global_offset[ax + 1:]
+                         and w.data.data_ptr() == v.data.data_ptr())
+                if not whole:
+                    continue
+                frag = list(w.axis_fragmentations)
+                frag[ax] = 1
+                d[k] = ShardedTensor(w.key, v.data, v.data.dtype, tuple(v.data.shape), w.global_shape,
+                                     w.global_offset, tuple(frag), w.replica_id, ax,
+                                     allow_shape_mismatch=w.allow_shape_mismatch)
+                n += 1
+
+    visit(sharded_state_dict)
+    return n
+
+
+class _Clock:
+    """Seconds per named step: ``mark(name)`` records the time since the previous mark."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+        self.t0 = self.t
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.t
+        self.t = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def read_json_file(path: str, what: str = "") -> Any:
+    """``json.load`` of ``path``; a file that is not valid JSON (or not UTF-8) is a
+    ``ValueError`` naming the file and where it breaks (``what`` says what the file is)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}{' (' + what + ')' if what else ''} is not valid JSON: {e.msg} "
+                         f"at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}{' (' + what + ')' if what else ''} is not UTF-8 text: {e.reason} "
+                         f"at byte {e.start}") from None
+
+
+def _json_object(path: str, what: str) -> dict:
+    d = read_json_file(path, what)
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} ({what}) holds a JSON {type(d).__name__}, not an object")
+    return d
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """``hf_dir/config.json`` as a dict; FileNotFoundError / ValueError naming the file."""
+    p = os.path.join(hf_dir, "config.json") if os.path.isdir(hf_dir) else hf_dir
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no HF config: {p} does not exist")
+    return _json_object(p, "HF config")
+
+
+def _layout_world() -> int:
+    """World size of this run: the process group's, else ``WORLD_SIZE`` (torchrun), else 1."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = None) -> None:
+    """Refuse, before any process group or model exists, a layout Megatron cannot build the
+    model of ``hf_cfg`` at, naming the flag and the config field. ValueError when: a size is
+    not a positive integer; ``--tp`` does not divide the attention heads, the query groups
+    (``num_key_value_heads``; not for MLA), the dense MLP width (``intermediate_size``, when
+    the model has dense MLP layers) or the shared-expert width; ``--pp`` does not divide the
+    layers; ``--ep`` does not divide the routed experts (or is > 1 for a dense model); the
+    world (``world``, default: this run's, see :func:`_layout_world`) is not a multiple of
+    ``tp * pp`` or of ``ep * pp`` (expert TP is 1; Megatron's own rules,
+    ``parallel_state.initialize_model_parallel``). All problems are listed in one message."""
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+    world = _layout_world() if world is None else world
+    fam = get_family(hf_cfg.get("model_type"))
+    a = fam.arch_args(hf_cfg)
+    tf = fam.transformer_config(hf_cfg)  # at TP/PP/EP 1: Megatron's own numbers of this model
+    errs = []
+    if tf.num_attention_heads % tp:
+        errs.append(f"--tp {tp} does not divide num_attention_heads={tf.num_attention_heads}")
+    mla = bool(getattr(tf, "multi_latent_attention", False))
+    if not mla and tf.num_query_groups and tf.num_query_groups % tp:
+        errs.append(f"--tp {tp} does not divide num_key_value_heads={tf.num_query_groups} (Megatron's query groups)")
+    freq = getattr(tf, "moe_layer_freq", 1)
+    has_dense = not tf.num_moe_experts or (isinstance(freq, list) and 0 in freq)
+    if has_dense and tf.ffn_hidden_size % tp:
+        errs.append(f"--tp {tp} does not divide the dense MLP width intermediate_size={tf.ffn_hidden_size}")
+    shared = getattr(tf, "moe_shared_expert_intermediate_size", None)
+    if shared and shared % tp:
+        errs.append(f"--tp {tp} does not divide the shared-expert width {shared}")
+    if tf.num_layers % pp:
+        errs.append(f"--pp {pp} does not divide num_hidden_layers={tf.num_layers}")
+    if a.num_experts:
+        if a.num_experts % ep:
+            errs.append(f"--ep {ep} does not divide num_experts={a.num_experts}")
+    elif ep > 1:
+        errs.append(f"--ep {ep}: {a.model_type} has no experts (use --ep 1)")
+    if world % (tp * pp):
+        errs.append(f"the world size {world} (processes) is not a multiple of --tp x --pp = {tp * pp}")
+    if world % (ep * pp):
+        errs.append(f"the world size {world} (processes) is not a multiple of --ep x --pp = {ep * pp}")
+    if errs:
+        hint = (f" (run it under torchrun --nproc_per_node N with N a multiple of "
+                f"{math.lcm(tp * pp, ep * pp)})" if any("world size" in e for e in errs) else "")
+        raise ValueError(f"layout tp={tp} pp={pp} ep={ep} (world {world}) refused for {a.model_type}: "
+                         + "; ".join(errs) + hint)
+
+
 def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
                               progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV,
-                              save_threads: int = 2) -> dict[str, Any]:
+                              save_threads: int = 0, fsync: bool = False) -> dict[str, Any]:
     """HF checkpoint dir -> Megatron torch_dist checkpoint dir at layout (tp, pp, ep) (the
-    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)). Returns stats
-    on every rank: ``seconds``, ``bytes_read`` (summed over ranks), ``hf_bytes``."""
+    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)), written by
+    :func:`save_strategy` ``(save_threads, fsync)`` (default: in the calling process, no
+    fsync). The layout (:func:`check_layout`), the HF config (family spec) and the HF keys
+    are checked before any process group, model or file exists. Returns stats on every
+    rank: ``seconds``, ``phases`` (seconds per step), ``bytes_read`` (summed over ranks),
+    ``hf_bytes``, ``world``."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    t0 = time.perf_counter()
-    hf_cfg = hf_config_dict(hf_dir)
+    clock = _Clock()
+    hf_cfg = read_hf_config(hf_dir)
     fam = get_family(hf_cfg.get("model_type"))
     a = fam.arch_args(hf_cfg)  # refuses an unsupported config, naming the field
+    check_layout(hf_cfg, tp, pp, ep)
     index = read_hf_index(hf_dir)
     check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
     dtype = _dtype_of(hf_cfg, index)
+    hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
+    clock.mark("checks_s")
     with parallel_layout(tp, pp, ep):
-        phases = {"setup_s": time.perf_counter() - t0}
-        t1 = time.perf_counter()
+        clock.mark("setup_s")
         model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
-        phases["build_s"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
+        clock.mark("build_s")
         stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and _rank() == 0)
-        phases["read_map_copy_s"] = time.perf_counter() - t1
+        clock.mark("read_map_copy_s")
         if _rank() == 0:
             if os.path.exists(out_dir) and os.listdir(out_dir):
                 raise FileExistsError(f"{out_dir} exists and is not empty")
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
-        t1 = time.perf_counter()
-        dist_checkpointing.save({"model": model.sharded_state_dict()}, out_dir,
-                                sharded_strategy=save_strategy(save_threads))
-        phases["torch_dist_save_s"] = time.perf_counter() - t1
+        sd = model.sharded_state_dict()
+        whole_glu_tensors(sd)
+        dist_checkpointing.save({"model": sd}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
+        clock.mark("torch_dist_save_s")
         t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)
         dist.all_reduce(t)
         if _rank() == 0:
-            with open(os.path.join(out_dir, "hf_config.json"), "w") as f:
-                json.dump(hf_cfg, f, indent=2, sort_keys=True)
             meta = {
                 "format": "moe_async megatron torch_dist (model only)",
                 "model_type": hf_cfg["model_type"],
@@ -499,28 +818,163 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
                 "vocab_div": vocab_div,
                 "saved_layout": {"tp": tp, "pp": pp, "ep": ep, "world": _world()},
             }
-            with open(os.path.join(out_dir, META_NAME), "w") as f:
-                json.dump(meta, f, indent=2)
+            for name, obj in (("hf_config.json", hf_cfg), (META_NAME, meta)):
+                with open(os.path.join(out_dir, name), "w") as f:
+                    json.dump(obj, f, indent=2, sort_keys=True)
+                    if fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
         dist.barrier()
         world = _world()
-    hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
-    return {"seconds": time.perf_counter() - t0, "phases": phases, "bytes_read": float(t.item()), "hf_bytes": hf_bytes,
+        clock.mark("finish_s")
+        del model, sd
+        clock.mark("free_s")
+    clock.mark("teardown_s")
+    return {"seconds": clock.total(), "phases": clock.phases, "bytes_read": float(t.item()), "hf_bytes": hf_bytes,
             "world": world}
+
+
+
+def mmap_load_strategy():
+    """A ``torch_dist`` load strategy that reads tensor items through a memory map.
+
+    Megatron-Core's ``TorchDistLoadShardedStrategy`` (same key translation, ``MCoreLoadPlanner``,
+    ``torch.distributed.checkpoint.load_state_dict``: any saved layout, strict handling as
+    usual) with a ``CachedMetadataFileSystemReader`` subclass whose ``read_data`` maps each
+    ``.distcp`` file once (``torch.UntypedStorage.from_file``, private mapping) and
+    deserialises each tensor item with the storage pointing into the map, as ``torch.load(...,
+    mmap=True)`` does for a whole file (``torch.serialization._load`` with
+    ``overall_storage``, weights-only unpickler): the one copy is then from the page cache
+    into the target tensor, where DCP's ``FileSystemReader`` reads each item into a new
+    buffer (``torch.load`` of the file slice) and then copies that into the target. Items
+    with DCP storage transforms, byte items, and a torch without this private API go the
+    stock way."""
+    return _mmap_classes()[1]()
+
+
+_MMAP_CLASSES: tuple | None = None
+
+
+def _mmap_classes() -> tuple:
+    """(reader class, load strategy class), defined once Megatron-Core is imported."""
+    global _MMAP_CLASSES
+    if _MMAP_CLASSES is not None:
+        return _MMAP_CLASSES
+    import inspect
+    from typing import cast
+
+    import torch.serialization as ts
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor as McoreShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner,
+        TorchDistLoadShardedStrategy,
+        _replace_sharded_keys_with_state_dict_keys,
+        _replace_state_dict_keys_with_sharded_keys,
+        _restore_dict_types,
+        _unwrap_pyt_sharded_tensor,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed import checkpoint
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    have_mmap_load = (hasattr(ts, "_load") and "overall_storage" in inspect.signature(ts._load).parameters
+                      and hasattr(torch._C, "PyTorchFileReader") and hasattr(ts, "_weights_only_unpickler"))
+
+    class MmapReader(CachedMetadataFileSystemReader):
+        """``FileSystemReader`` reading tensor items from a memory map of their file."""
+
+        def read_data(self, plan, planner):
+            if not have_mmap_load:
+                return super().read_data(plan, planner)
+            per_file: dict[str, list] = {}
+            stock = []
+            for req in plan.items:
+                md = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO or md.transform_descriptors:
+                    stock.append(req)
+                else:
+                    per_file.setdefault(md.relative_path, []).append(req)
+            for rel, reqs in per_file.items():
+                path = str(self.fs.concat_path(self.path, rel))
+                mapped = torch.UntypedStorage.from_file(path, False, os.path.getsize(path))
+                with open(path, "rb") as stream:
+                    for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                        md = self.storage_data[req.storage_index]
+                        zf = torch._C.PyTorchFileReader(self._slice_file(stream, md))
+                        t = ts._load(zf, "cpu", ts._weights_only_unpickler,
+                                     overall_storage=mapped[md.offset: md.offset + md.length])
+                        t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != t.size():
+                            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {t.size()}")
+                        target.copy_(t)
+                        planner.commit_tensor(req, target)
+                del mapped
+            if stock:
+                return super().read_data(dataclasses.replace(plan, items=stock), planner)
+            fut = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+
+    class MmapLoadStrategy(TorchDistLoadShardedStrategy):
+        """``TorchDistLoadShardedStrategy`` reading through :class:`MmapReader`."""
+
+        def load(self, sharded_state_dict, checkpoint_dir):
+            # Megatron-Core 0.16.1 TorchDistLoadShardedStrategy.load, with another reader
+            shape_checked = [t for t in nested_values(sharded_state_dict)
+                             if isinstance(t, McoreShardedTensor) and not t.allow_shape_mismatch]
+            shape_free = {t.key: t for t in nested_values(sharded_state_dict)
+                          if isinstance(t, McoreShardedTensor) and t.allow_shape_mismatch}
+            orig = sharded_state_dict
+            sharded_state_dict, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict)
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
+            reader = MmapReader(checkpoint_dir)
+            checkpoint.load_state_dict(pyt_state_dict, reader, planner=MCoreLoadPlanner(
+                shapes_validation_sharded_tensors=shape_checked, allow_shape_mismatch_sharded_tensors=shape_free))
+            self.cached_global_metadata = reader.read_metadata()
+            out = {k: _unwrap_pyt_sharded_tensor(v) for k, v in cast(dict, pyt_state_dict).items()}
+            out = _replace_sharded_keys_with_state_dict_keys(out, flat_mapping, rename_mapping)
+            _restore_dict_types(out, orig)
+            return out
+
+    _MMAP_CLASSES = (MmapReader, MmapLoadStrategy)
+    return _MMAP_CLASSES
 
 
 # ------------------------------------------------------------------------- Megatron -> HF
 def load_megatron_into_model(model, megatron_dir: str) -> None:
     """``dist_checkpointing.load`` of the ``model`` part of a torch_dist checkpoint into
-    ``model`` (any saved layout). KeyError naming checkpoint tensors the model does not use
-    or model tensors absent from the checkpoint."""
+    ``model`` (any saved layout), read by :func:`mmap_load_strategy` straight into the
+    parameters: SwiGLU fc1 tensors whole (:func:`whole_glu_tensors`), the vocab-padded
+    tensors not zero-filled first when the checkpoint has the model's padded shape, and the
+    final ``load_state_dict`` copying only tensors that were not loaded in place. KeyError
+    naming checkpoint tensors the model does not use or model tensors absent from the
+    checkpoint."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint import FileSystemReader
 
     sd = model.sharded_state_dict()
+    whole_glu_tensors(sd)
+    md = FileSystemReader(megatron_dir).read_metadata().state_dict_metadata
+    for t in nested_values(sd):
+        # Megatron zero-fills a vocab-padded tensor before the load (rows the checkpoint may
+        # lack); at the saved padded shape every element is read
+        if (isinstance(t, ShardedTensor) and t.allow_shape_mismatch and t.key in md
+                and tuple(getattr(md[t.key], "size", ())) == tuple(t.global_shape)):
+            t.allow_shape_mismatch = False
     # Megatron's naming: "unexpected" = requested by the model but absent from the checkpoint,
     # "missing" = in the checkpoint but not requested.
     loaded, in_ckpt_only, absent = dist_checkpointing.load(
-        {"model": sd}, megatron_dir, strict=StrictHandling.RETURN_ALL
+        {"model": sd}, megatron_dir, sharded_strategy=mmap_load_strategy(), strict=StrictHandling.RETURN_ALL
     )
     missing = sorted(absent)
     # optimizer state saved by MegatronTrainer.save_checkpoint is not a model tensor
@@ -531,7 +985,21 @@ def load_megatron_into_model(model, megatron_dir: str) -> None:
             + (f"model tensors missing from the checkpoint {missing[:20]} (of {len(missing)}); " if missing else "")
             + (f"unused checkpoint tensors {unexpected[:20]} (of {len(unexpected)})" if unexpected else "")
         )
-    model.load_state_dict(loaded["model"])
+    state = model.state_dict(keep_vars=True)
+    got = loaded["model"]
+    if set(got) != set(state):  # let load_state_dict name the difference
+        model.load_state_dict(got)
+        return
+
+    def in_place(k: str) -> bool:
+        v, p = got[k], state[k]
+        return (isinstance(v, Tensor) and isinstance(p, Tensor) and v.data_ptr() == p.data_ptr()
+                and v.dtype == p.dtype and v.shape == p.shape and v.stride() == p.stride())
+
+    rest = {k: v for k, v in got.items() if not in_place(k)}
+    res = model.load_state_dict(rest, strict=False)
+    if res.unexpected_keys or set(res.missing_keys) - (set(got) - set(rest)):  # pragma: no cover
+        raise KeyError(f"Megatron -> HF conversion: load_state_dict {res}")
 
 
 def is_optimizer_key(key: str) -> bool:
@@ -551,11 +1019,11 @@ def saved_vocab_rows(megatron_dir: str) -> int | None:
     return None
 
 
-def _checkpoint_dtype(megatron_dir: str) -> str:
-    meta = os.path.join(megatron_dir, META_NAME)
-    if os.path.exists(meta):
-        with open(meta) as f:
-            return json.load(f).get("params_dtype", "fp32")
+def _checkpoint_dtype(megatron_dir: str, meta: dict | None = None) -> str:
+    """``"fp32"`` / ``"bf16"``: ``params_dtype`` of the conversion metadata when given, else
+    the dtype of the saved word embedding."""
+    if meta and "params_dtype" in meta:
+        return meta["params_dtype"]
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(megatron_dir).read_metadata().state_dict_metadata
@@ -570,8 +1038,8 @@ class ShardWriter:
     most ``max_bytes`` each (a larger tensor gets a file of its own), then renames them and
     writes ``model.safetensors.index.json`` (``metadata.total_size`` = tensor bytes)."""
 
-    def __init__(self, out_dir: str, max_bytes: int):
-        self.out_dir, self.max_bytes = out_dir, max_bytes
+    def __init__(self, out_dir: str, max_bytes: int, fsync: bool = False):
+        self.out_dir, self.max_bytes, self.fsync = out_dir, max_bytes, fsync
         self.buf: dict[str, Tensor] = {}
         self.buf_bytes = 0
         self.files: list[list[str]] = []
@@ -593,7 +1061,14 @@ class ShardWriter:
         if not self.buf:
             return
         i = len(self.files)
-        save_file(self.buf, os.path.join(self.out_dir, f".part-{i:05d}.safetensors"), metadata={"format": "pt"})
+        path = os.path.join(self.out_dir, f".part-{i:05d}.safetensors")
+        save_file(self.buf, path, metadata={"format": "pt"})
+        if self.fsync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         self.files.append(list(self.buf))
         self.buf, self.buf_bytes = {}, 0
 
@@ -611,6 +1086,9 @@ class ShardWriter:
             with open(os.path.join(self.out_dir, INDEX_NAME), "w") as f:
                 json.dump({"metadata": {"total_size": self.total},
                            "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
         return names
 
 
@@ -629,10 +1107,34 @@ def _full_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
     for pc in local_pieces(model):
         if pc.primary:
             by_name.setdefault(pc.name, []).append(pc)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+
+    def is_whole_param(pcs) -> Tensor | None:
+        # pieces that are views of ONE parameter of the full shape, each at its own offset
+        # (Megatron's SwiGLU fc1 halves): the parameter is the full tensor
+        p = params.get(pcs[0].param)
+        if p is None or tuple(p.shape) != tuple(pcs[0].full_shape) or any(pc.param != pcs[0].param for pc in pcs):
+            return None
+        rows = 0  # the pieces must tile dim 0 in order, each spanning the other dims
+        for pc in sorted(pcs, key=lambda x: x.offset[0]):
+            if pc.offset[0] != rows or tuple(pc.data.shape[1:]) != tuple(p.shape[1:]) or any(pc.offset[1:]):
+                return None
+            rows += pc.data.shape[0]
+        if rows != p.shape[0]:
+            return None
+        for pc in pcs:
+            v = p[pc.index()]
+            if v.data_ptr() != pc.data.data_ptr() or v.shape != pc.data.shape or v.stride() != pc.data.stride():
+                return None
+        return p.detach()
+
     for name in sorted(by_name):
         pcs = by_name[name]
         if len(pcs) == 1 and tuple(pcs[0].data.shape) == tuple(pcs[0].full_shape):
             full = pcs[0].data
+        elif (whole := is_whole_param(pcs)) is not None:
+            full = whole
         else:
             full = torch.empty(pcs[0].full_shape, dtype=pcs[0].data.dtype)
             count = torch.zeros(pcs[0].full_shape, dtype=torch.int8)
@@ -649,34 +1151,39 @@ def _full_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
 
 def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: str,
                               max_shard_size: str | int = "5GB", tp: int = 1, pp: int = 1, ep: int = 1,
-                              progress: bool = True, vocab_div: int | None = None) -> dict[str, Any]:
+                              progress: bool = True, vocab_div: int | None = None,
+                              fsync: bool = False) -> dict[str, Any]:
     """Megatron torch_dist checkpoint (any saved layout) -> HF checkpoint dir, loaded at
     layout (tp, pp, ep) in the current torchrun world (1 process otherwise). The HF config
     (and tokenizer files) come from ``hf_config_dir``; it must be the config the checkpoint
     was converted from (``hf_config.json`` in the checkpoint is compared when present:
-    ValueError naming the first differing field). Returns stats on every rank."""
+    ValueError naming the first differing field; a corrupt ``hf_config.json`` or
+    ``moe_async_convert.json`` is a ValueError naming the file). The layout is checked by
+    :func:`check_layout` first. ``fsync``: fsync each written safetensors file. Returns stats
+    on every rank (``seconds``, ``phases``, ``files``, ``bytes_written``, ``world``)."""
     import torch.distributed as dist
+    from megatron.core import dist_checkpointing  # noqa: F401 - imported before the clock starts
 
-    t0 = time.perf_counter()
-    hf_cfg = hf_config_dict(hf_config_dir)
+    clock = _Clock()
+    hf_cfg = read_hf_config(hf_config_dir)
     fam = get_family(hf_cfg.get("model_type"))
-    fam.arch_args(hf_cfg)
+    arch_now = fam.arch_args(hf_cfg)
+    check_layout(hf_cfg, tp, pp, ep)
+    if not os.path.isdir(megatron_dir):
+        raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} does not exist")
     saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
     if os.path.exists(saved_cfg_p):
-        with open(saved_cfg_p) as f:
-            saved = json.load(f)
-        arch_saved, arch_now = get_family(saved.get("model_type")).arch_args(saved), fam.arch_args(hf_cfg)
+        saved = _json_object(saved_cfg_p, "the HF config this checkpoint was converted from")
+        arch_saved = get_family(saved.get("model_type")).arch_args(saved)
         if arch_saved != arch_now:
             diff = [k for k in arch_now.__dataclass_fields__ if getattr(arch_saved, k) != getattr(arch_now, k)]
             raise ValueError(f"--hf-config does not match the checkpoint's HF config: field {diff[0]} "
                              f"({getattr(arch_now, diff[0])!r} vs saved {getattr(arch_saved, diff[0])!r})")
+    meta_p = os.path.join(megatron_dir, META_NAME)
+    meta = _json_object(meta_p, "conversion metadata") if os.path.exists(meta_p) else {}
     if vocab_div is None:
-        meta_p = os.path.join(megatron_dir, META_NAME)
-        vocab_div = DEFAULT_VOCAB_DIV
-        if os.path.exists(meta_p):
-            with open(meta_p) as f:
-                vocab_div = int(json.load(f).get("vocab_div", DEFAULT_VOCAB_DIV))
-    dtype = _checkpoint_dtype(megatron_dir)
+        vocab_div = int(meta.get("vocab_div", DEFAULT_VOCAB_DIV))
+    dtype = _checkpoint_dtype(megatron_dir, meta)
     # the padded vocab rows are part of the saved global shape: load with the same rows (the
     # padding rule of another TP could give a different count), which must split over TP
     rows = saved_vocab_rows(megatron_dir)
@@ -684,22 +1191,20 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         raise ValueError(f"the checkpoint's padded vocab ({rows} rows) does not split over tp={tp}")
     written: list[str] = []
     nbytes = 0
+    clock.mark("checks_s")
     with parallel_layout(tp, pp, ep):
-        phases = {"setup_s": time.perf_counter() - t0}
-        t1 = time.perf_counter()
+        clock.mark("setup_s")
         model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
                                    padded_vocab=rows)
-        phases["build_s"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
+        clock.mark("build_s")
         load_megatron_into_model(model, megatron_dir)
-        phases["torch_dist_load_s"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
+        clock.mark("torch_dist_load_s")
         full = _full_state(model, vocab)
         if _rank() == 0:
             if os.path.exists(out_dir) and os.listdir(out_dir):
                 raise FileExistsError(f"{out_dir} exists and is not empty")
             os.makedirs(out_dir, exist_ok=True)
-            w = ShardWriter(out_dir, parse_size(max_shard_size))
+            w = ShardWriter(out_dir, parse_size(max_shard_size), fsync=fsync)
             n_hf = len(fam.hf_keys(hf_cfg))
             from tqdm import tqdm
 
@@ -714,7 +1219,6 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
                     bar.update(1)
             written = w.close()
             nbytes = w.total
-            phases["gather_map_write_s"] = time.perf_counter() - t1
             for fn in HF_SIDE_FILES:
                 p = os.path.join(hf_config_dir, fn)
                 if os.path.exists(p):
@@ -722,9 +1226,16 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         else:
             for _ in full:  # collective: take part in the gather
                 pass
+        clock.mark("gather_map_write_s")
         dist.barrier()
         world = _world()
-    return {"seconds": time.perf_counter() - t0, "phases": phases, "files": written, "bytes_written": nbytes,
+        clock.mark("finish_s")
+        del model, full
+        if _rank() == 0:
+            del w, t
+        clock.mark("free_s")
+    clock.mark("teardown_s")
+    return {"seconds": clock.total(), "phases": clock.phases, "files": written, "bytes_written": nbytes,
             "world": world}
 
 
