@@ -4,7 +4,7 @@ HF export, C4 (experts saved once, reload at other EP) and C10 (aux loss on ever
 Three launches in all (see _layout_checks.py): the 1-process reference (plain python), one
 2-process torchrun looping over {TP2+SP, EP2, PP2, PP2+VPP2} and one 4-process torchrun looping
 over {TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4, PP2+VPP2+EP2} + C4, plus Megatron's distributed
-optimizer at DP2 (2 processes), EP2 x DP2 and TP2 x DP2 (4 processes); Megatron's parallel
+optimizer at DP2 (2 processes), EP2 x DP2, TP2 x DP2 and PP2+VPP2 x DP2 (4 processes); Megatron's parallel
 state is destroyed and re-initialised between layouts inside a launch. Each layout: load the
 same tiny Mixtral (2 layers, hidden 64, 4 experts top-2, vocab 256 padded to 96 x TP, fp32;
 4 layers for the virtual pipeline layouts: one layer per model chunk), export, two optimizer
@@ -34,7 +34,7 @@ W4 = ["tp2pp1ep2-tie0", "tp1pp2ep2-tie0", "tp2pp2ep2-tie1", "tp1pp1ep4-tie1", "t
 VPP = ["tp1pp2vp2ep1-l4", "tp1pp2vp2ep2-l4"]
 # Megatron's distributed optimizer ("do"): DP2 (2 processes), EP2 x DP2 and TP2 x DP2 (4)
 DO2 = ["tp1pp1ep1do-tie0"]
-DO4 = ["tp1pp1ep2do-tie1", "tp2pp1ep1do-qwen3"]
+DO4 = ["tp1pp1ep2do-tie1", "tp2pp1ep1do-qwen3", "tp1pp2vp2ep1do-l4"]
 REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4"]
 REL = 1e-5
 
