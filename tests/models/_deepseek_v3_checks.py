@@ -79,7 +79,10 @@ def main(tmp: str) -> None:
             for k in hr:
                 idx, w = hr[k]
                 probs, rmap = mr[k]
-                assert rmap.shape[0] == idx.shape[0], (rmap.shape, idx.shape)
+                # one sequence per micro-batch, right-padded to a multiple of 64 positions:
+                # the router's first rows are the sample's tokens
+                assert rmap.shape[0] >= idx.shape[0], (rmap.shape, idx.shape)
+                probs, rmap = probs[: idx.shape[0]], rmap[: idx.shape[0]]
                 for t in range(idx.shape[0]):
                     total += 1
                     hs = set(idx[t].tolist())

@@ -96,6 +96,11 @@ def main(tmp: str) -> None:
     }
     res["mb_grad_rel"] = {str(mbs): float((grads[mbs] - grads[1]).norm() / grads[1].norm()) for mbs in (2, 4)}
     res["mb_grad_n"] = int(grads[1].numel())
+    # the accumulation-order floor: one-sample micro-batches, the samples in reverse order
+    tr = MegatronTrainer(TrainerConfig(micro_batch_size=1, moe_aux_loss_coeff=0.0, lr=1e-3, clip_grad=1e9), path)
+    tr.train_step(ss[::-1], adv[::-1])
+    g = torch.cat([p.main_grad.detach().flatten().double() for p in tr.model.parameters()])
+    res["mb_grad_rel_order"] = float((g - grads[1]).norm() / grads[1].norm())
 
     tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.01, lr=1e-3), path)
     res["aux_step"] = tr.train_step(ss, adv)
