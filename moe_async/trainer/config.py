@@ -48,7 +48,9 @@ class TrainerConfig(BaseModel):
         False,
         description=(
             "Megatron's distributed optimizer: Adam state and fp32 main params sharded over the "
-            "data-parallel group (grads reduce-scattered, params all-gathered)."
+            "data-parallel group (grads reduce-scattered, params all-gathered). Its checkpoints "
+            "(Megatron's 'dp_reshardable' format) resume at any DP size but only at the saving "
+            "TP/PP/EP, and only with this option on."
         ),
     )
     lr: float = Field(1e-6, gt=0, description="Adam learning rate.")
@@ -158,11 +160,6 @@ class TrainerConfig(BaseModel):
                 "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
                 "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
             )
-        if self.use_distributed_optimizer and self.save_interval > 0:
-            raise ValueError(
-                "trainer.save_interval > 0 with trainer.use_distributed_optimizer=true is not supported yet: "
-                "Megatron 0.16.1's distributed-optimizer checkpoint formats fail on save or load here "
-                "(set save_interval: 0 or use_distributed_optimizer: false)")
         if self.context_parallel_size > 1 and not _have_transformer_engine():
             raise ValueError(
                 f"trainer.context_parallel_size={self.context_parallel_size} needs Transformer Engine "

@@ -939,18 +939,12 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel import random as mrandom
 
-        if self.cfg.use_distributed_optimizer:
-            # Megatron 0.16.1's distributed-optimizer state: the default (fully_sharded_model_space)
-            # format raises 'ShardedTensor.flattened_range is not supported', and a
-            # fully_reshardable save fails to load (KeyError 'step'); not wired yet
-            raise NotImplementedError(
-                "save_checkpoint with trainer.use_distributed_optimizer=true is not supported yet "
-                "(Megatron 0.16.1's distributed-optimizer checkpoint formats fail on save or load)")
         os.makedirs(path, exist_ok=True)
         with cpu_device_scope():
             sd = {
                 **self._model_sharded_state_dict(),
-                "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict()),
+                "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict(),
+                                                               **self._optim_ckpt_kwargs()),
             }
             dist_checkpointing.save(sd, path)
         rank = torch.distributed.get_rank()
@@ -980,6 +974,73 @@ class MegatronTrainer:
         if len(self.models) == 1:
             return {"model": self.model.sharded_state_dict()}
         return {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
+
+    # Megatron's distributed optimizer saves its state as 'dp_reshardable' (Megatron-LM's default
+    # without --dist-ckpt-optim-fully-reshardable): per-bucket shards, loadable at any DP size but
+    # only at the saving TP/PP/EP. Megatron-Core 0.16.1's other formats fail here: the default
+    # 'fully_sharded_model_space' raises 'ShardedTensor.flattened_range is not supported' on save,
+    # and 'fully_reshardable' saves but its load raises KeyError 'step'
+    # (DistributedOptimizer._set_main_param_and_optimizer_states copies every per-parameter state
+    # key, and torch's own Adam - used when neither Apex nor Transformer Engine is installed -
+    # keeps 'step' per parameter, which that format does not store).
+    _DIST_OPT_CKPT_FORMAT = "dp_reshardable"
+
+    def _optim_ckpt_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``optimizer.sharded_state_dict`` (the ``metadata`` Megatron-LM's
+        checkpointing passes); none without the distributed optimizer (format unchanged)."""
+        if not self.cfg.use_distributed_optimizer:
+            return {}
+        return {"metadata": {"distrib_optim_sharding_type": self._DIST_OPT_CKPT_FORMAT,
+                             "chained_optim_avoid_prefix": True}}
+
+    def _init_dist_opt_state(self) -> None:
+        """Allocate the Adam state of a distributed optimizer that has not stepped yet, before its
+        sharded state dict is built for loading. Answers Megatron-Core 0.16.1's
+        ``DistributedOptimizer.state_dict``, which without Apex/Transformer Engine reads
+        'step' from the per-parameter state (``assert len(steps) == 1`` on an empty one).
+        Uses Megatron's own ``_init_optimizer_states_with_dummy_values`` (a step on zero
+        gradients, as for its fsdp_dtensor format); that step's weight decay would move the
+        weights (fp32 main params are views of them), so they are put back; the checkpoint
+        then overwrites the state, the main params and the step."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        opts = [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                if isinstance(o, DistributedOptimizer) and len(o.optimizer.state) == 0]
+        if not opts:
+            return
+        keep = [(p, p.detach().clone()) for m in self.models for p in m.parameters()]
+        for o in opts:
+            o._init_optimizer_states_with_dummy_values()
+        with torch.no_grad():
+            for p, v in keep:
+                p.copy_(v)
+
+    def _check_optimizer_format(self, path: str, in_ckpt_only: list[str]) -> None:
+        """A checkpoint's optimizer state must match this trainer's optimizer: the distributed
+        optimizer's ('dp_reshardable', keys ``*optimizer.distributed.*``) loads only into a
+        distributed optimizer at the saving TP/PP/EP (any DP), the plain optimizer's only into
+        a plain one. ValueError naming ``trainer.use_distributed_optimizer`` / the layouts."""
+        import json
+
+        saved_do = any(".distributed." in k for k in in_ckpt_only)
+        do = bool(self.cfg.use_distributed_optimizer)
+        if saved_do != do:
+            raise ValueError(
+                f"checkpoint {path}: its optimizer state was saved "
+                f"{'with' if saved_do else 'without'} Megatron's distributed optimizer and this trainer has "
+                f"trainer.use_distributed_optimizer={str(do).lower()}; set it to {str(saved_do).lower()} to resume")
+        state_p = os.path.join(path, "moe_async_state.json")
+        if not do or not os.path.exists(state_p):
+            return
+        with open(state_p) as f:
+            saved = json.load(f).get("layout") or {}
+        now = self._ckpt_layout()
+        diff = {k: (saved.get(k), now[k]) for k in ("tp", "pp", "ep") if k in saved and saved[k] != now[k]}
+        if diff:
+            raise ValueError(
+                f"checkpoint {path}: distributed-optimizer state ({self._DIST_OPT_CKPT_FORMAT}) loads at "
+                f"another DP size but not at another TP/PP/EP (saved vs now: {diff}); resume at the "
+                "saving layout")
 
     def _ckpt_layout(self) -> dict[str, int]:
         """The world layout RNG states belong to: world size, TP, PP, EP, DP."""
@@ -1084,12 +1145,17 @@ class MegatronTrainer:
                     f"checkpoint {path}: "
                     + (f"model tensors missing from it {sorted(absent)[:20]} (of {len(absent)}); " if absent else "")
                     + (f"tensors this model does not use {unused[:20]} (of {len(unused)})" if unused else ""))
+            if has_opt:
+                self._check_optimizer_format(path, [k for k in in_ckpt_only if is_optimizer_key(k)])
             for key, m in zip(model_sd, self.models):
                 m.load_state_dict(loaded[key])
             if has_opt:
-                opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True)
+                self._init_dist_opt_state()
+                opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True,
+                                                           **self._optim_ckpt_kwargs())
                 loaded = dist_checkpointing.load({"optimizer": opt_sd}, path)
-                self.optimizer.load_state_dict(loaded["optimizer"])
+                with torch.no_grad():  # fp32 + distributed optimizer: main params are views of the weights
+                    self.optimizer.load_state_dict(loaded["optimizer"])
             else:
                 for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                     opt.optimizer.state.clear()  # Adam moments and step: fresh

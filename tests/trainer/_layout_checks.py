@@ -19,6 +19,8 @@ Modes:
         process. ``c4``: EP2 x DP2 torch_dist save, reload at EP1 and EP4 (W = 4).
         ``vppck``: (W = 2) load the 1-process l4 checkpoint at PP2 x VPP2, one step, save;
         ``vppck_load``: (W = 4) load that PP2 x VPP2 checkpoint at EP4.
+        ``dock``: (W = 2) DP2 distributed-optimizer save / load / next step, refusals;
+        ``dock_load``: (W = 4) load that checkpoint at DP4.
 
 Data: 8 samples (lengths 9..13, one with loss_weight 0), advantages fixed, micro batch 2;
 at DP > 1 the trainer gives each DP rank its slice. lr 1e-3, fp32, vocab padded to a
@@ -257,6 +259,73 @@ def vpp_ckpt_load(tmp: str) -> dict:
     return res
 
 
+def _opt_state(tr) -> list:
+    """This rank's optimizer state tensors (Adam exp_avg, exp_avg_sq, step, per shard param), in
+    parameter-group order, as copies."""
+    out = []
+    for o in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]):
+        for g in o.optimizer.param_groups:
+            for p in g["params"]:
+                st = o.optimizer.state[p]
+                out += [st[k].detach().clone() for k in sorted(st)] + [p.detach().clone()]
+    return out
+
+
+def dist_opt_ckpt(tmp: str) -> dict:
+    """(W = 2) DP2 with the distributed optimizer (tie1): one step, save (``do_ckpt``), then a
+    second step (the uninterrupted run). A fresh DP2 trainer loads it: its optimizer state
+    (exp_avg, exp_avg_sq, step, main params of this rank's shard) must equal the saved one
+    exactly, and its next step the uninterrupted second step. A trainer without the
+    distributed optimizer and one at EP2 refuse the checkpoint (ValueError)."""
+    import torch.distributed as dist
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    path, ck = os.path.join(tmp, "tie1"), os.path.join(tmp, "do_ckpt")
+    ss = samples()
+    tr = MegatronTrainer(cfg(dist_opt=True), path)
+    tr.train_step(ss, ADV)
+    tr.save_checkpoint(ck)
+    saved = _opt_state(tr)
+    m = tr.train_step(ss, ADV)
+    res: dict = {"next": {k: m[k] for k in ("loss", "grad_norm")}}
+    tr.close()
+    tr = MegatronTrainer(cfg(dist_opt=True), path)
+    tr.load_checkpoint(ck)
+    got = _opt_state(tr)
+    same = len(got) == len(saved) > 0 and all(torch.equal(a, b) for a, b in zip(got, saved))
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, (same, len(saved)))
+    res["state_equal"] = all(b[0] for b in box)
+    res["n_state"] = [b[1] for b in box]
+    res["version"] = tr.version
+    m = tr.train_step(ss, ADV)
+    res["resumed"] = {k: m[k] for k in ("loss", "grad_norm")}
+    tr.close()
+    for name, c in (("plain_opt", cfg()), ("ep2", cfg(ep=2, dist_opt=True))):
+        tr = MegatronTrainer(c, path)
+        try:
+            tr.load_checkpoint(ck)
+            res[f"refused_{name}"] = None
+        except ValueError as e:
+            res[f"refused_{name}"] = str(e)
+        tr.close()
+    return res
+
+
+def dist_opt_ckpt_load(tmp: str) -> dict:
+    """(W = 4) DP4 with the distributed optimizer loads the DP2 ``do_ckpt``: its next step."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg(dist_opt=True), os.path.join(tmp, "tie1"))
+    tr.load_checkpoint(os.path.join(tmp, "do_ckpt"))
+    res: dict = {"version": tr.version}
+    m = tr.train_step(samples(), ADV)
+    res["resumed"] = {k: m[k] for k in ("loss", "grad_norm")}
+    tr.close()
+    return res
+
+
 def hf_parity(path: str) -> dict:
     """Max |logprob difference| between the 1-process trainer and transformers (fp32) on the
     8 samples, and the smallest HF logprob (the model must be far from uniform)."""
@@ -348,6 +417,10 @@ def main_run(tmp: str, out: str, layouts: list[str]) -> None:
             res["vppck"] = vpp_ckpt(tmp)
         elif lay == "vppck_load":
             res["vppck_load"] = vpp_ckpt_load(tmp)
+        elif lay == "dock":
+            res["dock"] = dist_opt_ckpt(tmp)
+        elif lay == "dock_load":
+            res["dock_load"] = dist_opt_ckpt_load(tmp)
         else:
             res[lay] = run_layout(tmp, *parse(lay))
     res["wall_s"] = time.perf_counter() - t0

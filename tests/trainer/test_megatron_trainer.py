@@ -95,12 +95,12 @@ def test_corrupt_checkpoint_is_named_and_leaves_weights(res):
     assert c["unchanged"] and c["n"] > 10
 
 
-def test_distributed_optimizer_checkpoints_refused():
+def test_distributed_optimizer_checkpoints_allowed():
+    """save_interval > 0 with the distributed optimizer is accepted (its checkpoints are tested
+    in tests/trainer/test_layouts.py::test_distributed_optimizer_checkpoint)."""
     from moe_async.trainer.config import TrainerConfig
 
-    with pytest.raises(ValueError, match="save_interval > 0 with trainer.use_distributed_optimizer"):
-        TrainerConfig(use_distributed_optimizer=True, save_interval=1)
-    TrainerConfig(use_distributed_optimizer=True)  # without checkpoints: fine
+    TrainerConfig(use_distributed_optimizer=True, save_interval=1)
 
 
 def test_off_policy_corrections_through_the_trainer(res):
