@@ -79,7 +79,7 @@ def main(tmp: str) -> None:
             for k in hr:
                 idx, w = hr[k]
                 probs, rmap = mr[k]
-                # one sequence per micro-batch, right-padded to a multiple of 64 positions:
+                # one sequence per micro-batch, right-padded to at least 64 positions:
                 # the router's first rows are the sample's tokens
                 assert rmap.shape[0] >= idx.shape[0], (rmap.shape, idx.shape)
                 probs, rmap = probs[: idx.shape[0]], rmap[: idx.shape[0]]

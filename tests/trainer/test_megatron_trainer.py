@@ -59,10 +59,10 @@ def test_micro_batch_invariance(res):
 
     The floor is fp32 accumulation order (main_grad summed over a different number of
     micro-batches): 5e-8 relative when only the order of 5 one-sample micro-batches changes,
-    6e-8..9e-8 between 1, 2 and 4 micro-batches. Before micro-batches were padded to a
-    multiple of 64 positions (MegatronTrainer._pack) this measured 1.9e-6: with 9..17-token
-    micro-batches, torch's CPU softmax over < 16 keys and MKL's sgemm for experts given <= 3
-    tokens round differently from the same rows inside larger tensors. In float64 (router
+    6e-8..9e-8 between 1, 2 and 4 micro-batches. Before micro-batches were padded to at
+    least 64 positions (MegatronTrainer._pack, MIN_SEQ_LEN) this measured 1.9e-6: with
+    9..17-token micro-batches, torch's CPU softmax over < 16 keys and MKL's sgemm for experts
+    given <= 3 tokens round differently from the same rows inside larger tensors. In float64 (router
     softmax kept fp32) loss agreed to 3e-15 and gradients to 7e-9."""
     for k, (a, b) in res["mb_invariance"].items():
         assert abs(a - b) <= 1e-6 * max(abs(a), abs(b), 1e-12), (k, a, b)
