@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-balance", action="store_true", help="do not apply the per-config BALANCE overrides")
     ap.add_argument("--modes", default="sync,fully_async", help="comma-separated subset (debugging)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--keep-runs", default=None, metavar="DIR",
+                    help="keep each mode's run dir (metrics.jsonl, summary.json) under DIR/<mode> "
+                         "(default: a temporary dir, removed); a mode that fails leaves the others' files")
     args = ap.parse_args(argv)
 
     balance = BALANCE.get(Path(args.config).name, []) if not args.no_balance else []
@@ -217,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     res = {}
     modes = [m for m in (("sync", 0), ("fully_async", args.staleness)) if m[0] in args.modes.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+        runs_root = Path(args.keep_runs) if args.keep_runs else Path(tmp)
         for mode, k in modes:
-            print(f"[bench] {mode} (K={k}), {args.steps} steps ...", flush=True)
-            res[mode] = run_mode(args.config, mode, k, args.steps, overrides, Path(tmp) / mode)
+            print(f"[bench] {mode} (K={k}), {args.steps} steps ... (run dir under {runs_root / mode})", flush=True)
+            res[mode] = run_mode(args.config, mode, k, args.steps, overrides, runs_root / mode)
             p = res[mode]["perf"]
             print(f"[bench] {mode}: {p['perf/samples_per_s']:.3f} samples/s over {p['loop_seconds']:.1f} s, "
                   f"trainer idle {p['perf/trainer_idle_frac']:.3f}", flush=True)
