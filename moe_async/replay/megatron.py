@@ -21,6 +21,11 @@ order of Megatron's router (``[S*B, K]`` per layer; this rank's sequence-paralle
 -> the router of each local MoE layer, matched by its global MoE-layer index (dense
 layers have no router, PP stages hold a subset).
 
+Virtual pipeline stages (a ``ModuleList`` of model chunks): Megatron's interleaved schedule
+runs every micro-batch once per chunk, so the micro-batch counter and the padding-route
+rotation are kept per chunk, and :meth:`RouterReplayHook.before_forward` sets the targets of
+the routers of the chunk about to run only (micro-batches reach each chunk in order).
+
 Legend: ``B`` sequences, ``S`` padded length, ``L`` MoE layers, ``K`` top-k, ``E`` experts,
 ``N`` tokens seen by one router (``S_local * B``).
 """
@@ -114,8 +119,9 @@ class RouterReplayHook:
     """Drives Megatron's router replay for one model (see the module docstring).
 
     Args:
-        model: the (unwrapped) Megatron model; its ``TopKRouter`` modules must have been built
-            with ``moe_enable_routing_replay=True`` (see :func:`transformer_overrides`).
+        model: the (unwrapped) Megatron model, or a ``torch.nn.ModuleList`` of model chunks in
+            ``vp_stage`` order (virtual pipeline stages); its ``TopKRouter`` modules must have
+            been built with ``moe_enable_routing_replay=True`` (see :func:`transformer_overrides`).
         tf_config: its ``TransformerConfig``.
         mode: ``off`` | ``R3`` | ``R2``.
 
@@ -123,7 +129,7 @@ class RouterReplayHook:
 
         extras = hook.pack(samples_of_mb, S)            # tensors added to the micro-batch
         with hook.step(mbs, forward_fn) as h:            # forward_fn(mb) -> logits (R2 record)
-            ... h.before_forward(mb); model(...)         # in forward_step
+            ... h.before_forward(mb, model); model(...)  # in forward_step (model: the chunk)
             ... h.add_logprobs(logp, mb)                 # in loss_func
         metrics = hook.metrics()
     """
@@ -140,25 +146,54 @@ class RouterReplayHook:
         self.pattern = moe_layer_pattern(tf_config) if self.num_experts else []
         self.num_moe_layers = sum(self.pattern)
         cls, self._Action = _measured_replay_class()
+        # model chunks (virtual pipeline stages) in vp_stage order; one chunk otherwise
+        self._chunks: list[torch.nn.Module] = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
         self.routers: list[Any] = []
-        for mod in model.modules():
-            if isinstance(mod, TopKRouter):
-                if mod.router_replay is None:
-                    raise RuntimeError("TopKRouter built without moe_enable_routing_replay=True")
-                ln = mod.layer_number
-                if ln is None:
-                    raise RuntimeError("TopKRouter has no layer_number")
-                idx = sum(self.pattern[: ln - 1])  # global MoE-layer index (dense layers skipped)
-                mod.router_replay = cls(idx)
-                self.routers.append(mod.router_replay)
+        self._chunk_routers: list[list[Any]] = []
+        for chunk in self._chunks:
+            mine = []
+            for mod in chunk.modules():
+                if isinstance(mod, TopKRouter):
+                    if mod.router_replay is None:
+                        raise RuntimeError("TopKRouter built without moe_enable_routing_replay=True")
+                    ln = mod.layer_number
+                    if ln is None:
+                        raise RuntimeError("TopKRouter has no layer_number")
+                    idx = sum(self.pattern[: ln - 1])  # global MoE-layer index (dense layers skipped)
+                    mod.router_replay = cls(idx)
+                    mine.append(mod.router_replay)
+            self._chunk_routers.append(mine)
+            self.routers.extend(mine)
         self.routers.sort(key=lambda r: r.moe_index)
         if getattr(tf_config, "context_parallel_size", 1) > 1 and mode != "off":
             raise NotImplementedError("router replay with context parallelism is not implemented")
         self._meter = MismatchMeter(self.num_moe_layers)
-        self._mb = 0
         self._strict = True
-        self._pad_offset = torch.zeros(self.num_moe_layers, dtype=torch.long)
         self._r2: list[list[torch.Tensor]] = []
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        """Per chunk: micro-batches seen in this pass, padding-route rotation offset [L]."""
+        self._mb = [0] * len(self._chunks)
+        self._pad_offset = [torch.zeros(self.num_moe_layers, dtype=torch.long) for _ in self._chunks]
+
+    def _chunk_index(self, model: Any) -> int:
+        """Index of the chunk ``model`` is (or wraps, e.g. Megatron's DDP: ``.module``)."""
+        if model is None:
+            if len(self._chunks) > 1:
+                raise ValueError("router replay with virtual pipeline stages: before_forward needs the model chunk")
+            return 0
+        m = model
+        while True:
+            for c, chunk in enumerate(self._chunks):
+                if m is chunk:
+                    return c
+            if not hasattr(m, "module"):
+                break
+            m = m.module
+        if len(self._chunks) == 1:
+            return 0
+        raise ValueError(f"router replay: {type(model).__name__} is none of the hook's {len(self._chunks)} model chunks")
 
     @property
     def enabled(self) -> bool:
@@ -224,9 +259,8 @@ class RouterReplayHook:
         self._meter.reset()
         for r in self.routers:
             r.agree = r.count = 0
-        self._mb = 0
         self._r2 = []
-        self._pad_offset = torch.zeros(self.num_moe_layers, dtype=torch.long)
+        self._reset_counters()
         try:
             self._strict = forward_fn is not None  # a train step: R3 routes are mandatory
             r2_replay = self.enabled and self.mode == "R2" and forward_fn is not None
@@ -251,47 +285,53 @@ class RouterReplayHook:
             for r in self.routers:
                 r.reset()
 
-    def before_forward(self, mb: dict[str, torch.Tensor]) -> None:
-        """Set this micro-batch's replay targets (R3/R2) and agreement references."""
-        i, self._mb = self._mb, self._mb + 1
+    def before_forward(self, mb: dict[str, torch.Tensor], model: Any = None) -> None:
+        """Set this micro-batch's replay targets (R3/R2) and agreement references on the
+        routers of ``model`` (the chunk about to run; may be DDP-wrapped; optional with one
+        chunk). Raises ValueError for an unknown chunk, or (R3 train step) a loss-bearing
+        sample without routes."""
+        c = self._chunk_index(model)
+        i = self._mb[c]
+        self._mb[c] += 1
         if not self.enabled:
             return
+        routers = self._chunk_routers[c]  # (none: a dense-only chunk; the checks below still run)
         routes = mb.get("routes_BSLK")
         if routes is not None:
             rows = self._token_rows(routes)  # [N, L, K]
             real = self._token_rows(mb["routes_real_BS"])  # [N]
-            for r in self.routers:
+            for r in routers:
                 r.reference = rows[:, r.moe_index]
                 r.reference_real = real
         else:
-            for r in self.routers:
+            for r in routers:
                 r.reference = r.reference_real = None
         if self.mode == "R3":
             missing = mb.get("routes_missing_B")
             if missing is not None and bool(missing.any()):
                 if self._strict or routes is not None:
-                    i = int(missing.nonzero()[0, 0])
                     raise ValueError(
                         "trainer.router_replay='R3' needs routed experts on every sample "
-                        f"(sample {i} of micro-batch {self._mb - 1} has none; set "
+                        f"(sample {int(missing.nonzero()[0, 0])} of micro-batch {i} has none; set "
                         "rollout.return_routed_experts)"
                     )
-                for r in self.routers:  # forward-only pass over route-less samples: own routing
+                for r in routers:  # forward-only pass over route-less samples: own routing
                     r.router_replay_action = None
                 return
-            for r in self.routers:
+            for r in routers:
                 r.router_replay_action = self._Action.REPLAY_FORWARD
             if routes is None:  # only route-less, loss-free samples: all rows are padding
                 B, S = mb["tokens"].shape
                 routes = torch.full((B, S, self.num_moe_layers, self.top_k), -1, dtype=torch.long)
             rows = self._token_rows(routes)
-            filled = fill_padding(rows, self.num_experts, self._pad_offset)
-            self._pad_offset = self._pad_offset + num_pad_rows(rows)  # rotation continues across mbs
-            for r in self.routers:
+            filled = fill_padding(rows, self.num_experts, self._pad_offset[c])
+            self._pad_offset[c] = self._pad_offset[c] + num_pad_rows(rows)  # rotation continues across mbs
+            for r in routers:
                 r.set_target_indices(filled[:, r.moe_index].contiguous())
         elif self.mode == "R2" and self._r2:
             for j, r in enumerate(self.routers):
-                r.set_target_indices(self._r2[j][i])
+                if any(r is x for x in routers):
+                    r.set_target_indices(self._r2[j][i])
 
     def add_logprobs(self, logp_BS1: torch.Tensor, mb: dict[str, torch.Tensor]) -> None:
         """Accumulate the train/rollout mismatch of one micro-batch (in ``loss_func``)."""

@@ -217,12 +217,20 @@ class MegatronTrainer:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         get_moe_layer_wise_logging_tracker().clear()
-        layer_spec = self.family.layer_spec(self.hf_config, use_te=use_te)
-        if self._vpp:
-            from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        import inspect
 
-            if isinstance(layer_spec, TransformerBlockSubmodules):  # holds one PP stage's layers
-                raise NotImplementedError(self._vpp_block_spec_msg(self.hf_config))
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        # a family whose spec is a decoder block spec (deepseek_v3: first-k dense layers) lists
+        # one model chunk's layers and takes ``vp_stage``: one spec per chunk with virtual
+        # pipeline stages; a per-layer spec (the other families) is the same for every chunk
+        per_chunk_spec = bool(self._vpp) and "vp_stage" in inspect.signature(self.family.layer_spec).parameters
+        layer_spec = None if per_chunk_spec else self.family.layer_spec(self.hf_config, use_te=use_te)
+        if self._vpp and isinstance(layer_spec, TransformerBlockSubmodules):  # one PP stage's layers
+            raise NotImplementedError(
+                f"trainer.virtual_pipeline_model_parallel_size={self._vpp} with model_type "
+                f"{self.hf_config.get('model_type')!r}: the family's layer_spec returns a decoder block spec "
+                "without a vp_stage argument (its layers would be one pipeline stage's, not one chunk's)")
         # This PP rank's model chunks (Megatron-LM's get_model): one per virtual stage v, holding
         # layers from Megatron's get_transformer_layer_offset(config, vp_stage=v); the first
         # stage's chunk 0 embeds, the last stage's last chunk has the output layer.
@@ -231,7 +239,8 @@ class MegatronTrainer:
             stage = dict(ignore_virtual=False, vp_stage=v) if self._vpp else {}
             self.models.append(GPTModel(
                 config=self.tf_config,
-                transformer_layer_spec=layer_spec,
+                transformer_layer_spec=(self.family.layer_spec(self.hf_config, use_te=use_te, vp_stage=v)
+                                        if per_chunk_spec else layer_spec),
                 pre_process=ps.is_pipeline_first_stage(**stage),
                 post_process=ps.is_pipeline_last_stage(**stage),
                 parallel_output=False,  # logits gathered over TP: [B,S,V_padded] on every TP rank
@@ -318,10 +327,8 @@ class MegatronTrainer:
     def _check_virtual_pipeline(self, hf_config: dict[str, Any], family: Any) -> None:
         """Refuse, naming the field, what Megatron-Core (or this trainer) does not run with
         virtual pipeline stages: a layer count not divisible by PP x VPP (ValueError; Megatron's
-        TransformerConfig), a family whose decoder block spec is sliced per pipeline stage
-        rather than per virtual stage (NotImplementedError; deepseek_v3's dense/MoE block
-        spec), router replay (NotImplementedError; its per-micro-batch state assumes one
-        forward per micro-batch on a rank)."""
+        TransformerConfig), router replay R2 (NotImplementedError; R2 refuses pipeline
+        parallelism). R3 runs: the replay hook keeps its micro-batch counter per model chunk."""
         vpp = self._vpp
         if not vpp:
             return
@@ -332,22 +339,10 @@ class MegatronTrainer:
                 f"trainer.virtual_pipeline_model_parallel_size={vpp}: the model's {n} layers are not divisible "
                 f"by pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp * vpp} "
                 "(Megatron-Core's TransformerConfig requires it)")
-        # a per-layer pattern (deepseek_v3: first-k dense layers) makes the family build its
-        # decoder from Megatron's get_gpt_decoder_block_spec, sliced per pipeline stage; the
-        # per-virtual-stage slice (vp_stage=...) is not wired (see also _build)
-        if isinstance(family.transformer_config(hf_config, pipeline_model_parallel_size=pp).moe_layer_freq, list):
-            raise NotImplementedError(self._vpp_block_spec_msg(hf_config))
-        if self.cfg.router_replay != "off":
+        if self.cfg.router_replay == "R2":
             raise NotImplementedError(
-                f"trainer.router_replay={self.cfg.router_replay!r} with trainer.virtual_pipeline_model_parallel_"
-                f"size={vpp}: the replay hook counts micro-batches (and rotates padding routes) per forward, "
-                "and the interleaved schedule runs each micro-batch once per model chunk")
-
-    def _vpp_block_spec_msg(self, hf_config: dict[str, Any]) -> str:
-        return (f"trainer.virtual_pipeline_model_parallel_size={self._vpp} with model_type "
-                f"{hf_config.get('model_type')!r}: the family's decoder block spec (dense and MoE layers) is "
-                "sliced per pipeline stage, not per virtual stage (Megatron's get_gpt_decoder_block_spec("
-                "vp_stage=...) is not wired)")
+                f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
+                "recording forward is not implemented with pipeline parallelism (which VPP needs)")
 
     def _load_hf_weights(self, hf_path: str) -> None:
         """HF safetensors (all ``*.safetensors`` in ``hf_path``) -> family mapping (full
@@ -629,7 +624,7 @@ class MegatronTrainer:
 
         def forward_step(data_iterator, model):
             mb = self._to_device(next(data_iterator))
-            self.router_replay.before_forward(mb)  # router replay: this micro-batch's routes
+            self.router_replay.before_forward(mb, model)  # router replay: this micro-batch's routes (this chunk)
             logits, rows_only = self._forward(model, mb)
             return logits, partial(loss_func, mb, rows_only)
 
@@ -834,7 +829,7 @@ class MegatronTrainer:
 
             def forward_step(data_iterator, model):
                 mb = self._to_device(next(data_iterator))
-                self.router_replay.before_forward(mb)  # router replay (R3: engine routes)
+                self.router_replay.before_forward(mb, model)  # router replay (R3: engine routes)
                 logits, rows_only = self._forward(model, mb)
                 return logits, partial(loss_func, mb, rows_only)
 

@@ -13,7 +13,8 @@ Modes:
         writes the checkpoints under TMP, runs transformers' forward (HF logprobs) and the
         1-process trainer of every checkpoint -> TMP/ref.json
     torchrun --nproc_per_node W _family_layouts.py run TMP OUT.json CASE [CASE ...]
-        CASE = ``{ckpt}-tp{t}pp{p}ep{e}``; for each: logprobs, HF export == checkpoint, two
+        CASE = ``{ckpt}-tp{t}pp{p}ep{e}`` or ``{ckpt}-tp{t}pp{p}ep{e}vpp{v}`` (v virtual pipeline
+        stages: ds3's 4 layers as chunks [dense 0][MoE 2] on rank 0, [MoE 1][MoE 3] on rank 1); for each: logprobs, HF export == checkpoint, two
         optimizer steps -> OUT.json (rank 0). ckpt ``ds3cpl``: the ds3 checkpoint with the q/kv
         down projections built as Megatron's local spec builds them (ColumnParallelLinear),
         i.e. without that part of moe_async.compat.mla_local_attention.local_mla_submodules
@@ -61,20 +62,23 @@ def samples(seed: int = 0):
     return out
 
 
-def cfg(tp=1, pp=1, ep=1):
+def cfg(tp=1, pp=1, ep=1, vpp=None):
     from moe_async.trainer.config import TrainerConfig
 
     return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         expert_model_parallel_size=ep, micro_batch_size=2, moe_aux_loss_coeff=0.0,
+                         expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp,
+                         micro_batch_size=2, moe_aux_loss_coeff=0.0,
                          lr=1e-3, adam_eps=ADAM_EPS, make_vocab_size_divisible_by=96)
 
 
-def parse(case: str) -> tuple[str, int, int, int]:
-    """``"ds3-tp2pp1ep2"`` -> ``("ds3", 2, 1, 2)``."""
+def parse(case: str) -> tuple[str, int, int, int, int | None]:
+    """``"ds3-tp2pp1ep2"`` -> ``("ds3", 2, 1, 2, None)``; ``"ds3-tp1pp2ep1vpp2"`` -> ``("ds3", 1, 2, 1, 2)``
+    (virtual pipeline stages)."""
     ckpt, lay = case.split("-")
+    lay, _, vpp = lay.partition("vpp")
     tp, rest = lay[2:].split("pp")
     pp, ep = rest.split("ep")
-    return ckpt, int(tp), int(pp), int(ep)
+    return ckpt, int(tp), int(pp), int(ep), int(vpp) if vpp else None
 
 
 def upstream_mla_down_proj(on: bool) -> None:
@@ -90,8 +94,8 @@ def upstream_mla_down_proj(on: bool) -> None:
         DeepseekV3Family.layer_spec = orig
         return
 
-    def layer_spec(self, hf_config, *, use_te=False):
-        block = orig(self, hf_config, use_te=use_te)
+    def layer_spec(self, hf_config, *, use_te=False, vp_stage=None):
+        block = orig(self, hf_config, use_te=use_te, vp_stage=vp_stage)
         for spec in block.layer_specs:
             sub = spec.submodules.self_attention.submodules
             sub.linear_q_down_proj = sub.linear_kv_down_proj = ColumnParallelLinear
@@ -100,14 +104,14 @@ def upstream_mla_down_proj(on: bool) -> None:
     DeepseekV3Family.layer_spec = layer_spec
 
 
-def run(path: str, tp: int, pp: int, ep: int) -> dict:
+def run(path: str, tp: int, pp: int, ep: int, vpp: int | None = None) -> dict:
     from safetensors.torch import load_file
 
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
     t0 = time.perf_counter()
     ss = samples()
-    tr = MegatronTrainer(cfg(tp, pp, ep), path)
+    tr = MegatronTrainer(cfg(tp, pp, ep, vpp), path)
     res: dict = {"logp": tr.compute_logprobs(ss)}
     exported = dict(tr.export_hf_weights())  # collective; rank 0 gets the tensors
     if exported:
@@ -156,9 +160,9 @@ def main_run(tmp: str, out_path: str, cases: list[str]) -> None:
     dist.init_process_group("gloo")  # once: the trainers (one per case) then do not own it
     out = {}
     for case in cases:
-        ck, tp, pp, ep = parse(case)
+        ck, tp, pp, ep, vpp = parse(case)
         upstream_mla_down_proj(ck == "ds3cpl")
-        out[case] = run(os.path.join(tmp, "ds3" if ck == "ds3cpl" else ck), tp, pp, ep)
+        out[case] = run(os.path.join(tmp, "ds3" if ck == "ds3cpl" else ck), tp, pp, ep, vpp)
         upstream_mla_down_proj(False)
         dist.barrier()
     if dist.get_rank() == 0:

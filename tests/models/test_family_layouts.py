@@ -3,7 +3,9 @@ the loss, grad norm and entropy of two optimizer steps (fp32, relative differenc
 logprobs (and their parity with transformers), bit-exact HF export after loading.
 
 Layouts: deepseek_v3 and qwen3_moe at TP2+SP, EP2, PP2 (2 processes) and TP2+EP2, PP2+EP2,
-TP2+PP2+EP2, EP4 (4 processes); llama at TP2+SP, PP2, TP2+PP2. (Mixtral: tests/trainer/
+TP2+PP2+EP2, EP4 (4 processes); deepseek_v3 also at PP2+VPP2 (2 processes: each rank holds two
+model chunks of one layer each, the first dense layer in rank 0's chunk 0, built from Megatron's
+decoder block spec with ``vp_stage``); llama at TP2+SP, PP2, TP2+PP2. (Mixtral: tests/trainer/
 test_layouts.py.) Three launches in all (see _family_layouts.py): the 1-process references
 (plain python), one 2-process and one 4-process torchrun, each looping over its cases.
 
@@ -29,7 +31,7 @@ SCRIPT = os.path.join(HERE, "_family_layouts.py")
 MOE_W2 = ["tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1"]
 MOE_W4 = ["tp2pp1ep2", "tp1pp2ep2", "tp2pp2ep2", "tp1pp1ep4"]
 W2 = [f"{ck}-{lay}" for ck in ("ds3", "qwen3") for lay in MOE_W2] + ["llama-tp2pp1ep1", "llama-tp1pp2ep1",
-                                                                      "ds3cpl-tp2pp1ep1"]
+                                                                      "ds3cpl-tp2pp1ep1", "ds3-tp1pp2ep1vpp2"]
 W4 = [f"{ck}-{lay}" for ck in ("ds3", "qwen3") for lay in MOE_W4] + ["llama-tp2pp2ep1"]
 REFS = ["ds3-tp1pp1ep1", "qwen3-tp1pp1ep1", "llama-tp1pp1ep1"]
 CASES = [c for c in W2 + W4 if not c.startswith("ds3cpl")]

@@ -9,7 +9,8 @@ Modes:
         (TMP/samples_ds.pkl), and runs the 1-process references: Mixtral R3 at micro-batch
         sizes 1, 2, 4 and ``off`` at 2, DeepSeek R3 and ``off`` at 2 (2 steps each) -> TMP/ref.json.
     torchrun --nproc_per_node 2 _replay_layout_checks.py run TMP OUT.json LAYOUT [LAYOUT ...]
-        for each LAYOUT ``tp{t}pp{p}ep{e}[-MODEL[-MODE]]`` (MODEL a | ds, MODE R3 | off): the trainer, 2 steps on the same samples, the
+        for each LAYOUT ``tp{t}pp{p}ep{e}[vpp{v}][-MODEL[-MODE]]`` (MODEL a | ds, MODE R3 | off; vpp: v
+        virtual pipeline stages, model chunks per PP rank): the trainer, 2 steps on the same samples, the
         routers' actual top-k sets captured on every rank (forward hooks on Megatron's
         ``TopKRouter``: its routing map) and gathered to rank 0, which maps every router row
         back to (sample, token) INDEPENDENTLY of the replay hook (DP slice, micro-batch,
@@ -109,7 +110,7 @@ def capture(tr) -> tuple[dict, list]:
     pattern = [1 if i % f == 0 else 0 for i in range(n)] if isinstance(f, int) else list(f)
     seen: dict[int, list] = {}
     hooks = []
-    for m in tr.model.modules():
+    for m in (x for chunk in tr.models for x in chunk.modules()):  # every model chunk (VPP)
         if isinstance(m, TopKRouter):
             j = sum(pattern[: m.layer_number - 1])  # MoE layers before this one (dense skipped)
             seen[j] = []
@@ -164,7 +165,19 @@ def check_routes(entries: list[dict], ss, mbs: int, model: str) -> dict:
                 not_once=sum(1 for v in seen_count.values() if v != 1) + (expected - len(seen_count)))
 
 
-def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS, model="a") -> dict:
+def maps_sha1(entries: list[dict]) -> dict | None:
+    """``{global MoE layer: sha1 of its routing maps [N, E] over the step's micro-batches}``,
+    padding rows included (their routes come from the hook's padding rotation), for layouts
+    whose router rows are those of 1 process (DP1, TP1); None otherwise."""
+    import hashlib
+
+    if any(e["dp"] > 1 or e["tp"] > 1 for e in entries):
+        return None
+    return {str(j): hashlib.sha1(b"".join(np.ascontiguousarray(m).tobytes() for m in calls)).hexdigest()
+            for e in entries for j, calls in e["maps"].items()}
+
+
+def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS, model="a", vpp=None) -> dict:
     import torch.distributed as dist
 
     from moe_async.trainer.config import TrainerConfig
@@ -172,7 +185,8 @@ def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS, model="a") -
 
     t0 = time.perf_counter()
     tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                       expert_model_parallel_size=ep, micro_batch_size=mbs, moe_aux_loss_coeff=0.0,
+                                       expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp,
+                                       micro_batch_size=mbs, moe_aux_loss_coeff=0.0,
                                        lr=1e-3, router_replay=mode), os.path.join(tmp, model))
     res: dict = {"build_s": time.perf_counter() - t0, "steps": [], "routes": []}
     seen, hooks = capture(tr)
@@ -189,6 +203,7 @@ def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS, model="a") -
             box = [mine]
         if rank() == 0:
             res["routes"].append(check_routes(box, ss, mbs, model))
+            res.setdefault("maps_sha1", []).append(maps_sha1(box))
     for h in hooks:
         h.remove()
     res["clean"] = all(r.target_topk_idx is None and not r.replay_backward_list and r.router_replay_action is None
@@ -220,10 +235,12 @@ def main_run(tmp: str, out: str, layouts: list[str]) -> None:
     t0 = time.perf_counter()
     for lay in layouts:
         par, model, mode = (lay.split("-") + ["a", "R3"][lay.count("-"):])[:3]
+        par, _, vpp = par.partition("vpp")
         tp = int(par.split("tp")[1].split("pp")[0])
         pp = int(par.split("pp")[1].split("ep")[0])
         ep = int(par.split("ep")[1])
-        res[lay] = run_trainer(tmp, load_samples(tmp, model), mode, tp, pp, ep, model=model)
+        res[lay] = run_trainer(tmp, load_samples(tmp, model), mode, tp, pp, ep, model=model,
+                               vpp=int(vpp) if vpp else None)
     res["wall_s"] = time.perf_counter() - t0
     if rank() == 0:
         with open(out, "w") as f:

@@ -11,7 +11,9 @@ tokens (``off``): the route check fails without replay.
 Models: tiny Mixtral (2 MoE layers, 4 experts top-2; PP2 = one MoE layer per stage) and tiny
 DeepSeek-V3 with 4 layers, the first dense (8 experts top-4, group-limited sigmoid routing
 with expert bias; PP2: stage 0 = dense + MoE layer 0, stage 1 = MoE layers 1, 2: the dense
-layer is skipped in the global MoE-layer index), random supplied routes. DeepSeek-V3 at
+layer is skipped in the global MoE-layer index; PP2+VPP2: one layer per model chunk, rank 0
+= [dense][MoE 1], rank 1 = [MoE 0][MoE 2], each micro-batch run once per chunk by the
+interleaved schedule), random supplied routes. DeepSeek-V3 at
 TP2 is not in the list: there the trainer's grad norm differs from 1 process by ~2% with
 replay OFF as well (outside replay; the routes themselves are replayed on 100% of tokens).
 """
@@ -30,7 +32,7 @@ import torch
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_replay_layout_checks.py")
-LAYOUTS = ["tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1", "tp1pp2ep1-ds", "tp1pp1ep2-ds"]
+LAYOUTS = ["tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1", "tp1pp2ep1-ds", "tp1pp1ep2-ds", "tp1pp2ep1vpp2-ds"]
 REL = 1e-5
 TOKENS = sum(n - 1 for n in (12, 9, 12, 13, 11, 13, 10, 10))  # real (routed) tokens
 REAL_ROWS = {"a": 2 * TOKENS, "ds": 3 * TOKENS}  # (real token, MoE layer) pairs
@@ -104,6 +106,20 @@ def test_r3_top_k_equals_supplied_routes_on_every_real_token(res, run):
         assert r["checked"] == n and r["not_once"] == 0
         assert r["agree"] == n
     assert got["clean"]  # replay targets/actions cleared after each step and compute_logprobs
+
+
+@pytest.mark.parametrize("run", ["tp1pp2ep1", "tp1pp2ep1-ds", "tp1pp2ep1vpp2-ds"])
+def test_r3_routing_maps_with_padding_equal_one_process(res, run):
+    """At PP2 and PP2+VPP2 (each micro-batch run once per model chunk) every router's routing
+    maps, padding rows included, are bit-identical to 1 process (padding routes from the
+    hook's fill_padding rotation, kept per model chunk). With these samples (E/K = 2, even
+    shifts) a rotation advanced once per forward instead would go unnoticed: this checks that
+    each chunk's routers get their own micro-batch's rows, not the per-chunk counter itself."""
+    ref = res[_ref(run)]["maps_sha1"]
+    got = res[run]["maps_sha1"]
+    assert len(got) == len(ref) == 2 and got[0] is not None
+    assert len(got[0]) == {"a": 2, "ds": 3}[_model(run)]
+    assert got == ref
 
 
 @pytest.mark.parametrize("run", ["R3_mbs1", "R3_mbs4", *LAYOUTS])

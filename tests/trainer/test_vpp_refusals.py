@@ -42,11 +42,20 @@ def test_layers_not_divisible_by_pp_times_vpp(ckpts):
         _trainer(ckpts["l2"])
 
 
-def test_router_replay_refused(ckpts):
-    with pytest.raises(NotImplementedError, match=r"router_replay='R3' with trainer.virtual_pipeline"):
-        _trainer(ckpts["l4"], router_replay="R3")
+def test_router_replay_r2_refused(ckpts):
+    """R2 needs PP1 (its recording forward); R3 at PP2+VPP2: tests/replay/test_replay_layouts.py."""
+    with pytest.raises(NotImplementedError, match=r"router_replay='R2' with trainer.virtual_pipeline"):
+        _trainer(ckpts["l4"], router_replay="R2")
 
 
-def test_block_spec_family_refused(ckpts):
-    with pytest.raises(NotImplementedError, match=r"model_type 'deepseek_v3': the family's decoder block spec"):
-        _trainer(ckpts["ds3"])
+def test_deepseek_v3_vp_stage_needs_virtual_pipeline(ckpts):
+    """deepseek_v3's block spec is sliced per model chunk (PP2+VPP2 equals 1 process:
+    tests/models/test_family_layouts.py); a vp_stage without virtual pipeline stages is refused."""
+    import json
+
+    from moe_async.models.deepseek_v3 import DEEPSEEK_V3
+
+    with open(os.path.join(ckpts["ds3"], "config.json")) as f:
+        hf = json.load(f)
+    with pytest.raises(ValueError, match=r"vp_stage=0 with virtual pipeline world size None"):
+        DEEPSEEK_V3.layer_spec(hf, vp_stage=0)

@@ -424,17 +424,31 @@ class DeepseekV3Family(ModelFamily):
         kw.update(overrides)
         return MLATransformerConfig(**kw)
 
-    def layer_spec(self, hf_config: Any, *, use_te: bool = False):
+    def layer_spec(self, hf_config: Any, *, use_te: bool = False, vp_stage: int | None = None):
         """Block spec (dense / MoE layers per ``first_k_dense_replace``), sliced to this
-        pipeline stage (parallel state must be initialised when PP > 1)."""
+        pipeline stage (parallel state must be initialised when PP > 1) and, with virtual
+        pipeline stages (parallel state's VPP world size > 1), to model chunk ``vp_stage`` of
+        that stage: layers ``[(vp_stage*PP + p) * L/(PP*VPP), ...)`` (Megatron's
+        ``get_gpt_decoder_block_spec`` / ``get_transformer_layer_offset``).
+
+        Raises:
+            ValueError: ``vp_stage`` given without virtual pipeline stages, or missing with them.
+        """
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        pp = 1
+        pp, vpp = 1, None
         if ps.model_parallel_is_initialized():
             pp = ps.get_pipeline_model_parallel_world_size()
-        cfg = self.transformer_config(hf_config, pipeline_model_parallel_size=pp)
-        block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=use_te, normalization="RMSNorm")
+            vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        vpp = vpp if vpp is not None and vpp > 1 else None
+        if (vpp is None) != (vp_stage is None):
+            raise ValueError(f"deepseek_v3 layer_spec: vp_stage={vp_stage!r} with virtual pipeline world size "
+                             f"{vpp!r} (vp_stage is needed exactly when the parallel state has VPP > 1)")
+        cfg = self.transformer_config(hf_config, pipeline_model_parallel_size=pp,
+                                      virtual_pipeline_model_parallel_size=vpp)
+        block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=use_te, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
         if not use_te:
             # Megatron 0.16.1's local MLA spec is neither buildable nor exact under TP as is
             # (core attention; q/kv down projections): see moe_async.compat.mla_local_attention
