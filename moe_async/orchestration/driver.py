@@ -116,8 +116,11 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             t0 = time.perf_counter()
             groups = None
             while groups is None:
-                groups = ray.get(buffer.get_batch.remote(version, 5.0))
-                err = ray.get(rollout.error.remote())
+                # a bounded wait for the buffer's own 5 s wait: a lost reply (seen once in CI
+                # after an engine was killed) must fail the run, naming a dead engine if any,
+                # instead of hanging it
+                groups = ray.get(buffer.get_batch.remote(version, 5.0), timeout=_BUFFER_REPLY_S)
+                err = ray.get(rollout.error.remote(), timeout=_BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
             t1 = time.perf_counter()
@@ -203,6 +206,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     if cfg.logging.wandb_mode == "offline":
         print(f"[moe-async] wandb offline run: sync later with `wandb sync {run_dir / 'wandb'}/offline-run-*`", flush=True)
     return summary
+
+
+_BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in the step loop
 
 
 def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:

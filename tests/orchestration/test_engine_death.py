@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,9 @@ def test_dead_engine_is_named(tmp_path):
     cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
            f"logging.output_dir={tmp_path}", "num_steps=40", "eval_before=false", "eval_after=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a hung run must fail this test, not the whole suite: kill it after 600 s
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
     lines = []
     for line in proc.stdout:  # wait for the second step, then kill the engine
         lines.append(line)
@@ -31,7 +35,9 @@ def test_dead_engine_is_named(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             break
     out = "".join(lines) + proc.stdout.read()
-    assert proc.wait(timeout=120) != 0, out[-3000:]
+    rc = proc.wait(timeout=120)
+    watchdog.cancel()
+    assert rc != 0, out[-3000:]
     assert "engine 0 at http://127.0.0.1:" in out and "exited with code -9" in out, out[-3000:]
     (run_dir,) = list(tmp_path.iterdir())
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2
