@@ -18,9 +18,22 @@ from moe_async.logging.config import LoggingConfig
 
 
 def make_run_dir(cfg: LoggingConfig, name: str) -> Path:
-    """Create ``<output_dir>/<name>-<YYYYmmdd-HHMMSS>[-n]`` and return it (absolute)."""
+    """Create ``<output_dir>/<name>-<YYYYmmdd-HHMMSS>[-n]`` and return it (absolute).
+
+    Raises:
+        UserInputError naming ``logging.output_dir`` when it cannot be created or written
+        (a file in its place, no permission, a read-only file system).
+    """
+    from moe_async.errors import UserInputError
+
     base = Path(cfg.output_dir).expanduser().resolve()
-    base.mkdir(parents=True, exist_ok=True)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise PermissionError(f"{base} is not writable")
+    except OSError as e:  # FileExistsError/NotADirectoryError (a file there), PermissionError, EROFS
+        raise UserInputError(f"logging.output_dir={cfg.output_dir!r}: cannot create a run directory "
+                             f"there ({type(e).__name__}: {e})") from e
     stamp = time.strftime("%Y%m%d-%H%M%S")
     d = base / f"{name}-{stamp}"
     n = 1
