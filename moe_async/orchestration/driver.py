@@ -59,6 +59,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     """
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
         check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
+    check_single_process_trainer(cfg)
     load_path, start_step = resolve_checkpoint(cfg)  # refused here, before Ray or any process starts
     import ray
 
@@ -206,6 +207,25 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     if cfg.logging.wandb_mode == "offline":
         print(f"[moe-async] wandb offline run: sync later with `wandb sync {run_dir / 'wandb'}/offline-run-*`", flush=True)
     return summary
+
+
+def check_single_process_trainer(cfg: ExperimentConfig) -> None:
+    """The driver's trainer actor is one process (world size 1), so every model-parallel
+    size must be 1 in ``moe-async train``; multi-process layouts run the same trainer under
+    ``torchrun`` (tests/trainer/test_layouts.py, tools/convert_*). Refused at start-up, before
+    Ray or any process starts (Megatron would otherwise fail minutes later inside the actor).
+
+    Raises:
+        UserInputError: naming the first field > 1.
+    """
+    t = cfg.trainer
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "context_parallel_size", "virtual_pipeline_model_parallel_size"):
+        v = getattr(t, name, None) or 1
+        if v > 1:
+            raise UserInputError(
+                f"trainer.{name}={v}: 'moe-async train' runs the trainer as one process (world size 1); "
+                f"parallel layouts run the same trainer under torchrun (see tests/trainer/test_layouts.py)")
 
 
 _BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in the step loop
