@@ -56,14 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``main`` with a refused input (bad layout, config, keys, files) reported as one
-    ``convert_hf_to_megatron: error: ...`` line on stderr and exit status 2 instead of a traceback."""
-    try:
-        return main(argv)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"convert_hf_to_megatron: error: {msg}", file=sys.stderr)
-        return 2
+    """``main`` with a refused input reported as one ``convert_hf_to_megatron: error: ...`` line, exit 2
+    (:func:`moe_async.models.convert.run_tool`)."""
+    from moe_async.models.convert import run_tool
+
+    return run_tool(main, "convert_hf_to_megatron", argv)
 
 
 if __name__ == "__main__":

@@ -50,14 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``main`` with a refused input (bad layout, config, keys, files) reported as one
-    ``convert_megatron_to_hf: error: ...`` line on stderr and exit status 2 instead of a traceback."""
-    try:
-        return main(argv)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"convert_megatron_to_hf: error: {msg}", file=sys.stderr)
-        return 2
+    """``main`` with a refused input reported as one ``convert_megatron_to_hf: error: ...`` line, exit 2
+    (:func:`moe_async.models.convert.run_tool`)."""
+    from moe_async.models.convert import run_tool
+
+    return run_tool(main, "convert_megatron_to_hf", argv)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -539,14 +540,9 @@ def in_process_save_strategy(fsync: bool = False):
     return _in_process_classes()[1](fsync=fsync)
 
 
-_CLASSES: tuple | None = None
-
-
+@functools.cache
 def _in_process_classes() -> tuple:
     """(writer class, strategy class), defined once Megatron-Core is imported."""
-    global _CLASSES
-    if _CLASSES is not None:
-        return _CLASSES
     import inspect
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -643,8 +639,7 @@ def _in_process_classes() -> tuple:
             )
             return self._get_save_and_finalize_callbacks(writer, ret[0])
 
-    _CLASSES = (InProcessWriter, InProcessSaveStrategy)
-    return _CLASSES
+    return InProcessWriter, InProcessSaveStrategy
 
 
 def whole_glu_tensors(sharded_state_dict: dict) -> int:
@@ -880,14 +875,9 @@ def mmap_load_strategy():
     return _mmap_classes()[1]()
 
 
-_MMAP_CLASSES: tuple | None = None
-
-
+@functools.cache
 def _mmap_classes() -> tuple:
     """(reader class, load strategy class), defined once Megatron-Core is imported."""
-    global _MMAP_CLASSES
-    if _MMAP_CLASSES is not None:
-        return _MMAP_CLASSES
     import inspect
     from typing import cast
 
@@ -971,8 +961,7 @@ def _mmap_classes() -> tuple:
             _restore_dict_types(out, orig)
             return out
 
-    _MMAP_CLASSES = (MmapReader, MmapLoadStrategy)
-    return _MMAP_CLASSES
+    return MmapReader, MmapLoadStrategy
 
 
 # ------------------------------------------------------------------------- Megatron -> HF
@@ -1279,3 +1268,17 @@ def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, Tensor]]:
         with safe_open(fp, framework="pt") as h:
             for k in sorted(by_file[fp]):
                 yield k, h.get_tensor(k)
+
+
+def run_tool(main, prog: str, argv: list[str] | None = None) -> int:
+    """Run a converter's ``main(argv)`` with a refused input (bad layout, config, keys, files)
+    reported as one ``<prog>: error: ...`` line on stderr and exit status 2 instead of a
+    traceback; other exceptions propagate with theirs."""
+    import sys
+
+    try:
+        return main(argv)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
