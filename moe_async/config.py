@@ -72,6 +72,14 @@ class ExperimentConfig(BaseModel):
                 "versioned last one (engine.backend='embedded'); SGLang applies each bucket at once, so "
                 "requests would be served from half-updated weights: use pause_scope='sync'"
             )
+        # GRPO (moe_async/trainer/advantages.py, the only advantage estimator) normalises each
+        # reward against its own group: a group of one sample has advantage 0, no gradient
+        if self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"rollout.n_samples_per_prompt={self.rollout.n_samples_per_prompt}: GRPO's advantage is "
+                "group-relative (reward minus the group mean, moe_async/trainer/advantages.py), so a group "
+                "of one sample always has advantage 0 and nothing is learned; use >= 2"
+            )
         # router replay: R3 replays the engine's routes (R2 uses them for the agreement metric)
         r = self.rollout
         if t.router_replay != "off" and not r.return_routed_experts:

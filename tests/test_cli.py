@@ -90,7 +90,7 @@ def test_start_up_checks_raise_user_input_error(tmp_path) -> None:
     step.mkdir()
     (step / "metadata.json").write_text("{}")
     (step / "moe_async_version.txt").write_text("three")
-    with pytest.raises(UserInputError, match=r"trainer\.load=.*cannot read the step of .*step_3 \(ValueError"):
+    with pytest.raises(UserInputError, match=r"trainer\.load=.*cannot read the step from .*step_3/moe_async_version\.txt \(ValueError"):
         resolve_checkpoint(load_config(SMOKE, [f"trainer.load={step}"]))
 
 

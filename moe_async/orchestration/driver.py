@@ -54,13 +54,24 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
 
     Raises: whatever a component raises (config/model/engine errors name their source);
     :class:`~moe_async.errors.UserInputError` at start-up, before Ray or any process starts,
-    for a ``cpu_affinity`` core this host lacks, a bad ``trainer.load`` or a bad
-    ``model.hf_path`` (no run dir is made); engines and Ray are shut down on every exit path.
+    for a ``cpu_affinity`` core this host lacks, a bad ``trainer.load``, an unwritable
+    ``trainer.save_dir`` or a bad ``model.hf_path`` (no run dir is made); engines and Ray are
+    shut down on every exit path.
+
+    Summary timing: ``wall_seconds`` is the whole run from this call to the summary (start-up:
+    model preparation, Ray, engines, trainer build, checkpoint load and ``eval_before``, then the
+    loop, ``eval_after`` and the final checksums); ``startup_seconds`` the part before the step
+    loop; ``perf.loop_seconds`` the step loop alone (the denominator of the ``perf/*_per_s``
+    rates). Sample counts: ``rollout["rollout/samples_generated"]`` every sample generated and
+    scored (dynamically filtered ones included); ``buffer["samples_put"]`` the samples put into
+    the buffer (= ``samples_trained + samples_dropped + samples_buffered``).
     """
+    t_launch = time.perf_counter()
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
         check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
     check_single_process_trainer(cfg)
     load_path, start_step = resolve_checkpoint(cfg)  # refused here, before Ray or any process starts
+    check_save_dir(cfg)  # an explicit trainer.save_dir: refused now, not at the first save after training
     import ray
 
     from moe_async.models.prepare import prepare_hf_checkpoint
@@ -172,7 +183,11 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                                                  "perf/trainer_idle_frac", "perf/engine_idle_frac")}
         summary["perf"]["loop_seconds"] = elapsed
         ray.get(rollout.stop.remote())
-        summary["buffer"] = ray.get(buffer.stats.remote())
+        # the buffer's own "samples_generated" counts the samples put into it (after dynamic
+        # filtering); named samples_put here so that "samples_generated" means one thing in the
+        # summary: rollout/samples_generated, every sample generated and scored
+        summary["buffer"] = {("samples_put" if k == "samples_generated" else k): v
+                             for k, v in ray.get(buffer.stats.remote()).items()}
         summary["rollout"] = ray.get(rollout.metrics.remote())
         if cfg.eval_after:
             evaluate(rollout, summary, "eval_after", "after")
@@ -184,7 +199,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         summary["final_weight_version"] = version
         summary["final_weights_digest"] = weights_digest(trainer_sums)
         summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
-        summary["wall_seconds"] = time.perf_counter() - t_start
+        summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
+        summary["startup_seconds"] = t_start - t_launch
         logger.summary(summary)
         ray.get(trainer.shutdown.remote())
         ray.get(rollout.close.remote())
@@ -205,8 +221,49 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 signal.signal(signal.SIGTERM, prev_sigterm)
     print(f"[moe-async] done. run files: {run_dir}", flush=True)
     if cfg.logging.wandb_mode == "offline":
-        print(f"[moe-async] wandb offline run: sync later with `wandb sync {run_dir / 'wandb'}/offline-run-*`", flush=True)
+        print(f"[moe-async] wandb offline run: sync later with `{wandb_command()} sync {run_dir / 'wandb'}/offline-run-*`",
+              flush=True)
     return summary
+
+
+def wandb_command() -> str:
+    """The ``wandb`` executable to suggest: the one next to this Python (the project's venv,
+    ``.venv/bin/wandb`` as the README writes it when run from the repository), relative to the
+    working directory when under it; plain ``wandb`` when there is none."""
+    import sys
+
+    exe = Path(sys.executable).parent / "wandb"
+    if not exe.is_file():
+        return "wandb"
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
+def check_save_dir(cfg: ExperimentConfig) -> None:
+    """With checkpoints on (``trainer.save_interval > 0``) an explicit ``trainer.save_dir`` must be
+    a directory this process can write, or creatable: its nearest existing ancestor a writable
+    directory. Nothing is created here (the first save makes it). The default (None: under the
+    run directory) is checked by :func:`make_run_dir`.
+
+    Raises:
+        UserInputError: naming ``trainer.save_dir`` (a file in its place or above it, not writable).
+    """
+    t = cfg.trainer
+    if not t.save_interval or t.save_dir is None:
+        return
+    p = Path(t.save_dir).expanduser().resolve()
+    q = p
+    while not q.exists() and q != q.parent:
+        q = q.parent
+    if not q.is_dir():
+        why = "it is not a directory" if q == p else f"{q} is not a directory"
+    elif not os.access(q, os.W_OK | os.X_OK):
+        why = f"{q} is not writable"
+    else:
+        return
+    raise UserInputError(f"trainer.save_dir={t.save_dir!r}: checkpoints cannot be written there ({why})")
 
 
 def check_single_process_trainer(cfg: ExperimentConfig) -> None:
@@ -261,14 +318,16 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
         raise UserInputError(
             f"trainer.load={cfg.trainer.load!r}: {p} is not a checkpoint of this trainer (needs the torch_dist "
             "metadata.json and moe_async_version.txt written by trainer.save_interval)")
+    f_p = ver_p
     try:
         with open(ver_p) as f:
             step = int(f.read().strip())
         if os.path.isfile(state_p):
+            f_p = state_p
             with open(state_p) as f:
                 step = int(json.load(f).get("extra", {}).get("step", step))
     except (OSError, ValueError, AttributeError, TypeError) as e:  # unreadable, not an int / JSON object
-        raise UserInputError(f"trainer.load={cfg.trainer.load!r}: cannot read the step of {p} "
+        raise UserInputError(f"trainer.load={cfg.trainer.load!r}: cannot read the step from {f_p} "
                              f"({type(e).__name__}: {e})") from e
     if cfg.num_steps <= step:
         raise UserInputError(f"num_steps={cfg.num_steps} counts steps in total and the checkpoint trainer.load={p} "

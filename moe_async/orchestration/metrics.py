@@ -25,15 +25,22 @@ def batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
     }
 
 
+# cumulative rollout counts reported every step (0.0 before their first event)
+LOOP_COUNT_KEYS = ("rollout/dropped_total", "rollout/samples_filtered", "rollout/tokens_filtered",
+                   "rollout/filter_cap_passed", "rollout/reward_errors", "rollout/aborts",
+                   "rollout/samples_generated", "rollout/reward_sum")
+
+
 def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> dict[str, float]:
     """Cumulative since generation started: drop/filter counts by reason (buffer and rollout),
     engine idle fraction (1 - mean over engines of busy time / elapsed; an engine is busy while
     it has a request outstanding)."""
     m = {f"buffer/dropped/{r}": float(n) for r, n in bstats["drop_reasons"].items()}
-    keys = ("rollout/dropped_total", "rollout/samples_filtered", "rollout/tokens_filtered",
-            "rollout/filter_cap_passed", "rollout/reward_errors", "rollout/aborts",
-            "rollout/samples_generated", "rollout/reward_sum")
-    m.update({k: v for k, v in rmetrics.items() if k.startswith("rollout/dropped/") or k in keys})
+    # every cumulative count is present from the first step (0.0 until its first event): the
+    # rollout manager's counters only appear once incremented, and a missing key would read as
+    # "not measured" in metrics.jsonl / wandb rather than 0
+    m.update({k: float(rmetrics.get(k, 0.0)) for k in LOOP_COUNT_KEYS})
+    m.update({k: v for k, v in rmetrics.items() if k.startswith("rollout/dropped/")})
     # mean reward of every sample scored so far, trained or not (dynamic filtering and stale
     # drops bias rollout/reward_mean, the trained batch's mean, away from the policy's reward)
     if rmetrics.get("rollout/samples_generated"):

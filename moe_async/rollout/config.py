@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # reasoning-gym settings with GRPO signal for the CPU demo model (see shared/notes/demo.md):
 # two terms, +/- only, 1 digit, no parentheses and no negated terms (reasoning-gym's defaults
@@ -40,7 +40,14 @@ class RolloutConfig(BaseModel):
     data_seed: int = 42
     eval_seed: int = 4242
     prompt_style: str = Field("one_shot", description="'one_shot' or 'plain' chat prompt.")
-    n_samples_per_prompt: int = Field(4, ge=1, description="G: samples per group.")
+    n_samples_per_prompt: int = Field(
+        4,
+        ge=1,
+        description=(
+            "G: samples per group. A training run needs >= 2 (checked by the experiment config): "
+            "GRPO's group-relative advantage of a group of one sample is always 0."
+        ),
+    )
     prompts_per_step: int = Field(4, ge=1, description="B: groups per training step.")
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -75,11 +82,11 @@ class RolloutConfig(BaseModel):
     )
     dynamic_filter_max_per_version: int = Field(
         8,
-        ge=0,
         description=(
-            "Cap on wasted generations: at most this many groups are filtered per engine weight "
-            "version; later all-equal groups of that version are kept (counted as "
-            "rollout/filter_cap_passed) so a task with no signal cannot stall training."
+            "Cap on wasted generations, >= 1: at most this many groups are filtered per engine "
+            "weight version; later all-equal groups of that version are kept (counted as "
+            "rollout/filter_cap_passed) so a task with no signal cannot stall training. (0 would "
+            "filter nothing: set dynamic_filter=false instead.)"
         ),
     )
     # --- rewards (moe_async/rollout/rewards.py) ---
@@ -96,6 +103,16 @@ class RolloutConfig(BaseModel):
     reward_url: str | None = Field(
         None, description="POST endpoint of a remote reward model: JSON in, {'reward': number} out."
     )
+
+    @field_validator("dynamic_filter_max_per_version")
+    @classmethod
+    def _check_filter_cap(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(
+                "must be >= 1: a cap of 0 groups per weight version would keep every "
+                "all-equal group, i.e. filter nothing; set rollout.dynamic_filter=false to turn "
+                "filtering off")
+        return v
 
     @model_validator(mode="after")
     def _defaults(self) -> "RolloutConfig":

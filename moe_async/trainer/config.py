@@ -21,10 +21,11 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    tensor_model_parallel_size: int = Field(1, ge=1, description="TP size.")
-    pipeline_model_parallel_size: int = Field(1, ge=1, description="PP size.")
-    expert_model_parallel_size: int = Field(1, ge=1, description="EP size.")
-    context_parallel_size: int = Field(
+    # layout sizes are StrictInt: YAML ``true`` or ``2.0`` is an error naming the field, not 1 / 2
+    tensor_model_parallel_size: StrictInt = Field(1, ge=1, description="TP size.")
+    pipeline_model_parallel_size: StrictInt = Field(1, ge=1, description="PP size.")
+    expert_model_parallel_size: StrictInt = Field(1, ge=1, description="EP size.")
+    context_parallel_size: StrictInt = Field(
         1,
         ge=1,
         description=(
@@ -33,7 +34,7 @@ class TrainerConfig(BaseModel):
             "attention (transformer/dot_product_attention.py) asserts context_parallel_size == 1."
         ),
     )
-    virtual_pipeline_model_parallel_size: int | None = Field(
+    virtual_pipeline_model_parallel_size: StrictInt | None = Field(
         None,
         ge=1,
         description=(
@@ -61,7 +62,7 @@ class TrainerConfig(BaseModel):
     adam_beta2: float = 0.98
     adam_eps: float = 1e-8
     clip_grad: float = Field(1.0, gt=0, description="Global grad-norm clip.")
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per micro-batch.")
+    micro_batch_size: StrictInt = Field(4, ge=1, description="Sequences per micro-batch.")
     make_vocab_size_divisible_by: int = Field(
         128,
         ge=1,

@@ -47,7 +47,26 @@ def test_sample_accounting(smoke_run):
     _, _, summary, _ = smoke_run
     b = summary["buffer"]
     assert b["samples_trained"] == 5 * 2 * 4  # steps x groups x G
-    assert b["samples_generated"] == b["samples_trained"] + b["samples_dropped"] + b["samples_buffered"]
+    assert b["samples_put"] == b["samples_trained"] + b["samples_dropped"] + b["samples_buffered"]
+    # one name, one count: samples_generated only in the rollout's metrics (every scored sample)
+    assert "samples_generated" not in b
+    assert summary["rollout"]["rollout/samples_generated"] >= (
+        b["samples_put"] + summary["rollout"].get("rollout/samples_filtered", 0.0))
+
+
+def test_cumulative_counts_present_from_the_first_step(smoke_run):
+    """No dynamic filtering in this run: rollout/samples_filtered is reported, as 0, every step."""
+    _, _, _, steps = smoke_run
+    for k in ("rollout/samples_filtered", "rollout/tokens_filtered", "rollout/filter_cap_passed",
+              "rollout/aborts", "rollout/dropped_total"):
+        assert all(k in m for m in steps), k
+    assert all(m["rollout/samples_filtered"] == 0.0 for m in steps)
+
+
+def test_wall_seconds_include_start_up(smoke_run):
+    _, _, summary, _ = smoke_run
+    assert summary["startup_seconds"] > 0
+    assert summary["wall_seconds"] >= summary["startup_seconds"] + summary["perf"]["loop_seconds"]
 
 
 def test_console_and_files(smoke_run):
@@ -56,6 +75,10 @@ def test_console_and_files(smoke_run):
     assert str(run_dir) in proc.stdout
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*"))
+    # the wandb hint names an executable that exists (the venv's, as the README writes it)
+    hint = next(line for line in proc.stdout.splitlines() if "sync later with" in line)
+    exe = hint.split("`")[1].split()[0]
+    assert (ROOT / exe).is_file() and exe.endswith("bin/wandb"), hint
     assert 0 <= summary["eval_before"]["accuracy"] <= 1
 
 

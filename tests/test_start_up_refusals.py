@@ -1,0 +1,116 @@
+"""Config values and start-up paths a breaker session found accepted silently or failing late:
+each is now refused naming the field (config: ConfigError; start-up: UserInputError, which
+``moe-async train`` prints as one line and exit status 2), and the metrics / summary / console
+fixes that go with them (rollout counts present from the first step, the wandb hint)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_async.config import ConfigError, load_config
+from moe_async.errors import UserInputError
+from moe_async.orchestration import driver
+from moe_async.orchestration.metrics import LOOP_COUNT_KEYS, loop_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "cpu_smoke.yaml"
+
+
+# ------------------------------------------------------------------ config
+def test_single_sample_groups_refused_for_grpo():
+    """G = 1: GRPO's group-relative advantage is always 0 (the only estimator), so refused."""
+    with pytest.raises(ConfigError, match=r"rollout\.n_samples_per_prompt=1: GRPO's advantage is group-relative"):
+        load_config(SMOKE, ["rollout.n_samples_per_prompt=1"])
+    assert load_config(SMOKE, ["rollout.n_samples_per_prompt=2"]).rollout.n_samples_per_prompt == 2
+
+
+def test_zero_filter_cap_refused():
+    with pytest.raises(ConfigError, match=r"rollout\.dynamic_filter_max_per_version: .*must be >= 1.*dynamic_filter=false"):
+        load_config(SMOKE, ["rollout.dynamic_filter=true", "rollout.dynamic_filter_max_per_version=0"])
+    assert load_config(SMOKE, ["rollout.dynamic_filter_max_per_version=1"]).rollout.dynamic_filter_max_per_version == 1
+
+
+@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "expert_model_parallel_size", "context_parallel_size",
+                                   "virtual_pipeline_model_parallel_size", "micro_batch_size"])
+@pytest.mark.parametrize("value", ["true", "2.0", "'2'"])
+def test_layout_sizes_are_strict_ints(field, value):
+    """YAML ``true`` was read as 1 (``2.0`` as 2): a layout size must be written as an int."""
+    with pytest.raises(ConfigError, match=rf"trainer\.{field}: Input should be a valid integer"):
+        load_config(SMOKE, [f"trainer.{field}={value}"])
+
+
+def test_layout_sizes_still_take_ints():
+    c = load_config(SMOKE, ["trainer.micro_batch_size=2", "trainer.pipeline_model_parallel_size=2",
+                            "trainer.virtual_pipeline_model_parallel_size=2"]).trainer
+    assert (c.micro_batch_size, c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size) == (2, 2, 2)
+
+
+# ------------------------------------------------------------------ trainer.save_dir at start-up
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_save_dir_that_cannot_hold_checkpoints_is_refused(tmp_path, where):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    d = f if where == "file" else f / "ckpts"
+    cfg = load_config(SMOKE, [f"trainer.save_dir={d}", "trainer.save_interval=2"])
+    with pytest.raises(UserInputError, match=rf"trainer\.save_dir={str(d)!r}: checkpoints cannot be written there"):
+        driver.check_save_dir(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and f.read_text() == "x"
+
+
+def test_save_dir_checks_pass_without_creating(tmp_path):
+    d = tmp_path / "new" / "ckpts"
+    driver.check_save_dir(load_config(SMOKE, [f"trainer.save_dir={d}", "trainer.save_interval=2"]))
+    assert not (tmp_path / "new").exists()  # the first save makes it
+    # checkpoints off: save_dir is never written, so not checked
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    driver.check_save_dir(load_config(SMOKE, [f"trainer.save_dir={f}"]))
+
+
+def test_train_with_a_file_as_save_dir_is_one_line_exit_2(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), f"trainer.save_dir={f}",
+                        "trainer.save_interval=1", f"logging.output_dir={tmp_path / 'runs'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == [
+        f"moe-async: trainer.save_dir={str(f)!r}: checkpoints cannot be written there (it is not a directory)"]
+    assert not (tmp_path / "runs").exists()  # refused before the run dir is made
+
+
+# ------------------------------------------------------------------ metrics and console
+def test_rollout_counts_are_zero_before_their_first_event():
+    """rollout/samples_filtered (and the other cumulative counts) are in the first step's
+    metrics as 0.0, not absent until the first filtered sample."""
+    m = loop_metrics({"drop_reasons": {}}, {"rollout/samples_generated": 8.0, "rollout/reward_sum": 2.0}, {}, 1.0)
+    assert {k: m[k] for k in LOOP_COUNT_KEYS} == {
+        **{k: 0.0 for k in LOOP_COUNT_KEYS}, "rollout/samples_generated": 8.0, "rollout/reward_sum": 2.0}
+    assert "rollout/samples_filtered" in LOOP_COUNT_KEYS
+    m = loop_metrics({"drop_reasons": {}}, {"rollout/samples_filtered": 4.0}, {}, 1.0)
+    assert m["rollout/samples_filtered"] == 4.0
+
+
+def test_wandb_hint_names_the_venv_executable(tmp_path, monkeypatch):
+    """The hint is runnable as the README writes it (``.venv/bin/wandb sync``) when the venv is
+    under the working directory; absolute when not; plain ``wandb`` when the venv has none."""
+    bindir = tmp_path / "proj" / ".venv" / "bin"
+    bindir.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setattr(sys, "executable", str(bindir / "python"))
+    assert driver.wandb_command() == "wandb"
+    (bindir / "wandb").write_text("#!/bin/sh\n")
+    monkeypatch.chdir(tmp_path / "proj")
+    assert driver.wandb_command() == os.path.join(".venv", "bin", "wandb")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert driver.wandb_command() == str(bindir / "wandb")
