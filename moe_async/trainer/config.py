@@ -102,6 +102,18 @@ class TrainerConfig(BaseModel):
         1e-4, ge=0, description="OPSM threshold delta, nats per token, on the sequence KL(rollout||train)."
     )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux loss weight.")
+    moe_router_bias_update_rate: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Aux-loss-free load balancing (DeepSeek-V3; Wang et al. 2024, arXiv:2408.15664): after "
+            "each optimizer step every MoE router's fp32 expert bias (HF e_score_correction_bias) "
+            "moves by +rate for experts given fewer than the mean number of tokens in the global "
+            "batch and by -rate for those given more (Megatron-Core's get_updated_expert_bias, "
+            "counts all-reduced over TP x CP x DP). 0 keeps the bias as loaded. Only for models "
+            "whose router has an expert bias (deepseek_v3); others are refused."
+        ),
+    )
     num_threads: int = Field(1, ge=1, description="torch threads in the trainer process.")
     cpu_affinity: list[StrictInt] | None = Field(
         None,

@@ -202,6 +202,7 @@ class MegatronTrainer:
             virtual_pipeline_model_parallel_size=self._vpp,
             **self._layout_overrides(),
             **replay_overrides(cfg.router_replay),  # router replay
+            **self._expert_bias_overrides(),
         )
         use_te = torch.cuda.is_available() and _have_te()
         gpt_kwargs = self.family.gpt_model_kwargs(self.hf_config)
@@ -324,6 +325,26 @@ class MegatronTrainer:
             out.update(overlap_p2p_comm=True, batch_p2p_comm=False)
         return out
 
+    def _expert_bias_overrides(self) -> dict[str, Any]:
+        """``moe_router_bias_update_rate`` for families whose router has an expert bias
+        (Megatron's ``moe_router_enable_expert_bias``: deepseek_v3); Megatron-Core applies the
+        update in ``finalize_model_grads`` after each step's gradients.
+
+        Raises:
+            ValueError: ``trainer.moe_router_bias_update_rate > 0`` for a family without one.
+        """
+        rate = float(self.cfg.moe_router_bias_update_rate)
+        if rate == 0.0:
+            return {}
+        probe = self.family.transformer_config(self.hf_config)
+        if not getattr(probe, "moe_router_enable_expert_bias", False):
+            raise ValueError(
+                f"trainer.moe_router_bias_update_rate={rate}: model_type="
+                f"{self.hf_config.get('model_type')!r} has no router expert bias (only deepseek_v3's "
+                "e_score_correction_bias is updated aux-loss-free); set it to 0"
+            )
+        return {"moe_router_bias_update_rate": rate}
+
     def _check_virtual_pipeline(self, hf_config: dict[str, Any], family: Any) -> None:
         """Refuse, naming the field, what Megatron-Core (or this trainer) does not run with
         virtual pipeline stages: a layer count not divisible by PP x VPP (ValueError; Megatron's
@@ -429,11 +450,13 @@ class MegatronTrainer:
         MKL's sgemm with <= 3 rows (an expert given 2 tokens). Micro-batches of >= 30 tokens
         measured 6e-8..8e-8 without padding, so longer ones are not padded further (rounding
         every length up to a multiple of 64 cost the CPU demo's train step ~25% tokens/s).
-        Padding tokens are causal-masked and carry no loss, but are routed (they enter
-        Megatron's load-balancing statistics).
+        Padding tokens are causal-masked and carry no loss; they are routed, but
+        ``padding_mask`` keeps them out of Megatron's MoE load-balancing statistics (aux loss,
+        z-loss), except with a router expert bias (see :meth:`_stage_padding_mask`).
 
         Each dict: ``tokens [B,S]`` long, ``position_ids [B,S]``, ``attention_mask
-        [B,1,S,S]`` bool (True = masked, causal), and over the S-1 predicted positions:
+        [B,1,S,S]`` bool (True = masked, causal), ``padding_mask [B,S]`` bool (True = padding
+        position, Megatron-Core's GPTModel ``padding_mask``), and over the S-1 predicted positions:
         ``loss_mask [B,S-1]`` float (response tokens x loss_weight), ``advantages [B,S-1]``,
         ``rollout_logp [B,S-1]``, ``resp_len [B]``, ``prompt_len [B]``; ``logit_b [N]``,
         ``logit_s [N]`` the (sequence, position) of the N response-predicting positions.
@@ -480,6 +503,7 @@ class MegatronTrainer:
                     tokens=tokens,
                     position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
                     attention_mask=causal.expand(B, 1, S, S).contiguous(),
+                    padding_mask=torch.arange(S).unsqueeze(0) >= (plen + rlen).unsqueeze(1),
                     loss_mask=loss_mask,
                     advantages=adv,
                     rollout_logp=rlp,
@@ -509,9 +533,33 @@ class MegatronTrainer:
         rows_only = self._rows_hook is not None
         self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
         try:
-            return model(mb["tokens"], mb["position_ids"], mb["attention_mask"]), rows_only
+            return model(mb["tokens"], mb["position_ids"], mb["attention_mask"],
+                         padding_mask=self._stage_padding_mask(model, mb.get("padding_mask"))), rows_only
         finally:
             self._logit_rows = None
+
+    def _stage_padding_mask(self, model, padding_mask: Tensor | None) -> Tensor | None:
+        """``padding_mask [B,S]`` as this stage's MoE routers see it: Megatron-Core's GPTModel
+        splits it over the TP ranks under sequence parallelism only on the first pipeline
+        stage (with the embedding); a later stage gets this rank's ``[B,S/TP]`` slice here,
+        the same contiguous split as ``scatter_to_sequence_parallel_region``.
+
+        ``None`` (padding routed and counted like real tokens) for routers with an expert bias
+        (deepseek_v3): Megatron-Core 0.16.1's ``TopKRouter._apply_expert_bias`` ANDs the
+        ``[tokens, experts]`` routing map with the flattened ``[tokens]`` mask, which does not
+        broadcast (fixed upstream with ``unsqueeze(-1)``)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_attr_wrapped_model
+
+        if getattr(self.tf_config, "moe_router_enable_expert_bias", False):
+            return None
+        if padding_mask is None or not self.tf_config.sequence_parallel:
+            return padding_mask
+        if get_attr_wrapped_model(model, "pre_process"):
+            return padding_mask
+        tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        n = padding_mask.shape[1] // tp
+        return padding_mask[:, r * n : (r + 1) * n].contiguous()
 
     def _select_logit_rows(self, module, args, kwargs):
         """Forward pre-hook of the output layer (see :meth:`_forward`): hidden ``[S,B,H]`` ->
