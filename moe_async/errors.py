@@ -25,3 +25,12 @@ class UserInputFileNotFoundError(UserInputError, FileNotFoundError):
     Both a :class:`UserInputError` and a ``FileNotFoundError`` (callers catching either keep
     working); ``str(e)`` is the message alone.
     """
+
+
+class CheckpointReadError(UserInputError, RuntimeError):
+    """A checkpoint file cannot be read (truncated, corrupt, not what its name says); the
+    message names the file and says whether the trainer's state is unchanged.
+
+    Both a :class:`UserInputError` (``moe-async train`` prints one line and exits 2) and a
+    ``RuntimeError`` (what torch_dist read failures were reported as before).
+    """

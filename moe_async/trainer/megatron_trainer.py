@@ -1060,38 +1060,122 @@ class MegatronTrainer:
             for p, v in keep:
                 p.copy_(v)
 
-    def _check_optimizer_format(self, path: str, in_ckpt_only: list[str]) -> None:
+    # layout keys a checkpoint records; absent from checkpoints written before they were added
+    # (virtual pipeline, context parallel): those were saved at 1
+    _LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1}
+
+    def _check_optimizer_format(self, path: str, in_ckpt_only: list[str], state: dict[str, Any] | None) -> None:
         """A checkpoint's optimizer state must match this trainer's optimizer: the distributed
         optimizer's ('dp_reshardable', keys ``*optimizer.distributed.*``) loads only into a
-        distributed optimizer at the saving TP/PP/EP (any DP), the plain optimizer's only into
-        a plain one. ValueError naming ``trainer.use_distributed_optimizer`` / the layouts."""
-        import json
+        distributed optimizer at the saving TP/PP/EP/VPP/CP (any DP), the plain optimizer's only
+        into a plain one (its state is keyed by global parameter names, so it loads at any
+        layout). ``state`` is ``moe_async_state.json`` (None when absent), whose ``layout`` is
+        the only record of the saving layout: a distributed-optimizer checkpoint without it is
+        refused, as Megatron's bucket-space state would otherwise be read into the wrong
+        parameters at another layout.
+
+        Raises:
+            UserInputError (a ValueError) naming ``trainer.use_distributed_optimizer``, the two
+            layouts, or the missing ``moe_async_state.json``.
+        """
+        from moe_async.errors import UserInputError
 
         saved_do = any(".distributed." in k for k in in_ckpt_only)
         do = bool(self.cfg.use_distributed_optimizer)
         if saved_do != do:
-            raise ValueError(
+            raise UserInputError(
                 f"checkpoint {path}: its optimizer state was saved "
                 f"{'with' if saved_do else 'without'} Megatron's distributed optimizer and this trainer has "
                 f"trainer.use_distributed_optimizer={str(do).lower()}; set it to {str(saved_do).lower()} to resume")
-        state_p = os.path.join(path, "moe_async_state.json")
-        if not do or not os.path.exists(state_p):
+        if not do:
             return
-        with open(state_p) as f:
-            saved = json.load(f).get("layout") or {}
+        saved = (state or {}).get("layout")
+        if not isinstance(saved, dict):
+            raise UserInputError(
+                f"checkpoint {path}: its distributed-optimizer state ({self._DIST_OPT_CKPT_FORMAT}) loads only at "
+                f"the saving TP/PP/EP/VPP/CP, and {os.path.join(path, 'moe_async_state.json')} (which records that "
+                f"layout) is {'missing' if state is None else 'without a layout'}; restore the file or resume "
+                "from another checkpoint")
+        saved = {**self._LAYOUT_DEFAULTS, **saved}
         now = self._ckpt_layout()
-        diff = {k: (saved.get(k), now[k]) for k in ("tp", "pp", "ep") if k in saved and saved[k] != now[k]}
+        keys = ("tp", "pp", "ep", "vpp", "cp")
+        diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
         if diff:
-            raise ValueError(
+            fmt = lambda lay: " ".join(f"{k.upper()}{lay.get(k)}" for k in keys)  # noqa: E731
+            raise UserInputError(
                 f"checkpoint {path}: distributed-optimizer state ({self._DIST_OPT_CKPT_FORMAT}) loads at "
-                f"another DP size but not at another TP/PP/EP (saved vs now: {diff}); resume at the "
-                "saving layout")
+                f"another DP size but not at another TP/PP/EP/VPP/CP (saved vs now: {diff}; saved at "
+                f"{fmt(saved)}, this trainer at {fmt(now)}); resume at the saving layout")
 
     def _ckpt_layout(self) -> dict[str, int]:
-        """The world layout RNG states belong to: world size, TP, PP, EP, DP."""
+        """The world layout RNG states and distributed-optimizer state belong to: world size,
+        TP, PP, EP, VPP (model chunks per PP rank, 1 without a virtual pipeline), CP, DP."""
         return {"world_size": torch.distributed.get_world_size(),
                 "tp": self.cfg.tensor_model_parallel_size, "pp": self.cfg.pipeline_model_parallel_size,
-                "ep": self.cfg.expert_model_parallel_size, "dp": self._dp_size()}
+                "ep": self.cfg.expert_model_parallel_size,
+                "vpp": self.cfg.virtual_pipeline_model_parallel_size or 1,
+                "cp": getattr(self.cfg, "context_parallel_size", 1) or 1, "dp": self._dp_size()}
+
+    _RNG_KEYS = ("layout", "random", "numpy", "torch", "cuda", "tracker")
+
+    def _read_ckpt_side_files(self, path: str) -> tuple[int | None, dict[str, Any] | None, dict[str, Any] | None]:
+        """Read and check the files :meth:`save_checkpoint` writes besides the tensors, before
+        anything of this trainer changes: ``(version, state, rng)`` from
+        ``moe_async_version.txt`` (an int), ``moe_async_state.json`` (a JSON object whose
+        ``layout`` and ``extra`` are objects) and this rank's ``moe_async_rng/rank_<r>.pt``
+        (a dict with the RNG states); None for a file that is absent.
+
+        Collective at world size > 1: every rank learns whether any rank failed, so that all
+        raise together (one rank alone would leave the others waiting in the next collective).
+
+        Raises:
+            CheckpointReadError naming the file (and the rank for an RNG file).
+        """
+        import json
+
+        import torch.distributed as dist
+
+        from moe_async.errors import CheckpointReadError
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        version = state = rng = None
+        err = None
+        ver_p = os.path.join(path, "moe_async_version.txt")
+        state_p = os.path.join(path, "moe_async_state.json")
+        rng_p = os.path.join(path, "moe_async_rng", f"rank_{rank}.pt")
+        cur = ver_p
+        try:
+            if os.path.exists(ver_p):
+                with open(ver_p) as f:
+                    text = f.read().strip()
+                if not text.isdigit():
+                    raise ValueError(f"expected a non-negative integer (the weight_version), got {text[:40]!r}")
+                version = int(text)
+            cur = state_p
+            if os.path.exists(state_p):
+                with open(state_p) as f:
+                    state = json.load(f)
+                if not isinstance(state, dict):
+                    raise ValueError(f"expected a JSON object, got {type(state).__name__}")
+                for k in ("layout", "extra"):
+                    if k in state and not isinstance(state[k], dict):
+                        raise ValueError(f"{k!r} is a {type(state[k]).__name__}, not an object")
+            cur = rng_p
+            if os.path.exists(rng_p):
+                rng = torch.load(rng_p, weights_only=False)  # written by save_checkpoint (numpy state)
+                if not isinstance(rng, dict) or any(k not in rng for k in self._RNG_KEYS):
+                    raise ValueError(f"not an RNG state file of this trainer (needs keys {list(self._RNG_KEYS)})")
+        except Exception as e:  # noqa: BLE001 - truncated text/JSON/zip: OSError, ValueError, RuntimeError, EOFError, ...
+            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+            err = (f"checkpoint {path}: cannot read {cur} (rank {rank}; {type(e).__name__}: "
+                   f"{(lines[-1] if lines else '')[:200]}); the trainer is unchanged")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errs: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, err)
+            err = next((x for x in errs if x), None)
+        if err:
+            raise CheckpointReadError(err)
+        return version, state, rng
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
@@ -1102,14 +1186,23 @@ class MegatronTrainer:
 
         * written by :meth:`save_checkpoint`: model, optimizer state and ``version`` (which
           also restores the LR schedule, a pure function of ``version``); this rank's RNG
-          states are restored when the saving layout (world size, TP, PP, EP, DP) equals this
-          one, else an INFO log line says they are not (Megatron-LM's ``--no-load-rng``);
+          states are restored when the saving layout (world size, TP, PP, EP, VPP, CP, DP)
+          equals this one, else an INFO log line says they are not (Megatron-LM's
+          ``--no-load-rng``). With Megatron's distributed optimizer the saving TP/PP/EP/VPP/CP
+          must equal this trainer's (any DP), read from ``moe_async_state.json``;
         * model only (``tools/convert_hf_to_megatron.py``, or any checkpoint without
           optimizer tensors): the model is loaded, the optimizer starts fresh (its
           state, if this trainer already stepped, is cleared; bf16 main params are re-read
           from the loaded model, as Megatron-LM's ``--no-load-optim`` / ``--finetune`` do),
           ``version`` is read from ``moe_async_version.txt`` when present, else 0; a log line
           (``logging``, WARNING) says so.
+
+        Everything that can fail is read and checked before any weight or optimizer state of
+        this trainer changes: the side files, then the model tensors and the optimizer state
+        (read into copies: torch_dist would otherwise read into the live tensors, and the
+        distributed optimizer's fp32 main params are views of the weights), then they are
+        applied. A failed load leaves the trainer as it was (weights, optimizer state,
+        version, RNG). Memory: the model and optimizer state are held twice while loading.
 
         The checkpoint's vocab rows (Megatron pads V) must equal this model's: ValueError
         naming ``trainer.make_vocab_size_divisible_by`` and TP otherwise. A
@@ -1118,6 +1211,14 @@ class MegatronTrainer:
         differing field. Collective at world size > 1.
 
         Raises:
+            FileNotFoundError: ``path`` is not a directory.
+            CheckpointReadError (a UserInputError and a RuntimeError): a file that cannot be
+                read (truncated or corrupt ``.distcp`` shards, model or optimizer part;
+                ``moe_async_version.txt``; ``moe_async_state.json``; ``moe_async_rng/rank_<r>.pt``;
+                ``hf_config.json``), named.
+            UserInputError (a ValueError): optimizer kind or (distributed optimizer) layout
+                differs from the saving one, or ``moe_async_state.json`` is missing for a
+                distributed-optimizer checkpoint.
             KeyError: naming the model tensors absent from the checkpoint, or the checkpoint
                 tensors (other than optimizer state) this model does not use (checked on
                 every rank, before any weight is changed).
@@ -1127,16 +1228,23 @@ class MegatronTrainer:
 
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
         from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        from moe_async.errors import CheckpointReadError
 
         log = logging.getLogger(__name__)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint dir {path} does not exist")
         cfg_p = os.path.join(path, "hf_config.json")
         if os.path.exists(cfg_p):
-            with open(cfg_p) as f:
-                saved = json.load(f)
-            a_saved = get_family(saved.get("model_type")).arch_args(saved)
+            try:
+                with open(cfg_p) as f:
+                    saved = json.load(f)
+                a_saved = get_family(saved.get("model_type")).arch_args(saved)
+            except (OSError, ValueError, AttributeError, TypeError) as e:
+                raise CheckpointReadError(f"checkpoint {path}: cannot read {cfg_p} ({type(e).__name__}: "
+                                          f"{str(e)[:200]}); the trainer is unchanged") from e
             a_now = self.family.arch_args(self.hf_config)
             if a_saved != a_now:
                 diff = [k for k in dataclasses.fields(a_now) if getattr(a_saved, k.name) != getattr(a_now, k.name)]
@@ -1154,30 +1262,33 @@ class MegatronTrainer:
                 f"(V={self.vocab_size}, trainer.make_vocab_size_divisible_by="
                 f"{self.cfg.make_vocab_size_divisible_by}, TP={self.cfg.tensor_model_parallel_size}); "
                 "set make_vocab_size_divisible_by (or convert with --vocab-div) so that they agree")
-        with cpu_device_scope():
-            model_sd = self._model_sharded_state_dict()
-            # torch_dist reads into the tensors it is given: give it copies, so that a load
-            # failing halfway (a truncated shard) leaves this trainer's weights untouched
-            from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        version, state, rng = self._read_ckpt_side_files(path)
 
-            def _own_copy(x):
-                if isinstance(getattr(x, "data", None), torch.Tensor):
-                    x.data = x.data.detach().clone()
-                return x
+        # torch_dist reads into the tensors it is given: give it copies, so that a load failing
+        # halfway (a truncated shard) leaves this trainer's weights and optimizer state untouched
+        def _own_copy(x):
+            if isinstance(getattr(x, "data", None), torch.Tensor):
+                x.data = x.data.detach().clone()
+            return x
 
-            dict_list_map_inplace(_own_copy, model_sd)
-            # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
-            # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
+        def _read(sd: dict[str, Any], what: str, **kw):
             try:
-                loaded, in_ckpt_only, absent = dist_checkpointing.load(
-                    model_sd, path, strict=StrictHandling.RETURN_ALL)
+                return dist_checkpointing.load(sd, path, **kw)
             except BaseException as e:  # torch's CheckpointException derives from BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 lines = [x.strip() for x in str(e).splitlines() if x.strip()]
                 cause = lines[-1][:200] if lines else ""  # torch's text ends with the rank's error
-                raise RuntimeError(f"checkpoint {path}: cannot read its model tensors, the trainer's "
-                                   f"weights are unchanged ({type(e).__name__}: {cause})") from e
+                raise CheckpointReadError(f"checkpoint {path}: cannot read its {what} (.distcp shards), the "
+                                          f"trainer's weights and optimizer state are unchanged "
+                                          f"({type(e).__name__}: {cause})") from e
+
+        with cpu_device_scope():
+            model_sd = self._model_sharded_state_dict()
+            dict_list_map_inplace(_own_copy, model_sd)
+            # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
+            # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
+            loaded, in_ckpt_only, absent = _read(model_sd, "model tensors", strict=StrictHandling.RETURN_ALL)
             absent = set(absent)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 everyone: list = [None] * dist.get_world_size()
@@ -1190,34 +1301,38 @@ class MegatronTrainer:
                     f"checkpoint {path}: "
                     + (f"model tensors missing from it {sorted(absent)[:20]} (of {len(absent)}); " if absent else "")
                     + (f"tensors this model does not use {unused[:20]} (of {len(unused)})" if unused else ""))
+            opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
             if has_opt:
-                self._check_optimizer_format(path, [k for k in in_ckpt_only if is_optimizer_key(k)])
+                self._check_optimizer_format(path, [k for k in in_ckpt_only if is_optimizer_key(k)], state)
+                # the optimizer's sharded state dict needs allocated state: remember which
+                # optimizers had none, to give them back none if the read fails
+                fresh = [o for o in opts if len(o.optimizer.state) == 0]
+                try:
+                    self._init_dist_opt_state()
+                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True,
+                                                               **self._optim_ckpt_kwargs())
+                    dict_list_map_inplace(_own_copy, opt_sd)
+                    opt_loaded = _read({"optimizer": opt_sd}, "optimizer state")["optimizer"]
+                except BaseException:
+                    for o in fresh:
+                        o.optimizer.state.clear()
+                        o.reload_model_params()  # bf16: main params <- the (unchanged) weights
+                    raise
+                with torch.no_grad():  # fp32 + distributed optimizer: main params are views of the weights
+                    self.optimizer.load_state_dict(opt_loaded)
             for key, m in zip(model_sd, self.models):
                 m.load_state_dict(loaded[key])
-            if has_opt:
-                self._init_dist_opt_state()
-                opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True,
-                                                           **self._optim_ckpt_kwargs())
-                loaded = dist_checkpointing.load({"optimizer": opt_sd}, path)
-                with torch.no_grad():  # fp32 + distributed optimizer: main params are views of the weights
-                    self.optimizer.load_state_dict(loaded["optimizer"])
-            else:
-                for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not has_opt:
+                for opt in opts:
                     opt.optimizer.state.clear()  # Adam moments and step: fresh
                 self.optimizer.reload_model_params()  # bf16: main (fp32) params <- loaded model
-        ver_p = os.path.join(path, "moe_async_version.txt")
-        if os.path.exists(ver_p):
-            with open(ver_p) as f:
-                self.version = int(f.read().strip())
-        else:
-            self.version = 0
+        self.version = version if version is not None else 0
         if not has_opt:
             log.warning("checkpoint %s holds no optimizer state: loaded the model only, the optimizer "
                         "starts fresh (weight_version=%d)", path, self.version)
-        rng_p = os.path.join(path, "moe_async_rng", f"rank_{dist.get_rank()}.pt")
-        if os.path.exists(rng_p):
-            rng = torch.load(rng_p, weights_only=False)  # written by save_checkpoint (numpy state)
-            if rng["layout"] == self._ckpt_layout():
+        if rng is not None:
+            saved_layout = {**self._LAYOUT_DEFAULTS, **(rng["layout"] or {})}
+            if saved_layout == self._ckpt_layout():
                 import random
 
                 import numpy as np
@@ -1231,9 +1346,5 @@ class MegatronTrainer:
                 mrandom.get_cuda_rng_tracker().set_states(rng["tracker"])
             else:
                 log.info("checkpoint %s: RNG state not restored, the layout changed (saved %s, now %s)",
-                         path, rng["layout"], self._ckpt_layout())
-        state_p = os.path.join(path, "moe_async_state.json")
-        if os.path.exists(state_p):
-            with open(state_p) as f:
-                return dict(json.load(f).get("extra") or {})
-        return {}
+                         path, saved_layout, self._ckpt_layout())
+        return dict((state or {}).get("extra") or {})
