@@ -1022,7 +1022,8 @@ class MegatronTrainer:
 
     # Megatron's distributed optimizer saves its state as 'dp_reshardable' (Megatron-LM's default
     # without --dist-ckpt-optim-fully-reshardable): per-bucket shards, loadable at any DP size but
-    # only at the saving TP/PP/EP. Megatron-Core 0.16.1's other formats fail here: the default
+    # only at the saving TP/PP/EP/ETP/VPP/CP (the buckets follow the model chunks and their
+    # parameters; _check_optimizer_format). Megatron-Core 0.16.1's other formats fail here: the default
     # 'fully_sharded_model_space' raises 'ShardedTensor.flattened_range is not supported' on save,
     # and 'fully_reshardable' saves but its load raises KeyError 'step'
     # (DistributedOptimizer._set_main_param_and_optimizer_states copies every per-parameter state
@@ -1061,13 +1062,15 @@ class MegatronTrainer:
                 p.copy_(v)
 
     # layout keys a checkpoint records; absent from checkpoints written before they were added
-    # (virtual pipeline, context parallel): those were saved at 1
-    _LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1}
+    # (virtual pipeline, context parallel, expert tensor parallel): those were saved at 1
+    _LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1, "etp": 1}
+    # the layout a distributed-optimizer checkpoint ('dp_reshardable': per-bucket state) needs
+    _DIST_OPT_LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "vpp", "cp")
 
     def _check_optimizer_format(self, path: str, in_ckpt_only: list[str], state: dict[str, Any] | None) -> None:
         """A checkpoint's optimizer state must match this trainer's optimizer: the distributed
         optimizer's ('dp_reshardable', keys ``*optimizer.distributed.*``) loads only into a
-        distributed optimizer at the saving TP/PP/EP/VPP/CP (any DP), the plain optimizer's only
+        distributed optimizer at the saving TP/PP/EP/ETP/VPP/CP (any DP), the plain optimizer's only
         into a plain one (its state is keyed by global parameter names, so it loads at any
         layout). ``state`` is ``moe_async_state.json`` (None when absent), whose ``layout`` is
         the only record of the saving layout: a distributed-optimizer checkpoint without it is
@@ -1093,26 +1096,27 @@ class MegatronTrainer:
         if not isinstance(saved, dict):
             raise UserInputError(
                 f"checkpoint {path}: its distributed-optimizer state ({self._DIST_OPT_CKPT_FORMAT}) loads only at "
-                f"the saving TP/PP/EP/VPP/CP, and {os.path.join(path, 'moe_async_state.json')} (which records that "
+                f"the saving TP/PP/EP/ETP/VPP/CP, and {os.path.join(path, 'moe_async_state.json')} (which records that "
                 f"layout) is {'missing' if state is None else 'without a layout'}; restore the file or resume "
                 "from another checkpoint")
         saved = {**self._LAYOUT_DEFAULTS, **saved}
         now = self._ckpt_layout()
-        keys = ("tp", "pp", "ep", "vpp", "cp")
+        keys = self._DIST_OPT_LAYOUT_KEYS
         diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
         if diff:
             fmt = lambda lay: " ".join(f"{k.upper()}{lay.get(k)}" for k in keys)  # noqa: E731
             raise UserInputError(
                 f"checkpoint {path}: distributed-optimizer state ({self._DIST_OPT_CKPT_FORMAT}) loads at "
-                f"another DP size but not at another TP/PP/EP/VPP/CP (saved vs now: {diff}; saved at "
+                f"another DP size but not at another TP/PP/EP/ETP/VPP/CP (saved vs now: {diff}; saved at "
                 f"{fmt(saved)}, this trainer at {fmt(now)}); resume at the saving layout")
 
     def _ckpt_layout(self) -> dict[str, int]:
         """The world layout RNG states and distributed-optimizer state belong to: world size,
-        TP, PP, EP, VPP (model chunks per PP rank, 1 without a virtual pipeline), CP, DP."""
+        TP, PP, EP, ETP, VPP (model chunks per PP rank, 1 without a virtual pipeline), CP, DP."""
         return {"world_size": torch.distributed.get_world_size(),
                 "tp": self.cfg.tensor_model_parallel_size, "pp": self.cfg.pipeline_model_parallel_size,
                 "ep": self.cfg.expert_model_parallel_size,
+                "etp": getattr(self.cfg, "expert_tensor_parallel_size", 1) or 1,
                 "vpp": self.cfg.virtual_pipeline_model_parallel_size or 1,
                 "cp": getattr(self.cfg, "context_parallel_size", 1) or 1, "dp": self._dp_size()}
 
@@ -1186,9 +1190,9 @@ class MegatronTrainer:
 
         * written by :meth:`save_checkpoint`: model, optimizer state and ``version`` (which
           also restores the LR schedule, a pure function of ``version``); this rank's RNG
-          states are restored when the saving layout (world size, TP, PP, EP, VPP, CP, DP)
+          states are restored when the saving layout (world size, TP, PP, EP, ETP, VPP, CP, DP)
           equals this one, else an INFO log line says they are not (Megatron-LM's
-          ``--no-load-rng``). With Megatron's distributed optimizer the saving TP/PP/EP/VPP/CP
+          ``--no-load-rng``). With Megatron's distributed optimizer the saving TP/PP/EP/ETP/VPP/CP
           must equal this trainer's (any DP), read from ``moe_async_state.json``;
         * model only (``tools/convert_hf_to_megatron.py``, or any checkpoint without
           optimizer tensors): the model is loaded, the optimizer starts fresh (its

@@ -98,8 +98,8 @@ def test_distributed_optimizer_state_refused_at_another_vpp(res):
     """PP2 'dp_reshardable' state at PP2 x VPP2: refused naming both layouts."""
     r = res["do_vpp"]
     assert r["type"] == "UserInputError"
-    assert "not at another TP/PP/EP/VPP/CP" in r["error"] and "'vpp': (1, 2)" in r["error"]
-    assert "saved at TP1 PP2 EP1 VPP1 CP1, this trainer at TP1 PP2 EP1 VPP2 CP1" in r["error"]
+    assert "not at another TP/PP/EP/ETP/VPP/CP" in r["error"] and "'vpp': (1, 2)" in r["error"]
+    assert "saved at TP1 PP2 EP1 ETP1 VPP1 CP1, this trainer at TP1 PP2 EP1 ETP1 VPP2 CP1" in r["error"]
     _untouched(r)
 
 
