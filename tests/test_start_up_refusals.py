@@ -114,3 +114,19 @@ def test_wandb_hint_names_the_venv_executable(tmp_path, monkeypatch):
     assert driver.wandb_command() == os.path.join(".venv", "bin", "wandb")
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert driver.wandb_command() == str(bindir / "wandb")
+
+
+# ------------------------------------------------------------------ trainer.load's step files
+@pytest.mark.parametrize("name,text", [("moe_async_version.txt", ""), ("moe_async_state.json", '{"version": 3, "ext')])
+def test_truncated_step_file_named_at_start_up(tmp_path, name, text):
+    """A truncated step file of the checkpoint given as trainer.load is named (the file, not
+    only the directory) before any process starts."""
+    from moe_async.orchestration.driver import resolve_checkpoint
+
+    step = tmp_path / "step_3"
+    step.mkdir()
+    (step / "metadata.json").write_text("{}")
+    (step / "moe_async_version.txt").write_text("3")
+    (step / name).write_text(text)
+    with pytest.raises(UserInputError, match=rf"trainer\.load=.*cannot read the step from .*step_3/{name} \("):
+        resolve_checkpoint(load_config(SMOKE, [f"trainer.load={step}"]))
