@@ -120,6 +120,7 @@ class RolloutManager:
         self.max_context_len = int(max_context_len)
         self._rr = itertools.count()
         self._group_ids = itertools.count()
+        self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
         self._busy = [_EngineBusy() for _ in self.engines]
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
@@ -160,6 +161,7 @@ class RolloutManager:
                     await self._cancel("prompt_too_long")
                     continue
                 gid = next(self._group_ids)
+                self._open_groups.add(gid)  # admitted, not yet put or cancelled
                 tasks.add(asyncio.create_task(
                     self._produce_group(gid, problem, prompt_ids, max_new, int(version)),
                     name=f"group-{gid}",
@@ -169,6 +171,12 @@ class RolloutManager:
                 t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            # a group task cancelled before its first step never ran its own except-path (e.g.
+            # the stop came while buffer.admit() was awaited): its admission is settled here
+            for gid in sorted(self._open_groups):
+                self._open_groups.discard(gid)
+                self.counters["in_flight_at_stop"] += 1
+                await asyncio.shield(self._cancel(STOPPED))
 
     async def evaluate(self, problems: list, max_new_tokens: int | None = None) -> dict[str, float]:
         """Held-out eval: greedy (temperature 0), one sample per problem, concurrent.
@@ -302,6 +310,8 @@ class RolloutManager:
 
     async def _produce_group(self, gid: int, problem: Any, prompt_ids: list[int], max_new: int,
                              version: int) -> None:
+        """Generate, score and put (or cancel) one admitted group; settles ``gid``'s admission."""
+        self._open_groups.discard(gid)  # from its first step on, this task settles the admission
         put_attempted = False
         try:
             G = self.cfg.n_samples_per_prompt

@@ -305,6 +305,37 @@ def test_stop_cancels_in_flight_groups() -> None:
     assert not any(k.startswith("rollout/dropped/") for k in mt)
 
 
+def test_stop_during_admit_settles_the_admission() -> None:
+    """stop is set while buffer.admit() is awaited: the group task is created and cancelled
+    before its first step (its coroutine never runs, so its own except-path cannot return the
+    slot). The run still settles that admission as stopped: admitted == put + cancelled."""
+    class StopOnAdmit(FakeBuffer):
+        stop: asyncio.Event | None = None
+
+        async def admit(self):
+            v = await super().admit()
+            if v is not None and self.admitted == 2:
+                self.stop.set()  # the run ends while this admission is being granted
+            return v
+
+    class Hanging(FakeEngine):
+        async def generate(self, *a, **k):
+            await asyncio.sleep(3600)
+
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=4)
+    buf = StopOnAdmit(capacity=10)
+    m = _manager(cfg, FakeDataset([10]), [Hanging()], buf)
+
+    async def main():
+        buf.stop = asyncio.Event()
+        await asyncio.wait_for(m.run(buf.stop), 5)
+
+    asyncio.run(main())
+    assert buf.admitted == 2 and buf.groups == []
+    assert buf.cancels == ["stopped", "stopped"]
+    assert m.metrics()["rollout/in_flight_at_stop"] == 2.0
+
+
 def test_evaluate_greedy() -> None:
     cfg = RolloutConfig(max_new_tokens=8)
     eng = FakeEngine()
