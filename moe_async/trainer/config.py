@@ -29,9 +29,12 @@ class TrainerConfig(BaseModel):
         1,
         ge=1,
         description=(
-            "CP size (Megatron-Core context parallelism: each sequence split into 2 x CP chunks, "
-            "attention over the CP group). Needs Transformer Engine: Megatron-Core 0.16.1's local "
-            "attention (transformer/dot_product_attention.py) asserts context_parallel_size == 1."
+            "CP size (Megatron-Core context parallelism: each sequence padded to a multiple of "
+            "2 x CP (x TP with sequence parallelism) and split into 2 x CP chunks, rank r keeping "
+            "chunks r and 2 x CP - 1 - r; attention over the CP group). With CUDA it needs "
+            "Transformer Engine (TE's CP attention; Megatron-Core 0.16.1's local attention asserts "
+            "context_parallel_size == 1); without CUDA moe_async.compat.cp_attention provides it. "
+            "Not with router_replay R2 or virtual pipeline stages."
         ),
     )
     virtual_pipeline_model_parallel_size: StrictInt | None = Field(
@@ -173,14 +176,21 @@ class TrainerConfig(BaseModel):
                 "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
                 "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
             )
-        if self.context_parallel_size > 1 and not _have_transformer_engine():
+        if self.context_parallel_size > 1 and _cuda_available() and not _have_transformer_engine():
             raise ValueError(
-                f"trainer.context_parallel_size={self.context_parallel_size} needs Transformer Engine "
+                f"trainer.context_parallel_size={self.context_parallel_size} with CUDA needs Transformer Engine "
                 "(not importable here): Megatron-Core's local attention (transformer/"
                 "dot_product_attention.py) asserts 'Context parallelism is only supported by "
-                "TEDotProductAttention'"
+                "TEDotProductAttention' (the CPU path has its own CP attention, moe_async.compat.cp_attention)"
             )
         return self
+
+
+def _cuda_available() -> bool:
+    """True when torch sees a CUDA device (the GPU path: NCCL + the TE layer spec)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _have_transformer_engine() -> bool:

@@ -41,7 +41,14 @@ from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.config import TrainerConfig
 from moe_async.trainer.loss import grpo_token_loss
-from moe_async.trainer.sharding import gather_full_state, load_full_state, needed_names, padded_vocab_size
+from moe_async.trainer.sharding import (
+    cp_positions,
+    gather_full_state,
+    gather_over_cp,
+    load_full_state,
+    needed_names,
+    padded_vocab_size,
+)
 from moe_async.types import Sample
 
 Tensor = torch.Tensor
@@ -106,12 +113,7 @@ class MegatronTrainer:
         self.cfg = cfg
         self.hf_path = hf_path
         self.version = 0
-        if cfg.context_parallel_size > 1:  # the config allows it only where TE is importable
-            raise NotImplementedError(
-                f"trainer.context_parallel_size={cfg.context_parallel_size}: Megatron-Core supports it with "
-                "the TE layer spec, but this trainer does not yet split its packed micro-batches "
-                "(tokens, loss tensors, logprob gather) over the CP ranks"
-            )
+        self._check_context_parallel()
         # virtual pipeline stages (model chunks per PP rank); None = one chunk (Megatron's "off")
         vpp = cfg.virtual_pipeline_model_parallel_size
         self._vpp: int | None = vpp if vpp is not None and vpp > 1 else None
@@ -121,10 +123,11 @@ class MegatronTrainer:
         torch.set_num_threads(cfg.num_threads)
         self._owns_dist = False
         self._init_distributed(master_addr, master_port)
-        tp, pp, ep = (
+        tp, pp, ep, cp = (
             cfg.tensor_model_parallel_size,
             cfg.pipeline_model_parallel_size,
             cfg.expert_model_parallel_size,
+            cfg.context_parallel_size,
         )
         if ps.model_parallel_is_initialized():
             got = (
@@ -132,16 +135,18 @@ class MegatronTrainer:
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_expert_model_parallel_world_size(),
                 ps.get_virtual_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size(),
             )
-            if got != (tp, pp, ep, self._vpp):
+            if got != (tp, pp, ep, self._vpp, cp):
                 raise RuntimeError(
-                    f"Megatron parallel state already initialised with (tp, pp, ep, vpp)={got}, "
-                    f"this trainer wants {(tp, pp, ep, self._vpp)}"
+                    f"Megatron parallel state already initialised with (tp, pp, ep, vpp, cp)={got}, "
+                    f"this trainer wants {(tp, pp, ep, self._vpp, cp)}"
                 )
         else:
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
+                context_parallel_size=cp,
                 expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=1,
                 virtual_pipeline_model_parallel_size=self._vpp,
@@ -226,7 +231,7 @@ class MegatronTrainer:
         # one model chunk's layers and takes ``vp_stage``: one spec per chunk with virtual
         # pipeline stages; a per-layer spec (the other families) is the same for every chunk
         per_chunk_spec = bool(self._vpp) and "vp_stage" in inspect.signature(self.family.layer_spec).parameters
-        layer_spec = None if per_chunk_spec else self.family.layer_spec(self.hf_config, use_te=use_te)
+        layer_spec = None if per_chunk_spec else self._cp_spec(self.family.layer_spec(self.hf_config, use_te=use_te))
         if self._vpp and isinstance(layer_spec, TransformerBlockSubmodules):  # one PP stage's layers
             raise NotImplementedError(
                 f"trainer.virtual_pipeline_model_parallel_size={self._vpp} with model_type "
@@ -240,7 +245,7 @@ class MegatronTrainer:
             stage = dict(ignore_virtual=False, vp_stage=v) if self._vpp else {}
             self.models.append(GPTModel(
                 config=self.tf_config,
-                transformer_layer_spec=(self.family.layer_spec(self.hf_config, use_te=use_te, vp_stage=v)
+                transformer_layer_spec=(self._cp_spec(self.family.layer_spec(self.hf_config, use_te=use_te, vp_stage=v))
                                         if per_chunk_spec else layer_spec),
                 pre_process=ps.is_pipeline_first_stage(**stage),
                 post_process=ps.is_pipeline_last_stage(**stage),
@@ -315,6 +320,8 @@ class MegatronTrainer:
         out: dict[str, Any] = {}
         if self._cpu and enable_cpu_wgrad_accumulation_fusion():
             out["gradient_accumulation_fusion"] = True
+        if self.cfg.context_parallel_size > 1:
+            out["context_parallel_size"] = self.cfg.context_parallel_size
         if self._vpp:
             # Megatron-LM's interleaved-schedule defaults (overlap_p2p_comm on, batch_p2p_comm =
             # not overlap_p2p_comm). A batched exchange at PP2 holds two sends and two receives
@@ -364,6 +371,39 @@ class MegatronTrainer:
             raise NotImplementedError(
                 f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
                 "recording forward is not implemented with pipeline parallelism (which VPP needs)")
+
+    def _check_context_parallel(self) -> None:
+        """Refuse, naming the field, what this trainer does not run with context parallelism
+        (``trainer.context_parallel_size > 1``), before any process group is created:
+        router replay R2 (its recording forward is not split over CP; R3 runs) and virtual
+        pipeline stages (not tested with CP). Raises NotImplementedError."""
+        cp = self.cfg.context_parallel_size
+        if cp <= 1:
+            return
+        if self.cfg.router_replay == "R2":
+            raise NotImplementedError(
+                f"trainer.router_replay='R2' with trainer.context_parallel_size={cp}: R2's recording forward "
+                "is not split over the context-parallel ranks (R3 and off run)")
+        if (self.cfg.virtual_pipeline_model_parallel_size or 1) > 1:
+            raise NotImplementedError(
+                f"trainer.virtual_pipeline_model_parallel_size with trainer.context_parallel_size={cp}: "
+                "not implemented (not tested together)")
+
+    def _cp_spec(self, spec: Any) -> Any:
+        """The layer spec to build with: ``spec`` itself, except on the CPU path (no CUDA, local
+        spec) with ``context_parallel_size > 1``, where the local core attention (which asserts
+        CP == 1) is replaced by the compat CP core attention
+        (:mod:`moe_async.compat.cp_attention`). With CUDA + TE the TE spec's own CP attention
+        runs and the compat module is not imported."""
+        if self.cfg.context_parallel_size <= 1 or not self._cpu:
+            return spec
+        from moe_async.compat.cp_attention import cp_layer_spec
+
+        spec, n = cp_layer_spec(spec)
+        if n == 0:
+            raise RuntimeError("trainer.context_parallel_size > 1: the layer spec has no local core attention "
+                               "to replace with the CPU context-parallel attention")
+        return spec
 
     def _load_hf_weights(self, hf_path: str) -> None:
         """HF safetensors (all ``*.safetensors`` in ``hf_path``) -> family mapping (full
@@ -476,8 +516,7 @@ class MegatronTrainer:
             chunk = samples[start : start + mbs]
             S = fixed_len or max(lens[start : start + mbs])
             S = max(S, MIN_SEQ_LEN)
-            tp = self.cfg.tensor_model_parallel_size
-            S = -(-S // tp) * tp  # sequence parallel splits S over TP ranks
+            S = -(-S // self._seq_multiple()) * self._seq_multiple()  # SP: S/TP; CP: 2*CP chunks
             B = len(chunk)
             tokens = torch.zeros(B, S, dtype=torch.long)
             loss_mask = torch.zeros(B, S - 1)
@@ -516,7 +555,63 @@ class MegatronTrainer:
             out[-1]["logit_b"] = torch.tensor([b for b, _ in rows], dtype=torch.long)
             out[-1]["logit_s"] = torch.tensor([t for _, t in rows], dtype=torch.long)
             out[-1].update(self.router_replay.pack(chunk, S))  # router replay: routes, masks
+            if self.cfg.context_parallel_size > 1:
+                out[-1].update(self._cp_split(out[-1]))
         return out
+
+    def _seq_multiple(self) -> int:
+        """Padded sequence lengths are multiples of this: TP (sequence parallelism splits S
+        over the TP ranks); with CP > 1, of ``2*CP`` (Megatron's load-balanced split into
+        ``2*CP`` chunks) with each rank's ``S/CP`` positions a multiple of TP:
+        ``CP * lcm(2, TP)``."""
+        import math
+
+        tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
+        return tp if cp == 1 else cp * math.lcm(2, tp)
+
+    _CP_SEQ_KEYS = ("tokens", "position_ids", "padding_mask", "routes_BSLK", "routes_real_BS")
+
+    def _cp_split(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+        """CP > 1: this context-parallel rank's part of a packed micro-batch (which keeps its
+        whole-sequence tensors for the loss), as extra entries. Sequence-dim tensors are split
+        by Megatron-Core's ``get_batch_on_this_cp_rank`` (chunks ``r`` and ``2*CP-1-r`` of
+        ``2*CP``): ``cp_tokens``, ``cp_position_ids`` (global positions), ``cp_padding_mask``,
+        ``cp_labels`` (token ``t+1`` at position ``t``, 0 at the last), and with router replay
+        ``cp_routes_BSLK``, ``cp_routes_real_BS``; all ``[B, S/CP, ...]``.
+        ``cp_logit_b``/``cp_logit_s``: the response-predicting rows of ``logit_b``/``logit_s``
+        this rank holds, as (sequence, local position). The loss side (loss mask, advantages,
+        rollout/old logprobs) stays whole: logprobs are gathered over CP before the loss
+        (:meth:`_cp_token_logp`)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        tokens = mb["tokens"]
+        B, S = tokens.shape
+        labels = torch.zeros_like(tokens)
+        labels[:, :-1] = tokens[:, 1:]
+        seq = {k: mb[k].contiguous() for k in self._CP_SEQ_KEYS if mb.get(k) is not None}
+        seq["labels"] = labels
+        local = get_batch_on_this_cp_rank(seq, ps.get_context_parallel_group())
+        cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        inv = torch.full((S,), -1, dtype=torch.long)
+        inv[cp_positions(S, cp, r)] = torch.arange(S // cp)
+        s_local = inv[mb["logit_s"]]
+        keep = s_local >= 0
+        out = {f"cp_{k}": v for k, v in local.items()}
+        out.update(cp_logit_b=mb["logit_b"][keep], cp_logit_s=s_local[keep])
+        return out
+
+    def _model_view(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The micro-batch as the model (and the router replay hook) sees it on this rank:
+        with CP the ``cp_*`` entries (this rank's sequence chunks) in place of the whole
+        sequence's tokens, positions, padding mask and routes; ``mb`` itself without CP."""
+        if "cp_tokens" not in mb:
+            return mb
+        view = dict(mb)
+        for k in self._CP_SEQ_KEYS:
+            if f"cp_{k}" in mb:
+                view[k] = mb[f"cp_{k}"]
+        return view
 
     def _to_device(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
         if torch.cuda.is_available():
@@ -531,10 +626,16 @@ class MegatronTrainer:
         are selected when the output layer is not sequence parallel (TP == 1); under
         sequence parallelism its input is this rank's sequence shard and all rows go."""
         rows_only = self._rows_hook is not None
-        self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
+        if "cp_tokens" in mb:  # CP: this rank's chunks; causal attention over CP (no dense mask)
+            self._logit_rows = (mb["cp_logit_s"], mb["cp_logit_b"]) if rows_only else None
+            inputs = (mb["cp_tokens"], mb["cp_position_ids"], None)
+            padding_mask = mb.get("cp_padding_mask")
+        else:
+            self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
+            inputs = (mb["tokens"], mb["position_ids"], mb["attention_mask"])
+            padding_mask = mb.get("padding_mask")
         try:
-            return model(mb["tokens"], mb["position_ids"], mb["attention_mask"],
-                         padding_mask=self._stage_padding_mask(model, mb.get("padding_mask"))), rows_only
+            return model(*inputs, padding_mask=self._stage_padding_mask(model, padding_mask)), rows_only
         finally:
             self._logit_rows = None
 
@@ -575,6 +676,8 @@ class MegatronTrainer:
         (the padded vocab rows are dropped first); ``logp[b,t]`` = log-prob of token t+1,
         ``entropy[b,t]`` of the predicted distribution (no grad). With ``rows_only``
         (``logits [1,N,V_padded]``) positions other than the response rows hold 0."""
+        if "cp_tokens" in mb:
+            return self._cp_token_logp(logits, mb, rows_only, entropy)
         tokens = mb["tokens"]
         B, S = tokens.shape
         wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
@@ -595,6 +698,42 @@ class MegatronTrainer:
         if entropy:
             with torch.no_grad():
                 ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
+        return ent, logp
+
+    def _cp_token_logp(self, logits: Tensor, mb: dict[str, Tensor], rows_only: bool,
+                       entropy: bool = False) -> tuple[Tensor | None, Tensor]:
+        """:meth:`_token_logp` with CP > 1: logits of this rank's positions (``[1,N_local,V_padded]``
+        rows ``cp_logit_b/s`` when ``rows_only``, else ``[B,S/CP,V_padded]``) -> this rank's
+        ``[B,S/CP]`` logprobs of ``cp_labels`` -> all-gathered over the CP group into global
+        order ``[B,S]`` (differentiable; each rank back-propagates its own positions, see
+        :func:`sharding.gather_over_cp`) -> ``[B,S-1]``, equal on every CP rank."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_context_parallel_group()
+        labels = mb["cp_labels"]
+        B, S_loc = labels.shape
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        ent_loc = None
+        if rows_only:
+            b, s = mb["cp_logit_b"], mb["cp_logit_s"]
+            logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
+            lp = logp_NV.gather(-1, labels[b, s].unsqueeze(-1)).squeeze(-1)
+            logp_loc = torch.zeros(B, S_loc, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
+            if entropy:
+                with torch.no_grad():
+                    e = -(logp_NV.exp() * logp_NV).sum(-1)
+                    ent_loc = torch.zeros(B, S_loc, dtype=e.dtype, device=e.device).index_put((b, s), e)
+        else:
+            logp_BSV = torch.log_softmax(logits[:, :, : self.vocab_size].to(wide), dim=-1)
+            logp_loc = logp_BSV.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            if entropy:
+                with torch.no_grad():
+                    ent_loc = -(logp_BSV.exp() * logp_BSV).sum(-1)
+        logp = gather_over_cp(logp_loc, group)[:, :-1]
+        ent = None
+        if ent_loc is not None:
+            with torch.no_grad():
+                ent = gather_over_cp(ent_loc, group)[:, :-1]
         return ent, logp
 
     # ------------------------------------------------------------------ train
@@ -672,7 +811,7 @@ class MegatronTrainer:
 
         def forward_step(data_iterator, model):
             mb = self._to_device(next(data_iterator))
-            self.router_replay.before_forward(mb, model)  # router replay: this micro-batch's routes (this chunk)
+            self.router_replay.before_forward(self._model_view(mb), model)  # router replay: this chunk's routes
             logits, rows_only = self._forward(model, mb)
             return logits, partial(loss_func, mb, rows_only)
 
@@ -814,7 +953,9 @@ class MegatronTrainer:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return tot
         keys = sorted(tot)
-        owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        # the loss-side metrics are computed on whole sequences, equal on the CP ranks
+        owner = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                 and ps.get_context_parallel_rank() == 0)
         t = torch.tensor([tot[k] if owner else 0.0 for k in keys], dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
@@ -823,8 +964,13 @@ class MegatronTrainer:
         """MoE load-balancing loss (unscaled, summed over MoE layers) averaged over the
         micro-batches and DP ranks - the average whose gradient Megatron applies (its
         ``MoEAuxLossAutoScaler`` scale is 1/num_mb and DDP averages over DP). The tracker
-        holds one value per layer, on the PP stage owning the layer, equal on the TP ranks
-        (the router reduces token counts over TP); summed over PP, averaged over DP."""
+        holds one value per layer, on the PP stage owning the layer; under sequence
+        parallelism (TP > 1) and CP each rank's router sees its own tokens, and its value is
+        that share of the layer's loss (token counts are reduced over the TP x CP group, the
+        router probabilities are this rank's: Megatron's ``switch_load_balancing_loss_func``;
+        Megatron's own tracker reduction sums over that ``tp_cp_group``). So: summed over
+        TP x CP and PP, averaged over DP. (Before this sum the TP2 value was one rank's share:
+        1.22 vs 2.12 at 1 process for a tiny qwen3_moe; its gradient was right.)"""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -840,6 +986,8 @@ class MegatronTrainer:
             if vals is not None:
                 v[: vals.numel()] = vals.to(v.device)
             dist.all_reduce(v, group=ps.get_pipeline_model_parallel_group())
+            if ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size() > 1:
+                dist.all_reduce(v, group=ps.get_tensor_and_context_parallel_group())  # the shares
             dist.all_reduce(v, group=ps.get_data_parallel_group())
             return float(v.sum()) / (num_mb * self._dp_size())
         return float(vals.sum()) / num_mb if vals is not None else 0.0
@@ -877,7 +1025,7 @@ class MegatronTrainer:
 
             def forward_step(data_iterator, model):
                 mb = self._to_device(next(data_iterator))
-                self.router_replay.before_forward(mb, model)  # router replay (R3: engine routes)
+                self.router_replay.before_forward(self._model_view(mb), model)  # router replay (R3: engine routes)
                 logits, rows_only = self._forward(model, mb)
                 return logits, partial(loss_func, mb, rows_only)
 

@@ -282,3 +282,57 @@ def _glob(rank: int, group) -> int:
     import torch.distributed as dist
 
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+# ---------------------------------------------------------------------------------------
+# Context parallelism: the load-balanced sequence split (Megatron-LM get_batch_on_this_cp_rank,
+# Megatron-Core megatron.core.utils.get_batch_on_this_cp_rank / get_pos_emb_on_this_cp_rank)
+# ---------------------------------------------------------------------------------------
+def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> Tensor:
+    """Global sequence positions held by context-parallel rank ``cp_rank``, in its local
+    order: ``[seq_len // cp_size]`` long = chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank``
+    of ``2*cp_size`` equal chunks (the split Megatron-Core's ``get_batch_on_this_cp_rank`` and
+    RoPE's ``get_pos_emb_on_this_cp_rank`` make). ValueError unless ``seq_len`` is a multiple
+    of ``2*cp_size``."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside a context-parallel group of size {cp_size}")
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x context_parallel_size = {2 * cp_size}")
+    c = seq_len // (2 * cp_size)
+    a, b = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
+    return torch.cat([torch.arange(a, a + c), torch.arange(b, b + c)])
+
+
+class _GatherReplicatedOverCP(torch.autograd.Function):
+    """``[B, S/CP, ...]`` (this CP rank's positions, local order) -> ``[B, S, ...]`` in global
+    order, all-gathered over the CP group. For a value that EVERY CP rank then consumes
+    identically (the loss over the whole sequence): the backward returns this rank's rows of
+    the incoming gradient, without communication (each CP rank back-propagates only its own
+    tokens; DDP sums the parameter gradients over CP)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        import torch.distributed as dist
+
+        cp, r = dist.get_world_size(group), dist.get_rank(group)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x, group=group)
+        S = x.shape[1] * cp
+        order = torch.cat([cp_positions(S, cp, j) for j in range(cp)]).to(x.device)
+        out = torch.empty((x.shape[0], S, *x.shape[2:]), dtype=x.dtype, device=x.device)
+        out[:, order] = torch.cat(parts, dim=1)
+        ctx.mine = cp_positions(S, cp, r).to(x.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g[:, ctx.mine], None
+
+
+def gather_over_cp(x: Tensor, group) -> Tensor:
+    """``x [B, S/CP, ...]`` of every rank of the context-parallel ``group`` -> ``[B, S, ...]``
+    in global sequence order (see :func:`cp_positions`); differentiable, the backward keeping
+    this rank's rows (for a loss computed identically on every CP rank). Collective over
+    ``group``."""
+    return _GatherReplicatedOverCP.apply(x, group)

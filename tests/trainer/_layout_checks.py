@@ -4,16 +4,19 @@ compat layer are process-global). Writes a JSON file of results (rank 0).
 Checkpoints: tie0/tie1 = tiny Mixtral untied/tied; qwen3 = tiny Qwen3-MoE with
 norm_topk_prob=True (untied), qwen3n = norm_topk_prob=False (tied); l4 = tiny Mixtral with 4
 layers, tied (virtual pipeline: PP2 x VPP2 puts one layer in each model chunk; its runs use
-Adam eps 1e-5 and the advantages of tests/models/_family_layouts.py, see L4_ADV).
+Adam eps 1e-5 and the advantages of tests/models/_family_layouts.py, see L4_ADV); ds3 = tiny
+DeepSeek-V3 (MLA, first layer dense), llama = tiny dense llama (tied): with tie0 and qwen3 the
+context-parallel (``cp``) layouts, which run on :func:`long_samples` (references ``<ckpt>L``).
 
 Modes:
     python _layout_checks.py ref TMP
         creates the tiny HF checkpoints under TMP (before Megatron is imported), runs the
         1-process reference of every checkpoint (2 steps), HF logprob parity of the qwen3_moe
         checkpoints, the C10 aux-loss checks at micro
-        batch sizes 1, 2, 4, and writes TMP/ref.json.
+        batch sizes 1, 2, 4, the long-sample references of the CP layouts and R3 on them
+        (``r3_ref``), and writes TMP/ref.json.
     torchrun --nproc_per_node W _layout_checks.py run TMP OUT.json LAYOUT [LAYOUT ...] [c4]
-        for each LAYOUT (``tp{t}pp{p}[vp{v}]ep{e}[do]-{checkpoint}``) builds a trainer, checks the HF export
+        for each LAYOUT (``tp{t}pp{p}[vp{v}]ep{e}[cp{c}][do]-{checkpoint}``) builds a trainer, checks the HF export
         against the checkpoint bit-exactly, runs 2 steps (aux coeff 0), then the C10 checks,
         destroys Megatron's parallel state and goes on with the next layout in the same
         process. ``c4``: EP2 x DP2 torch_dist save, reload at EP1 and EP4 (W = 4).
@@ -21,6 +24,9 @@ Modes:
         ``vppck_load``: (W = 4) load that PP2 x VPP2 checkpoint at EP4.
         ``dock``: (W = 2) DP2 distributed-optimizer save / load / next step, refusals;
         ``dock_load``: (W = 4) load that checkpoint at DP4.
+        ``cpck``: (W = 2) CP2 one step, save, next step; ``r3cp``: (W = 2) R3 at CP2.
+    python _layout_checks.py cpck_load TMP
+        1 process: loads the CP2 checkpoint, next step -> TMP/cpck_load.json.
 
 Data: 8 samples (lengths 9..13, one with loss_weight 0), advantages fixed, micro batch 2;
 at DP > 1 the trainer gives each DP rank its slice. lr 1e-3, fp32, vocab padded to a
@@ -49,8 +55,31 @@ L4_ADV = [1.0, -0.5, 0.7, 1.2, 3.0, 0.4, -0.9, 1.5]
 L4_ADAM_EPS = 1e-5
 
 
-def adv_for(tie: str) -> list[float]:
-    return L4_ADV if tie == "l4" else ADV
+# context parallelism (``cp`` layouts): every family (tie0 = mixtral, qwen3 = qwen3_moe, ds3 =
+# deepseek_v3 with MLA + YaRN, llama = dense llama) on LONG_SAMPLES, whose responses reach every
+# one of the 2 x CP sequence chunks (the 8 samples above all end within the first 16 of the 64
+# padded positions, i.e. in CP rank 0's first chunk); their 1-process references are "<ckpt>L"
+CP_CKPTS = ("tie0", "qwen3", "ds3", "llama")
+LONG_AUX = 0.01  # aux-loss coefficient of the long-sample runs
+
+
+def adv_for(tie: str, long: bool = False) -> list[float]:
+    return L4_ADV if tie == "l4" or long else ADV
+
+
+def long_samples(seed: int = 1):
+    """8 samples of 31..72 tokens (one with loss_weight 0): micro-batches padded to 64 and 72
+    positions, responses spanning all 4 chunks of CP2 (and all 8 of CP4)."""
+    from moe_async.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (p, r) in enumerate([(20, 40), (9, 50), (30, 30), (12, 19), (25, 47), (7, 57), (40, 22), (15, 33)]):
+        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
+        rl = (-torch.rand(r, generator=g) * 6).tolist()
+        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
+                          weight_versions=[0] * r, loss_weight=0.0 if i == 3 else 1.0))
+    return out
 
 
 def samples(seed: int = 0):
@@ -66,26 +95,33 @@ def samples(seed: int = 0):
     return out
 
 
-def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie=""):
+def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie="", cp=1, long=False, replay="off"):
     from moe_async.trainer.config import TrainerConfig
 
-    extra = {"adam_eps": L4_ADAM_EPS} if tie == "l4" else {}
+    extra = {"adam_eps": L4_ADAM_EPS} if tie == "l4" or long else {}
     return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         expert_model_parallel_size=ep, micro_batch_size=mbs, moe_aux_loss_coeff=aux,
+                         expert_model_parallel_size=ep, context_parallel_size=cp,
+                         micro_batch_size=mbs, moe_aux_loss_coeff=aux, router_replay=replay,
                          lr=1e-3, make_vocab_size_divisible_by=VOCAB_DIV, use_distributed_optimizer=dist_opt,
                          virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
 
 
 def parse(layout: str):
-    """``tp{t}pp{p}[vp{v}]ep{e}[do]-{checkpoint}`` -> ``(tp, pp, ep, checkpoint, dist_opt, vpp)``;
-    ``vp``: virtual pipeline stages per PP rank; ``do``: Megatron's distributed optimizer."""
+    """``tp{t}pp{p}[vp{v}]ep{e}[cp{c}][do]-{checkpoint}`` -> ``(tp, pp, ep, checkpoint, dist_opt,
+    vpp, cp)``; ``vp``: virtual pipeline stages per PP rank; ``cp``: context parallel size (runs
+    on :func:`long_samples`); ``do``: Megatron's distributed optimizer."""
     import re
 
     lay, tie = layout.split("-")
-    m = re.fullmatch(r"tp(\d+)pp(\d+)(?:vp(\d+))?ep(\d+)(do)?", lay)
+    m = re.fullmatch(r"tp(\d+)pp(\d+)(?:vp(\d+))?ep(\d+)(?:cp(\d+))?(do)?", lay)
     if m is None:
         raise ValueError(f"bad layout {layout!r}")
-    return int(m[1]), int(m[2]), int(m[4]), tie, m[5] is not None, int(m[3] or 1)
+    return int(m[1]), int(m[2]), int(m[4]), tie, m[6] is not None, int(m[3] or 1), int(m[5] or 1)
+
+
+def ref_key(layout: str) -> str:
+    """The 1-process reference of a layout: its checkpoint, + "L" for CP layouts (long samples)."""
+    return layout.split("-")[1] + ("L" if parse(layout)[6] > 1 else "")
 
 
 def rank() -> int:
@@ -102,30 +138,39 @@ def export_equals_disk(tr, path: str) -> bool | None:
     return set(exported) == set(disk) and all(torch.equal(exported[k], disk[k]) for k in disk)
 
 
-def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = False, vpp: int = 1) -> dict:
+def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = False, vpp: int = 1,
+               cp: int = 1, long: bool | None = None) -> dict:
     """Export check, 2 steps, checksums, logprobs; then C10 (skipped with the distributed
-    optimizer: the aux-loss path does not depend on the optimizer)."""
+    optimizer: the aux-loss path does not depend on the optimizer). ``long`` (default: CP > 1):
+    :func:`long_samples`, all logprobs kept, the 2 steps with aux coefficient :data:`LONG_AUX`
+    (so the aux loss and its gradient are compared too) and no C10 runs."""
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
+    long = cp > 1 if long is None else long
     path = os.path.join(tmp, tie)
-    ss = samples()
+    ss = long_samples() if long else samples()
     res: dict = {}
     t0 = time.perf_counter()
-    tr = MegatronTrainer(cfg(tp, pp, ep, dist_opt=dist_opt, vpp=vpp, tie=tie), path)
+    tr = MegatronTrainer(cfg(tp, pp, ep, dist_opt=dist_opt, vpp=vpp, tie=tie, cp=cp, long=long,
+                             aux=LONG_AUX if long else 0.0), path)
     res["build_s"] = time.perf_counter() - t0
     if vpp > 1:  # global layer numbers of each chunk, per rank (Megatron's interleaved assignment)
         res["chunk_layers"] = _gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
     res["export_equals_disk"] = export_equals_disk(tr, path)
     steps = []
+    if long:  # before any step: every token's logprob at the loaded weights
+        res["logp_all"] = tr.compute_logprobs(ss)
+        res["logp_same_on_ranks"] = _same_on_all_ranks(res["logp_all"])
     for _ in range(2):
-        m = tr.train_step(ss, adv_for(tie))
-        steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "step_time_s")})
+        m = tr.train_step(ss, adv_for(tie, long))
+        steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "step_time_s",
+                                        "moe_aux_loss")})
     res["steps"] = steps
     res["checksums_agree_on_ranks"] = _same_on_all_ranks(tr.hf_checksums())
     lp = tr.compute_logprobs(ss[:3])
     res["logp_first"] = [x[:3] for x in lp]
     tr.close()
-    if not dist_opt:
+    if not dist_opt and not long:
         res["c10"] = c10(path, tp, pp, ep, vpp=vpp, tie=tie)
     res["total_s"] = time.perf_counter() - t0
     return res
@@ -384,17 +429,131 @@ def load_paths(tmp: str) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- context parallelism extras
+R3_DIMS = (4, 2, 2)  # tie0: experts, top-k, MoE layers
+
+
+def r3_samples():
+    """:func:`long_samples` with random engine routes for tie0 (distinct experts per row)."""
+    import dataclasses
+
+    from moe_async.replay.routes import compact_routes
+
+    E, K, L = R3_DIMS
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for s in long_samples():
+        n = len(s.prompt_ids) + len(s.response_ids)
+        r = torch.rand(n - 1, L, E, generator=g).argsort(-1)[..., :K].numpy()
+        out.append(dataclasses.replace(s, routed_experts=compact_routes(r, E)))
+    return out
+
+
+def r3_run(tmp: str, cp: int = 1) -> dict:
+    """Router replay R3 (tie0, :func:`r3_samples`), 2 steps. Forward hooks on Megatron's
+    ``TopKRouter`` capture each router's routing map; every row is mapped back to (sample,
+    global position) INDEPENDENTLY of the trainer (micro-batch of 2, ``[S/CP, B]`` row order,
+    this CP rank's positions chunk r and 2*CP-1-r) and compared with the engine route, on
+    real rows (``t < n - 1``). Per step, summed over ranks: ``agree`` (rows whose top-k set is
+    the engine's), ``checked``, ``expected`` (= MoE layers x sum(n - 1)); and the step metrics."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.trainer.sharding import cp_positions
+
+    E, K, L = R3_DIMS
+    ss = r3_samples()
+    tr = MegatronTrainer(cfg(tie="tie0", cp=cp, long=True, replay="R3"), os.path.join(tmp, "tie0"))
+    seen: dict[int, list] = {}
+    hooks = []
+    for m in tr.model.modules():
+        if isinstance(m, TopKRouter):
+            j = m.layer_number - 1  # every layer is MoE in tie0
+            seen[j] = []
+            hooks.append(m.register_forward_hook(lambda mod, i, o, j=j: seen[j].append(o[1].detach().clone())))
+    cpr = ps.get_context_parallel_rank()
+    res: dict = {"steps": [], "routes": []}
+    for _ in range(2):
+        for v in seen.values():
+            v.clear()
+        m = tr.train_step(ss, L4_ADV)
+        res["steps"].append({k: m.get(k) for k in ("loss", "grad_norm", "num_tokens", "routing_agreement")})
+        agree = checked = 0
+        for j, calls in seen.items():
+            for k, rmap in enumerate(calls):  # one call per micro-batch
+                chunk = ss[k * MBS:(k + 1) * MBS]
+                B = len(chunk)
+                S_loc = rmap.shape[0] // B
+                pos = cp_positions(S_loc * cp, cp, cpr) if cp > 1 else torch.arange(S_loc)
+                used = rmap.reshape(S_loc, B, E)
+                for b, s in enumerate(chunk):
+                    n = len(s.prompt_ids) + len(s.response_ids)
+                    for i in range(S_loc):
+                        t = int(pos[i])
+                        if t >= n - 1:
+                            continue
+                        want = torch.zeros(E, dtype=torch.bool)
+                        want[torch.as_tensor(s.routed_experts[t, j].astype("int64"))] = True
+                        agree += int(bool((used[i, b] == want).all()))
+                        checked += 1
+        tot = torch.tensor([agree, checked], dtype=torch.long)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tot)
+        res["routes"].append({"agree": int(tot[0]), "checked": int(tot[1]),
+                              "expected": L * sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in ss)})
+    for h in hooks:
+        h.remove()
+    tr.close()
+    return res
+
+
+def cp_ckpt(tmp: str) -> dict:
+    """(W = 2) CP2 (tie0, long samples): one step, torch_dist save (``cp_ckpt``), its checksums,
+    then the next step (the uninterrupted run; loaded at 1 process by :func:`cp_ckpt_load`)."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg(tie="tie0", cp=2, long=True), os.path.join(tmp, "tie0"))
+    tr.train_step(long_samples(), L4_ADV)
+    tr.save_checkpoint(os.path.join(tmp, "cp_ckpt"))
+    res = {"saved": tr.hf_checksums(), "version": tr.version}
+    m = tr.train_step(long_samples(), L4_ADV)
+    res["next"] = {k: m[k] for k in ("loss", "grad_norm")}
+    tr.close()
+    return res
+
+
+def cp_ckpt_load(tmp: str) -> dict:
+    """1 process: load the CP2 checkpoint (model + Adam state), its checksums, the next step."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg(tie="tie0", long=True), os.path.join(tmp, "tie0"))
+    tr.load_checkpoint(os.path.join(tmp, "cp_ckpt"))
+    res = {"loaded": tr.hf_checksums(), "version": tr.version}
+    m = tr.train_step(long_samples(), L4_ADV)
+    res["next"] = {k: m[k] for k in ("loss", "grad_norm")}
+    tr.close()
+    return res
+
+
 def main_ref(tmp: str) -> None:
-    from _tiny import make_tiny_mixtral, make_tiny_qwen3_moe  # before Megatron is imported
+    from _tiny import make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe  # before Megatron is imported
+    from _tiny_deepseek_v3 import make_tiny_deepseek_v3
 
     for tie in (0, 1):
         make_tiny_mixtral(os.path.join(tmp, f"tie{tie}"), tie=bool(tie))
     make_tiny_qwen3_moe(os.path.join(tmp, "qwen3"), tie=False, norm_topk_prob=True)
     make_tiny_qwen3_moe(os.path.join(tmp, "qwen3n"), tie=True, norm_topk_prob=False)
     make_tiny_mixtral(os.path.join(tmp, "l4"), tie=True, num_hidden_layers=4)
+    make_tiny_deepseek_v3(os.path.join(tmp, "ds3"), num_hidden_layers=2)  # first dense, then MoE
+    make_tiny_llama(os.path.join(tmp, "llama"), tie=True)
     res = {}
     for tie in ("tie0", "tie1", "qwen3", "qwen3n", "l4"):
         res[tie] = run_layout(tmp, 1, 1, 1, tie)
+    for tie in CP_CKPTS:  # references of the context-parallel layouts
+        res[f"{tie}L"] = run_layout(tmp, 1, 1, 1, tie, long=True)
+    res["r3_ref"] = r3_run(tmp)
     res["vpp_ckpt_ref"] = vpp_ckpt_ref(tmp)
     for name in ("qwen3", "qwen3n"):
         res[f"parity_{name}"] = hf_parity(os.path.join(tmp, name))
@@ -421,6 +580,10 @@ def main_run(tmp: str, out: str, layouts: list[str]) -> None:
             res["dock"] = dist_opt_ckpt(tmp)
         elif lay == "dock_load":
             res["dock_load"] = dist_opt_ckpt_load(tmp)
+        elif lay == "cpck":
+            res["cpck"] = cp_ckpt(tmp)
+        elif lay == "r3cp":
+            res["r3cp"] = r3_run(tmp, cp=2)
         else:
             res[lay] = run_layout(tmp, *parse(lay))
     res["wall_s"] = time.perf_counter() - t0
@@ -435,5 +598,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "ref":
         main_ref(sys.argv[2])
+    elif sys.argv[1] == "cpck_load":  # 1 process, after the 2-process launch
+        with open(os.path.join(sys.argv[2], "cpck_load.json"), "w") as f:
+            json.dump({"cpck_load": cp_ckpt_load(sys.argv[2])}, f)
     else:
         main_run(sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -1,0 +1,166 @@
+"""Context-parallel (CP) core attention for Megatron-Core's LOCAL layer spec, used only when
+CUDA is absent (the CPU/gloo path). Not used with Transformer Engine: on GPU the TE spec's
+``TEDotProductAttention`` runs its own CP attention and nothing here is imported.
+
+Answers megatron/core/transformer/dot_product_attention.py (0.16.1): the local
+``DotProductAttention.__init__`` asserts ``context_parallel_size == 1`` ("Context parallelism
+is only supported by TEDotProductAttention!"), and TE's CP attention needs CUDA, so without
+this no layout with ``trainer.context_parallel_size > 1`` builds on a CPU. The same holds for
+MLA's local core attention (:class:`moe_async.compat.mla_local_attention.MLADotProductAttention`,
+a ``DotProductAttention`` subclass).
+
+What it computes (the math of the local ``DotProductAttention``, unchanged): each CP rank
+holds the queries, keys and values of its two sequence chunks (Megatron's load-balanced
+split: the sequence cut into ``2 x CP`` equal chunks, rank ``r`` keeps chunks ``r`` and
+``2 x CP - 1 - r``; Megatron-LM ``get_batch_on_this_cp_rank``, Megatron-Core
+``get_pos_emb_on_this_cp_rank``). K and V are all-gathered over the CP group (autograd: the
+backward sums every rank's K/V gradient over the group and keeps this rank's rows), put back
+into global sequence order, and the local queries attend to them under the causal mask of
+their GLOBAL positions; then ``DotProductAttention.forward`` does the rest (softmax scale,
+GQA head grouping, softmax in fp32 when ``attention_softmax_in_fp32``). Output ``[sq, b,
+heads/TP x v_channels]`` for the local ``sq`` queries, as without CP. Memory per rank is that
+of the full key length (``sq x S`` scores), not a ring: this is a correctness path for CPU,
+not a fast one.
+
+Test: tests/compat/test_cp_attention.py (2-process gloo: CP2 outputs and input gradients
+equal 1-process attention; a plain ``DotProductAttention`` still refuses CP, i.e. the test
+fails once Megatron's local attention learns CP and this mend is no longer needed), and the
+CP layouts of tests/trainer/test_layouts.py (every model family equal to 1 process).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def cp_chunk_positions(seq_len: int, cp_size: int, cp_rank: int) -> Tensor:
+    """Global positions held by CP rank ``cp_rank`` (chunk ``cp_rank`` then chunk
+    ``2 x cp_size - 1 - cp_rank``): :func:`moe_async.trainer.sharding.cp_positions`."""
+    from moe_async.trainer.sharding import cp_positions
+
+    return cp_positions(seq_len, cp_size, cp_rank)
+
+
+class _GatherSequenceOverCP(torch.autograd.Function):
+    """``x [s_local, ...]`` (this rank's two chunks, dim 0) -> ``[s_local x CP, ...]`` in global
+    sequence order. Backward: the gradient summed over the CP group (all_reduce: gloo has no
+    reduce_scatter), this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any) -> Tensor:
+        import torch.distributed as dist
+
+        cp, r = dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        S = x.shape[0] * cp
+        order = torch.cat([cp_chunk_positions(S, cp, j) for j in range(cp)])  # gathered row -> global pos
+        out = torch.empty((S, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        out[order.to(x.device)] = torch.cat(parts)
+        ctx.group, ctx.mine = group, cp_chunk_positions(S, cp, r).to(x.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        import torch.distributed as dist
+
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g[ctx.mine], None
+
+
+def gather_sequence_over_cp(x: Tensor, group: Any) -> Tensor:
+    """Autograd all-gather of ``x [s_local, ...]`` over the CP ``group`` into global sequence
+    order ``[s_local x CP, ...]`` (see :func:`cp_chunk_positions`)."""
+    return _GatherSequenceOverCP.apply(x, group)
+
+
+class _CPCoreAttentionMixin:
+    """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring."""
+
+    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError(
+                "sliding-window attention with trainer.context_parallel_size > 1 on the local (CPU) spec: "
+                "the CP core attention builds a plain causal mask")
+        one = copy.copy(config)
+        one.context_parallel_size = 1  # DotProductAttention.__init__ asserts it; nothing else reads it there
+        super().__init__(one, *args, **kwargs)
+        self.config = config
+        from megatron.core import parallel_state as ps
+
+        self.cp_group = getattr(self.pg_collection, "cp", None) or ps.get_context_parallel_group()
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None):
+        """``query [sq, b, np, hn]``, ``key``/``value [sq, b, ng, hn(v)]``: this CP rank's two
+        chunks. ``attention_mask`` is ignored (the causal mask of the global positions is
+        built here; the trainer passes None under CP, as for TE's CP attention)."""
+        import torch.distributed as dist
+
+        cp, r = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        if cp == 1:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences with context parallelism on the local (CPU) spec")
+        sq = query.shape[0]
+        key = gather_sequence_over_cp(key, self.cp_group)
+        value = gather_sequence_over_cp(value, self.cp_group)
+        S = key.shape[0]
+        q_pos = cp_chunk_positions(S, cp, r).to(query.device)
+        mask = torch.arange(S, device=query.device).unsqueeze(0) > q_pos.unsqueeze(1)  # True = masked
+        return super().forward(query, key, value, mask.view(1, 1, sq, S), attn_mask_type, attention_bias,
+                               packed_seq_params)
+
+
+@functools.cache
+def cp_core_attention(base: type) -> type:
+    """The CP variant of a local core-attention class ``base`` (``DotProductAttention`` or a
+    subclass such as ``MLADotProductAttention``); cached, so one class per base."""
+    return type(f"CP{base.__name__}", (_CPCoreAttentionMixin, base), {"__doc__": _CPCoreAttentionMixin.__doc__})
+
+
+def cp_layer_spec(spec: Any) -> tuple[Any, int]:
+    """A copy of the layer spec (or decoder block spec) ``spec`` in which every
+    ``core_attention`` that is a local ``DotProductAttention`` (sub)class (bare or in a
+    ``ModuleSpec``) is its CP variant; returns ``(copy, number replaced)``. The given spec is
+    not changed. Only for CUDA-less runs with ``context_parallel_size > 1``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = copy.deepcopy(spec)
+    n = 0
+    seen: set[int] = set()
+
+    def swap(ca: Any) -> Any:
+        nonlocal n
+        if isinstance(ca, ModuleSpec):
+            ca.module = swap(ca.module)
+            return ca
+        if isinstance(ca, type) and issubclass(ca, DotProductAttention) and not issubclass(ca, _CPCoreAttentionMixin):
+            n += 1
+            return cp_core_attention(ca)
+        return ca
+
+    def walk(x: Any) -> None:
+        if x is None or id(x) in seen or isinstance(x, (str, int, float, bool, type)):
+            return
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+            return
+        if hasattr(x, "core_attention"):
+            x.core_attention = swap(x.core_attention)
+        for name in ("submodules", "layer_specs", "self_attention", "cross_attention"):
+            walk(getattr(x, name, None))
+
+    walk(spec)
+    return spec, n

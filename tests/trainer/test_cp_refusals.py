@@ -1,0 +1,30 @@
+"""Context parallelism: what the trainer still refuses, naming the field, before any process
+group or model is built (no torchrun needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_async.trainer.config import TrainerConfig
+from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(router_replay="R2"), "router_replay='R2' with trainer.context_parallel_size=2"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+     "virtual_pipeline_model_parallel_size with trainer.context_parallel_size=2"),
+])
+def test_refused_with_context_parallel(kw, match):
+    cfg = TrainerConfig(context_parallel_size=2, **kw)
+    with pytest.raises(NotImplementedError, match=match):
+        MegatronTrainer(cfg, "/nonexistent-hf-dir")
+
+
+def test_sequence_multiple():
+    """Padded lengths: TP without CP; CP * lcm(2, TP) with CP (2*CP chunks, S/CP divisible by TP)."""
+    def mult(tp, cp):
+        t = object.__new__(MegatronTrainer)
+        t.cfg = TrainerConfig(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        return t._seq_multiple()
+
+    assert [mult(1, 1), mult(2, 1), mult(1, 2), mult(2, 2), mult(3, 2), mult(1, 4)] == [1, 2, 4, 4, 12, 8]
