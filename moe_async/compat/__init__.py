@@ -8,7 +8,6 @@ failures they fix are in ``notes/megatron-cpu.md``. Mends that a config flag avo
 patched here but set by the model builder instead:
 
 * in-place view modification with biases (transformer/mlp.py) -> ``add_bias_linear=False``;
-* ETP=2 gloo allgather mismatch -> ``expert_tensor_parallel_size=1``;
 * TE layer spec needs CUDA -> ``get_gpt_layer_local_spec``;
 * "flex" dispatcher needs DeepEP -> ``moe_token_dispatcher_type="alltoall"``.
 
@@ -327,6 +326,52 @@ def _patch_torch_norm_sequence_parallel() -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# Mend 9: expert tensor parallelism (ETP > 1). Answers tensor_parallel/mappings.py
+# ``_gather_along_first_dim(input_, group, output_split_sizes)``: with split sizes it calls
+# ``torch.distributed.all_gather(list(torch.split(output, output_split_sizes)), input_)``,
+# i.e. per-rank tensors of different first-dim sizes, which ProcessGroupGloo refuses
+# ("ProcessGroupGloo::allgather: invalid tensor size at index 1"). The alltoall MoE dispatcher
+# makes exactly that call with ETP > 1 (transformer/moe/token_dispatcher.py,
+# dispatch_postprocess: the tokens and probs each expert-TP rank received, gathered over the
+# expert-TP group; the combine side's backward gathers the gradient the same way). The mend
+# pads every rank's part to the largest size, gathers the equal-size parts with
+# ``all_gather_into_tensor`` (the call the equal-split branch already makes) and drops the
+# padding rows: the same values, bit for bit, in the same order. Equal or absent split sizes
+# take Megatron's own code. The backward's uneven reduce-scatter
+# (``_reduce_scatter_along_first_dim(..., input_split_sizes)``,
+# ``torch.distributed.reduce_scatter`` of a list of tensors of different sizes) runs on gloo
+# as it is in torch 2.13 (tests/compat checks that it does, with exact sums).
+# ---------------------------------------------------------------------------------------
+def _patch_uneven_first_dim_gather() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    orig = mappings._gather_along_first_dim
+    if getattr(orig, "_moe_async_uneven_mend", False):
+        return
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        if len(set(sizes)) == 1:
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        world, me, m = group.size(), group.rank(), max(sizes)
+        if len(sizes) != world or input_.shape[0] != sizes[me]:
+            raise ValueError(f"uneven all-gather: rank {me} of {world} holds {input_.shape[0]} rows, "
+                             f"output_split_sizes={sizes}")
+        rest = tuple(input_.shape[1:])
+        padded = input_.new_zeros((m, *rest))
+        padded[: sizes[me]] = input_
+        gathered = torch.empty((world * m, *rest), dtype=input_.dtype, device=input_.device)
+        torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+        return torch.cat([gathered[r * m : r * m + s] for r, s in enumerate(sizes)], dim=0)
+
+    _gather_along_first_dim._moe_async_uneven_mend = True  # type: ignore[attr-defined]
+    _gather_along_first_dim.__wrapped__ = orig  # type: ignore[attr-defined]
+    mappings._gather_along_first_dim = _gather_along_first_dim
+
+
+# ---------------------------------------------------------------------------------------
 # Mend 12 (speed, opt-in): weight-gradient accumulation fusion. Answers
 # tensor_parallel/layers.py, which with ``gradient_accumulation_fusion=True`` calls Apex's
 # CUDA extension ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(input, grad_output,
@@ -397,6 +442,8 @@ def apply_cpu_compat() -> bool:
             _APPLIED.append("maybe_move_tensor_to_cpu")  # moe_utils.py, token_dispatcher.py
             _patch_torch_norm_sequence_parallel()
             _APPLIED.append("torch_norm_sequence_parallel")  # transformer/torch_norm.py
+            _patch_uneven_first_dim_gather()
+            _APPLIED.append("uneven_first_dim_gather")  # tensor_parallel/mappings.py (ETP > 1)
             _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
         if not _mode_active():
             CudaToCpuMode().__enter__()

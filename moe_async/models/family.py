@@ -226,6 +226,7 @@ class ModelFamily(ABC):
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
         **overrides: Any,
     ):
         """Megatron ``TransformerConfig`` for this HF config (CPU-safe settings: no bias,
@@ -259,7 +260,7 @@ class ModelFamily(ABC):
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             expert_model_parallel_size=expert_model_parallel_size,
-            expert_tensor_parallel_size=1,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
             sequence_parallel=tensor_model_parallel_size > 1,
             attention_softmax_in_fp32=True,
             apply_rope_fusion=False,

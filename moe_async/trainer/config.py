@@ -25,6 +25,17 @@ class TrainerConfig(BaseModel):
     tensor_model_parallel_size: StrictInt = Field(1, ge=1, description="TP size.")
     pipeline_model_parallel_size: StrictInt = Field(1, ge=1, description="PP size.")
     expert_model_parallel_size: StrictInt = Field(1, ge=1, description="EP size.")
+    expert_tensor_parallel_size: StrictInt = Field(
+        1,
+        ge=1,
+        description=(
+            "ETP size (Megatron-Core expert tensor parallelism): each expert's FFN weights split "
+            "over ETP ranks (fc1 by output, fc2 by input columns), independent of TP for the dense "
+            "layers. Megatron's rules, checked when the trainer starts: ETP divides the expert FFN "
+            "size, and ETP x EP divides TP x CP x DP (the world size / PP). Default 1 (Megatron-Core's "
+            "own default would be TP)."
+        ),
+    )
     context_parallel_size: StrictInt = Field(
         1,
         ge=1,

@@ -123,6 +123,7 @@ class MegatronTrainer:
         torch.set_num_threads(cfg.num_threads)
         self._owns_dist = False
         self._init_distributed(master_addr, master_port)
+        self._check_expert_tensor_parallel()  # ETP x EP vs the world, naming the fields
         tp, pp, ep, cp = (
             cfg.tensor_model_parallel_size,
             cfg.pipeline_model_parallel_size,
@@ -148,7 +149,7 @@ class MegatronTrainer:
                 pipeline_model_parallel_size=pp,
                 context_parallel_size=cp,
                 expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=1,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
                 virtual_pipeline_model_parallel_size=self._vpp,
             )
             self._owns_mp = True
@@ -204,11 +205,13 @@ class MegatronTrainer:
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
             virtual_pipeline_model_parallel_size=self._vpp,
             **self._layout_overrides(),
             **replay_overrides(cfg.router_replay),  # router replay
             **self._expert_bias_overrides(),
         )
+        self._check_expert_ffn_split()  # ETP divides the expert FFN size
         use_te = torch.cuda.is_available() and _have_te()
         gpt_kwargs = self.family.gpt_model_kwargs(self.hf_config)
         # V: HF vocab; Megatron's vocab-parallel layers get V padded (zero rows, sliced off
@@ -331,6 +334,41 @@ class MegatronTrainer:
             # should be greater than 2 ... multiple p2p sends and recvs between same 2 ranks").
             out.update(overlap_p2p_comm=True, batch_p2p_comm=False)
         return out
+
+    def _check_expert_tensor_parallel(self) -> None:
+        """Megatron-Core's expert-layout rule (parallel_state.initialize_model_parallel), checked
+        before it runs so that the error names the fields: ETP x EP x PP divides the world size,
+        i.e. ETP x EP divides TP x CP x DP (expert data parallelism gets the rest).
+
+        Raises:
+            ValueError: naming ``trainer.expert_tensor_parallel_size`` and
+                ``trainer.expert_model_parallel_size``.
+        """
+        etp, ep = self.cfg.expert_tensor_parallel_size, self.cfg.expert_model_parallel_size
+        pp = self.cfg.pipeline_model_parallel_size
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world % (etp * ep * pp):
+            self.close()  # the process group this trainer created (the caller gets no trainer to close)
+            raise ValueError(
+                f"trainer.expert_tensor_parallel_size={etp} x trainer.expert_model_parallel_size={ep} must divide "
+                f"TP x CP x DP = world size {world} / trainer.pipeline_model_parallel_size={pp} "
+                f"(Megatron-Core: world size divisible by ETP x EP x PP = {etp * ep * pp})")
+
+    def _check_expert_ffn_split(self) -> None:
+        """ETP splits every routed expert's FFN (``moe_ffn_hidden_size``: fc1's output rows per
+        gate/up half, fc2's input columns) into ETP equal parts (transformer/moe/experts.py).
+
+        Raises:
+            ValueError: naming ``trainer.expert_tensor_parallel_size`` when it does not divide
+                the expert FFN size.
+        """
+        etp = self.cfg.expert_tensor_parallel_size
+        ffn = getattr(self.tf_config, "moe_ffn_hidden_size", None)
+        if etp > 1 and getattr(self.tf_config, "num_moe_experts", None) and ffn and ffn % etp:
+            self.close()  # the parallel state and process group this trainer created
+            raise ValueError(
+                f"trainer.expert_tensor_parallel_size={etp} must divide the expert FFN size "
+                f"(moe_ffn_hidden_size={ffn}, from the HF config of {self.hf_path})")
 
     def _expert_bias_overrides(self) -> dict[str, Any]:
         """``moe_router_bias_update_rate`` for families whose router has an expert bias

@@ -36,7 +36,8 @@ def test_mends_still_needed(r):
 def test_applied_and_idempotent(r):
     assert r["apply1"] is True and r["apply2"] is True
     assert r["mends"] == ["rng_tracker", "cuda_streams", "current_device", "te_general_gemm",
-                          "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "cuda_to_cpu_mode"]
+                          "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "uneven_first_dim_gather",
+                          "cuda_to_cpu_mode"]
     assert r["modes_on_stack"] == 1
 
 

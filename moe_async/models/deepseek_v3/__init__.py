@@ -344,6 +344,7 @@ class DeepseekV3Family(ModelFamily):
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
         **overrides: Any,
     ):
         """Megatron ``MLATransformerConfig`` (CPU-safe settings as in
@@ -391,7 +392,7 @@ class DeepseekV3Family(ModelFamily):
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             expert_model_parallel_size=expert_model_parallel_size,
-            expert_tensor_parallel_size=1,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
             sequence_parallel=tensor_model_parallel_size > 1,
             attention_softmax_in_fp32=True,
             apply_rope_fusion=False,

@@ -1,0 +1,232 @@
+"""Expert tensor parallelism (ETP) checks for MegatronTrainer, run as ONE process per world size
+(Megatron's parallel state and the compat layer are process-global). Writes a JSON file of
+results (rank 0).
+
+Checkpoints (tiny, random, fp32, written by ``ref`` before Megatron is imported):
+    mixtral  tiny Mixtral (2 layers, 4 experts top-2, expert FFN 128), untied
+    qwen3    tiny Qwen3-MoE (2 layers, qk-norm, 4 experts top-2, expert FFN 96, norm_topk_prob)
+    ds3      tiny DeepSeek-V3 (3 layers, first dense, MLA, 8 routed experts top-4 in 4 groups,
+             1 shared expert, expert FFN 32, non-zero e_score_correction_bias)
+    qwen3odd qwen3 with expert FFN 90 (not divisible by ETP 4: the refusal check)
+
+Modes:
+    python _etp_checks.py ref TMP
+        writes the checkpoints, runs the 1-process reference of each (HF export, 2 steps,
+        logprobs) and the 1-process refusal (ETP 2 x EP 1 does not divide world size 1)
+        -> TMP/ref.json
+    torchrun --nproc_per_node 4 _etp_checks.py run TMP OUT.json CASE [CASE ...]
+        CASE = ``{ckpt}-tp{t}ep{e}etp{x}``: HF export == checkpoint (plain and through an ``out``
+        buffer as the weight sync's transport passes), 2 optimizer steps, logprobs, checksums
+        agree on all ranks; then the parallel state is destroyed and the next case runs in the
+        same process. ``ckpt``: torch_dist save of ds3 at TP2+EP2+ETP2 after one step, loaded
+        at TP1+EP1+ETP1 (DP4) and EP4+ETP1: the HF checksums equal the saving run's.
+        ``refuse``: ETP 4 with the qwen3odd checkpoint (expert FFN 90) is a ValueError naming
+        the field. A ``do`` suffix on a CASE: Megatron's distributed optimizer.
+
+Data and optimizer as tests/models/_family_layouts.py: its 8 samples, its advantages (mixed
+signs, not summing to ~0), micro batch 2, lr 1e-3, Adam eps 1e-5, aux coeff 0, vocab padded
+to a multiple of 96 x TP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+import torch  # noqa: E402
+from _family_layouts import ADAM_EPS, ADV, samples  # noqa: E402
+
+CKPTS = ("mixtral", "qwen3", "ds3")
+
+
+def cfg(tp=1, ep=1, etp=1, dist_opt=False, vocab_div=96):
+    from moe_async.trainer.config import TrainerConfig
+
+    return TrainerConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                         expert_tensor_parallel_size=etp, use_distributed_optimizer=dist_opt,
+                         micro_batch_size=2, moe_aux_loss_coeff=0.0,
+                         lr=1e-3, adam_eps=ADAM_EPS, make_vocab_size_divisible_by=vocab_div)
+
+
+def parse(case: str) -> tuple[str, int, int, int, bool]:
+    """``"ds3-tp2ep2etp2"`` -> ``("ds3", 2, 2, 2, False)``; a ``do`` suffix: Megatron's
+    distributed optimizer."""
+    ck, lay = case.split("-")
+    m = re.fullmatch(r"tp(\d+)ep(\d+)etp(\d+)(do)?", lay)
+    if m is None:
+        raise ValueError(f"bad case {case!r}")
+    return ck, int(m[1]), int(m[2]), int(m[3]), m[4] is not None
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _gather(obj) -> list:
+    """``obj`` of every rank, in rank order (a 1-element list on 1 process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return box
+
+
+def _same_on_all_ranks(obj) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return all(b == box[0] for b in box)
+
+
+def export_checks(tr, path: str) -> dict:
+    """HF export == the checkpoint's tensors bit-exactly, both plain and written into caller
+    buffers (``out``, as ``BroadcastTransport.destination`` is passed by the weight sync)."""
+    from safetensors.torch import load_file
+
+    plain = dict(tr.export_hf_weights())  # collective: every rank iterates
+    bufs: dict[str, torch.Tensor] = {}
+
+    def out(name, shape, dtype):
+        bufs[name] = torch.full(shape, float("nan"), dtype=dtype)
+        return bufs[name]
+
+    via_out = dict(tr.export_hf_weights(out=out))
+    if rank() != 0:
+        return {}
+    disk = load_file(os.path.join(path, "model.safetensors"))
+    return {
+        "export_equals_disk": set(plain) == set(disk) and all(torch.equal(plain[k], disk[k]) for k in disk),
+        "export_out_equals_disk": set(via_out) == set(disk)
+        and all(torch.equal(via_out[k], disk[k]) and via_out[k] is bufs[k] for k in disk),
+        "n_tensors": len(disk),
+    }
+
+
+def expert_shards(tr) -> list:
+    """(local name, shape) of this rank's first routed-expert fc1/fc2 weights (the split)."""
+    out = []
+    for n, p in tr.models[0].named_parameters():
+        if ".local_experts.0." in n and n.endswith("weight") and "linear_fc" in n:
+            out.append((n, list(p.shape)))
+            if len(out) == 2:
+                break
+    return out
+
+
+def run(path: str, tp: int, ep: int, etp: int, dist_opt: bool = False) -> dict:
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    t0 = time.perf_counter()
+    ss = samples()
+    tr = MegatronTrainer(cfg(tp, ep, etp, dist_opt), path)
+    res: dict = export_checks(tr, path)
+    res["expert_shards"] = _gather(expert_shards(tr))
+    res["steps"] = [{k: m[k] for k in ("loss", "grad_norm", "entropy", "num_tokens")}
+                    for m in (tr.train_step(ss, ADV), tr.train_step(ss, ADV))]
+    res["checksums_agree_on_ranks"] = _same_on_all_ranks(tr.hf_checksums())
+    res["logp"] = tr.compute_logprobs(ss[:3])
+    tr.close()
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def ckpt(tmp: str) -> dict:
+    """ds3 at TP2+EP2+ETP2: one step, torch_dist save; loaded at TP1+EP1+ETP1 (DP4) and at
+    EP4+ETP1: HF checksums equal the saving run's (the ETP-split expert shards reassemble).
+    Vocab padded to a multiple of 128 (256 rows at TP1 and TP2: a checkpoint's padded vocab
+    must match the loading trainer's)."""
+    import torch.distributed as dist
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    path, ck = os.path.join(tmp, "ds3"), os.path.join(tmp, "etp_ckpt")
+    tr = MegatronTrainer(cfg(2, 2, 2, vocab_div=128), path)
+    before = tr.hf_checksums()
+    tr.train_step(samples(), ADV)
+    ref = tr.hf_checksums()
+    tr.save_checkpoint(ck)
+    tr.close()
+    dist.barrier()
+    res: dict = {"changed": sum(before[k] != ref[k] for k in ref), "n": len(ref)}
+    for name, c in (("tp1ep1etp1", cfg(vocab_div=128)), ("tp1ep4etp1", cfg(1, 4, 1, vocab_div=128))):
+        tr = MegatronTrainer(c, path)
+        tr.load_checkpoint(ck)
+        res[f"reload_{name}_equal"] = tr.hf_checksums() == ref
+        res[f"reload_{name}_version"] = tr.version
+        tr.close()
+    return res
+
+
+def refuse(tmp: str) -> dict:
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    try:
+        MegatronTrainer(cfg(1, 1, 4), os.path.join(tmp, "qwen3odd")).close()
+        return {"error": None}
+    except ValueError as e:
+        return {"error": str(e)}
+
+
+def main_ref(tmp: str) -> None:
+    from _tiny import make_tiny_mixtral, make_tiny_qwen3_moe  # before Megatron is imported
+    from _tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+    make_tiny_mixtral(os.path.join(tmp, "mixtral"), tie=False)
+    make_tiny_qwen3_moe(os.path.join(tmp, "qwen3"), tie=False, norm_topk_prob=True)
+    make_tiny_deepseek_v3(os.path.join(tmp, "ds3"))
+    make_tiny_qwen3_moe(os.path.join(tmp, "qwen3odd"), tie=False, moe_intermediate_size=90)
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    out: dict = {}
+    for ck in CKPTS:
+        out[f"{ck}-tp1ep1etp1"] = run(os.path.join(tmp, ck), 1, 1, 1)
+    try:
+        MegatronTrainer(cfg(1, 1, 2), os.path.join(tmp, "mixtral")).close()
+        out["refuse_world"] = {"error": None}
+    except ValueError as e:
+        out["refuse_world"] = {"error": str(e)}
+    # the refused trainer released its process group: a next trainer in this process builds
+    out["after_refusal_builds"] = run(os.path.join(tmp, "qwen3"), 1, 1, 1)["export_equals_disk"]
+    with open(os.path.join(tmp, "ref.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main_run(tmp: str, out_path: str, cases: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # once: the trainers (one per case) then do not own it
+    out: dict = {}
+    t0 = time.perf_counter()
+    for case in cases:
+        if case == "ckpt":
+            out[case] = ckpt(tmp)
+        elif case == "refuse":
+            out[case] = refuse(tmp)
+        else:
+            ck, tp, ep, etp, dist_opt = parse(case)
+            out[case] = run(os.path.join(tmp, ck), tp, ep, etp, dist_opt)
+        dist.barrier()
+    out["wall_s"] = time.perf_counter() - t0
+    if rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "ref":
+        main_ref(sys.argv[2])
+    else:
+        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])
