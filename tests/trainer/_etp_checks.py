@@ -15,11 +15,12 @@ Modes:
         logprobs) and the 1-process refusal (ETP 2 x EP 1 does not divide world size 1)
         -> TMP/ref.json
     torchrun --nproc_per_node 4 _etp_checks.py run TMP OUT.json CASE [CASE ...]
-        CASE = ``{ckpt}-tp{t}ep{e}etp{x}``: HF export == checkpoint (plain and through an ``out``
+        CASE = ``{ckpt}-tp{t}[pp{p}]ep{e}etp{x}[do]``: HF export == checkpoint (plain and through an ``out``
         buffer as the weight sync's transport passes), 2 optimizer steps, logprobs, checksums
         agree on all ranks; then the parallel state is destroyed and the next case runs in the
         same process. ``ckpt``: torch_dist save of ds3 at TP2+EP2+ETP2 after one step, loaded
-        at TP1+EP1+ETP1 (DP4) and EP4+ETP1: the HF checksums equal the saving run's.
+        at TP1+EP1+ETP1 (DP4) and saved again, that loaded at EP2+ETP2: the HF checksums equal
+        the first saving run's each time.
         ``refuse``: ETP 4 with the qwen3odd checkpoint (expert FFN 90) is a ValueError naming
         the field. A ``do`` suffix on a CASE: Megatron's distributed optimizer.
 
@@ -44,23 +45,23 @@ from _family_layouts import ADAM_EPS, ADV, samples  # noqa: E402
 CKPTS = ("mixtral", "qwen3", "ds3")
 
 
-def cfg(tp=1, ep=1, etp=1, dist_opt=False, vocab_div=96):
+def cfg(tp=1, ep=1, etp=1, dist_opt=False, vocab_div=96, pp=1):
     from moe_async.trainer.config import TrainerConfig
 
-    return TrainerConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+    return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
                          expert_tensor_parallel_size=etp, use_distributed_optimizer=dist_opt,
                          micro_batch_size=2, moe_aux_loss_coeff=0.0,
                          lr=1e-3, adam_eps=ADAM_EPS, make_vocab_size_divisible_by=vocab_div)
 
 
-def parse(case: str) -> tuple[str, int, int, int, bool]:
-    """``"ds3-tp2ep2etp2"`` -> ``("ds3", 2, 2, 2, False)``; a ``do`` suffix: Megatron's
-    distributed optimizer."""
+def parse(case: str) -> tuple[str, int, int, int, bool, int]:
+    """``"ds3-tp2ep2etp2"`` -> ``("ds3", 2, 2, 2, False, 1)``; ``tp1pp2ep1etp2``: PP 2; a ``do``
+    suffix: Megatron's distributed optimizer."""
     ck, lay = case.split("-")
-    m = re.fullmatch(r"tp(\d+)ep(\d+)etp(\d+)(do)?", lay)
+    m = re.fullmatch(r"tp(\d+)(?:pp(\d+))?ep(\d+)etp(\d+)(do)?", lay)
     if m is None:
         raise ValueError(f"bad case {case!r}")
-    return ck, int(m[1]), int(m[2]), int(m[3]), m[4] is not None
+    return ck, int(m[1]), int(m[3]), int(m[4]), m[5] is not None, int(m[2] or 1)
 
 
 def rank() -> int:
@@ -123,12 +124,12 @@ def expert_shards(tr) -> list:
     return out
 
 
-def run(path: str, tp: int, ep: int, etp: int, dist_opt: bool = False) -> dict:
+def run(path: str, tp: int, ep: int, etp: int, dist_opt: bool = False, pp: int = 1) -> dict:
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
     t0 = time.perf_counter()
     ss = samples()
-    tr = MegatronTrainer(cfg(tp, ep, etp, dist_opt), path)
+    tr = MegatronTrainer(cfg(tp, ep, etp, dist_opt, pp=pp), path)
     res: dict = export_checks(tr, path)
     res["expert_shards"] = _gather(expert_shards(tr))
     res["steps"] = [{k: m[k] for k in ("loss", "grad_norm", "entropy", "num_tokens")}
@@ -141,15 +142,17 @@ def run(path: str, tp: int, ep: int, etp: int, dist_opt: bool = False) -> dict:
 
 
 def ckpt(tmp: str) -> dict:
-    """ds3 at TP2+EP2+ETP2: one step, torch_dist save; loaded at TP1+EP1+ETP1 (DP4) and at
-    EP4+ETP1: HF checksums equal the saving run's (the ETP-split expert shards reassemble).
-    Vocab padded to a multiple of 128 (256 rows at TP1 and TP2: a checkpoint's padded vocab
-    must match the loading trainer's)."""
+    """deepseek_v3, torch_dist checkpoints across ETP: at TP2+EP2+ETP2 one step and a save
+    (``etp_ckpt``); loaded at TP1+EP1+ETP1 (DP4, every rank the whole model, as 1 process) the
+    HF checksums equal the saving run's (the ETP-split expert shards reassemble); saved there
+    (``etp1_ckpt``, an ETP1 checkpoint as the converter writes) and loaded at EP2+ETP2 (TP1):
+    equal again (ETP1 shards split on load). Vocab padded to a multiple of 128 (256 rows at
+    TP1 and TP2: a checkpoint's padded vocab must match the loading trainer's)."""
     import torch.distributed as dist
 
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
-    path, ck = os.path.join(tmp, "ds3"), os.path.join(tmp, "etp_ckpt")
+    path, ck, ck1 = os.path.join(tmp, "ds3"), os.path.join(tmp, "etp_ckpt"), os.path.join(tmp, "etp1_ckpt")
     tr = MegatronTrainer(cfg(2, 2, 2, vocab_div=128), path)
     before = tr.hf_checksums()
     tr.train_step(samples(), ADV)
@@ -158,12 +161,18 @@ def ckpt(tmp: str) -> dict:
     tr.close()
     dist.barrier()
     res: dict = {"changed": sum(before[k] != ref[k] for k in ref), "n": len(ref)}
-    for name, c in (("tp1ep1etp1", cfg(vocab_div=128)), ("tp1ep4etp1", cfg(1, 4, 1, vocab_div=128))):
-        tr = MegatronTrainer(c, path)
-        tr.load_checkpoint(ck)
-        res[f"reload_{name}_equal"] = tr.hf_checksums() == ref
-        res[f"reload_{name}_version"] = tr.version
-        tr.close()
+    tr = MegatronTrainer(cfg(vocab_div=128), path)
+    tr.load_checkpoint(ck)
+    res["etp2_to_etp1_equal"] = tr.hf_checksums() == ref
+    res["etp2_to_etp1_version"] = tr.version
+    tr.save_checkpoint(ck1)
+    tr.close()
+    dist.barrier()
+    tr = MegatronTrainer(cfg(1, 2, 2, vocab_div=128), path)
+    tr.load_checkpoint(ck1)
+    res["etp1_to_etp2_equal"] = tr.hf_checksums() == ref
+    res["etp1_to_etp2_version"] = tr.version
+    tr.close()
     return res
 
 
@@ -213,8 +222,8 @@ def main_run(tmp: str, out_path: str, cases: list[str]) -> None:
         elif case == "refuse":
             out[case] = refuse(tmp)
         else:
-            ck, tp, ep, etp, dist_opt = parse(case)
-            out[case] = run(os.path.join(tmp, ck), tp, ep, etp, dist_opt)
+            ck, tp, ep, etp, dist_opt, pp = parse(case)
+            out[case] = run(os.path.join(tmp, ck), tp, ep, etp, dist_opt, pp)
         dist.barrier()
     out["wall_s"] = time.perf_counter() - t0
     if rank() == 0:
