@@ -21,7 +21,13 @@ For each bucket size, interleaved and repeated:
       - ``last``: as ``pack`` with ``pause_scope=last_bucket``;
       - ``flat``: the source tensors already lie end to end in the engine's layout order
         (no copy on the sender at all): isolates what the transport and the engine add to
-        the wire.
+        the wire;
+      - ``trainer``: the real sender, a 1-process ``MegatronTrainer`` built from the same
+        checkpoint, ``send(trainer.export_hf_weights(out=transport.destination))`` as the
+        trainer actor does (its own transport and weight-update group with the same engine;
+        its raw broadcast over that group). Its first export moves the parameters whose HF
+        tensors are views of them into the send buffer (``relayout_params``): those are sent
+        from the trainer's own memory, only the fused QKV (split into q/k/v) is copied.
     ``export`` and ``pack`` each do one timed copy of the model on the sender; the raw
     broadcast does none (on loopback the wire is itself a memory copy, so that copy shows).
 Each sync is paired with a raw broadcast just before it (load on a shared machine drifts);
@@ -42,6 +48,11 @@ import threading
 import time
 
 MiB = 1024**2
+LABEL = {"on": "pack", "off": "serial", "last": "last", "flat": "flat", "export": "export", "trainer": "trainer"}
+WHAT = {"on": "separate source tensors, packed, overlapped", "off": "packed, not overlapped",
+        "last": "packed, engines paused before the last bucket only",
+        "flat": "flat source, no copy on the sender", "export": "exporter copies into the send buffer",
+        "trainer": "1-process MegatronTrainer, parameters moved into the send buffer"}
 
 
 def make_model(path: str, hidden: int, layers: int, experts: int, inter: int, vocab: int) -> None:
@@ -67,6 +78,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--modes", nargs="+", default=["on", "off", "last", "flat", "export", "trainer"],
+                    choices=["on", "off", "last", "flat", "export", "trainer"],
+                    help="sender paths to measure (on = pack, off = serial pack)")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
@@ -110,14 +124,14 @@ def main(argv=None) -> None:
         raw_buf = torch.empty(total, dtype=torch.uint8)
         raw_buf.fill_(7)
 
-        def raw_once() -> tuple[float, float]:
+        def raw_once(t=tr) -> tuple[float, float]:
             box = {}
             th = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
-                f"{eng.url}/debug_receive_broadcast", json={"group_name": tr.group_name, "nbytes": total},
+                f"{eng.url}/debug_receive_broadcast", json={"group_name": t.group_name, "nbytes": total},
                 timeout=600).json()))
             th.start()
             t0 = time.perf_counter()
-            group_broadcast(tr.group, raw_buf, src=0)
+            group_broadcast(t.group, raw_buf, src=0)
             th.join()
             send_s = time.perf_counter() - t0
             assert box["r"]["success"], box["r"]
@@ -141,7 +155,23 @@ def main(argv=None) -> None:
         print(f"engine layout published: {tr.layout is not None}", flush=True)
         variants = {"on": dict(overlap=True, pause_scope="sync"), "off": dict(overlap=False, pause_scope="sync"),
                     "last": dict(overlap=True, pause_scope="last_bucket"),
-                    "flat": dict(overlap=True, pause_scope="sync"), "export": dict(overlap=True, pause_scope="sync")}
+                    "flat": dict(overlap=True, pause_scope="sync"), "export": dict(overlap=True, pause_scope="sync"),
+                    "trainer": dict(overlap=True, pause_scope="sync")}
+        variants = {k: v for k, v in variants.items() if k in args.modes}
+        transports = {k: tr for k in variants}
+        trainer = None
+        if "trainer" in variants:  # the real sender: a 1-process Megatron trainer, its own group
+            from moe_async.trainer.config import TrainerConfig
+            from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+            t0 = time.perf_counter()
+            trainer = MegatronTrainer(TrainerConfig(num_threads=args.threads, moe_aux_loss_coeff=0.0), path)
+            tr_t = BroadcastTransport([client], tr.cfg, pause_mode="in_place", group_name="bench_weight_sync_trainer")
+            tr_t.connect()
+            transports["trainer"] = tr_t
+            raw_once(tr_t)  # warm-up
+            st = trainer.relayout_params(tr_t.destination)
+            print(f"trainer built in {time.perf_counter() - t0:.1f}s; relayout: {st}", flush=True)
 
         def exported():  # export_hf_weights' last step with out=tr.destination
             for n, t in named:
@@ -153,17 +183,20 @@ def main(argv=None) -> None:
                     yield n, d
 
         sources = {"flat": lambda: named_flat, "export": exported}
+        if trainer is not None:
+            sources["trainer"] = lambda: trainer.export_hf_weights(out=transports["trainer"].destination)
         for mib in args.bucket_mib:
             res = {"bucket_mib": mib}
             per: dict[str, list] = {k: [] for k in variants}
             for _ in range(args.repeats):  # interleaved: each sync paired with a raw broadcast just before
                 for key, upd in variants.items():
-                    tr.cfg = tr.cfg.model_copy(update={"bucket_bytes": int(mib * MiB), **upd})
-                    recv_s, _send_s = raw_once()
+                    t = transports[key]
+                    t.cfg = t.cfg.model_copy(update={"bucket_bytes": int(mib * MiB), **upd})
+                    recv_s, _send_s = raw_once(t)
                     raw = total / recv_s / 1e9
                     raw_gbps.append(raw)
                     version += 1
-                    m = tr.send(sources.get(key, lambda: named)(), version)
+                    m = t.send(sources.get(key, lambda: named)(), version)
                     assert m["sync/bytes"] == total
                     per[key].append((m["sync/gbps"] / raw, raw, m))
             for key, xs in per.items():
@@ -177,19 +210,19 @@ def main(argv=None) -> None:
                 res[f"buckets_{key}"] = int(med[2]["sync/buckets"])
                 res[f"detail_{key}"] = med[2]
             rows.append(res)
-            print(f"  bucket {mib:>7g} MiB: buckets {res['buckets_on']:>3}  raw {res['raw_gbps_on']:.2f} GB/s  "
-                  f"sync {res['sync_gbps_on']:.2f} GB/s  ratio median {res['ratio_on']:.3f} (best "
-                  f"{res['ratio_best_on']:.3f}), serial {res['ratio_off']:.3f}, export {res['ratio_export']:.3f} "
-                  f"(best {res['ratio_best_export']:.3f}), flat source {res['ratio_flat']:.3f} "
-                  f"(best {res['ratio_best_flat']:.3f})  stall {res['stall_s_on']:.3f}s "
-                  f"(last-bucket pause: {res['stall_s_last']:.3f}s)", flush=True)
-            for key in ("export", "on", "flat"):
-                print(f"    detail ({key}, median): " + json.dumps(
+            print(f"  bucket {mib:>7g} MiB: " + ", ".join(
+                f"{LABEL[k]} {res[f'ratio_{k}']:.3f} (best {res[f'ratio_best_{k}']:.3f}, raw {res[f'raw_gbps_{k}']:.2f} "
+                f"GB/s, {res[f'buckets_{k}']} buckets, stall {res[f'stall_s_{k}']:.3f}s)" for k in variants), flush=True)
+            for key in variants:
+                print(f"    detail ({LABEL[key]}, median): " + json.dumps(
                     {k.removeprefix("sync/"): round(v, 4) for k, v in res[f"detail_{key}"].items()}), flush=True)
         sums = client.weights_checksum()
         from moe_async.engines.checksum import tensor_checksum
 
         assert sums["checksums"] == {n: tensor_checksum(t) for n, t in named}, "engine weights differ"
+        if trainer is not None:
+            transports["trainer"].shutdown()
+            trainer.close()
         tr.shutdown()
         client.close()
     finally:
@@ -201,17 +234,16 @@ def main(argv=None) -> None:
           f"(trainer -> engine, loopback): median {sorted(raw_gbps)[len(raw_gbps) // 2]:.2f} GB/s")
     print("ratio = sync GB/s / raw GB/s of a broadcast of the same bytes just before it; median (best) of "
           f"{args.repeats} pairs")
-    print(f"{'bucket':>10} {'buckets':>8} {'raw GB/s':>9} {'export':>7} {'(best)':>7} {'pack':>7} {'(best)':>7} "
-          f"{'serial':>7} {'flat':>7} {'(best)':>7} {'stall s':>8} {'stall s, last-bucket pause':>27}")
+    print(f"{'bucket':>10} {'buckets':>8} {'raw GB/s':>9} " + " ".join(f"{LABEL[k]:>8} {'(best)':>7}" for k in variants)
+          + f" {'stall s':>8}" + (f" {'stall s, last-bucket pause':>27}" if "last" in variants else ""))
+    k0 = next(iter(variants))
     for r in rows:
-        print(f"{r['bucket_mib']:>7g}MiB {r['buckets_on']:>8} {r['raw_gbps_on']:>9.2f} "
-              f"{r['ratio_export']:>7.3f} {r['ratio_best_export']:>7.3f} "
-              f"{r['ratio_on']:>7.3f} {r['ratio_best_on']:>7.3f} {r['ratio_off']:>7.3f} {r['ratio_flat']:>7.3f} "
-              f"{r['ratio_best_flat']:>7.3f} {r['stall_s_on']:>8.3f} {r['stall_s_last']:>27.3f}")
-    for key, what in (("export", "exporter copies into the send buffer"), ("on", "separate source tensors, packed"),
-                      ("flat", "flat source, no copy on the sender")):
+        print(f"{r['bucket_mib']:>7g}MiB {r[f'buckets_{k0}']:>8} {r[f'raw_gbps_{k0}']:>9.2f} "
+              + " ".join(f"{r[f'ratio_{k}']:>8.3f} {r[f'ratio_best_{k}']:>7.3f}" for k in variants)
+              + f" {r[f'stall_s_{k0}']:>8.3f}" + (f" {r['stall_s_last']:>27.3f}" if "last" in variants else ""))
+    for key in variants:
         best = max(rows, key=lambda r: r[f"ratio_{key}"])
-        print(f"best ({what}): {best['bucket_mib']:g} MiB, median ratio {best[f'ratio_{key}']:.3f} "
+        print(f"best ({LABEL[key]}: {WHAT[key]}): {best['bucket_mib']:g} MiB, median ratio {best[f'ratio_{key}']:.3f} "
               f"(best {best[f'ratio_best_{key}']:.3f}; goal >= 0.9)")
     print(f"engine buckets copied through scratch (not in layout order): {sums.get('recv_copies')}")
     if args.json:

@@ -1114,12 +1114,25 @@ class MegatronTrainer:
         ``out(hf_name, shape, dtype)`` (optional, e.g. ``BroadcastTransport.destination``) may
         return a tensor to copy (and cast) into instead of a fresh clone; that tensor is yielded
         (the caller owns its lifetime). None from ``out``: a clone as without it.
+
+        One process (TP = PP = EP = 1): no gather; the full tensors are the parameters
+        themselves, and with ``out`` the parameters whose HF tensors are pure views of them
+        are first moved into ``out``'s buffer (:meth:`relayout_params`, once): those tensors
+        are then yielded as they are (``out``'s own views, no copy), the others (fused QKV
+        split, padded vocab rows, a cast) copied into ``out``; the order follows ``out``'s
+        buffer (the engines' layout), so a consumer can send while the rest is exported.
         Raises KeyError if a parameter has no HF name or an HF tensor is left unset (rank 0),
         ValueError if shards do not tile a tensor exactly once.
         """
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
+        self.relayout_params(out)  # 1 process: builds the plan; with out, moves parameters once
+        plan = self.__dict__.get("_hf_export_plan")
+        if plan is not None:  # 1 process: the parameters are the full tensors (views); no
+            # CUDA->CPU function mode around the yields (it would tax the consumer's torch calls)
+            yield from plan.export(plan.order(out) if out is not None else sorted(plan.entries), out, dtype)
+            return
         with cpu_device_scope():
             full = gather_full_state(self.models, self.vocab_size, dst=0)
             if rank != 0:
@@ -1134,6 +1147,59 @@ class MegatronTrainer:
                     continue
                 t = t.to(dtype) if dtype is not None else t
                 yield hf_name, t.clone()
+
+    def relayout_params(self, out: Callable[[str, tuple[int, ...], torch.dtype], Tensor | None] | None = None,
+                        ) -> dict[str, int] | None:
+        """Move this trainer's parameters into ``out``'s buffer (zero-copy weight sync; see
+        :mod:`moe_async.weight_sync.relayout`), where that is exact and safe.
+
+        Only in one process (TP = PP = EP = 1, one model chunk: every tensor whole on this
+        rank) and without Megatron's distributed optimizer (whose buffers own the
+        parameters). A parameter moves when its HF tensors are views of it, in order
+        (renames; a gated ``linear_fc1`` = gate rows then up rows) and ``out`` (e.g.
+        ``BroadcastTransport.destination``) places them end to end in one buffer on the
+        parameter's device with the parameter's dtype: its bytes are copied there and
+        ``param.data`` re-pointed (the ``Parameter`` objects, hence the optimizer state, DDP's
+        gradient buffer and hooks, are unchanged). Idempotent; :meth:`export_hf_weights` calls
+        it whenever it is given ``out``. The caller must not write into ``out``'s buffer other
+        than through this trainer's export, and must not run ``train_step`` while a send of
+        that buffer is in flight.
+
+        Returns None when this trainer cannot (or ``out`` is None), else counts:
+        ``relaid_tensors``/``relaid_bytes`` (living in ``out``'s buffer), ``moved_tensors``
+        (moved by this call), ``copied_tensors``/``copied_bytes`` (copied at each export).
+        """
+        import torch.distributed as dist
+
+        from moe_async.weight_sync.relayout import WholeTensorExport, describe, whole_tensors
+
+        if "_hf_export_plan" not in self.__dict__:  # once
+            plan = None
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            a = self.family.arch_args(self.hf_config)
+            table = self.family.table(a)
+            with cpu_device_scope():  # Megatron's sharded_state_dict
+                whole = whole_tensors(self.models, self.vocab_size) if world == 1 else None
+            if whole is not None and {local_spec_name(n) for n in whole} != set(table.by_megatron):
+                whole = None  # not the mapping's names: the gather path names the difference
+            if whole is not None:
+
+                def split(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+                    rule, hs = table.by_megatron[local_spec_name(name)]
+                    return list(zip(hs, rule.split(t, a)))
+
+                plan = WholeTensorExport(whole, split)
+            self.__dict__["_hf_export_plan"] = plan
+        plan = self.__dict__["_hf_export_plan"]
+        if plan is None or out is None or self.cfg.use_distributed_optimizer:
+            return None
+        st = plan.bind(out)
+        if st["moved_tensors"]:
+            import logging
+
+            logging.getLogger(__name__).info("weight export: parameters moved into the send buffer: %s",
+                                             describe(st))
+        return st
 
     def hf_checksums(self) -> dict[str, str]:
         """``{hf_name: tensor_checksum(tensor)}`` of the current weights (sha256 of fp32 bytes;

@@ -345,7 +345,7 @@ class BroadcastTransport(WeightTransport):
         self._pack_pool = PackPool(3)  # reused flat buffers: up to 3 x bucket_bytes
         #: the engines' common ``/weights_layout`` names (their buffer order), read at connect
         self.layout: list[str] | None = None
-        self._slots: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # name -> (offset, shape, dtype)
+        self._slots: dict[str, tuple[int, tuple[int, ...], torch.dtype, int]] = {}  # name -> (offset, shape, dtype, bytes)
         self._send_nbytes = 0
         self._send_buf: torch.Tensor | None = None
         #: optional ``callback(bucket, is_last)`` after each bucket is broadcast (tests, logging)
@@ -390,14 +390,19 @@ class BroadcastTransport(WeightTransport):
 
     def _set_layout(self, layout: dict | None) -> None:
         self.layout = None if layout is None else list(layout["names"])
-        self._slots, off = {}, 0
+        slots, off = {}, 0
         if layout is not None:
             for n, s, d in zip(layout["names"], layout["shapes"], layout["dtypes"]):
                 dt = str_to_dtype(d)
-                self._slots[n] = (off, tuple(s), dt)
-                off += nbytes_of(s, dt)
-        if off != self._send_nbytes:
+                nb = nbytes_of(s, dt)
+                slots[n] = (off, tuple(s), dt, nb)
+                off += nb
+        # the send buffer is kept only for the same layout: an exporter may keep its tensors
+        # in it (MegatronTrainer.relayout_params), so its bytes are never handed out under
+        # other names; a new layout gets a new buffer (the old one lives on in the exporter)
+        if slots != self._slots:
             self._send_buf = None
+        self._slots = slots
         self._send_nbytes = off
 
     def destination(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
@@ -409,14 +414,19 @@ class BroadcastTransport(WeightTransport):
         no layout (SGLang) or ``name``/``shape``/``dtype`` differ from it: the exporter then
         makes its own copy and the bucket is packed. Memory: one copy of the model, allocated
         on first use. Use: ``send(trainer.export_hf_weights(out=transport.destination), v)``.
+
+        Only the exporter of this transport may write into these views: a 1-process
+        ``MegatronTrainer`` moves its parameters into them (``relayout_params``) and then
+        yields them without a copy (the buffer is its weights; it survives a re-connect with
+        the same layout, and a different layout gets a new buffer).
         """
         slot = self._slots.get(name)
         if slot is None or tuple(shape) != slot[1] or dtype != slot[2]:
             return None
         if self._send_buf is None:
             self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8)
-        off, shp, dt = slot
-        return self._send_buf[off: off + nbytes_of(shp, dt)].view(dt).view(shp)
+        off, shp, dt, nb = slot
+        return self._send_buf[off: off + nb].view(dt).view(shp)
 
     def _common_layout(self) -> dict | None:
         """The engines' send order when all publish the same one (embedded engines), else None

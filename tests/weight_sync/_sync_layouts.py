@@ -9,8 +9,14 @@ engine (re-creating the weight-update group; closed with /destroy_weights_update
 the end of the layout), every rank takes part in ``export_hf_weights``. For each bucket
 limit (C1: 1 byte, largest tensor - 1, the whole model; C2: 1 KiB): one train step, a sync,
 the check mode (engine /weights_checksum == trainer hf_checksums), then a second sync of the
-same weights (the exporter writing into ``transport.destination``). Then one sync through
-the DiskTransport. Rank 0 writes the results as JSON.
+same weights (the exporter writing into ``transport.destination``; at 1 process that moves
+the trainer's parameters into the send buffer, and the later steps train in it). Then one
+sync through the DiskTransport. Rank 0 writes the results as JSON.
+
+LAYOUT ``relayout`` (1 process): two trainers from MODEL_DIR, one with its parameters moved
+into a transport's send buffer (``relayout_params``), one as built; two train steps each
+(loss and grad norm recorded), exports compared, then the moved one syncs into the engine
+and the check mode compares the engine with the other one's checksums.
 """
 
 from __future__ import annotations
@@ -156,11 +162,65 @@ def run_layout(url: str, model_dir: str, layout: str) -> dict:
     return res
 
 
+def run_relayout(url: str, model_dir: str) -> dict:
+    from moe_async.engines.client import SyncEngineClient
+    from moe_async.trainer.config import TrainerConfig
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.transport import BroadcastTransport, check_engines
+
+    cfg = TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3)
+    plain = MegatronTrainer(cfg, model_dir)
+    moved = MegatronTrainer(cfg, model_dir)
+    client = SyncEngineClient(url, timeout_s=120)
+    transport = BroadcastTransport([client], WeightSyncConfig(bucket_bytes=16 * 1024, backend="gloo",
+                                                              timeout_s=120), pause_mode="in_place")
+    transport.connect()
+    res: dict = {"relayout": moved.relayout_params(transport.destination),
+                 "relayout_again": moved.relayout_params(transport.destination),
+                 "plain_relayout_without_out": plain.relayout_params()}
+    emb = dict(moved.model.named_parameters())["embedding.word_embeddings.weight"]
+    ident = {n: id(p) for n, p in moved.model.named_parameters()}
+    ss = samples()
+    res["steps"] = []
+    for _ in range(2):
+        a, b = plain.train_step(ss, ADV), moved.train_step(ss, ADV)
+        res["steps"].append({k: [a[k], b[k]] for k in ("loss", "grad_norm", "pg_loss", "entropy")})
+    dst = transport.destination("model.embed_tokens.weight", tuple(emb.shape), emb.dtype)
+    res["embedding_in_send_buffer"] = emb.data_ptr() == dst.data_ptr()
+    res["same_parameter_objects"] = ident == {n: id(p) for n, p in moved.model.named_parameters()}
+    ref = dict(plain.export_hf_weights())
+    got = list(moved.export_hf_weights(out=transport.destination))
+    res["export_equal"] = len(got) == len(ref) and all(torch.equal(ref[n], t) for n, t in got)
+    res["export_views"] = sum(t.data_ptr() == transport.destination(n, tuple(t.shape), t.dtype).data_ptr()
+                              for n, t in got)
+    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in moved.model.parameters()]
+    res["export_param_memory"] = sum(any(a <= t.data_ptr() < b for a, b in spans) for _, t in got)
+    version = client.get_weight_version() + 1
+    before = client.weights_checksum()
+    m = transport.send(moved.export_hf_weights(out=transport.destination), version)
+    sums = plain.hf_checksums()
+    try:
+        chk = check_engines([client], sums, version)
+    except Exception as ex:  # noqa: BLE001
+        chk = {"check_error": f"{type(ex).__name__}: {ex}"}
+    after = client.weights_checksum()
+    res["sync"] = {**m, **chk, "recv_copies": after["recv_copies"] - before["recv_copies"],
+                   "bytes_received": after["bytes_received"] - before["bytes_received"],
+                   "total_bytes": sum(t.numel() * t.element_size() for t in ref.values())}
+    transport.shutdown()
+    client.close()
+    moved.close()
+    plain.close()
+    return res
+
+
 def main(url: str, model_dir: str, out: str, layouts: list[str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    res = {lay: run_layout(url, model_dir, lay) for lay in layouts}
+    res = {lay: run_relayout(url, model_dir) if lay == "relayout" else run_layout(url, model_dir, lay)
+           for lay in layouts}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(res, f)

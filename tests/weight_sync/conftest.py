@@ -35,3 +35,30 @@ def tiny_shapes(tiny_engine):
     from safetensors.torch import load_file
 
     return {n: t.shape for n, t in load_file(os.path.join(tiny_engine[1], "model.safetensors")).items()}
+
+
+@pytest.fixture
+def broadcast(tiny_engine):
+    """Factory ``make(pause_mode="in_place", **cfg) -> (client, transport)``: a
+    ``SyncEngineClient`` of the tiny engine and a connected gloo ``BroadcastTransport``
+    (``WeightSyncConfig`` of 8 KiB buckets, 120 s timeouts, updated with ``cfg``); every pair
+    made is shut down after the test."""
+    from moe_async.engines.client import SyncEngineClient
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.transport import BroadcastTransport
+
+    eng, _ = tiny_engine
+    made = []
+
+    def make(pause_mode: str = "in_place", **cfg):
+        client = SyncEngineClient(eng.url, timeout_s=120)
+        cfg = {"bucket_bytes": 8 * 1024, "backend": "gloo", "timeout_s": 120, **cfg}
+        tr = BroadcastTransport([client], WeightSyncConfig(**cfg), pause_mode=pause_mode)
+        made.append((client, tr))
+        tr.connect()
+        return client, tr
+
+    yield make
+    for client, tr in made:
+        tr.shutdown()
+        client.close()

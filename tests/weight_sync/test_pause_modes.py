@@ -21,7 +21,7 @@ import torch
 
 from moe_async.engines.client import SyncEngineClient
 from moe_async.weight_sync.config import WeightSyncConfig
-from moe_async.weight_sync.transport import BroadcastTransport, check_engines
+from moe_async.weight_sync.transport import check_engines
 
 N_REQ, MAX_NEW = 4, 24
 
@@ -40,20 +40,16 @@ def _prompt(n: int, seed: int) -> list[int]:
 @pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 @pytest.mark.parametrize("mode,scope", [("abort", "sync"), ("retract", "sync"), ("in_place", "sync"),
                                         ("abort", "last_bucket"), ("in_place", "last_bucket")])
-def test_requests_in_flight_during_sync(tiny_engine, mode, scope):
+def test_requests_in_flight_during_sync(tiny_engine, broadcast, mode, scope):
     from moe_async.engines.checksum import tensor_checksum
 
     eng, model_dir = tiny_engine
     shapes = {n: t.shape for n, t in _disk_tensors(model_dir).items()}
-    client = SyncEngineClient(eng.url, timeout_s=120)
+    client, tr = broadcast(pause_mode=mode, pause_scope=scope)
     old = client.get_weight_version()
     new = old + 1
     g = torch.Generator().manual_seed(new)
     weights = {n: torch.randn(s, generator=g) * 0.05 for n, s in sorted(shapes.items())}
-    tr = BroadcastTransport([client], WeightSyncConfig(bucket_bytes=8 * 1024, backend="gloo", timeout_s=120,
-                                                             pause_scope=scope),
-                            pause_mode=mode)
-    tr.connect()
     sp = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
     outs: dict[int, object] = {}
     errs: list[BaseException] = []
@@ -96,8 +92,6 @@ def test_requests_in_flight_during_sync(tiny_engine, mode, scope):
     # after the update a new request runs on the new weights only
     o = client.generate(_prompt(6, 7), {"temperature": 0.0, "max_new_tokens": 3})
     assert set(o.output_token_weight_versions) == {new}
-    tr.shutdown()
-    client.close()
 
 
 def test_disk_fallback_serves_the_new_weights(tiny_engine, tmp_path):

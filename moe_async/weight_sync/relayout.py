@@ -1,0 +1,262 @@
+"""Zero-copy export for a trainer whose rank holds every tensor whole (1 process).
+
+The sender's one remaining copy of the model in a bucketed sync is the exporter's: every HF
+tensor is copied (and cast) into the transport's send buffer
+(:meth:`~moe_async.weight_sync.transport.BroadcastTransport.destination`, laid out in the
+engines' ``/weights_layout`` order) so that a bucket is one span. At a layout where the rank
+holds whole tensors (TP = PP = EP = 1, one process) and the engine's dtype equals the
+parameter dtype, that copy can be made once instead of per sync: each parameter whose HF
+tensors are pure views of it (a rename: embeddings, norms, routers, the output layer; or row
+blocks in order: Megatron's per-expert ``linear_fc1`` ``[2I, H]`` = gate rows then up rows,
+exactly one expert's slice of transformers' fused ``gate_up_proj [E, 2I, H]``) is moved
+INTO the send buffer (``param.data`` = a view of the span its HF tensors occupy there; the
+``Parameter`` object keeps its identity, so the optimizer's state, Megatron DDP's gradient
+buffer (``main_grad``, its own storage when the distributed optimizer is off) and every
+hook keep working). Later exports yield those views as they are, and the transport sends
+their spans without packing (:func:`~moe_async.weight_sync.transport.contiguous_span`).
+Tensors that need a real transform (a fused QKV split into q/k/v, vocab rows padded by
+Megatron, a dtype cast) are still copied into the send buffer at each export.
+
+Safety: the send buffer then IS the trainer's weights. The transport hands each name's slot
+only to its exporter and never re-uses a buffer for another layout (a re-connect with a
+different layout allocates a new one; the parameters keep the old one alive, and the next
+export moves them again). The trainer must not step while a bucket that aliases its
+parameters is being broadcast: ``BroadcastTransport.send`` returns only after the last
+broadcast completed (``wait()``) and its packing thread has stopped, and the trainer actor
+runs ``sync_weights`` and ``train_step`` one after the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from moe_async.weight_sync.transport import contiguous_span
+
+Tensor = torch.Tensor
+#: ``out(hf_name, shape, dtype) -> Tensor | None``: BroadcastTransport.destination
+Destination = Callable[[str, tuple[int, ...], torch.dtype], Tensor | None]
+
+
+Strided = tuple[tuple[int, ...], tuple[int, ...], int]  # as_strided (sizes, strides, element offset)
+
+
+@dataclass
+class _Entry:
+    name: str  # 1-process Megatron (local-spec) name
+    tensor: Tensor  # the Parameter (or buffer) holding it whole
+    rows: int | None  # vocab params: HF rows (the parameter may hold padded rows after them)
+    hf: list[tuple[str, tuple[int, ...], torch.dtype]]  # its HF tensors, in split order
+    views: bool  # the HF tensors are views that tile the parameter in order (movable)
+    strided: list[Strided] | None  # else: each HF tensor as one strided read of the parameter
+
+    def full(self) -> Tensor:
+        t = self.tensor.data
+        return t if self.rows is None or self.rows == t.shape[0] else t[: self.rows]
+
+
+def strided_layout(index: Tensor) -> Strided | None:
+    """``(sizes, strides, offset)`` such that ``x.reshape(-1).as_strided(sizes, strides, offset)``
+    reads the elements ``index`` (flat int64 positions into ``x``, in order), or None when no
+    single strided view does (non-affine, or a negative step). Dims are found innermost first:
+    the longest run of one step, tiled exactly by the rest (e.g. the q rows of Megatron's
+    fused QKV, ``[ng, q_rows_per_group * H]`` with strides ``[group_rows * H, 1]``)."""
+    cur = index.reshape(-1)
+    if cur.numel() == 0:
+        return None
+    sizes: list[int] = []
+    strides: list[int] = []
+    while cur.numel() > 1:
+        d = cur[1:] - cur[:-1]
+        step = int(d[0])
+        if step < 0:
+            return None
+        bad = (d != step).nonzero()
+        run = int(bad[0, 0]) + 1 if bad.numel() else cur.numel()
+        if cur.numel() % run:
+            return None
+        rows = cur.view(-1, run)
+        if not bool((rows == rows[:, :1] + step * torch.arange(run, dtype=cur.dtype)).all()):
+            return None
+        sizes.insert(0, run)
+        strides.insert(0, step)
+        cur = rows[:, 0].contiguous()
+    return tuple(sizes) or (1,), tuple(strides) or (1,), int(cur[0])
+
+
+def _read(t: Tensor, lay: Strided) -> Tensor:
+    """The strided view ``lay`` of contiguous ``t`` (offset relative to ``t``'s first element)."""
+    sizes, strides, off = lay
+    return t.as_strided(sizes, strides, t.storage_offset() + off)
+
+
+def whole_tensors(models: Sequence[torch.nn.Module], vocab_size: int) -> dict[str, tuple[Tensor, int | None]] | None:
+    """``{1-process Megatron name: (parameter or buffer, vocab rows or None)}`` when this
+    rank holds every tensor of the model whole (one model chunk, each name's shards all from
+    one local tensor of the full shape: TP = PP = EP = 1, one process); None otherwise.
+    Vocab tensors (:data:`~moe_async.trainer.sharding.VOCAB_PARAMS`) may hold Megatron's
+    padded rows after the ``vocab_size`` HF rows."""
+    from moe_async.trainer.sharding import VOCAB_PARAMS, local_pieces
+
+    if len(models) != 1:
+        return None
+    m = models[0]
+    tensors = dict(m.named_parameters())
+    tensors.update({n: b for n, b in m.named_buffers() if n.endswith(".router.expert_bias")})
+    by_name: dict[str, list] = {}
+    for pc in local_pieces(m):
+        by_name.setdefault(pc.name, []).append(pc)
+    out: dict[str, tuple[Tensor, int | None]] = {}
+    for name, pcs in by_name.items():
+        if len({pc.param for pc in pcs}) != 1 or not all(pc.primary for pc in pcs):
+            return None
+        p = tensors[pcs[0].param]
+        if tuple(p.shape) != pcs[0].full_shape or sum(pc.data.numel() for pc in pcs) != p.numel():
+            return None
+        out[name] = (p, vocab_size if name in VOCAB_PARAMS else None)
+    return out
+
+
+class WholeTensorExport:
+    """Export plan of a 1-process trainer (see the module docstring).
+
+    Args:
+        whole: :func:`whole_tensors`.
+        split: ``split(megatron_name, full_tensor) -> [(hf_name, tensor), ...]`` (the
+            family's mapping rule for that name, e.g. ``rule.split``); called once per name
+            here to learn the HF names/shapes and whether they are views of the parameter.
+    """
+
+    def __init__(self, whole: dict[str, tuple[Tensor, int | None]],
+                 split: Callable[[str, Tensor], list[tuple[str, Tensor]]]):
+        self.entries: dict[str, _Entry] = {}
+        self.split = split
+        for name in sorted(whole):
+            p, rows = whole[name]
+            e = _Entry(name, p, rows, [], False, None)
+            t = e.full()
+            parts = split(name, t)
+            e.hf = [(h, tuple(x.shape), x.dtype) for h, x in parts]
+            span = contiguous_span([x for _, x in parts]) if parts else None
+            nb = p.numel() * p.element_size()
+            e.views = (span is not None and p.data.is_contiguous() and span.data_ptr() == p.data_ptr()
+                       and span.numel() == nb and all(x.dtype == p.dtype for _, x in parts))
+            if not e.views and t.is_contiguous() and all(x.dtype == t.dtype for _, x in parts):
+                e.strided = self._probe(name, t, parts, split)
+            self.entries[name] = e
+
+    @staticmethod
+    def _probe(name: str, t: Tensor, parts: list[tuple[str, Tensor]],
+               split: Callable[[str, Tensor], list[tuple[str, Tensor]]]) -> list[Strided] | None:
+        """Each HF tensor of ``t`` as one strided read of it (so the export copies it once,
+        straight into its destination, instead of split + copy), or None. Found by splitting
+        the element positions of ``t`` with the same rule, and proven on the values: every
+        read equals the rule's own output bit for bit (a rule that computes is never read)."""
+        try:
+            idx = split(name, torch.arange(t.numel(), dtype=torch.int64).view(t.shape))
+        except Exception:  # noqa: BLE001 - a rule that is not a pure selection: split + copy
+            return None
+        out = []
+        for (_, pos), (_, x) in zip(idx, parts):
+            ok = (pos.dtype == torch.int64 and pos.shape == x.shape and pos.numel() > 0
+                  and 0 <= int(pos.min()) and int(pos.max()) < t.numel())
+            lay = strided_layout(pos) if ok else None
+            if lay is None or not torch.equal(_read(t, lay).reshape(x.shape), x):
+                return None
+            out.append(lay)
+        return out if len(idx) == len(parts) else None
+
+    def export(self, order: Sequence[str], out: Destination | None,
+               dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+        """``(hf_name, tensor)`` of every tensor, Megatron names in ``order``: a relaid
+        parameter's own views where ``out`` places them (no copy); else copied (cast to
+        ``dtype``) into ``out``'s tensor, or into a fresh CPU tensor without one. Tensors
+        with a strided read are copied once, straight from the parameter."""
+        for n in order:
+            e = self.entries[n]
+            t = e.full()
+            if e.strided is None:
+                parts = self.split(n, t)
+            else:
+                parts = [(h, _read(t, lay)) for (h, _, _), lay in zip(e.hf, e.strided)]
+            for (h, x), (_, shape, dt) in zip(parts, e.hf):
+                want = dtype or dt
+                dst = out(h, shape, want) if out is not None else None
+                if dst is not None and same_memory(dst, x):  # a relaid parameter's own view
+                    yield h, dst
+                    continue
+                if dst is None:
+                    dst = torch.empty(shape, dtype=want)
+                dst.view(x.shape).copy_(x)  # strided reads: x has the read's sizes
+                yield h, dst
+
+    def named(self, order: Sequence[str] | None = None) -> Iterator[tuple[str, Tensor]]:
+        """``(megatron_name, full tensor)``: views of the parameters (vocab padding dropped),
+        in ``order`` (default: sorted names)."""
+        for n in (order if order is not None else self.entries):
+            yield n, self.entries[n].full()
+
+    def order(self, out: Destination) -> list[str]:
+        """Names sorted by where ``out`` puts their first HF tensor (the engines' layout order,
+        so the transport can form bucket k while the rest is exported); names ``out`` has no
+        place for last, by name."""
+        def key(n: str):
+            h, shape, dt = self.entries[n].hf[0]
+            d = out(h, shape, dt)
+            return (0, d.untyped_storage().data_ptr(), d.data_ptr()) if d is not None else (1, 0, 0)
+
+        return sorted(self.entries, key=lambda n: (key(n), n))
+
+    @torch.no_grad()
+    def bind(self, out: Destination) -> dict[str, int]:
+        """Move every movable parameter into the span ``out`` gives its HF tensors (its bytes
+        copied there first; ``param.data`` re-pointed): skipped where it already lies, where
+        ``out`` has no place for one of them, where their places are not end to end in one
+        storage, or on another device. Idempotent; cheap when nothing moves.
+
+        Returns ``relaid_tensors``/``relaid_bytes`` (parameters now in ``out``'s buffer),
+        ``moved_tensors`` (moved by this call), ``copied_tensors``/``copied_bytes`` (the rest:
+        copied into ``out`` by each export).
+        """
+        st = dict(relaid_tensors=0, relaid_bytes=0, moved_tensors=0, copied_tensors=0, copied_bytes=0)
+        for e in self.entries.values():
+            p = e.tensor
+            nb = p.numel() * p.element_size()
+            span = None
+            if e.views:
+                h, shape, dt = e.hf[0]
+                d0 = out(h, shape, dt)
+                if d0 is not None and same_memory(d0, p.data.view(-1)[: d0.numel()].view(d0.shape)):
+                    st["relaid_tensors"] += 1  # already there (every later export)
+                    st["relaid_bytes"] += nb
+                    continue
+                dsts = [out(h, shape, dt) for h, shape, dt in e.hf]
+                if all(d is not None for d in dsts):
+                    span = contiguous_span(dsts)
+            if span is None or span.numel() != nb or span.device != p.device:
+                st["copied_tensors"] += 1
+                st["copied_bytes"] += nb
+                continue
+            if span.data_ptr() != p.data_ptr():
+                span.copy_(p.data.reshape(-1).view(torch.uint8))
+                p.data = span.view(p.dtype).view(p.shape)
+                st["moved_tensors"] += 1
+            st["relaid_tensors"] += 1
+            st["relaid_bytes"] += nb
+        return st
+
+
+def same_memory(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` are the same bytes seen the same way (no copy needed from one to the other)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.is_contiguous() and b.is_contiguous() and a.device == b.device)
+
+
+def describe(st: dict[str, Any]) -> str:
+    """One line for logs: how much of the model the export sends without a copy."""
+    tot = st["relaid_bytes"] + st["copied_bytes"]
+    return (f"{st['relaid_tensors']} tensors ({st['relaid_bytes'] / 1e6:.1f} MB, "
+            f"{100 * st['relaid_bytes'] / max(tot, 1):.0f}%) live in the send buffer, "
+            f"{st['copied_tensors']} ({st['copied_bytes'] / 1e6:.1f} MB) copied per sync")
