@@ -22,6 +22,20 @@ one replica see the same slice. The loss is ``sum(token losses) / N_global`` wit
 the loss-bearing tokens of the whole global batch (all-reduced over DP), multiplied by
 ``dp_size`` to undo DDP's gradient averaging, so losses and gradients do not depend on the
 DP split or the micro-batching. Metrics are reduced over DP/PP and equal on every rank.
+
+Context parallelism (``trainer.context_parallel_size`` C > 1): every micro-batch is padded to
+a multiple of ``C * lcm(2, TP)`` and each CP rank ``r`` runs the model on sequence chunks ``r``
+and ``2C-1-r`` of ``2C`` (Megatron-Core's ``get_batch_on_this_cp_rank``: tokens, positions,
+padding mask, next-token labels, R3 routes); RoPE slices its table per CP rank itself
+(Megatron's ``RotaryEmbedding`` with the CP group), attention runs over the CP group (TE's CP
+attention on GPU; ``moe_async.compat.cp_attention`` on CPU). The per-token logprobs are
+all-gathered over CP into token order before the loss (backward: each rank its own positions),
+so the loss, its off-policy corrections (sequence-level ones included) and
+``compute_logprobs`` see whole sequences, equal on the CP ranks; DDP averages gradients over
+DP x CP and Megatron's schedule multiplies the loss by C, so the loss stays the per-token
+mean over the global batch. Tested on CPU/gloo against 1 process: CP2, TP2+CP2, EP2+CP2,
+PP2+CP2, every model family, router replay R3 (tests/trainer/test_layouts.py). Refused: CP
+with router replay R2 or virtual pipeline stages.
 """
 
 from __future__ import annotations

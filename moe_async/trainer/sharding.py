@@ -32,6 +32,8 @@ Public API:
     local_pieces(model) -> list[Piece]             (model: a GPTModel or a list of chunks)
     load_full_state(model, full, vocab_size) -> None
     gather_full_state(model, vocab_size, dst=0) -> Iterator[(name, tensor)]  (on ``dst``)
+    cp_positions(seq_len, cp_size, cp_rank) -> Tensor   context parallelism: a CP rank's positions
+    gather_over_cp(x, group) -> Tensor                  [B, S/CP, ...] of every CP rank -> [B, S, ...]
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ VPP = ["tp1pp2vp2ep1-l4", "tp1pp2vp2ep2-l4"]
 DO2 = ["tp1pp1ep1do-tie0"]
 DO4 = ["tp1pp1ep2do-tie1", "tp2pp1ep1do-qwen3", "tp1pp2vp2ep1do-l4"]
 # context parallelism, every family (tie0 mixtral, qwen3 qwen3_moe, ds3 deepseek_v3, llama), on the
-# long samples (references "<ckpt>L"): CP2 (2 processes); TP2+CP2 with SP, EP2+CP2, PP2+CP2 (4)
+# long samples (references "<ckpt>L"): CP2 (2 processes); TP2+CP2 with SP, EP2+CP2 (qwen3, ds3), PP2+CP2 (4)
 CP2 = [f"tp1pp1ep1cp2-{ck}" for ck in ("tie0", "qwen3", "ds3", "llama")]
-CP4 = ["tp2pp1ep1cp2-tie0", "tp1pp1ep2cp2-qwen3", "tp2pp1ep1cp2-ds3", "tp1pp2ep1cp2-llama"]
+CP4 = ["tp2pp1ep1cp2-tie0", "tp1pp1ep2cp2-qwen3", "tp1pp1ep2cp2-ds3", "tp1pp2ep1cp2-llama"]
 CP = CP2 + CP4
 REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4", "tie0L", "qwen3L", "ds3L", "llamaL"]
 REL = 1e-5
