@@ -20,6 +20,11 @@ Public API:
     CpuRNGStatesTracker                    CPU RNG tracker (Megatron's tracker interface)
     applied_mends() -> list[str]           names of the mends applied in this process
     enable_cpu_wgrad_accumulation_fusion() opt-in: Megatron's gradient_accumulation_fusion on CPU
+
+Modules with spec-level mends (used by the model builder on the CPU path, not patches):
+    mla_local_attention   MLA's local core attention and q/kv down projections (deepseek_v3)
+    cp_attention          context-parallel core attention for the local spec (CP > 1; the
+                          local DotProductAttention asserts CP == 1, TE's CP attention needs CUDA)
 """
 
 from __future__ import annotations
