@@ -76,7 +76,18 @@ class TrainerConfig(BaseModel):
     adam_beta2: float = 0.98
     adam_eps: float = 1e-8
     clip_grad: float = Field(1.0, gt=0, description="Global grad-norm clip.")
-    micro_batch_size: StrictInt = Field(4, ge=1, description="Sequences per micro-batch.")
+    micro_batch_size: StrictInt = Field(4, ge=1, description="Sequences per micro-batch (the most, with max_tokens_per_micro_batch).")
+    max_tokens_per_micro_batch: StrictInt | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Dynamic micro-batch size (verl's ppo_max_token_len_per_gpu, slime's --max-tokens-per-gpu): "
+            "a micro-batch holds consecutive sequences while B x S (padded positions, S >= 64) stays "
+            "within this many tokens, at most micro_batch_size of them; a longer sequence goes alone. "
+            "None: micro_batch_size sequences each. The loss is a per-token mean over the global "
+            "batch, so the cut does not change it. Needs pipeline_model_parallel_size == 1."
+        ),
+    )
     make_vocab_size_divisible_by: int = Field(
         128,
         ge=1,
@@ -186,6 +197,13 @@ class TrainerConfig(BaseModel):
                 f"trainer.pipeline_model_parallel_size > 1 (got {self.pipeline_model_parallel_size}): Megatron-Core's "
                 "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
                 "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
+            )
+        if self.max_tokens_per_micro_batch is not None and self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} needs "
+                f"trainer.pipeline_model_parallel_size == 1 (got {self.pipeline_model_parallel_size}): "
+                "Megatron-Core's pipeline schedules exchange activations of one shape "
+                "[S, micro_batch_size, hidden] for every micro-batch"
             )
         if self.context_parallel_size > 1 and _cuda_available() and not _have_transformer_engine():
             raise ValueError(

@@ -55,6 +55,7 @@ from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.config import TrainerConfig
 from moe_async.trainer.loss import grpo_token_loss
+from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
 from moe_async.trainer.sharding import (
     cp_positions,
     gather_full_state,
@@ -529,8 +530,14 @@ class MegatronTrainer:
             self._owns_dist = False
 
     # ------------------------------------------------------------------ batching
-    def _pack(self, samples: list[Sample], advantages: list[float] | None) -> list[dict[str, Tensor]]:
-        """Right-padded micro-batches of ``cfg.micro_batch_size`` sequences.
+    def _pack(self, samples: list[Sample], advantages: list[float] | None,
+              equalize_dp: bool = False) -> list[dict[str, Tensor]]:
+        """Right-padded micro-batches of at most ``cfg.micro_batch_size`` sequences and, with
+        ``cfg.max_tokens_per_micro_batch``, at most that many padded positions ``B x S``
+        (contiguous runs of ``samples``, :func:`micro_batches.micro_batch_ranges`; a sequence
+        longer than the budget goes alone). ``equalize_dp``: the train step's DP-local slices
+        may cut into different counts; the smaller counts are split further to the DP
+        maximum (EP all-to-all and the schedule are collectives over the DP ranks).
 
         Padded length ``S``: the micro-batch's longest sequence (with PP > 1 the batch's
         longest: the p2p buffers have one shape), at least :data:`MIN_SEQ_LEN` (64), rounded
@@ -563,12 +570,16 @@ class MegatronTrainer:
                     f"sample {i}: {len(s.rollout_logprobs)} rollout_logprobs for {len(s.response_ids)} response tokens"
                 )
         fixed_len = max(lens) if self.cfg.pipeline_model_parallel_size > 1 else None
+        # S: SP splits it over TP ranks; CP into 2*CP chunks (see _seq_multiple)
+        pad = dict(min_len=MIN_SEQ_LEN, multiple=self._seq_multiple(), fixed_len=fixed_len)
+        budget = self.cfg.max_tokens_per_micro_batch
+        ranges = micro_batch_ranges(lens, mbs, budget, **pad)
+        if equalize_dp and budget is not None and self._dp_size() > 1:
+            ranges = split_to_count(ranges, int(self._dp_max(len(ranges))))
         out = []
-        for start in range(0, len(samples), mbs):
-            chunk = samples[start : start + mbs]
-            S = fixed_len or max(lens[start : start + mbs])
-            S = max(S, MIN_SEQ_LEN)
-            S = -(-S // self._seq_multiple()) * self._seq_multiple()  # SP: S/TP; CP: 2*CP chunks
+        for start, end in ranges:
+            chunk = samples[start:end]
+            S = padded_len(lens[start:end], **pad)
             B = len(chunk)
             tokens = torch.zeros(B, S, dtype=torch.long)
             loss_mask = torch.zeros(B, S - 1)
@@ -820,7 +831,7 @@ class MegatronTrainer:
 
         cfg = self.cfg
         batch, advantages = self._dp_local(batch, advantages)  # DP: this replica's slice
-        mbs_list = self._pack(batch, advantages)
+        mbs_list = self._pack(batch, advantages, equalize_dp=True)
         # --- off-policy correction (issue 7): decoupled PPO's proximal policy ---
         if cfg.off_policy_correction == "decoupled_ppo":
             self._attach_proximal_logp(batch, mbs_list)
@@ -920,7 +931,7 @@ class MegatronTrainer:
         """Decoupled PPO (Hilton et al., 2022; AReaL): ``mb["logp_old"] [B,S-1]`` float32 =
         logprobs of the response tokens under the weights BEFORE this update (recomputed with
         :meth:`compute_logprobs`, same packing), 0 elsewhere. Only the last PP stage uses it."""
-        prox = self.compute_logprobs(batch)
+        prox = self.compute_logprobs(batch, equalize_dp=True)  # DP-local batches: cut to one count
         if not prox:  # not the last pipeline stage: the loss is not computed here
             return
         i = 0
@@ -981,6 +992,17 @@ class MegatronTrainer:
         if len(self.ddp_models) == 1:
             return iter(mbs_list)
         return [iter(mbs_list) for _ in self.ddp_models]
+
+    def _dp_max(self, x: float) -> float:
+        """Max of a per-DP-rank scalar over the DP group."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self._dp_size() == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        return float(t.item())
 
     def _dp_sum(self, x: float) -> float:
         """Sum of a per-DP-rank scalar over the DP group (float64 on the DP group)."""
@@ -1053,14 +1075,16 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+    def compute_logprobs(self, samples: list[Sample], equalize_dp: bool = False) -> list[list[float]]:
         """Per-response-token logprobs (natural log, temperature 1) under the current
         weights, aligned with ``Sample.rollout_logprobs`` (entry j = log p(response_ids[j] |
         prompt, response_ids[:j])). Runs through Megatron's schedule (forward only).
 
         Collective: every rank of the world calls it with the same ``samples``; each DP
         replica computes all of them (no DP split), and the last PP stage's result is
-        broadcast over the PP group, so every rank returns the same lists."""
+        broadcast over the PP group, so every rank returns the same lists. ``equalize_dp``
+        (internal: decoupled PPO's proximal logprobs of each DP rank's own slice): DP ranks
+        holding different samples cut them into one common micro-batch count."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -1069,7 +1093,7 @@ class MegatronTrainer:
         n_real = len(samples)
         samples = self._pad_for_pp(samples)
         with cpu_device_scope():
-            mbs_list = self._pack(samples, None)
+            mbs_list = self._pack(samples, None, equalize_dp=equalize_dp)
 
             def loss_func(mb, rows_only, logits):
                 _, logp = self._token_logp(logits, mb, rows_only)

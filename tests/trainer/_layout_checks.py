@@ -95,33 +95,45 @@ def samples(seed: int = 0):
     return out
 
 
-def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie="", cp=1, long=False, replay="off"):
+# dynamic micro-batch size ("mt" layouts, trainer.max_tokens_per_micro_batch) on the long samples,
+# aux coefficient 0 (Megatron's aux loss is per micro-batch, so it changes with the cut); their
+# 1-process reference "<ckpt>M" cuts by count (micro_batch_size 2). At EP2 x DP4... see test_layouts.
+MT_BUDGET = 128
+
+
+def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie="", cp=1, long=False, replay="off",
+        max_tokens=None):
     from moe_async.trainer.config import TrainerConfig
 
     extra = {"adam_eps": L4_ADAM_EPS} if tie == "l4" or long else {}
     return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          expert_model_parallel_size=ep, context_parallel_size=cp,
                          micro_batch_size=mbs, moe_aux_loss_coeff=aux, router_replay=replay,
+                         max_tokens_per_micro_batch=max_tokens,
                          lr=1e-3, make_vocab_size_divisible_by=VOCAB_DIV, use_distributed_optimizer=dist_opt,
                          virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
 
 
 def parse(layout: str):
-    """``tp{t}pp{p}[vp{v}]ep{e}[cp{c}][do]-{checkpoint}`` -> ``(tp, pp, ep, checkpoint, dist_opt,
-    vpp, cp)``; ``vp``: virtual pipeline stages per PP rank; ``cp``: context parallel size (runs
-    on :func:`long_samples`); ``do``: Megatron's distributed optimizer."""
+    """``tp{t}pp{p}[vp{v}]ep{e}[cp{c}][do][mt]-{checkpoint}`` -> ``(tp, pp, ep, checkpoint, dist_opt,
+    vpp, cp, mt)``; ``vp``: virtual pipeline stages per PP rank; ``cp``: context parallel size (runs
+    on :func:`long_samples`); ``do``: Megatron's distributed optimizer; ``mt``: micro-batches cut
+    by the token budget :data:`MT_BUDGET` (long samples, aux 0)."""
     import re
 
     lay, tie = layout.split("-")
-    m = re.fullmatch(r"tp(\d+)pp(\d+)(?:vp(\d+))?ep(\d+)(?:cp(\d+))?(do)?", lay)
+    m = re.fullmatch(r"tp(\d+)pp(\d+)(?:vp(\d+))?ep(\d+)(?:cp(\d+))?(do)?(mt)?", lay)
     if m is None:
         raise ValueError(f"bad layout {layout!r}")
-    return int(m[1]), int(m[2]), int(m[4]), tie, m[6] is not None, int(m[3] or 1), int(m[5] or 1)
+    return (int(m[1]), int(m[2]), int(m[4]), tie, m[6] is not None, int(m[3] or 1), int(m[5] or 1),
+            m[7] is not None)
 
 
 def ref_key(layout: str) -> str:
-    """The 1-process reference of a layout: its checkpoint, + "L" for CP layouts (long samples)."""
-    return layout.split("-")[1] + ("L" if parse(layout)[6] > 1 else "")
+    """The 1-process reference of a layout: its checkpoint, + "L" for CP layouts (long samples),
+    + "M" for token-budget layouts (long samples, aux 0)."""
+    p = parse(layout)
+    return layout.split("-")[1] + ("M" if p[7] else "L" if p[6] > 1 else "")
 
 
 def rank() -> int:
@@ -139,20 +151,21 @@ def export_equals_disk(tr, path: str) -> bool | None:
 
 
 def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = False, vpp: int = 1,
-               cp: int = 1, long: bool | None = None) -> dict:
+               cp: int = 1, mt: bool = False, long: bool | None = None, aux: float | None = None) -> dict:
     """Export check, 2 steps, checksums, logprobs; then C10 (skipped with the distributed
     optimizer: the aux-loss path does not depend on the optimizer). ``long`` (default: CP > 1):
     :func:`long_samples`, all logprobs kept, the 2 steps with aux coefficient :data:`LONG_AUX`
     (so the aux loss and its gradient are compared too) and no C10 runs."""
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
-    long = cp > 1 if long is None else long
+    long = (cp > 1 or mt) if long is None else long
+    aux = (0.0 if mt else LONG_AUX if long else 0.0) if aux is None else aux
     path = os.path.join(tmp, tie)
     ss = long_samples() if long else samples()
     res: dict = {}
     t0 = time.perf_counter()
     tr = MegatronTrainer(cfg(tp, pp, ep, dist_opt=dist_opt, vpp=vpp, tie=tie, cp=cp, long=long,
-                             aux=LONG_AUX if long else 0.0), path)
+                             aux=aux, max_tokens=MT_BUDGET if mt else None), path)
     res["build_s"] = time.perf_counter() - t0
     if vpp > 1:  # global layer numbers of each chunk, per rank (Megatron's interleaved assignment)
         res["chunk_layers"] = _gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
@@ -164,7 +177,7 @@ def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = F
     for _ in range(2):
         m = tr.train_step(ss, adv_for(tie, long))
         steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "step_time_s",
-                                        "moe_aux_loss")})
+                                        "moe_aux_loss", "num_microbatches")})
     res["steps"] = steps
     res["checksums_agree_on_ranks"] = _same_on_all_ranks(tr.hf_checksums())
     lp = tr.compute_logprobs(ss[:3])
@@ -553,6 +566,7 @@ def main_ref(tmp: str) -> None:
         res[tie] = run_layout(tmp, 1, 1, 1, tie)
     for tie in CP_CKPTS:  # references of the context-parallel layouts
         res[f"{tie}L"] = run_layout(tmp, 1, 1, 1, tie, long=True)
+    res["tie0M"] = run_layout(tmp, 1, 1, 1, "tie0", long=True, aux=0.0)  # reference of the "mt" layouts
     res["r3_ref"] = r3_run(tmp)
     res["vpp_ckpt_ref"] = vpp_ckpt_ref(tmp)
     for name in ("qwen3", "qwen3n"):

@@ -46,7 +46,13 @@ DO4 = ["tp1pp1ep2do-tie1", "tp2pp1ep1do-qwen3", "tp1pp2vp2ep1do-l4"]
 CP2 = [f"tp1pp1ep1cp2-{ck}" for ck in ("tie0", "qwen3", "ds3", "llama")]
 CP4 = ["tp2pp1ep1cp2-tie0", "tp1pp1ep2cp2-qwen3", "tp1pp1ep2cp2-ds3", "tp1pp2ep1cp2-llama"]
 CP = CP2 + CP4
-REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4", "tie0L", "qwen3L", "ds3L", "llamaL"]
+# dynamic micro-batch size (trainer.max_tokens_per_micro_batch = 128 padded positions) on the long
+# samples, aux 0; reference "tie0M" (1 process, micro_batch_size 2): DP2 (2 processes), EP2 x DP4 (4).
+# The DP ranks' slices cut into different counts (e.g. 2 and 3 at DP2) and are equalised
+MT2 = ["tp1pp1ep1mt-tie0"]
+MT4 = ["tp1pp1ep2mt-tie0"]
+MT = MT2 + MT4
+REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4", "tie0L", "qwen3L", "ds3L", "llamaL", "tie0M"]
 REL = 1e-5
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
@@ -82,9 +88,9 @@ def _torchrun(n: int, tmp: str, out: str, layouts: list[str]) -> float:
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("layouts"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
-    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp"])
+    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2])
     times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=120)
-    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4])
+    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4])
     out = {}
     for name in ("ref", "w2", "w4", "cpck_load"):
         with open(os.path.join(tmp, f"{name}.json")) as f:
@@ -99,17 +105,19 @@ def _rel(a: float, b: float) -> float:
 
 
 def _ref_key(layout: str) -> str:
-    """1-process reference: the checkpoint's, on the long samples ("<ckpt>L") for CP layouts."""
-    return layout.split("-")[1] + ("L" if "cp" in layout.split("-")[0] else "")
+    """1-process reference: the checkpoint's, on the long samples ("<ckpt>L") for CP layouts,
+    "<ckpt>M" (long samples, aux 0) for token-budget ("mt") layouts."""
+    lay = layout.split("-")[0]
+    return layout.split("-")[1] + ("M" if lay.endswith("mt") else "L" if "cp" in lay else "")
 
 
-@pytest.mark.parametrize("layout", W2 + W4 + DO2 + DO4 + CP)
+@pytest.mark.parametrize("layout", W2 + W4 + DO2 + DO4 + CP + MT)
 def test_layout_equals_one_process(res, layout):
     ref = res[_ref_key(layout)]
     got = res[layout]
     assert len(got["steps"]) == 2
     # short samples: 50 response tokens, sample 4 (5 tokens) weight 0; long: 298, sample 3 (19) weight 0
-    n_tok = 279 if layout in CP else 45
+    n_tok = 279 if layout in CP + MT else 45
     for s, r in zip(got["steps"], ref["steps"]):
         assert s["num_tokens"] == r["num_tokens"] == n_tok
         assert _rel(s["loss"], r["loss"]) <= REL, (s["loss"], r["loss"])
@@ -122,13 +130,13 @@ def test_layout_equals_one_process(res, layout):
         assert max(abs(a - b) for a, b in zip(x, y)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", REFS + W2 + W4 + DO2 + DO4 + CP)
+@pytest.mark.parametrize("layout", REFS + W2 + W4 + DO2 + DO4 + CP + MT)
 def test_export_bit_exact_after_load(res, layout):
     assert res[layout]["export_equals_disk"] is True
     assert res[layout]["checksums_agree_on_ranks"] is True
 
 
-@pytest.mark.parametrize("layout", [x for x in REFS + W2 + W4 if not x.endswith("L")])
+@pytest.mark.parametrize("layout", [x for x in REFS + W2 + W4 if not x.endswith(("L", "M"))])
 def test_c10_aux_loss_on_every_layout(res, layout):
     """C10: loss - pg_loss == 0.01 x aux (and 0.02 x aux); with zero advantages only the aux
     loss drives the gradient, and doubling its coefficient doubles the gradient exactly."""
@@ -277,3 +285,14 @@ def test_cp_checkpoint_loads_at_one_process(res):
     assert l1["loaded"] == c["saved"] and l1["version"] == c["version"] == 1
     for k in ("loss", "grad_norm"):
         assert _rel(l1["next"][k], c["next"][k]) <= REL, (k, l1["next"][k], c["next"][k])
+
+
+@pytest.mark.parametrize("layout,want", [("tie0M", 4), ("tp1pp1ep1mt-tie0", 3), ("tp1pp1ep2mt-tie0", 2)])
+def test_token_budget_micro_batches(res, layout, want):
+    """Micro-batch counts on rank 0 (long samples of 31..72 tokens, 128-position budget, >= 64
+    positions each): 1 process, count cut (8 samples / micro_batch_size 2) = 4; DP2: rank 0's
+    slice (60, 59, 60, 31 tokens) cuts into 2, rank 1's (72, 64, 62, 48) into 3: equalised to 3;
+    EP2 x DP4: rank 0's (60, 59) fits one micro-batch, rank 2's (72, 64) needs two: equalised
+    to 2 (unequal counts would leave EP's all-to-all unmatched). The losses equal 1 process
+    (test_layout_equals_one_process)."""
+    assert [s["num_microbatches"] for s in res[layout]["steps"]] == [want, want]

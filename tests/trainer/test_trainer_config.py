@@ -35,3 +35,16 @@ def test_context_parallel_needs_transformer_engine_with_cuda(monkeypatch):
 def test_distributed_optimizer_switch():
     assert TrainerConfig().use_distributed_optimizer is False
     assert TrainerConfig(use_distributed_optimizer=True).use_distributed_optimizer is True
+
+
+def test_token_budget_needs_pp1():
+    import pytest as _pt
+    from pydantic import ValidationError
+
+    from moe_async.trainer.config import TrainerConfig
+
+    assert TrainerConfig(max_tokens_per_micro_batch=4096).max_tokens_per_micro_batch == 4096
+    with _pt.raises(ValidationError, match="trainer.max_tokens_per_micro_batch=4096 needs"):
+        TrainerConfig(max_tokens_per_micro_batch=4096, pipeline_model_parallel_size=2)
+    with _pt.raises(ValidationError, match="max_tokens_per_micro_batch"):
+        TrainerConfig(max_tokens_per_micro_batch=0)
