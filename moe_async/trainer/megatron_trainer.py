@@ -158,6 +158,11 @@ class MegatronTrainer:
                     f"Megatron parallel state already initialised with (tp, pp, ep, vpp, cp)={got}, "
                     f"this trainer wants {(tp, pp, ep, self._vpp, cp)}"
                 )
+            if ps.get_expert_tensor_parallel_world_size() != cfg.expert_tensor_parallel_size:
+                raise RuntimeError(
+                    f"Megatron parallel state already initialised with expert_tensor_parallel_size="
+                    f"{ps.get_expert_tensor_parallel_world_size()}, this trainer wants "
+                    f"trainer.expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}")
         else:
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=tp,

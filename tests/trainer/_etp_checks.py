@@ -177,13 +177,26 @@ def ckpt(tmp: str) -> dict:
 
 
 def refuse(tmp: str) -> dict:
+    """ETP 4 with an expert FFN of 90: ValueError naming the field; a parallel state already
+    initialised at ETP1 (EP2, by the caller) and a trainer wanting ETP2: RuntimeError."""
+    from megatron.core import parallel_state as ps
+
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
+    out: dict = {}
     try:
         MegatronTrainer(cfg(1, 1, 4), os.path.join(tmp, "qwen3odd")).close()
-        return {"error": None}
+        out["error"] = None
     except ValueError as e:
-        return {"error": str(e)}
+        out["error"] = str(e)
+    ps.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    try:
+        MegatronTrainer(cfg(1, 2, 2), os.path.join(tmp, "mixtral")).close()
+        out["initialised_error"] = None
+    except RuntimeError as e:
+        out["initialised_error"] = str(e)
+    ps.destroy_model_parallel()
+    return out
 
 
 def main_ref(tmp: str) -> None:

@@ -135,6 +135,8 @@ def test_refusals_name_the_field(res):
     assert res["after_refusal_builds"] is True  # the refused trainer released its process group
     ffn = res["refuse"]["error"]
     assert "trainer.expert_tensor_parallel_size=4" in ffn and "moe_ffn_hidden_size=90" in ffn
+    ini = res["refuse"]["initialised_error"]  # Megatron's state set up by the caller at ETP1
+    assert "expert_tensor_parallel_size=1" in ini and "trainer.expert_tensor_parallel_size=2" in ini
 
 
 @pytest.mark.parametrize("bad", [0, True, 2.0, "2"])
