@@ -277,7 +277,7 @@ def check_single_process_trainer(cfg: ExperimentConfig) -> None:
     """
     t = cfg.trainer
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                 "context_parallel_size", "virtual_pipeline_model_parallel_size"):
+                 "context_parallel_size", "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
         v = getattr(t, name, None) or 1
         if v > 1:
             raise UserInputError(
