@@ -72,18 +72,20 @@ Public API:
     megatron_to_hf_checkpoint(megatron_dir, hf_config_dir, out_dir, max_shard_size="5GB",
                               tp=1, pp=1, ep=1, progress=True, vocab_div=None, fsync=False) -> dict
     check_layout(hf_cfg, tp, pp, ep, world=None)   ValueError naming flag + field
+    check_out_dir(out_dir, flag="--out")   FileExistsError: a file, a non-empty dir, under a file
+    read_torch_dist_metadata(megatron_dir)   DCP Metadata; errors name metadata.json / .metadata
     parallel_layout(tp, pp, ep)        context: process group + Megatron parallel state
     save_strategy(threads=0, fsync=False)  torch_dist save strategy used here (0: in-process)
     in_process_save_strategy(fsync=False)  Megatron's torch_dist strategy, in-process writer
-    mmap_load_strategy()               Megatron's torch_dist load strategy, mmap reader
+    mmap_load_strategy(adopt=None, metadata=None)   torch_dist load strategy, mmap reader
     whole_glu_tensors(sharded_state_dict) -> int   contiguous SwiGLU fc1 factories -> 1 tensor
     read_json_file(path, what=""); read_hf_config(hf_dir) -> dict   (errors name the file)
     is_optimizer_key(key) -> bool      torch_dist key of Megatron optimizer state
-    saved_vocab_rows(megatron_dir)     padded vocab rows of a torch_dist checkpoint
+    saved_vocab_rows(megatron_dir, metadata=None)   padded vocab rows of a torch_dist checkpoint
     build_model(hf_config, tp, pp, ep, params_dtype="fp32", vocab_div=128, padded_vocab=None)
         -> (GPTModel, hf_vocab_size)
     load_hf_into_model(model, hf_config, index, vocab_size)   (HF files -> this rank's shards)
-    load_megatron_into_model(model, megatron_dir)            (strict torch_dist load)
+    load_megatron_into_model(model, megatron_dir, metadata=None)   (strict torch_dist load)
     read_hf_index(hf_dir) -> dict[str, str]   (HF key -> file); iter_hf_tensors(hf_dir)
     ShardWriter(out_dir, max_bytes, fsync=False)   (sharded safetensors + index json)
     parse_size(text) -> int                   ("5GB" -> bytes)
@@ -155,6 +157,10 @@ HF_SIDE_FILES = (
     "chat_template.json",
 )
 META_NAME = "moe_async_convert.json"
+# Byte alignment of each item in the .distcp files this module writes (padding between items,
+# which DCP's offsets skip); torch.save aligns a tensor's data to 64 bytes within its item,
+# so a memory-mapped read finds every tensor aligned and can use it in place.
+ITEM_ALIGN = 64
 # Megatron-Core's default make_vocab_size_divisible_by (Megatron-LM); only the stored shape
 # depends on it, the HF tensors never (padding rows are zeros, dropped on export).
 DEFAULT_VOCAB_DIV = 128
@@ -265,6 +271,38 @@ def parallel_layout(tp: int, pp: int, ep: int):
         ps.destroy_model_parallel()
         if own_pg:
             _destroy_process_groups()
+
+
+@contextlib.contextmanager
+def _no_device_scope():
+    """Suspend the CPU compat layer's ``CudaToCpuMode`` (when it is the innermost torch
+    function mode) for code that only moves CPU tensors and never names a CUDA device: the
+    mode costs a Python call on every torch op and tensor attribute (``.shape``,
+    ``.data_ptr()``), ~15k of them per conversion of a 4-layer MoE. No-op otherwise (CUDA,
+    no mode, or another mode on top)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from moe_async.compat import CudaToCpuMode
+
+    stack = _get_current_function_mode_stack()
+    if not stack or not isinstance(stack[-1], CudaToCpuMode):
+        yield
+        return
+    from torch.overrides import _pop_mode_temporarily
+
+    with _pop_mode_temporarily():
+        yield
+
+
+def _cpu_tensors_only(fn):
+    """Decorator: run ``fn`` under :func:`_no_device_scope`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _no_device_scope():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _destroy_process_groups() -> None:
@@ -409,6 +447,7 @@ def check_hf_keys(fam, a, index: dict[str, str], progress: bool = False) -> dict
 
 
 @torch.no_grad()
+@_cpu_tensors_only
 def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: int,
                        progress: bool = True) -> dict[str, Any]:
     """Copy this rank's slices of the HF checkpoint (``index``: key -> file) into ``model``,
@@ -477,15 +516,15 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
                 continue
             full = rule.fuse([pending[x] for x in hs], a)
             full = _fit_vocab(m, full, pcs[0].full_shape, vocab_size)
-            for pc in pcs:
-                p = tensors[pc.param]
-                if (len(pcs) == 1 and pc.data.data_ptr() == p.data_ptr() and pc.data.numel() == p.numel()
-                        and full.shape == p.shape and full.dtype == p.dtype and full.device == p.device
-                        and full.is_contiguous()):
-                    # this rank holds the whole tensor: the parameter takes the tensor just
-                    # read (no copy, and its never-touched allocation is freed unfaulted)
-                    p.data = full
-                else:
+            p = _whole_param(pcs, tensors)
+            if (p is not None and full.shape == p.shape and full.dtype == p.dtype and full.device == p.device
+                    and full.is_contiguous()):
+                # this rank holds the whole tensor (one piece, or pieces tiling the parameter:
+                # SwiGLU fc1 halves): the parameter takes the tensor just read or fused (no
+                # copy, and its never-touched allocation is freed unfaulted)
+                p.data = full
+            else:
+                for pc in pcs:
                     pc.data.copy_(full[pc.index()].to(dtype=pc.data.dtype, device=pc.data.device))
             done.add(m)
             for x in hs:
@@ -595,6 +634,7 @@ def _in_process_classes() -> tuple:
                 return None, None, []
             return self.write_in_process, None, []
 
+        @_cpu_tensors_only
         def write_in_process(self) -> None:
             transforms = [self.transforms] if hasattr(self, "transforms") else []
             crc = torch.serialization.get_crc32_options()
@@ -604,6 +644,9 @@ def _in_process_classes() -> tuple:
                 for path, key, (byte_items, tensor_items) in self.write_buckets:
                     with open(path, "wb") as f:
                         for item, data in byte_items + tensor_items:
+                            pad = -f.tell() % ITEM_ALIGN
+                            if pad:  # items start aligned: a mapped read can use the data in place
+                                f.write(b"\0" * pad)
                             results.append(_write_item(*transforms, f, data, item, key, **write_kw))
                         if self.fsync:
                             f.flush()
@@ -642,6 +685,7 @@ def _in_process_classes() -> tuple:
     return InProcessWriter, InProcessSaveStrategy
 
 
+@_cpu_tensors_only
 def whole_glu_tensors(sharded_state_dict: dict) -> int:
     """Replace, in place, each Megatron SwiGLU ``linear_fc1`` ``ShardedTensorFactory`` whose two
     halves (gate ``w``, up ``v``) are, in this order, ONE contiguous range of the global
@@ -735,6 +779,22 @@ def read_hf_config(hf_dir: str) -> dict:
     return _json_object(p, "HF config")
 
 
+def check_out_dir(out_dir: str, flag: str = "--out") -> None:
+    """Refuse an output dir that cannot take a conversion: FileExistsError naming ``flag`` and
+    the path when it is an existing file, a non-empty directory, or lies under a file."""
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise FileExistsError(f"{flag} {out_dir} is an existing file, not a directory")
+        if os.listdir(out_dir):
+            raise FileExistsError(f"{flag} {out_dir} exists and is not empty")
+        return
+    up = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise FileExistsError(f"{flag} {out_dir} cannot be created: {up} is a file, not a directory")
+
+
 def _layout_world() -> int:
     """World size of this run: the process group's, else ``WORLD_SIZE`` (torchrun), else 1."""
     import torch.distributed as dist
@@ -810,6 +870,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     fam = get_family(hf_cfg.get("model_type"))
     a = fam.arch_args(hf_cfg)  # refuses an unsupported config, naming the field
     check_layout(hf_cfg, tp, pp, ep)
+    check_out_dir(out_dir)
     index = read_hf_index(hf_dir)
     check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
     dtype = _dtype_of(hf_cfg, index)
@@ -822,8 +883,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and _rank() == 0)
         clock.mark("read_map_copy_s")
         if _rank() == 0:
-            if os.path.exists(out_dir) and os.listdir(out_dir):
-                raise FileExistsError(f"{out_dir} exists and is not empty")
+            check_out_dir(out_dir)
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
         sd = model.sharded_state_dict()
@@ -858,7 +918,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
 
 
 
-def mmap_load_strategy():
+def mmap_load_strategy(adopt: list[Tensor] | None = None, metadata=None):
     """A ``torch_dist`` load strategy that reads tensor items through a memory map.
 
     Megatron-Core's ``TorchDistLoadShardedStrategy`` (same key translation, ``MCoreLoadPlanner``,
@@ -871,13 +931,26 @@ def mmap_load_strategy():
     into the target tensor, where DCP's ``FileSystemReader`` reads each item into a new
     buffer (``torch.load`` of the file slice) and then copies that into the target. Items
     with DCP storage transforms, byte items, and a torch without this private API go the
-    stock way."""
-    return _mmap_classes()[1]()
+    stock way.
+
+    ``adopt``: whole tensors (a model's parameters) that need not be written at all: a
+    request whose target is one of them, whole, read from ONE item of the same dtype and
+    shape (contiguous, aligned) leaves the target untouched and records the mapped item in
+    the strategy's ``adopted`` (``{target data_ptr: mapped tensor}``, filled by ``load``);
+    the caller must then re-point each such tensor (``p.data = adopted[p.data_ptr()]``), or
+    it keeps its old, unread contents. The mapping is private (copy-on-write): writes to an
+    adopted tensor never reach the file, and the file may be removed while it is in use.
+
+    ``metadata``: the checkpoint's DCP ``Metadata`` already read (:func:`read_torch_dist_metadata`),
+    used instead of reading ``.metadata`` again. A ``.distcp`` file shorter than its items'
+    extents, or an item that does not deserialise, is a ValueError naming the file."""
+    return _mmap_classes()[1](adopt=adopt, metadata=metadata)
 
 
 @functools.cache
 def _mmap_classes() -> tuple:
-    """(reader class, load strategy class), defined once Megatron-Core is imported."""
+    """(reader class, load strategy class, common-state load strategy class), defined once
+    Megatron-Core is imported."""
     import inspect
     from typing import cast
 
@@ -896,16 +969,44 @@ def _mmap_classes() -> tuple:
         _unwrap_pyt_sharded_tensor,
         mcore_to_pyt_state_dict,
     )
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
     from torch.distributed import checkpoint
     from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType
 
     have_mmap_load = (hasattr(ts, "_load") and "overall_storage" in inspect.signature(ts._load).parameters
                       and hasattr(torch._C, "PyTorchFileReader") and hasattr(ts, "_weights_only_unpickler"))
 
     class MmapReader(CachedMetadataFileSystemReader):
-        """``FileSystemReader`` reading tensor items from a memory map of their file."""
+        """``FileSystemReader`` reading tensor items from a memory map of their file.
 
+        ``adoptable``: ``{data_ptr: tensor}`` of whole tensors (parameters) that may take the
+        mapped item itself instead of a copy of it; such targets are left unwritten and listed
+        in ``adopted`` (``{data_ptr: mapped tensor}``) for the caller to re-point."""
+
+        def __init__(self, *args, adoptable: dict[int, Tensor] | None = None, metadata=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.adoptable = adoptable or {}
+            self.adopted: dict[int, Tensor] = {}
+            self._cached_metadata = metadata
+
+        def _adopt(self, req, target: Tensor, t: Tensor) -> bool:
+            # the target must be the whole adoptable tensor (possibly viewed with Megatron's
+            # prepended layer / expert axes), read from one contiguous, aligned item region
+            p = self.adoptable.get(target.data_ptr())
+            if (p is None or target.data_ptr() in self.adopted or p.numel() != target.numel()
+                    or not p.is_contiguous() or not target.is_contiguous() or not t.is_contiguous()
+                    or p.dtype != target.dtype or t.dtype != target.dtype or t.shape != target.shape
+                    or t.data_ptr() % ITEM_ALIGN):
+                return False
+            self.adopted[target.data_ptr()] = t.view(p.shape)
+            return True
+
+        @_cpu_tensors_only
         def read_data(self, plan, planner):
             if not have_mmap_load:
                 return super().read_data(plan, planner)
@@ -919,18 +1020,30 @@ def _mmap_classes() -> tuple:
                     per_file.setdefault(md.relative_path, []).append(req)
             for rel, reqs in per_file.items():
                 path = str(self.fs.concat_path(self.path, rel))
-                mapped = torch.UntypedStorage.from_file(path, False, os.path.getsize(path))
+                size = os.path.getsize(path)
+                end = max(self.storage_data[r.storage_index].offset + self.storage_data[r.storage_index].length
+                          for r in reqs)
+                if size < end:
+                    raise ValueError(f"{path} (torch_dist data) is truncated: {size} bytes, its items in "
+                                     f".metadata end at byte {end}")
+                mapped = torch.UntypedStorage.from_file(path, False, size)
                 with open(path, "rb") as stream:
                     for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                         md = self.storage_data[req.storage_index]
-                        zf = torch._C.PyTorchFileReader(self._slice_file(stream, md))
-                        t = ts._load(zf, "cpu", ts._weights_only_unpickler,
-                                     overall_storage=mapped[md.offset: md.offset + md.length])
+                        try:
+                            zf = torch._C.PyTorchFileReader(self._slice_file(stream, md))
+                            t = ts._load(zf, "cpu", ts._weights_only_unpickler,
+                                         overall_storage=mapped[md.offset: md.offset + md.length])
+                        except Exception as e:  # noqa: BLE001 - zip / unpickling errors of a corrupt item
+                            raise ValueError(f"{path} (torch_dist data): the item at byte {md.offset} "
+                                             f"({md.length} bytes) cannot be read, corrupt file: "
+                                             f"{type(e).__name__}: {e}") from None
                         t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
                         target = planner.resolve_tensor(req).detach()
                         if target.size() != t.size():
                             raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {t.size()}")
-                        target.copy_(t)
+                        if not self._adopt(req, target, t):
+                            target.copy_(t)
                         planner.commit_tensor(req, target)
                 del mapped
             if stock:
@@ -942,6 +1055,28 @@ def _mmap_classes() -> tuple:
     class MmapLoadStrategy(TorchDistLoadShardedStrategy):
         """``TorchDistLoadShardedStrategy`` reading through :class:`MmapReader`."""
 
+        def __init__(self, adopt: list[Tensor] | None = None, metadata=None):
+            super().__init__()
+            self.adoptable = {t.data_ptr(): t for t in (adopt or ()) if t.numel()}
+            self.adopted: dict[int, Tensor] = {}
+            self.metadata = metadata
+
+        def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+            return super().load_tensors_metadata(checkpoint_dir, metadata or self.metadata)
+
+        def load_sharded_metadata(self, checkpoint_dir):
+            if self.metadata is None:
+                return super().load_sharded_metadata(checkpoint_dir)
+            # Megatron-Core 0.16.1 TorchDistLoadShardedStrategy.load_sharded_metadata, on the
+            # metadata already read
+            out = {}
+            for key, smd in self.metadata.state_dict_metadata.items():
+                if isinstance(smd, BytesStorageMetadata):
+                    obj = ShardedObject.empty_from_unique_key(key)
+                    out[obj.unique_key] = obj
+            out.update(self.load_tensors_metadata(checkpoint_dir, self.metadata))
+            return out
+
         def load(self, sharded_state_dict, checkpoint_dir):
             # Megatron-Core 0.16.1 TorchDistLoadShardedStrategy.load, with another reader
             shape_checked = [t for t in nested_values(sharded_state_dict)
@@ -952,36 +1087,61 @@ def _mmap_classes() -> tuple:
             sharded_state_dict, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict)
             pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
-            reader = MmapReader(checkpoint_dir)
-            checkpoint.load_state_dict(pyt_state_dict, reader, planner=MCoreLoadPlanner(
-                shapes_validation_sharded_tensors=shape_checked, allow_shape_mismatch_sharded_tensors=shape_free))
+            reader = MmapReader(checkpoint_dir, adoptable=self.adoptable, metadata=self.metadata)
+            try:
+                checkpoint.load_state_dict(pyt_state_dict, reader, planner=MCoreLoadPlanner(
+                    shapes_validation_sharded_tensors=shape_checked, allow_shape_mismatch_sharded_tensors=shape_free))
+            except CheckpointException as e:  # DCP wraps each rank's error: raise a file-naming one as is
+                for exc in e.failures.values():
+                    exc = exc[0] if isinstance(exc, tuple) else exc
+                    if isinstance(exc, ValueError):
+                        raise exc from None
+                raise
+            self.adopted = reader.adopted
             self.cached_global_metadata = reader.read_metadata()
             out = {k: _unwrap_pyt_sharded_tensor(v) for k, v in cast(dict, pyt_state_dict).items()}
             out = _replace_sharded_keys_with_state_dict_keys(out, flat_mapping, rename_mapping)
             _restore_dict_types(out, orig)
             return out
 
-    return MmapReader, MmapLoadStrategy
+    class CommonLoadStrategy(TorchCommonLoadStrategy):
+        """Megatron's ``common.pt`` loader with a truncated or corrupt file named in the error."""
+
+        def load_common(self, checkpoint_dir):
+            try:
+                return super().load_common(checkpoint_dir)
+            except CheckpointingException:
+                raise
+            except Exception as e:  # noqa: BLE001 - torch.load raises many kinds on a cut file
+                p = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
+                raise ValueError(f"{p} (torch_dist common state) cannot be read, truncated or corrupt: "
+                                 f"{type(e).__name__}: {e}") from None
+
+    return MmapReader, MmapLoadStrategy, CommonLoadStrategy
 
 
 # ------------------------------------------------------------------------- Megatron -> HF
-def load_megatron_into_model(model, megatron_dir: str) -> None:
+def load_megatron_into_model(model, megatron_dir: str, metadata=None) -> None:
     """``dist_checkpointing.load`` of the ``model`` part of a torch_dist checkpoint into
     ``model`` (any saved layout), read by :func:`mmap_load_strategy` straight into the
     parameters: SwiGLU fc1 tensors whole (:func:`whole_glu_tensors`), the vocab-padded
     tensors not zero-filled first when the checkpoint has the model's padded shape, and the
     final ``load_state_dict`` copying only tensors that were not loaded in place. KeyError
     naming checkpoint tensors the model does not use or model tensors absent from the
-    checkpoint."""
+    checkpoint. ``metadata``: the checkpoint's :func:`read_torch_dist_metadata` (read when
+    not given; used for every metadata lookup of the load). A truncated or corrupt
+    ``metadata.json``, ``.metadata``, ``common.pt`` or ``.distcp`` file is a ValueError naming
+    the file."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    from torch.distributed.checkpoint import FileSystemReader
 
+    if metadata is None:
+        metadata = read_torch_dist_metadata(megatron_dir)
     sd = model.sharded_state_dict()
     whole_glu_tensors(sd)
-    md = FileSystemReader(megatron_dir).read_metadata().state_dict_metadata
+    md = metadata.state_dict_metadata
     for t in nested_values(sd):
         # Megatron zero-fills a vocab-padded tensor before the load (rows the checkpoint may
         # lack); at the saved padded shape every element is read
@@ -990,9 +1150,14 @@ def load_megatron_into_model(model, megatron_dir: str) -> None:
             t.allow_shape_mismatch = False
     # Megatron's naming: "unexpected" = requested by the model but absent from the checkpoint,
     # "missing" = in the checkpoint but not requested.
+    # the plain tensors' targets may take the mapped items themselves (no copy): re-pointed below
+    strategy = mmap_load_strategy(adopt=[t.data for t in nested_values(sd) if isinstance(t, ShardedTensor)
+                                         and t.flattened_range is None], metadata=metadata)
     loaded, in_ckpt_only, absent = dist_checkpointing.load(
-        {"model": sd}, megatron_dir, sharded_strategy=mmap_load_strategy(), strict=StrictHandling.RETURN_ALL
+        {"model": sd}, megatron_dir, sharded_strategy=strategy, common_strategy=_mmap_classes()[2](),
+        strict=StrictHandling.RETURN_ALL,
     )
+    repointed = _adopt_mapped(model, strategy)
     missing = sorted(absent)
     # optimizer state saved by MegatronTrainer.save_checkpoint is not a model tensor
     unexpected = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
@@ -1004,19 +1169,46 @@ def load_megatron_into_model(model, megatron_dir: str) -> None:
         )
     state = model.state_dict(keep_vars=True)
     got = loaded["model"]
-    if set(got) != set(state):  # let load_state_dict name the difference
-        model.load_state_dict(got)
+    # a module's extra state that its sharded_state_dict leaves out (Megatron's output layer,
+    # ColumnParallelLinear without TE: None) is nothing to load
+    extra = {k for k in set(state) - set(got) if k.endswith("._extra_state") and state[k] is None}
+    if set(got) != set(state) - extra:  # let load_state_dict name the difference
+        model.load_state_dict({k: state[k] if isinstance(v, Tensor) and v.data_ptr() in repointed and k in state else v
+                               for k, v in got.items()})
         return
 
     def in_place(k: str) -> bool:
         v, p = got[k], state[k]
-        return (isinstance(v, Tensor) and isinstance(p, Tensor) and v.data_ptr() == p.data_ptr()
+        return (isinstance(v, Tensor) and isinstance(p, Tensor)
+                and repointed.get(v.data_ptr(), v.data_ptr()) == p.data_ptr()
                 and v.dtype == p.dtype and v.shape == p.shape and v.stride() == p.stride())
 
     rest = {k: v for k, v in got.items() if not in_place(k)}
     res = model.load_state_dict(rest, strict=False)
-    if res.unexpected_keys or set(res.missing_keys) - (set(got) - set(rest)):  # pragma: no cover
+    if res.unexpected_keys or set(res.missing_keys) - (set(got) - set(rest)) - extra:  # pragma: no cover
         raise KeyError(f"Megatron -> HF conversion: load_state_dict {res}")
+
+
+def _adopt_mapped(model, strategy) -> dict[int, int]:
+    """After a load by ``mmap_load_strategy(adopt=...)``: each parameter / buffer of ``model``
+    whose (unwritten) storage a mapped item was adopted for takes that item as its data
+    (``p.data = item``); an adopted target that is no parameter of ``model`` gets the item
+    copied into it instead. Returns ``{old data_ptr: new data_ptr}`` of the re-pointed tensors."""
+    adopted = dict(strategy.adopted)
+    moved: dict[int, int] = {}
+    for _, p in list(model.named_parameters()) + list(model.named_buffers()):
+        t = adopted.pop(p.data_ptr(), None) if p.numel() else None
+        if t is None:
+            continue
+        if p.shape != t.shape or p.dtype != t.dtype or p.stride() != t.stride():  # pragma: no cover - checked on read
+            strategy.adoptable[p.data_ptr()].copy_(t)
+            continue
+        moved[p.data_ptr()] = t.data_ptr()
+        p.data = t
+    for ptr, t in adopted.items():  # targets that are views of no parameter
+        strategy.adoptable[ptr].copy_(t)
+    strategy.adopted = {}
+    return moved
 
 
 def is_optimizer_key(key: str) -> bool:
@@ -1025,25 +1217,43 @@ def is_optimizer_key(key: str) -> bool:
     return re.match(r"(chained_\d+\.)?optimizer\.", key) is not None
 
 
-def saved_vocab_rows(megatron_dir: str) -> int | None:
-    """Rows of the saved (padded) embedding / output layer of a torch_dist checkpoint."""
+def read_torch_dist_metadata(megatron_dir: str):
+    """DCP ``Metadata`` of the torch_dist checkpoint in ``megatron_dir`` (its ``.metadata``
+    file), after reading Megatron's ``metadata.json`` as JSON. FileNotFoundError naming the
+    dir when either file is absent; ValueError naming the file when it does not parse
+    (truncated or corrupt)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    md = FileSystemReader(megatron_dir).read_metadata().state_dict_metadata
+    mj = os.path.join(megatron_dir, "metadata.json")
+    if not os.path.exists(mj):
+        raise FileNotFoundError(f"{megatron_dir} is not a Megatron torch_dist checkpoint: no metadata.json")
+    _json_object(mj, "Megatron checkpoint metadata")
+    p = os.path.join(megatron_dir, ".metadata")
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"{megatron_dir} is not a complete torch_dist checkpoint: no .metadata file")
+    try:
+        return FileSystemReader(megatron_dir).read_metadata()
+    except Exception as e:  # noqa: BLE001 - pickle raises many kinds on a cut or corrupt file
+        raise ValueError(f"{p} (torch_dist metadata) cannot be read, truncated or corrupt: "
+                         f"{type(e).__name__}: {e}") from None
+
+
+def saved_vocab_rows(megatron_dir: str, metadata=None) -> int | None:
+    """Rows of the saved (padded) embedding / output layer of a torch_dist checkpoint
+    (``metadata``: its :func:`read_torch_dist_metadata`, read when not given)."""
+    md = (metadata or read_torch_dist_metadata(megatron_dir)).state_dict_metadata
     for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if k in md and hasattr(md[k], "size"):
             return int(md[k].size[0])
     return None
 
 
-def _checkpoint_dtype(megatron_dir: str, meta: dict | None = None) -> str:
+def _checkpoint_dtype(megatron_dir: str, meta: dict | None = None, metadata=None) -> str:
     """``"fp32"`` / ``"bf16"``: ``params_dtype`` of the conversion metadata when given, else
     the dtype of the saved word embedding."""
     if meta and "params_dtype" in meta:
         return meta["params_dtype"]
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(megatron_dir).read_metadata().state_dict_metadata
+    md = (metadata or read_torch_dist_metadata(megatron_dir)).state_dict_metadata
     for k, m in md.items():
         if k.endswith("word_embeddings.weight") and hasattr(m, "properties"):
             return "bf16" if m.properties.dtype == torch.bfloat16 else "fp32"
@@ -1109,6 +1319,28 @@ class ShardWriter:
         return names
 
 
+def _whole_param(pcs: list, params: dict[str, Tensor]) -> Tensor | None:
+    """The parameter that the local pieces ``pcs`` of ONE Megatron tensor are views of, when
+    it has the tensor's full shape and the pieces tile it along dim 0 in order, each at its
+    own offset and spanning the other dims (Megatron's SwiGLU fc1 halves: the parameter IS the
+    full tensor); None otherwise."""
+    p = params.get(pcs[0].param)
+    if p is None or tuple(p.shape) != tuple(pcs[0].full_shape) or any(pc.param != pcs[0].param for pc in pcs):
+        return None
+    rows = 0
+    for pc in sorted(pcs, key=lambda x: x.offset[0]):
+        if pc.offset[0] != rows or tuple(pc.data.shape[1:]) != tuple(p.shape[1:]) or any(pc.offset[1:]):
+            return None
+        rows += pc.data.shape[0]
+    if rows != p.shape[0]:
+        return None
+    for pc in pcs:
+        v = p[pc.index()]
+        if v.data_ptr() != pc.data.data_ptr() or v.shape != pc.data.shape or v.stride() != pc.data.stride():
+            return None
+    return p
+
+
 def _full_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
     """:func:`moe_async.trainer.sharding.gather_full_state` to rank 0, with a copy-free path
     at world size 1: a tensor held whole by one local piece is yielded as that piece (a view
@@ -1127,31 +1359,12 @@ def _full_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
 
-    def is_whole_param(pcs) -> Tensor | None:
-        # pieces that are views of ONE parameter of the full shape, each at its own offset
-        # (Megatron's SwiGLU fc1 halves): the parameter is the full tensor
-        p = params.get(pcs[0].param)
-        if p is None or tuple(p.shape) != tuple(pcs[0].full_shape) or any(pc.param != pcs[0].param for pc in pcs):
-            return None
-        rows = 0  # the pieces must tile dim 0 in order, each spanning the other dims
-        for pc in sorted(pcs, key=lambda x: x.offset[0]):
-            if pc.offset[0] != rows or tuple(pc.data.shape[1:]) != tuple(p.shape[1:]) or any(pc.offset[1:]):
-                return None
-            rows += pc.data.shape[0]
-        if rows != p.shape[0]:
-            return None
-        for pc in pcs:
-            v = p[pc.index()]
-            if v.data_ptr() != pc.data.data_ptr() or v.shape != pc.data.shape or v.stride() != pc.data.stride():
-                return None
-        return p.detach()
-
     for name in sorted(by_name):
         pcs = by_name[name]
         if len(pcs) == 1 and tuple(pcs[0].data.shape) == tuple(pcs[0].full_shape):
             full = pcs[0].data
-        elif (whole := is_whole_param(pcs)) is not None:
-            full = whole
+        elif (whole := _whole_param(pcs, params)) is not None:
+            full = whole.detach()
         else:
             full = torch.empty(pcs[0].full_shape, dtype=pcs[0].data.dtype)
             count = torch.zeros(pcs[0].full_shape, dtype=torch.int8)
@@ -1164,6 +1377,36 @@ def _full_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
         if name in VOCAB_PARAMS and full.shape[0] > vocab_size:
             full = full[:vocab_size]
         yield name, full.to("cpu")
+
+
+@_cpu_tensors_only
+def _write_hf(full: Iterator[tuple[str, Tensor]], fam, hf_cfg: dict, dtype: str, hf_config_dir: str, out_dir: str,
+              max_shard_size: str | int, fsync: bool, progress: bool) -> tuple[list[str], int]:
+    """Rank 0 of :func:`megatron_to_hf_checkpoint`: the full Megatron tensors ``full`` mapped to
+    HF names and written as sharded safetensors (+ index, + the side files of
+    ``hf_config_dir``) into ``out_dir`` (FileExistsError if it is not empty). Returns (file
+    names, tensor bytes)."""
+    from tqdm import tqdm
+
+    check_out_dir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    w = ShardWriter(out_dir, parse_size(max_shard_size), fsync=fsync)
+    n_hf = len(fam.hf_keys(hf_cfg))
+    out_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    with tqdm(total=n_hf, desc="Megatron->HF", unit="tensor", disable=not progress, leave=False) as bar:
+        for name, t in fam.megatron_to_hf(full, hf_cfg):
+            # Megatron keeps some params in fp32 in a bf16 model (the torch norms): back to the
+            # checkpoint dtype (they were loaded from it: lossless)
+            if t.dtype != out_dtype and not name.endswith(FP32_ANYWAY):
+                t = t.to(out_dtype)
+            w.add(name, t)
+            bar.update(1)
+    written = w.close()
+    for fn in HF_SIDE_FILES:
+        p = os.path.join(hf_config_dir, fn)
+        if os.path.exists(p):
+            shutil.copy(p, os.path.join(out_dir, fn))
+    return written, w.total
 
 
 def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: str,
@@ -1186,6 +1429,7 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     fam = get_family(hf_cfg.get("model_type"))
     arch_now = fam.arch_args(hf_cfg)
     check_layout(hf_cfg, tp, pp, ep)
+    check_out_dir(out_dir)
     if not os.path.isdir(megatron_dir):
         raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} does not exist")
     saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
@@ -1200,10 +1444,11 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     meta = _json_object(meta_p, "conversion metadata") if os.path.exists(meta_p) else {}
     if vocab_div is None:
         vocab_div = int(meta.get("vocab_div", DEFAULT_VOCAB_DIV))
-    dtype = _checkpoint_dtype(megatron_dir, meta)
+    ckpt_md = read_torch_dist_metadata(megatron_dir)
+    dtype = _checkpoint_dtype(megatron_dir, meta, ckpt_md)
     # the padded vocab rows are part of the saved global shape: load with the same rows (the
     # padding rule of another TP could give a different count), which must split over TP
-    rows = saved_vocab_rows(megatron_dir)
+    rows = saved_vocab_rows(megatron_dir, ckpt_md)
     if rows is not None and rows % tp:
         raise ValueError(f"the checkpoint's padded vocab ({rows} rows) does not split over tp={tp}")
     written: list[str] = []
@@ -1214,32 +1459,12 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
                                    padded_vocab=rows)
         clock.mark("build_s")
-        load_megatron_into_model(model, megatron_dir)
+        load_megatron_into_model(model, megatron_dir, ckpt_md)
         clock.mark("torch_dist_load_s")
         full = _full_state(model, vocab)
         if _rank() == 0:
-            if os.path.exists(out_dir) and os.listdir(out_dir):
-                raise FileExistsError(f"{out_dir} exists and is not empty")
-            os.makedirs(out_dir, exist_ok=True)
-            w = ShardWriter(out_dir, parse_size(max_shard_size), fsync=fsync)
-            n_hf = len(fam.hf_keys(hf_cfg))
-            from tqdm import tqdm
-
-            with tqdm(total=n_hf, desc="Megatron->HF", unit="tensor", disable=not progress, leave=False) as bar:
-                out_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-                for name, t in fam.megatron_to_hf(full, hf_cfg):
-                    # Megatron keeps some params in fp32 in a bf16 model (the torch norms):
-                    # back to the checkpoint dtype (they were loaded from it: lossless)
-                    if t.dtype != out_dtype and not name.endswith(FP32_ANYWAY):
-                        t = t.to(out_dtype)
-                    w.add(name, t)
-                    bar.update(1)
-            written = w.close()
-            nbytes = w.total
-            for fn in HF_SIDE_FILES:
-                p = os.path.join(hf_config_dir, fn)
-                if os.path.exists(p):
-                    shutil.copy(p, os.path.join(out_dir, fn))
+            written, nbytes = _write_hf(full, fam, hf_cfg, dtype, hf_config_dir, out_dir, max_shard_size, fsync,
+                                        progress)
         else:
             for _ in full:  # collective: take part in the gather
                 pass
@@ -1248,8 +1473,6 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         world = _world()
         clock.mark("finish_s")
         del model, full
-        if _rank() == 0:
-            del w, t
         clock.mark("free_s")
     clock.mark("teardown_s")
     return {"seconds": clock.total(), "phases": clock.phases, "files": written, "bytes_written": nbytes,

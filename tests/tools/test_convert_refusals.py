@@ -118,3 +118,112 @@ def test_corrupt_hf_config_and_index_are_named(mix, tmp_path):
     (bad / "model.safetensors.index.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json \(safetensors index\) holds a JSON list"):
         read_hf_index(str(bad))
+
+
+def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args, "--no-progress"],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_cli_out_is_a_file_is_named(mix, tmp_path):
+    """``--out`` naming an existing FILE: one error line naming --out and the path, exit 2,
+    no traceback (was NotADirectoryError from os.listdir after the model was read), file untouched."""
+    out = tmp_path / "taken"
+    out.write_text("not a dir")
+    p = _cli("convert_hf_to_megatron.py", "--hf", mix, "--out", str(out))
+    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
+    assert "Traceback" not in p.stderr
+    assert f"convert_hf_to_megatron: error: --out {out} is an existing file, not a directory" in p.stderr
+    assert out.read_text() == "not a dir"
+
+
+def test_out_is_a_file_or_under_one_megatron_to_hf(mix, tmp_path):
+    """The same for convert_megatron_to_hf (checked before the checkpoint is even looked at),
+    and an --out below a file."""
+    from moe_async.models.convert import check_out_dir, megatron_to_hf_checkpoint
+
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(FileExistsError, match=rf"--out {f} is an existing file, not a directory"):
+        megatron_to_hf_checkpoint(str(tmp_path / "no_ckpt"), mix, str(f), progress=False)
+    with pytest.raises(FileExistsError, match=rf"--out {f}/sub/dir cannot be created: {f} is a file"):
+        check_out_dir(str(f / "sub" / "dir"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "a").write_text("")
+    with pytest.raises(FileExistsError, match=r"--out .*full exists and is not empty"):
+        check_out_dir(str(tmp_path / "full"))
+    check_out_dir(str(tmp_path / "new" / "dir"))  # absent below a dir: fine
+
+
+@pytest.fixture(scope="module")
+def meg(mix, tmp_path_factory) -> str:
+    """The tiny Mixtral as a torch_dist checkpoint (1 process, in this process)."""
+    from moe_async.models.convert import hf_to_megatron_checkpoint
+
+    out = str(tmp_path_factory.mktemp("meg") / "meg")
+    hf_to_megatron_checkpoint(mix, out, progress=False)
+    return out
+
+
+def _truncate(path, keep: float = 0.5) -> None:
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("__0_0.distcp", "(torch_dist data) is truncated"),
+    ("common.pt", "(torch_dist common state) cannot be read, truncated or corrupt"),
+    (".metadata", "(torch_dist metadata) cannot be read, truncated or corrupt"),
+    ("metadata.json", "(Megatron checkpoint metadata) is not valid JSON"),
+])
+def test_truncated_checkpoint_file_is_named(mix, meg, tmp_path, name, needle):
+    """A truncated file of the input torch_dist checkpoint: a ValueError naming that file
+    (were: an unnamed zip/pickle/JSON error, or DCP's CheckpointException with a traceback
+    per rank), nothing written."""
+    import shutil
+
+    from moe_async.models.convert import megatron_to_hf_checkpoint
+
+    bad = tmp_path / "meg"
+    shutil.copytree(meg, bad)
+    assert (bad / name).exists(), sorted(os.listdir(bad))
+    _truncate(bad / name)
+    with pytest.raises(ValueError) as ei:
+        megatron_to_hf_checkpoint(str(bad), mix, str(tmp_path / "out"), progress=False)
+    msg = str(ei.value)
+    assert f"{bad / name} {needle}" in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_distcp_item_is_named(mix, meg, tmp_path):
+    """A .distcp of the right length whose bytes are garbage: the file and the item's offset
+    are named (the zip reader's own error says neither)."""
+    import shutil
+
+    from moe_async.models.convert import megatron_to_hf_checkpoint
+
+    bad = tmp_path / "meg"
+    shutil.copytree(meg, bad)
+    p = bad / "__0_0.distcp"
+    n = os.path.getsize(p)
+    with open(p, "wb") as f:
+        f.write(b"\x07" * n)
+    with pytest.raises(ValueError, match=rf"{p} \(torch_dist data\): the item at byte \d+ .* cannot be read"):
+        megatron_to_hf_checkpoint(str(bad), mix, str(tmp_path / "out"), progress=False)
+
+
+def test_truncated_distcp_cli_one_line(mix, meg, tmp_path):
+    """Through the CLI: one ``error:`` line naming the file, exit 2, no traceback."""
+    import shutil
+
+    bad = tmp_path / "meg"
+    shutil.copytree(meg, bad)
+    _truncate(bad / "__0_0.distcp", 0.3)
+    p = _cli("convert_megatron_to_hf.py", "--megatron", str(bad), "--hf-config", mix, "--out", str(tmp_path / "o"))
+    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
+    assert "Traceback" not in p.stderr, p.stderr[-4000:]
+    assert f"convert_megatron_to_hf: error: {bad / '__0_0.distcp'} (torch_dist data) is truncated" in p.stderr
