@@ -408,7 +408,8 @@ class BroadcastTransport(WeightTransport):
     def destination(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """Where an exporter may write tensor ``name`` so that it is sent without packing.
 
-        A view of this transport's send buffer (CPU, reused by every sync: valid until the
+        A view of this transport's send buffer (on the backend's device: CUDA for NCCL, else
+        CPU; reused by every sync: valid until the
         next ``send``), laid out in the engines' ``/weights_layout`` order, so a bucket of
         consecutive names is one span (:func:`contiguous_span`). None when the engines publish
         no layout (SGLang) or ``name``/``shape``/``dtype`` differ from it: the exporter then
@@ -424,7 +425,10 @@ class BroadcastTransport(WeightTransport):
         if slot is None or tuple(shape) != slot[1] or dtype != slot[2]:
             return None
         if self._send_buf is None:
-            self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8)
+            # NCCL sends CUDA tensors only; gloo CPU ones
+            dev = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                   else torch.device("cpu"))
+            self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8, device=dev)
         off, shp, dt, nb = slot
         return self._send_buf[off: off + nb].view(dt).view(shp)
 
