@@ -110,10 +110,14 @@ class _CPCoreAttentionMixin:
                                    packed_seq_params)
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences with context parallelism on the local (CPU) spec")
-        sq = query.shape[0]
-        key = gather_sequence_over_cp(key, self.cp_group)
-        value = gather_sequence_over_cp(value, self.cp_group)
-        S = key.shape[0]
+        sq, b = query.shape[0], query.shape[1]
+        # one collective for K and V (their head dims may differ: MLA): [sq, b, nk*hk + nv*hv]
+        nk = key.shape[2] * key.shape[3]
+        kv = gather_sequence_over_cp(torch.cat([key.reshape(sq, b, -1), value.reshape(sq, b, -1)], dim=-1),
+                                     self.cp_group)
+        S = kv.shape[0]
+        key = kv[..., :nk].reshape(S, b, *key.shape[2:]).contiguous()
+        value = kv[..., nk:].reshape(S, b, *value.shape[2:]).contiguous()
         q_pos = cp_chunk_positions(S, cp, r).to(query.device)
         mask = torch.arange(S, device=query.device).unsqueeze(0) > q_pos.unsqueeze(1)  # True = masked
         return super().forward(query, key, value, mask.view(1, 1, sq, S), attn_mask_type, attention_bias,
