@@ -449,6 +449,10 @@ def apply_cpu_compat() -> bool:
             _APPLIED.append("torch_norm_sequence_parallel")  # transformer/torch_norm.py
             _patch_uneven_first_dim_gather()
             _APPLIED.append("uneven_first_dim_gather")  # tensor_parallel/mappings.py (ETP > 1)
+            from moe_async.compat.dist_opt_step import patch_dist_opt_torch_adam_step
+
+            if patch_dist_opt_torch_adam_step():  # optimizer/distrib_optimizer.py (torch Adam's step)
+                _APPLIED.append("dist_opt_torch_adam_step")
             _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
         if not _mode_active():
             CudaToCpuMode().__enter__()

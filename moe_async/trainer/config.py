@@ -64,8 +64,21 @@ class TrainerConfig(BaseModel):
         description=(
             "Megatron's distributed optimizer: Adam state and fp32 main params sharded over the "
             "data-parallel group (grads reduce-scattered, params all-gathered). Its checkpoints "
-            "(Megatron's 'dp_reshardable' format) resume at any DP size but only at the saving "
-            "TP/PP/EP, and only with this option on."
+            "resume only with this option on; saved in Megatron's 'dp_reshardable' format they "
+            "resume at any DP size but only at the saving TP/PP/EP/ETP/VPP/CP, with "
+            "dist_ckpt_optim_fully_reshardable at any layout."
+        ),
+    )
+    dist_ckpt_optim_fully_reshardable: bool = Field(
+        False,
+        description=(
+            "With use_distributed_optimizer: save the optimizer state in Megatron's "
+            "'fully_reshardable' format (Megatron-LM's --dist-ckpt-optim-fully-reshardable): "
+            "gathered over the DP group and stored per parameter, like the plain optimizer's, so "
+            "the checkpoint resumes at any TP/PP/EP/ETP/VPP/CP/DP. Off (Megatron-LM's default): "
+            "'dp_reshardable', each rank writes its own shard without gathering (less memory and "
+            "time at save), resumable at another DP size only. Loading reads either format, "
+            "whatever this option says."
         ),
     )
     lr: float = Field(1e-6, gt=0, description="Adam learning rate.")

@@ -1261,8 +1261,10 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Save model + optimizer as a Megatron ``torch_dist`` checkpoint (layout-independent),
-        plus ``version``, this rank's RNG state and ``extra``.
+        """Save model + optimizer as a Megatron ``torch_dist`` checkpoint (layout-independent;
+        with the distributed optimizer, its state in 'dp_reshardable' format, resumable at another
+        DP size only, or with ``trainer.dist_ckpt_optim_fully_reshardable`` in 'fully_reshardable'
+        format, resumable at any layout), plus ``version``, this rank's RNG state and ``extra``.
 
         Files besides the torch_dist shards: ``moe_async_version.txt`` (``version``);
         ``moe_async_state.json`` (rank 0: ``version``, the saving ``layout`` and ``extra``, a
@@ -1315,24 +1317,59 @@ class MegatronTrainer:
             return {"model": self.model.sharded_state_dict()}
         return {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
 
-    # Megatron's distributed optimizer saves its state as 'dp_reshardable' (Megatron-LM's default
-    # without --dist-ckpt-optim-fully-reshardable): per-bucket shards, loadable at any DP size but
-    # only at the saving TP/PP/EP/ETP/VPP/CP (the buckets follow the model chunks and their
-    # parameters; _check_optimizer_format). Megatron-Core 0.16.1's other formats fail here: the default
-    # 'fully_sharded_model_space' raises 'ShardedTensor.flattened_range is not supported' on save,
-    # and 'fully_reshardable' saves but its load raises KeyError 'step'
-    # (DistributedOptimizer._set_main_param_and_optimizer_states copies every per-parameter state
-    # key, and torch's own Adam - used when neither Apex nor Transformer Engine is installed -
-    # keeps 'step' per parameter, which that format does not store).
-    _DIST_OPT_CKPT_FORMAT = "dp_reshardable"
+    # Megatron's distributed optimizer saves its state in one of two of Megatron-Core's formats
+    # (DistributedOptimizer.sharded_state_dict): 'dp_reshardable' (Megatron-LM's default),
+    # per-bucket shards each rank writes without communication, loadable at any DP size but only
+    # at the saving TP/PP/EP/ETP/VPP/CP (the buckets follow the model chunks and their parameters;
+    # _check_optimizer_format); or, with trainer.dist_ckpt_optim_fully_reshardable (Megatron-LM's
+    # --dist-ckpt-optim-fully-reshardable), 'fully_reshardable': gathered over the DP group and
+    # stored per parameter under the model's global keys, so torch_dist reshards it like the
+    # weights (any layout). Loading reads the format the checkpoint records. With torch's Adam (no
+    # Apex/TE, always on CPU) both need compat mend 13 (moe_async/compat/dist_opt_step.py: the
+    # per-parameter 'step'). Megatron-Core's default, 'fully_sharded_model_space', raises
+    # 'ShardedTensor.flattened_range is not supported' on save and is not offered.
+    _DIST_OPT_FORMATS = ("dp_reshardable", "fully_reshardable")
 
-    def _optim_ckpt_kwargs(self) -> dict[str, Any]:
+    def _dist_opt_save_format(self) -> str:
+        """The format this trainer saves distributed-optimizer state in (see above)."""
+        return "fully_reshardable" if self.cfg.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+
+    def _optim_ckpt_kwargs(self, fmt: str | None = None) -> dict[str, Any]:
         """Keyword arguments of ``optimizer.sharded_state_dict`` (the ``metadata`` Megatron-LM's
-        checkpointing passes); none without the distributed optimizer (format unchanged)."""
+        checkpointing passes): the distributed optimizer's sharding type ``fmt`` (default: the
+        one this trainer saves in); none without the distributed optimizer (format unchanged)."""
         if not self.cfg.use_distributed_optimizer:
             return {}
-        return {"metadata": {"distrib_optim_sharding_type": self._DIST_OPT_CKPT_FORMAT,
+        return {"metadata": {"distrib_optim_sharding_type": fmt or self._dist_opt_save_format(),
                              "chained_optim_avoid_prefix": True}}
+
+    @staticmethod
+    def _saved_dist_opt_format(common: Any, opt_keys: list[str]) -> str | None:
+        """The distributed-optimizer format a checkpoint's optimizer state was saved in, None for
+        the plain optimizer's. ``common``: the checkpoint's common (non-tensor) optimizer state,
+        where Megatron records ``param_state_sharding_type`` (once per chained optimizer);
+        ``opt_keys``: its optimizer tensor keys (``*optimizer.distributed.*`` are
+        'dp_reshardable' buckets, the fallback when no type is recorded).
+
+        Raises:
+            UserInputError (a ValueError): chained optimizers saved in different formats."""
+        from moe_async.errors import UserInputError
+
+        found: set[str] = set()
+
+        def walk(x: Any) -> None:
+            if isinstance(x, dict):
+                if isinstance(x.get("param_state_sharding_type"), str):
+                    found.add(x["param_state_sharding_type"])
+                for v in x.values():
+                    walk(v)
+
+        walk(common)
+        if len(found) > 1:
+            raise UserInputError(f"its optimizer state mixes distributed-optimizer formats {sorted(found)}")
+        if found:
+            return found.pop()
+        return "dp_reshardable" if any(".distributed." in k for k in opt_keys) else None
 
     def _init_dist_opt_state(self) -> None:
         """Allocate the Adam state of a distributed optimizer that has not stepped yet, before its
@@ -1359,26 +1396,28 @@ class MegatronTrainer:
     # layout keys a checkpoint records; absent from checkpoints written before they were added
     # (virtual pipeline, context parallel, expert tensor parallel): those were saved at 1
     _LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1, "etp": 1}
-    # the layout a distributed-optimizer checkpoint ('dp_reshardable': per-bucket state) needs
+    # the layout a 'dp_reshardable' distributed-optimizer checkpoint (per-bucket state) needs
     _DIST_OPT_LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "vpp", "cp")
 
-    def _check_optimizer_format(self, path: str, in_ckpt_only: list[str], state: dict[str, Any] | None) -> None:
-        """A checkpoint's optimizer state must match this trainer's optimizer: the distributed
-        optimizer's ('dp_reshardable', keys ``*optimizer.distributed.*``) loads only into a
-        distributed optimizer at the saving TP/PP/EP/ETP/VPP/CP (any DP), the plain optimizer's only
+    def _check_optimizer_format(self, path: str, fmt: str | None, state: dict[str, Any] | None) -> None:
+        """A checkpoint's optimizer state must match this trainer's optimizer. ``fmt``: the
+        format it was saved in (:meth:`_saved_dist_opt_format`; None = the plain optimizer's).
+        The distributed optimizer's loads only into a distributed optimizer (whatever
+        ``trainer.dist_ckpt_optim_fully_reshardable`` says): 'fully_reshardable' at any layout,
+        'dp_reshardable' at the saving TP/PP/EP/ETP/VPP/CP (any DP); the plain optimizer's only
         into a plain one (its state is keyed by global parameter names, so it loads at any
         layout). ``state`` is ``moe_async_state.json`` (None when absent), whose ``layout`` is
-        the only record of the saving layout: a distributed-optimizer checkpoint without it is
+        the only record of the saving layout: a 'dp_reshardable' checkpoint without it is
         refused, as Megatron's bucket-space state would otherwise be read into the wrong
         parameters at another layout.
 
         Raises:
-            UserInputError (a ValueError) naming ``trainer.use_distributed_optimizer``, the two
-            layouts, or the missing ``moe_async_state.json``.
+            UserInputError (a ValueError) naming ``trainer.use_distributed_optimizer``, an
+            unsupported format, the two layouts, or the missing ``moe_async_state.json``.
         """
         from moe_async.errors import UserInputError
 
-        saved_do = any(".distributed." in k for k in in_ckpt_only)
+        saved_do = fmt is not None
         do = bool(self.cfg.use_distributed_optimizer)
         if saved_do != do:
             raise UserInputError(
@@ -1387,10 +1426,16 @@ class MegatronTrainer:
                 f"trainer.use_distributed_optimizer={str(do).lower()}; set it to {str(saved_do).lower()} to resume")
         if not do:
             return
+        if fmt not in self._DIST_OPT_FORMATS:
+            raise UserInputError(
+                f"checkpoint {path}: its distributed-optimizer state is in Megatron's {fmt!r} format, which "
+                f"this trainer does not read (it reads {' and '.join(map(repr, self._DIST_OPT_FORMATS))})")
+        if fmt == "fully_reshardable":
+            return  # keyed per parameter like the weights: any layout
         saved = (state or {}).get("layout")
         if not isinstance(saved, dict):
             raise UserInputError(
-                f"checkpoint {path}: its distributed-optimizer state ({self._DIST_OPT_CKPT_FORMAT}) loads only at "
+                f"checkpoint {path}: its distributed-optimizer state ({fmt}) loads only at "
                 f"the saving TP/PP/EP/ETP/VPP/CP, and {os.path.join(path, 'moe_async_state.json')} (which records that "
                 f"layout) is {'missing' if state is None else 'without a layout'}; restore the file or resume "
                 "from another checkpoint")
@@ -1399,11 +1444,12 @@ class MegatronTrainer:
         keys = self._DIST_OPT_LAYOUT_KEYS
         diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
         if diff:
-            fmt = lambda lay: " ".join(f"{k.upper()}{lay.get(k)}" for k in keys)  # noqa: E731
+            lay_str = lambda lay: " ".join(f"{k.upper()}{lay.get(k)}" for k in keys)  # noqa: E731
             raise UserInputError(
-                f"checkpoint {path}: distributed-optimizer state ({self._DIST_OPT_CKPT_FORMAT}) loads at "
+                f"checkpoint {path}: distributed-optimizer state ({fmt}) loads at "
                 f"another DP size but not at another TP/PP/EP/ETP/VPP/CP (saved vs now: {diff}; saved at "
-                f"{fmt(saved)}, this trainer at {fmt(now)}); resume at the saving layout")
+                f"{lay_str(saved)}, this trainer at {lay_str(now)}); resume at the saving layout (checkpoints "
+                "saved with trainer.dist_ckpt_optim_fully_reshardable=true resume at any layout)")
 
     def _ckpt_layout(self) -> dict[str, int]:
         """The world layout RNG states and distributed-optimizer state belong to: world size,
@@ -1487,8 +1533,9 @@ class MegatronTrainer:
           also restores the LR schedule, a pure function of ``version``); this rank's RNG
           states are restored when the saving layout (world size, TP, PP, EP, ETP, VPP, CP, DP)
           equals this one, else an INFO log line says they are not (Megatron-LM's
-          ``--no-load-rng``). With Megatron's distributed optimizer the saving TP/PP/EP/ETP/VPP/CP
-          must equal this trainer's (any DP), read from ``moe_async_state.json``;
+          ``--no-load-rng``). Distributed-optimizer state is read in the format it was saved in
+          (recorded in the checkpoint): 'fully_reshardable' at any layout, 'dp_reshardable' only
+          at the saving TP/PP/EP/ETP/VPP/CP (any DP), read from ``moe_async_state.json``;
         * model only (``tools/convert_hf_to_megatron.py``, or any checkpoint without
           optimizer tensors): the model is loaded, the optimizer starts fresh (its
           state, if this trainer already stepped, is cleared; bf16 main params are re-read
@@ -1515,9 +1562,10 @@ class MegatronTrainer:
                 read (truncated or corrupt ``.distcp`` shards, model or optimizer part;
                 ``moe_async_version.txt``; ``moe_async_state.json``; ``moe_async_rng/rank_<r>.pt``;
                 ``hf_config.json``), named.
-            UserInputError (a ValueError): optimizer kind or (distributed optimizer) layout
-                differs from the saving one, or ``moe_async_state.json`` is missing for a
-                distributed-optimizer checkpoint.
+            UserInputError (a ValueError): optimizer kind or ('dp_reshardable' distributed
+                optimizer state) layout differs from the saving one, ``moe_async_state.json`` is
+                missing for a 'dp_reshardable' checkpoint, or the distributed-optimizer format is
+                neither 'dp_reshardable' nor 'fully_reshardable'.
             KeyError: naming the model tensors absent from the checkpoint, or the checkpoint
                 tensors (other than optimizer state) this model does not use (checked on
                 every rank, before any weight is changed).
@@ -1602,14 +1650,19 @@ class MegatronTrainer:
                     + (f"tensors this model does not use {unused[:20]} (of {len(unused)})" if unused else ""))
             opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
             if has_opt:
-                self._check_optimizer_format(path, [k for k in in_ckpt_only if is_optimizer_key(k)], state)
+                opt_keys = [k for k in in_ckpt_only if is_optimizer_key(k)]
+                try:
+                    fmt = self._saved_dist_opt_format(loaded.get("optimizer"), opt_keys)
+                except ValueError as e:
+                    raise type(e)(f"checkpoint {path}: {e}") from e
+                self._check_optimizer_format(path, fmt, state)
                 # the optimizer's sharded state dict needs allocated state: remember which
                 # optimizers had none, to give them back none if the read fails
                 fresh = [o for o in opts if len(o.optimizer.state) == 0]
                 try:
                     self._init_dist_opt_state()
                     opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True,
-                                                               **self._optim_ckpt_kwargs())
+                                                               **self._optim_ckpt_kwargs(fmt))
                     dict_list_map_inplace(_own_copy, opt_sd)
                     opt_loaded = _read({"optimizer": opt_sd}, "optimizer state")["optimizer"]
                 except BaseException:

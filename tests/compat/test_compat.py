@@ -37,7 +37,7 @@ def test_applied_and_idempotent(r):
     assert r["apply1"] is True and r["apply2"] is True
     assert r["mends"] == ["rng_tracker", "cuda_streams", "current_device", "te_general_gemm",
                           "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "uneven_first_dim_gather",
-                          "cuda_to_cpu_mode"]
+                          "dist_opt_torch_adam_step", "cuda_to_cpu_mode"]
     assert r["modes_on_stack"] == 1
 
 
