@@ -91,34 +91,32 @@ Public API:
     parse_size(text) -> int                   ("5GB" -> bytes)
 
 Throughput (tools/bench_convert.py: random fp32 models of ~345 MB in 4 safetensors files, 1
-process, this 2-core CPU machine shared with other jobs (load average 35-180 during these
-runs), 2026-11-29; ratio = plain safetensors read + write seconds / conversion seconds, per
-round against the same round's baseline, median of 7 rounds after a warm-up):
+process, this 2-core CPU machine shared with other jobs (load average 5-60 during these runs),
+2026-11-29 20:30 UTC; ratio = plain safetensors read + write seconds / conversion seconds, per
+round against the same round's baseline, median of 7 rounds after a warm-up; goal >= 0.5):
 
-    family       HF -> Megatron   Megatron -> HF   (earlier today, Megatron's writer/reader)
-    mixtral          0.60             0.57           0.23-0.34 / 0.12-0.26
-    qwen3_moe        0.47             0.38           0.20 / 0.16
-    llama            0.52             0.59           0.27 / 0.21
-    deepseek_v3      0.47             0.41           (not measured)
+    family       HF -> Megatron   Megatron -> HF   seconds (baseline / h2m / m2h)
+    qwen3_moe        0.555            0.678          0.207 / 0.367 / 0.303
+    deepseek_v3      0.549            0.614          0.176 / 0.312 / 0.288
+    llama            0.557            0.595          0.164 / 0.295 / 0.276
+    mixtral          0.478            0.464          0.132 / 0.276 / 0.286
 
-The per-round Megatron -> HF ratios spread widely (mixtral 0.26-0.67, qwen3_moe 0.23-0.46)
-with the machine's load; HF -> Megatron is steadier (mixtral 0.56-0.62). An earlier run of
-the same code (5 rounds) gave mixtral 0.62 / 0.64, qwen3_moe 0.45 / 0.40, llama 0.50 / 0.22,
-deepseek_v3 0.51 / 0.26: differences of 0.1-0.3 between runs are the machine, not the code.
-Where the time goes (mixtral, median round): HF -> Megatron 0.41 s = setup 0.02 + HF read/map/copy 0.11 +
-torch_dist save 0.24 (writing 345 MB with ``torch.save`` per item, the sources being the
-mapped HF pages) + the rest 0.04; Megatron -> HF 0.44 s = setup 0.02 + build 0.01 +
-torch_dist load 0.23 (DCP planning, items read from the map into the parameters) + full
-state / map / safetensors write 0.15 + the rest 0.03. What made the difference
-(0.41 s vs 0.58 s, 0.44 s vs 0.77 s on the same model earlier): the in-process writer
-(Megatron's starts a spawned Manager process on the first save of a process and forks writers that
-fsync), the mmap reader (one copy instead of ``torch.load`` into a new buffer + copy), the
-whole fc1 items (no clone, no ``torch.cat``), no zero-fill of the vocab tensors, and the
-process groups released off the caller's clock (destroying Megatron's ~20 gloo groups took
-0.05-0.45 s). The CPU compat layer's ``CudaToCpuMode`` (a Python call per torch op) still
-costs ~0.02-0.05 s per direction. The issue's goal (>= 0.5) is met in both directions for
-mixtral and llama in this run, and not for qwen3_moe (0.47 / 0.38) or deepseek_v3
-(0.47 / 0.41); with this much noise no family meets it reliably in Megatron -> HF.
+mixtral again: 0.467 / 0.470; the code before these changes, same minutes, same files: 0.496 /
+0.453 (0.297 s / 0.322 s against a 0.144 s baseline): mixtral's conversion got faster in
+seconds but its baseline was the fastest of the four in these runs (0.13-0.14 s, the earlier
+0.60 / 0.57 were measured against a slower one), so it is below the goal here. Earlier runs
+of the previous code: qwen3_moe 0.47 / 0.38, deepseek_v3 0.47 / 0.41. What changed: Megatron
+-> HF no longer copies the weights at all (each parameter IS its item in the private map of
+its ``.distcp``: items written 64-byte aligned, ``mmap_load_strategy(adopt=...)``; the
+torch_dist load went 0.21 s -> 0.06 s for qwen3_moe), and the final ``load_state_dict`` no
+longer copies the whole model because of ``output_layer._extra_state``; HF -> Megatron
+takes a fused SwiGLU fc1 as the parameter instead of copying it in; the compat layer's
+``CudaToCpuMode`` (a Python call per torch op / tensor attribute) is suspended in the
+tensor-moving loops (a 4 MB qwen3_moe's conversion, i.e. the fixed cost: 0.124 -> 0.104 s,
+0.157 -> 0.122 s); ``.metadata`` is read once. Still per conversion (qwen3_moe,
+median round): setup ~0.02-0.03 s (Megatron's ~20 gloo groups), build 0.01 s, torch_dist
+save 0.2 s (of which ~0.15 s the write itself, ~0.05 s Megatron / DCP planning and
+``torch.save`` framing of ~170 items), HF write 0.18 s (from the mapped pages).
 """
 
 from __future__ import annotations
@@ -1124,7 +1122,8 @@ def _mmap_classes() -> tuple:
 def load_megatron_into_model(model, megatron_dir: str, metadata=None) -> None:
     """``dist_checkpointing.load`` of the ``model`` part of a torch_dist checkpoint into
     ``model`` (any saved layout), read by :func:`mmap_load_strategy` straight into the
-    parameters: SwiGLU fc1 tensors whole (:func:`whole_glu_tensors`), the vocab-padded
+    parameters, or, where one aligned item holds a whole parameter, with the parameter
+    re-pointed at the item in the file's private map (no copy at all): SwiGLU fc1 tensors whole (:func:`whole_glu_tensors`), the vocab-padded
     tensors not zero-filled first when the checkpoint has the model's padded shape, and the
     final ``load_state_dict`` copying only tensors that were not loaded in place. KeyError
     naming checkpoint tensors the model does not use or model tensors absent from the
