@@ -279,6 +279,13 @@ class MegatronTrainer:
         self.model = self.models[0]  # the only chunk without virtual pipeline stages
         replay_root = self.model if len(self.models) == 1 else torch.nn.ModuleList(self.models)
         self.router_replay = RouterReplayHook(replay_root, self.tf_config, cfg.router_replay)  # router replay
+        # expert-bias routers: padding taken back out of the token counts (_uncount_padding)
+        self._router_pad: Tensor | None = None
+        self._bias_hooks = [
+            m.register_forward_hook(self._uncount_padding)
+            for chunk in self.models for m in chunk.modules()
+            if getattr(m, "local_tokens_per_expert", None) is not None and getattr(m, "expert_bias", None) is not None
+        ]
         # logits of the response positions only (see _forward); not under sequence parallelism
         self._logit_rows: tuple[Tensor, Tensor] | None = None
         self._rows_hook = None
@@ -366,7 +373,14 @@ class MegatronTrainer:
         """
         etp, ep = self.cfg.expert_tensor_parallel_size, self.cfg.expert_model_parallel_size
         pp = self.cfg.pipeline_model_parallel_size
+        tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world % (tp * pp * cp):
+            self.close()  # the process group this trainer created (the caller gets no trainer to close)
+            raise ValueError(
+                f"trainer.tensor_model_parallel_size={tp} x trainer.pipeline_model_parallel_size={pp} x "
+                f"trainer.context_parallel_size={cp} = {tp * pp * cp} must divide the world size {world} "
+                "(Megatron-Core: DP = world / (TP x PP x CP))")
         if world % (etp * ep * pp):
             self.close()  # the process group this trainer created (the caller gets no trainer to close)
             raise ValueError(
@@ -403,6 +417,7 @@ class MegatronTrainer:
             return {}
         probe = self.family.transformer_config(self.hf_config)
         if not getattr(probe, "moe_router_enable_expert_bias", False):
+            self.close()  # the parallel state and process group this trainer created
             raise ValueError(
                 f"trainer.moe_router_bias_update_rate={rate}: model_type="
                 f"{self.hf_config.get('model_type')!r} has no router expert bias (only deepseek_v3's "
@@ -702,10 +717,39 @@ class MegatronTrainer:
             self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
             inputs = (mb["tokens"], mb["position_ids"], mb["attention_mask"])
             padding_mask = mb.get("padding_mask")
+        if self._bias_hooks and padding_mask is not None:  # see _uncount_padding
+            pm = padding_mask
+            if self.tf_config.sequence_parallel:  # this TP rank's contiguous sequence shard
+                from megatron.core import parallel_state as ps
+
+                n = pm.shape[1] // ps.get_tensor_model_parallel_world_size()
+                r = ps.get_tensor_model_parallel_rank()
+                pm = pm[:, r * n : (r + 1) * n]
+            self._router_pad = pm.transpose(0, 1).reshape(-1)  # router token order: [S, B] flattened
         try:
             return model(*inputs, padding_mask=self._stage_padding_mask(model, padding_mask)), rows_only
         finally:
             self._logit_rows = None
+            self._router_pad = None
+
+    def _uncount_padding(self, module, args, output) -> None:
+        """Forward hook of a router with an expert bias (deepseek_v3): takes this micro-batch's
+        padding positions back out of ``local_tokens_per_expert``, the token counts that
+        Megatron-Core's aux-loss-free update (``get_updated_expert_bias``) balances. Megatron
+        counts every routed row because this trainer cannot pass it the padding mask there
+        (see :meth:`_stage_padding_mask`); without this the update's direction depended on how
+        much padding the micro-batching added. ``output``: ``(probs, routing_map [tokens,
+        experts] bool)``; counted only where Megatron counts (grad enabled)."""
+        pad = self._router_pad
+        if pad is None or not torch.is_grad_enabled():
+            return
+        routing_map = output[1]
+        if routing_map.shape[0] != pad.numel():
+            raise RuntimeError(f"router saw {routing_map.shape[0]} tokens, the micro-batch's padding mask "
+                               f"has {pad.numel()} (this rank's shard)")
+        with torch.no_grad():
+            cnt = module.local_tokens_per_expert
+            cnt -= routing_map[pad.to(routing_map.device)].sum(0).to(cnt.dtype)
 
     def _stage_padding_mask(self, model, padding_mask: Tensor | None) -> Tensor | None:
         """``padding_mask [B,S]`` as this stage's MoE routers see it: Megatron-Core's GPTModel

@@ -134,24 +134,19 @@ def main(tmp: str) -> None:
     )
     tr.close()
     # aux-loss-free load balancing (trainer.moe_router_bias_update_rate): after one step every MoE
-    # router's bias moved by rate * sign(mean count - count), where count[e] = the batch's tokens
-    # routed to expert e. Reference counts: HF's routes (same pre-step weights; routes shown equal
-    # above) of each sample right-padded with token 0 to the trainer's 64 positions: with an
-    # expert bias Megatron-Core 0.16.1 cannot take the padding mask (MegatronTrainer._stage_padding_mask),
-    # so padding positions count too.
+    # router's bias moved by rate * sign(mean count - count), where count[e] = the batch's real
+    # (non-padding) tokens routed to expert e. Reference counts: HF's routes of the same tokens with
+    # the same (pre-step) weights (shown equal above). Micro-batches of 1 and of 2 sequences (all
+    # padded to 64 positions: 263 vs 135 padding rows) must give the same update.
     rate = 0.01
-    tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3,
-                                       moe_router_bias_update_rate=rate), path)
-    from moe_async.trainer.megatron_trainer import MIN_SEQ_LEN
-    from moe_async.types import Sample
-
-    padded = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids
-                     + [0] * (MIN_SEQ_LEN - len(s.prompt_ids) - len(s.response_ids))) for s in ss]
-    _, hroutes = hf_run(path, padded)
-    b0 = {k: v.clone() for k, v in tr.export_hf_weights() if k.endswith("e_score_correction_bias")}
-    tr.train_step(ss, [1.0, -0.5, 0.7, -1.2, 3.0])
-    b1 = {k: v.clone() for k, v in tr.export_hf_weights() if k.endswith("e_score_correction_bias")}
-    tr.close()
+    b1 = {}
+    for mbs in (1, 2):
+        tr = MegatronTrainer(TrainerConfig(micro_batch_size=mbs, moe_aux_loss_coeff=0.0, lr=1e-3,
+                                           moe_router_bias_update_rate=rate), path)
+        b0 = {k: v.clone() for k, v in tr.export_hf_weights() if k.endswith("e_score_correction_bias")}
+        tr.train_step(ss, [1.0, -0.5, 0.7, -1.2, 3.0])
+        b1[mbs] = {k: v.clone() for k, v in tr.export_hf_weights() if k.endswith("e_score_correction_bias")}
+        tr.close()
     exact, moved = True, 0
     for k in sorted(b0):
         layer = int(k.split(".")[2])
@@ -160,10 +155,10 @@ def main(tmp: str) -> None:
         for r in hroutes:
             count += torch.bincount(r[layer][0].flatten(), minlength=E).float()
         expected = b0[k] + torch.sign(count.sum() / E - count) * rate
-        exact &= torch.equal(b1[k], expected)
-        moved += int((b1[k] != b0[k]).sum())
+        exact &= torch.equal(b1[2][k], expected) and torch.equal(b1[1][k], expected)
+        moved += int((b1[2][k] != b0[k]).sum())
     res["bias_update"] = {"exact": exact, "moved": moved, "n": sum(v.numel() for v in b0.values()),
-                          "tokens": int(sum(len(s.prompt_ids) + len(s.response_ids) for s in padded))}
+                          "tokens": int(sum(len(s.prompt_ids) + len(s.response_ids) for s in ss))}
     # a family without a router expert bias refuses a non-zero rate, naming the field
     sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
     from _tiny import make_tiny_mixtral
