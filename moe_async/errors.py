@@ -34,3 +34,34 @@ class CheckpointReadError(UserInputError, RuntimeError):
     Both a :class:`UserInputError` (``moe-async train`` prints one line and exits 2) and a
     ``RuntimeError`` (what torch_dist read failures were reported as before).
     """
+
+
+def check_safetensors_file(path: str) -> None:
+    """Read a ``.safetensors`` file's header (8-byte little-endian length + JSON) and check that
+    the file holds every byte its tensors' ``data_offsets`` name, so a truncated or corrupt
+    file is refused by name before any tensor is read.
+
+    Raises:
+        CheckpointReadError: naming ``path`` (short header, bad JSON, missing bytes).
+    """
+    import json
+    import os
+    import struct
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if 8 + n > size:
+                raise ValueError(f"header of {n} bytes, file of {size} bytes")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"truncated: {size} bytes, its tensors end at byte {8 + n + end}")
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointReadError(f"cannot read safetensors file {path}: {e}") from e

@@ -180,8 +180,11 @@ def parse_size(text: str | int) -> int:
 def read_hf_index(hf_dir: str) -> dict[str, str]:
     """HF tensor name -> absolute file path, from ``model.safetensors.index.json`` when
     present (and every file it names must exist), else from the keys of every
-    ``*.safetensors`` in ``hf_dir``. ValueError on a key in two files."""
+    ``*.safetensors`` in ``hf_dir``. ValueError on a key in two files; CheckpointReadError
+    (a ValueError) naming a truncated or corrupt safetensors file."""
     from safetensors import safe_open
+
+    from moe_async.errors import check_safetensors_file
 
     idx = os.path.join(hf_dir, INDEX_NAME)
     if os.path.exists(idx):
@@ -192,12 +195,14 @@ def read_hf_index(hf_dir: str) -> dict[str, str]:
         for p in sorted(set(out.values())):
             if not os.path.exists(p):
                 raise FileNotFoundError(f"{INDEX_NAME} names {os.path.basename(p)}, which is not in {hf_dir}")
+            check_safetensors_file(p)  # truncated/corrupt: named before any tensor is read
         return out
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files (and no {INDEX_NAME}) in {hf_dir}")
     out = {}
     for fp in files:
+        check_safetensors_file(fp)
         with safe_open(fp, framework="pt") as h:
             for k in h.keys():
                 if k in out:

@@ -496,11 +496,14 @@ class MegatronTrainer:
         from safetensors import safe_open
         from safetensors.torch import load_file
 
+        from moe_async.errors import check_safetensors_file
+
         files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {hf_path}")
         where: dict[str, str] = {}
         for f in files:
+            check_safetensors_file(f)  # a truncated/corrupt file is named (CheckpointReadError)
             with safe_open(f, framework="pt") as h:
                 for k in h.keys():
                     if k in where:

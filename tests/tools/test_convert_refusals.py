@@ -227,3 +227,28 @@ def test_truncated_distcp_cli_one_line(mix, meg, tmp_path):
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
     assert "Traceback" not in p.stderr, p.stderr[-4000:]
     assert f"convert_megatron_to_hf: error: {bad / '__0_0.distcp'} (torch_dist data) is truncated" in p.stderr
+
+
+def test_truncated_hf_safetensors_is_named(mix, tmp_path):
+    """A truncated HF ``.safetensors`` input: one error line naming the file, exit 2 (was a
+    SafetensorError traceback, exit 1); the same check guards the trainer's HF load."""
+    import shutil
+
+    from moe_async.errors import CheckpointReadError, check_safetensors_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(mix, hf)
+    (st,) = sorted(hf.glob("*.safetensors"))
+    check_safetensors_file(str(st))  # intact
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointReadError, match=f"cannot read safetensors file {st}: truncated"):
+        check_safetensors_file(str(st))
+    st.write_bytes(data[:6])
+    with pytest.raises(CheckpointReadError, match="shorter than the 8-byte header length"):
+        check_safetensors_file(str(st))
+    st.write_bytes(data[:200])
+    p = _cli("convert_hf_to_megatron.py", "--hf", str(hf), "--out", str(tmp_path / "out"))
+    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
+    assert "Traceback" not in p.stderr
+    assert f"cannot read safetensors file {st}" in p.stderr
