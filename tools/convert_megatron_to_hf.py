@@ -39,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from moe_async.models.convert import megatron_to_hf_checkpoint
+    from moe_async.models.convert import megatron_to_hf_checkpoint, parse_size
+
+    try:
+        ok = parse_size(args.max_shard_size) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        ap.error(f"--max-shard-size {args.max_shard_size!r}: expected a positive size such as 5GB, 500MB, 2GiB")
 
     st = megatron_to_hf_checkpoint(args.megatron, args.hf_config, args.out, max_shard_size=args.max_shard_size,
                                    tp=args.tp, pp=args.pp, ep=args.ep, progress=not args.no_progress,

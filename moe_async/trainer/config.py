@@ -211,6 +211,12 @@ class TrainerConfig(BaseModel):
                 "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
                 "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
             )
+        if self.dist_ckpt_optim_fully_reshardable and not self.use_distributed_optimizer:
+            raise ValueError(
+                "trainer.dist_ckpt_optim_fully_reshardable=true needs trainer.use_distributed_optimizer=true "
+                "(it chooses the distributed optimizer's checkpoint format; the plain optimizer's state "
+                "already loads at any layout)"
+            )
         if self.max_tokens_per_micro_batch is not None and self.pipeline_model_parallel_size > 1:
             raise ValueError(
                 f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} needs "

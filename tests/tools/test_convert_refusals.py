@@ -252,3 +252,11 @@ def test_truncated_hf_safetensors_is_named(mix, tmp_path):
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
     assert "Traceback" not in p.stderr
     assert f"cannot read safetensors file {st}" in p.stderr
+
+
+@pytest.mark.parametrize("size", ["0", "0MB", "lots"])
+def test_max_shard_size_must_be_positive(size, tmp_path):
+    p = _cli("convert_megatron_to_hf.py", "--megatron", str(tmp_path), "--hf-config", str(tmp_path),
+             "--out", str(tmp_path / "o"), "--max-shard-size", size)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"--max-shard-size {size!r}: expected a positive size" in p.stderr

@@ -48,3 +48,14 @@ def test_token_budget_needs_pp1():
         TrainerConfig(max_tokens_per_micro_batch=4096, pipeline_model_parallel_size=2)
     with _pt.raises(ValidationError, match="max_tokens_per_micro_batch"):
         TrainerConfig(max_tokens_per_micro_batch=0)
+
+
+def test_fully_reshardable_needs_distributed_optimizer():
+    import pytest as _pt
+    from pydantic import ValidationError
+
+    from moe_async.trainer.config import TrainerConfig
+
+    TrainerConfig(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
+    with _pt.raises(ValidationError, match="dist_ckpt_optim_fully_reshardable=true needs trainer.use_distributed_optimizer"):
+        TrainerConfig(dist_ckpt_optim_fully_reshardable=True)
