@@ -13,33 +13,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _engine_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "moe_async.engines.embedded.server"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+def _engine_pids(root_pid: int) -> set[int]:
+    """Embedded engine servers among ``root_pid``'s descendants (this run's own: the Ray head
+    and its workers are children of the driver, the engines children of an actor). Not a
+    machine-wide pgrep: another run's engines on the same machine are not this test's."""
+    import psutil
+
+    try:
+        kids = psutil.Process(root_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    out = set()
+    for k in kids:
+        try:
+            if "moe_async.engines.embedded.server" in " ".join(k.cmdline()):
+                out.add(k.pid)
+        except psutil.Error:
+            pass
+    return out
 
 
 def test_dead_engine_is_named(tmp_path):
-    before = set(_engine_pids())
+    import psutil
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
            f"logging.output_dir={tmp_path}", "num_steps=40", "eval_before=false", "eval_after=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # a hung run must fail this test, not the whole suite: kill it after 600 s
     watchdog = threading.Timer(600, proc.kill)
+    watchdog.daemon = True
     watchdog.start()
-    lines = []
+    lines, killed = [], set()
     for line in proc.stdout:  # wait for the second step, then kill the engine
         lines.append(line)
         if line.startswith("step   2/"):
-            for pid in set(_engine_pids()) - before:
+            killed = _engine_pids(proc.pid)
+            for pid in killed:
                 os.kill(pid, signal.SIGKILL)
             break
     out = "".join(lines) + proc.stdout.read()
     rc = proc.wait(timeout=120)
     watchdog.cancel()
+    assert len(killed) == 1, (killed, out[-3000:])  # cpu_smoke has one engine
     assert rc != 0, out[-3000:]
     assert "engine 0 at http://127.0.0.1:" in out and "exited with code -9" in out, out[-3000:]
     (run_dir,) = list(tmp_path.iterdir())
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2
     time.sleep(2)
-    assert set(_engine_pids()) - before == set()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in killed)
