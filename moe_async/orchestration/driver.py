@@ -131,19 +131,19 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 # a bounded wait for the buffer's own 5 s wait: a lost reply (seen once in CI
                 # after an engine was killed) must fail the run, naming a dead engine if any,
                 # instead of hanging it
-                groups = ray.get(buffer.get_batch.remote(version, 5.0), timeout=_BUFFER_REPLY_S)
-                err = ray.get(rollout.error.remote(), timeout=_BUFFER_REPLY_S)
+                groups = _get_watching(buffer.get_batch.remote(version, 5.0), engines, _BUFFER_REPLY_S)
+                err = _get_watching(rollout.error.remote(), engines, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
             t1 = time.perf_counter()
             idle += t1 - t0
             m = batch_metrics(groups, version)
-            m.update(ray.get(trainer.train_step.remote(groups)))
+            m.update(_get_watching(trainer.train_step.remote(groups), engines))
             version = ray.get(trainer.version.remote())
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
-                m.update(ray.get(trainer.sync_weights.remote()))
+                m.update(_get_watching(trainer.sync_weights.remote(), engines))
                 if cfg.weight_sync.check:
-                    m.update(ray.get(trainer.check_engines.remote(urls)))
+                    m.update(_get_watching(trainer.check_engines.remote(urls), engines))
                 ray.get(buffer.set_engine_version.remote(version))
                 synced_version = version
             si = cfg.trainer.save_interval
@@ -286,6 +286,31 @@ def check_single_process_trainer(cfg: ExperimentConfig) -> None:
 
 
 _BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in the step loop
+_ENGINE_POLL_S = 5.0  # s: how often a step-loop wait checks that the engine processes are alive
+
+
+def _get_watching(ref, engines, timeout_s: float | None = None):
+    """``ray.get(ref)`` that checks the engine processes every :data:`_ENGINE_POLL_S` seconds
+    while it waits: a dead engine fails the step at once, named (index, URL, exit code, log),
+    instead of leaving the driver waiting on a call blocked by it (a weight sync into a
+    killed engine, a buffer reply after the rollout loop lost its engine).
+
+    Raises:
+        RuntimeError: naming the dead engine(s).
+        ray.exceptions.GetTimeoutError: no reply within ``timeout_s`` seconds (None: no limit).
+    """
+    import ray
+
+    t0 = time.monotonic()
+    while True:
+        ready, _ = ray.wait([ref], timeout=_ENGINE_POLL_S)
+        if ready:
+            return ray.get(ref)
+        dead = dead_engines(engines)
+        if dead:
+            raise RuntimeError("; ".join(dead))
+        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+            raise ray.exceptions.GetTimeoutError(f"no reply within {timeout_s:.0f} s")
 
 
 def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
