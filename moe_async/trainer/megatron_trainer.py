@@ -721,13 +721,7 @@ class MegatronTrainer:
             inputs = (mb["tokens"], mb["position_ids"], mb["attention_mask"])
             padding_mask = mb.get("padding_mask")
         if self._bias_hooks and padding_mask is not None:  # see _uncount_padding
-            pm = padding_mask
-            if self.tf_config.sequence_parallel:  # this TP rank's contiguous sequence shard
-                from megatron.core import parallel_state as ps
-
-                n = pm.shape[1] // ps.get_tensor_model_parallel_world_size()
-                r = ps.get_tensor_model_parallel_rank()
-                pm = pm[:, r * n : (r + 1) * n]
+            pm = self._sp_shard(padding_mask) if self.tf_config.sequence_parallel else padding_mask
             self._router_pad = pm.transpose(0, 1).reshape(-1)  # router token order: [S, B] flattened
         try:
             return model(*inputs, padding_mask=self._stage_padding_mask(model, padding_mask)), rows_only
@@ -764,7 +758,6 @@ class MegatronTrainer:
         (deepseek_v3): Megatron-Core 0.16.1's ``TopKRouter._apply_expert_bias`` ANDs the
         ``[tokens, experts]`` routing map with the flattened ``[tokens]`` mask, which does not
         broadcast (fixed upstream with ``unsqueeze(-1)``)."""
-        from megatron.core import parallel_state as ps
         from megatron.core.utils import get_attr_wrapped_model
 
         if getattr(self.tf_config, "moe_router_enable_expert_bias", False):
@@ -773,9 +766,17 @@ class MegatronTrainer:
             return padding_mask
         if get_attr_wrapped_model(model, "pre_process"):
             return padding_mask
+        return self._sp_shard(padding_mask)
+
+    @staticmethod
+    def _sp_shard(x: Tensor) -> Tensor:
+        """``x [B,S,...]`` -> this TP rank's ``[B,S/TP,...]``: the contiguous sequence split of
+        sequence parallelism (``scatter_to_sequence_parallel_region`` on ``[S,B,...]``)."""
+        from megatron.core import parallel_state as ps
+
         tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        n = padding_mask.shape[1] // tp
-        return padding_mask[:, r * n : (r + 1) * n].contiguous()
+        n = x.shape[1] // tp
+        return x[:, r * n : (r + 1) * n].contiguous()
 
     def _select_logit_rows(self, module, args, kwargs):
         """Forward pre-hook of the output layer (see :meth:`_forward`): hidden ``[S,B,H]`` ->
@@ -1048,23 +1049,25 @@ class MegatronTrainer:
     def _dp_max(self, x: float) -> float:
         """Max of a per-DP-rank scalar over the DP group."""
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
-        if self._dp_size() == 1:
-            return x
-        t = torch.tensor([x], dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        return float(t.item())
+        return self._dp_reduce(x, dist.ReduceOp.MAX)
 
     def _dp_sum(self, x: float) -> float:
         """Sum of a per-DP-rank scalar over the DP group (float64 on the DP group)."""
+        import torch.distributed as dist
+
+        return self._dp_reduce(x, dist.ReduceOp.SUM)
+
+    def _dp_reduce(self, x: float, op) -> float:
+        """``op`` (a ``torch.distributed.ReduceOp``) of a per-DP-rank scalar over the DP
+        group, in float64; ``x`` itself at DP 1."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         if self._dp_size() == 1:
             return x
         t = torch.tensor([x], dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
         return float(t.item())
 
     def _comm_device(self) -> torch.device:
