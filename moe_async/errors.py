@@ -65,3 +65,54 @@ def check_safetensors_file(path: str) -> None:
             raise ValueError(f"truncated: {size} bytes, its tensors end at byte {8 + n + end}")
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         raise CheckpointReadError(f"cannot read safetensors file {path}: {e}") from e
+
+
+def check_torch_dist_files(path: str):
+    """Check the files of a Megatron ``torch_dist`` checkpoint directory before any tensor is
+    read: ``metadata.json`` (JSON), ``.metadata`` (torch DCP metadata), ``common.pt`` (when
+    present; Megatron's common state, ``torch.load``-able) and every ``.distcp`` shard the
+    metadata names (present, and at least as long as the byte extent ``offset + length`` of
+    every item stored in it). Cost: the metadata and ``common.pt`` are read; the shards are
+    only ``stat``-ed.
+
+    Returns:
+        The DCP ``Metadata`` (``torch.distributed.checkpoint.metadata.Metadata``), for reuse.
+
+    Raises:
+        UserInputFileNotFoundError: ``path`` lacks ``metadata.json`` or ``.metadata``, naming it.
+        CheckpointReadError: naming the file that is truncated or corrupt, and for a short
+            ``.distcp`` its size, the byte its items end at and one item key cut off.
+    """
+    import os
+
+    import torch
+
+    from moe_async.models.convert import read_torch_dist_metadata
+
+    try:
+        metadata = read_torch_dist_metadata(path)
+    except FileNotFoundError as e:
+        raise UserInputFileNotFoundError(str(e)) from None
+    except ValueError as e:
+        raise CheckpointReadError(f"checkpoint {path}: {e}") from None
+    common = os.path.join(path, "common.pt")
+    if os.path.exists(common):
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)  # as Megatron's load_common
+        except Exception as e:  # noqa: BLE001 - a cut zip/pickle raises many kinds
+            raise CheckpointReadError(f"checkpoint {path}: cannot read {common} (Megatron common state; "
+                                      f"{type(e).__name__}: {str(e)[:200]})") from None
+    ends: dict[str, tuple[int, str]] = {}
+    for idx, info in metadata.storage_data.items():
+        end = int(info.offset) + int(info.length)
+        if end > ends.get(info.relative_path, (-1, ""))[0]:
+            ends[info.relative_path] = (end, idx.fqn)
+    for rel, (end, fqn) in sorted(ends.items()):
+        f = os.path.join(path, rel)
+        if not os.path.exists(f):
+            raise CheckpointReadError(f"checkpoint {path}: shard {f} named by its .metadata is missing")
+        size = os.path.getsize(f)
+        if size < end:
+            raise CheckpointReadError(f"checkpoint {path}: shard {f} is truncated ({size} bytes; its items end "
+                                      f"at byte {end}, e.g. {fqn})")
+    return metadata

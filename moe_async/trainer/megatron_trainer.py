@@ -1323,6 +1323,8 @@ class MegatronTrainer:
         CUDA is available, CUDA generator states, and Megatron's RNG tracker states, as
         Megatron-LM's ``rng_state``). There is no separate scheduler state: the LR is a pure
         function of ``version`` (:meth:`_set_lr`), so restoring the step restores the schedule.
+        Saving into a directory that holds a checkpoint overwrites it: its old checkpoint
+        files are removed first (:meth:`_remove_old_checkpoint_files`; other files stay).
         The caller's script needs an ``if __name__ == "__main__"`` guard. Collective."""
         import json
         import random
@@ -1332,6 +1334,10 @@ class MegatronTrainer:
         from megatron.core.tensor_parallel import random as mrandom
 
         os.makedirs(path, exist_ok=True)
+        if torch.distributed.get_rank() == 0:
+            self._remove_old_checkpoint_files(path)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()  # no rank writes before the old files are gone
         with cpu_device_scope():
             sd = {
                 **self._model_sharded_state_dict(),
@@ -1357,6 +1363,29 @@ class MegatronTrainer:
                 json.dump({"version": self.version, "layout": self._ckpt_layout(), "extra": extra or {}}, f)
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # every rank's files are written when any rank returns
+
+    @staticmethod
+    def _remove_old_checkpoint_files(path: str) -> None:
+        """Before saving into ``path``: remove the files a previous checkpoint there left
+        (``__<rank>_<i>.distcp``, ``.metadata``, ``metadata.json``, ``common.pt``, our
+        ``moe_async_*`` files and ``moe_async_rng/``), with a WARNING log line, as Megatron-LM
+        overwrites. A save at fewer ranks would otherwise leave the old ranks' shards and RNG
+        files beside the new ones (a later load at the old layout restored a stale rank's RNG
+        state). Other files are left alone."""
+        import logging
+        import re
+        import shutil
+
+        old = [n for n in os.listdir(path)
+               if re.fullmatch(r"__\d+_\d+\.distcp|\.metadata|metadata\.json|common\.pt|"
+                               r"moe_async_version\.txt|moe_async_state\.json|moe_async_rng", n)]
+        if not old:
+            return
+        logging.getLogger(__name__).warning("save_checkpoint: %s holds a checkpoint; overwriting it (%d old files "
+                                            "removed)", path, len(old))
+        for n in old:
+            f = os.path.join(path, n)
+            shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
     def _model_sharded_state_dict(self) -> dict[str, Any]:
         """The model part of a torch_dist state dict, as Megatron-LM's ``generate_state_dict``:
@@ -1609,9 +1638,12 @@ class MegatronTrainer:
         Raises:
             FileNotFoundError: ``path`` is not a directory.
             CheckpointReadError (a UserInputError and a RuntimeError): a file that cannot be
-                read (truncated or corrupt ``.distcp`` shards, model or optimizer part;
-                ``moe_async_version.txt``; ``moe_async_state.json``; ``moe_async_rng/rank_<r>.pt``;
-                ``hf_config.json``), named.
+                read, named: ``.metadata``, ``metadata.json`` or ``common.pt`` truncated or
+                corrupt, a ``.distcp`` shard missing or shorter than its items
+                (:func:`moe_async.errors.check_torch_dist_files`, before any tensor is read),
+                shard bytes that do not deserialise (model or optimizer part),
+                ``moe_async_version.txt``, ``moe_async_state.json``,
+                ``moe_async_rng/rank_<r>.pt``, ``hf_config.json``.
             UserInputError (a ValueError): optimizer kind or ('dp_reshardable' distributed
                 optimizer state) layout differs from the saving one, ``moe_async_state.json`` is
                 missing for a 'dp_reshardable' checkpoint, or the distributed-optimizer format is
@@ -1650,7 +1682,14 @@ class MegatronTrainer:
                                  f"in field {k} ({getattr(a_saved, k, None)!r} vs {getattr(a_now, k, None)!r})")
         from moe_async.models.convert import is_optimizer_key, saved_vocab_rows
 
-        rows = saved_vocab_rows(path)
+        from moe_async.errors import check_torch_dist_files
+
+        # metadata, common.pt and every shard's length, each named, before any tensor is read
+        try:
+            metadata = check_torch_dist_files(path)
+        except CheckpointReadError as e:
+            raise CheckpointReadError(f"{e}; the trainer is unchanged") from None
+        rows = saved_vocab_rows(path, metadata)
         want = padded_vocab_size(self.vocab_size, self.cfg.tensor_model_parallel_size,
                                  self.cfg.make_vocab_size_divisible_by)
         if rows is not None and rows != want:

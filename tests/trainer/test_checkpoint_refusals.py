@@ -61,9 +61,40 @@ def test_damaged_optimizer_items_named_before_weights_change(res, case):
     optimizer state; weights and optimizer state unchanged."""
     assert res[f"{case}_files"]["optimizer_items"] > 0
     r = res[case]
+    ck = os.path.join(res["tmp"], case)
     assert r["type"] == "CheckpointReadError" and {"UserInputError", "RuntimeError"} <= set(r["mro"])
-    assert r["error"].startswith(f"checkpoint {os.path.join(res['tmp'], case)}: cannot read its optimizer state")
+    if case == "opt_truncated":  # the shard lengths are checked before any read: the file is named
+        f = res[f"{case}_files"]["files"][0]
+        assert r["error"].startswith(f"checkpoint {ck}: shard {os.path.join(ck, f)} is truncated ("), r["error"]
+        assert ".optimizer." in "." + r["error"].rsplit("e.g. ", 1)[1]
+    else:
+        assert r["error"].startswith(f"checkpoint {ck}: cannot read its optimizer state"), r["error"]
     _untouched(r)
+
+
+def test_truncated_shard_and_common_state_named(res):
+    """A .distcp shard cut to half (model items lost) and common.pt cut to half: each named
+    before any tensor is read (before: torch's CheckpointException text, blaming ".distcp
+    shards" for a cut common.pt); nothing changed."""
+    ck = os.path.join(res["tmp"], "shard_truncated")
+    r = res["shard_truncated"]
+    assert r["type"] == "CheckpointReadError"
+    assert r["error"].startswith(f"checkpoint {ck}: shard {os.path.join(ck, '__1_0.distcp')} is truncated ("), r
+    _untouched(r)
+    ck = os.path.join(res["tmp"], "common_truncated")
+    r = res["common_truncated"]
+    assert r["type"] == "CheckpointReadError"
+    assert r["error"].startswith(f"checkpoint {ck}: cannot read {os.path.join(ck, 'common.pt')} (Megatron common"), r
+    _untouched(r)
+
+
+def test_save_over_old_checkpoint_removes_its_files(res):
+    """Saving at 2 ranks into a dir holding (fake) files of an 8-rank save: the old shard and
+    rank-7 RNG file are gone, a file that is not a checkpoint's stays, and the checkpoint loads
+    (test_trainer_usable_after_refusals resumes from it exactly)."""
+    files = res["do_files"]
+    assert "__7_0.distcp" not in files and "rank_7.pt" not in files, files
+    assert "notes.txt" in files and {"__0_0.distcp", "__1_0.distcp", "rank_0.pt", "rank_1.pt"} <= set(files), files
 
 
 def test_missing_state_json_refused_for_distributed_optimizer(res):
@@ -88,7 +119,7 @@ def test_truncated_side_files_named_before_weights_change(res, case, name):
 
 
 def test_trainer_usable_after_refusals(res):
-    """The same trainer, after the six refusals, loads the good checkpoint: its next step
+    """The same trainer, after the eight refusals, loads the good checkpoint: its next step
     equals the saving run's next step exactly."""
     a = res["after_refusals"]
     assert a["version"] == 1 and a["next"] == res["do_ref"]["next"]
