@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_checkpoint_refusal_checks.py")
@@ -26,23 +24,11 @@ SCRIPT = os.path.join(HERE, "_checkpoint_refusal_checks.py")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ckrefuse"))
     out = os.path.join(tmp, "out.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        "--master_addr=127.0.0.1", f"--master_port={_port()}", SCRIPT, tmp, out],
-                       capture_output=True, text=True, timeout=400, env=env)
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-6000:])
+    torchrun(2, SCRIPT, tmp, out, timeout=400)
     with open(out) as f:
         r = json.load(f)
     r["tmp"] = tmp

@@ -1,0 +1,49 @@
+"""Launching the multi-process checks of the suite (torchrun over gloo, one-process reference
+scripts): a free loopback port, an environment without an outer torchrun's rank variables,
+and a run that fails the test with the tail of the child's output.
+
+Imported as ``_launch`` (tests/conftest.py puts tests/ on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+_RANK_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's choice for port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment with ``OMP_NUM_THREADS=1`` (2-core machines: one thread per
+    rank) and without torchrun's rank variables, plus ``extra``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    for k in _RANK_VARS:
+        env.pop(k, None)
+    return env
+
+
+def run(cmd: list[str], timeout: float, **env: str) -> float:
+    """Run ``cmd`` to completion (``timeout`` seconds at most; ``subprocess.TimeoutExpired``
+    after it); an AssertionError with the tails of stdout and stderr when it exits non-zero.
+    Returns its wall time in seconds."""
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env))
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
+    return time.perf_counter() - t0
+
+
+def torchrun(n: int, script: str, *args: str, timeout: float = 400, **env: str) -> float:
+    """``python -m torch.distributed.run --nproc_per_node=n`` of ``script args`` on a free
+    loopback port, as :func:`run`."""
+    return run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}", script, *args], timeout=timeout, **env)
