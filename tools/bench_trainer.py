@@ -28,6 +28,12 @@ batch (16 samples = 4 prompts x 4, the chat-templated one-shot basic_arithmetic 
 
     python tools/bench_trainer.py                       # the demo model, ~12 GB RAM
     python tools/bench_trainer.py --num-layers 6 --repeats 3   # first 6 layers only
+    python tools/bench_trainer.py --packing thd                # packed THD micro-batches
+    python tools/bench_trainer.py --packing thd --min-new-tokens 4   # variable response lengths
+
+``--packing`` sets the Megatron trainer's ``trainer.sequence_packing`` (padded / thd / auto); the
+transformers step always right-pads each micro-batch to its longest sequence, as ``generate``
+batches are. Tokens/s counts real tokens either way.
 """
 
 from __future__ import annotations
@@ -71,10 +77,12 @@ def truncated_checkpoint(src: str, num_layers: int, out: str) -> str:
     return out
 
 
-def demo_batch(n_prompts: int, n_per_prompt: int, new_tokens: int, vocab: int, seed: int = 0):
+def demo_batch(n_prompts: int, n_per_prompt: int, new_tokens: int, vocab: int, seed: int = 0,
+               min_new_tokens: int | None = None):
     """The demo's batch shape: chat-templated one-shot basic_arithmetic prompts (real
-    tokenizer), ``new_tokens`` random response tokens each, random rollout logprobs in
-    [-3, 0], group advantages +-1."""
+    tokenizer), ``new_tokens`` random response tokens each (with ``min_new_tokens``: a length
+    drawn uniformly from ``[min_new_tokens, new_tokens]`` per sample, as responses stopping at
+    EOS), random rollout logprobs in [-3, 0], group advantages +-1."""
     import torch
 
     from moe_async.config import load_config
@@ -90,10 +98,13 @@ def demo_batch(n_prompts: int, n_per_prompt: int, new_tokens: int, vocab: int, s
     for _ in range(n_prompts):
         prompt = ds.build_prompt_ids(ds.next_train())
         for j in range(n_per_prompt):
-            resp = torch.randint(3, vocab, (new_tokens,), generator=g).tolist()
-            rl = (-torch.rand(new_tokens, generator=g) * 3).tolist()
+            n = new_tokens
+            if min_new_tokens is not None:
+                n = int(torch.randint(min_new_tokens, new_tokens + 1, (1,), generator=g))
+            resp = torch.randint(3, vocab, (n,), generator=g).tolist()
+            rl = (-torch.rand(n, generator=g) * 3).tolist()
             samples.append(Sample(prompt_ids=prompt, response_ids=resp, rollout_logprobs=rl,
-                                  weight_versions=[0] * new_tokens))
+                                  weight_versions=[0] * n))
             adv.append(1.0 if j % 2 == 0 else -1.0)
     return samples, adv
 
@@ -178,10 +189,18 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--samples-per-prompt", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--min-new-tokens", type=int, default=None,
+                    help="response lengths drawn uniformly from [this, --new-tokens] per sample (default: all "
+                         "--new-tokens; variable lengths are where packed THD micro-batches save padding)")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for both (the demo trainer's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps of each, after one warm-up each")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one Megatron step here")
+    ap.add_argument("--packing", choices=("auto", "padded", "thd", "both"), default=None,
+                    help="trainer.sequence_packing of the Megatron trainer (default: the config's, 'auto'); "
+                         "'both': one trainer built for thd runs padded and thd steps in turn (same run, "
+                         "same model), each timed against the transformers step; the transformers step "
+                         "always right-pads")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra TrainerConfig fields for the Megatron trainer (repeatable)")
     args = ap.parse_args(argv)
@@ -206,13 +225,16 @@ def main(argv=None) -> None:
         path = truncated_checkpoint(path, args.num_layers, tmp.name)
     with open(os.path.join(path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    samples, adv = demo_batch(args.prompts, args.samples_per_prompt, args.new_tokens, vocab)
+    samples, adv = demo_batch(args.prompts, args.samples_per_prompt, args.new_tokens, vocab,
+                              min_new_tokens=args.min_new_tokens)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
     extra = {}
     for kv in args.set:
         k, v = kv.split("=", 1)
         extra[k] = yaml.safe_load(v)
+    if args.packing is not None:
+        extra["sequence_packing"] = "thd" if args.packing == "both" else args.packing
     # the demo trainer's settings (configs/cpu_demo.yaml: lr, aux coeff, TIS cap, threads)
     cfg = TrainerConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, moe_aux_loss_coeff=0.001,
                         off_policy_correction="tis", tis_cap=2.0, num_threads=args.threads,
@@ -223,7 +245,13 @@ def main(argv=None) -> None:
     meg = MegatronTrainer(cfg, path)
     torch.set_num_threads(args.threads)
 
-    def run_meg():
+    # --packing both: the thd-built trainer also runs padded micro-batches (its CPU THD core
+    # attention is the local one without packed_seq_params; TE's takes both); _thd selects _pack's
+    # layout per step
+    kinds = ["padded", "thd"] if args.packing == "both" else ["thd" if meg._thd else "padded"]
+
+    def run_meg(kind=kinds[0]):
+        meg._thd = kind == "thd"
         t0 = time.perf_counter()
         m = meg.train_step(samples, adv)
         return time.perf_counter() - t0, m
@@ -233,10 +261,12 @@ def main(argv=None) -> None:
         m = hf.step(samples, adv)
         return time.perf_counter() - t0, m
 
-    w_meg, m0 = run_meg()
+    for kind in kinds:
+        w_meg, m0 = run_meg(kind)
+        print(f"warm-up: megatron ({kind}) {w_meg:.2f} s (loss {m0['loss']:.5f}, grad_norm {m0['grad_norm']:.4f})",
+              flush=True)
     w_hf, h0 = run_hf()
-    print(f"warm-up: megatron {w_meg:.2f} s (loss {m0['loss']:.5f}, grad_norm {m0['grad_norm']:.4f}); "
-          f"transformers {w_hf:.2f} s (loss {h0['loss']:.5f}, grad_norm {h0['grad_norm']:.4f})", flush=True)
+    print(f"warm-up: transformers {w_hf:.2f} s (loss {h0['loss']:.5f}, grad_norm {h0['grad_norm']:.4f})", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -248,28 +278,49 @@ def main(argv=None) -> None:
             hf.step(samples, adv)
         with open(args.profile + ".hf", "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
-    t_meg, t_hf, ratios = [], [], []
+    t_meg = {k: [] for k in kinds}
+    t_hf, ratios = [], {k: [] for k in kinds}
     for r in range(args.repeats):
-        if r % 2 == 0:
-            a, _ = run_meg()
-            b, _ = run_hf()
+        # rotate the order (ABBA... with one trainer; ABC, BCA, CAB with both packings)
+        order = ["hf", *kinds]
+        if len(order) == 2:
+            order = order[::-1] if r % 2 == 0 else order
         else:
-            b, _ = run_hf()
-            a, _ = run_meg()
-        t_meg.append(a)
+            order = order[r % 3:] + order[:r % 3]
+        got = {}
+        for what in order:
+            got[what] = run_hf()[0] if what == "hf" else run_meg(what)[0]
+        b = got["hf"]
         t_hf.append(b)
-        ratios.append(b / a)
-        print(f"repeat {r}: megatron {tokens / a:.1f} tok/s ({a:.2f} s), transformers {tokens / b:.1f} tok/s "
-              f"({b:.2f} s), ratio {b / a:.3f}", flush=True)
+        line = []
+        for k in kinds:
+            t_meg[k].append(got[k])
+            ratios[k].append(b / got[k])
+            line.append(f"megatron ({k}) {tokens / got[k]:.1f} tok/s ({got[k]:.2f} s, ratio {b / got[k]:.3f})")
+        print(f"repeat {r}: " + ", ".join(line) + f", transformers {tokens / b:.1f} tok/s ({b:.2f} s)", flush=True)
     res = {
         "model": path if tmp is None else f"{args.model_path or 'demo'} (first {args.num_layers} layers)",
         "tokens_per_step": tokens, "samples": len(samples), "micro_batch_size": args.micro_batch_size,
-        "threads": args.threads, "dtype": "fp32",
-        "megatron_tok_s": tokens / statistics.median(t_meg), "transformers_tok_s": tokens / statistics.median(t_hf),
-        "ratio_median": statistics.median(ratios), "ratios": ratios,
+        "padded_positions_per_step": sum(len(samples[i : i + args.micro_batch_size]) * max(
+            len(s.prompt_ids) + len(s.response_ids) for s in samples[i : i + args.micro_batch_size])
+            for i in range(0, len(samples), args.micro_batch_size)),
+        "threads": args.threads, "dtype": "fp32", "sequence_packing": cfg.sequence_packing,
+        "sequence_packing_run": kinds[0] if len(kinds) == 1 else "both",
+        "transformers_tok_s": tokens / statistics.median(t_hf),
     }
+    for k in kinds:
+        sfx = "" if len(kinds) == 1 else f"_{k}"
+        res[f"megatron_tok_s{sfx}"] = tokens / statistics.median(t_meg[k])
+        res[f"ratio_median{sfx}"] = statistics.median(ratios[k])
+        res[f"ratios{sfx}"] = ratios[k]
+    if len(kinds) > 1:
+        res["thd_over_padded_median"] = statistics.median(p / t for p, t in zip(t_meg["padded"], t_meg["thd"]))
     print(json.dumps(res))
-    print(f"megatron / transformers tokens/s (median of {args.repeats}): {res['ratio_median']:.3f}")
+    for k in kinds:
+        sfx = "" if len(kinds) == 1 else f"_{k}"
+        print(f"megatron ({k}) / transformers tokens/s (median of {args.repeats}): {res['ratio_median' + sfx]:.3f}")
+    if len(kinds) > 1:
+        print(f"megatron thd / padded tokens/s (median of {args.repeats}): {res['thd_over_padded_median']:.3f}")
     meg.close()
     if tmp is not None:
         tmp.cleanup()

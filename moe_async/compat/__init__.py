@@ -25,6 +25,9 @@ Modules with spec-level mends (used by the model builder on the CPU path, not pa
     mla_local_attention   MLA's local core attention and q/kv down projections (deepseek_v3)
     cp_attention          context-parallel core attention for the local spec (CP > 1; the
                           local DotProductAttention asserts CP == 1, TE's CP attention needs CUDA)
+    thd_attention         packed-sequence (THD) core attention for the local spec
+                          (trainer.sequence_packing='thd'; the local DotProductAttention asserts
+                          packed_seq_params is None, TE's THD attention needs CUDA)
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Modes (``trainer.router_replay``):
   With one optimizer step per batch the old and current policy coincide at the forward, so
   R2 only differs from ``off`` when the policy moves between recording and training.
 
-Data path per micro-batch: ``routes_BSLK`` (-1 = no route) -> :func:`fill_padding`
+Data path per micro-batch: ``routes_BSLK`` (-1 = no route; a packed THD micro-batch: one
+row ``[1, T, ...]`` in the packed token order, see :meth:`RouterReplayHook.pack`) -> :func:`fill_padding`
 (padding and the unrouted last token get evenly spread valid experts) -> ``[S, B]`` token
 order of Megatron's router (``[S*B, K]`` per layer; this rank's sequence-parallel chunk)
 -> the router of each local MoE layer, matched by its global MoE-layer index (dense
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from moe_async.replay.metrics import MismatchMeter
-from moe_async.replay.routes import batch_routes, fill_padding, num_pad_rows
+from moe_async.replay.routes import PAD, batch_routes, fill_padding, num_pad_rows, pack_rows
 
 MODES = ("off", "R3", "R2")
 
@@ -201,12 +202,16 @@ class RouterReplayHook:
         return bool(self.routers)
 
     # ------------------------------------------------------------------ batching
-    def pack(self, samples: Sequence[Any], S: int) -> dict[str, torch.Tensor]:
+    def pack(self, samples: Sequence[Any], S: int, packed_len: int | None = None) -> dict[str, torch.Tensor]:
         """Extra micro-batch tensors: ``routes_BSLK`` long (-1 = none), ``routes_real_BS``
         bool (when any sample has routes), ``routes_missing_B`` bool (loss-bearing samples
         without routes: an error in an R3 train step) and ``rollout_lp_mask [B, S-1]``
         (response tokens with rollout logprobs and loss_weight > 0, for the mismatch
-        metrics). Raises ValueError on a route length/shape mismatch."""
+        metrics). ``packed_len`` T (packed THD micro-batch, ``trainer.sequence_packing='thd'``):
+        the routes are given in the model's token order, ONE row ``[1, T, L, K]`` / ``[1, T]``
+        with the samples back to back (:func:`routes.pack_rows`; the tail past their tokens
+        -1 / False); ``rollout_lp_mask`` stays per sample (the loss side). Raises ValueError on
+        a route length/shape mismatch."""
         B = len(samples)
         lp_mask = torch.zeros(B, S - 1)
         for b, s in enumerate(samples):
@@ -228,6 +233,9 @@ class RouterReplayHook:
                 self.num_moe_layers,
                 self.top_k,
             )
+            if packed_len is not None:
+                lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+                routes, real = pack_rows(routes, lens, packed_len, PAD), pack_rows(real, lens, packed_len, False)
             out.update(routes_BSLK=routes, routes_real_BS=real)
         return out
 

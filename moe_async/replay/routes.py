@@ -10,13 +10,14 @@ engine routes every token it FEEDS to the model, i.e. all but the last one)
 -> ``Sample.routed_experts`` (``[T-1, L, K]`` uint8/int16; row ``t`` = token ``t``)
 -> partial rollouts: :func:`join_segments`
 -> trainer: :func:`batch_routes` (``[B, S, L, K]`` int64, -1 where no route: the last
-token of each sequence and right padding) -> :func:`fill_padding` (valid experts spread
-evenly over the experts) -> Megatron's router replay.
+token of each sequence and right padding; with packed THD micro-batches :func:`pack_rows`
+puts them in the packed row's order ``[1, T, L, K]``) -> :func:`fill_padding` (valid experts
+spread evenly over the experts) -> Megatron's router replay.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -159,6 +160,26 @@ def batch_routes(
             out[b, : r.shape[0]] = torch.from_numpy(r.astype(np.int64))
             real[b, : r.shape[0]] = True
     return out, real
+
+
+def pack_rows(x_BS: torch.Tensor, lengths: Sequence[int], T: int, fill: Any) -> torch.Tensor:
+    """``x [B, S, ...]`` -> ``[1, T, ...]``: the first ``lengths[b]`` positions of every row
+    ``b`` back to back (the packed THD order of ``trainer.sequence_packing='thd'``; sequence
+    ``b`` starts at ``sum(lengths[:b])``), then ``fill`` up to ``T``. Same dtype as ``x``.
+
+    Raises:
+        ValueError: a length above ``S``, or ``sum(lengths) > T``."""
+    B, S = x_BS.shape[:2]
+    if len(lengths) != B or any(n > S or n < 0 for n in lengths):
+        raise ValueError(f"lengths {list(lengths)} do not fit rows of {B} x {S}")
+    total = int(sum(lengths))
+    if total > T:
+        raise ValueError(f"{total} packed tokens > packed length {T}")
+    out = torch.full((1, T, *x_BS.shape[2:]), fill, dtype=x_BS.dtype, device=x_BS.device)
+    b = torch.repeat_interleave(torch.arange(B), torch.as_tensor(list(lengths), dtype=torch.long))
+    s = torch.cat([torch.arange(n) for n in lengths]) if B else torch.zeros(0, dtype=torch.long)
+    out[0, :total] = x_BS[b, s]
+    return out
 
 
 def fill_padding(

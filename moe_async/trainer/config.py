@@ -98,7 +98,25 @@ class TrainerConfig(BaseModel):
             "a micro-batch holds consecutive sequences while B x S (padded positions, S >= 64) stays "
             "within this many tokens, at most micro_batch_size of them; a longer sequence goes alone. "
             "None: micro_batch_size sequences each. The loss is a per-token mean over the global "
-            "batch, so the cut does not change it. Needs pipeline_model_parallel_size == 1."
+            "batch, so the cut does not change it. With sequence_packing='thd' the budget counts the packed "
+            "row's T (real tokens) instead of B x S. Needs pipeline_model_parallel_size == 1 unless "
+            "sequence_packing='thd'."
+        ),
+    )
+    sequence_packing: Literal["auto", "thd", "padded"] = Field(
+        "auto",
+        description=(
+            "How a micro-batch's variable-length sequences reach the model. 'thd': packed back to "
+            "back into ONE row [1, T] without padding between them (Megatron-Core's packed sequences: "
+            "PackedSeqParams with qkv_format='thd', cu_seqlens, positions restarting at 0 per sequence; "
+            "attention within each sequence only), T = their token count rounded up to a multiple of TP "
+            "(at least 64; with PP > 1 the batch's largest T); max_tokens_per_micro_batch then counts T, "
+            "the real tokens. With CUDA it needs Transformer Engine (TE's THD attention; Megatron-Core "
+            "0.16.1's local attention refuses packed_seq_params); without CUDA moe_async.compat."
+            "thd_attention provides it. Not with context_parallel_size > 1. 'padded': each sequence a row "
+            "[B, S] right-padded to the longest (at least 64), dense causal mask. 'auto': 'thd' with CUDA "
+            "and Transformer Engine, else 'padded' (on CPU the padded path measured faster, "
+            "tools/bench_trainer.py; see README)."
         ),
     )
     make_vocab_size_divisible_by: int = Field(
@@ -217,12 +235,28 @@ class TrainerConfig(BaseModel):
                 "(it chooses the distributed optimizer's checkpoint format; the plain optimizer's state "
                 "already loads at any layout)"
             )
-        if self.max_tokens_per_micro_batch is not None and self.pipeline_model_parallel_size > 1:
+        if self.sequence_packing == "thd" and self.context_parallel_size > 1:
+            raise ValueError(
+                f"trainer.sequence_packing='thd' with trainer.context_parallel_size={self.context_parallel_size}: "
+                "not supported (Megatron-Core's THD context-parallel split needs Transformer Engine's "
+                "thd_get_partitioned_indices, and the CPU CP attention takes no packed sequences); use "
+                "sequence_packing='padded' with CP"
+            )
+        if self.sequence_packing == "thd" and _cuda_available() and not _have_transformer_engine():
+            raise ValueError(
+                "trainer.sequence_packing='thd' with CUDA needs Transformer Engine (not importable here): "
+                "Megatron-Core's local attention (transformer/dot_product_attention.py) asserts "
+                "'Packed sequence is not supported by DotProductAttention'; use sequence_packing='padded' "
+                "or 'auto'"
+            )
+        if (self.max_tokens_per_micro_batch is not None and self.pipeline_model_parallel_size > 1
+                and self.sequence_packing != "thd"):
             raise ValueError(
                 f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} needs "
                 f"trainer.pipeline_model_parallel_size == 1 (got {self.pipeline_model_parallel_size}): "
                 "Megatron-Core's pipeline schedules exchange activations of one shape "
-                "[S, micro_batch_size, hidden] for every micro-batch"
+                "[S, micro_batch_size, hidden] for every micro-batch (with sequence_packing='thd' every "
+                "packed micro-batch is padded to the batch's largest T and the budget runs at any PP)"
             )
         if self.context_parallel_size > 1 and _cuda_available() and not _have_transformer_engine():
             raise ValueError(
@@ -256,3 +290,17 @@ def _have_transformer_engine() -> bool:
     except Exception:
         return False
     return True
+
+
+def resolve_sequence_packing(packing: str, context_parallel_size: int = 1) -> str:
+    """``trainer.sequence_packing`` as run: 'thd' or 'padded'. 'auto' is 'thd' with CUDA and
+    Transformer Engine (TE's THD attention, no padding FLOPs) and no context parallelism
+    (refused with thd), else 'padded' (on the CPU path the padded micro-batches measured
+    faster than the compat THD attention's block-diagonal T x T scores: tools/bench_trainer.py,
+    README)."""
+    if packing == "auto":
+        gpu_thd = _cuda_available() and _have_transformer_engine() and context_parallel_size == 1
+        return "thd" if gpu_thd else "padded"
+    if packing not in ("thd", "padded"):
+        raise ValueError(f"trainer.sequence_packing must be 'auto', 'thd' or 'padded', got {packing!r}")
+    return packing

@@ -36,6 +36,18 @@ DP x CP and Megatron's schedule multiplies the loss by C, so the loss stays the 
 mean over the global batch. Tested on CPU/gloo against 1 process: CP2, TP2+CP2, EP2+CP2,
 PP2+CP2, every model family, router replay R3 (tests/trainer/test_layouts.py). Refused: CP
 with router replay R2 or virtual pipeline stages.
+
+Packed sequences (``trainer.sequence_packing``: 'thd', or 'auto' with CUDA + Transformer Engine):
+each micro-batch reaches the model as ONE row ``[1,T]`` of its sequences back to back, with
+Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``, int32 ``cu_seqlens``, positions
+restarting per sequence, no attention mask; ``T`` = real tokens rounded up to a multiple of TP,
+at least 64, the tail marked in ``padding_mask``; with PP > 1 the batch's largest ``T``), so no
+FLOPs go to padding between sequences and ``max_tokens_per_micro_batch`` counts real tokens.
+Attention runs per sequence: TE's THD attention on GPU, ``moe_async.compat.thd_attention`` on
+CPU. The loss side stays per sequence (see :meth:`MegatronTrainer._pack`). Tested on CPU/gloo:
+every family equal to the padded path at 1 process, and at TP2+SP, EP2, PP2 equal to 1 process,
+micro-batch invariance, router replay R3 (tests/trainer/test_layouts.py,
+test_megatron_trainer.py). Refused: THD with CP > 1.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ import torch
 from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
-from moe_async.trainer.config import TrainerConfig
+from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing
 from moe_async.trainer.loss import grpo_token_loss
 from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
 from moe_async.trainer.sharding import (
@@ -129,6 +141,8 @@ class MegatronTrainer:
         self.hf_path = hf_path
         self.version = 0
         self._check_context_parallel()
+        # packed THD micro-batches (trainer.sequence_packing resolved: 'auto' -> thd with CUDA + TE)
+        self._thd = resolve_sequence_packing(cfg.sequence_packing, cfg.context_parallel_size) == "thd"
         # virtual pipeline stages (model chunks per PP rank); None = one chunk (Megatron's "off")
         vpp = cfg.virtual_pipeline_model_parallel_size
         self._vpp: int | None = vpp if vpp is not None and vpp > 1 else None
@@ -467,7 +481,20 @@ class MegatronTrainer:
         spec) with ``context_parallel_size > 1``, where the local core attention (which asserts
         CP == 1) is replaced by the compat CP core attention
         (:mod:`moe_async.compat.cp_attention`). With CUDA + TE the TE spec's own CP attention
-        runs and the compat module is not imported."""
+        runs and the compat module is not imported.
+
+        Likewise packed THD micro-batches (``trainer.sequence_packing`` resolved to thd) on the
+        CPU path: the local core attention (which asserts ``packed_seq_params is None``) is
+        replaced by the compat THD core attention (:mod:`moe_async.compat.thd_attention`);
+        with CUDA + TE the TE spec's THD attention runs."""
+        if self._thd and self._cpu:
+            from moe_async.compat.thd_attention import thd_layer_spec
+
+            spec, n = thd_layer_spec(spec)
+            if n == 0:
+                raise RuntimeError("trainer.sequence_packing='thd': the layer spec has no local core attention "
+                                   "to replace with the CPU packed-sequence attention")
+            return spec
         if self.cfg.context_parallel_size <= 1 or not self._cpu:
             return spec
         from moe_async.compat.cp_attention import cp_layer_spec
@@ -582,6 +609,16 @@ class MegatronTrainer:
         ``loss_mask [B,S-1]`` float (response tokens x loss_weight), ``advantages [B,S-1]``,
         ``rollout_logp [B,S-1]``, ``resp_len [B]``, ``prompt_len [B]``; ``logit_b [N]``,
         ``logit_s [N]`` the (sequence, position) of the N response-predicting positions.
+
+        Packed THD micro-batches (``trainer.sequence_packing`` resolved to thd): the model sees
+        ONE row of the micro-batch's sequences back to back (:meth:`_thd_entries`); the loss
+        side above stays per sequence (``tokens [B,S]`` with ``S`` the longest sequence, no
+        floor; ``loss_mask``, ``advantages``, ``rollout_logp``, ``logit_b``/``logit_s``), so
+        the loss, its sequence-level off-policy corrections and the per-sample logprobs are
+        the padded path's; no ``attention_mask``/``position_ids``/``padding_mask [B,S]``. The
+        token budget counts the packed row's ``T`` (real tokens), and with PP > 1 every row is
+        padded to the batch's largest ``T`` (one p2p shape) instead of every sequence to the
+        longest.
         """
         mbs = self.cfg.micro_batch_size
         lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -592,17 +629,24 @@ class MegatronTrainer:
                 raise ValueError(
                     f"sample {i}: {len(s.rollout_logprobs)} rollout_logprobs for {len(s.response_ids)} response tokens"
                 )
-        fixed_len = max(lens) if self.cfg.pipeline_model_parallel_size > 1 else None
-        # S: SP splits it over TP ranks; CP into 2*CP chunks (see _seq_multiple)
+        thd = self._thd
+        pp = self.cfg.pipeline_model_parallel_size
+        fixed_len = max(lens) if pp > 1 and not thd else None
+        # S (padded) or T (thd): SP splits it over TP ranks; CP into 2*CP chunks (see _seq_multiple)
         pad = dict(min_len=MIN_SEQ_LEN, multiple=self._seq_multiple(), fixed_len=fixed_len)
         budget = self.cfg.max_tokens_per_micro_batch
-        ranges = micro_batch_ranges(lens, mbs, budget, **pad)
+        ranges = micro_batch_ranges(lens, mbs, budget, packed=thd, **pad)
         if equalize_dp and budget is not None and self._dp_size() > 1:
             ranges = split_to_count(ranges, int(self._dp_max(len(ranges))))
+        # thd: the packed row's length T per micro-batch; with PP > 1 the largest (one p2p shape)
+        T_rows = [padded_len([sum(lens[a:b])], min_len=MIN_SEQ_LEN, multiple=self._seq_multiple())
+                  for a, b in ranges] if thd else []
+        if thd and pp > 1:
+            T_rows = [max(T_rows)] * len(ranges)
         out = []
-        for start, end in ranges:
+        for i, (start, end) in enumerate(ranges):
             chunk = samples[start:end]
-            S = padded_len(lens[start:end], **pad)
+            S = max(lens[start:end]) if thd else padded_len(lens[start:end], **pad)
             B = len(chunk)
             tokens = torch.zeros(B, S, dtype=torch.long)
             loss_mask = torch.zeros(B, S - 1)
@@ -622,28 +666,82 @@ class MegatronTrainer:
                     if s.rollout_logprobs:
                         rlp[b, P - 1 : P - 1 + R] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
                 plen[b], rlen[b] = P, R
-            causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
-            out.append(
-                dict(
-                    tokens=tokens,
-                    position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
-                    attention_mask=causal.expand(B, 1, S, S).contiguous(),
-                    padding_mask=torch.arange(S).unsqueeze(0) >= (plen + rlen).unsqueeze(1),
-                    loss_mask=loss_mask,
-                    advantages=adv,
-                    rollout_logp=rlp,
-                    prompt_len=plen,
-                    resp_len=rlen,
-                )
-            )
+            mb = dict(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logp=rlp,
+                      prompt_len=plen, resp_len=rlen)
+            if not thd:
+                causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
+                mb.update(position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
+                          attention_mask=causal.expand(B, 1, S, S).contiguous(),
+                          padding_mask=torch.arange(S).unsqueeze(0) >= (plen + rlen).unsqueeze(1))
+            out.append(mb)
             # response positions (b, t): the only rows whose logits the loss and logprobs use
             rows = [(b, t) for b in range(B) for t in range(int(plen[b]) - 1, int(plen[b] + rlen[b]) - 1)]
             out[-1]["logit_b"] = torch.tensor([b for b, _ in rows], dtype=torch.long)
             out[-1]["logit_s"] = torch.tensor([t for _, t in rows], dtype=torch.long)
-            out[-1].update(self.router_replay.pack(chunk, S))  # router replay: routes, masks
+            # router replay: routes (thd: in the packed row's order), masks
+            out[-1].update(self.router_replay.pack(chunk, S, packed_len=T_rows[i] if thd else None))
+            if thd:
+                out[-1].update(self._thd_entries(out[-1], lens[start:end], T_rows[i]))
             if self.cfg.context_parallel_size > 1:
                 out[-1].update(self._cp_split(out[-1]))
         return out
+
+    def _thd_entries(self, mb: dict[str, Any], lens: list[int], T: int) -> dict[str, Any]:
+        """The packed THD row of a micro-batch whose loss-side ``tokens [B,S]`` hold sequences of
+        ``lens`` tokens, as extra entries (Megatron-Core's packed sequences, as TE's THD
+        attention takes them; Megatron-LM's ``get_packed_seq_params``):
+
+        ``thd_tokens [1,T]`` long: the sequences back to back (sequence ``b`` at offsets
+        ``cu[b] .. cu[b+1]-1``), then tail padding (token 0) up to ``T``; ``thd_position_ids
+        [1,T]``: 0..l-1 per sequence (the tail continues the last one's); ``thd_padding_mask
+        [1,T]`` bool, True on the tail; ``cu_seqlens [B+1]`` int32 (real lengths, Megatron's
+        ``cu_seqlens_q/kv``), ``cu_seqlens_padded [B+1]`` int32 (the same with the last one
+        ending at ``T``: ``cu_seqlens_q/kv_padded``; RoPE's ``_apply_rotary_pos_emb_thd``
+        splits all ``T`` tokens by it); ``thd_max_seqlen`` int (longest padded segment: the
+        RoPE table length); ``thd_logit_s [N]``: the packed offset of each response-predicting
+        row ``(logit_b, logit_s)`` (``cu[logit_b] + logit_s``)."""
+        from moe_async.replay.routes import pack_rows
+
+        B = len(lens)
+        total = int(sum(lens))
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        cu_pad = cu.clone()
+        cu_pad[-1] = T
+        pos = torch.arange(T).unsqueeze(0).expand(B, T).contiguous()  # [B, T]: row b's own positions
+        last = lens[-1]
+        position_ids = pack_rows(pos, lens, T, 0)
+        position_ids[0, total:] = torch.arange(last, last + T - total)
+        return dict(
+            thd_tokens=pack_rows(mb["tokens"], lens, T, 0),
+            thd_position_ids=position_ids,
+            thd_padding_mask=torch.arange(T).unsqueeze(0) >= total,
+            cu_seqlens=cu,
+            cu_seqlens_padded=cu_pad,
+            thd_max_seqlen=int((cu_pad[1:] - cu_pad[:-1]).max()),
+            thd_logit_s=cu[mb["logit_b"]].long() + mb["logit_s"],
+        )
+
+    @staticmethod
+    def _packed_seq_params(mb: dict[str, Any]) -> Any:
+        """Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``) of a packed micro-batch
+        (see :meth:`_thd_entries`); self-attention, so q and kv share the cu_seqlens."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+            cu_seqlens_q_padded=mb["cu_seqlens_padded"], cu_seqlens_kv_padded=mb["cu_seqlens_padded"],
+            max_seqlen_q=mb["thd_max_seqlen"], max_seqlen_kv=mb["thd_max_seqlen"],
+        )
+
+    def _schedule_shape(self, mbs_list: list[dict[str, Any]]) -> tuple[int, int]:
+        """``(seq_length, micro_batch_size)`` for Megatron's schedule (its p2p buffers with
+        PP > 1: ``[seq_length/TP, micro_batch_size, hidden]``): the padded micro-batches'
+        ``(S, cfg.micro_batch_size)``, packed ones' ``(T, 1)``."""
+        if self._thd:
+            return max(mb["thd_tokens"].shape[1] for mb in mbs_list), 1
+        return max(mb["tokens"].shape[1] for mb in mbs_list), self.cfg.micro_batch_size
 
     def _seq_multiple(self) -> int:
         """Padded sequence lengths are multiples of this: TP (sequence parallelism splits S
@@ -690,7 +788,12 @@ class MegatronTrainer:
     def _model_view(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
         """The micro-batch as the model (and the router replay hook) sees it on this rank:
         with CP the ``cp_*`` entries (this rank's sequence chunks) in place of the whole
-        sequence's tokens, positions, padding mask and routes; ``mb`` itself without CP."""
+        sequence's tokens, positions, padding mask and routes; packed (thd) the ``thd_*``
+        entries (the packed row ``[1,T]``; its routes are already packed); ``mb`` itself
+        otherwise."""
+        if "thd_tokens" in mb:
+            return {**mb, "tokens": mb["thd_tokens"], "position_ids": mb["thd_position_ids"],
+                    "padding_mask": mb["thd_padding_mask"]}
         if "cp_tokens" not in mb:
             return mb
         view = dict(mb)
@@ -701,7 +804,7 @@ class MegatronTrainer:
 
     def _to_device(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
         if torch.cuda.is_available():
-            return {k: v.cuda(non_blocking=True) for k, v in mb.items()}
+            return {k: v.cuda(non_blocking=True) if isinstance(v, Tensor) else v for k, v in mb.items()}
         return mb
 
     def _forward(self, model, mb: dict[str, Tensor]) -> tuple[Tensor, bool]:
@@ -712,10 +815,17 @@ class MegatronTrainer:
         are selected when the output layer is not sequence parallel (TP == 1); under
         sequence parallelism its input is this rank's sequence shard and all rows go."""
         rows_only = self._rows_hook is not None
+        extra: dict[str, Any] = {}
         if "cp_tokens" in mb:  # CP: this rank's chunks; causal attention over CP (no dense mask)
             self._logit_rows = (mb["cp_logit_s"], mb["cp_logit_b"]) if rows_only else None
             inputs = (mb["cp_tokens"], mb["cp_position_ids"], None)
             padding_mask = mb.get("cp_padding_mask")
+        elif "thd_tokens" in mb:  # packed: one row [1,T], attention per cu_seqlens segment
+            s = mb["thd_logit_s"]
+            self._logit_rows = (s, torch.zeros_like(s)) if rows_only else None
+            inputs = (mb["thd_tokens"], mb["thd_position_ids"], None)
+            padding_mask = mb["thd_padding_mask"]
+            extra["packed_seq_params"] = self._packed_seq_params(mb)
         else:
             self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
             inputs = (mb["tokens"], mb["position_ids"], mb["attention_mask"])
@@ -724,7 +834,7 @@ class MegatronTrainer:
             pm = self._sp_shard(padding_mask) if self.tf_config.sequence_parallel else padding_mask
             self._router_pad = pm.transpose(0, 1).reshape(-1)  # router token order: [S, B] flattened
         try:
-            return model(*inputs, padding_mask=self._stage_padding_mask(model, padding_mask)), rows_only
+            return model(*inputs, padding_mask=self._stage_padding_mask(model, padding_mask), **extra), rows_only
         finally:
             self._logit_rows = None
             self._router_pad = None
@@ -794,6 +904,8 @@ class MegatronTrainer:
         (``logits [1,N,V_padded]``) positions other than the response rows hold 0."""
         if "cp_tokens" in mb:
             return self._cp_token_logp(logits, mb, rows_only, entropy)
+        if "thd_tokens" in mb and not rows_only:  # packed [1,T,V]: the response rows, in logit_b/s order
+            logits, rows_only = logits[:, mb["thd_logit_s"]], True
         tokens = mb["tokens"]
         B, S = tokens.shape
         wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
@@ -894,7 +1006,7 @@ class MegatronTrainer:
         if n_total == 0:
             raise ValueError("train_step: batch has no loss-bearing response token")
         num_mb = len(mbs_list)
-        S_max = max(mb["tokens"].shape[1] for mb in mbs_list)
+        seq_length, mb_size = self._schedule_shape(mbs_list)
 
         def loss_func(mb: dict[str, Tensor], rows_only: bool, logits: Tensor):
             ent, logp = self._token_logp(logits, mb, rows_only, entropy=True)
@@ -933,6 +1045,9 @@ class MegatronTrainer:
 
         def record_forward(mb):  # router replay (R2): the old policy's own routes
             mb = self._to_device(mb)
+            if "thd_tokens" in mb:
+                return self.ddp_model(mb["thd_tokens"], mb["thd_position_ids"], None,
+                                      packed_seq_params=self._packed_seq_params(mb))
             return self.ddp_model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
 
         for d in self.ddp_models:
@@ -949,8 +1064,8 @@ class MegatronTrainer:
                 data_iterator=self._data_iterators(mbs_list),
                 model=self.ddp_models,
                 num_microbatches=num_mb,
-                seq_length=S_max,
-                micro_batch_size=cfg.micro_batch_size,
+                seq_length=seq_length,
+                micro_batch_size=mb_size,
                 forward_only=False,
             )
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -1162,14 +1277,15 @@ class MegatronTrainer:
 
             for d in self.ddp_models:
                 d.eval()
+            seq_length, mb_size = self._schedule_shape(mbs_list)
             with self.router_replay.step(mbs_list):  # router replay: set/clear (R2: own routes)
                 reduced = get_forward_backward_func()(
                     forward_step_func=forward_step,
                     data_iterator=self._data_iterators(mbs_list),
                     model=self.ddp_models,
                     num_microbatches=len(mbs_list),
-                    seq_length=max(mb["tokens"].shape[1] for mb in mbs_list),
-                    micro_batch_size=self.cfg.micro_batch_size,
+                    seq_length=seq_length,
+                    micro_batch_size=mb_size,
                     forward_only=True,
                 )
             for d in self.ddp_models:

@@ -3,7 +3,7 @@ token budget (dynamic micro-batch size).
 
 The budget follows verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu`` and slime's
 ``--use-dynamic-batch-size`` / ``--max-tokens-per-gpu``: a micro-batch holds as many sequences
-as fit in ``max_tokens`` padded positions, so long rollouts do not blow up activation memory
+as fit in ``max_tokens`` padded positions (with packed THD rows: real tokens), so long rollouts do not blow up activation memory
 and short ones are not run a few at a time. Micro-batches here are CONTIGUOUS runs of the
 batch (sample order kept: per-sample outputs need no re-ordering; verl re-balances with
 Karmarkar-Karp partitioning, which this does not do). The GRPO loss is a per-token mean over
@@ -33,6 +33,7 @@ def micro_batch_ranges(
     min_len: int = 1,
     multiple: int = 1,
     fixed_len: int | None = None,
+    packed: bool = False,
 ) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` sample ranges covering ``range(len(lens))`` in order.
 
@@ -43,6 +44,10 @@ def micro_batch_ranges(
             :func:`padded_len`; ``None`` = sequence count only. A single sequence longer than
             the budget gets a micro-batch of its own (never dropped, never truncated).
         min_len, multiple, fixed_len: as in :func:`padded_len`.
+        packed: the micro-batch is ONE packed row (THD, ``trainer.sequence_packing='thd'``):
+            its cost is ``T`` = :func:`padded_len` of the summed lengths (real tokens, rounded
+            up), not ``B x S``; ``fixed_len`` is then ignored (the row's final length is known
+            only once every range is cut).
 
     Returns:
         ``[(start, end), ...]``: greedy (a range grows while the next sequence still fits).
@@ -61,8 +66,12 @@ def micro_batch_ranges(
         end = start + 1
         while end < n and end - start < micro_batch_size:
             if max_tokens is not None:
-                S = padded_len(lens[start : end + 1], min_len=min_len, multiple=multiple, fixed_len=fixed_len)
-                if (end + 1 - start) * S > max_tokens:
+                if packed:
+                    cost = padded_len([sum(lens[start : end + 1])], min_len=min_len, multiple=multiple)
+                else:
+                    S = padded_len(lens[start : end + 1], min_len=min_len, multiple=multiple, fixed_len=fixed_len)
+                    cost = (end + 1 - start) * S
+                if cost > max_tokens:
                     break
             end += 1
         out.append((start, end))

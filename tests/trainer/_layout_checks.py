@@ -25,6 +25,8 @@ Modes:
         ``dock``: (W = 2) DP2 distributed-optimizer save / load / next step, refusals;
         ``dock_load``: (W = 4) load that checkpoint at DP4.
         ``cpck``: (W = 2) CP2 one step, save, next step; ``r3cp``: (W = 2) R3 at CP2.
+        ``...th-{checkpoint}``: packed THD micro-batches (long samples, aux 0; references
+        ``<ckpt>T``, themselves compared with the padded ``<ckpt>M``; R3 with THD: ``r3_thd``).
     python _layout_checks.py cpck_load TMP
         1 process: loads the CP2 checkpoint, next step -> TMP/cpck_load.json.
 
@@ -102,38 +104,39 @@ MT_BUDGET = 128
 
 
 def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie="", cp=1, long=False, replay="off",
-        max_tokens=None):
+        max_tokens=None, packing="padded"):
     from moe_async.trainer.config import TrainerConfig
 
     extra = {"adam_eps": L4_ADAM_EPS} if tie == "l4" or long else {}
     return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          expert_model_parallel_size=ep, context_parallel_size=cp,
                          micro_batch_size=mbs, moe_aux_loss_coeff=aux, router_replay=replay,
-                         max_tokens_per_micro_batch=max_tokens,
+                         max_tokens_per_micro_batch=max_tokens, sequence_packing=packing,
                          lr=1e-3, make_vocab_size_divisible_by=VOCAB_DIV, use_distributed_optimizer=dist_opt,
                          virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
 
 
 def parse(layout: str):
-    """``tp{t}pp{p}[vp{v}]ep{e}[cp{c}][do][mt]-{checkpoint}`` -> ``(tp, pp, ep, checkpoint, dist_opt,
-    vpp, cp, mt)``; ``vp``: virtual pipeline stages per PP rank; ``cp``: context parallel size (runs
-    on :func:`long_samples`); ``do``: Megatron's distributed optimizer; ``mt``: micro-batches cut
-    by the token budget :data:`MT_BUDGET` (long samples, aux 0)."""
+    """``tp{t}pp{p}[vp{v}]ep{e}[cp{c}][do][mt][th]-{checkpoint}`` -> ``(tp, pp, ep, checkpoint,
+    dist_opt, vpp, cp, mt, th)``; ``vp``: virtual pipeline stages per PP rank; ``cp``: context
+    parallel size (runs on :func:`long_samples`); ``do``: Megatron's distributed optimizer; ``mt``:
+    micro-batches cut by the token budget :data:`MT_BUDGET` (long samples, aux 0); ``th``: packed
+    THD micro-batches (``trainer.sequence_packing='thd'``; long samples, aux 0)."""
     import re
 
     lay, tie = layout.split("-")
-    m = re.fullmatch(r"tp(\d+)pp(\d+)(?:vp(\d+))?ep(\d+)(?:cp(\d+))?(do)?(mt)?", lay)
+    m = re.fullmatch(r"tp(\d+)pp(\d+)(?:vp(\d+))?ep(\d+)(?:cp(\d+))?(do)?(mt)?(th)?", lay)
     if m is None:
         raise ValueError(f"bad layout {layout!r}")
     return (int(m[1]), int(m[2]), int(m[4]), tie, m[6] is not None, int(m[3] or 1), int(m[5] or 1),
-            m[7] is not None)
+            m[7] is not None, m[8] is not None)
 
 
 def ref_key(layout: str) -> str:
     """The 1-process reference of a layout: its checkpoint, + "L" for CP layouts (long samples),
-    + "M" for token-budget layouts (long samples, aux 0)."""
+    + "M" for token-budget layouts (long samples, aux 0), + "T" for THD layouts (1-process THD)."""
     p = parse(layout)
-    return layout.split("-")[1] + ("M" if p[7] else "L" if p[6] > 1 else "")
+    return layout.split("-")[1] + ("T" if p[8] else "M" if p[7] else "L" if p[6] > 1 else "")
 
 
 def rank() -> int:
@@ -151,21 +154,26 @@ def export_equals_disk(tr, path: str) -> bool | None:
 
 
 def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = False, vpp: int = 1,
-               cp: int = 1, mt: bool = False, long: bool | None = None, aux: float | None = None) -> dict:
+               cp: int = 1, mt: bool = False, th: bool = False, long: bool | None = None,
+               aux: float | None = None) -> dict:
     """Export check, 2 steps, checksums, logprobs; then C10 (skipped with the distributed
-    optimizer: the aux-loss path does not depend on the optimizer). ``long`` (default: CP > 1):
-    :func:`long_samples`, all logprobs kept, the 2 steps with aux coefficient :data:`LONG_AUX`
-    (so the aux loss and its gradient are compared too) and no C10 runs."""
+    optimizer: the aux-loss path does not depend on the optimizer). ``long`` (default: CP > 1,
+    token budget or THD): :func:`long_samples`, all logprobs kept, the 2 steps with aux
+    coefficient :data:`LONG_AUX` (0 with a token budget or THD: Megatron's aux loss is per
+    micro-batch and deepseek_v3's routers count padding, which THD and the padded path place
+    differently; so the aux loss and its gradient are compared at CP) and no C10 runs. ``th``:
+    packed THD micro-batches."""
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
-    long = (cp > 1 or mt) if long is None else long
-    aux = (0.0 if mt else LONG_AUX if long else 0.0) if aux is None else aux
+    long = (cp > 1 or mt or th) if long is None else long
+    aux = (0.0 if mt or th else LONG_AUX if long else 0.0) if aux is None else aux
     path = os.path.join(tmp, tie)
     ss = long_samples() if long else samples()
     res: dict = {}
     t0 = time.perf_counter()
     tr = MegatronTrainer(cfg(tp, pp, ep, dist_opt=dist_opt, vpp=vpp, tie=tie, cp=cp, long=long,
-                             aux=aux, max_tokens=MT_BUDGET if mt else None), path)
+                             aux=aux, max_tokens=MT_BUDGET if mt else None, packing="thd" if th else "padded"),
+                         path)
     res["build_s"] = time.perf_counter() - t0
     if vpp > 1:  # global layer numbers of each chunk, per rank (Megatron's interleaved assignment)
         res["chunk_layers"] = _gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
@@ -462,13 +470,15 @@ def r3_samples():
     return out
 
 
-def r3_run(tmp: str, cp: int = 1) -> dict:
+def r3_run(tmp: str, cp: int = 1, th: bool = False) -> dict:
     """Router replay R3 (tie0, :func:`r3_samples`), 2 steps. Forward hooks on Megatron's
     ``TopKRouter`` capture each router's routing map; every row is mapped back to (sample,
     global position) INDEPENDENTLY of the trainer (micro-batch of 2, ``[S/CP, B]`` row order,
     this CP rank's positions chunk r and 2*CP-1-r) and compared with the engine route, on
     real rows (``t < n - 1``). Per step, summed over ranks: ``agree`` (rows whose top-k set is
-    the engine's), ``checked``, ``expected`` (= MoE layers x sum(n - 1)); and the step metrics."""
+    the engine's), ``checked``, ``expected`` (= MoE layers x sum(n - 1)); and the step metrics.
+    ``th``: packed THD micro-batches: a router row ``o`` of the packed ``[T, 1]`` order is
+    sample ``b`` of the micro-batch with ``sum(n[:b]) <= o < sum(n[:b+1])``, position ``o - sum(n[:b])``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router import TopKRouter
@@ -478,7 +488,8 @@ def r3_run(tmp: str, cp: int = 1) -> dict:
 
     E, K, L = R3_DIMS
     ss = r3_samples()
-    tr = MegatronTrainer(cfg(tie="tie0", cp=cp, long=True, replay="R3"), os.path.join(tmp, "tie0"))
+    tr = MegatronTrainer(cfg(tie="tie0", cp=cp, long=True, replay="R3", packing="thd" if th else "padded"),
+                         os.path.join(tmp, "tie0"))
     seen: dict[int, list] = {}
     hooks = []
     for m in tr.model.modules():
@@ -498,6 +509,17 @@ def r3_run(tmp: str, cp: int = 1) -> dict:
             for k, rmap in enumerate(calls):  # one call per micro-batch
                 chunk = ss[k * MBS:(k + 1) * MBS]
                 B = len(chunk)
+                if th:  # one packed row [T, 1]: sample b at offsets start .. start + n_b - 1
+                    start = 0
+                    for b, s in enumerate(chunk):
+                        n = len(s.prompt_ids) + len(s.response_ids)
+                        for t in range(n - 1):
+                            want = torch.zeros(E, dtype=torch.bool)
+                            want[torch.as_tensor(s.routed_experts[t, j].astype("int64"))] = True
+                            agree += int(bool((rmap[start + t] == want).all()))
+                            checked += 1
+                        start += n
+                    continue
                 S_loc = rmap.shape[0] // B
                 pos = cp_positions(S_loc * cp, cp, cpr) if cp > 1 else torch.arange(S_loc)
                 used = rmap.reshape(S_loc, B, E)
@@ -566,8 +588,12 @@ def main_ref(tmp: str) -> None:
         res[tie] = run_layout(tmp, 1, 1, 1, tie)
     for tie in CP_CKPTS:  # references of the context-parallel layouts
         res[f"{tie}L"] = run_layout(tmp, 1, 1, 1, tie, long=True)
-    res["tie0M"] = run_layout(tmp, 1, 1, 1, "tie0", long=True, aux=0.0)  # reference of the "mt" layouts
+    for tie in CP_CKPTS:  # "tie0M": reference of the "mt" layouts; all: the padded side of THD parity
+        res[f"{tie}M"] = run_layout(tmp, 1, 1, 1, tie, long=True, aux=0.0)
+    for tie in CP_CKPTS:  # packed THD at 1 process: equal to "<ckpt>M"; the reference of the "th" layouts
+        res[f"{tie}T"] = run_layout(tmp, 1, 1, 1, tie, th=True)
     res["r3_ref"] = r3_run(tmp)
+    res["r3_thd"] = r3_run(tmp, th=True)
     res["vpp_ckpt_ref"] = vpp_ckpt_ref(tmp)
     for name in ("qwen3", "qwen3n"):
         res[f"parity_{name}"] = hf_parity(os.path.join(tmp, name))

@@ -101,6 +101,19 @@ def main(tmp: str) -> None:
     tr.train_step(ss[::-1], adv[::-1])
     g = torch.cat([p.main_grad.detach().flatten().double() for p in tr.model.parameters()])
     res["mb_grad_rel_order"] = float((g - grads[1]).norm() / grads[1].norm())
+    # the same with packed THD micro-batches (one row of 1, 2 or 4 sequences back to back)
+    inv_t, grads_t = {}, {}
+    for mbs in (1, 2, 4):
+        tr = MegatronTrainer(TrainerConfig(micro_batch_size=mbs, moe_aux_loss_coeff=0.0, lr=1e-3, clip_grad=1e9,
+                                           sequence_packing="thd"), path)
+        inv_t[mbs] = tr.train_step(ss, adv)
+        grads_t[mbs] = torch.cat([p.main_grad.detach().flatten().double() for p in tr.model.parameters()])
+    res["thd_mb_invariance"] = {
+        f"{k}_{mbs}": (inv_t[1][k], inv_t[mbs][k]) for mbs in (2, 4) for k in ("loss", "grad_norm", "num_tokens", "kl_k3")
+    }
+    res["thd_mb_grad_rel"] = {str(mbs): float((grads_t[mbs] - grads_t[1]).norm() / grads_t[1].norm()) for mbs in (2, 4)}
+    res["thd_vs_padded_grad_rel"] = {str(mbs): float((grads_t[mbs] - grads[mbs]).norm() / grads[mbs].norm())
+                                     for mbs in (1, 2, 4)}
 
     tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.01, lr=1e-3), path)
     res["aux_step"] = tr.train_step(ss, adv)

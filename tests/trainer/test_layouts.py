@@ -17,6 +17,11 @@ Context parallelism (CP layouts): mixtral, qwen3_moe, deepseek_v3 (MLA) and llam
 samples (31..72 tokens, responses in every one of the 2 x CP chunks): loss, grad norm, entropy of
 two steps, every logprob, the MoE aux loss and its gradient equal 1 process; R3 at CP2 replays
 every real row; a CP2 checkpoint loads at 1 process.
+
+Packed sequences (``th`` layouts, trainer.sequence_packing='thd'): the same 4 families on the
+long samples (aux 0): at 1 process THD equals the padded path (loss, grad norm, entropy, every
+logprob), at TP2+SP, EP2 (MoE families) and PP2 (in the 2-process launch) THD equals 1-process
+THD; R3 with THD replays every real row in the packed order.
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ CP = CP2 + CP4
 MT2 = ["tp1pp1ep1mt-tie0"]
 MT4 = ["tp1pp1ep2mt-tie0"]
 MT = MT2 + MT4
-REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4", "tie0L", "qwen3L", "ds3L", "llamaL", "tie0M"]
+# packed THD micro-batches (trainer.sequence_packing='thd', "th"), every family (tie0 mixtral, qwen3
+# qwen3_moe, ds3 deepseek_v3, llama), long samples, aux 0: the 1-process THD runs "<ckpt>T" equal the
+# padded "<ckpt>M"; TP2+SP, EP2 (MoE families) and PP2 (2 processes) equal "<ckpt>T"
+TH_CKPTS = ("tie0", "qwen3", "ds3", "llama")
+TH2 = [f"{lay}th-{ck}" for ck in TH_CKPTS for lay in ("tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1") if (ck, lay) != ("llama", "tp1pp1ep2")]
+REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4", "tie0L", "qwen3L", "ds3L", "llamaL", "tie0M",
+        *[f"{ck}{k}" for ck in TH_CKPTS for k in "MT" if ck != "tie0" or k == "T"]]
 REL = 1e-5
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
@@ -88,7 +99,8 @@ def _torchrun(n: int, tmp: str, out: str, layouts: list[str]) -> float:
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("layouts"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
-    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2])
+    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"),
+                            [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2])
     times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=120)
     times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4])
     out = {}
@@ -108,16 +120,17 @@ def _ref_key(layout: str) -> str:
     """1-process reference: the checkpoint's, on the long samples ("<ckpt>L") for CP layouts,
     "<ckpt>M" (long samples, aux 0) for token-budget ("mt") layouts."""
     lay = layout.split("-")[0]
-    return layout.split("-")[1] + ("M" if lay.endswith("mt") else "L" if "cp" in lay else "")
+    return layout.split("-")[1] + ("T" if lay.endswith("th") else "M" if lay.endswith("mt") else
+                                   "L" if "cp" in lay else "")
 
 
-@pytest.mark.parametrize("layout", W2 + W4 + DO2 + DO4 + CP + MT)
+@pytest.mark.parametrize("layout", W2 + W4 + DO2 + DO4 + CP + MT + TH2)
 def test_layout_equals_one_process(res, layout):
     ref = res[_ref_key(layout)]
     got = res[layout]
     assert len(got["steps"]) == 2
     # short samples: 50 response tokens, sample 4 (5 tokens) weight 0; long: 298, sample 3 (19) weight 0
-    n_tok = 279 if layout in CP + MT else 45
+    n_tok = 279 if layout in CP + MT + TH2 else 45
     for s, r in zip(got["steps"], ref["steps"]):
         assert s["num_tokens"] == r["num_tokens"] == n_tok
         assert _rel(s["loss"], r["loss"]) <= REL, (s["loss"], r["loss"])
@@ -130,13 +143,13 @@ def test_layout_equals_one_process(res, layout):
         assert max(abs(a - b) for a, b in zip(x, y)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", REFS + W2 + W4 + DO2 + DO4 + CP + MT)
+@pytest.mark.parametrize("layout", REFS + W2 + W4 + DO2 + DO4 + CP + MT + TH2)
 def test_export_bit_exact_after_load(res, layout):
     assert res[layout]["export_equals_disk"] is True
     assert res[layout]["checksums_agree_on_ranks"] is True
 
 
-@pytest.mark.parametrize("layout", [x for x in REFS + W2 + W4 if not x.endswith(("L", "M"))])
+@pytest.mark.parametrize("layout", [x for x in REFS + W2 + W4 if not x.endswith(("L", "M", "T"))])
 def test_c10_aux_loss_on_every_layout(res, layout):
     """C10: loss - pg_loss == 0.01 x aux (and 0.02 x aux); with zero advantages only the aux
     loss drives the gradient, and doubling its coefficient doubles the gradient exactly."""
@@ -296,3 +309,46 @@ def test_token_budget_micro_batches(res, layout, want):
     to 2 (unequal counts would leave EP's all-to-all unmatched). The losses equal 1 process
     (test_layout_equals_one_process)."""
     assert [s["num_microbatches"] for s in res[layout]["steps"]] == [want, want]
+
+
+# ------------------------------------------------------------------ packed sequences (THD)
+@pytest.mark.parametrize("ck", TH_CKPTS)
+def test_thd_equals_padded_one_process(res, ck):
+    """Packed THD micro-batches (one row per micro-batch, attention per sequence: TE's THD
+    attention on GPU, moe_async.compat.thd_attention here) = the right-padded path at 1 process,
+    every family, the long samples (micro-batches of 2 sequences, 31..72 tokens; aux 0): loss,
+    grad norm and entropy of two steps within 1e-5 relative, every response token's logprob before
+    the steps within 1e-5 (the same per-token math; measured <= 1e-6), and the export bit-exact."""
+    got, ref = res[f"{ck}T"], res[f"{ck}M"]
+    for s, r in zip(got["steps"], ref["steps"]):
+        assert s["num_tokens"] == r["num_tokens"] == 279
+        for k in ("loss", "grad_norm", "entropy"):
+            assert _rel(s[k], r[k]) <= REL, (k, s[k], r[k])
+    assert got["steps"][0]["loss"] != got["steps"][1]["loss"]
+    assert [len(x) for x in got["logp_all"]] == [len(x) for x in ref["logp_all"]]
+    assert max(abs(a - b) for x, y in zip(got["logp_all"], ref["logp_all"]) for a, b in zip(x, y)) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", TH2)
+def test_thd_logprobs_equal_one_process_per_token(res, layout):
+    """compute_logprobs with THD at TP2+SP / EP2 / PP2 = 1-process THD, every response token,
+    equal on every rank (tolerance as for the CP layouts: 1e-4 with TP, 1e-6 without)."""
+    got, ref = res[layout], res[_ref_key(layout)]
+    assert got["logp_same_on_ranks"] is True
+    tol = 1e-6 if layout.startswith("tp1") else 1e-4
+    assert max(abs(a - b) for x, y in zip(got["logp_all"], ref["logp_all"]) for a, b in zip(x, y)) <= tol
+
+
+def test_thd_router_replay_r3(res):
+    """R3 with THD (tie0, engine routes on the long samples): every real token row of every MoE
+    layer, read back in the packed row's order, is routed to the engine's experts (agree ==
+    checked == expected, the padded run's count), and loss, grad norm and routing agreement
+    equal the padded R3 run."""
+    got, ref = res["r3_thd"], res["r3_ref"]
+    for g, r in zip(got["routes"], ref["routes"]):
+        assert g["agree"] == g["checked"] == g["expected"] == r["agree"] == r["checked"] > 0
+    for g, r in zip(got["steps"], ref["steps"]):
+        assert g["num_tokens"] == r["num_tokens"]
+        assert g["routing_agreement"] == pytest.approx(r["routing_agreement"], abs=1e-12)
+        for k in ("loss", "grad_norm"):
+            assert _rel(g[k], r[k]) <= REL, (k, g[k], r[k])

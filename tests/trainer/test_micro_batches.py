@@ -62,3 +62,27 @@ def test_bad_sizes():
         micro_batch_ranges([1], 0)
     with pytest.raises(ValueError, match="max_tokens"):
         micro_batch_ranges([1], 1, 0)
+
+
+def test_packed_budget_counts_real_tokens():
+    """Packed THD rows cost T = sum of lengths rounded up (floor, multiple), not B x S."""
+    lens = [40, 40, 50, 10, 10, 90, 120, 5]
+    # [40,40] = 80 fits 100 (padded: 80 too); [50,10,10] = 70 (padded 3 x 50 = 150 would not)
+    assert micro_batch_ranges(lens, 8, 100, packed=True) == [(0, 2), (2, 5), (5, 6), (6, 7), (7, 8)]
+    # floor 64 applies to the whole row: three 10-token sequences cost 64, not 3 x 64
+    assert micro_batch_ranges([10, 10, 10], 8, 64, min_len=64, packed=True) == [(0, 3)]
+    assert micro_batch_ranges([33, 33], 8, 66, multiple=4, packed=True) == [(0, 1), (1, 2)]  # 68 > 66
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_packed_random_batches_respect_budget(seed):
+    rng = random.Random(100 + seed)
+    lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 40))]
+    mbs, budget, floor, mult = rng.randint(1, 8), rng.randint(50, 1200), rng.choice([1, 64]), rng.choice([1, 2, 4])
+    r = micro_batch_ranges(lens, mbs, budget, min_len=floor, multiple=mult, packed=True)
+    assert [i for s, e in r for i in range(s, e)] == list(range(len(lens)))
+    for s, e in r:
+        assert 1 <= e - s <= mbs
+        assert padded_len([sum(lens[s:e])], min_len=floor, multiple=mult) <= budget or e - s == 1
+        if e < len(lens) and e - s < mbs:
+            assert padded_len([sum(lens[s : e + 1])], min_len=floor, multiple=mult) > budget

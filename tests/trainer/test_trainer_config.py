@@ -59,3 +59,31 @@ def test_fully_reshardable_needs_distributed_optimizer():
     TrainerConfig(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
     with _pt.raises(ValidationError, match="dist_ckpt_optim_fully_reshardable=true needs trainer.use_distributed_optimizer"):
         TrainerConfig(dist_ckpt_optim_fully_reshardable=True)
+
+
+def test_sequence_packing_field_and_refusals(monkeypatch):
+    """trainer.sequence_packing: 'auto' (default) resolves to 'thd' only with CUDA + Transformer
+    Engine and CP 1, else 'padded'; 'thd' with CP > 1 is refused naming both fields; 'thd' with CUDA
+    but without TE is refused (Megatron's local attention refuses packed_seq_params); the token
+    budget runs at PP > 1 with 'thd' only."""
+    import moe_async.trainer.config as tc
+
+    assert TrainerConfig().sequence_packing == "auto"
+    with pytest.raises(ValidationError, match="sequence_packing"):
+        TrainerConfig(sequence_packing="bshd")
+    with pytest.raises(ValidationError, match="sequence_packing='thd' with trainer.context_parallel_size=2"):
+        TrainerConfig(sequence_packing="thd", context_parallel_size=2)
+    assert TrainerConfig(sequence_packing="thd", max_tokens_per_micro_batch=512,
+                         pipeline_model_parallel_size=2).max_tokens_per_micro_batch == 512
+    if not torch.cuda.is_available():
+        assert tc.resolve_sequence_packing("auto") == "padded"
+        assert TrainerConfig(sequence_packing="thd").sequence_packing == "thd"
+    assert tc.resolve_sequence_packing("padded") == "padded"
+    monkeypatch.setattr(tc, "_cuda_available", lambda: True)
+    monkeypatch.setattr(tc, "_have_transformer_engine", lambda: True)
+    assert tc.resolve_sequence_packing("auto") == "thd"
+    assert tc.resolve_sequence_packing("auto", context_parallel_size=2) == "padded"
+    monkeypatch.setattr(tc, "_have_transformer_engine", lambda: False)
+    assert tc.resolve_sequence_packing("auto") == "padded"
+    with pytest.raises(ValidationError, match="sequence_packing='thd' with CUDA needs Transformer Engine"):
+        TrainerConfig(sequence_packing="thd")
