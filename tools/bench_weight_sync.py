@@ -30,8 +30,10 @@ For each bucket size, interleaved and repeated:
         from the trainer's own memory, only the fused QKV (split into q/k/v) is copied.
     ``export`` and ``pack`` each do one timed copy of the model on the sender; the raw
     broadcast does none (on loopback the wire is itself a memory copy, so that copy shows).
-Each sync is paired with a raw broadcast just before it (load on a shared machine drifts);
-prints the median (and best) of sync GB/s / raw GB/s per bucket size, plus the generation
+Each sync is bracketed by a raw broadcast just before and one just after it, over the same
+group, and divided by their mean GB/s (load on a shared machine drifts; the mean cancels a
+linear drift); prints the median (and best) of sync GB/s / raw GB/s per bucket size (the
+JSON also keeps the median against the raw broadcast before only), plus the generation
 stall (``sync/pause_seconds``: engines paused) for both pause scopes.
 
     python tools/bench_weight_sync.py                       # random Mixtral, ~0.5 GB fp32
@@ -188,22 +190,24 @@ def main(argv=None) -> None:
         for mib in args.bucket_mib:
             res = {"bucket_mib": mib}
             per: dict[str, list] = {k: [] for k in variants}
-            for _ in range(args.repeats):  # interleaved: each sync paired with a raw broadcast just before
+            for _ in range(args.repeats):  # interleaved: each sync bracketed by raw broadcasts
                 for key, upd in variants.items():
                     t = transports[key]
                     t.cfg = t.cfg.model_copy(update={"bucket_bytes": int(mib * MiB), **upd})
-                    recv_s, _send_s = raw_once(t)
-                    raw = total / recv_s / 1e9
-                    raw_gbps.append(raw)
+                    before = total / raw_once(t)[0] / 1e9
                     version += 1
                     m = t.send(sources.get(key, lambda: named)(), version)
+                    after = total / raw_once(t)[0] / 1e9
                     assert m["sync/bytes"] == total
-                    per[key].append((m["sync/gbps"] / raw, raw, m))
+                    raw = (before + after) / 2  # bracketed: linear drift of the load cancels
+                    raw_gbps += [before, after]
+                    per[key].append((m["sync/gbps"] / raw, raw, m, m["sync/gbps"] / before))
             for key, xs in per.items():
                 xs.sort(key=lambda x: x[0])
                 med = xs[len(xs) // 2]
                 res[f"ratio_{key}"] = med[0]
                 res[f"ratio_best_{key}"] = xs[-1][0]
+                res[f"ratio_before_only_{key}"] = sorted(x[3] for x in xs)[len(xs) // 2]
                 res[f"raw_gbps_{key}"] = med[1]
                 res[f"sync_gbps_{key}"] = med[2]["sync/gbps"]
                 res[f"stall_s_{key}"] = sorted(x[2]["sync/pause_seconds"] for x in xs)[len(xs) // 2]
@@ -211,7 +215,8 @@ def main(argv=None) -> None:
                 res[f"detail_{key}"] = med[2]
             rows.append(res)
             print(f"  bucket {mib:>7g} MiB: " + ", ".join(
-                f"{LABEL[k]} {res[f'ratio_{k}']:.3f} (best {res[f'ratio_best_{k}']:.3f}, raw {res[f'raw_gbps_{k}']:.2f} "
+                f"{LABEL[k]} {res[f'ratio_{k}']:.3f} (best {res[f'ratio_best_{k}']:.3f}, "
+                f"vs the raw before only {res[f'ratio_before_only_{k}']:.3f}, raw {res[f'raw_gbps_{k}']:.2f} "
                 f"GB/s, {res[f'buckets_{k}']} buckets, stall {res[f'stall_s_{k}']:.3f}s)" for k in variants), flush=True)
             for key in variants:
                 print(f"    detail ({LABEL[key]}, median): " + json.dumps(
@@ -232,8 +237,8 @@ def main(argv=None) -> None:
     print()
     print(f"model {total / 1e6:.0f} MB, {len(named)} tensors; raw gloo broadcast of {total / 1e6:.0f} MB "
           f"(trainer -> engine, loopback): median {sorted(raw_gbps)[len(raw_gbps) // 2]:.2f} GB/s")
-    print("ratio = sync GB/s / raw GB/s of a broadcast of the same bytes just before it; median (best) of "
-          f"{args.repeats} pairs")
+    print("ratio = sync GB/s / mean raw GB/s of the broadcasts of the same bytes just before and after it; "
+          f"median (best) of {args.repeats} syncs")
     print(f"{'bucket':>10} {'buckets':>8} {'raw GB/s':>9} " + " ".join(f"{LABEL[k]:>8} {'(best)':>7}" for k in variants)
           + f" {'stall s':>8}" + (f" {'stall s, last-bucket pause':>27}" if "last" in variants else ""))
     k0 = next(iter(variants))

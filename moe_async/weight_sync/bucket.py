@@ -41,7 +41,7 @@ def str_to_dtype(name: str) -> torch.dtype:
 
 def nbytes_of(shape: Iterable[int], dtype: torch.dtype) -> int:
     """Bytes of a tensor of ``shape`` and ``dtype``."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 @dataclass
@@ -91,7 +91,7 @@ def unflatten(
         if off + nb > flat.numel():
             raise ValueError(f"bucket too small for {n!r}: need {off + nb} bytes, have {flat.numel()}")
         chunk = flat[off : off + nb]
-        if off % torch.empty((), dtype=dt).element_size():
+        if off % dt.itemsize:
             chunk = chunk.clone()  # misaligned for a view as a wider dtype: copy
         out.append((n, chunk.view(dt).reshape(s)))
         off += nb

@@ -176,6 +176,11 @@ class WholeTensorExport:
         with a strided read are copied once, straight from the parameter."""
         for n in order:
             e = self.entries[n]
+            dsts = self._relaid(e, out) if dtype is None or dtype == e.tensor.dtype else None
+            if dsts is not None:  # a relaid parameter: its HF tensors are out's own views
+                for (h, _, _), d in zip(e.hf, dsts):
+                    yield h, d
+                continue
             t = e.full()
             if e.strided is None:
                 parts = self.split(n, t)
@@ -191,6 +196,27 @@ class WholeTensorExport:
                     dst = torch.empty(shape, dtype=want)
                 dst.view(x.shape).copy_(x)  # strided reads: x has the read's sizes
                 yield h, dst
+
+    @staticmethod
+    def _relaid(e: _Entry, out: Destination | None) -> list[Tensor] | None:
+        """``out``'s tensors for ``e``'s HF names when they ARE the parameter's memory (it was
+        moved there by :meth:`bind`): each contiguous, of the parameter's dtype and device,
+        end to end in order from its first byte to its last. Since ``e.views`` means the HF
+        tensors tile the parameter in that order, each one is then exactly the rule's split
+        (no split or view of the parameter needed to know it). None otherwise."""
+        p = e.tensor.data
+        if out is None or not e.views or not p.is_contiguous():
+            return None
+        ptr = p.data_ptr()
+        dsts = []
+        for h, shape, dt in e.hf:
+            d = out(h, shape, dt)
+            if (d is None or d.data_ptr() != ptr or d.dtype != p.dtype or d.device != p.device
+                    or not d.is_contiguous()):
+                return None
+            dsts.append(d)
+            ptr += d.numel() * d.element_size()
+        return dsts if ptr == p.data_ptr() + p.numel() * p.element_size() else None
 
     def named(self, order: Sequence[str] | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(megatron_name, full tensor)``: views of the parameters (vocab padding dropped),
@@ -226,9 +252,7 @@ class WholeTensorExport:
             nb = p.numel() * p.element_size()
             span = None
             if e.views:
-                h, shape, dt = e.hf[0]
-                d0 = out(h, shape, dt)
-                if d0 is not None and same_memory(d0, p.data.view(-1)[: d0.numel()].view(d0.shape)):
+                if self._relaid(e, out) is not None:
                     st["relaid_tensors"] += 1  # already there (every later export)
                     st["relaid_bytes"] += nb
                     continue

@@ -7,12 +7,15 @@ SGLang's ``update_weights_from_distributed``):
                                                rename to HF -> cast, into the send buffer)
       -> in_layout_order(engines' /weights_layout)  (embedded engines; SGLang: export order)
       -> make_buckets(bucket_bytes)            (greedy, order kept; oversize tensor alone)
-      -> engines: POST /pause_generation       (mode from config)
+      -> engines: POST /pause_generation       (mode from config; sent while the first
+                                                bucket is exported, answered before any
+                                                bucket's POST)
       -> per bucket: POST /update_weights_from_distributed {names, dtypes, shapes,
          load_format="flattened_bucket", weight_version on the LAST bucket only}
          while rank 0 broadcasts the flat uint8 buffer over the weight-update group
       -> engines apply the staged update atomically on the last bucket
-      -> POST /continue_generation
+      -> POST /continue_generation             (queued behind the versioned call: each
+                                                engine's poster sends it on that reply)
 
 The HTTP call and the broadcast must overlap (the engine's handler blocks in the
 receiving broadcast): each bucket's POST is queued on that engine's poster thread (one
@@ -193,7 +196,9 @@ def packed_buckets(
     With ``overlap`` the producer (pulling from ``named_tensors``: for the trainer, the
     gather/convert/cast of ``export_hf_weights``; then packing) runs in a background thread
     ahead of the consumer (queue depth 1: double buffering), so packing bucket k+1 overlaps
-    whatever the consumer does with bucket k (the broadcast). A yielded ``flat`` is valid
+    whatever the consumer does with bucket k (the broadcast); the thread starts when this
+    function returns (the first bucket is being made while the caller pauses the engines),
+    and the returned iterator's ``close()`` stops it. A yielded ``flat`` is valid
     until the consumer asks for the next bucket (its buffer is then reused, see
     :class:`PackPool`; 3 slots with overlap, 1 without). Exceptions of the producer re-raise
     here. ``stats`` (optional) gets ``pack_seconds`` (producer busy time) and
@@ -206,8 +211,8 @@ def packed_buckets(
     if pool is None or pool.slots < need:
         pool = PackPool(need)
     pool.reset()
-    gen = _overlapped if overlap else _serial
-    return gen(_lookahead(make_buckets(named_tensors, bucket_bytes)), stats, pool)
+    it = _lookahead(make_buckets(named_tensors, bucket_bytes))
+    return _Overlapped(it, stats, pool) if overlap else _serial(it, stats, pool)
 
 
 def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
@@ -223,11 +228,22 @@ def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool) -> I
         yield b[0], flat, b[1]
 
 
-def _overlapped(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
-    q: queue.Queue = queue.Queue(maxsize=1)
-    stop = threading.Event()
+class _Overlapped:
+    """Iterator of :func:`packed_buckets` with overlap: its producer thread starts at once
+    (on construction, not on the first ``next``), so the exporter already runs while the
+    caller does something else first (e.g. pauses the engines). ``close()`` stops the thread."""
 
-    def produce() -> None:
+    def __init__(self, it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool):
+        self.stats, self.pool = stats, pool
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.stop = threading.Event()
+        self.held: int | None = None  # the slot of the bucket the consumer holds
+        self.done = False
+        self.th = threading.Thread(target=self._produce, args=(it,), name="weight-sync-pack", daemon=True)
+        self.th.start()
+
+    def _produce(self, it: Iterator[tuple[Bucket, bool]]) -> None:
+        stats, pool, q, stop = self.stats, self.pool, self.q, self.stop
         try:
             while not stop.is_set():
                 slot = pool.acquire(stop)
@@ -248,27 +264,36 @@ def _overlapped(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool) 
         except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
             q.put(e)
 
-    th = threading.Thread(target=produce, name="weight-sync-pack", daemon=True)
-    th.start()
-    try:
-        while True:
-            t0 = time.perf_counter()
-            item = q.get()
-            stats["wait_seconds"] += time.perf_counter() - t0
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item[0], item[1], item[2]
-            pool.release(item[3])  # the consumer is done with this bucket's buffer
-    finally:
-        stop.set()
-        while th.is_alive():  # unblock a producer waiting on a full queue
+    def __iter__(self) -> "_Overlapped":
+        return self
+
+    def __next__(self) -> tuple[Bucket, torch.Tensor, bool]:
+        if self.held is not None:  # the consumer is done with the previous bucket's buffer
+            self.pool.release(self.held)
+            self.held = None
+        if self.done:
+            raise StopIteration
+        t0 = time.perf_counter()
+        item = self.q.get()
+        self.stats["wait_seconds"] += time.perf_counter() - t0
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.held = item[3]
+        return item[0], item[1], item[2]
+
+    def close(self) -> None:
+        self.done = True
+        self.stop.set()
+        while self.th.is_alive():  # unblock a producer waiting on a full queue
             try:
-                q.get_nowait()
+                self.q.get_nowait()
             except queue.Empty:
                 pass
-            th.join(0.1)
+            self.th.join(0.1)
 
 
 def _post(client: Any, path: str, body: dict) -> dict:
@@ -348,6 +373,7 @@ class BroadcastTransport(WeightTransport):
         self._slots: dict[str, tuple[int, tuple[int, ...], torch.dtype, int]] = {}  # name -> (offset, shape, dtype, bytes)
         self._send_nbytes = 0
         self._send_buf: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor] = {}  # name -> its view of _send_buf (made once)
         #: optional ``callback(bucket, is_last)`` after each bucket is broadcast (tests, logging)
         self.on_bucket = None
 
@@ -402,6 +428,7 @@ class BroadcastTransport(WeightTransport):
         # other names; a new layout gets a new buffer (the old one lives on in the exporter)
         if slots != self._slots:
             self._send_buf = None
+            self._views = {}
         self._slots = slots
         self._send_nbytes = off
 
@@ -414,7 +441,8 @@ class BroadcastTransport(WeightTransport):
         consecutive names is one span (:func:`contiguous_span`). None when the engines publish
         no layout (SGLang) or ``name``/``shape``/``dtype`` differ from it: the exporter then
         makes its own copy and the bucket is packed. Memory: one copy of the model, allocated
-        on first use. Use: ``send(trainer.export_hf_weights(out=transport.destination), v)``.
+        on first use. The same tensor object is returned for a name until the layout changes
+        (callers must not resize it or change its ``.data``). Use: ``send(trainer.export_hf_weights(out=transport.destination), v)``.
 
         Only the exporter of this transport may write into these views: a 1-process
         ``MegatronTrainer`` moves its parameters into them (``relayout_params``) and then
@@ -424,13 +452,18 @@ class BroadcastTransport(WeightTransport):
         slot = self._slots.get(name)
         if slot is None or tuple(shape) != slot[1] or dtype != slot[2]:
             return None
+        v = self._views.get(name)  # an exporter asks several times per sync (plan, order, copy)
+        if v is not None:
+            return v
         if self._send_buf is None:
             # NCCL sends CUDA tensors only; gloo CPU ones
             dev = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                    else torch.device("cpu"))
             self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8, device=dev)
+            self._views = {}
         off, shp, dt, nb = slot
-        return self._send_buf[off: off + nb].view(dt).view(shp)
+        v = self._views[name] = self._send_buf[off: off + nb].view(dt).view(shp)
+        return v
 
     def _common_layout(self) -> dict | None:
         """The engines' send order when all publish the same one (embedded engines), else None
@@ -447,9 +480,26 @@ class BroadcastTransport(WeightTransport):
             return None
         return layouts[0]
 
-    def _pause(self) -> None:
-        for c in self.clients:
-            c.pause_generation(mode=self.pause_mode)
+    def _on_posters(self, method: str, **kw: Any) -> list[tuple[int, Any]]:
+        """Queue ``client.<method>(**kw)`` on every engine's poster thread, after what is
+        already queued there (so it reaches each engine in order with the bucket calls);
+        each future gives ``(reply, perf_counter() when the reply arrived)``."""
+        def call(c: Any) -> tuple[Any, float]:
+            r = getattr(c, method)(**kw)
+            return r, time.perf_counter()
+
+        return [(i, self._posters[i].submit(call, c)) for i, c in enumerate(self.clients)]
+
+    def _replies(self, futs: list[tuple[int, Any]], what: str) -> float:
+        """Wait for ``futs`` of :meth:`_on_posters` (one ``timeout_s`` for all); raise on the
+        first failure (naming the engine); return when the last reply arrived."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        last = 0.0
+        for i, f in futs:
+            r, t = f.result(timeout=max(0.0, deadline - time.monotonic()))
+            self._check(i, r, what)
+            last = max(last, t)
+        return last
 
     @staticmethod
     def _check(i: int, resp: Any, what: str) -> None:
@@ -465,6 +515,15 @@ class BroadcastTransport(WeightTransport):
         bucket (the engine refuses every later bucket of an update once one failed, and
         then fails the versioned call: nothing is applied).
 
+        Per-sync fixed costs are kept off the critical path where that is safe: with
+        ``pause_scope: sync`` the pause requests go out on the poster threads while the
+        first bucket is being exported (with ``overlap``), and every engine has answered
+        its pause before any bucket's POST is sent (a failed pause sends none); the
+        continue request is queued behind the versioned call, so each poster sends it as
+        soon as its engine has applied the update. ``sync/pause_seconds`` (the stall) runs
+        from the first pause request to the last continue reply (an upper bound of the
+        time any engine was paused).
+
         Raises:
             WeightSyncError: before connect(), or naming the engine that answered
                 ``success: false`` (first failure).
@@ -475,22 +534,28 @@ class BroadcastTransport(WeightTransport):
         stats: dict[str, float] = {}
         if self.layout is not None:
             named_tensors = in_layout_order(named_tensors, self.layout)
-        buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
-                                 pool=self._pack_pool)
         whole = self.cfg.pause_scope == "sync"
-        paused = False
-        t_paused = t0
+        pauses: list[tuple[int, Any]] = []
+        resumes: list[tuple[int, Any]] = []
+        paused_ok = False
+        t_paused = t_resumed = t0
         nbytes, nbuckets, bcast_s, oversize, ack_s = 0, 0, 0.0, 0, 0.0
         pending: list[tuple[int, Any]] = []
         last_posted = False
+        buckets = None
         try:
-            if whole:
-                self._pause()
-                paused, t_paused = True, time.perf_counter()
+            if whole:  # in flight while the exporter makes the first bucket (below)
+                t_paused = time.perf_counter()
+                pauses = self._on_posters("pause_generation", mode=self.pause_mode)
+            buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
+                                     pool=self._pack_pool)
             for bucket, flat, last in buckets:
-                if last and not paused:  # pause_scope=last_bucket: engines stage until here
-                    self._pause()
-                    paused, t_paused = True, time.perf_counter()
+                if last and not pauses:  # pause_scope=last_bucket: engines stage until here
+                    t_paused = time.perf_counter()
+                    pauses = self._on_posters("pause_generation", mode=self.pause_mode)
+                if pauses and not paused_ok:  # every engine paused before this bucket's POST
+                    self._replies(pauses, "pause_generation")
+                    paused_ok = True
                 if bucket.nbytes > self.cfg.bucket_bytes:
                     oversize += 1
                     if bucket.names[0] not in self._warned:
@@ -511,6 +576,8 @@ class BroadcastTransport(WeightTransport):
                     for i, c in enumerate(self.clients)
                 ]
                 last_posted = last
+                if last and pauses:  # each poster sends it right after its engine's versioned reply
+                    resumes = self._on_posters("continue_generation")
                 tb = time.perf_counter()
                 group_broadcast(self.group, flat, src=0)
                 bcast_s += time.perf_counter() - tb
@@ -519,8 +586,10 @@ class BroadcastTransport(WeightTransport):
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
             ta = time.perf_counter()
+            deadline = time.monotonic() + self.cfg.timeout_s
             for i, f in pending:
-                self._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_distributed")
+                self._check(i, f.result(timeout=max(0.0, deadline - time.monotonic())),
+                            "update_weights_from_distributed")
             ack_s = time.perf_counter() - ta
         except BaseException:
             if pending and not last_posted:
@@ -539,17 +608,19 @@ class BroadcastTransport(WeightTransport):
                 self.close()
             raise
         finally:
-            buckets.close()
-            if paused:
-                for c in self.clients:
-                    c.continue_generation()
+            if buckets is not None:
+                buckets.close()
+            if pauses:  # also after a failure: a paused engine must not stay paused
+                if not resumes:
+                    resumes = self._on_posters("continue_generation")
+                t_resumed = self._replies(resumes, "continue_generation")
         t1 = time.perf_counter()
         secs = t1 - t0
         return {
             "sync/bytes": float(nbytes),
             "sync/seconds": secs,
             "sync/gbps": nbytes / secs / 1e9 if secs > 0 else 0.0,
-            "sync/pause_seconds": t1 - t_paused,
+            "sync/pause_seconds": t_resumed - t_paused if pauses else 0.0,
             "sync/buckets": float(nbuckets),
             "sync/broadcast_seconds": bcast_s,
             "sync/ack_wait_seconds": ack_s,

@@ -138,6 +138,7 @@ def test_destination_views_follow_the_engine_layout():
     a = tr.destination("a", (4,), torch.float32)
     c = tr.destination("c", (1, 1), torch.bfloat16)
     assert a.data_ptr() == b.data_ptr() + 24 and c.data_ptr() == a.data_ptr() + 16
+    assert tr.destination("a", (4,), torch.float32) is a  # made once per layout
     assert tr.destination("a", (5,), torch.float32) is None  # other shape
     assert tr.destination("a", (4,), torch.float16) is None  # other dtype
     assert tr.destination("z", (4,), torch.float32) is None  # not the engine's
@@ -150,3 +151,82 @@ def test_destination_views_follow_the_engine_layout():
     got = list(packed_buckets(in_layout_order(iter([("a", a), ("b", b)]), tr.layout), 10**6, overlap=False))
     assert got[0][0].names == ["b", "a"] and got[0][1].data_ptr() == b.data_ptr()  # sent in place
     assert torch.equal(got[0][1], torch.cat([torch.ones(6), torch.arange(4.0)]).view(torch.uint8))
+
+
+class _Engine:
+    """A fake engine client: records every call (in the order the engine would see them) and
+    answers success; ``pause_gate`` (an Event) makes /pause_generation wait for it."""
+
+    def __init__(self, log: list, i: int, pause_gate: threading.Event | None = None, fail_pause: bool = False):
+        self.log, self.i, self.gate, self.fail_pause = log, i, pause_gate, fail_pause
+
+    def pause_generation(self, mode):
+        if self.gate is not None:
+            assert self.gate.wait(10), "the exporter did not run while the pause was in flight"
+        self.log.append((self.i, "pause"))
+        if self.fail_pause:
+            return {"success": False, "message": "cannot pause"}
+        return {"status": "ok"}
+
+    def continue_generation(self):
+        self.log.append((self.i, "continue"))
+        return {"status": "ok"}
+
+    def update_weights_from_distributed(self, names, weight_version=None, **kw):
+        self.log.append((self.i, "update", tuple(names), weight_version))
+        return {"success": True}
+
+
+@pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+@pytest.mark.parametrize("scope", ["sync", "last_bucket"])
+def test_send_pauses_while_exporting_and_resumes_after_the_versioned_call(monkeypatch, scope):
+    """pause_scope=sync: the pause requests are in flight while the exporter makes the first
+    bucket (the fake engines answer the pause only once the exporter has run), every engine
+    has answered its pause before any bucket is posted or broadcast, each engine sees
+    pause -> buckets in order -> the versioned bucket -> continue, and the stall covers all of it."""
+    import moe_async.weight_sync.transport as T
+
+    log: list = []
+    exporting = threading.Event()
+    engines = [_Engine(log, i, exporting if scope == "sync" else None) for i in range(2)]
+    sent = []
+
+    def bcast(group, flat, src=0):  # the broadcast: every engine must already have answered its pause
+        paused = {e for e, *what in log if what[0] == "pause"}
+        assert paused == ({0, 1} if scope == "sync" or len(sent) == 2 else set()), (len(sent), log)
+        sent.append(flat.clone())
+
+    monkeypatch.setattr(T, "group_broadcast", bcast)
+
+    def exporter():
+        exporting.set()
+        yield from _named(3)
+
+    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1, pause_scope=scope))
+    tr.group = object()  # connected (the broadcast is faked above)
+    m = tr.send(exporter(), 7)
+    tr.shutdown()
+    names = [n for n, _ in _named(3)]
+    for e in range(2):
+        seen = [x[1:] for x in log if x[0] == e]
+        ups = [("update", (n,), 7 if k == 2 else None) for k, n in enumerate(names)]
+        assert seen == ([("pause",)] + ups if scope == "sync" else ups[:2] + [("pause",), ups[2]]) + [("continue",)]
+    assert len(sent) == 3 and m["sync/buckets"] == 3
+    assert 0 < m["sync/pause_seconds"] <= m["sync/seconds"]
+
+
+@pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+def test_send_refused_pause_posts_no_bucket_and_resumes(monkeypatch):
+    """An engine that refuses the pause: no bucket is posted to any engine or broadcast, every
+    engine gets its continue, and the error names the engine."""
+    import moe_async.weight_sync.transport as T
+
+    log: list = []
+    engines = [_Engine(log, 0), _Engine(log, 1, fail_pause=True)]
+    monkeypatch.setattr(T, "group_broadcast", lambda *a, **k: pytest.fail("broadcast after a refused pause"))
+    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1))
+    tr.group = object()
+    with pytest.raises(WeightSyncError, match="engine 1: pause_generation failed: cannot pause"):
+        tr.send(iter(_named(3)), 1)
+    tr.shutdown()
+    assert sorted(log) == [(0, "continue"), (0, "pause"), (1, "continue"), (1, "pause")]

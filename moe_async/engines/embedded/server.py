@@ -515,8 +515,18 @@ def create_app(state: EngineState) -> FastAPI:
             t0 = time.perf_counter()
             if not state.arena.bound:  # first update: parameters move into the live buffer
                 await on_sched(state.arena.bind)
+
+            def receive() -> int:
+                n = state.receive(body)
+                if version is not None:
+                    # names this update did not carry keep their live values (off the
+                    # scheduler thread: the live buffer is only read there, and update_lock
+                    # keeps other writers out); in the same worker hop as the receive
+                    state.arena.fill_stale()
+                return n
+
             try:
-                n = await asyncio.to_thread(state.receive, body)
+                n = await asyncio.to_thread(receive)
             except (KeyError, ValueError, RuntimeError) as e:
                 dropped = len(state.arena.fresh)
                 state.arena.discard()
@@ -529,9 +539,6 @@ def create_app(state: EngineState) -> FastAPI:
             if version is None:
                 return {"success": True, "message": f"staged {n} tensors ({len(state.arena.fresh)} in total)"}
             staged = len(state.arena.fresh)
-            # names this update did not carry keep their live values (off the scheduler thread:
-            # the live buffer is only read there, and update_lock keeps other writers out)
-            await asyncio.to_thread(state.arena.fill_stale)
 
             def apply():
                 state.arena.swap()  # pointers only: between two forward passes
