@@ -110,7 +110,8 @@ class TrainerConfig(BaseModel):
             "back into ONE row [1, T] without padding between them (Megatron-Core's packed sequences: "
             "PackedSeqParams with qkv_format='thd', cu_seqlens, positions restarting at 0 per sequence; "
             "attention within each sequence only), T = their token count rounded up to a multiple of TP "
-            "(at least 64; with PP > 1 the batch's largest T); max_tokens_per_micro_batch then counts T, "
+            "(at least 64); with PP > 1 each micro-batch keeps its T (Megatron's variable_seq_lengths; with "
+            "virtual pipeline stages the batch's largest T); max_tokens_per_micro_batch then counts T, "
             "the real tokens. With CUDA it needs Transformer Engine (TE's THD attention; Megatron-Core "
             "0.16.1's local attention refuses packed_seq_params); without CUDA moe_async.compat."
             "thd_attention provides it. Not with context_parallel_size > 1. 'padded': each sequence a row "
@@ -256,8 +257,8 @@ class TrainerConfig(BaseModel):
                 f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} needs "
                 f"trainer.pipeline_model_parallel_size == 1 (got {self.pipeline_model_parallel_size}): "
                 "Megatron-Core's pipeline schedules exchange activations of one shape "
-                "[S, micro_batch_size, hidden] for every micro-batch (with sequence_packing='thd' every "
-                "packed micro-batch is padded to the batch's largest T and the budget runs at any PP)"
+                "[S, micro_batch_size, hidden] for every micro-batch (with sequence_packing='thd' the packed "
+                "rows' shapes are exchanged or padded to one, and the budget runs at any PP)"
             )
         if self.context_parallel_size > 1 and _cuda_available() and not _have_transformer_engine():
             raise ValueError(

@@ -41,7 +41,8 @@ Packed sequences (``trainer.sequence_packing``: 'thd', or 'auto' with CUDA + Tra
 each micro-batch reaches the model as ONE row ``[1,T]`` of its sequences back to back, with
 Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``, int32 ``cu_seqlens``, positions
 restarting per sequence, no attention mask; ``T`` = real tokens rounded up to a multiple of TP,
-at least 64, the tail marked in ``padding_mask``; with PP > 1 the batch's largest ``T``), so no
+at least 64, the tail marked in ``padding_mask``; PP > 1 exchanges each row's shape, Megatron's
+``variable_seq_lengths``; with VPP rows are padded to the batch's largest ``T``), so no
 FLOPs go to padding between sequences and ``max_tokens_per_micro_batch`` counts real tokens.
 Attention runs per sequence: TE's THD attention on GPU, ``moe_async.compat.thd_attention`` on
 CPU. The loss side stays per sequence (see :meth:`MegatronTrainer._pack`). Tested on CPU/gloo:
@@ -358,7 +359,8 @@ class MegatronTrainer:
         """TransformerConfig fields set by the trainer (beyond the family's): on CPU,
         ``gradient_accumulation_fusion`` through the compat stand-in (each linear layer's
         weight gradient is accumulated into DDP's ``main_grad`` by one in-place GEMM instead of
-        a fresh tensor plus an add per micro-batch; compat mend 12)."""
+        a fresh tensor plus an add per micro-batch; compat mend 12); with packed THD rows at PP > 1
+        (no VPP) Megatron's ``variable_seq_lengths``."""
         from moe_async.compat import enable_cpu_wgrad_accumulation_fusion
 
         out: dict[str, Any] = {}
@@ -366,6 +368,16 @@ class MegatronTrainer:
             out["gradient_accumulation_fusion"] = True
         if self.cfg.context_parallel_size > 1:
             out["context_parallel_size"] = self.cfg.context_parallel_size
+        if self._thd and self.cfg.pipeline_model_parallel_size > 1 and not self._vpp:
+            # packed rows of different T: each p2p exchange sends its shape first (Megatron-Core's
+            # p2p_communication._communicate_shapes; on gloo too: PP2 rows of 119/91/136/110 tokens
+            # gave the loss and grad norm of rows all padded to 136, <= 1.2e-7). Not with VPP
+            # (overlapped p2p): there _pack pads every row to the batch's largest T.
+            out["variable_seq_lengths"] = True
+            if not self.family.arch_args(self.hf_config).num_experts:
+                # a dense model never dispatches, but TransformerConfig refuses variable_seq_lengths
+                # with its default "allgather" dispatcher type
+                out["moe_token_dispatcher_type"] = "alltoall"
         if self._vpp:
             # Megatron-LM's interleaved-schedule defaults (overlap_p2p_comm on, batch_p2p_comm =
             # not overlap_p2p_comm). A batched exchange at PP2 holds two sends and two receives
@@ -616,9 +628,10 @@ class MegatronTrainer:
         floor; ``loss_mask``, ``advantages``, ``rollout_logp``, ``logit_b``/``logit_s``), so
         the loss, its sequence-level off-policy corrections and the per-sample logprobs are
         the padded path's; no ``attention_mask``/``position_ids``/``padding_mask [B,S]``. The
-        token budget counts the packed row's ``T`` (real tokens), and with PP > 1 every row is
-        padded to the batch's largest ``T`` (one p2p shape) instead of every sequence to the
-        longest.
+        token budget counts the packed row's ``T`` (real tokens). With PP > 1 each row keeps
+        its own ``T`` through Megatron-Core's ``variable_seq_lengths`` (every p2p exchange
+        sends its shape first; see :meth:`_layout_overrides`); with virtual pipeline stages
+        every row is padded to the batch's largest ``T`` (one p2p shape) instead.
         """
         mbs = self.cfg.micro_batch_size
         lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -638,10 +651,11 @@ class MegatronTrainer:
         ranges = micro_batch_ranges(lens, mbs, budget, packed=thd, **pad)
         if equalize_dp and budget is not None and self._dp_size() > 1:
             ranges = split_to_count(ranges, int(self._dp_max(len(ranges))))
-        # thd: the packed row's length T per micro-batch; with PP > 1 the largest (one p2p shape)
+        # thd: the packed row's length T per micro-batch; with PP > 1 and without Megatron's
+        # variable_seq_lengths (VPP) the largest (one p2p shape)
         T_rows = [padded_len([sum(lens[a:b])], min_len=MIN_SEQ_LEN, multiple=self._seq_multiple())
                   for a, b in ranges] if thd else []
-        if thd and pp > 1:
+        if thd and pp > 1 and not getattr(self.tf_config, "variable_seq_lengths", False):
             T_rows = [max(T_rows)] * len(ranges)
         out = []
         for i, (start, end) in enumerate(ranges):

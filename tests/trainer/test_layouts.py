@@ -352,3 +352,12 @@ def test_thd_router_replay_r3(res):
         assert g["routing_agreement"] == pytest.approx(r["routing_agreement"], abs=1e-12)
         for k in ("loss", "grad_norm"):
             assert _rel(g[k], r[k]) <= REL, (k, g[k], r[k])
+
+
+@pytest.mark.parametrize("layout", [x for x in TH2 if "pp2" in x])
+def test_thd_pipeline_rows_keep_their_length(res, layout):
+    """PP2 with THD: every packed row keeps its own length T (Megatron-Core's variable_seq_lengths
+    exchanges each p2p tensor's shape) instead of all being padded to the longest: the rows of
+    the 1-process run (micro-batches of 2 long samples: 119, 91, 136, 110 tokens)."""
+    rows, ref = res[layout]["thd_rows"], res[_ref_key(layout)]["thd_rows"]
+    assert rows == ref == [119, 91, 136, 110]
