@@ -62,6 +62,13 @@ def segment_bounds(cu_seqlens: Tensor, total: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(c[:-1], c[1:]) if b > a]
 
 
+@functools.lru_cache(maxsize=256)
+def _causal_mask(n: int, device: str) -> Tensor:
+    """``[1, 1, n, n]`` bool, True above the diagonal (masked; Megatron's convention); cached
+    per length, as every layer of a micro-batch asks for the same ones."""
+    return torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1).view(1, 1, n, n)
+
+
 class _THDCoreAttentionMixin:
     """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring.
     Without ``packed_seq_params`` (or with a format other than ``thd``) it is the base class."""
@@ -93,10 +100,8 @@ class _THDCoreAttentionMixin:
         bounds = segment_bounds(cu_q, T)
         outs = []
         for a, b in bounds:  # one causal attention per sequence: no FLOPs across sequences
-            n = b - a
-            causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=query.device), diagonal=1)
             outs.append(super().forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1),
-                                        causal.view(1, 1, n, n), attn_mask_type, attention_bias, None))
+                                        _causal_mask(b - a, str(query.device)), attn_mask_type, attention_bias, None))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
