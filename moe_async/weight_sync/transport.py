@@ -480,15 +480,15 @@ class BroadcastTransport(WeightTransport):
             return None
         return layouts[0]
 
-    def _on_posters(self, method: str, **kw: Any) -> list[tuple[int, Any]]:
-        """Queue ``client.<method>(**kw)`` on every engine's poster thread, after what is
-        already queued there (so it reaches each engine in order with the bucket calls);
-        each future gives ``(reply, perf_counter() when the reply arrived)``."""
+    def _on_posters(self, method: str, skip: set[int] = frozenset(), **kw: Any) -> list[tuple[int, Any]]:
+        """Queue ``client.<method>(**kw)`` on every engine's poster thread (but those in
+        ``skip``), after what is already queued there (so it reaches each engine in order
+        with the bucket calls); each future gives ``(reply, perf_counter() at the reply)``."""
         def call(c: Any) -> tuple[Any, float]:
             r = getattr(c, method)(**kw)
             return r, time.perf_counter()
 
-        return [(i, self._posters[i].submit(call, c)) for i, c in enumerate(self.clients)]
+        return [(i, self._posters[i].submit(call, c)) for i, c in enumerate(self.clients) if i not in skip]
 
     def _replies(self, futs: list[tuple[int, Any]], what: str) -> float:
         """Wait for ``futs`` of :meth:`_on_posters` (one ``timeout_s`` for all); raise on the
@@ -543,6 +543,7 @@ class BroadcastTransport(WeightTransport):
         pending: list[tuple[int, Any]] = []
         last_posted = False
         buckets = None
+        failed = False
         try:
             if whole:  # in flight while the exporter makes the first bucket (below)
                 t_paused = time.perf_counter()
@@ -592,6 +593,7 @@ class BroadcastTransport(WeightTransport):
                             "update_weights_from_distributed")
             ack_s = time.perf_counter() - ta
         except BaseException:
+            failed = True
             if pending and not last_posted:
                 # abandoned mid-update (e.g. the exporter raised): the engines hold staged
                 # buckets that no versioned call will apply or drop; leaving the group makes
@@ -611,9 +613,15 @@ class BroadcastTransport(WeightTransport):
             if buckets is not None:
                 buckets.close()
             if pauses:  # also after a failure: a paused engine must not stay paused
-                if not resumes:
-                    resumes = self._on_posters("continue_generation")
-                t_resumed = self._replies(resumes, "continue_generation")
+                if not resumes:  # (not to an engine whose pause request itself raised: gone)
+                    gone = {i for i, f in pauses if f.done() and not f.cancelled() and f.exception() is not None}
+                    resumes = self._on_posters("continue_generation", skip=gone)
+                try:
+                    t_resumed = self._replies(resumes, "continue_generation")
+                except Exception as e:  # noqa: BLE001
+                    if not failed:
+                        raise
+                    log.warning("weight sync: continue_generation after a failed sync failed too: %s", e)
         t1 = time.perf_counter()
         secs = t1 - t0
         return {

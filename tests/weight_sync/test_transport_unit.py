@@ -157,12 +157,15 @@ class _Engine:
     """A fake engine client: records every call (in the order the engine would see them) and
     answers success; ``pause_gate`` (an Event) makes /pause_generation wait for it."""
 
-    def __init__(self, log: list, i: int, pause_gate: threading.Event | None = None, fail_pause: bool = False):
-        self.log, self.i, self.gate, self.fail_pause = log, i, pause_gate, fail_pause
+    def __init__(self, log: list, i: int, pause_gate: threading.Event | None = None, fail_pause: bool = False,
+                 gone: bool = False):
+        self.log, self.i, self.gate, self.fail_pause, self.gone = log, i, pause_gate, fail_pause, gone
 
     def pause_generation(self, mode):
         if self.gate is not None:
             assert self.gate.wait(10), "the exporter did not run while the pause was in flight"
+        if self.gone:
+            raise ConnectionError(f"engine {self.i} is gone")
         self.log.append((self.i, "pause"))
         if self.fail_pause:
             return {"success": False, "message": "cannot pause"}
@@ -230,3 +233,20 @@ def test_send_refused_pause_posts_no_bucket_and_resumes(monkeypatch):
         tr.send(iter(_named(3)), 1)
     tr.shutdown()
     assert sorted(log) == [(0, "continue"), (0, "pause"), (1, "continue"), (1, "pause")]
+
+
+@pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+def test_send_pause_to_a_gone_engine_raises_its_error(monkeypatch):
+    """An engine whose pause request raises (gone): its error propagates (not masked by the
+    continue), the others are resumed, the gone one gets no further call."""
+    import moe_async.weight_sync.transport as T
+
+    log: list = []
+    engines = [_Engine(log, 0), _Engine(log, 1, gone=True)]
+    monkeypatch.setattr(T, "group_broadcast", lambda *a, **k: pytest.fail("broadcast after a failed pause"))
+    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1))
+    tr.group = object()
+    with pytest.raises(ConnectionError, match="engine 1 is gone"):
+        tr.send(iter(_named(3)), 1)
+    tr.shutdown()
+    assert log == [(0, "pause"), (0, "continue")]
