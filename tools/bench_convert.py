@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Conversion throughput (GB/s) against a plain safetensors read + write of the same bytes.
 
-    python tools/bench_convert.py [--hf DIR] [--family mixtral|qwen3_moe|llama|deepseek_v3]
-                                  [--layers 4 --hidden 512 --experts 8 ...] [--repeats 5]
+    python tools/bench_convert.py [--hf DIR] [--family F [F ...] | --family all]
+                                  [--layers 4 --hidden 512 --experts 8 ...] [--repeats 7]
                                   [--fsync] [--save-threads 0] [--work DIR]
 
-Without --hf a random fp32 model of the given family and sizes is made with transformers
-and saved sharded (--shard-size). In ONE process, on the same files (page cache warm for
-all), after one untimed warm-up round (its times are printed as ``*_first_call_s``: the
-one-off costs a single CLI run pays, e.g. Megatron's lazy imports), --repeats rounds of:
+Families: mixtral, qwen3_moe, llama, deepseek_v3 (several, or ``all``, are benchmarked one
+after the other in ONE process: one JSON line each, then a table on stderr). Without --hf a
+random fp32 model of each family and the given sizes is made with transformers and saved
+sharded (--shard-size). In one process, on the same files (page cache warm for all), after
+one untimed warm-up round (its times are printed as ``*_first_call_s``: the one-off costs a
+single CLI run pays, e.g. Megatron's lazy imports), --repeats rounds of:
 
 * baseline: every HF safetensors file read (``safetensors.torch.load_file``) and written
   back (``save_file``) to a scratch dir, one file at a time (with ``--fsync``: and each
@@ -16,17 +18,19 @@ one-off costs a single CLI run pays, e.g. Megatron's lazy imports), --repeats ro
 * HF -> Megatron: ``tools/convert_hf_to_megatron.py``'s function at 1 process (model build,
   shard-at-a-time read, mapping, torch_dist save: in-process writer, ``--save-threads N``
   for Megatron's forking writer; fsync only with ``--fsync``), wall time around the call;
+* the baseline again;
 * Megatron -> HF: ``tools/convert_megatron_to_hf.py``'s function (model build, torch_dist
   load, gather, mapping, sharded safetensors + index; fsync only with ``--fsync``).
 
-Each round's ratio is ``baseline seconds / conversion seconds`` (= conversion GB/s /
-baseline GB/s, goal >= 0.5) with the baseline of the same round, so that load from other
-jobs on a shared machine hits both sides alike; the JSON line gives the median of those
-ratios (``ratio_*``), every round's ratio, the median seconds and GB/s of HF tensor bytes
-of each side, and the conversion's phase times of its median round (checks, process-group
-setup, model build, HF read + map + copy, torch_dist save / load, gather + map + write,
-teardown). The first round's round trip is checked bit-exact (``round_trip_bit_exact``).
-Importing Megatron-Core / transformers happens before any timing (``imports_s``).
+Each direction's ratio in a round is ``baseline seconds / conversion seconds`` (= conversion
+GB/s / baseline GB/s, goal >= 0.5) with the baseline run just before it, so that load from
+other jobs on a shared machine hits both sides of a pair alike; the JSON line gives the
+median of those per-round ratios (``ratio_*``), every round's ratio, the median seconds and
+GB/s of HF tensor bytes of each side, and the conversion's phase times of its median round
+(checks, process-group setup, model build, HF read + map + copy, torch_dist save / load,
+gather + map + write, teardown). The first round's round trip is checked bit-exact
+(``round_trip_bit_exact``). Importing Megatron-Core / transformers happens before any
+timing (``imports_s``).
 """
 
 from __future__ import annotations
@@ -104,6 +108,82 @@ def baseline(hf: str, scratch: str, fsync: bool = False) -> float:
     return dt
 
 
+def bench_family(hf: str, work: str, label: str, args) -> dict:
+    """One family's rounds on the HF checkpoint ``hf`` (scratch under ``work``): the JSON dict
+    described in the module docstring."""
+    import torch
+
+    from moe_async.models.convert import (
+        hf_to_megatron_checkpoint,
+        iter_hf_tensors,
+        megatron_to_hf_checkpoint,
+        read_hf_index,
+    )
+
+    idx = read_hf_index(hf)
+    nbytes = sum(os.path.getsize(f) for f in set(idx.values()))
+    rounds = []
+    exact = None
+    for i in range(args.repeats + 1):  # round 0: warm-up, not in the medians
+        meg, back = os.path.join(work, f"meg{i}"), os.path.join(work, f"back{i}")
+        r = {"baseline_h2m_s": baseline(hf, os.path.join(work, f"plain{i}"), fsync=args.fsync)}
+        t0 = time.perf_counter()
+        st = hf_to_megatron_checkpoint(hf, meg, progress=False, save_threads=args.save_threads, fsync=args.fsync)
+        r["h2m_s"] = time.perf_counter() - t0
+        r["h2m_phases"] = st["phases"]
+        r["baseline_m2h_s"] = baseline(hf, os.path.join(work, f"plain{i}b"), fsync=args.fsync)
+        t0 = time.perf_counter()
+        st = megatron_to_hf_checkpoint(meg, hf, back, max_shard_size=args.shard_size, progress=False,
+                                       fsync=args.fsync)
+        r["m2h_s"] = time.perf_counter() - t0
+        r["m2h_phases"] = st["phases"]
+        if i == 0:
+            a = dict(iter_hf_tensors(hf))
+            exact = all(torch.equal(a[k], t) and a[k].dtype == t.dtype for k, t in iter_hf_tensors(back)) \
+                and set(a) == set(read_hf_index(back))
+            del a
+        shutil.rmtree(meg)
+        shutil.rmtree(back)
+        rounds.append(r)
+    first, timed = rounds[0], rounds[1:]
+    gb = nbytes / 1e9
+    med = statistics.median
+
+    def median_round(key: str) -> dict:
+        ordered = sorted(timed, key=lambda r: r[key])
+        return ordered[(len(ordered) - 1) // 2]
+
+    base_s = med([r["baseline_h2m_s"] for r in timed] + [r["baseline_m2h_s"] for r in timed])
+    h2m_s = med(r["h2m_s"] for r in timed)
+    m2h_s = med(r["m2h_s"] for r in timed)
+    r_h2m = [r["baseline_h2m_s"] / r["h2m_s"] for r in timed]
+    r_m2h = [r["baseline_m2h_s"] / r["m2h_s"] for r in timed]
+    return {
+        "family": label,
+        "hf_gb": round(gb, 4),
+        "files": len(set(idx.values())),
+        "repeats": args.repeats,
+        "fsync": args.fsync,
+        "save_threads": args.save_threads,
+        "ratio_hf_to_megatron": round(med(r_h2m), 3),
+        "ratio_megatron_to_hf": round(med(r_m2h), 3),
+        "ratios_hf_to_megatron": [round(x, 3) for x in r_h2m],
+        "ratios_megatron_to_hf": [round(x, 3) for x in r_m2h],
+        "baseline_read_write_s": round(base_s, 3),
+        "baseline_gbps": round(gb / base_s, 3),
+        "hf_to_megatron_s": round(h2m_s, 3),
+        "hf_to_megatron_gbps": round(gb / h2m_s, 3),
+        "megatron_to_hf_s": round(m2h_s, 3),
+        "megatron_to_hf_gbps": round(gb / m2h_s, 3),
+        "phases_hf_to_megatron_s": {k: round(v, 3) for k, v in median_round("h2m_s")["h2m_phases"].items()},
+        "phases_megatron_to_hf_s": {k: round(v, 3) for k, v in median_round("m2h_s")["m2h_phases"].items()},
+        "hf_to_megatron_first_call_s": round(first["h2m_s"], 3),
+        "megatron_to_hf_first_call_s": round(first["m2h_s"], 3),
+        "round_trip_bit_exact": bool(exact),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", default=None, help="existing HF checkpoint dir (default: make a random model)")
@@ -114,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--shard-size", default="100MB")
-    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
-    ap.add_argument("--family", default="mixtral", choices=FAMILIES,
-                    help="family of the random model (llama: dense, ffn = --ffn x --experts)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--family", nargs="+", default=["mixtral"], choices=FAMILIES + ["all"],
+                    help="family (or families, or all) of the random model, benchmarked one after the other "
+                         "in this process (llama: dense, ffn = --ffn x --experts)")
     ap.add_argument("--save-threads", type=int, default=0,
                     help="0: in-process torch_dist writer (default); N >= 1: Megatron's writer, N processes")
     ap.add_argument("--fsync", action="store_true",
@@ -124,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    families = FAMILIES if "all" in args.family else list(dict.fromkeys(args.family))
+    if args.hf is not None and len(families) > 1:
+        ap.error("--hf takes one checkpoint: give at most one --family with it")
 
     import torch
 
@@ -131,25 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="bench_convert_")
     os.makedirs(work, exist_ok=True)
     try:
-        hf = args.hf
-        if hf is None:
-            hf = os.path.join(work, "hf")
-            cfg_p = os.path.join(hf, "config.json")
-            if os.path.exists(cfg_p):  # a --work dir of an earlier run: reuse its model
-                with open(cfg_p) as f:
-                    if json.load(f).get("model_type") != args.family:
-                        ap.error(f"{hf} holds another family than --family {args.family}; use another --work")
-            else:
-                t0 = time.perf_counter()
-                make_model(hf, args)
-                print(f"made random {args.family} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        from moe_async.models.convert import (
-            hf_to_megatron_checkpoint,
-            iter_hf_tensors,
-            megatron_to_hf_checkpoint,
-            read_hf_index,
-        )
-
         t0 = time.perf_counter()  # imports are not conversion: done before any timing
         import megatron.core.dist_checkpointing  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401
@@ -157,69 +222,31 @@ def main(argv: list[str] | None = None) -> int:
         import moe_async.trainer.megatron_trainer  # noqa: F401
 
         imports_s = time.perf_counter() - t0
-        idx = read_hf_index(hf)
-        nbytes = sum(os.path.getsize(f) for f in set(idx.values()))
-        rounds = []
-        exact = None
-        for i in range(args.repeats + 1):  # round 0: warm-up, not in the medians
-            meg, back = os.path.join(work, f"meg{i}"), os.path.join(work, f"back{i}")
-            r = {"baseline_s": baseline(hf, os.path.join(work, f"plain{i}"), fsync=args.fsync)}
-            t0 = time.perf_counter()
-            st = hf_to_megatron_checkpoint(hf, meg, progress=False, save_threads=args.save_threads, fsync=args.fsync)
-            r["h2m_s"] = time.perf_counter() - t0
-            r["h2m_phases"] = st["phases"]
-            t0 = time.perf_counter()
-            st = megatron_to_hf_checkpoint(meg, hf, back, max_shard_size=args.shard_size, progress=False,
-                                           fsync=args.fsync)
-            r["m2h_s"] = time.perf_counter() - t0
-            r["m2h_phases"] = st["phases"]
-            if i == 0:
-                a = dict(iter_hf_tensors(hf))
-                exact = all(torch.equal(a[k], t) and a[k].dtype == t.dtype for k, t in iter_hf_tensors(back)) \
-                    and set(a) == set(read_hf_index(back))
-                del a
-            shutil.rmtree(meg)
-            shutil.rmtree(back)
-            rounds.append(r)
-        first, timed = rounds[0], rounds[1:]
-        gb = nbytes / 1e9
-        med = statistics.median
-
-        def median_round(key: str) -> dict:
-            ordered = sorted(timed, key=lambda r: r[key])
-            return ordered[(len(ordered) - 1) // 2]
-
-        base_s = med(r["baseline_s"] for r in timed)
-        h2m_s = med(r["h2m_s"] for r in timed)
-        m2h_s = med(r["m2h_s"] for r in timed)
-        r_h2m = [r["baseline_s"] / r["h2m_s"] for r in timed]
-        r_m2h = [r["baseline_s"] / r["m2h_s"] for r in timed]
-        out = {
-            "family": args.family if args.hf is None else "from --hf",
-            "hf_gb": round(gb, 4),
-            "files": len(set(idx.values())),
-            "repeats": args.repeats,
-            "fsync": args.fsync,
-            "save_threads": args.save_threads,
-            "ratio_hf_to_megatron": round(med(r_h2m), 3),
-            "ratio_megatron_to_hf": round(med(r_m2h), 3),
-            "ratios_hf_to_megatron": [round(x, 3) for x in r_h2m],
-            "ratios_megatron_to_hf": [round(x, 3) for x in r_m2h],
-            "baseline_read_write_s": round(base_s, 3),
-            "baseline_gbps": round(gb / base_s, 3),
-            "hf_to_megatron_s": round(h2m_s, 3),
-            "hf_to_megatron_gbps": round(gb / h2m_s, 3),
-            "megatron_to_hf_s": round(m2h_s, 3),
-            "megatron_to_hf_gbps": round(gb / m2h_s, 3),
-            "phases_hf_to_megatron_s": {k: round(v, 3) for k, v in median_round("h2m_s")["h2m_phases"].items()},
-            "phases_megatron_to_hf_s": {k: round(v, 3) for k, v in median_round("m2h_s")["m2h_phases"].items()},
-            "imports_s": round(imports_s, 3),
-            "hf_to_megatron_first_call_s": round(first["h2m_s"], 3),
-            "megatron_to_hf_first_call_s": round(first["m2h_s"], 3),
-            "round_trip_bit_exact": bool(exact),
-            "threads": torch.get_num_threads(),
-        }
-        print(json.dumps(out))
+        results = []
+        for fam in families:
+            hf = args.hf
+            if hf is None:
+                args.family = fam
+                hf = os.path.join(work, "hf" if len(families) == 1 else f"hf_{fam}")
+                cfg_p = os.path.join(hf, "config.json")
+                if os.path.exists(cfg_p):  # a --work dir of an earlier run: reuse its model
+                    with open(cfg_p) as f:
+                        if json.load(f).get("model_type") != fam:
+                            ap.error(f"{hf} holds another family than --family {fam}; use another --work")
+                else:
+                    t0 = time.perf_counter()
+                    make_model(hf, args)
+                    print(f"made random {fam} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            out = bench_family(hf, work, fam if args.hf is None else "from --hf", args)
+            out["imports_s"] = round(imports_s, 3)
+            print(json.dumps(out), flush=True)
+            results.append(out)
+        if len(results) > 1:
+            print("family        HF->Megatron  Megatron->HF  median s (baseline / h2m / m2h)", file=sys.stderr)
+            for o in results:
+                print(f"{o['family']:<13} {o['ratio_hf_to_megatron']:>12.3f}  {o['ratio_megatron_to_hf']:>12.3f}  "
+                      f"{o['baseline_read_write_s']:.3f} / {o['hf_to_megatron_s']:.3f} / {o['megatron_to_hf_s']:.3f}",
+                      file=sys.stderr)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -162,6 +162,59 @@ ITEM_ALIGN = 64
 # Megatron-Core's default make_vocab_size_divisible_by (Megatron-LM); only the stored shape
 # depends on it, the HF tensors never (padding rows are zeros, dropped on export).
 DEFAULT_VOCAB_DIV = 128
+# madvise(2) advice (Linux >= 5.14, include/uapi/asm-generic/mman-common.h): map the pages of a
+# range readable, as reading each page would, in one call and without breaking copy-on-write
+MADV_POPULATE_READ = 22
+
+
+@functools.cache
+def _libc_madvise():
+    """libc's ``madvise`` through ctypes, or None where it is not there (not Linux)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - a libc without madvise
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+_populate_ok = [True]  # False once the kernel refused the advice (older than 5.14): stop asking
+
+
+def prefault_read(t: Tensor) -> bool:
+    """Map the memory pages of CPU tensor ``t`` readable now, with ONE ``madvise(2)``
+    (``MADV_POPULATE_READ``) over them, instead of on demand as they are first read. For
+    tensors that are views of a memory-mapped file (``safe_open().get_tensor``, a mapped
+    ``.distcp`` item) whose pages are in the page cache: on this machine (Linux 6.18 VM),
+    writing 345 MB to a file straight from a new private map of another took 0.26-0.28 s, and
+    0.10 s after this advice (0.09 s from ordinary memory); the torch_dist save of HF ->
+    Megatron and the safetensors write of Megatron -> HF read their tensors from such maps.
+    The data and the mapping are unchanged (a private mapping stays copy-on-write). Returns
+    True when the kernel took the advice; False (nothing done) off Linux, before Linux 5.14,
+    for an empty, non-contiguous or non-CPU tensor, or a range the kernel refuses (e.g. past
+    the end of the mapped file)."""
+    import mmap
+
+    f = _libc_madvise()
+    n = t.numel() * t.element_size()
+    if f is None or not _populate_ok[0] or n == 0 or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    start = t.data_ptr()
+    page = start - start % mmap.PAGESIZE
+    if f(page, start + n - page, MADV_POPULATE_READ) == 0:
+        return True
+    import ctypes
+    import errno
+
+    if ctypes.get_errno() == errno.EINVAL:  # advice unknown to this kernel
+        _populate_ok[0] = False
+    return False
 
 
 def parse_size(text: str | int) -> int:
@@ -498,6 +551,7 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
         with safe_open(fp, framework="pt") as h:
             for k in sorted(files[fp]):
                 t = h.get_tensor(k)
+                prefault_read(t)  # a view of safetensors' map of the file: read by the copy / save below
                 nbytes += t.numel() * t.element_size()
                 if k in ("lm_head.weight", "model.embed_tokens.weight") and a.tie_word_embeddings:
                     tied_check[k] = t
@@ -1041,6 +1095,7 @@ def _mmap_classes() -> tuple:
                             raise ValueError(f"{path} (torch_dist data): the item at byte {md.offset} "
                                              f"({md.length} bytes) cannot be read, corrupt file: "
                                              f"{type(e).__name__}: {e}") from None
+                        prefault_read(t)  # the item's pages, read by the copy or, adopted, by the HF write
                         t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
                         target = planner.resolve_tensor(req).detach()
                         if target.size() != t.size():
