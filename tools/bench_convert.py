@@ -30,12 +30,16 @@ GB/s of HF tensor bytes of each side, and the conversion's phase times of its me
 (checks, process-group setup, model build, HF read + map + copy, torch_dist save / load,
 gather + map + write, teardown). The first round's round trip is checked bit-exact
 (``round_trip_bit_exact``). Importing Megatron-Core / transformers happens before any
-timing (``imports_s``).
+timing (``imports_s``). Every timed call starts after a ``gc.collect()`` (untimed; garbage
+collection stays on during the calls): otherwise a collection inside one call may free objects
+left by earlier calls, e.g. a Megatron -> HF model whose parameters map ``.distcp`` files the
+round has deleted since (one such ``gc.collect()`` took 0.24 s here), on that call's clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -126,12 +130,16 @@ def bench_family(hf: str, work: str, label: str, args) -> dict:
     exact = None
     for i in range(args.repeats + 1):  # round 0: warm-up, not in the medians
         meg, back = os.path.join(work, f"meg{i}"), os.path.join(work, f"back{i}")
+        gc.collect()  # every timed call starts with the garbage of earlier calls freed (see docstring)
         r = {"baseline_h2m_s": baseline(hf, os.path.join(work, f"plain{i}"), fsync=args.fsync)}
+        gc.collect()
         t0 = time.perf_counter()
         st = hf_to_megatron_checkpoint(hf, meg, progress=False, save_threads=args.save_threads, fsync=args.fsync)
         r["h2m_s"] = time.perf_counter() - t0
         r["h2m_phases"] = st["phases"]
+        gc.collect()
         r["baseline_m2h_s"] = baseline(hf, os.path.join(work, f"plain{i}b"), fsync=args.fsync)
+        gc.collect()
         t0 = time.perf_counter()
         st = megatron_to_hf_checkpoint(meg, hf, back, max_shard_size=args.shard_size, progress=False,
                                        fsync=args.fsync)
