@@ -90,33 +90,27 @@ Public API:
     ShardWriter(out_dir, max_bytes, fsync=False)   (sharded safetensors + index json)
     parse_size(text) -> int                   ("5GB" -> bytes)
 
-Throughput (tools/bench_convert.py: random fp32 models of ~345 MB in 4 safetensors files, 1
-process, this 2-core CPU machine shared with other jobs (load average 5-60 during these runs),
-2026-11-29 20:30 UTC; ratio = plain safetensors read + write seconds / conversion seconds, per
-round against the same round's baseline, median of 7 rounds after a warm-up; goal >= 0.5):
+Throughput (tools/bench_convert.py --family all --repeats 7: random fp32 models of ~345 MB in 4
+safetensors files, 1 process, this 2-core CPU machine (load average 1-2 during the run),
+2026-11-29 23:43 UTC; ratio = plain safetensors read + write seconds / conversion seconds, per
+round against a baseline run just before it, median of 7 rounds after a warm-up; goal >= 0.5):
 
-    family       HF -> Megatron   Megatron -> HF   seconds (baseline / h2m / m2h)
-    qwen3_moe        0.555            0.678          0.207 / 0.367 / 0.303
-    deepseek_v3      0.549            0.614          0.176 / 0.312 / 0.288
-    llama            0.557            0.595          0.164 / 0.295 / 0.276
-    mixtral          0.478            0.464          0.132 / 0.276 / 0.286
+    family       HF -> Megatron   Megatron -> HF   median s (baseline / h2m / m2h)
+    mixtral          0.562            0.512          0.143 / 0.275 / 0.276
+    qwen3_moe        0.615            0.282          0.137 / 0.228 / 0.480
+    llama            0.850            0.262          0.166 / 0.197 / 0.668
+    deepseek_v3      0.600            0.256          0.128 / 0.211 / 0.499
 
-mixtral again: 0.467 / 0.470; the code before these changes, same minutes, same files: 0.496 /
-0.453 (0.297 s / 0.322 s against a 0.144 s baseline): mixtral's conversion got faster in
-seconds but its baseline was the fastest of the four in these runs (0.13-0.14 s, the earlier
-0.60 / 0.57 were measured against a slower one), so it is below the goal here. Earlier runs
-of the previous code: qwen3_moe 0.47 / 0.38, deepseek_v3 0.47 / 0.41. What changed: Megatron
--> HF no longer copies the weights at all (each parameter IS its item in the private map of
-its ``.distcp``: items written 64-byte aligned, ``mmap_load_strategy(adopt=...)``; the
-torch_dist load went 0.21 s -> 0.06 s for qwen3_moe), and the final ``load_state_dict`` no
-longer copies the whole model because of ``output_layer._extra_state``; HF -> Megatron
-takes a fused SwiGLU fc1 as the parameter instead of copying it in; the compat layer's
-``CudaToCpuMode`` (a Python call per torch op / tensor attribute) is suspended in the
-tensor-moving loops (a 4 MB qwen3_moe's conversion, i.e. the fixed cost: 0.124 -> 0.104 s,
-0.157 -> 0.122 s); ``.metadata`` is read once. Still per conversion (qwen3_moe,
-median round): setup ~0.02-0.03 s (Megatron's ~20 gloo groups), build 0.01 s, torch_dist
-save 0.2 s (of which ~0.15 s the write itself, ~0.05 s Megatron / DCP planning and
-``torch.save`` framing of ~170 items), HF write 0.18 s (from the mapped pages).
+Megatron -> HF rounds come in two modes: fast (ratio 0.6-1.1) and slow (0.22-0.30: ~0.3 s more,
+all kernel time in the safetensors write, no page faults); in this run most rounds of three
+families were slow, in earlier runs of the same code most were fast (qwen3_moe 0.62-0.69,
+deepseek_v3 0.52-0.63, mixtral 0.64); with --fsync (both sides) qwen3_moe measured 0.79 / 0.50
+with no slow mode. The cause of the slow mode is not found. What made both directions faster:
+every memory-mapped tensor read (HF safetensors views, .distcp items) is prefaulted with one
+``madvise(MADV_POPULATE_READ)`` (:func:`prefault_read`; mixtral torch_dist save 0.185 -> 0.12 s,
+HF write 0.19 -> 0.10 s); earlier: Megatron -> HF adopts the mapped 64-byte aligned ``.distcp``
+items as the parameters (no copy), HF -> Megatron takes a fused SwiGLU fc1 as the parameter,
+``CudaToCpuMode`` suspended in the copy loops, ``.metadata`` read once, in-process writer.
 """
 
 from __future__ import annotations
