@@ -69,8 +69,8 @@ def check_safetensors_file(path: str) -> None:
 
 def check_torch_dist_files(path: str):
     """Check the files of a Megatron ``torch_dist`` checkpoint directory before any tensor is
-    read: ``metadata.json`` (JSON), ``.metadata`` (torch DCP metadata), ``common.pt`` (when
-    present; Megatron's common state, ``torch.load``-able) and every ``.distcp`` shard the
+    read: ``metadata.json`` (a JSON object with ``sharded_backend``), ``.metadata`` (torch DCP
+    metadata), ``common.pt`` (Megatron's common state, ``torch.load``-able) and every ``.distcp`` shard the
     metadata names (present, and at least as long as the byte extent ``offset + length`` of
     every item stored in it). Cost: the metadata and ``common.pt`` are read; the shards are
     only ``stat``-ed.
@@ -96,7 +96,9 @@ def check_torch_dist_files(path: str):
     except ValueError as e:
         raise CheckpointReadError(f"checkpoint {path}: {e}") from None
     common = os.path.join(path, "common.pt")
-    if os.path.exists(common):
+    if not os.path.exists(common):  # Megatron's dist_checkpointing.save always writes it
+        raise CheckpointReadError(f"checkpoint {path}: {common} (Megatron common state) is missing")
+    else:
         try:
             torch.load(common, map_location="cpu", weights_only=False)  # as Megatron's load_common
         except Exception as e:  # noqa: BLE001 - a cut zip/pickle raises many kinds

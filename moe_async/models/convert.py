@@ -1280,7 +1280,9 @@ def read_torch_dist_metadata(megatron_dir: str):
     mj = os.path.join(megatron_dir, "metadata.json")
     if not os.path.exists(mj):
         raise FileNotFoundError(f"{megatron_dir} is not a Megatron torch_dist checkpoint: no metadata.json")
-    _json_object(mj, "Megatron checkpoint metadata")
+    if "sharded_backend" not in _json_object(mj, "Megatron checkpoint metadata"):
+        raise ValueError(f"{mj} (Megatron checkpoint metadata) has no 'sharded_backend': not written by "
+                         "megatron.core.dist_checkpointing")
     p = os.path.join(megatron_dir, ".metadata")
     if not os.path.exists(p):
         raise FileNotFoundError(f"{megatron_dir} is not a complete torch_dist checkpoint: no .metadata file")

@@ -309,4 +309,10 @@ def resolve_sequence_packing(packing: str, context_parallel_size: int = 1) -> st
         return "thd" if gpu_thd else "padded"
     if packing not in ("thd", "padded"):
         raise ValueError(f"trainer.sequence_packing must be 'auto', 'thd' or 'padded', got {packing!r}")
+    if packing == "thd" and _cuda_available() and not _have_transformer_engine():
+        # checked again here, on the host that runs the trainer: the config may have been
+        # validated on another one (a CPU-only driver handing it to a CUDA worker)
+        raise ValueError("trainer.sequence_packing='thd' with CUDA needs Transformer Engine (not importable on "
+                         "this host): Megatron-Core's local attention asserts 'Packed sequence is not supported "
+                         "by DotProductAttention'; use sequence_packing='padded' or 'auto'")
     return packing

@@ -1498,7 +1498,9 @@ class MegatronTrainer:
     def _remove_old_checkpoint_files(path: str) -> None:
         """Before saving into ``path``: remove the files a previous checkpoint there left
         (``__<rank>_<i>.distcp``, ``.metadata``, ``metadata.json``, ``common.pt``, our
-        ``moe_async_*`` files and ``moe_async_rng/``), with a WARNING log line, as Megatron-LM
+        ``moe_async_*`` files and ``moe_async_rng/``, and a converter-made checkpoint's
+        ``hf_config.json`` and ``moe_async_convert.json``, which a load would otherwise check
+        the new weights against), with a WARNING log line, as Megatron-LM
         overwrites. A save at fewer ranks would otherwise leave the old ranks' shards and RNG
         files beside the new ones (a later load at the old layout restored a stale rank's RNG
         state). Other files are left alone."""
@@ -1508,7 +1510,8 @@ class MegatronTrainer:
 
         old = [n for n in os.listdir(path)
                if re.fullmatch(r"__\d+_\d+\.distcp|\.metadata|metadata\.json|common\.pt|"
-                               r"moe_async_version\.txt|moe_async_state\.json|moe_async_rng", n)]
+                               r"moe_async_version\.txt|moe_async_state\.json|moe_async_rng|"
+                               r"hf_config\.json|moe_async_convert\.json", n)]
         if not old:
             return
         logging.getLogger(__name__).warning("save_checkpoint: %s holds a checkpoint; overwriting it (%d old files "
@@ -1794,7 +1797,8 @@ class MegatronTrainer:
 
         log = logging.getLogger(__name__)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"checkpoint dir {path} does not exist")
+            raise FileNotFoundError(f"checkpoint dir {path} " + ("is a file, not a checkpoint directory"
+                                                                 if os.path.exists(path) else "does not exist"))
         cfg_p = os.path.join(path, "hf_config.json")
         if os.path.exists(cfg_p):
             try:
@@ -1898,6 +1902,13 @@ class MegatronTrainer:
                     opt.optimizer.state.clear()  # Adam moments and step: fresh
                 self.optimizer.reload_model_params()  # bf16: main (fp32) params <- loaded model
         self.version = version if version is not None else 0
+        if version is not None and (state is None or rng is None):  # a save_checkpoint dir missing files
+            log.warning("checkpoint %s has moe_async_version.txt but no %s: loaded without them (no saved "
+                        "step/data position%s)", path,
+                        " and no ".join(n for n, x in (("moe_async_state.json", state),
+                                                        (f"moe_async_rng/rank_{dist.get_rank() if dist.is_initialized() else 0}.pt", rng))
+                                        if x is None),
+                        "; RNG not restored" if rng is None else "")
         if not has_opt:
             log.warning("checkpoint %s holds no optimizer state: loaded the model only, the optimizer "
                         "starts fresh (weight_version=%d)", path, self.version)

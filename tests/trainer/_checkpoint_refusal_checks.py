@@ -159,9 +159,11 @@ def main(tmp: str, out: str) -> None:
     do_ck, plain_ck = os.path.join(tmp, "do_pp2"), os.path.join(tmp, "plain_pp2")
     if rank == 0:  # what an earlier save at 8 ranks would have left, and a file that is not ours
         os.makedirs(os.path.join(do_ck, "moe_async_rng"))
-        for f in ("__7_0.distcp", os.path.join("moe_async_rng", "rank_7.pt"), "notes.txt"):
+        for f in ("__7_0.distcp", os.path.join("moe_async_rng", "rank_7.pt"), "notes.txt", "moe_async_convert.json"):
             with open(os.path.join(do_ck, f), "w") as fh:
                 fh.write("old")
+        with open(os.path.join(do_ck, "hf_config.json"), "w") as fh:  # a converter-made deepseek_v3 checkpoint's
+            json.dump({"model_type": "deepseek_v3"}, fh)
     dist.barrier()
     res["do_ref"] = save_run(model, do_ck, dist_opt=True)
     res["do_files"] = sorted(os.listdir(do_ck)) + sorted(os.listdir(os.path.join(do_ck, "moe_async_rng")))
@@ -169,7 +171,8 @@ def main(tmp: str, out: str) -> None:
 
     # damaged copies of the distributed-optimizer checkpoint (rank 0 makes them)
     bad = {n: os.path.join(tmp, n) for n in ("opt_truncated", "opt_zeroed", "no_state", "version_txt", "state_json",
-                                             "rng_rank0", "shard_truncated", "common_truncated")}
+                                             "rng_rank0", "shard_truncated", "common_truncated", "common_missing",
+                                             "metadata_empty")}
     if rank == 0:
         res["opt_truncated_files"] = damage_optimizer_items(do_ck, bad["opt_truncated"], "truncate")
         res["opt_zeroed_files"] = damage_optimizer_items(do_ck, bad["opt_zeroed"], "zero")
@@ -180,6 +183,11 @@ def main(tmp: str, out: str) -> None:
         truncate(do_ck, bad["rng_rank0"], lambda r: r == os.path.join("moe_async_rng", "rank_0.pt"))
         truncate(do_ck, bad["shard_truncated"], lambda r: r == "__1_0.distcp")
         truncate(do_ck, bad["common_truncated"], lambda r: r == "common.pt")
+        shutil.copytree(do_ck, bad["common_missing"])
+        os.remove(os.path.join(bad["common_missing"], "common.pt"))
+        shutil.copytree(do_ck, bad["metadata_empty"])
+        with open(os.path.join(bad["metadata_empty"], "metadata.json"), "w") as fh:
+            fh.write("{}")
     dist.barrier()
 
     # one PP2 distributed-optimizer trainer that never stepped tries every damaged copy

@@ -72,6 +72,17 @@ def test_truncated_shard_and_common_state_named(res):
     assert r["type"] == "CheckpointReadError"
     assert r["error"].startswith(f"checkpoint {ck}: cannot read {os.path.join(ck, 'common.pt')} (Megatron common"), r
     _untouched(r)
+    ck = os.path.join(res["tmp"], "common_missing")
+    r = res["common_missing"]
+    assert r["type"] == "CheckpointReadError"
+    assert r["error"].startswith(f"checkpoint {ck}: {os.path.join(ck, 'common.pt')} (Megatron common state) is "
+                                 "missing"), r
+    _untouched(r)
+    ck = os.path.join(res["tmp"], "metadata_empty")
+    r = res["metadata_empty"]
+    assert r["type"] == "CheckpointReadError"
+    assert f"{os.path.join(ck, 'metadata.json')} (Megatron checkpoint metadata) has no 'sharded_backend'" in r["error"]
+    _untouched(r)
 
 
 def test_save_over_old_checkpoint_removes_its_files(res):
@@ -80,6 +91,8 @@ def test_save_over_old_checkpoint_removes_its_files(res):
     (test_trainer_usable_after_refusals resumes from it exactly)."""
     files = res["do_files"]
     assert "__7_0.distcp" not in files and "rank_7.pt" not in files, files
+    # a converter-made checkpoint's files: its hf_config.json (deepseek_v3) would refuse the new weights
+    assert "hf_config.json" not in files and "moe_async_convert.json" not in files, files
     assert "notes.txt" in files and {"__0_0.distcp", "__1_0.distcp", "rank_0.pt", "rank_1.pt"} <= set(files), files
 
 
@@ -105,7 +118,7 @@ def test_truncated_side_files_named_before_weights_change(res, case, name):
 
 
 def test_trainer_usable_after_refusals(res):
-    """The same trainer, after the eight refusals, loads the good checkpoint: its next step
+    """The same trainer, after the ten refusals, loads the good checkpoint: its next step
     equals the saving run's next step exactly."""
     a = res["after_refusals"]
     assert a["version"] == 1 and a["next"] == res["do_ref"]["next"]

@@ -87,3 +87,7 @@ def test_sequence_packing_field_and_refusals(monkeypatch):
     assert tc.resolve_sequence_packing("auto") == "padded"
     with pytest.raises(ValidationError, match="sequence_packing='thd' with CUDA needs Transformer Engine"):
         TrainerConfig(sequence_packing="thd")
+    # a config validated on a CPU-only host, run on a CUDA host without TE: the trainer's own
+    # resolve (MegatronTrainer.__init__) refuses it too
+    with pytest.raises(ValueError, match="sequence_packing='thd' with CUDA needs Transformer Engine"):
+        tc.resolve_sequence_packing("thd")
