@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from _launch import free_port as _port
+from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_family_layouts.py")
@@ -38,22 +37,6 @@ CASES = [c for c in W2 + W4 if not c.startswith("ds3cpl")]
 REL = 1e-5
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd: list[str], timeout: int) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-6000:])
-    return time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from _launch import free_port as _port
+from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_convert_checks.py")
@@ -28,26 +27,6 @@ NAMES = ["mix", "qwen"]
 SOURCES = ["ep1", "ep2", "tp2", "fused_ep2", "ep1at2", "tp2at2"]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo conversion checks")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
-def _run(cmd: list[str], timeout: int) -> float:
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
-    return time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
