@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_sync_layouts.py")
@@ -28,20 +26,8 @@ LABELS = ["c1_one_tensor", "c1_below_largest", "c1_whole_model", "c2_1KiB"]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(n: int, url: str, model_dir: str, out: str, layouts: list[str]) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-           f"--master_port={_port()}", SCRIPT, url, model_dir, out, *layouts]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
+    torchrun(n, SCRIPT, url, model_dir, out, *layouts, timeout=600)
 
 
 @pytest.fixture(scope="module")
