@@ -31,10 +31,11 @@ CP layouts of tests/trainer/test_layouts.py (every model family equal to 1 proce
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any
 
 import torch
+
+from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
 
 Tensor = torch.Tensor
 
@@ -124,11 +125,10 @@ class _CPCoreAttentionMixin:
                                packed_seq_params)
 
 
-@functools.cache
 def cp_core_attention(base: type) -> type:
     """The CP variant of a local core-attention class ``base`` (``DotProductAttention`` or a
     subclass such as ``MLADotProductAttention``); cached, so one class per base."""
-    return type(f"CP{base.__name__}", (_CPCoreAttentionMixin, base), {"__doc__": _CPCoreAttentionMixin.__doc__})
+    return mixed_core_attention(_CPCoreAttentionMixin, base, "CP")
 
 
 def cp_layer_spec(spec: Any) -> tuple[Any, int]:
@@ -136,35 +136,4 @@ def cp_layer_spec(spec: Any) -> tuple[Any, int]:
     ``core_attention`` that is a local ``DotProductAttention`` (sub)class (bare or in a
     ``ModuleSpec``) is its CP variant; returns ``(copy, number replaced)``. The given spec is
     not changed. Only for CUDA-less runs with ``context_parallel_size > 1``."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    spec = copy.deepcopy(spec)
-    n = 0
-    seen: set[int] = set()
-
-    def swap(ca: Any) -> Any:
-        nonlocal n
-        if isinstance(ca, ModuleSpec):
-            ca.module = swap(ca.module)
-            return ca
-        if isinstance(ca, type) and issubclass(ca, DotProductAttention) and not issubclass(ca, _CPCoreAttentionMixin):
-            n += 1
-            return cp_core_attention(ca)
-        return ca
-
-    def walk(x: Any) -> None:
-        if x is None or id(x) in seen or isinstance(x, (str, int, float, bool, type)):
-            return
-        seen.add(id(x))
-        if isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-            return
-        if hasattr(x, "core_attention"):
-            x.core_attention = swap(x.core_attention)
-        for name in ("submodules", "layer_specs", "self_attention", "cross_attention"):
-            walk(getattr(x, name, None))
-
-    walk(spec)
-    return spec, n
+    return swap_core_attention(spec, _CPCoreAttentionMixin, "CP")

@@ -36,11 +36,12 @@ family: THD equals the padded path at 1 process, and 1 process at TP2+SP, EP2, P
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any
 
 import torch
+
+from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
 
 Tensor = torch.Tensor
 
@@ -105,11 +106,10 @@ class _THDCoreAttentionMixin:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-@functools.cache
 def thd_core_attention(base: type) -> type:
     """The THD variant of a local core-attention class ``base`` (``DotProductAttention`` or a
     subclass such as ``MLADotProductAttention``); cached, so one class per base."""
-    return type(f"THD{base.__name__}", (_THDCoreAttentionMixin, base), {"__doc__": _THDCoreAttentionMixin.__doc__})
+    return mixed_core_attention(_THDCoreAttentionMixin, base, "THD")
 
 
 def thd_layer_spec(spec: Any) -> tuple[Any, int]:
@@ -117,35 +117,4 @@ def thd_layer_spec(spec: Any) -> tuple[Any, int]:
     ``core_attention`` that is a local ``DotProductAttention`` (sub)class (bare or in a
     ``ModuleSpec``) is its THD variant; returns ``(copy, number replaced)``. The given spec is
     not changed. Only for CUDA-less runs with ``trainer.sequence_packing`` = thd."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    spec = copy.deepcopy(spec)
-    n = 0
-    seen: set[int] = set()
-
-    def swap(ca: Any) -> Any:
-        nonlocal n
-        if isinstance(ca, ModuleSpec):
-            ca.module = swap(ca.module)
-            return ca
-        if isinstance(ca, type) and issubclass(ca, DotProductAttention) and not issubclass(ca, _THDCoreAttentionMixin):
-            n += 1
-            return thd_core_attention(ca)
-        return ca
-
-    def walk(x: Any) -> None:
-        if x is None or id(x) in seen or isinstance(x, (str, int, float, bool, type)):
-            return
-        seen.add(id(x))
-        if isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-            return
-        if hasattr(x, "core_attention"):
-            x.core_attention = swap(x.core_attention)
-        for name in ("submodules", "layer_specs", "self_attention", "cross_attention"):
-            walk(getattr(x, name, None))
-
-    walk(spec)
-    return spec, n
+    return swap_core_attention(spec, _THDCoreAttentionMixin, "THD")
