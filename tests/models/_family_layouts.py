@@ -32,43 +32,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+from _checks import ADAM_EPS, ADV, main, samples, trainer_cfg  # noqa: E402
 
-# mixed signs, but not summing to ~0: a near-zero loss would make its relative difference
-# between layouts measure cancellation (with [1, -.5, .7, -1.2, 3, .4, -.9, 1.5] the loss is
-# -0.02 and fp32 rounding alone gives 7e-6 relative at deepseek_v3 TP2)
-ADV = [1.0, -0.5, 0.7, 1.2, 3.0, 0.4, -0.9, 1.5]
 CKPTS = ("ds3", "qwen3", "llama")
-# Adam's first step moves each weight by lr * g / (|g| + eps): with eps 1e-8, weights whose
-# gradient is ~1e-9 (rounding noise around an exact zero, e.g. key components that only shift
-# a softmax) move by up to lr depending on the last bits of g, and the second step's grad
-# norm then differed by 1.1e-5 (llama TP2) to 1.6e-5 (llama TP2+PP2) from 1 process although
-# the first step's gradients agreed to 1e-6. eps 1e-5 (still << the typical |g| ~ 5e-3) keeps
-# the update a smooth function of g.
-ADAM_EPS = 1e-5
-
-
-def samples(seed: int = 0):
-    from moe_async.types import Sample
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]):
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
-    return out
 
 
 def cfg(tp=1, pp=1, ep=1, vpp=None):
-    from moe_async.trainer.config import TrainerConfig
-
-    return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp,
-                         micro_batch_size=2, moe_aux_loss_coeff=0.0,
-                         lr=1e-3, adam_eps=ADAM_EPS, make_vocab_size_divisible_by=96)
+    return trainer_cfg(tp, pp, ep, vpp=vpp, adam_eps=ADAM_EPS)
 
 
 def parse(case: str) -> tuple[str, int, int, int, int | None]:
@@ -154,27 +127,13 @@ def main_ref(tmp: str) -> None:
         json.dump(out, f)
 
 
-def main_run(tmp: str, out_path: str, cases: list[str]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")  # once: the trainers (one per case) then do not own it
-    out = {}
-    for case in cases:
-        ck, tp, pp, ep, vpp = parse(case)
-        upstream_mla_down_proj(ck == "ds3cpl")
-        out[case] = run(os.path.join(tmp, "ds3" if ck == "ds3cpl" else ck), tp, pp, ep, vpp)
-        upstream_mla_down_proj(False)
-        dist.barrier()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+def run_case(tmp: str, case: str) -> dict:
+    ck, tp, pp, ep, vpp = parse(case)
+    upstream_mla_down_proj(ck == "ds3cpl")
+    res = run(os.path.join(tmp, "ds3" if ck == "ds3cpl" else ck), tp, pp, ep, vpp)
+    upstream_mla_down_proj(False)
+    return res
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    if sys.argv[1] == "ref":
-        main_ref(sys.argv[2])
-    else:
-        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])
+    main(main_ref, run_case, barrier=True, wall=False)

@@ -33,9 +33,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _checks import gather, main, rank, trainer_cfg  # noqa: E402
 
 # model -> (experts, top-k, MoE layers): "a" tiny Mixtral (2 MoE layers), "ds" tiny
 # DeepSeek-V3 with 4 layers, the first dense (MoE layers = decoder layers 2..4, group-limited
@@ -48,10 +50,6 @@ STEPS = 2
 KEYS = ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "routing_agreement",
         "routing_agreement_l0", "routing_agreement_l1", "routing_agreement_l2", "mismatch_logp_absdiff_mean",
         "mismatch_logp_absdiff_max", "mismatch_kl_k3", "mismatch_num_tokens", "step_time_s")
-
-
-def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def make_samples(tmp: str) -> None:
@@ -178,16 +176,11 @@ def maps_sha1(entries: list[dict]) -> dict | None:
 
 
 def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS, model="a", vpp=None) -> dict:
-    import torch.distributed as dist
-
-    from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
     t0 = time.perf_counter()
-    tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                       expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp,
-                                       micro_batch_size=mbs, moe_aux_loss_coeff=0.0,
-                                       lr=1e-3, router_replay=mode), os.path.join(tmp, model))
+    tr = MegatronTrainer(trainer_cfg(tp, pp, ep, vpp=vpp, mbs=mbs, vocab_div=None, router_replay=mode),
+                         os.path.join(tmp, model))
     res: dict = {"build_s": time.perf_counter() - t0, "steps": [], "routes": []}
     seen, hooks = capture(tr)
     for _ in range(STEPS):
@@ -196,11 +189,7 @@ def run_trainer(tmp: str, ss, mode: str, tp=1, pp=1, ep=1, mbs=MBS, model="a", v
         m = tr.train_step(ss, ADV)
         res["steps"].append({k: m.get(k) for k in KEYS})
         mine = dict(my_layout(tr), maps={j: list(v) for j, v in seen.items()})
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box: list = [None] * dist.get_world_size()
-            dist.all_gather_object(box, mine)
-        else:
-            box = [mine]
+        box = gather(mine)
         if rank() == 0:
             res["routes"].append(check_routes(box, ss, mbs, model))
             res.setdefault("maps_sha1", []).append(maps_sha1(box))
@@ -227,31 +216,14 @@ def main_ref(tmp: str) -> None:
         json.dump(res, f)
 
 
-def main_run(tmp: str, out: str, layouts: list[str]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    res: dict = {}
-    t0 = time.perf_counter()
-    for lay in layouts:
-        par, model, mode = (lay.split("-") + ["a", "R3"][lay.count("-"):])[:3]
-        par, _, vpp = par.partition("vpp")
-        tp = int(par.split("tp")[1].split("pp")[0])
-        pp = int(par.split("pp")[1].split("ep")[0])
-        ep = int(par.split("ep")[1])
-        res[lay] = run_trainer(tmp, load_samples(tmp, model), mode, tp, pp, ep, model=model,
-                               vpp=int(vpp) if vpp else None)
-    res["wall_s"] = time.perf_counter() - t0
-    if rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+def run_layout(tmp: str, lay: str) -> dict:
+    par, model, mode = (lay.split("-") + ["a", "R3"][lay.count("-"):])[:3]
+    par, _, vpp = par.partition("vpp")
+    tp = int(par.split("tp")[1].split("pp")[0])
+    pp = int(par.split("pp")[1].split("ep")[0])
+    ep = int(par.split("ep")[1])
+    return run_trainer(tmp, load_samples(tmp, model), mode, tp, pp, ep, model=model, vpp=int(vpp) if vpp else None)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    if sys.argv[1] == "ref":
-        main_ref(sys.argv[2])
-    else:
-        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])
+    main(main_ref, run_layout)

@@ -24,31 +24,14 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-
-ADV = [1.0, -0.5, 0.7, 1.2, 3.0, 0.4, -0.9, 1.5]  # not summing to ~0 (see tests/models/_family_layouts.py)
-
-
-def samples():
-    from moe_async.types import Sample
-
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]):
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
-    return out
+from _checks import ADAM_EPS, ADV, finish, samples, trainer_cfg  # noqa: E402  (ADV: not summing to ~0)
 
 
 def cfg(pp: int = 2, vpp: int = 1, dist_opt: bool = False):
-    from moe_async.trainer.config import TrainerConfig
-
-    return TrainerConfig(pipeline_model_parallel_size=pp, micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3,
-                         adam_eps=1e-5, make_vocab_size_divisible_by=64, use_distributed_optimizer=dist_opt,
-                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    return trainer_cfg(pp=pp, vpp=vpp, dist_opt=dist_opt, vocab_div=64, adam_eps=ADAM_EPS)
 
 
 def opt_state_empty(tr) -> bool:
@@ -208,11 +191,7 @@ def main(tmp: str, out: str) -> None:
     tr.load_checkpoint(plain_ck)
     res["plain_vpp"] = {"version": tr.version, "next": step(tr)}
     tr.close()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, res)
 
 
 if __name__ == "__main__":

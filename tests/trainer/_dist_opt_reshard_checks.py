@@ -24,40 +24,23 @@ Model: the tiny Mixtral of tests/models/_tiny.py (2 layers, 4 experts top-2, tie
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-
-# advantages not summing to ~0 and Adam eps 1e-5 (see tests/models/_family_layouts.py: a
+# advantages not summing to ~0 and Adam eps 1e-5 (tests/_checks.py gives the reasons: a
 # near-zero loss makes its relative difference measure cancellation; eps 1e-8 amplifies rounding)
-ADV = [1.0, -0.5, 0.7, 1.2, 3.0, 0.4, -0.9, 1.5]
+from _checks import ADAM_EPS, ADV, finish, gather, samples, trainer_cfg  # noqa: E402
+
 LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2)}
 
 
-def samples():
-    from moe_async.types import Sample
-
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]):
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
-    return out
-
-
 def cfg(tp: int = 1, ep: int = 1, pp: int = 1, full: bool = True):
-    from moe_async.trainer.config import TrainerConfig
-
-    return TrainerConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                         pipeline_model_parallel_size=pp, micro_batch_size=2, moe_aux_loss_coeff=0.0,
-                         lr=1e-3, adam_eps=1e-5, make_vocab_size_divisible_by=64,
-                         use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=full)
+    return trainer_cfg(tp, pp, ep, dist_opt=True, vocab_div=64, adam_eps=ADAM_EPS,
+                       dist_ckpt_optim_fully_reshardable=full)
 
 
 def step(tr) -> dict:
@@ -71,12 +54,6 @@ def adam_steps(tr) -> dict:
     steps = [s["step"] for o in opts for s in o.optimizer.state.values()]
     return {"values": sorted({float(t) for t in steps}), "n": len(steps),
             "distinct_tensors": len({id(t) for t in steps})}
-
-
-def all_ranks(x):
-    out: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, x)
-    return out
 
 
 def resume(model: str, ck: str, resaved: str, try_first: str | None = None, **lay) -> dict:
@@ -96,7 +73,7 @@ def resume(model: str, ck: str, resaved: str, try_first: str | None = None, **la
         res["refused"]["unchanged"] = tr.hf_checksums() == before and tr.version == 0
     tr.load_checkpoint(ck)
     res["version"] = tr.version
-    res["adam_steps"] = all_ranks(adam_steps(tr))
+    res["adam_steps"] = gather(adam_steps(tr))
     tr.save_checkpoint(resaved)
     res["next"] = [step(tr), step(tr)]
     tr.close()
@@ -161,12 +138,8 @@ def main(tmp: str, out: str) -> None:
     for name in [*LAYOUTS, "dp"]:
         got, steps = opt_tensors(os.path.join(tmp, f"resaved_{name}"))
         res[f"state_{name}"] = {**compare(got, ref), "steps": steps}
-    if rank == 0:
-        res["seconds"] = time.perf_counter() - t0
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    res["seconds"] = time.perf_counter() - t0  # written by rank 0
+    finish(out, res)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ Modes:
         ``refuse``: ETP 4 with the qwen3odd checkpoint (expert FFN 90) is a ValueError naming
         the field. A ``do`` suffix on a CASE: Megatron's distributed optimizer.
 
-Data and optimizer as tests/models/_family_layouts.py: its 8 samples, its advantages (mixed
-signs, not summing to ~0), micro batch 2, lr 1e-3, Adam eps 1e-5, aux coeff 0, vocab padded
-to a multiple of 96 x TP.
+Data and optimizer as tests/models/_family_layouts.py (both from tests/_checks.py): 8 samples,
+advantages (mixed signs, not summing to ~0), micro batch 2, lr 1e-3, Adam eps 1e-5, aux coeff 0,
+vocab padded to a multiple of 96 x TP.
 """
 
 from __future__ import annotations
@@ -38,20 +38,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-from _family_layouts import ADAM_EPS, ADV, samples  # noqa: E402
+from _checks import ADAM_EPS, ADV, gather, main, rank, same_on_all_ranks, samples, trainer_cfg  # noqa: E402
 
 CKPTS = ("mixtral", "qwen3", "ds3")
 
 
 def cfg(tp=1, ep=1, etp=1, dist_opt=False, vocab_div=96, pp=1):
-    from moe_async.trainer.config import TrainerConfig
-
-    return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                         expert_tensor_parallel_size=etp, use_distributed_optimizer=dist_opt,
-                         micro_batch_size=2, moe_aux_loss_coeff=0.0,
-                         lr=1e-3, adam_eps=ADAM_EPS, make_vocab_size_divisible_by=vocab_div)
+    return trainer_cfg(tp, pp, ep, etp=etp, dist_opt=dist_opt, vocab_div=vocab_div, adam_eps=ADAM_EPS)
 
 
 def parse(case: str) -> tuple[str, int, int, int, bool, int]:
@@ -62,31 +58,6 @@ def parse(case: str) -> tuple[str, int, int, int, bool, int]:
     if m is None:
         raise ValueError(f"bad case {case!r}")
     return ck, int(m[1]), int(m[3]), int(m[4]), m[5] is not None, int(m[2] or 1)
-
-
-def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _gather(obj) -> list:
-    """``obj`` of every rank, in rank order (a 1-element list on 1 process)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    box: list = [None] * dist.get_world_size()
-    dist.all_gather_object(box, obj)
-    return box
-
-
-def _same_on_all_ranks(obj) -> bool:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
-    box: list = [None] * dist.get_world_size()
-    dist.all_gather_object(box, obj)
-    return all(b == box[0] for b in box)
 
 
 def export_checks(tr, path: str) -> dict:
@@ -131,10 +102,10 @@ def run(path: str, tp: int, ep: int, etp: int, dist_opt: bool = False, pp: int =
     ss = samples()
     tr = MegatronTrainer(cfg(tp, ep, etp, dist_opt, pp=pp), path)
     res: dict = export_checks(tr, path)
-    res["expert_shards"] = _gather(expert_shards(tr))
+    res["expert_shards"] = gather(expert_shards(tr))
     res["steps"] = [{k: m[k] for k in ("loss", "grad_norm", "entropy", "num_tokens")}
                     for m in (tr.train_step(ss, ADV), tr.train_step(ss, ADV))]
-    res["checksums_agree_on_ranks"] = _same_on_all_ranks(tr.hf_checksums())
+    res["checksums_agree_on_ranks"] = same_on_all_ranks(tr.hf_checksums())
     res["logp"] = tr.compute_logprobs(ss[:3])
     tr.close()
     res["seconds"] = time.perf_counter() - t0
@@ -223,32 +194,14 @@ def main_ref(tmp: str) -> None:
         json.dump(out, f)
 
 
-def main_run(tmp: str, out_path: str, cases: list[str]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")  # once: the trainers (one per case) then do not own it
-    out: dict = {}
-    t0 = time.perf_counter()
-    for case in cases:
-        if case == "ckpt":
-            out[case] = ckpt(tmp)
-        elif case == "refuse":
-            out[case] = refuse(tmp)
-        else:
-            ck, tp, ep, etp, dist_opt, pp = parse(case)
-            out[case] = run(os.path.join(tmp, ck), tp, ep, etp, dist_opt, pp)
-        dist.barrier()
-    out["wall_s"] = time.perf_counter() - t0
-    if rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+def run_case(tmp: str, case: str) -> dict:
+    if case == "ckpt":
+        return ckpt(tmp)
+    if case == "refuse":
+        return refuse(tmp)
+    ck, tp, ep, etp, dist_opt, pp = parse(case)
+    return run(os.path.join(tmp, ck), tp, ep, etp, dist_opt, pp)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    if sys.argv[1] == "ref":
-        main_ref(sys.argv[2])
-    else:
-        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])
+    main(main_ref, run_case, barrier=True)

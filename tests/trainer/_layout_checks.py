@@ -43,18 +43,20 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+# the l4 checkpoint (4 layers) and the long samples: advantages not summing to ~0 and Adam eps
+# 1e-5, whose reasons tests/_checks.py gives (a near-zero loss makes its relative difference
+# measure cancellation; Adam's sign-like first step with eps 1e-8 amplifies the rounding of
+# ~1e-9 gradients into the second step)
+from _checks import ADAM_EPS as L4_ADAM_EPS  # noqa: E402
+from _checks import ADV as L4_ADV  # noqa: E402
+from _checks import gather, main, rank, same_on_all_ranks, samples, trainer_cfg  # noqa: E402
 
 ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
 MBS = 2
 VOCAB_DIV = 96
-# the l4 checkpoint (4 layers): advantages not summing to ~0 and Adam eps 1e-5, as in
-# tests/models/_family_layouts.py, whose comments give the reasons (a near-zero loss makes its
-# relative difference measure cancellation; Adam's sign-like first step with eps 1e-8 amplifies
-# the rounding of ~1e-9 gradients into the second step)
-L4_ADV = [1.0, -0.5, 0.7, 1.2, 3.0, 0.4, -0.9, 1.5]
-L4_ADAM_EPS = 1e-5
 
 
 # context parallelism (``cp`` layouts): every family (tie0 = mixtral, qwen3 = qwen3_moe, ds3 =
@@ -72,29 +74,7 @@ def adv_for(tie: str, long: bool = False) -> list[float]:
 def long_samples(seed: int = 1):
     """8 samples of 31..72 tokens (one with loss_weight 0): micro-batches padded to 64 and 72
     positions, responses spanning all 4 chunks of CP2 (and all 8 of CP4)."""
-    from moe_async.types import Sample
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (p, r) in enumerate([(20, 40), (9, 50), (30, 30), (12, 19), (25, 47), (7, 57), (40, 22), (15, 33)]):
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=0.0 if i == 3 else 1.0))
-    return out
-
-
-def samples(seed: int = 0):
-    from moe_async.types import Sample
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]):
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
-    return out
+    return samples(seed, [(20, 40), (9, 50), (30, 30), (12, 19), (25, 47), (7, 57), (40, 22), (15, 33)], zero_at=3)
 
 
 # dynamic micro-batch size ("mt" layouts, trainer.max_tokens_per_micro_batch) on the long samples,
@@ -105,15 +85,9 @@ MT_BUDGET = 128
 
 def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie="", cp=1, long=False, replay="off",
         max_tokens=None, packing="padded"):
-    from moe_async.trainer.config import TrainerConfig
-
     extra = {"adam_eps": L4_ADAM_EPS} if tie == "l4" or long else {}
-    return TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         expert_model_parallel_size=ep, context_parallel_size=cp,
-                         micro_batch_size=mbs, moe_aux_loss_coeff=aux, router_replay=replay,
-                         max_tokens_per_micro_batch=max_tokens, sequence_packing=packing,
-                         lr=1e-3, make_vocab_size_divisible_by=VOCAB_DIV, use_distributed_optimizer=dist_opt,
-                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
+    return trainer_cfg(tp, pp, ep, cp=cp, vpp=vpp, dist_opt=dist_opt, mbs=mbs, aux=aux, vocab_div=VOCAB_DIV,
+                       router_replay=replay, max_tokens_per_micro_batch=max_tokens, sequence_packing=packing, **extra)
 
 
 def parse(layout: str):
@@ -137,10 +111,6 @@ def ref_key(layout: str) -> str:
     + "M" for token-budget layouts (long samples, aux 0), + "T" for THD layouts (1-process THD)."""
     p = parse(layout)
     return layout.split("-")[1] + ("T" if p[8] else "M" if p[7] else "L" if p[6] > 1 else "")
-
-
-def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def export_equals_disk(tr, path: str) -> bool | None:
@@ -178,18 +148,18 @@ def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = F
     if th:  # packed row length T per micro-batch (PP > 1: each its own, Megatron's variable_seq_lengths)
         res["thd_rows"] = [mb["thd_tokens"].shape[1] for mb in tr._pack(long_samples(), None)]
     if vpp > 1:  # global layer numbers of each chunk, per rank (Megatron's interleaved assignment)
-        res["chunk_layers"] = _gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
+        res["chunk_layers"] = gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
     res["export_equals_disk"] = export_equals_disk(tr, path)
     steps = []
     if long:  # before any step: every token's logprob at the loaded weights
         res["logp_all"] = tr.compute_logprobs(ss)
-        res["logp_same_on_ranks"] = _same_on_all_ranks(res["logp_all"])
+        res["logp_same_on_ranks"] = same_on_all_ranks(res["logp_all"])
     for _ in range(2):
         m = tr.train_step(ss, adv_for(tie, long))
         steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "num_tokens", "entropy", "step_time_s",
                                         "moe_aux_loss", "num_microbatches")})
     res["steps"] = steps
-    res["checksums_agree_on_ranks"] = _same_on_all_ranks(tr.hf_checksums())
+    res["checksums_agree_on_ranks"] = same_on_all_ranks(tr.hf_checksums())
     lp = tr.compute_logprobs(ss[:3])
     res["logp_first"] = [x[:3] for x in lp]
     tr.close()
@@ -216,27 +186,6 @@ def c10(path: str, tp: int, pp: int, ep: int, mbs: int = MBS, vpp: int = 1, tie:
                            "adv": {k: m[k] for k in ("loss", "pg_loss", "moe_aux_loss", "grad_norm")}}
         tr.close()
     return out
-
-
-def _gather(obj) -> list:
-    """``obj`` of every rank, in rank order (a 1-element list on 1 process)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    box: list = [None] * dist.get_world_size()
-    dist.all_gather_object(box, obj)
-    return box
-
-
-def _same_on_all_ranks(obj) -> bool:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
-    box: list = [None] * dist.get_world_size()
-    dist.all_gather_object(box, obj)
-    return all(b == box[0] for b in box)
 
 
 def c4(tmp: str) -> dict:
@@ -345,8 +294,6 @@ def dist_opt_ckpt(tmp: str) -> dict:
     (exp_avg, exp_avg_sq, step, main params of this rank's shard) must equal the saved one
     exactly, and its next step the uninterrupted second step. A trainer without the
     distributed optimizer and one at EP2 refuse the checkpoint (ValueError)."""
-    import torch.distributed as dist
-
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
     path, ck = os.path.join(tmp, "tie1"), os.path.join(tmp, "do_ckpt")
@@ -362,8 +309,7 @@ def dist_opt_ckpt(tmp: str) -> dict:
     tr.load_checkpoint(ck)
     got = _opt_state(tr)
     same = len(got) == len(saved) > 0 and all(torch.equal(a, b) for a, b in zip(got, saved))
-    box: list = [None] * dist.get_world_size()
-    dist.all_gather_object(box, (same, len(saved)))
+    box = gather((same, len(saved)))
     res["state_equal"] = all(b[0] for b in box)
     res["n_state"] = [b[1] for b in box]
     res["version"] = tr.version
@@ -605,43 +551,17 @@ def main_ref(tmp: str) -> None:
         json.dump(res, f)
 
 
-def main_run(tmp: str, out: str, layouts: list[str]) -> None:
-    import torch.distributed as dist
+def run_case(tmp: str, lay: str) -> dict:
+    named = {"c4": c4, "vppck": vpp_ckpt, "vppck_load": vpp_ckpt_load, "dock": dist_opt_ckpt,
+             "dock_load": dist_opt_ckpt_load, "cpck": cp_ckpt, "r3cp": lambda t: r3_run(t, cp=2)}
+    return named[lay](tmp) if lay in named else run_layout(tmp, *parse(lay))
 
-    dist.init_process_group("gloo")
-    res: dict = {}
-    t0 = time.perf_counter()
-    for lay in layouts:
-        if lay == "c4":
-            res["c4"] = c4(tmp)
-        elif lay == "vppck":
-            res["vppck"] = vpp_ckpt(tmp)
-        elif lay == "vppck_load":
-            res["vppck_load"] = vpp_ckpt_load(tmp)
-        elif lay == "dock":
-            res["dock"] = dist_opt_ckpt(tmp)
-        elif lay == "dock_load":
-            res["dock_load"] = dist_opt_ckpt_load(tmp)
-        elif lay == "cpck":
-            res["cpck"] = cp_ckpt(tmp)
-        elif lay == "r3cp":
-            res["r3cp"] = r3_run(tmp, cp=2)
-        else:
-            res[lay] = run_layout(tmp, *parse(lay))
-    res["wall_s"] = time.perf_counter() - t0
-    if rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+
+def main_cpck_load(tmp: str) -> None:
+    """1 process, after the 2-process launch: TMP/cpck_load.json."""
+    with open(os.path.join(tmp, "cpck_load.json"), "w") as f:
+        json.dump({"cpck_load": cp_ckpt_load(tmp)}, f)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    if sys.argv[1] == "ref":
-        main_ref(sys.argv[2])
-    elif sys.argv[1] == "cpck_load":  # 1 process, after the 2-process launch
-        with open(os.path.join(sys.argv[2], "cpck_load.json"), "w") as f:
-            json.dump({"cpck_load": cp_ckpt_load(sys.argv[2])}, f)
-    else:
-        main_run(sys.argv[2], sys.argv[3], sys.argv[4:])
+    main(main_ref, run_case, cpck_load=main_cpck_load)

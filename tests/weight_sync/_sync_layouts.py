@@ -21,27 +21,23 @@ and the check mode compares the engine with the other one's checksums.
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 import time
 import warnings
 
-import torch
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+from _checks import finish  # noqa: E402
+from _checks import samples as _samples  # noqa: E402
 
 ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
 
 
 def samples(seed: int = 0):
-    from moe_async.types import Sample
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for p, r in [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]:
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=1.0))
-    return out
+    """tests/_checks.py's 8 samples, every one with loss weight 1."""
+    return _samples(seed, zero_at=None)
 
 
 def parse(layout: str) -> tuple[int, int, int]:
@@ -221,11 +217,7 @@ def main(url: str, model_dir: str, out: str, layouts: list[str]) -> None:
     dist.init_process_group("gloo")
     res = {lay: run_relayout(url, model_dir) if lay == "relayout" else run_layout(url, model_dir, lay)
            for lay in layouts}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, res)
 
 
 if __name__ == "__main__":
