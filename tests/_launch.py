@@ -7,6 +7,7 @@ Imported as ``_launch`` (tests/conftest.py puts tests/ on ``sys.path``).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -32,14 +33,26 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _completed(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env))
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
+    return p
+
+
 def run(cmd: list[str], timeout: float, **env: str) -> float:
     """Run ``cmd`` to completion (``timeout`` seconds at most; ``subprocess.TimeoutExpired``
     after it); an AssertionError with the tails of stdout and stderr when it exits non-zero.
     Returns its wall time in seconds."""
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env))
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
+    _completed(cmd, timeout, env)
     return time.perf_counter() - t0
+
+
+def run_json(script: str, *args: str, timeout: float, **env: str):
+    """``python script args`` (this interpreter) run as :func:`run`; returns the JSON document
+    on the last line of its stdout (json.JSONDecodeError when that line is not JSON)."""
+    p = _completed([sys.executable, script, *args], timeout, env)
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def torchrun(n: int, script: str, *args: str, timeout: float = 400, **env: str) -> float:

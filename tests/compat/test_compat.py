@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import run_json
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="mends apply only without CUDA")
 
 
 @pytest.fixture(scope="module")
 def r():
-    p = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "_compat_checks.py")],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_json(os.path.join(os.path.dirname(__file__), "_compat_checks.py"), timeout=120)
 
 
 def test_mends_still_needed(r):

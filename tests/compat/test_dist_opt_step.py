@@ -5,13 +5,11 @@ tests/trainer/test_dist_opt_reshard.py."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import run_json
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="mends apply only without CUDA")
 
@@ -19,13 +17,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="mends apply o
 @pytest.fixture(scope="module")
 def r(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("distoptstep"))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_dist_opt_step_checks.py"), tmp],
-                       capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_json(os.path.join(os.path.dirname(__file__), "_dist_opt_step_checks.py"), tmp, timeout=240)
 
 
 def test_applied_with_torch_adam(r):

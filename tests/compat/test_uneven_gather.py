@@ -4,25 +4,18 @@ Three forked gloo processes holding 3, 0 and 5 rows; see _uneven_gather_checks.p
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import run_json
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="mends apply only without CUDA")
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    p = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "_uneven_gather_checks.py")],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_json(os.path.join(os.path.dirname(__file__), "_uneven_gather_checks.py"), timeout=180)
     assert out["exitcodes"] == [0, 0, 0]
     return out["ranks"]
 

@@ -4,13 +4,11 @@ one train step. All checks run in ONE subprocess (tests/models/_deepseek_v3_chec
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import run_json
 
 HERE = os.path.dirname(__file__)
 VARIANTS = ["qlora", "noqlora"]  # q_lora_rank=32 untied head / q_lora_rank=None tied
@@ -21,14 +19,7 @@ def res(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU/gloo checks")
     pytest.importorskip("megatron.core")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None), env.pop("RANK", None)
-    p = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_deepseek_v3_checks.py"), str(tmp_path_factory.mktemp("ds3"))],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_json(os.path.join(HERE, "_deepseek_v3_checks.py"), str(tmp_path_factory.mktemp("ds3")), timeout=300)
 
 
 @pytest.mark.parametrize("v", VARIANTS)

@@ -5,13 +5,11 @@ choice disagrees with them (checked in mode off): R3 must force them on 100% of 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import run_json
 
 HERE = os.path.dirname(__file__)
 
@@ -20,14 +18,7 @@ HERE = os.path.dirname(__file__)
 def res(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU/gloo checks")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None), env.pop("RANK", None)
-    p = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_replay_checks.py"), str(tmp_path_factory.mktemp("rc"))],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_json(os.path.join(HERE, "_replay_checks.py"), str(tmp_path_factory.mktemp("rc")), timeout=300)
 
 
 def test_routes_differ_without_replay(res):

@@ -3,13 +3,11 @@ parallel state and the compat layer are process-global); each test asserts on it
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import run_json
 
 HERE = os.path.dirname(__file__)
 
@@ -18,14 +16,7 @@ HERE = os.path.dirname(__file__)
 def res(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU/gloo checks")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None), env.pop("RANK", None)
-    p = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_trainer_checks.py"), str(tmp_path_factory.mktemp("tc"))],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_json(os.path.join(HERE, "_trainer_checks.py"), str(tmp_path_factory.mktemp("tc")), timeout=240)
 
 
 @pytest.mark.parametrize("tie", [True, False])
