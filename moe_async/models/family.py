@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from moe_async.models.mapping import ExpandedTable, Rule, expand, fuse_all, split_all
+from moe_async.models.mapping import ExpandedTable, Rule, expand, fuse_all, gated_mlp_rules, split_all
 
 Tensor = torch.Tensor
 
@@ -118,8 +118,9 @@ def qkv_split(t: Tensor, a: ArchArgs) -> list[Tensor]:
 # Rules every GQA decoder family (llama, mixtral, qwen3_moe) shares, in table order:
 # embedding first; per layer input norm, fused qkv, [q/k norms], o_proj, pre-MLP norm (the
 # family's MLP rules follow); final norm and output layer last.
-_HF_L = "model.layers.{i}."
-_MG_L = "decoder.layers.{i}."
+HF_LAYER = "model.layers.{i}."
+MG_LAYER = "decoder.layers.{i}."
+_HF_L, _MG_L = HF_LAYER, MG_LAYER
 
 EMBEDDING_RULE = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))
 FINAL_RULES: tuple[Rule, ...] = (
@@ -153,6 +154,23 @@ def gqa_attention_rules(*, qk_norm: bool = False) -> list[Rule]:
     return rules
 
 
+def gqa_decoder_rules(mlp_rules: Iterable[Rule], *, qk_norm: bool = False) -> list[Rule]:
+    """A GQA decoder family's whole table: embedding, the per-layer attention rules
+    (:func:`gqa_attention_rules`), the family's ``mlp_rules``, final norm and output layer."""
+    return [EMBEDDING_RULE, *gqa_attention_rules(qk_norm=qk_norm), *mlp_rules, *FINAL_RULES]
+
+
+def moe_mlp_rules(router: str, experts: str, names: tuple[str, str, str]) -> list[Rule]:
+    """An MoE MLP of every layer: Megatron ``mlp.router.weight`` [E,H] = HF
+    ``model.layers.{i}.<router>``, and the routed experts ``mlp.experts.local_experts.{e}``
+    as gated MLPs of HF ``model.layers.{i}.<experts><gate|up|down>.weight``
+    (:func:`mapping.gated_mlp_rules`, ``names = (gate, up, down)``; ``experts`` holds ``{e}``)."""
+    return [
+        Rule(_MG_L + "mlp.router.weight", (_HF_L + router,), scope="layer"),
+        *gated_mlp_rules(_MG_L + "mlp.experts.local_experts.{e}.", _HF_L + experts, names, scope="expert"),
+    ]
+
+
 # TE layer spec fuses the pre-attention / dense pre-MLP norms into the following linear.
 _TE_SUFFIX_TO_LOCAL = {
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
@@ -169,30 +187,133 @@ def local_spec_name(name: str) -> str:
 
 
 class ModelFamily(ABC):
-    """One HF architecture family. Subclasses declare ``model_types``, ``rules`` and how to
-    read/validate the HF config."""
+    """One HF architecture family. Subclasses declare ``model_types``, ``rules`` and the class
+    fields below; the defaults read a GQA decoder (Llama-style config fields) into
+    :class:`ArchArgs` and build Megatron's GPT model for it. Families with another attention
+    (DeepSeek-V3's MLA) override :meth:`arch_args`, :meth:`model_config_kwargs` and
+    :meth:`layer_spec`.
+    """
 
     model_types: tuple[str, ...] = ()
+    #: name in the "not a ... config" error
+    display_name: str = ""
+    #: field -> supported value (or predicate), checked by :func:`reject_fields`
+    unsupported_fields: Mapping[str, Any] = {}
+    #: HF field read as :attr:`ArchArgs.intermediate_size` (the per-expert width for MoE)
+    intermediate_size_field: str = "intermediate_size"
+    #: defaults of HF fields a config may leave out
+    default_rms_norm_eps: float = 1e-6
+    default_max_position_embeddings: int = 4096
+    #: per-head RMSNorm on queries and keys (HF ``q_norm``/``k_norm``; Megatron ``qk_layernorm``)
+    qk_layernorm: bool = False
+    #: transformers' in-memory fused experts (``model.layers.{i}.mlp.experts.gate_up_proj``
+    #: [E,2I,H], gate rows first, and ``...down_proj`` [E,H,I]) -> the per-expert on-disk names
+    #: ``(gate, up, down)`` under ``model.layers.{i}.`` with ``{e}``; None: no such layout
+    fused_expert_names: tuple[str, str, str] | None = None
+    #: other in-memory -> on-disk names under ``model.layers.{i}.``
+    in_memory_renames: Mapping[str, str] = {}
 
-    @abstractmethod
+    def read_hf_config(self, hf_config: Any) -> dict[str, Any]:
+        """The HF config as a dict (:func:`hf_config_dict`), checked.
+
+        Raises:
+            ValueError: ``model_type`` not one of ``model_types`` ("not a <display_name>
+                config"), or naming the first field of ``unsupported_fields`` whose value is
+                not the supported one.
+        """
+        d = hf_config_dict(hf_config)
+        if d.get("model_type") not in self.model_types:
+            raise ValueError(f"not a {self.display_name} config: model_type={d.get('model_type')!r}")
+        reject_fields(d, self.unsupported_fields)
+        return d
+
+    def moe_args(self, d: Mapping[str, Any]) -> dict[str, Any]:
+        """``num_experts`` / ``top_k`` of :class:`ArchArgs` from the checked config dict ``d``
+        (empty for a dense family)."""
+        return {}
+
     def arch_args(self, hf_config: Any) -> ArchArgs:
-        """Read and validate an HF config; ValueError naming any unsupported field."""
+        """Read and validate an HF config of a GQA decoder (``num_key_value_heads`` defaults to
+        ``num_attention_heads``, ``head_dim`` to ``hidden_size // num_attention_heads``).
+
+        Raises:
+            ValueError: naming any unsupported field (:meth:`read_hf_config`), or
+                ``num_attention_heads`` not a multiple of ``num_key_value_heads``.
+            KeyError: a required field is missing.
+        """
+        d = self.read_hf_config(hf_config)
+        nh, h = d["num_attention_heads"], d["hidden_size"]
+        ng = d.get("num_key_value_heads") or nh
+        if nh % ng:
+            raise ValueError(f"num_attention_heads={nh} is not a multiple of num_key_value_heads={ng}")
+        moe = self.moe_args(d)
+        return ArchArgs(
+            model_type=d["model_type"],
+            vocab_size=d["vocab_size"],
+            hidden_size=h,
+            intermediate_size=d[self.intermediate_size_field],
+            num_layers=d["num_hidden_layers"],
+            num_attention_heads=nh,
+            num_key_value_heads=ng,
+            head_dim=d.get("head_dim") or h // nh,
+            rms_norm_eps=float(d.get("rms_norm_eps", self.default_rms_norm_eps)),
+            rope_theta=read_rope_theta(d),
+            max_position_embeddings=d.get("max_position_embeddings", self.default_max_position_embeddings),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **moe,
+        )
 
     @abstractmethod
     def rules(self) -> list[Rule]:
         """The declarative Megatron <-> HF mapping."""
 
     def normalize_hf_state(self, hf_state: Mapping[str, Tensor], a: ArchArgs) -> dict[str, Tensor]:
-        """Rewrite alternative HF layouts (e.g. transformers' in-memory fused experts) into the
-        on-disk names. Default: identity."""
-        return dict(hf_state)
+        """Rewrite transformers' in-memory layout into the on-disk names
+        (``in_memory_renames``, ``fused_expert_names``); other names pass unchanged.
+
+        Raises:
+            ValueError: a tensor is given in both the fused and the per-expert layout.
+        """
+        out = dict(hf_state)
+        if self.fused_expert_names is None and not self.in_memory_renames:
+            return out
+        for i in range(a.num_layers):
+            pre = f"model.layers.{i}."
+            moves = {}
+            for src, dst in self.in_memory_renames.items():
+                if pre + src in out:
+                    moves[pre + dst] = out.pop(pre + src)
+            if self.fused_expert_names is not None:
+                gate, up, down = (pre + n for n in self.fused_expert_names)
+                gu = out.pop(pre + "mlp.experts.gate_up_proj", None)
+                if gu is not None:
+                    inter = gu.shape[1] // 2
+                    for e in range(gu.shape[0]):
+                        moves[gate.format(e=e)] = gu[e, :inter]
+                        moves[up.format(e=e)] = gu[e, inter:]
+                dn = out.pop(pre + "mlp.experts.down_proj", None)
+                if dn is not None:
+                    for e in range(dn.shape[0]):
+                        moves[down.format(e=e)] = dn[e]
+            for k, v in moves.items():
+                if k in out:
+                    raise ValueError(f"HF state gives {k!r} in both the fused and the per-expert layout")
+                out[k] = v
+        return out
 
     # ---- mapping -------------------------------------------------------------------------
-    def table(self, a: ArchArgs) -> ExpandedTable:
-        def skip(r: Rule, a: ArchArgs) -> bool:
-            return r.megatron == "output_layer.weight" and a.tie_word_embeddings
+    def skip_rule(self, r: Rule, a: ArchArgs) -> bool:
+        """Whether rule ``r`` has no tensors for config ``a`` (``output_layer`` when tied)."""
+        return r.megatron == "output_layer.weight" and a.tie_word_embeddings
 
-        return expand(self.rules(), a.num_layers, a.num_experts or 0, a, skip=skip)
+    def scopes(self, a: ArchArgs) -> dict[str, list[dict[str, int]]]:
+        """Rule scopes besides (or replacing) :func:`mapping.expand`'s global/layer/expert."""
+        return {}
+
+    def table(self, a: ArchArgs) -> ExpandedTable:
+        """The exact-name table of :meth:`rules` for config ``a`` (:func:`mapping.expand`)."""
+        return expand(self.rules(), a.num_layers, a.num_experts or 0, a, skip=self.skip_rule,
+                      scopes=self.scopes(a))
 
     def hf_to_megatron(self, hf_state: Mapping[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
         a = self.arch_args(hf_config)
@@ -229,11 +350,13 @@ class ModelFamily(ABC):
         expert_tensor_parallel_size: int = 1,
         **overrides: Any,
     ):
-        """Megatron ``TransformerConfig`` for this HF config (CPU-safe settings: no bias,
-        dropout 0, no fusions, ``use_cpu_initialization``; MoE via alltoall dispatcher)."""
-        import torch.nn.functional as F
-        from megatron.core.transformer import TransformerConfig
+        """Megatron config (:meth:`config_class`) for this HF config: CPU-safe settings (no
+        bias, dropout 0, no fusions, ``use_cpu_initialization``) plus the family's fields
+        (:meth:`model_config_kwargs`; MoE via the alltoall dispatcher); ``overrides`` last.
 
+        Raises:
+            ValueError: ``params_dtype`` not "fp32"/"bf16", or an unsupported HF config field.
+        """
         a = self.arch_args(hf_config)
         if params_dtype not in ("fp32", "bf16"):
             raise ValueError(f"params_dtype must be 'fp32' or 'bf16', got {params_dtype!r}")
@@ -241,14 +364,11 @@ class ModelFamily(ABC):
         kw: dict[str, Any] = dict(
             num_layers=a.num_layers,
             hidden_size=a.hidden_size,
-            ffn_hidden_size=a.intermediate_size,
             num_attention_heads=a.num_attention_heads,
-            num_query_groups=a.num_key_value_heads,
-            kv_channels=a.head_dim,
             layernorm_epsilon=a.rms_norm_eps,
             normalization="RMSNorm",
             gated_linear_unit=True,
-            activation_func=F.silu,
+            activation_func=torch.nn.functional.silu,
             add_bias_linear=False,
             add_qkv_bias=False,
             hidden_dropout=0.0,
@@ -270,12 +390,31 @@ class ModelFamily(ABC):
             gradient_accumulation_fusion=False,
             persist_layer_norm=False,
         )
+        kw.update(self.model_config_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff))
+        kw.update(overrides)
+        return self.config_class()(**kw)
+
+    def config_class(self) -> type:
+        """Megatron's config class of this family (``TransformerConfig``)."""
+        from megatron.core.transformer import TransformerConfig
+
+        return TransformerConfig
+
+    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+        """The family's ``TransformerConfig`` fields: GQA attention, FFN width and, with
+        experts, the MoE router (Mixtral: top-k on logits, softmax over the k == softmax,
+        top-k, renormalise)."""
+        kw: dict[str, Any] = dict(
+            ffn_hidden_size=a.intermediate_size,
+            num_query_groups=a.num_key_value_heads,
+            kv_channels=a.head_dim,
+            qk_layernorm=self.qk_layernorm,
+        )
         if a.num_experts:
             kw.update(
                 num_moe_experts=a.num_experts,
                 moe_ffn_hidden_size=a.intermediate_size,
                 moe_router_topk=a.top_k,
-                # Mixtral: top-k on logits, softmax over the k (== softmax, top-k, renormalise).
                 moe_router_pre_softmax=False,
                 moe_router_score_function="softmax",
                 moe_router_load_balancing_type="aux_loss",
@@ -283,11 +422,11 @@ class ModelFamily(ABC):
                 moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=False,
             )
-        kw.update(overrides)
-        return TransformerConfig(**kw)
+        return kw
 
     def layer_spec(self, hf_config: Any, *, use_te: bool = False):
-        """Megatron layer spec: TE spec when ``use_te`` (CUDA + transformer_engine), else local."""
+        """Megatron layer spec: TE spec when ``use_te`` (CUDA + transformer_engine), else local;
+        with ``qk_layernorm`` when the family has it."""
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_local_spec,
             get_gpt_layer_with_transformer_engine_spec,
@@ -296,10 +435,11 @@ class ModelFamily(ABC):
         a = self.arch_args(hf_config)
         if use_te:
             return get_gpt_layer_with_transformer_engine_spec(
-                num_experts=a.num_experts, moe_grouped_gemm=False
+                num_experts=a.num_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_layernorm
             )
         return get_gpt_layer_local_spec(
-            num_experts=a.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+            num_experts=a.num_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_layernorm,
+            normalization="RMSNorm",
         )
 
     def gpt_model_kwargs(self, hf_config: Any) -> dict[str, Any]:

@@ -74,22 +74,32 @@ def expand(
     num_experts: int,
     cfg,
     skip: Callable[[Rule, object], bool] | None = None,
+    scopes: Mapping[str, Sequence[Mapping[str, int]]] | None = None,
 ) -> ExpandedTable:
-    """Expand rule templates over layers/experts into an exact-name table."""
+    """Expand rule templates over layers/experts into an exact-name table.
+
+    A rule's ``scope`` picks the index dicts its templates are formatted with: ``"global"``
+    (``{}``), ``"layer"`` (``{"i": i}`` for every layer), ``"expert"`` (``{"i": i, "e": e}`` for
+    every layer and expert); ``scopes`` adds or replaces scopes (e.g. DeepSeek-V3's dense and
+    MoE layers). ``skip(rule, cfg)`` true drops a rule.
+
+    Raises:
+        ValueError: a rule's scope is unknown, or two rules give the same Megatron or HF name.
+    """
+    idx_of: dict[str, Sequence[Mapping[str, int]]] = {
+        "global": [{}],
+        "layer": [{"i": i} for i in range(num_layers)],
+        "expert": [{"i": i, "e": e} for i in range(num_layers) for e in range(num_experts)],
+        **(scopes or {}),
+    }
     by_m: dict[str, tuple[Rule, tuple[str, ...]]] = {}
     hf_keys: list[str] = []
     for r in rules:
         if skip is not None and skip(r, cfg):
             continue
-        if r.scope == "global":
-            idx = [{}]
-        elif r.scope == "layer":
-            idx = [{"i": i} for i in range(num_layers)]
-        elif r.scope == "expert":
-            idx = [{"i": i, "e": e} for i in range(num_layers) for e in range(num_experts)]
-        else:  # pragma: no cover - declaration error
+        if r.scope not in idx_of:  # pragma: no cover - declaration error
             raise ValueError(f"unknown rule scope {r.scope!r}")
-        for kw in idx:
+        for kw in idx_of[r.scope]:
             m = r.megatron.format(**kw)
             hs = tuple(h.format(**kw) for h in r.hf)
             if m in by_m:
@@ -99,6 +109,18 @@ def expand(
     if len(set(hf_keys)) != len(hf_keys):
         raise ValueError("mapping declares an HF name twice")
     return ExpandedTable(by_m, tuple(hf_keys))
+
+
+def gated_mlp_rules(megatron: str, hf: str, names: tuple[str, str, str], scope: str) -> list[Rule]:
+    """The two rules of a gated (SwiGLU) MLP: Megatron ``{megatron}linear_fc1.weight`` [2I,H] =
+    ``[{hf}{gate}.weight; {hf}{up}.weight]`` (:func:`cat_rows`) and ``{megatron}linear_fc2.weight``
+    [H,I] = ``{hf}{down}.weight``, where ``names = (gate, up, down)``; both of ``scope``."""
+    gate, up, down = names
+    return [
+        Rule(megatron + "linear_fc1.weight", (hf + gate + ".weight", hf + up + ".weight"),
+             fuse=cat_rows, split=split_rows_2, scope=scope),
+        Rule(megatron + "linear_fc2.weight", (hf + down + ".weight",), scope=scope),
+    ]
 
 
 def fuse_all(table: ExpandedTable, hf_state: Mapping[str, Tensor], cfg) -> dict[str, Tensor]:

@@ -66,25 +66,25 @@ plus ``embedding.word_embeddings.weight`` / ``model.embed_tokens.weight``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from moe_async.models.family import (
+    EMBEDDING_RULE,
+    FINAL_RULES,
+    HF_LAYER as _L,
+    MG_LAYER as _M,
     ArchArgs,
     ModelFamily,
-    hf_config_dict,
     read_rope_theta,
     register_family,
-    reject_fields,
 )
-from moe_async.models.mapping import ExpandedTable, Rule, cat_rows, split_rows_2
+from moe_async.models.mapping import Rule, gated_mlp_rules
 
-_L = "model.layers.{i}."
 _A = _L + "self_attn."
-_M = "decoder.layers.{i}."
 _S = _M + "self_attention."
-_X = _L + "mlp.experts.{e}."
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 # rope_interleave=False: HF rotates pairs (j, j + dr/2); Megatron's MLA RoPE always rotates
 # pairs (2j, 2j + 1). Megatron's rope rows are HF's interleaved: m[2j] = h[j], m[2j+1] = h[j+dr/2]
@@ -132,7 +132,7 @@ def _kv_a_split(t, a):
 # "moe" (the other layers) | "expert" (moe layers x routed experts) | "q_lora" / "q_full"
 # (every layer, when q_lora_rank is set / None).
 DEEPSEEK_V3_RULES: list[Rule] = [
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    EMBEDDING_RULE,
     Rule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",), scope="layer"),
     Rule(_S + "linear_q_proj.weight", (_A + "q_proj.weight",), fuse=_q_fuse, split=_q_split, scope="q_full"),
     Rule(_S + "linear_q_down_proj.weight", (_A + "q_a_proj.weight",), scope="q_lora"),
@@ -145,35 +145,13 @@ DEEPSEEK_V3_RULES: list[Rule] = [
     Rule(_S + "linear_proj.weight", (_A + "o_proj.weight",), scope="layer"),
     Rule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), scope="layer"),
     # dense layers
-    Rule(
-        _M + "mlp.linear_fc1.weight",
-        (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
-        fuse=cat_rows,
-        split=split_rows_2,
-        scope="dense",
-    ),
-    Rule(_M + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), scope="dense"),
+    *gated_mlp_rules(_M + "mlp.", _L + "mlp.", _MLP, scope="dense"),
     # MoE layers
     Rule(_M + "mlp.router.weight", (_L + "mlp.gate.weight",), scope="moe"),
     Rule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",), scope="moe"),
-    Rule(
-        _M + "mlp.experts.local_experts.{e}.linear_fc1.weight",
-        (_X + "gate_proj.weight", _X + "up_proj.weight"),
-        fuse=cat_rows,
-        split=split_rows_2,
-        scope="expert",
-    ),
-    Rule(_M + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_X + "down_proj.weight",), scope="expert"),
-    Rule(
-        _M + "mlp.shared_experts.linear_fc1.weight",
-        (_L + "mlp.shared_experts.gate_proj.weight", _L + "mlp.shared_experts.up_proj.weight"),
-        fuse=cat_rows,
-        split=split_rows_2,
-        scope="moe",
-    ),
-    Rule(_M + "mlp.shared_experts.linear_fc2.weight", (_L + "mlp.shared_experts.down_proj.weight",), scope="moe"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",)),
+    *gated_mlp_rules(_M + "mlp.experts.local_experts.{e}.", _L + "mlp.experts.{e}.", _MLP, scope="expert"),
+    *gated_mlp_rules(_M + "mlp.shared_experts.", _L + "mlp.shared_experts.", _MLP, scope="moe"),
+    *FINAL_RULES,
 ]
 
 
@@ -201,23 +179,30 @@ class DeepseekV3Args(ArchArgs):
 
 
 class DeepseekV3Family(ModelFamily):
+    """Also reads transformers' in-memory layout: ``mlp.experts.gate_up_proj`` [E,2I,H]
+    (gate rows first) and ``mlp.experts.down_proj`` [E,H,I] -> per-expert on-disk names."""
+
     model_types = ("deepseek_v3",)
+    display_name = "DeepSeek-V3"
+    unsupported_fields = {
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "pretraining_tp": lambda v: v in (None, 1),
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
+        "scoring_func": "sigmoid",
+    }
+    fused_expert_names = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                          "mlp.experts.{e}.down_proj.weight")
 
     def arch_args(self, hf_config: Any) -> DeepseekV3Args:
-        d = hf_config_dict(hf_config)
-        if d.get("model_type") not in self.model_types:
-            raise ValueError(f"not a DeepSeek-V3 config: model_type={d.get('model_type')!r}")
-        reject_fields(
-            d,
-            {
-                "hidden_act": "silu",
-                "attention_bias": False,
-                "pretraining_tp": lambda v: v in (None, 1),
-                "norm_topk_prob": True,
-                "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
-                "scoring_func": "sigmoid",
-            },
-        )
+        """Read and validate a DeepSeek-V3 HF config.
+
+        Raises:
+            ValueError: naming an unsupported field (see the module docstring).
+            KeyError: a required field is missing.
+        """
+        d = self.read_hf_config(hf_config)
         nh, h = d["num_attention_heads"], d["hidden_size"]
         L = d["num_hidden_layers"]
         E = d.get("n_routed_experts")
@@ -278,91 +263,35 @@ class DeepseekV3Family(ModelFamily):
         return DEEPSEEK_V3_RULES
 
     # ---- mapping -------------------------------------------------------------------------
-    def table(self, a: DeepseekV3Args) -> ExpandedTable:
-        """Exact-name table: like :func:`mapping.expand` with the layer scopes above."""
-        layers = list(range(a.num_layers))
-        dense, moe = layers[: a.first_k_dense], a.moe_layers
-        idx_of = {
-            "global": [{}],
-            "layer": [{"i": i} for i in layers],
-            "q_lora": [{"i": i} for i in layers] if a.q_lora_rank is not None else [],
-            "q_full": [{"i": i} for i in layers] if a.q_lora_rank is None else [],
-            "dense": [{"i": i} for i in dense],
-            "moe": [{"i": i} for i in moe],
-            "expert": [{"i": i, "e": e} for i in moe for e in range(a.num_experts)],
+    def scopes(self, a: DeepseekV3Args) -> dict[str, list[dict[str, int]]]:
+        """The layer scopes of :data:`DEEPSEEK_V3_RULES` (see the comment above it)."""
+        every = [{"i": i} for i in range(a.num_layers)]
+        return {
+            "q_lora": every if a.q_lora_rank is not None else [],
+            "q_full": every if a.q_lora_rank is None else [],
+            "dense": [{"i": i} for i in range(a.first_k_dense)],
+            "moe": [{"i": i} for i in a.moe_layers],
+            "expert": [{"i": i, "e": e} for i in a.moe_layers for e in range(a.num_experts)],
         }
-        if a.shared_intermediate_size is None and any("shared_experts" in r.megatron for r in self.rules()):
-            rules = [r for r in self.rules() if "shared_experts" not in r.megatron]
-        else:
-            rules = self.rules()
-        by_m: dict[str, tuple[Rule, tuple[str, ...]]] = {}
-        hf_keys: list[str] = []
-        for r in rules:
-            if r.megatron == "output_layer.weight" and a.tie_word_embeddings:
-                continue
-            for kw in idx_of[r.scope]:
-                m = r.megatron.format(**kw)
-                hs = tuple(x.format(**kw) for x in r.hf)
-                if m in by_m:
-                    raise ValueError(f"mapping declares Megatron name {m!r} twice")
-                by_m[m] = (r, hs)
-                hf_keys.extend(hs)
-        if len(set(hf_keys)) != len(hf_keys):
-            raise ValueError("mapping declares an HF name twice")
-        return ExpandedTable(by_m, tuple(hf_keys))
 
-    def normalize_hf_state(self, hf_state: Mapping[str, torch.Tensor], a: ArchArgs) -> dict[str, torch.Tensor]:
-        """Accept transformers' in-memory layout too: ``mlp.experts.gate_up_proj`` [E,2I,H]
-        (gate rows first) and ``mlp.experts.down_proj`` [E,H,I] -> per-expert on-disk names."""
-        out = dict(hf_state)
-        for i in range(a.num_layers):
-            pre = f"model.layers.{i}.mlp.experts."
-            moves = {}
-            gu = out.pop(pre + "gate_up_proj", None)
-            if gu is not None:
-                inter = gu.shape[1] // 2
-                for e in range(gu.shape[0]):
-                    moves[pre + f"{e}.gate_proj.weight"] = gu[e, :inter]
-                    moves[pre + f"{e}.up_proj.weight"] = gu[e, inter:]
-            dn = out.pop(pre + "down_proj", None)
-            if dn is not None:
-                for e in range(dn.shape[0]):
-                    moves[pre + f"{e}.down_proj.weight"] = dn[e]
-            for key, v in moves.items():
-                if key in out:
-                    raise ValueError(f"HF state gives {key!r} in both the fused and the per-expert layout")
-                out[key] = v
-        return out
+    def skip_rule(self, r: Rule, a: DeepseekV3Args) -> bool:
+        """Also the shared-expert rules when the config has no shared experts."""
+        return super().skip_rule(r, a) or (a.shared_intermediate_size is None and "shared_experts" in r.megatron)
 
     # ---- Megatron model ------------------------------------------------------------------
-    def transformer_config(
-        self,
-        hf_config: Any,
-        *,
-        params_dtype: str = "fp32",
-        moe_aux_loss_coeff: float = 0.0,
-        tensor_model_parallel_size: int = 1,
-        pipeline_model_parallel_size: int = 1,
-        expert_model_parallel_size: int = 1,
-        expert_tensor_parallel_size: int = 1,
-        **overrides: Any,
-    ):
-        """Megatron ``MLATransformerConfig`` (CPU-safe settings as in
-        :meth:`ModelFamily.transformer_config`). The expert-bias update rate defaults to 0
-        (bias kept as loaded); pass ``moe_router_bias_update_rate`` to enable the
-        aux-loss-free update."""
-        import torch.nn.functional as F
+    def config_class(self) -> type:
+        """``MLATransformerConfig``."""
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        a = self.arch_args(hf_config)
-        if params_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"params_dtype must be 'fp32' or 'bf16', got {params_dtype!r}")
-        bf16 = params_dtype == "bf16"
-        kw: dict[str, Any] = dict(
-            num_layers=a.num_layers,
-            hidden_size=a.hidden_size,
+        return MLATransformerConfig
+
+    def model_config_kwargs(self, a: DeepseekV3Args, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+        """MLA, dense/MoE layer pattern and sigmoid group-limited router fields of
+        ``MLATransformerConfig``. The expert-bias update rate defaults to 0 (bias kept as
+        loaded); pass ``moe_router_bias_update_rate`` to :meth:`transformer_config` to enable
+        the aux-loss-free update."""
+        return dict(
             ffn_hidden_size=a.dense_intermediate_size,
-            num_attention_heads=a.num_attention_heads,
             # MLA
             multi_latent_attention=True,
             q_lora_rank=a.q_lora_rank,
@@ -377,30 +306,6 @@ class DeepseekV3Family(ModelFamily):
             rotary_scaling_factor=1.0,
             mscale=1.0,
             mscale_all_dim=0.0,
-            layernorm_epsilon=a.rms_norm_eps,
-            normalization="RMSNorm",
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=False,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            use_cpu_initialization=True,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            bf16=bf16,
-            pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            sequence_parallel=tensor_model_parallel_size > 1,
-            attention_softmax_in_fp32=True,
-            apply_rope_fusion=False,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            persist_layer_norm=False,
             # MoE
             num_moe_experts=a.num_experts,
             moe_layer_freq=[0] * a.first_k_dense + [1] * (a.num_layers - a.first_k_dense),
@@ -422,8 +327,6 @@ class DeepseekV3Family(ModelFamily):
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
         )
-        kw.update(overrides)
-        return MLATransformerConfig(**kw)
 
     def layer_spec(self, hf_config: Any, *, use_te: bool = False, vp_stage: int | None = None):
         """Block spec (dense / MoE layers per ``first_k_dense_replace``), sliced to this
