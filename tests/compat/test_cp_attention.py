@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import torchrun
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the mend applies only without CUDA")
 SCRIPT = os.path.join(os.path.dirname(__file__), "_cp_attention_checks.py")
@@ -21,15 +19,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "_cp_attention_checks.py")
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("cp_attn") / "out.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                        f"--master_port={port}", SCRIPT, out], capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-6000:])
+    torchrun(2, SCRIPT, out, timeout=240)
     with open(out) as f:
         return json.load(f)
 

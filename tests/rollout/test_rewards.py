@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _launch import free_port
 
 from moe_async.config import ConfigError, load_config
 from moe_async.rollout.reward import RewardPool
@@ -100,12 +100,6 @@ def test_bad_return_value_is_a_recorded_sample_error():
 
 
 # ------------------------------------------------------------------ remote reward model
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reward_server():
     import uvicorn
@@ -125,7 +119,7 @@ def reward_server():
     def nokey(body: dict):
         return {"score": 1}
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_load_converted_checks.py")
@@ -24,16 +22,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo chec
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("load_converted"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, tmp],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-6000:])
+    torchrun(2, SCRIPT, tmp, timeout=300)
     with open(os.path.join(tmp, "load_converted.json")) as f:
         return json.load(f)
 
