@@ -106,7 +106,3 @@ def test_converter_is_loud(res, case):
 
 def test_nothing_written_on_refusal(res):
     assert res["errors"]["extra_hf_key"]["nothing_written"]
-
-
-def test_total_time(res):
-    assert sum(res["times"].values()) < 480, res["times"]  # ~60 s CPU; wall depends on the shared machine

@@ -190,10 +190,6 @@ def test_vpp_checkpoint_round_trip(res):
     assert w["loaded"] == v["saved"] and w["version"] == 2
 
 
-def test_total_time(res):
-    assert sum(res["times"].values()) < 300, res["times"]
-
-
 @pytest.mark.parametrize("name", ["qwen3", "qwen3n"])
 def test_qwen3_moe_logprob_parity_with_hf(res, name):
     """qwen3_moe (qk-norm, GQA, norm_topk_prob True (untied) / False (tied)) at 1 process
