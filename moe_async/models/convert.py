@@ -461,6 +461,8 @@ def check_hf_keys(fam, a, index: dict[str, str], progress: bool = False) -> dict
     HF keys / missing sources (every rank computes the same answer)."""
     from safetensors import safe_open
 
+    from moe_async.models.mapping import hf_keys_error
+
     table = fam.table(a)
     want = set(table.hf_keys)
     src: dict[str, str] = {}
@@ -488,11 +490,7 @@ def check_hf_keys(fam, a, index: dict[str, str], progress: bool = False) -> dict
                 src[n] = "fused:" + k
     missing = sorted(want - set(src))
     if stray or missing:
-        raise KeyError(
-            "HF -> Megatron conversion: "
-            + (f"unused HF tensors {sorted(stray)[:20]} (of {len(stray)}); " if stray else "")
-            + (f"missing HF tensors {missing[:20]} (of {len(missing)})" if missing else "")
-        )
+        raise hf_keys_error(missing, stray)
     return src
 
 

@@ -123,6 +123,18 @@ def gated_mlp_rules(megatron: str, hf: str, names: tuple[str, str, str], scope: 
     ]
 
 
+def hf_keys_error(missing: Sequence[str], unused: Sequence[str]) -> KeyError:
+    """The KeyError of an HF -> Megatron conversion whose HF tensors do not match the table:
+    names the first 20 ``missing`` (wanted, absent) and ``unused`` (present, wanted by no
+    rule) HF tensor names, sorted, with their counts."""
+    missing, unused = sorted(missing), sorted(unused)
+    return KeyError(
+        "HF -> Megatron conversion: "
+        + (f"missing HF tensors {missing[:20]} (of {len(missing)}); " if missing else "")
+        + (f"unused HF tensors {unused[:20]} (of {len(unused)})" if unused else "")
+    )
+
+
 def fuse_all(table: ExpandedTable, hf_state: Mapping[str, Tensor], cfg) -> dict[str, Tensor]:
     """HF -> Megatron over a full state; raises naming unused HF keys / missing HF sources."""
     out: dict[str, Tensor] = {}
@@ -137,11 +149,7 @@ def fuse_all(table: ExpandedTable, hf_state: Mapping[str, Tensor], cfg) -> dict[
         used.update(hs)
     unused = sorted(set(hf_state) - used)
     if missing or unused:
-        raise KeyError(
-            "HF -> Megatron conversion: "
-            + (f"missing HF tensors {sorted(missing)[:20]} (of {len(missing)}); " if missing else "")
-            + (f"unused HF tensors {unused[:20]} (of {len(unused)})" if unused else "")
-        )
+        raise hf_keys_error(missing, unused)
     return out
 
 
