@@ -4,6 +4,7 @@
     python tools/bench_convert.py [--hf DIR] [--family F [F ...] | --family all]
                                   [--layers 4 --hidden 512 --experts 8 ...] [--repeats 7]
                                   [--fsync] [--save-threads 0] [--work DIR]
+                                  [--warm-pages-mb N | --no-warm-pages]
 
 Families: mixtral, qwen3_moe, llama, deepseek_v3 (several, or ``all``, are benchmarked one
 after the other in ONE process: one JSON line each, then a table on stderr). Without --hf a
@@ -34,6 +35,24 @@ timing (``imports_s``). Every timed call starts after a ``gc.collect()`` (untime
 collection stays on during the calls): otherwise a collection inside one call may free objects
 left by earlier calls, e.g. a Megatron -> HF model whose parameters map ``.distcp`` files the
 round has deleted since (one such ``gc.collect()`` took 0.24 s here), on that call's clock.
+
+Every timed call (baselines and conversions alike) also starts right after an untimed page
+warm-up: a scratch file of ``--warm-pages-mb`` MiB (default: 3x the HF bytes) written into
+``--work`` and deleted; and (glibc) the process keeps its heap (``mallopt``: no mmap'd
+allocations, no trimming), so tensors of later calls reuse pages earlier calls wrote. Reason:
+on a VM whose balloon device does free page reporting (virtio_balloon
+``VIRTIO_BALLOON_F_REPORTING``; this project's CPU machines are such guests), free guest pages
+are handed back to the host after about 2 s, and the first write to such a page later costs a
+host fault. Measured here: 345 MB written into fresh memory took 0.71 s after 3 s idle and
+0.045 s right after the same amount was freed; of two 345 MB files written one after the
+other after 3 s idle, the first took 0.07-0.09 s and the second 0.45-1.1 s whichever source
+(anonymous memory or a mapped file) it was written from; after writing and deleting a 690 MB
+scratch file, both took 0.07-0.09 s. So which side of a pair drew handed-back pages decided its
+time (the Megatron -> HF rounds at 0.2-0.3 that earlier runs called bimodal: a slow round's
+extra ~0.6 s was all kernel time in ``copy_folio_from_iter_atomic``, the copy into new page
+cache), not the code timed. The warm-up gives both sides of every pair the same supply of
+recently freed, host-backed pages; ``--no-warm-pages`` turns both measures off to see the
+effect; the JSON says what was used (``warm_pages_mb``, ``heap_kept``).
 """
 
 from __future__ import annotations
@@ -112,6 +131,39 @@ def baseline(hf: str, scratch: str, fsync: bool = False) -> float:
     return dt
 
 
+def warm_pages(nbytes: int, work: str) -> None:
+    """Write a scratch file of ``nbytes`` zero bytes in ``work`` (16 MiB per write) and delete
+    it (untimed; see the module docstring: afterwards the page allocator's free lists start
+    with that many recently freed, host-backed pages, which the next call's page cache and
+    tensors are taken from)."""
+    if nbytes <= 0:
+        return
+    path = os.path.join(work, ".warm_pages")
+    chunk = bytes(16 << 20)
+    try:
+        with open(path, "wb") as f:
+            for off in range(0, nbytes, len(chunk)):
+                f.write(chunk[:min(len(chunk), nbytes - off)])
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def keep_heap() -> bool:
+    """glibc only: serve every allocation from the heap (``M_MMAP_MAX`` 0) and never give
+    freed heap memory back (``M_TRIM_THRESHOLD`` max), so that tensors of later calls reuse
+    pages earlier calls already wrote instead of new ones (see the module docstring). True
+    when both ``mallopt(3)`` calls succeeded."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def bench_family(hf: str, work: str, label: str, args) -> dict:
     """One family's rounds on the HF checkpoint ``hf`` (scratch under ``work``): the JSON dict
     described in the module docstring."""
@@ -126,20 +178,27 @@ def bench_family(hf: str, work: str, label: str, args) -> dict:
 
     idx = read_hf_index(hf)
     nbytes = sum(os.path.getsize(f) for f in set(idx.values()))
+    warm = 0 if args.no_warm_pages else (
+        3 * nbytes if args.warm_pages_mb is None else args.warm_pages_mb * 2**20)
+
+    def ready() -> None:  # untimed, before every timed call (see the module docstring)
+        gc.collect()
+        warm_pages(warm, work)
+
     rounds = []
     exact = None
     for i in range(args.repeats + 1):  # round 0: warm-up, not in the medians
         meg, back = os.path.join(work, f"meg{i}"), os.path.join(work, f"back{i}")
-        gc.collect()  # every timed call starts with the garbage of earlier calls freed (see docstring)
+        ready()  # every timed call: garbage of earlier calls freed, warm free pages (see docstring)
         r = {"baseline_h2m_s": baseline(hf, os.path.join(work, f"plain{i}"), fsync=args.fsync)}
-        gc.collect()
+        ready()
         t0 = time.perf_counter()
         st = hf_to_megatron_checkpoint(hf, meg, progress=False, save_threads=args.save_threads, fsync=args.fsync)
         r["h2m_s"] = time.perf_counter() - t0
         r["h2m_phases"] = st["phases"]
-        gc.collect()
+        ready()
         r["baseline_m2h_s"] = baseline(hf, os.path.join(work, f"plain{i}b"), fsync=args.fsync)
-        gc.collect()
+        ready()
         t0 = time.perf_counter()
         st = megatron_to_hf_checkpoint(meg, hf, back, max_shard_size=args.shard_size, progress=False,
                                        fsync=args.fsync)
@@ -172,6 +231,7 @@ def bench_family(hf: str, work: str, label: str, args) -> dict:
         "files": len(set(idx.values())),
         "repeats": args.repeats,
         "fsync": args.fsync,
+        "warm_pages_mb": round(warm / 2**20),
         "save_threads": args.save_threads,
         "ratio_hf_to_megatron": round(med(r_h2m), 3),
         "ratio_megatron_to_hf": round(med(r_m2h), 3),
@@ -210,9 +270,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="0: in-process torch_dist writer (default); N >= 1: Megatron's writer, N processes")
     ap.add_argument("--fsync", action="store_true",
                     help="fsync every written file, in the conversions and in the baseline alike")
+    ap.add_argument("--warm-pages-mb", type=int, default=None,
+                    help="MiB of scratch file written into --work and deleted (untimed) before every timed "
+                         "call; default 3x the HF checkpoint's bytes (see the docstring: VM free page reporting)")
+    ap.add_argument("--no-warm-pages", action="store_true", help="no page warm-up before the timed calls and no kept heap")
     args = ap.parse_args(argv)
+    if args.warm_pages_mb is not None and args.warm_pages_mb < 0:
+        ap.error("--warm-pages-mb must be >= 0")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    heap_kept = False if args.no_warm_pages else keep_heap()
     families = FAMILIES if "all" in args.family else list(dict.fromkeys(args.family))
     if args.hf is not None and len(families) > 1:
         ap.error("--hf takes one checkpoint: give at most one --family with it")
@@ -247,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"made random {fam} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
             out = bench_family(hf, work, fam if args.hf is None else "from --hf", args)
             out["imports_s"] = round(imports_s, 3)
+            out["heap_kept"] = heap_kept
             print(json.dumps(out), flush=True)
             results.append(out)
         if len(results) > 1:

@@ -67,6 +67,10 @@ def test_bench_takes_several_families_in_one_run(tmp_path):
         assert x["round_trip_bit_exact"] is True
         assert len(x["ratios_hf_to_megatron"]) == len(x["ratios_megatron_to_hf"]) == 1
         assert x["ratio_hf_to_megatron"] > 0 and x["ratio_megatron_to_hf"] > 0
+        # default page warm-up: a scratch file of 3x the HF bytes; glibc keeps the heap
+        assert abs(x["warm_pages_mb"] - 3 * x["hf_gb"] * 1e9 / 2**20) <= 1
+        assert x["heap_kept"] is True
+    assert not (tmp_path / ".warm_pages").exists()
     assert "family        HF->Megatron" in r.stderr
     bad = subprocess.run(cmd[:2] + ["--hf", str(tmp_path / "hf_llama"), "--family", "llama", "mixtral"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
