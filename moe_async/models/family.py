@@ -197,7 +197,7 @@ class ModelFamily(ABC):
     model_types: tuple[str, ...] = ()
     #: name in the "not a ... config" error
     display_name: str = ""
-    #: field -> supported value (or predicate), checked by :func:`reject_fields`
+    #: field -> supported value (or a tuple of them), checked by :func:`reject_fields`
     unsupported_fields: Mapping[str, Any] = {}
     #: HF field read as :attr:`ArchArgs.intermediate_size` (the per-expert width for MoE)
     intermediate_size_field: str = "intermediate_size"
@@ -457,11 +457,13 @@ class ModelFamily(ABC):
 
 def reject_fields(d: Mapping[str, Any], checks: Mapping[str, Any]) -> None:
     """Raise ValueError naming the first field whose value is not the supported one.
-    ``checks`` maps field -> supported value (a callable predicate also allowed)."""
+    ``checks`` maps field -> the supported value, or a tuple of supported values (the
+    message lists them)."""
     for field, ok in checks.items():
         if field not in d:
             continue
         v = d[field]
-        good = ok(v) if callable(ok) else v == ok
+        good = v in ok if isinstance(ok, tuple) else v == ok
         if not good:
-            raise ValueError(f"unsupported HF config field {field}={v!r} (supported: {ok!r})")
+            want = "one of " + ", ".join(repr(x) for x in ok) if isinstance(ok, tuple) else repr(ok)
+            raise ValueError(f"unsupported HF config field {field}={v!r} (supported: {want})")

@@ -48,6 +48,13 @@ def test_unsupported_fields_rejected(ckpt):
                        ("hidden_act", "gelu")):
         with pytest.raises(ValueError, match=field):
             fam.arch_args({**d, field: bad})
+    # a field with several supported values: the message lists them (no predicate repr)
+    with pytest.raises(ValueError) as e:
+        fam.arch_args({**d, "shared_expert_intermediate_size": 64})
+    assert str(e.value) == ("unsupported HF config field shared_expert_intermediate_size=64 "
+                            "(supported: one of None, 0)")
+    for field, ok in (("mlp_only_layers", None), ("mlp_only_layers", []), ("shared_expert_intermediate_size", 0)):
+        assert fam.arch_args({**d, field: ok}) == fam.arch_args(d)
 
 
 @pytest.mark.parametrize("norm", [True, False])

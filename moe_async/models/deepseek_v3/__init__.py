@@ -187,7 +187,7 @@ class DeepseekV3Family(ModelFamily):
     unsupported_fields = {
         "hidden_act": "silu",
         "attention_bias": False,
-        "pretraining_tp": lambda v: v in (None, 1),
+        "pretraining_tp": (None, 1),
         "norm_topk_prob": True,
         "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
         "scoring_func": "sigmoid",

@@ -40,7 +40,7 @@ class MixtralFamily(ModelFamily):
     unsupported_fields = {
         "sliding_window": None,
         "hidden_act": "silu",
-        "router_jitter_noise": lambda v: not v,
+        "router_jitter_noise": (None, 0.0),
         "attention_bias": False,
         "mlp_bias": False,
     }

@@ -55,8 +55,8 @@ class Qwen3MoeFamily(ModelFamily):
         "hidden_act": "silu",
         "attention_bias": False,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": lambda v: not v,
-        "shared_expert_intermediate_size": lambda v: not v,
+        "mlp_only_layers": (None, []),
+        "shared_expert_intermediate_size": (None, 0),
     }
     intermediate_size_field = "moe_intermediate_size"
     qk_layernorm = True
