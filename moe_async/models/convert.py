@@ -91,21 +91,24 @@ Public API:
     parse_size(text) -> int                   ("5GB" -> bytes)
 
 Throughput (tools/bench_convert.py --family all --repeats 7: random fp32 models of ~345 MB in 4
-safetensors files, 1 process, this 2-core CPU machine (load average 1-2 during the run),
-2026-11-29 23:43 UTC; ratio = plain safetensors read + write seconds / conversion seconds, per
+safetensors files, 1 process, this 2-core CPU machine (ext4, load average 1-2), 2026-11-30
+~02:00 UTC, two runs; ratio = plain safetensors read + write seconds / conversion seconds, per
 round against a baseline run just before it, median of 7 rounds after a warm-up; goal >= 0.5):
 
-    family       HF -> Megatron   Megatron -> HF   median s (baseline / h2m / m2h)
-    mixtral          0.562            0.512          0.143 / 0.275 / 0.276
-    qwen3_moe        0.615            0.282          0.137 / 0.228 / 0.480
-    llama            0.850            0.262          0.166 / 0.197 / 0.668
-    deepseek_v3      0.600            0.256          0.128 / 0.211 / 0.499
+    family       HF -> Megatron (run 1 / 2)   Megatron -> HF (run 1 / 2)
+    mixtral           0.725 / 0.726               0.781 / 0.813
+    qwen3_moe         0.753 / 0.754               0.764 / 0.798
+    llama             1.044 / 1.111               1.257 / 1.409
+    deepseek_v3       0.691 / 0.705               0.685 / 0.710
 
-Megatron -> HF rounds come in two modes: fast (ratio 0.6-1.1) and slow (0.22-0.30: ~0.3 s more,
-all kernel time in the safetensors write, no page faults); in this run most rounds of three
-families were slow, in earlier runs of the same code most were fast (qwen3_moe 0.62-0.69,
-deepseek_v3 0.52-0.63, mixtral 0.64); with --fsync (both sides) qwen3_moe measured 0.79 / 0.50
-with no slow mode. The cause of the slow mode is not found. What made both directions faster:
+Every timed call there starts after the bench's page warm-up (see tools/bench_convert.py): this
+machine is a VM that hands free pages back to its host after ~2 s (virtio_balloon free page
+reporting), and the first write to such a page costs a host fault (~2 ms per MB). Without the
+warm-up, whichever side of a pair drew those pages lost ~0.5 s per 345 MB: the Megatron -> HF
+"slow mode" (0.2-0.3) of earlier runs was that, all kernel time in the copy into new page cache;
+a third run with ``--no-warm-pages`` measured Megatron -> HF 0.36 / 0.36 / 0.49 / 0.32 and
+HF -> Megatron 0.68 / 0.68 / 0.84 / 0.70 (same families, same order).
+What made both directions faster:
 every memory-mapped tensor read (HF safetensors views, .distcp items) is prefaulted with one
 ``madvise(MADV_POPULATE_READ)`` (:func:`prefault_read`; mixtral torch_dist save 0.185 -> 0.12 s,
 HF write 0.19 -> 0.10 s); earlier: Megatron -> HF adopts the mapped 64-byte aligned ``.distcp``
