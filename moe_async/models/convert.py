@@ -472,6 +472,8 @@ def check_hf_keys(fam, a, index: dict[str, str], progress: bool = False) -> dict
     stray: list[str] = []
     for k, fp in index.items():
         if k in want:
+            if k in src:  # a fused tensor listed earlier in the index gave it already
+                raise ValueError(f"HF checkpoint gives {k!r} in both the fused and the per-expert layout")
             src[k] = fp
             continue
         if a.tie_word_embeddings and k == "lm_head.weight":
@@ -1346,6 +1348,11 @@ class ShardWriter:
         i = len(self.files)
         path = os.path.join(self.out_dir, f".part-{i:05d}.safetensors")
         save_file(self.buf, path, metadata={"format": "pt"})
+        # safetensors (0.8) creates its files 0600; give them the mode any other new file
+        # gets here (0666 less the umask), like the index and side files next to them
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(path, 0o666 & ~mask)
         if self.fsync:
             fd = os.open(path, os.O_RDONLY)
             try:

@@ -128,11 +128,9 @@ def hf_keys_error(missing: Sequence[str], unused: Sequence[str]) -> KeyError:
     names the first 20 ``missing`` (wanted, absent) and ``unused`` (present, wanted by no
     rule) HF tensor names, sorted, with their counts."""
     missing, unused = sorted(missing), sorted(unused)
-    return KeyError(
-        "HF -> Megatron conversion: "
-        + (f"missing HF tensors {missing[:20]} (of {len(missing)}); " if missing else "")
-        + (f"unused HF tensors {unused[:20]} (of {len(unused)})" if unused else "")
-    )
+    parts = ([f"missing HF tensors {missing[:20]} (of {len(missing)})"] if missing else []) + (
+        [f"unused HF tensors {unused[:20]} (of {len(unused)})"] if unused else [])
+    return KeyError("HF -> Megatron conversion: " + "; ".join(parts))
 
 
 def fuse_all(table: ExpandedTable, hf_state: Mapping[str, Tensor], cfg) -> dict[str, Tensor]:

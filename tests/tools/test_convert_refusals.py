@@ -120,6 +120,37 @@ def test_corrupt_hf_config_and_index_are_named(mix, tmp_path):
         read_hf_index(str(bad))
 
 
+@pytest.mark.parametrize("fused_first", [True, False])
+def test_tensor_in_both_expert_layouts_is_refused(mix, tmp_path, fused_first):
+    """Layer 0's experts given fused (transformers' in-memory ``mlp.experts.gate_up_proj`` /
+    ``down_proj``) AND one of them again per expert (different values) in another file: refused
+    naming that tensor, whichever the index lists first (fused first was accepted and the
+    per-expert copy silently dropped)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from moe_async.models import get_family
+    from moe_async.models.convert import check_hf_keys, read_hf_config, read_hf_index
+
+    sd = load_file(os.path.join(mix, "model.safetensors"))
+    pre, E = "model.layers.0.block_sparse_moe.experts.", 4
+    a = {k: v for k, v in sd.items() if not k.startswith(pre)}
+    a["model.layers.0.mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([sd[f"{pre}{e}.w1.weight"], sd[f"{pre}{e}.w3.weight"]]) for e in range(E)]).contiguous()
+    a["model.layers.0.mlp.experts.down_proj"] = torch.stack([sd[f"{pre}{e}.w2.weight"] for e in range(E)]).contiguous()
+    dup = f"{pre}0.w1.weight"
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file({dup: torch.zeros_like(sd[dup])}, str(tmp_path / "b.safetensors"))
+    keys = sorted(a) + [dup] if fused_first else [dup] + sorted(a)
+    wm = {k: ("b.safetensors" if k == dup else "a.safetensors") for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (tmp_path / "config.json").write_text(open(os.path.join(mix, "config.json")).read())
+    hf_cfg = read_hf_config(str(tmp_path))
+    fam = get_family("mixtral")
+    with pytest.raises(ValueError, match=f"gives '{dup}' in both the fused and the per-expert layout"):
+        check_hf_keys(fam, fam.arch_args(hf_cfg), read_hf_index(str(tmp_path)))
+
+
 def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -260,3 +291,25 @@ def test_max_shard_size_must_be_positive(size, tmp_path):
              "--out", str(tmp_path / "o"), "--max-shard-size", size)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert f"--max-shard-size {size!r}: expected a positive size" in p.stderr
+
+
+def test_shard_writer_files_get_the_umask_mode(tmp_path):
+    """safetensors creates its files 0600; the converter's HF output gets 0666 less the umask,
+    like the index written next to it (other users of a shared machine can read the weights)."""
+    import stat
+
+    import torch
+
+    from moe_async.models.convert import ShardWriter
+
+    old = os.umask(0o022)
+    try:
+        w = ShardWriter(str(tmp_path), 64)
+        w.add("a", torch.zeros(16))
+        w.add("b", torch.ones(16))
+        names = w.close()
+    finally:
+        os.umask(old)
+    assert len(names) == 2
+    for fn in [*names, "model.safetensors.index.json"]:
+        assert stat.S_IMODE(os.stat(tmp_path / fn).st_mode) == 0o644, fn
