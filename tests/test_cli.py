@@ -131,6 +131,6 @@ def test_train_model_parallel_layout_is_one_line_exit_2(tmp_path) -> None:
     r = _train(str(SMOKE), "model.num_layers=4", "trainer.pipeline_model_parallel_size=2",
                "trainer.virtual_pipeline_model_parallel_size=2", f"logging.output_dir={runs}", cwd=tmp_path)
     _assert_refused(r, "trainer.pipeline_model_parallel_size=2: 'moe-async train' runs the trainer as one process "
-                       "(world size 1); parallel layouts run the same trainer under torchrun "
-                       "(see tests/trainer/test_layouts.py)")
+                       "(world size 1); parallel layouts run the same trainer under torchrun, "
+                       "driving MegatronTrainer from a script as tests/trainer/_layout_checks.py does")
     assert not runs.exists()

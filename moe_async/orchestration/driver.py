@@ -282,7 +282,8 @@ def check_single_process_trainer(cfg: ExperimentConfig) -> None:
         if v > 1:
             raise UserInputError(
                 f"trainer.{name}={v}: 'moe-async train' runs the trainer as one process (world size 1); "
-                f"parallel layouts run the same trainer under torchrun (see tests/trainer/test_layouts.py)")
+                f"parallel layouts run the same trainer under torchrun, driving MegatronTrainer from a script "
+                f"as tests/trainer/_layout_checks.py does")
 
 
 _BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in the step loop

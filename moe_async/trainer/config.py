@@ -231,6 +231,21 @@ class TrainerConfig(BaseModel):
                 "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
                 "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
             )
+        # what MegatronTrainer refuses at init (_check_context_parallel, _check_virtual_pipeline),
+        # refused here already so that `moe-async show-config` / train name it before any process starts
+        cp, vpp = self.context_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        if cp > 1 and self.router_replay == "R2":
+            raise ValueError(
+                f"trainer.router_replay='R2' with trainer.context_parallel_size={cp}: R2's recording forward "
+                "is not split over the context-parallel ranks (R3 and off run)")
+        if cp > 1 and vpp > 1:
+            raise ValueError(
+                f"trainer.virtual_pipeline_model_parallel_size with trainer.context_parallel_size={cp}: "
+                "not implemented (not tested together)")
+        if vpp > 1 and self.router_replay == "R2":
+            raise ValueError(
+                f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
+                "recording forward is not implemented with pipeline parallelism (which VPP needs)")
         if self.dist_ckpt_optim_fully_reshardable and not self.use_distributed_optimizer:
             raise ValueError(
                 "trainer.dist_ckpt_optim_fully_reshardable=true needs trainer.use_distributed_optimizer=true "

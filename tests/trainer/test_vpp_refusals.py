@@ -23,13 +23,17 @@ def ckpts(tmp_path_factory):
             "ds3": make_tiny_deepseek_v3(str(tmp / "ds3"), num_hidden_layers=4)}
 
 
-def _trainer(path, **kw):
+def _trainer(path, construct=False, **kw):
+    """MegatronTrainer at PP2 + VPP2 (+ kw); ``construct``: the config not validated
+    (``model_construct``), to reach the trainer's own checks of what the config refuses."""
     import torch.distributed as dist
 
     from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
-    cfg = TrainerConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, **kw)
+    kw = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, **kw)
+    cfg = (TrainerConfig.model_construct(**{**TrainerConfig().model_dump(), **kw}) if construct
+           else TrainerConfig(**kw))
     try:
         return MegatronTrainer(cfg, path)
     finally:
@@ -44,8 +48,10 @@ def test_layers_not_divisible_by_pp_times_vpp(ckpts):
 
 def test_router_replay_r2_refused(ckpts):
     """R2 needs PP1 (its recording forward); R3 at PP2+VPP2: tests/replay/test_replay_layouts.py."""
-    with pytest.raises(NotImplementedError, match=r"router_replay='R2' with trainer.virtual_pipeline"):
+    with pytest.raises(ValueError, match=r"router_replay='R2' with trainer.virtual_pipeline"):  # the config
         _trainer(ckpts["l4"], router_replay="R2")
+    with pytest.raises(NotImplementedError, match=r"router_replay='R2' with trainer.virtual_pipeline"):
+        _trainer(ckpts["l4"], construct=True, router_replay="R2")
 
 
 def test_deepseek_v3_vp_stage_needs_virtual_pipeline(ckpts):
