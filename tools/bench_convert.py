@@ -2,12 +2,12 @@
 """Conversion throughput (GB/s) against a plain safetensors read + write of the same bytes.
 
     python tools/bench_convert.py [--hf DIR] [--family F [F ...] | --family all]
-                                  [--layers 4 --hidden 512 --experts 8 ...] [--repeats 7]
+                                  [--layers 4 --hidden 512 --ffn 1024 --experts 8 ...] [--repeats 7]
                                   [--fsync] [--save-threads 0] [--work DIR]
                                   [--warm-pages-mb N | --no-warm-pages]
 
 Families: mixtral, qwen3_moe, llama, deepseek_v3 (several, or ``all``, are benchmarked one
-after the other in ONE process: one JSON line each, then a table on stderr). Without --hf a
+after the other in ONE process: one JSON line each, then a table of all on stderr). Without --hf a
 random fp32 model of each family and the given sizes is made with transformers and saved
 sharded (--shard-size). In one process, on the same files (page cache warm for all), after
 one untimed warm-up round (its times are printed as ``*_first_call_s``: the one-off costs a
@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import os
 import shutil
@@ -135,18 +136,21 @@ def warm_pages(nbytes: int, work: str) -> None:
     """Write a scratch file of ``nbytes`` zero bytes in ``work`` (16 MiB per write) and delete
     it (untimed; see the module docstring: afterwards the page allocator's free lists start
     with that many recently freed, host-backed pages, which the next call's page cache and
-    tensors are taken from)."""
+    tensors are taken from). The file is unlinked right after it is opened, so nothing is
+    left behind even if the process is killed. SystemExit naming ``--warm-pages-mb`` and
+    ``--work`` when the write fails (e.g. no space left)."""
     if nbytes <= 0:
         return
     path = os.path.join(work, ".warm_pages")
     chunk = bytes(16 << 20)
     try:
         with open(path, "wb") as f:
+            os.remove(path)  # the open file keeps its pages until close
             for off in range(0, nbytes, len(chunk)):
                 f.write(chunk[:min(len(chunk), nbytes - off)])
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
+    except OSError as e:
+        raise SystemExit(f"bench_convert: the page warm-up could not write {nbytes >> 20} MiB into --work {work}: "
+                         f"{e}; use a smaller --warm-pages-mb, another --work, or --no-warm-pages") from None
 
 
 def keep_heap() -> bool:
@@ -189,6 +193,8 @@ def bench_family(hf: str, work: str, label: str, args) -> dict:
     exact = None
     for i in range(args.repeats + 1):  # round 0: warm-up, not in the medians
         meg, back = os.path.join(work, f"meg{i}"), os.path.join(work, f"back{i}")
+        for d in (meg, back, os.path.join(work, f"plain{i}"), os.path.join(work, f"plain{i}b")):
+            shutil.rmtree(d, ignore_errors=True)  # this bench's own scratch, left by an interrupted run
         ready()  # every timed call: garbage of earlier calls freed, warm free pages (see docstring)
         r = {"baseline_h2m_s": baseline(hf, os.path.join(work, f"plain{i}"), fsync=args.fsync)}
         ready()
@@ -256,13 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", default=None, help="existing HF checkpoint dir (default: make a random model)")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir, removed)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--ffn", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--shard-size", default="100MB")
-    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (after one warm-up round)")
+    size = "of the random model (default %(default)s; the defaults make ~345 MB of fp32 in 4 files)"
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers " + size)
+    ap.add_argument("--hidden", type=int, default=512, help="hidden size " + size)
+    ap.add_argument("--ffn", type=int, default=1024, help="expert FFN width " + size)
+    ap.add_argument("--experts", type=int, default=8, help="routed experts " + size)
+    ap.add_argument("--vocab", type=int, default=32000, help="vocab size " + size)
+    ap.add_argument("--shard-size", default="100MB", help="max safetensors file size (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="timed rounds (after one warm-up round; default %(default)s)")
     ap.add_argument("--family", nargs="+", default=["mixtral"], choices=FAMILIES + ["all"],
                     help="family (or families, or all) of the random model, benchmarked one after the other "
                          "in this process (llama: dense, ffn = --ffn x --experts)")
@@ -270,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="0: in-process torch_dist writer (default); N >= 1: Megatron's writer, N processes")
     ap.add_argument("--fsync", action="store_true",
                     help="fsync every written file, in the conversions and in the baseline alike")
-    ap.add_argument("--warm-pages-mb", type=int, default=None,
+    warm = ap.add_mutually_exclusive_group()
+    warm.add_argument("--warm-pages-mb", type=int, default=None,
                     help="MiB of scratch file written into --work and deleted (untimed) before every timed "
                          "call; default 3x the HF checkpoint's bytes (see the docstring: VM free page reporting)")
-    ap.add_argument("--no-warm-pages", action="store_true", help="no page warm-up before the timed calls and no kept heap")
+    warm.add_argument("--no-warm-pages", action="store_true", help="no page warm-up before the timed calls and no kept heap")
     args = ap.parse_args(argv)
     if args.warm_pages_mb is not None and args.warm_pages_mb < 0:
         ap.error("--warm-pages-mb must be >= 0")
@@ -304,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.family = fam
                 hf = os.path.join(work, "hf" if len(families) == 1 else f"hf_{fam}")
                 cfg_p = os.path.join(hf, "config.json")
+                if os.path.exists(cfg_p) and not glob.glob(os.path.join(hf, "*.safetensors")):
+                    print(f"{hf}: config.json without safetensors files (an interrupted run): made again",
+                          file=sys.stderr)
+                    shutil.rmtree(hf)
                 if os.path.exists(cfg_p):  # a --work dir of an earlier run: reuse its model
                     with open(cfg_p) as f:
                         if json.load(f).get("model_type") != fam:
@@ -317,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             out["heap_kept"] = heap_kept
             print(json.dumps(out), flush=True)
             results.append(out)
-        if len(results) > 1:
+        if results:
             print("family        HF->Megatron  Megatron->HF  median s (baseline / h2m / m2h)", file=sys.stderr)
             for o in results:
                 print(f"{o['family']:<13} {o['ratio_hf_to_megatron']:>12.3f}  {o['ratio_megatron_to_hf']:>12.3f}  "

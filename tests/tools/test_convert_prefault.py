@@ -71,6 +71,18 @@ def test_bench_takes_several_families_in_one_run(tmp_path):
         assert abs(x["warm_pages_mb"] - 3 * x["hf_gb"] * 1e9 / 2**20) <= 1
         assert x["heap_kept"] is True
     assert not (tmp_path / ".warm_pages").exists()
+    # one family, no warm-up, over scratch dirs an interrupted run left behind: runs, table printed
+    (tmp_path / "one" / "meg0").mkdir(parents=True)
+    (tmp_path / "one" / "meg0" / "left.distcp").write_bytes(b"x")
+    one = subprocess.run(cmd[:2] + ["--family", "llama", *cmd[5:-1], str(tmp_path / "one"), "--no-warm-pages"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    x = json.loads(one.stdout.splitlines()[-1])
+    assert x["warm_pages_mb"] == 0 and x["heap_kept"] is False and x["round_trip_bit_exact"] is True
+    assert "family        HF->Megatron" in one.stderr
+    both = subprocess.run(cmd[:2] + ["--warm-pages-mb", "5", "--no-warm-pages"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
     assert "family        HF->Megatron" in r.stderr
     bad = subprocess.run(cmd[:2] + ["--hf", str(tmp_path / "hf_llama"), "--family", "llama", "mixtral"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -79,3 +91,13 @@ def test_bench_takes_several_families_in_one_run(tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_warm_pages_leaves_nothing_and_names_its_flags(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from bench_convert import warm_pages
+
+    warm_pages(3 << 20, str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(SystemExit, match=r"could not write 3 MiB into --work .*nope.*--warm-pages-mb.*--no-warm-pages"):
+        warm_pages(3 << 20, str(tmp_path / "nope"))
