@@ -152,12 +152,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
-        loc = loc.replace("async_", "async")
+        loc = ".".join(str(x) for x in e["loc"]).replace("async_", "async")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"  {loc}: {msg}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""))
+        elif e["type"] == "value_error":  # our validators' messages name their fields themselves
+            msg = msg.removeprefix("Value error, ")
+        got = f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""
+        named = not loc or msg.startswith(loc + ".")  # the message names the field already
+        lines.append(f"  {'' if named else loc + ': '}{msg}{got}")
     return "\n".join(lines)
 
 
