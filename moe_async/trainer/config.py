@@ -231,21 +231,10 @@ class TrainerConfig(BaseModel):
                 "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
                 "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
             )
-        # what MegatronTrainer refuses at init (_check_context_parallel, _check_virtual_pipeline),
-        # refused here already so that `moe-async show-config` / train name it before any process starts
-        cp, vpp = self.context_parallel_size, self.virtual_pipeline_model_parallel_size or 1
-        if cp > 1 and self.router_replay == "R2":
-            raise ValueError(
-                f"trainer.router_replay='R2' with trainer.context_parallel_size={cp}: R2's recording forward "
-                "is not split over the context-parallel ranks (R3 and off run)")
-        if cp > 1 and vpp > 1:
-            raise ValueError(
-                f"trainer.virtual_pipeline_model_parallel_size with trainer.context_parallel_size={cp}: "
-                "not implemented (not tested together)")
-        if vpp > 1 and self.router_replay == "R2":
-            raise ValueError(
-                f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
-                "recording forward is not implemented with pipeline parallelism (which VPP needs)")
+        # refused here already (not only by MegatronTrainer at init) so that `moe-async show-config`
+        # and train name it before any process starts
+        if (why := unsupported_combination(self)) is not None:
+            raise ValueError(why)
         if self.dist_ckpt_optim_fully_reshardable and not self.use_distributed_optimizer:
             raise ValueError(
                 "trainer.dist_ckpt_optim_fully_reshardable=true needs trainer.use_distributed_optimizer=true "
@@ -283,6 +272,25 @@ class TrainerConfig(BaseModel):
                 "TEDotProductAttention' (the CPU path has its own CP attention, moe_async.compat.cp_attention)"
             )
         return self
+
+
+def unsupported_combination(cfg: TrainerConfig) -> str | None:
+    """The refusal, naming the fields, of a parallel combination MegatronTrainer does not run,
+    or None: router replay R2 with context parallelism (its recording forward is not split over
+    CP; R3 runs) or with virtual pipeline stages (R2 refuses pipeline parallelism), and virtual
+    pipeline stages with CP (not tested together). Raised as ValueError by the TrainerConfig
+    validator and as NotImplementedError by MegatronTrainer (a config built without validation)."""
+    cp, vpp = cfg.context_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
+    if cp > 1 and cfg.router_replay == "R2":
+        return (f"trainer.router_replay='R2' with trainer.context_parallel_size={cp}: R2's recording forward "
+                "is not split over the context-parallel ranks (R3 and off run)")
+    if cp > 1 and vpp > 1:
+        return (f"trainer.virtual_pipeline_model_parallel_size with trainer.context_parallel_size={cp}: "
+                "not implemented (not tested together)")
+    if vpp > 1 and cfg.router_replay == "R2":
+        return (f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
+                "recording forward is not implemented with pipeline parallelism (which VPP needs)")
+    return None
 
 
 def _cuda_available() -> bool:

@@ -66,7 +66,7 @@ import torch
 from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
-from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing
+from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing, unsupported_combination
 from moe_async.trainer.loss import grpo_token_loss
 from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
 from moe_async.trainer.sharding import (
@@ -141,7 +141,7 @@ class MegatronTrainer:
         self.cfg = cfg
         self.hf_path = hf_path
         self.version = 0
-        self._check_context_parallel()
+        self._check_combinations()
         # packed THD micro-batches (trainer.sequence_packing resolved: 'auto' -> thd with CUDA + TE)
         self._thd = resolve_sequence_packing(cfg.sequence_packing, cfg.context_parallel_size) == "thd"
         # virtual pipeline stages (model chunks per PP rank); None = one chunk (Megatron's "off")
@@ -452,10 +452,10 @@ class MegatronTrainer:
         return {"moe_router_bias_update_rate": rate}
 
     def _check_virtual_pipeline(self, hf_config: dict[str, Any], family: Any) -> None:
-        """Refuse, naming the field, what Megatron-Core (or this trainer) does not run with
-        virtual pipeline stages: a layer count not divisible by PP x VPP (ValueError; Megatron's
-        TransformerConfig), router replay R2 (NotImplementedError; R2 refuses pipeline
-        parallelism). R3 runs: the replay hook keeps its micro-batch counter per model chunk."""
+        """Refuse, naming the field, a layer count not divisible by PP x VPP (ValueError;
+        Megatron's TransformerConfig) with virtual pipeline stages. (Router replay R2 with VPP:
+        :meth:`_check_combinations`; R3 runs: the replay hook keeps its micro-batch counter per
+        model chunk.)"""
         vpp = self._vpp
         if not vpp:
             return
@@ -466,27 +466,14 @@ class MegatronTrainer:
                 f"trainer.virtual_pipeline_model_parallel_size={vpp}: the model's {n} layers are not divisible "
                 f"by pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp * vpp} "
                 "(Megatron-Core's TransformerConfig requires it)")
-        if self.cfg.router_replay == "R2":
-            raise NotImplementedError(
-                f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
-                "recording forward is not implemented with pipeline parallelism (which VPP needs)")
 
-    def _check_context_parallel(self) -> None:
-        """Refuse, naming the field, what this trainer does not run with context parallelism
-        (``trainer.context_parallel_size > 1``), before any process group is created:
-        router replay R2 (its recording forward is not split over CP; R3 runs) and virtual
-        pipeline stages (not tested with CP). Raises NotImplementedError."""
-        cp = self.cfg.context_parallel_size
-        if cp <= 1:
-            return
-        if self.cfg.router_replay == "R2":
-            raise NotImplementedError(
-                f"trainer.router_replay='R2' with trainer.context_parallel_size={cp}: R2's recording forward "
-                "is not split over the context-parallel ranks (R3 and off run)")
-        if (self.cfg.virtual_pipeline_model_parallel_size or 1) > 1:
-            raise NotImplementedError(
-                f"trainer.virtual_pipeline_model_parallel_size with trainer.context_parallel_size={cp}: "
-                "not implemented (not tested together)")
+    def _check_combinations(self) -> None:
+        """Refuse, naming the fields, before any process group is created, a parallel
+        combination this trainer does not run (:func:`moe_async.trainer.config.unsupported_combination`:
+        R2 with CP or VPP, VPP with CP); a validated TrainerConfig refuses them already, this
+        catches one built without validation. Raises NotImplementedError."""
+        if (why := unsupported_combination(self.cfg)) is not None:
+            raise NotImplementedError(why)
 
     def _cp_spec(self, spec: Any) -> Any:
         """The layer spec to build with: ``spec`` itself, except on the CPU path (no CUDA, local
