@@ -98,12 +98,11 @@ def check_torch_dist_files(path: str):
     common = os.path.join(path, "common.pt")
     if not os.path.exists(common):  # Megatron's dist_checkpointing.save always writes it
         raise CheckpointReadError(f"checkpoint {path}: {common} (Megatron common state) is missing")
-    else:
-        try:
-            torch.load(common, map_location="cpu", weights_only=False)  # as Megatron's load_common
-        except Exception as e:  # noqa: BLE001 - a cut zip/pickle raises many kinds
-            raise CheckpointReadError(f"checkpoint {path}: cannot read {common} (Megatron common state; "
-                                      f"{type(e).__name__}: {str(e)[:200]})") from None
+    try:
+        torch.load(common, map_location="cpu", weights_only=False)  # as Megatron's load_common
+    except Exception as e:  # noqa: BLE001 - a cut zip/pickle raises many kinds
+        raise CheckpointReadError(f"checkpoint {path}: cannot read {common} (Megatron common state; "
+                                  f"{type(e).__name__}: {str(e)[:200]})") from None
     ends: dict[str, tuple[int, str]] = {}
     for idx, info in metadata.storage_data.items():
         end = int(info.offset) + int(info.length)

@@ -280,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="fsync every written file, in the conversions and in the baseline alike")
     warm = ap.add_mutually_exclusive_group()
     warm.add_argument("--warm-pages-mb", type=int, default=None,
-                    help="MiB of scratch file written into --work and deleted (untimed) before every timed "
-                         "call; default 3x the HF checkpoint's bytes (see the docstring: VM free page reporting)")
-    warm.add_argument("--no-warm-pages", action="store_true", help="no page warm-up before the timed calls and no kept heap")
+                      help="MiB of scratch file written into --work and deleted (untimed) before every timed "
+                           "call; default 3x the HF checkpoint's bytes (see the docstring: VM free page reporting)")
+    warm.add_argument("--no-warm-pages", action="store_true",
+                      help="no page warm-up before the timed calls and no kept heap")
     args = ap.parse_args(argv)
     if args.warm_pages_mb is not None and args.warm_pages_mb < 0:
         ap.error("--warm-pages-mb must be >= 0")

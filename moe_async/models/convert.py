@@ -1325,6 +1325,11 @@ class ShardWriter:
 
     def __init__(self, out_dir: str, max_bytes: int, fsync: bool = False):
         self.out_dir, self.max_bytes, self.fsync = out_dir, max_bytes, fsync
+        # safetensors (0.8) creates its files 0600; each written file is given the mode any
+        # other new file gets here (0666 less the umask), like the index and side files
+        mask = os.umask(0)
+        os.umask(mask)
+        self.file_mode = 0o666 & ~mask
         self.buf: dict[str, Tensor] = {}
         self.buf_bytes = 0
         self.files: list[list[str]] = []
@@ -1348,11 +1353,7 @@ class ShardWriter:
         i = len(self.files)
         path = os.path.join(self.out_dir, f".part-{i:05d}.safetensors")
         save_file(self.buf, path, metadata={"format": "pt"})
-        # safetensors (0.8) creates its files 0600; give them the mode any other new file
-        # gets here (0666 less the umask), like the index and side files next to them
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(path, 0o666 & ~mask)
+        os.chmod(path, self.file_mode)
         if self.fsync:
             fd = os.open(path, os.O_RDONLY)
             try:
