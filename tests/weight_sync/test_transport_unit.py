@@ -218,20 +218,28 @@ def test_send_pauses_while_exporting_and_resumes_after_the_versioned_call(monkey
     assert 0 < m["sync/pause_seconds"] <= m["sync/seconds"]
 
 
+def _send_after_failed_pause(monkeypatch, exc, match, **engine1) -> list:
+    """One send to engine 0 (healthy) and engine 1 (``_Engine(**engine1)``, its pause fails):
+    raises ``exc`` matching ``match``, no bucket is broadcast; returns the engines' call log."""
+    import moe_async.weight_sync.transport as T
+
+    log: list = []
+    engines = [_Engine(log, 0), _Engine(log, 1, **engine1)]
+    monkeypatch.setattr(T, "group_broadcast", lambda *a, **k: pytest.fail("broadcast after a failed pause"))
+    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1))
+    tr.group = object()
+    with pytest.raises(exc, match=match):
+        tr.send(iter(_named(3)), 1)
+    tr.shutdown()
+    return log
+
+
 @pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 def test_send_refused_pause_posts_no_bucket_and_resumes(monkeypatch):
     """An engine that refuses the pause: no bucket is posted to any engine or broadcast, every
     engine gets its continue, and the error names the engine."""
-    import moe_async.weight_sync.transport as T
-
-    log: list = []
-    engines = [_Engine(log, 0), _Engine(log, 1, fail_pause=True)]
-    monkeypatch.setattr(T, "group_broadcast", lambda *a, **k: pytest.fail("broadcast after a refused pause"))
-    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1))
-    tr.group = object()
-    with pytest.raises(WeightSyncError, match="engine 1: pause_generation failed: cannot pause"):
-        tr.send(iter(_named(3)), 1)
-    tr.shutdown()
+    log = _send_after_failed_pause(monkeypatch, WeightSyncError, "engine 1: pause_generation failed: cannot pause",
+                                   fail_pause=True)
     assert sorted(log) == [(0, "continue"), (0, "pause"), (1, "continue"), (1, "pause")]
 
 
@@ -239,14 +247,5 @@ def test_send_refused_pause_posts_no_bucket_and_resumes(monkeypatch):
 def test_send_pause_to_a_gone_engine_raises_its_error(monkeypatch):
     """An engine whose pause request raises (gone): its error propagates (not masked by the
     continue), the others are resumed, the gone one gets no further call."""
-    import moe_async.weight_sync.transport as T
-
-    log: list = []
-    engines = [_Engine(log, 0), _Engine(log, 1, gone=True)]
-    monkeypatch.setattr(T, "group_broadcast", lambda *a, **k: pytest.fail("broadcast after a failed pause"))
-    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1))
-    tr.group = object()
-    with pytest.raises(ConnectionError, match="engine 1 is gone"):
-        tr.send(iter(_named(3)), 1)
-    tr.shutdown()
+    log = _send_after_failed_pause(monkeypatch, ConnectionError, "engine 1 is gone", gone=True)
     assert log == [(0, "pause"), (0, "continue")]
