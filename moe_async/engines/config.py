@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -17,7 +17,18 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     backend: Literal["embedded", "sglang"] = "embedded"
-    num_engines: int = Field(1, ge=1)
+    num_engines: int = Field(1, ge=1, description="Engine servers (each its own TP x EP group of ranks).")
+    tensor_parallel_size: StrictInt = Field(
+        1, ge=1, description="Ranks of one engine (SGLang --tp-size); its update-group ranks are rank_offset + TP rank."
+    )
+    expert_parallel_size: StrictInt = Field(
+        1, ge=1, description="Expert parallel size inside one engine (SGLang --ep-size); divides tensor_parallel_size."
+    )
+    devices_per_engine: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="Devices (GPUs on a cluster) one engine is placed on; None = tensor_parallel_size.",
+    )
     host: str = "127.0.0.1"
     base_port: int = Field(0, ge=0, le=65535, description="0 = pick free ports.")
     max_running_requests: int = Field(16, ge=1, description="Decode batch size cap.")
@@ -36,6 +47,25 @@ class EngineConfig(BaseModel):
     sglang_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Extra sglang.launch_server flags (GPU)."
     )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "EngineConfig":
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp % ep:
+            raise ValueError(f"engine.expert_parallel_size={ep} must divide engine.tensor_parallel_size={tp} "
+                             "(SGLang's expert parallelism splits the TP group's ranks)")
+        if self.devices_per_engine is not None and self.devices_per_engine < tp:
+            raise ValueError(f"engine.devices_per_engine={self.devices_per_engine} is fewer than "
+                             f"engine.tensor_parallel_size={tp} (one device per engine rank)")
+        if self.backend == "embedded" and tp > 1:
+            raise ValueError(f"engine.tensor_parallel_size={tp} with engine.backend='embedded': the embedded CPU "
+                             "engine is one process (one update-group rank); use backend='sglang' for TP > 1")
+        return self
+
+    @property
+    def resolved_devices_per_engine(self) -> int:
+        """Devices one engine is placed on (``devices_per_engine``, else its TP size)."""
+        return self.devices_per_engine or self.tensor_parallel_size
 
     @field_validator("cpu_affinity")
     @classmethod

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from moe_async.layout import ParallelLayout
 
 # The off-policy corrections of trainer/loss.py (formulas and sources there).
 OffPolicyCorrection = Literal["none", "tis", "tis_seq", "mis", "mis_seq", "icepop", "opsm", "decoupled_ppo"]
@@ -34,6 +37,25 @@ class TrainerConfig(BaseModel):
             "layers. Megatron's rules, checked when the trainer starts: ETP divides the expert FFN "
             "size, and ETP x EP divides TP x CP x DP (the world size / PP). Default 1 (Megatron-Core's "
             "own default would be TP)."
+        ),
+    )
+    # --- trainer resources: the world of ranks (one Megatron rank per device) ---
+    nodes: StrictInt = Field(1, ge=1, description="Nodes the trainer's ranks span (node order = rank order).")
+    devices_per_node: StrictInt | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Trainer ranks per node: GPUs on a cluster (one device per rank), processes on a CPU. "
+            "None: world_size / nodes."
+        ),
+    )
+    world_size: StrictInt | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Trainer ranks in all. None: nodes x devices_per_node when devices_per_node is set, else the "
+            "smallest world the layout fits, lcm(TP x CP x PP, ETP x EP x PP) (1 for the one-process default). "
+            "DP = world / (TP x CP x PP) and EDP = world / (ETP x EP x PP) (Megatron's rule, moe_async/layout.py)."
         ),
     )
     context_parallel_size: StrictInt = Field(
@@ -231,6 +253,17 @@ class TrainerConfig(BaseModel):
                 "interleaved schedule splits each pipeline rank's layers into virtual stages (parallel_state: "
                 "'pipeline-model-parallel size should be greater than 1 with interleaved schedule')"
             )
+        self.layout  # world size, DP and EDP by Megatron's rule (LayoutError names the fields)
+        if self.devices_per_node is not None and self.world_size is not None \
+                and self.world_size != self.nodes * self.devices_per_node:
+            raise ValueError(
+                f"trainer.world_size={self.world_size} differs from trainer.nodes={self.nodes} x "
+                f"trainer.devices_per_node={self.devices_per_node} = {self.nodes * self.devices_per_node}; "
+                "set one of them")
+        if self.resolved_world_size % self.nodes:
+            raise ValueError(
+                f"trainer.world_size={self.resolved_world_size} is not divisible by trainer.nodes={self.nodes} "
+                "(every node holds the same number of ranks)")
         # refused here already (not only by MegatronTrainer at init) so that `moe-async show-config`
         # and train name it before any process starts
         if (why := unsupported_combination(self)) is not None:
@@ -272,6 +305,31 @@ class TrainerConfig(BaseModel):
                 "TEDotProductAttention' (the CPU path has its own CP attention, moe_async.compat.cp_attention)"
             )
         return self
+
+    @property
+    def resolved_world_size(self) -> int:
+        """The trainer's ranks: ``world_size``, else ``nodes x devices_per_node``, else the
+        smallest world the layout fits (lcm of the dense and expert grids' model-parallel part)."""
+        import math
+
+        if self.world_size is not None:
+            return self.world_size
+        if self.devices_per_node is not None:
+            return self.nodes * self.devices_per_node
+        tp, pp, cp, ep = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                          self.context_parallel_size, self.expert_model_parallel_size)
+        return math.lcm(tp * cp * pp, self.expert_tensor_parallel_size * ep * pp, self.nodes)
+
+    @property
+    def layout(self) -> "ParallelLayout":
+        """The checked :class:`~moe_async.layout.ParallelLayout` (DP and EDP derived).
+
+        Raises: :class:`~moe_async.layout.LayoutError` naming the fields and Megatron's rule."""
+        from moe_async.layout import resolve_layout
+
+        return resolve_layout(self.resolved_world_size, self.tensor_model_parallel_size,
+                              self.pipeline_model_parallel_size, self.context_parallel_size,
+                              self.expert_model_parallel_size, self.expert_tensor_parallel_size)
 
 
 def unsupported_combination(cfg: TrainerConfig) -> str | None:
