@@ -2,11 +2,14 @@
 
     moe-async train CONFIG.yaml [key.sub=value ...]     run an experiment
     moe-async show-config CONFIG.yaml [key.sub=value ...] print the validated config
+    moe-async plan CONFIG.yaml [key.sub=value ...]        check the layout, estimate per-GPU memory
 
 Bad user input (a config error, a missing config file, a ``cpu_affinity`` core this host
 lacks, a ``trainer.load`` that is no checkpoint, a bad ``model.hf_path``) prints one line
 ``moe-async: <message>`` to stderr and exits with status 2; any other exception is a bug or
-a crash and keeps its traceback (exit status 1).
+a crash and keeps its traceback (exit status 1). ``plan`` prints its table and exits 0 when
+every role fits, 3 when one does not fit its devices (the reason on stderr), 2 for a layout
+the model or cluster cannot take (every broken rule named).
 """
 
 from __future__ import annotations
@@ -30,12 +33,30 @@ def _refuse(e: BaseException) -> int:
     return 2
 
 
+def _plan(cfg, config_name: str) -> int:
+    """``moe-async plan``: print the table; 0 fits, 3 does not fit, 2 bad input."""
+    from moe_async.plan.arch import ArchError
+    from moe_async.plan.memory import PlanError
+    from moe_async.plan.report import make_plan
+    from moe_async.plan.table import format_plan
+
+    try:
+        plan = make_plan(cfg)
+    except (ArchError, PlanError) as e:
+        return _refuse(e)
+    print(format_plan(plan, cfg, config_name), end="")
+    for r in plan.refusals:
+        print(f"moe-async: does not fit: {r}", file=sys.stderr)
+    return 3 if plan.refusals else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``moe-async`` with ``argv`` (default ``sys.argv[1:]``); return the exit status:
     0, or 2 for bad user input (argparse also exits with 2 on bad arguments)."""
     p = argparse.ArgumentParser(prog="moe-async", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("train", "run an experiment"), ("show-config", "print the validated config")):
+    for name, help_ in (("train", "run an experiment"), ("show-config", "print the validated config"),
+                        ("plan", "check the parallel layout against the model and cluster; per-GPU memory")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config", help="YAML experiment file")
         sp.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -47,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "show-config":
         print(dump_config(cfg), end="")
         return 0
+    if args.cmd == "plan":
+        return _plan(cfg, args.config)
     from moe_async.orchestration.driver import run_experiment
 
     try:

@@ -16,6 +16,7 @@ from moe_async.buffer.config import AsyncConfig
 from moe_async.engines.config import EngineConfig
 from moe_async.logging.config import LoggingConfig
 from moe_async.models.config import ModelConfig
+from moe_async.plan.config import ClusterConfig
 from moe_async.rollout.config import RolloutConfig
 from moe_async.trainer.config import TrainerConfig
 from moe_async.weight_sync.config import WeightSyncConfig
@@ -42,6 +43,7 @@ class ExperimentConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines, for `moe-async plan`.")
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
@@ -164,34 +166,99 @@ def _format_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+#: The key naming a config's base files (``configs/README`` / the README's Configs section).
+BASE_KEY = "base"
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A new dict: ``base`` with ``over`` merged in, ``over`` winning. Mappings merge key by
+    key, recursively; any other value (a list, a scalar, ``null``) replaces the base's whole."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_mapping(p: Path) -> dict[str, Any]:
+    """One YAML file's top-level mapping (an empty file is ``{}``); errors name the file."""
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: YAML error: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+def read_config_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[Path]]:
+    """Read a YAML experiment file with its base files, merged.
+
+    A file may name base files under the top-level key ``base``: one path or a list of
+    paths, each relative to the directory of the file that names it (absolute paths too).
+    Bases are read the same way (a base may have bases), merged left to right with
+    :func:`deep_merge` (a later base wins), and the file's own keys are merged over them
+    last, so the file overrides its bases and command-line overrides (applied by
+    :func:`load_config`) override everything.
+
+    Returns: the merged mapping (without ``base``) and every file read, bases first.
+
+    Raises:
+        ConfigError: naming the file: not found, YAML error, not a mapping, ``base`` not a
+            path or list of paths, a base that is missing, or a cycle (the chain of files).
+    """
+    p = Path(path)
+    here = p.resolve()
+    if here in _chain:
+        cycle = " -> ".join(str(c) for c in (*_chain, here))
+        raise ConfigError(f"{_chain[-1]}: base {str(path)!r} makes a cycle: {cycle}")
+    data = _read_mapping(p)
+    bases = data.pop(BASE_KEY, None)
+    if bases is None:
+        return data, [p]
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not bases or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"{p}: {BASE_KEY} must be a file path or a non-empty list of file paths "
+                          f"(relative to {p.parent}), got {bases!r}")
+    merged: dict[str, Any] = {}
+    files: list[Path] = []
+    for b in bases:
+        bp = Path(b) if Path(b).is_absolute() else p.parent / b
+        if not bp.is_file():
+            raise ConfigError(f"{p}: {BASE_KEY} {b!r} not found (looked for {bp})")
+        sub, sub_files = read_config_tree(bp, (*_chain, here))
+        merged = deep_merge(merged, sub)
+        files += [f for f in sub_files if f not in files]
+    return deep_merge(merged, data), [*files, p]
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load a YAML experiment file, apply overrides and validate.
+    """Load a YAML experiment file (with its ``base`` files, :func:`read_config_tree`), apply
+    overrides and validate.
 
     Args:
         path: YAML file, or ``None`` for defaults.
         overrides: ``["trainer.lr=1e-5", ...]``.
 
     Raises:
-        ConfigError: unreadable file, YAML syntax error, unknown key or bad value; the
-            message names the file and the dotted field.
+        ConfigError: unreadable file, YAML syntax error, a bad ``base``, unknown key or bad
+            value; the message names the file (and its bases) and the dotted field.
     """
     data: dict[str, Any] = {}
     source = str(path) if path else "<defaults>"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: YAML error: {e}") from e
-        except ConfigError as e:
-            raise ConfigError(f"{p}: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded
+        data, files = read_config_tree(path)
+        if len(files) > 1:
+            source += " (with base " + ", ".join(str(f) for f in files[:-1]) + ")"
     apply_overrides(data, list(overrides or []))
     try:
         return ExperimentConfig.model_validate(data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,6 +46,15 @@ class ModelConfig(BaseModel):
     num_key_value_heads: int = Field(2, ge=1)
     max_position_embeddings: int = Field(512, ge=16, description="Context length (tokens).")
     init_seed: int = Field(1234, description="Seed of random init / router init.")
+    arch: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Architecture fields of the HF config (config.json's names and values: model_type, "
+            "hidden_size, num_hidden_layers, ...), read by `moe-async plan` when model.hf_path holds no "
+            "config.json (planning needs no weights). Where both exist they must agree on every field "
+            "given here. Training reads the checkpoint's config.json, never these. source='hf' only."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -53,6 +62,13 @@ class ModelConfig(BaseModel):
             raise ValueError(f"model.top_k={self.top_k} > model.num_experts={self.num_experts}")
         if self.source == "hf" and not self.hf_path:
             raise ValueError("model.hf_path is required when model.source='hf'")
+        if self.arch is not None:
+            if self.source != "hf":
+                raise ValueError(f"model.arch describes an HF checkpoint's architecture; with model.source="
+                                 f"{self.source!r} the architecture is made here (use model.source='hf')")
+            if not isinstance(self.arch.get("model_type"), str):
+                raise ValueError("model.arch.model_type is required (the HF model_type, e.g. 'qwen3_moe'), got "
+                                 f"{self.arch.get('model_type')!r}")
         stray = sorted(RANDOM_ONLY_FIELDS & self.model_fields_set) if self.source != "random_moe" else []
         if stray:
             raise ValueError(f"model.{stray[0]} sets the size of a random_moe model; with "

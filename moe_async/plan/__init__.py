@@ -1,0 +1,7 @@
+"""``moe-async plan``: before launch, check a config's parallel layout against its model and
+cluster and estimate per-GPU memory of each role and the cost of one weight sync.
+
+Modules, one job each: :mod:`.config` (the ``cluster`` section), :mod:`.arch` (parameter
+counts from HF config fields), :mod:`.memory` (layout checks and the estimates),
+:mod:`.table` (printing). Needs no weights, no GPU and no torch.
+"""

@@ -1,0 +1,336 @@
+"""Layout checks against the model and the cluster, and per-GPU memory estimates.
+
+Units: bytes in the dataclasses; GiB = 2**30 bytes and GB/s = 10**9 bytes/s where printed.
+
+Trainer, per GPU (Megatron-Core as moe_async/trainer/megatron_trainer.py configures it):
+
+* parameters per GPU: for each pipeline stage, its layers (``L / (PP x VPP)`` per model chunk,
+  stage p holding chunks ``v*PP + p``), each layer's TP-split tensors / TP, its replicated
+  ones (norms, router) whole, its routed experts / (EP x ETP); the embedding (vocab padded to
+  a multiple of ``make_vocab_size_divisible_by x TP``) / TP on the first stage, the output
+  layer / TP and final norm on the last (a tied embedding is held by both ends when PP > 1).
+  The plan reports the stage with the largest total.
+* weights: ``trainer.params_dtype`` bytes per parameter (bf16 2, fp32 4); grads: 4 bytes
+  (fp32 ``main_grad`` buffers, DDP ``grad_reduce_in_fp32=True``); optimizer (Adam): fp32
+  master copy + two fp32 moments = 12 bytes with bf16 params, 8 with fp32 params (the param
+  is its own master). Without the distributed optimizer every rank holds all of its
+  parameters' state; with it (``use_distributed_optimizer``) dense state is sharded over
+  DP x CP and expert state over EDP (Megatron's data-parallel groups); with CPU offload
+  (Megatron's ``optimizer_cpu_offload``, fraction 1: slime's ``--optimizer-cpu-offload``)
+  the sharded state lives in host memory and the GPU keeps weights + grads.
+* activations, no recompute, flash attention (no S x S scores), dropout 0, sequence
+  parallelism over TP (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", whose per-layer count this generalises to GQA/MLA and routed
+  experts): with ``t = T / (CP x TP)`` tokens per rank of a micro-batch of T tokens, one
+  layer keeps ``2 t (2H + W_attn)`` bytes for attention (norm input, QKV input, q/k/v and the
+  attention output: ``W_attn`` = their widths in elements) plus, for an MoE layer,
+  ``2 t 2H + 4 t E`` (norm and router inputs, fp32 router scores) ``+ 2 t k (ETP H + 3 I)``
+  (each of the k routed copies: expert input, gate/up output, SwiGLU output; balanced
+  routing) ``+ 2 t (H + 3 Is)`` for shared experts of width Is, or ``2 t (2H + 3 I_dense)``
+  for a dense layer. The first pipeline stage keeps PP micro-batches in flight (1F1B), times
+  ``1 + (PP-1)/(PP x VPP)`` with virtual stages (ibid. §4.2.3); the last stage also keeps the
+  logits: ``10 T/CP x V/TP`` bytes (bf16 logits, their fp32 copy for the log-softmax and its
+  fp32 gradient). T is ``trainer.max_tokens_per_micro_batch``, else ``micro_batch_size x
+  rollout.max_new_tokens`` (without the prompt: a lower bound).
+
+Engine (SGLang), per GPU of one engine of TP size ``tp``: weights = (TP-split tensors and
+experts) / tp + replicated ones whole, k/v projections split over ``min(tp, KV heads)``
+(SGLang replicates KV heads when tp exceeds them), at ``engine.dtype``; the KV pool =
+``mem_fraction_static x GPU memory - weights`` (SGLang's static pool: weights + KV cache),
+holding ``pool / (layers x KV bytes per token)`` tokens, a token's KV being ``2 x KV heads per
+rank x head_dim`` elements per layer (MLA: the ``kv_lora_rank + qk_rope_head_dim`` latent on
+every rank) at ``engine.dtype``.
+
+Weight sync: every parameter once, at ``engine.dtype``; its lower bound is bytes / the link
+bandwidth (``cluster.link_bandwidth_gb_s``).
+
+Errors: :class:`PlanError` (a ``ValueError``) listing each field and rule that fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe_async.layout import ParallelLayout
+from moe_async.plan.arch import ModelShape
+
+GiB = 2**30
+_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+#: SGLang's static memory fraction assumed when engine.sglang_args sets none (it picks one from the GPU)
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+
+
+class PlanError(ValueError):
+    """A layout the model or cluster cannot take; one line per field and rule."""
+
+
+@dataclass(frozen=True)
+class TrainerEstimate:
+    """Per-GPU trainer memory (bytes) of the largest pipeline stage ``stage``."""
+
+    layout: ParallelLayout
+    vpp: int
+    stage: int
+    dense_params: int
+    expert_params: int
+    weights: int
+    grads: int
+    optimizer_plain: int
+    optimizer_distributed: int
+    distributed: bool
+    activations: int
+    tokens_per_micro_batch: int
+    tokens_note: str
+    host_optimizer_per_node: int  # the offloaded (distributed) optimizer state of one node's ranks
+    ranks_per_node: int
+    usable: int
+
+    @property
+    def params(self) -> int:
+        return self.dense_params + self.expert_params
+
+    @property
+    def optimizer(self) -> int:
+        """The configured optimizer's GPU bytes (distributed or not, not offloaded)."""
+        return self.optimizer_distributed if self.distributed else self.optimizer_plain
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations
+
+    @property
+    def total_offloaded(self) -> int:
+        """Weights + grads + activations: the optimizer in host memory."""
+        return self.weights + self.grads + self.activations
+
+
+@dataclass(frozen=True)
+class EngineEstimate:
+    """Per-GPU memory (bytes) of one engine."""
+
+    num_engines: int
+    tp: int
+    ep: int
+    devices: int
+    weights: int
+    mem_fraction: float
+    mem_fraction_assumed: bool
+    kv_pool: int
+    kv_bytes_per_token: int
+    gpu_bytes: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(self.kv_pool, 0) // self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class SyncEstimate:
+    """One weight sync: ``bytes`` over a link of ``bandwidth`` bytes/s, ``buckets`` of ``bucket_bytes``."""
+
+    bytes: int
+    bandwidth: float
+    bucket_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        return self.bytes / self.bandwidth
+
+    @property
+    def buckets(self) -> int:
+        return math.ceil(self.bytes / self.bucket_bytes)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocab: ``vocab`` rounded up to a multiple of ``divisible_by x tp``."""
+    m = divisible_by * tp
+    return _ceil_div(vocab, m) * m
+
+
+def check_layout(shape: ModelShape, cfg) -> list[str]:
+    """The rules ``cfg`` (an ExperimentConfig) breaks for ``shape``, one message each (empty: none).
+
+    Trainer (Megatron-Core): attention heads and KV groups divisible by TP, experts by EP, the
+    expert FFN by ETP, dense / shared FFN widths by TP, layers by PP x VPP, and its ranks per
+    node at most ``cluster.gpus_per_node``. Engine (SGLang): heads divisible by its TP, KV heads
+    and TP one a multiple of the other, experts by its EP, an engine within a node or on whole
+    nodes. Devices: trainer + engines within ``cluster.nodes x gpus_per_node`` when nodes is set.
+    """
+    t, e, c = cfg.trainer, cfg.engine, cfg.cluster
+    lay = t.layout
+    errs: list[str] = []
+    src = shape.source
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errs.append(msg)
+
+    nh, ng = shape.num_attention_heads, shape.num_key_value_heads
+    need(nh % lay.tp == 0, f"trainer.tensor_model_parallel_size={lay.tp} does not divide the {nh} attention heads "
+                           f"({src}: num_attention_heads; Megatron splits heads over TP)")
+    if ng is not None:
+        need(ng % lay.tp == 0, f"trainer.tensor_model_parallel_size={lay.tp} does not divide the {ng} KV groups "
+                               f"({src}: num_key_value_heads; Megatron splits query groups over TP)")
+    need(shape.num_experts % lay.ep == 0,
+         f"trainer.expert_model_parallel_size={lay.ep} does not divide the {shape.num_experts} experts ({src})")
+    need(shape.moe_intermediate_size % lay.etp == 0,
+         f"trainer.expert_tensor_parallel_size={lay.etp} does not divide the expert FFN size "
+         f"{shape.moe_intermediate_size} ({src}: moe_intermediate_size)")
+    for width, what in ((shape.dense_intermediate_size, "intermediate_size (dense layers)"),
+                        (shape.shared_intermediate_size, "the shared experts' FFN")):
+        if width:
+            need(width % lay.tp == 0, f"trainer.tensor_model_parallel_size={lay.tp} does not divide {what} "
+                                      f"{width} ({src})")
+    vpp = t.virtual_pipeline_model_parallel_size or 1
+    need(shape.num_layers % (lay.pp * vpp) == 0,
+         f"{shape.num_layers} layers ({src}: num_hidden_layers) are not divisible by trainer."
+         f"pipeline_model_parallel_size={lay.pp} x virtual_pipeline_model_parallel_size={vpp} = {lay.pp * vpp} "
+         "(each pipeline chunk holds the same number of layers)")
+    per_node = lay.world_size // t.nodes
+    need(per_node <= c.gpus_per_node,
+         f"trainer: {per_node} ranks per node (trainer.world_size={lay.world_size} / trainer.nodes={t.nodes}) exceed "
+         f"cluster.gpus_per_node={c.gpus_per_node} (one GPU per rank); raise trainer.nodes")
+    # engines
+    need(nh % e.tensor_parallel_size == 0, f"engine.tensor_parallel_size={e.tensor_parallel_size} does not divide the "
+                                          f"{nh} attention heads ({src}; SGLang splits heads over its TP)")
+    if ng is not None:
+        tp = e.tensor_parallel_size
+        need(ng % tp == 0 or tp % ng == 0, f"engine.tensor_parallel_size={tp} and the {ng} KV heads ({src}): one must "
+                                           "divide the other (SGLang splits or replicates KV heads)")
+    need(shape.num_experts % e.expert_parallel_size == 0,
+         f"engine.expert_parallel_size={e.expert_parallel_size} does not divide the {shape.num_experts} experts ({src})")
+    dpe = e.resolved_devices_per_engine
+    need(dpe <= c.gpus_per_node or dpe % c.gpus_per_node == 0,
+         f"engine.devices_per_engine={dpe}: an engine spans part of a node or whole nodes (cluster.gpus_per_node="
+         f"{c.gpus_per_node})")
+    if c.nodes is not None:
+        have = c.nodes * c.gpus_per_node
+        want = lay.world_size + e.num_engines * dpe
+        need(want <= have, f"trainer.world_size={lay.world_size} + engine.num_engines={e.num_engines} x "
+                           f"devices_per_engine={dpe} = {want} GPUs exceed cluster.nodes={c.nodes} x "
+                           f"gpus_per_node={c.gpus_per_node} = {have}")
+    return errs
+
+
+def _stage_params(shape: ModelShape, lay: ParallelLayout, vpp: int, vocab_pad: int, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters one GPU of pipeline ``stage`` holds."""
+    n = shape.num_layers // (lay.pp * vpp)
+    dense = expert = 0
+    for v in range(vpp):
+        c = v * lay.pp + stage
+        for lp in shape.layers[c * n:(c + 1) * n]:
+            dense += _ceil_div(lp.attn_tp + lp.attn_kv + lp.mlp_tp, lay.tp) + lp.replicated
+            expert += _ceil_div(lp.expert, lay.ep * lay.etp)
+    emb = vocab_pad * shape.hidden_size // lay.tp
+    if stage == 0:
+        dense += emb
+    if stage == lay.pp - 1:
+        dense += shape.final_norm + (emb if not shape.tied or lay.pp > 1 else 0)
+    return dense, expert
+
+
+def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float) -> float:
+    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring)."""
+    h = shape.hidden_size
+    b = 2 * t * (2 * h + shape.act_attn / lay.tp)  # act_attn widths are split over TP heads
+    if lp.moe:
+        b += 2 * t * 2 * h + 4 * t * shape.num_experts
+        b += 2 * t * shape.top_k * (lay.etp * h + 3 * shape.moe_intermediate_size)
+        if shape.shared_intermediate_size:
+            b += 2 * t * (h + 3 * shape.shared_intermediate_size / lay.tp)
+    else:
+        b += 2 * t * (2 * h + 3 * (shape.dense_intermediate_size or 0) / lay.tp)
+    return b
+
+
+def tokens_per_micro_batch(cfg) -> tuple[int, str]:
+    """T of the activation estimate and how it was chosen."""
+    t = cfg.trainer
+    if t.max_tokens_per_micro_batch is not None:
+        return t.max_tokens_per_micro_batch, "trainer.max_tokens_per_micro_batch"
+    n = t.micro_batch_size * cfg.rollout.max_new_tokens
+    return n, (f"trainer.micro_batch_size={t.micro_batch_size} x rollout.max_new_tokens={cfg.rollout.max_new_tokens} "
+               "(prompt not included: set trainer.max_tokens_per_micro_batch for a bound)")
+
+
+def estimate_trainer(shape: ModelShape, cfg) -> TrainerEstimate:
+    """Per-GPU trainer memory of the largest stage (module docstring); call after :func:`check_layout`."""
+    t, c = cfg.trainer, cfg.cluster
+    lay = t.layout
+    vpp = t.virtual_pipeline_model_parallel_size or 1
+    vocab_pad = padded_vocab(shape.vocab_size, t.make_vocab_size_divisible_by, lay.tp)
+    w_bytes = _DTYPE_BYTES[t.params_dtype]
+    opt_bytes = 12 if t.params_dtype == "bf16" else 8
+    T, note = tokens_per_micro_batch(cfg)
+    tok = T / (lay.cp * lay.tp)
+    n = shape.num_layers // (lay.pp * vpp)
+    best = None
+    for stage in range(lay.pp):
+        dense, expert = _stage_params(shape, lay, vpp, vocab_pad, stage)
+        layers = [lp for v in range(vpp) for lp in shape.layers[(v * lay.pp + stage) * n:(v * lay.pp + stage + 1) * n]]
+        per_mb = sum(_layer_activation_bytes(shape, lp, lay, tok) for lp in layers)
+        in_flight = lay.pp - stage  # 1F1B: stage p warms up PP - p micro-batches
+        factor = 1 + (lay.pp - 1) / (lay.pp * vpp) if vpp > 1 and stage == 0 else 1
+        act = per_mb * in_flight * factor
+        if stage == lay.pp - 1:
+            act += 10 * (T / lay.cp) * (vocab_pad / lay.tp)
+        dist = dense * opt_bytes / (lay.dp * lay.cp) + expert * opt_bytes / lay.edp
+        est = TrainerEstimate(
+            layout=lay, vpp=vpp, stage=stage, dense_params=dense, expert_params=expert,
+            weights=(dense + expert) * w_bytes, grads=(dense + expert) * 4,
+            optimizer_plain=(dense + expert) * opt_bytes, optimizer_distributed=int(dist),
+            distributed=t.use_distributed_optimizer, activations=int(act), tokens_per_micro_batch=T,
+            tokens_note=note, host_optimizer_per_node=0, ranks_per_node=lay.world_size // t.nodes,
+            usable=int((c.gpu_memory_gib - c.reserved_gib) * GiB))
+        if best is None or est.total > best.total:
+            best = est
+    host = best.optimizer_distributed * best.ranks_per_node  # the largest stage's share, on every rank of a node
+    return TrainerEstimate(**{**best.__dict__, "host_optimizer_per_node": host})
+
+
+def _mem_fraction(cfg) -> tuple[float, bool]:
+    args = cfg.engine.sglang_args
+    for k in ("mem_fraction_static", "mem-fraction-static"):
+        if k in args:
+            v = args[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+                raise PlanError(f"engine.sglang_args.{k}={v!r}: must be a fraction in (0, 1)")
+            return float(v), False
+    return DEFAULT_MEM_FRACTION_STATIC, True
+
+
+def estimate_engine(shape: ModelShape, cfg) -> EngineEstimate:
+    """Per-GPU memory of one engine (module docstring)."""
+    e, c = cfg.engine, cfg.cluster
+    tp = e.tensor_parallel_size
+    w = _DTYPE_BYTES[e.dtype]
+    kv_split = min(tp, shape.num_key_value_heads) if shape.num_key_value_heads else 1
+    params = _ceil_div(shape.embedding + shape.output, tp) + shape.final_norm
+    for lp in shape.layers:
+        params += _ceil_div(lp.attn_tp + lp.mlp_tp + lp.expert, tp) + _ceil_div(lp.attn_kv, kv_split) + lp.replicated
+    weights = params * w
+    frac, assumed = _mem_fraction(cfg)
+    gpu = int(c.gpu_memory_gib * GiB)
+    if shape.num_key_value_heads:
+        kv_token = shape.num_layers * (shape.kv_cache_per_token_layer // kv_split) * w
+    else:  # MLA latent, whole on every rank
+        kv_token = shape.num_layers * shape.kv_cache_per_token_layer * w
+    return EngineEstimate(num_engines=e.num_engines, tp=tp, ep=e.expert_parallel_size,
+                          devices=e.resolved_devices_per_engine, weights=weights, mem_fraction=frac,
+                          mem_fraction_assumed=assumed, kv_pool=int(frac * gpu) - weights,
+                          kv_bytes_per_token=kv_token, gpu_bytes=gpu)
+
+
+def estimate_sync(shape: ModelShape, cfg) -> SyncEstimate:
+    """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``."""
+    return SyncEstimate(bytes=shape.total * _DTYPE_BYTES[cfg.engine.dtype],
+                        bandwidth=cfg.cluster.link_bandwidth_gb_s * 1e9, bucket_bytes=cfg.weight_sync.bucket_bytes)

@@ -1,0 +1,143 @@
+"""``moe-async plan``'s pipeline: the model's architecture (config.json or ``model.arch``), the
+layout checks, the estimates, and what does not fit.
+
+Errors (bad input, exit status 2): :class:`~moe_async.plan.arch.ArchError` and
+:class:`~moe_async.plan.memory.PlanError`, naming the field and the rule. A layout that
+checks but does not fit the devices is a :class:`Plan` with ``refusals`` (exit status 3).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_async.plan.arch import ModelShape, model_shape
+from moe_async.plan.memory import (
+    GiB,
+    EngineEstimate,
+    PlanError,
+    SyncEstimate,
+    TrainerEstimate,
+    check_layout,
+    estimate_engine,
+    estimate_sync,
+    estimate_trainer,
+)
+
+#: a role within this share of its usable memory is warned about (allocator peaks, estimate error)
+WARN_SHARE = 0.9
+
+
+@dataclass
+class Plan:
+    """Everything ``moe-async plan`` prints."""
+
+    shape: ModelShape
+    trainer: TrainerEstimate
+    engine: EngineEstimate
+    sync: SyncEstimate
+    nodes_needed: int
+    warnings: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+
+
+def read_arch(model_cfg) -> tuple[dict[str, Any], str]:
+    """The HF config fields to plan with and where they came from: ``model.hf_path``'s
+    config.json when it exists (checked against ``model.arch`` where both give a field), else
+    ``model.arch``.
+
+    Raises:
+        PlanError: not an HF model, no architecture anywhere, an unreadable config.json, or a
+            ``model.arch`` field that differs from config.json's.
+    """
+    if model_cfg.source != "hf":
+        raise PlanError(f"model.source={model_cfg.source!r}: plan reads an HF architecture (model.source='hf' "
+                        "with model.hf_path holding config.json, or model.arch)")
+    p = Path(model_cfg.hf_path) / "config.json"
+    if p.is_file():
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise PlanError(f"model.hf_path: cannot read {p}: {type(e).__name__}: {e}") from e
+        if not isinstance(d, dict):
+            raise PlanError(f"model.hf_path: {p} is not a JSON object")
+        for k, v in (model_cfg.arch or {}).items():
+            if k in d and d[k] != v:
+                raise PlanError(f"model.arch.{k}={v!r} differs from {p}: {k}={d[k]!r} (remove it or fix it)")
+        return d, str(p)
+    if model_cfg.arch is None:
+        raise PlanError(f"model.arch: plan needs the model's architecture: model.hf_path={model_cfg.hf_path!r} has no "
+                        "config.json and model.arch (the HF config fields) is not set")
+    return dict(model_cfg.arch), "model.arch"
+
+
+def _family_warning(d: dict[str, Any], source: str) -> str | None:
+    """Whether moe-async's trainer has a family for this model (and, for a whole config.json,
+    accepts its fields); None when it does."""
+    from moe_async.models import get_family  # imports torch: only here
+
+    try:
+        fam = get_family(d.get("model_type"))
+        if source != "model.arch":
+            fam.arch_args(d)
+    except (ValueError, KeyError) as e:
+        return f"moe-async train would refuse this model ({source}): {e}"
+    return None
+
+
+def make_plan(cfg, *, family_check: bool = True) -> Plan:
+    """Check ``cfg`` (an ExperimentConfig) and estimate every role.
+
+    Raises:
+        ArchError, PlanError: see the module docstring (every failed layout rule listed).
+    """
+    d, source = read_arch(cfg.model)
+    shape = model_shape(d, source)
+    errs = check_layout(shape, cfg)
+    if errs:
+        raise PlanError("layout does not fit the model or cluster:\n  " + "\n  ".join(errs))
+    tr, en, sy = estimate_trainer(shape, cfg), estimate_engine(shape, cfg), estimate_sync(shape, cfg)
+    c = cfg.cluster
+    gpus = tr.layout.world_size + en.num_engines * en.devices
+    plan = Plan(shape, tr, en, sy, nodes_needed=-(-gpus // c.gpus_per_node))
+    if family_check and (w := _family_warning(d, source)):
+        plan.warnings.append(w)
+    for note in shape.not_counted:
+        plan.warnings.append(f"not counted: {note}")
+    budget = "cluster.gpu_memory_gib - cluster.reserved_gib"
+    if tr.total > tr.usable:
+        options = [("the optimizer offloaded to CPU", tr.total_offloaded)]
+        if not tr.distributed:
+            options.insert(0, ("trainer.use_distributed_optimizer=true",
+                               tr.weights + tr.grads + tr.optimizer_distributed + tr.activations))
+        fits = [name for name, b in options if b <= tr.usable]
+        plan.refusals.append(
+            f"trainer: {tr.total / GiB:.1f} GiB per GPU exceed the {tr.usable / GiB:.1f} GiB usable ({budget})"
+            + (f"; it would fit with {' or '.join(fits)}" if fits else
+               "; lower the tokens per micro-batch or spread the model over more GPUs (EP, PP, TP)"))
+    elif tr.total > WARN_SHARE * tr.usable:
+        plan.warnings.append(f"trainer: {tr.total / GiB:.1f} GiB per GPU are within {100 - WARN_SHARE * 100:.0f}% of "
+                             f"the {tr.usable / GiB:.1f} GiB usable ({budget})")
+    if c.cpu_memory_gib is not None and tr.host_optimizer_per_node > c.cpu_memory_gib * GiB:
+        plan.warnings.append(f"trainer: an offloaded optimizer needs {tr.host_optimizer_per_node / GiB:.0f} GiB of host "
+                             f"memory per node, more than cluster.cpu_memory_gib={c.cpu_memory_gib:g}")
+    if en.kv_pool <= 0:
+        plan.refusals.append(
+            f"engine: weights of {en.weights / GiB:.1f} GiB per GPU leave no KV cache at mem_fraction_static "
+            f"{en.mem_fraction:g} of {en.gpu_bytes / GiB:.1f} GiB (engine.sglang_args.mem_fraction_static, "
+            "engine.tensor_parallel_size)")
+    else:
+        want = cfg.engine.max_running_requests * cfg.rollout.max_new_tokens
+        if en.kv_tokens < want:
+            plan.warnings.append(
+                f"engine: the KV cache holds {en.kv_tokens} tokens, fewer than engine.max_running_requests="
+                f"{cfg.engine.max_running_requests} x rollout.max_new_tokens={cfg.rollout.max_new_tokens} = {want}: "
+                "SGLang will queue or retract requests")
+    if en.mem_fraction_assumed:
+        plan.warnings.append(f"engine: mem_fraction_static {en.mem_fraction:g} assumed "
+                             "(engine.sglang_args.mem_fraction_static unset; SGLang chooses by GPU size)")
+    if c.nodes is not None and plan.nodes_needed < c.nodes:
+        plan.warnings.append(f"cluster.nodes={c.nodes} but the roles use {gpus} GPUs ({plan.nodes_needed} nodes)")
+    return plan
