@@ -30,7 +30,8 @@ Trainer, per GPU (Megatron-Core as moe_async/trainer/megatron_trainer.py configu
   for a dense layer. The first pipeline stage keeps PP micro-batches in flight (1F1B), times
   ``1 + (PP-1)/(PP x VPP)`` with virtual stages (ibid. §4.2.3); the last stage also keeps the
   logits: ``10 T/CP x V/TP`` bytes (bf16 logits, their fp32 copy for the log-softmax and its
-  fp32 gradient). T is ``trainer.max_tokens_per_micro_batch``, else ``micro_batch_size x
+  fp32 gradient). T is ``trainer.max_tokens_per_micro_batch`` (or ``rollout.max_new_tokens``
+  when larger: a longer sequence is a micro-batch of its own), else ``micro_batch_size x
   rollout.max_new_tokens`` (without the prompt: a lower bound).
 
 Engine (SGLang), per GPU of one engine of TP size ``tp``: weights = (TP-split tensors and
@@ -254,8 +255,11 @@ def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float
 
 def tokens_per_micro_batch(cfg) -> tuple[int, str]:
     """T of the activation estimate and how it was chosen."""
-    t = cfg.trainer
+    t, r = cfg.trainer, cfg.rollout
     if t.max_tokens_per_micro_batch is not None:
+        if r.max_new_tokens > t.max_tokens_per_micro_batch:  # a longer sequence is a micro-batch of its own
+            return r.max_new_tokens, (f"rollout.max_new_tokens, above trainer.max_tokens_per_micro_batch="
+                                      f"{t.max_tokens_per_micro_batch}: a longer sequence goes alone")
         return t.max_tokens_per_micro_batch, "trainer.max_tokens_per_micro_batch"
     n = t.micro_batch_size * cfg.rollout.max_new_tokens
     return n, (f"trainer.micro_batch_size={t.micro_batch_size} x rollout.max_new_tokens={cfg.rollout.max_new_tokens} "
