@@ -217,9 +217,6 @@ def read_config_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[d
     """
     p = Path(path)
     here = p.resolve()
-    if here in _chain:
-        cycle = " -> ".join(str(c) for c in (*_chain, here))
-        raise ConfigError(f"{_chain[-1]}: base {str(path)!r} makes a cycle: {cycle}")
     data = _read_mapping(p)
     bases = data.pop(BASE_KEY, None)
     if bases is None:
@@ -235,6 +232,9 @@ def read_config_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[d
         bp = Path(b) if Path(b).is_absolute() else p.parent / b
         if not bp.is_file():
             raise ConfigError(f"{p}: {BASE_KEY} {b!r} not found (looked for {bp})")
+        if bp.resolve() in (*_chain, here):
+            cycle = " -> ".join(str(c) for c in (*_chain, here, bp.resolve()))
+            raise ConfigError(f"{p}: {BASE_KEY} {b!r} makes a cycle: {cycle}")
         sub, sub_files = read_config_tree(bp, (*_chain, here))
         merged = deep_merge(merged, sub)
         files += [f for f in sub_files if f not in files]
