@@ -1,0 +1,111 @@
+"""C25: memory before launch. Qwen3-30B-A3B on 8 GPUs at TP4 EP8 ETP1 PP1.
+
+Parameter count by hand (HF Qwen3-MoE: q/k RMSNorms over head_dim, untied embeddings, a
+router per layer, no shared expert), H=2048, L=48, E=128, I=768, nh=32, ng=4, d=128, V=151,936:
+
+    attention / layer  q [4096,2048] + k, v [512,2048] + o [2048,4096]   = 18,874,368
+    norms / layer      input + post-attention [2048] x 2 + q/k [128] x 2 =      4,352
+    router / layer     [128, 2048]                                       =    262,144
+    experts / layer    128 x 3 x 2048 x 768                              = 603,979,776
+    layer total                                                          = 623,120,640
+    48 layers = 29,909,790,720; embedding + lm_head 2 x 151,936 x 2048 = 622,329,856; final norm 2048
+    total 30,532,122,624 (30.5B), routed experts 48 x 603,979,776 = 28,991,029,248 (29.0B)
+
+Per GPU at TP4 EP8 ETP1 (Megatron: vocab padded to a multiple of 128 x TP = 512 -> 152,064 rows,
+split over TP; attention split over TP; norms and router whole on every TP rank; experts / EP):
+
+    dense  48 x (18,874,368 / 4 + 4,352 + 262,144) + 2 x 152,064 x 2048 / 4 + 2048 = 394,999,808
+    expert 28,991,029,248 / 8                                                      = 3,623,878,656
+    total 4,018,878,464 (4.0B)
+
+bf16 weights 2 B, fp32 grads 4 B, fp32 master + 2 Adam moments 12 B per parameter; the
+distributed optimizer shards dense state over DP x CP = 2 and expert state over EDP = 1.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from moe_async.cli import main
+from moe_async.config import load_config
+from moe_async.plan.memory import GiB
+from moe_async.plan.report import make_plan
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3_30b_a3b.yaml"
+C25 = ["trainer.nodes=1", "trainer.devices_per_node=8", "trainer.tensor_model_parallel_size=4",
+       "trainer.expert_model_parallel_size=8", "trainer.expert_tensor_parallel_size=1",
+       "trainer.pipeline_model_parallel_size=1", "trainer.use_distributed_optimizer=true",
+       "trainer.params_dtype=bf16", "cluster.nodes=null"]
+
+TOTAL, EXPERT = 30_532_122_624, 28_991_029_248
+DENSE_GPU, EXPERT_GPU = 394_999_808, 3_623_878_656
+
+
+def _plan(extra=()):
+    return make_plan(load_config(CONFIG, [*C25, *extra]), family_check=False)
+
+
+def test_parameter_counts_exact():
+    s = _plan().shape
+    assert s.total == TOTAL and s.expert_total == EXPERT
+    assert round(s.total / 1e9, 1) == 30.5 and round(s.expert_total / 1e9, 1) == 29.0
+    assert s.num_moe_layers == 48 and not s.tied
+
+
+def test_per_gpu_memory_8_gpus():
+    t = _plan().trainer
+    assert (t.layout.dp, t.layout.edp) == (2, 1)
+    assert (t.dense_params, t.expert_params) == (DENSE_GPU, EXPERT_GPU)
+    assert round(t.params / 1e9, 1) == 4.0
+    n = DENSE_GPU + EXPERT_GPU
+    assert t.weights == 2 * n and t.grads == 4 * n
+    assert t.optimizer_distributed == 12 * (DENSE_GPU // 2 + EXPERT_GPU)
+    assert t.optimizer_plain == 12 * n
+    # C25's figures, GiB, with the tolerance of its rounding ("~")
+    assert t.weights / GiB == pytest.approx(7.5, abs=0.05)       # 7.49
+    assert t.grads / GiB == pytest.approx(14.9, abs=0.1)         # 14.97
+    assert t.optimizer / GiB == pytest.approx(42.7, abs=0.05)    # 42.71
+    assert t.static / GiB == pytest.approx(65, abs=0.5)          # 65.16
+    assert (t.weights + t.grads) / GiB == pytest.approx(22, abs=0.5)  # optimizer offloaded: 22.46
+
+
+def test_16_gpus_edp2_halves_the_expert_optimizer():
+    t = _plan(["trainer.nodes=2"]).trainer
+    assert (t.layout.world_size, t.layout.dp, t.layout.edp) == (16, 4, 2)
+    assert (t.dense_params, t.expert_params) == (DENSE_GPU, EXPERT_GPU)  # the same shards, replicated
+    assert t.optimizer_distributed == 12 * (DENSE_GPU // 4 + EXPERT_GPU // 2)
+    assert t.static / GiB == pytest.approx(44, abs=0.5)          # 43.81
+
+
+def test_activation_formula():
+    """T = 8192 tokens, t = T / TP = 2048 per rank; per layer 2t(2H + (2*4096 + 2*512)/TP) +
+    2t*2H + 4tE + 2tk(H + 3I); logits 10 T V_pad / TP (moe_async/plan/memory.py)."""
+    t = _plan(["trainer.max_tokens_per_micro_batch=8192"]).trainer
+    tok, h = 2048, 2048
+    layer = 2 * tok * (2 * h + 9216 / 4) + 2 * tok * 2 * h + 4 * tok * 128 + 2 * tok * 8 * (h + 3 * 768)
+    assert t.tokens_per_micro_batch == 8192
+    assert t.activations == int(48 * layer + 10 * 8192 * 152_064 / 4)  # 12,073,304,064 B = 11.24 GiB
+
+
+def test_engine_and_weight_sync():
+    p = _plan(["engine.tensor_parallel_size=8", "engine.expert_parallel_size=8", "engine.num_engines=1"])
+    # TP8 > 4 KV heads: SGLang keeps one KV head per rank -> 48 layers x (k, v) x 128 x bf16
+    assert p.engine.kv_bytes_per_token == 48 * 2 * 128 * 2
+    assert p.sync.bytes == 2 * TOTAL
+    assert p.sync.seconds == pytest.approx(2 * TOTAL / 50e9)     # 1.22 s at 50 GB/s
+    p4 = _plan(["engine.tensor_parallel_size=4", "engine.expert_parallel_size=4"])
+    per_layer = (18_874_368 - 2 * 1_048_576 + 603_979_776) // 4 + 2 * 1_048_576 // 4 + 4_352 + 262_144
+    assert p4.engine.weights == 2 * (151_936 * 2048 * 2 // 4 + 48 * per_layer + 2048)  # 14.24 GiB
+    assert p4.engine.kv_pool == int(0.85 * 79.6 * GiB) - p4.engine.weights
+
+
+def test_plan_refuses_what_exceeds_the_device(capsys):
+    # 8 H100: 65 GiB static + 22.5 GiB of activations at 16384 tokens > 75.6 GiB usable
+    assert main(["plan", str(CONFIG), *C25]) == 3
+    cap = capsys.readouterr()
+    assert "<- configured" in cap.out and "DOES NOT FIT" in cap.out
+    assert "moe-async: does not fit: trainer: 87.7 GiB per GPU exceed the 75.6 GiB usable" in cap.err
+    assert "cluster.gpu_memory_gib - cluster.reserved_gib" in cap.err and "offloaded to CPU" in cap.err
+    # the same on H200s fits (exit 0), and the shipped 16-GPU layout fits an H100
+    assert main(["plan", str(CONFIG), *C25, "cluster.gpu_memory_gib=140.4"]) == 0
+    assert main(["plan", str(CONFIG)]) == 0

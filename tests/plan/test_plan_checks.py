@@ -1,0 +1,111 @@
+"""``moe-async plan``'s checks: the layout against the model (C24's rules plus heads, KV
+groups, experts, expert FFN, layers) and the cluster, the architecture's sources, errors
+naming the field and the rule."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_async.cli import main
+from moe_async.config import load_config
+from moe_async.plan.arch import ArchError, model_shape
+from moe_async.plan.memory import PlanError
+from moe_async.plan.report import make_plan
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3_30b_a3b.yaml"
+QWEN3_30B = load_config(CONFIG).model.arch
+
+
+def _plan(*overrides):
+    return make_plan(load_config(CONFIG, list(overrides)), family_check=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        # 4 KV groups: Megatron cannot split them over TP8 (SGLang could, by replication)
+        (["trainer.tensor_model_parallel_size=8"], "trainer.tensor_model_parallel_size=8 does not divide the 4 KV groups"),
+        (["trainer.tensor_model_parallel_size=1", "trainer.expert_model_parallel_size=16", "trainer.nodes=4"],
+         None),  # fits the rules (checked below: no error)
+        (["trainer.expert_model_parallel_size=16", "trainer.expert_tensor_parallel_size=1", "model.arch.num_experts=120"],
+         "trainer.expert_model_parallel_size=16 does not divide the 120 experts"),
+        (["trainer.expert_tensor_parallel_size=2", "model.arch.moe_intermediate_size=769"],
+         "trainer.expert_tensor_parallel_size=2 does not divide the expert FFN size 769"),
+        (["trainer.pipeline_model_parallel_size=2", "model.arch.num_hidden_layers=47"],
+         "47 layers (model.arch: num_hidden_layers) are not divisible by trainer.pipeline_model_parallel_size=2 x "
+         "virtual_pipeline_model_parallel_size=1"),
+        (["trainer.pipeline_model_parallel_size=2", "trainer.virtual_pipeline_model_parallel_size=5"],
+         "are not divisible by trainer.pipeline_model_parallel_size=2 x virtual_pipeline_model_parallel_size=5 = 10"),
+        (["trainer.nodes=1", "trainer.devices_per_node=16"], "trainer: 16 ranks per node"),
+        (["engine.tensor_parallel_size=3", "engine.expert_parallel_size=1"],
+         "engine.tensor_parallel_size=3 does not divide the 32 attention heads"),
+        (["engine.num_engines=3", "cluster.nodes=3"], "= 28 GPUs exceed cluster.nodes=3 x gpus_per_node=8 = 24"),
+    ],
+)
+def test_layout_against_model_and_cluster(overrides, needle):
+    if needle is None:
+        assert _plan(*overrides).trainer.layout.edp == 2
+        return
+    with pytest.raises(PlanError, match="layout does not fit") as e:
+        _plan(*overrides)
+    assert needle in str(e.value)
+
+
+def test_every_broken_rule_is_listed_at_once():
+    with pytest.raises(PlanError) as e:
+        _plan("trainer.tensor_model_parallel_size=8", "trainer.nodes=2", "engine.tensor_parallel_size=3",
+              "engine.expert_parallel_size=1")
+    msg = str(e.value)
+    assert "KV groups" in msg and "engine.tensor_parallel_size=3" in msg and msg.count("\n  ") >= 2
+
+
+def test_megatron_rule_itself_still_refused_first(capsys):
+    # C24: 64 GPUs at TP4 PP16 EP4 with ETP = TP is refused by the layout rule (config load, exit 2)
+    rc = main(["plan", str(CONFIG), "trainer.nodes=8", "trainer.tensor_model_parallel_size=4",
+               "trainer.pipeline_model_parallel_size=16", "trainer.expert_model_parallel_size=4",
+               "trainer.expert_tensor_parallel_size=4"])
+    assert rc == 2 and "Megatron's expert rule" in capsys.readouterr().err
+
+
+def test_arch_from_config_json_and_agreement(tmp_path, capsys):
+    d = tmp_path / "Qwen3-30B-A3B"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**QWEN3_30B, "rope_theta": 1e6, "use_sliding_window": True}))
+    p = make_plan(load_config(CONFIG, [f"model.hf_path={d}"]))
+    assert p.shape.source == str(d / "config.json") and p.shape.total == 30_532_122_624
+    # the trainer family's own refusal of a field is reported, not hidden
+    assert any("moe-async train would refuse" in w and "use_sliding_window" in w for w in p.warnings)
+    with pytest.raises(PlanError, match=r"model\.arch\.hidden_size=4096 differs from .*config\.json: hidden_size=2048"):
+        make_plan(load_config(CONFIG, [f"model.hf_path={d}", "model.arch.hidden_size=4096"]))
+
+
+def test_no_architecture_anywhere_names_model_arch(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"base: {CONFIG}\nmodel: {{arch: null, hf_path: {tmp_path / 'none'}}}\n")
+    assert main(["plan", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "model.arch: plan needs the model's architecture" in err and "has no config.json" in err
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"model_type": "gpt2"}, "model.arch: model_type='gpt2' is not one plan counts"),
+        ({"hidden_size": None}, "model.arch.hidden_size is required"),
+        ({"num_experts": 0}, "model.arch.num_experts=0: must be an integer >= 1"),
+        ({"num_key_value_heads": 5}, "model.arch.num_attention_heads=32 is not a multiple of num_key_value_heads=5"),
+        ({"num_experts_per_tok": 200}, "model.arch.num_experts_per_tok=200 exceeds the 128 experts"),
+        ({"tie_word_embeddings": "no"}, "model.arch.tie_word_embeddings='no': must be true or false"),
+    ],
+)
+def test_bad_arch_fields_named(change, needle):
+    with pytest.raises(ArchError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        model_shape({**QWEN3_30B, **change}, "model.arch")
+
+
+def test_arch_only_with_hf_source():
+    from moe_async.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.arch describes an HF checkpoint"):
+        load_config(CONFIG, ["model.source=random_moe", "model.hf_path=null"])
