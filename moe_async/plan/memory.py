@@ -23,7 +23,8 @@ Trainer, per GPU (Megatron-Core as moe_async/trainer/megatron_trainer.py configu
   Transformer Models", whose per-layer count this generalises to GQA/MLA and routed
   experts): with ``t = T / (CP x TP)`` tokens per rank of a micro-batch of T tokens, one
   layer keeps ``2 t (2H + W_attn)`` bytes for attention (norm input, QKV input, q/k/v and the
-  attention output: ``W_attn`` = their widths in elements) plus, for an MoE layer,
+  attention output: ``W_attn`` = their widths in elements; MLA's q/kv latents, which every TP
+  rank computes for the group's ``TP x t`` tokens, ``2 TP t W_latent``) plus, for an MoE layer,
   ``2 t 2H + 4 t E`` (norm and router inputs, fp32 router scores) ``+ 2 t k (ETP H + 3 I)``
   (each of the k routed copies: expert input, gate/up output, SwiGLU output; balanced
   routing) ``+ 2 t (H + 3 Is)`` for shared experts of width Is, or ``2 t (2H + 3 I_dense)``
@@ -243,6 +244,7 @@ def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float
     """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring)."""
     h = shape.hidden_size
     b = 2 * t * (2 * h + shape.act_attn / lay.tp)  # act_attn widths are split over TP heads
+    b += 2 * t * lay.tp * shape.act_attn_whole  # MLA latents: every TP rank, all its TP group's tokens
     if lp.moe:
         b += 2 * t * 2 * h + 4 * t * shape.num_experts
         b += 2 * t * shape.top_k * (lay.etp * h + 3 * shape.moe_intermediate_size)
