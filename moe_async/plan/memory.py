@@ -52,10 +52,14 @@ Errors: :class:`PlanError` (a ``ValueError``) listing each field and rule that f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from moe_async.layout import ParallelLayout
 from moe_async.plan.arch import ModelShape
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
 
 GiB = 2**30
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -158,7 +162,7 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return _ceil_div(vocab, m) * m
 
 
-def check_layout(shape: ModelShape, cfg) -> list[str]:
+def check_layout(shape: ModelShape, cfg: "ExperimentConfig") -> list[str]:
     """The rules ``cfg`` (an ExperimentConfig) breaks for ``shape``, one message each (empty: none).
 
     Trainer (Megatron-Core): attention heads and KV groups divisible by TP, experts by EP, the
@@ -255,7 +259,7 @@ def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float
     return b
 
 
-def tokens_per_micro_batch(cfg) -> tuple[int, str]:
+def tokens_per_micro_batch(cfg: "ExperimentConfig") -> tuple[int, str]:
     """T of the activation estimate and how it was chosen."""
     t, r = cfg.trainer, cfg.rollout
     if t.max_tokens_per_micro_batch is not None:
@@ -268,7 +272,7 @@ def tokens_per_micro_batch(cfg) -> tuple[int, str]:
                "(prompt not included: set trainer.max_tokens_per_micro_batch for a bound)")
 
 
-def estimate_trainer(shape: ModelShape, cfg) -> TrainerEstimate:
+def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstimate:
     """Per-GPU trainer memory of the largest stage (module docstring); call after :func:`check_layout`."""
     t, c = cfg.trainer, cfg.cluster
     lay = t.layout
@@ -300,10 +304,10 @@ def estimate_trainer(shape: ModelShape, cfg) -> TrainerEstimate:
         if best is None or est.total > best.total:
             best = est
     host = best.optimizer_distributed * best.ranks_per_node  # the largest stage's share, on every rank of a node
-    return TrainerEstimate(**{**best.__dict__, "host_optimizer_per_node": host})
+    return replace(best, host_optimizer_per_node=host)
 
 
-def _mem_fraction(cfg) -> tuple[float, bool]:
+def _mem_fraction(cfg: "ExperimentConfig") -> tuple[float, bool]:
     args = cfg.engine.sglang_args
     for k in ("mem_fraction_static", "mem-fraction-static"):
         if k in args:
@@ -314,7 +318,7 @@ def _mem_fraction(cfg) -> tuple[float, bool]:
     return DEFAULT_MEM_FRACTION_STATIC, True
 
 
-def estimate_engine(shape: ModelShape, cfg) -> EngineEstimate:
+def estimate_engine(shape: ModelShape, cfg: "ExperimentConfig") -> EngineEstimate:
     """Per-GPU memory of one engine (module docstring)."""
     e, c = cfg.engine, cfg.cluster
     tp = e.tensor_parallel_size
@@ -336,7 +340,7 @@ def estimate_engine(shape: ModelShape, cfg) -> EngineEstimate:
                           kv_bytes_per_token=kv_token, gpu_bytes=gpu)
 
 
-def estimate_sync(shape: ModelShape, cfg) -> SyncEstimate:
+def estimate_sync(shape: ModelShape, cfg: "ExperimentConfig") -> SyncEstimate:
     """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``."""
     return SyncEstimate(bytes=shape.total * _DTYPE_BYTES[cfg.engine.dtype],
                         bandwidth=cfg.cluster.link_bandwidth_gb_s * 1e9, bucket_bytes=cfg.weight_sync.bucket_bytes)
