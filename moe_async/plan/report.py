@@ -108,15 +108,17 @@ def make_plan(cfg, *, family_check: bool = True) -> Plan:
         plan.warnings.append(f"not counted: {note}")
     budget = "cluster.gpu_memory_gib - cluster.reserved_gib"
     if tr.total > tr.usable:
-        options = [("the optimizer offloaded to CPU", tr.total_offloaded)]
+        options = [("the optimizer offloaded to CPU (Megatron's optimizer_cpu_offload, as slime runs; not a "
+                    "moe-async trainer option yet)", tr.total_offloaded)]
         if not tr.distributed:
             options.insert(0, ("trainer.use_distributed_optimizer=true",
                                tr.weights + tr.grads + tr.optimizer_distributed + tr.activations))
         fits = [name for name, b in options if b <= tr.usable]
         plan.refusals.append(
             f"trainer: {tr.total / GiB:.1f} GiB per GPU exceed the {tr.usable / GiB:.1f} GiB usable ({budget})"
-            + (f"; it would fit with {' or '.join(fits)}" if fits else
-               "; lower the tokens per micro-batch or spread the model over more GPUs (EP, PP, TP)"))
+            + (f"; it would fit with {' or '.join(fits)}" if fits else "")
+            + "; or lower the tokens per micro-batch, or spread the model over more GPUs (EP, PP, TP, or more "
+            "data-parallel ranks to shard the distributed optimizer)")
     elif tr.total > WARN_SHARE * tr.usable:
         plan.warnings.append(f"trainer: {tr.total / GiB:.1f} GiB per GPU are within {100 - WARN_SHARE * 100:.0f}% of "
                              f"the {tr.usable / GiB:.1f} GiB usable ({budget})")
