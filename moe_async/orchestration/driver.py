@@ -15,7 +15,8 @@ k versions old), ``buffer/dropped/<reason>`` and ``rollout/dropped/<reason>`` (c
 counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
 ``perf/trainer_idle_frac`` (time waiting for a batch / loop time), ``perf/engine_idle_frac``,
 ``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); per step
-``perf/wait_seconds`` (trainer waiting for the batch), ``perf/step_seconds`` (wait + train +
+``perf/wait_seconds`` (trainer waiting for the batch; split into ``perf/wait_filling_seconds``
+and ``perf/wait_straggler_seconds``, case C27), ``perf/step_seconds`` (wait + train +
 sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
 outstanding during the step), ``perf/gen_seconds`` (wall-clock seconds since the previous
 step's metrics during which any engine had a request outstanding, so never more than that
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_async.config import ExperimentConfig, dump_config
+from moe_async.buffer.wait_split import wait_split_metrics
 from moe_async.errors import UserInputError
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.orchestration.affinity import check_run_placement
@@ -172,6 +174,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
+            m.update(wait_split_metrics(bstats, t1 - t0))  # C27: filling + straggler = wait
             # reward per sample generated since the last step, filtered/dropped ones included
             rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
             if rg[1] > reward_prev[1]:
