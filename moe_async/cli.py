@@ -1,6 +1,6 @@
 """``moe-async`` command line.
 
-    moe-async train CONFIG.yaml [key.sub=value ...]     run an experiment
+    moe-async train [--quiet] CONFIG.yaml [key.sub=value ...]   run an experiment
     moe-async show-config CONFIG.yaml [key.sub=value ...] print the validated config
 
 Bad user input (a config error, a missing config file, a ``cpu_affinity`` core this host
@@ -39,18 +39,22 @@ def main(argv: list[str] | None = None) -> int:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config", help="YAML experiment file")
         sp.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        if name == "train":
+            sp.add_argument("--quiet", action="store_true", help="no per-step lines or live view (logging.quiet=true)")
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + (["logging.quiet=true"] if getattr(args, "quiet", False) else []))
     except ConfigError as e:
         return _refuse(e)
     if args.cmd == "show-config":
         print(dump_config(cfg), end="")
         return 0
+    from moe_async.logging.console import RunConsole
     from moe_async.orchestration.driver import run_experiment
 
     try:
-        run_experiment(cfg)
+        with RunConsole(quiet=cfg.logging.quiet) as console:
+            run_experiment(cfg, console)
     except (ConfigError, UserInputError) as e:
         return _refuse(e)
     return 0

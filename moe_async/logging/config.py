@@ -15,3 +15,5 @@ class LoggingConfig(BaseModel):
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "moe-async"
     output_dir: str = Field("runs", description="Run dirs are created under this path.")
+    quiet: bool = Field(False, description="No per-step console lines and no live view (CI, scripts); "
+                                           "metrics.jsonl, console.log and the trace are written as usual.")

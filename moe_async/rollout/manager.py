@@ -47,6 +47,7 @@ from collections import Counter
 from typing import Any
 
 from moe_async.buffer.buffer import STOPPED
+from moe_async.logging.timeline import SpanRecorder
 from moe_async.rollout.config import RolloutConfig
 from moe_async.types import Group, Sample
 
@@ -127,6 +128,7 @@ class RolloutManager:
         self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
+        self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
         try:
             params = inspect.signature(buffer.cancel).parameters
             self._cancel_takes_reason = len(params) >= 1
@@ -319,7 +321,9 @@ class RolloutManager:
                 [self._generate_sample(prompt_ids, max_new) for _ in range(G)]
             )
             texts = [self.dataset.decode(s.response_ids) for s in samples]
+            w0 = time.time()
             results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
+            self.trace.add("reward", "reward", w0, time.time(), {"group": gid})
             for i, (s, t, r) in enumerate(zip(samples, texts, results)):
                 s.response_text = t
                 s.reward = float(r.reward)
@@ -450,13 +454,14 @@ class RolloutManager:
         busy = self._busy[i]
         busy.enter()
         self._gen_busy.enter()
-        t0 = time.monotonic()
+        t0, w0 = time.monotonic(), time.time()
         try:
             return await self.engines[i].generate(
                 ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts
             )
         finally:
             self.request_seconds_sum += time.monotonic() - t0
+            self.trace.add(f"engine {i}", "generate", w0, time.time())
             self._gen_busy.exit()
             busy.exit()
             self.counters["requests"] += 1
