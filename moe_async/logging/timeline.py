@@ -43,6 +43,11 @@ class SpanRecorder:
         self.spans: list[Span] = []
         self.dropped = 0
 
+    @staticmethod
+    def now() -> float:
+        """The spans' clock: ``time.time()`` seconds (comparable across processes and hosts)."""
+        return time.time()
+
     def add(self, track: str, name: str, t_start: float, t_end: float, args: dict | None = None) -> None:
         """One span from ``t_start`` to ``t_end`` (``time.time()`` seconds) on ``track``."""
         if len(self.spans) >= self.max_spans:
