@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.patches
 
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
@@ -154,3 +155,59 @@ def utilisation_plot(runs: list[Run], path: Path) -> Path:
 
 PLOTS = {"reward.png": reward_plot, "staleness.png": staleness_plot, "time_breakdown.png": time_breakdown_plot,
          "routing_agreement.png": routing_plot, "mismatch.png": mismatch_plot, "utilisation.png": utilisation_plot}
+
+
+def timeline_plot(runs: list[Run], path: Path, max_steps: int = 3) -> Path | None:
+    """The first run's ``trace.json`` drawn as a Gantt chart over its last ``max_steps`` steps:
+    the trainer loop's phases (wait split into filling/straggler, train, sync) on one row,
+    each engine's requests on rows of concurrent lanes, reward scoring below (None without
+    a trace)."""
+    import json
+
+    tp = runs[0].path / "trace.json"
+    if not tp.is_file():
+        return None
+    ev = json.loads(tp.read_text()).get("traceEvents", [])
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("ph") == "M" and e["name"] == "thread_name"}
+    xs = [e for e in ev if e.get("ph") == "X"]
+    steps = sorted({e["args"]["step"] for e in xs if e.get("cat") == "phase" and "step" in e.get("args", {})})
+    if not steps:
+        return None
+    keep = set(steps[-max_steps:])
+    loop = [e for e in xs if e.get("cat") == "phase" and e.get("args", {}).get("step") in keep]
+    t0 = min(e["ts"] for e in loop)
+    t1 = max(e["ts"] + e["dur"] for e in loop)
+    colors = {"wait": "0.85", "filling": "C0", "straggler": "C1", "train": "C2", "sync": "C3", "save": "C4",
+              "generate": "C9", "reward": "C6"}
+    bars: list[tuple[str, float, float, float, str]] = []  # row, start s, length s, height, colour
+    for e in xs:
+        if e["ts"] + e["dur"] < t0 or e["ts"] > t1:
+            continue
+        if e.get("cat") == "phase":
+            if e.get("args", {}).get("step") not in keep:
+                continue
+            row, h = "trainer loop", (0.8 if e["name"] == "wait" else 0.5)
+        else:
+            row, h = threads.get((e["pid"], e["tid"]), str(e["tid"])), 0.7
+        bars.append((row, (e["ts"] - t0) / 1e6, e["dur"] / 1e6, h, colors.get(e["name"], "0.5")))
+
+    def order(row: str):
+        lane = row.rsplit(" ", 1)[-1]
+        return ({"trainer loop": 0}.get(row, 1 if row.startswith("engine") else 2), row.split(" · ")[0],
+                int(lane) if lane.isdigit() else 0)
+    rows = sorted({b[0] for b in bars}, key=order)
+    fig = Figure(figsize=(11, 1.2 + 0.3 * len(rows)))
+    ax = fig.add_subplot(1, 1, 1)
+    for row, x, w, h, c in bars:
+        y = rows.index(row)
+        ax.broken_barh([(x, w)], (y - h / 2, h), color=c, edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.invert_yaxis()
+    handles = [matplotlib.patches.Patch(color=c, label=n) for n, c in colors.items()]
+    ax.legend(handles=handles, fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.set(title=f"timeline, steps {min(keep)}-{max(keep)} (trace.json)", xlabel="seconds")
+    ax.grid(alpha=0.3, axis="x")
+    return _save(fig, path)
+
+
+PLOTS["timeline.png"] = timeline_plot

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PLOTS = ["reward.png", "staleness.png", "time_breakdown.png", "routing_agreement.png", "mismatch.png", "utilisation.png"]
+PLOTS = ["reward.png", "staleness.png", "time_breakdown.png", "routing_agreement.png", "mismatch.png", "utilisation.png",
+         "timeline.png"]
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,18 @@ def test_several_runs_overlay_and_optional_plots(tmp_path):
     assert [n["run"] for n in rep["runs"]] == ["sync", "async"]
     assert "routing_agreement.png" not in rep["plots"] and not (tmp_path / "cmp" / "routing_agreement.png").exists()
     assert "| | sync | async |" in (tmp_path / "cmp" / "summary.md").read_text()
+    assert "timeline.png" not in rep["plots"]  # no trace.json in these runs
+
+
+def test_timeline_plot_from_the_run_trace(tmp_path):
+    from moe_async.logging.timeline import chrome_trace
+
+    _write_run(tmp_path / "r", [0.1, 0.2])
+    spans = [("trainer", "wait", 0.0, 1.0, {"step": 1}), ("trainer", "train", 1.0, 2.0, {"step": 1}),
+             ("engine 0", "generate", 0.1, 1.5, None), ("reward", "reward", 1.5, 1.6, {"group": 0})]
+    (tmp_path / "r" / "trace.json").write_text(json.dumps(chrome_trace(spans)))
+    r = make_report([tmp_path / "r"])
+    assert "timeline.png" in r["plots"] and (r["out"] / "timeline.png").read_bytes()[:8] == PNG
 
 
 def test_quantiles():
