@@ -74,3 +74,20 @@ def test_inert_console_leaves_streams():
     con.status("x")
     con.close()
     assert sys.stdout is out and con.summary_line() is None
+
+
+def test_step_line_and_quiet(tmp_path, capsys):
+    from moe_async.logging.config import LoggingConfig
+    from moe_async.logging.run_logger import RunLogger
+
+    m = {"rollout/reward_mean": 0.5, "rollout/accuracy": 0.25, "perf/wait_seconds": 1.25,
+         "perf/wait_straggler_seconds": 0.5, "train/step_time_s": 2.0, "sync/seconds": 0.125}
+    loud = RunLogger(LoggingConfig(wandb_mode="disabled"), tmp_path, "x", {})
+    line = loud.console_step(3, 24, m)
+    assert capsys.readouterr().out == line + "\n"
+    assert line.startswith("step   3/24 | reward 0.500 acc 0.250")
+    assert "| wait 1.2s (straggler 0.5s) train 2.0s sync 0.12s |" in line
+    quiet = RunLogger(LoggingConfig(wandb_mode="disabled", quiet=True), tmp_path, "x", {})
+    assert quiet.console_step(3, 24, m) == line and capsys.readouterr().out == ""
+    loud.close()
+    quiet.close()
