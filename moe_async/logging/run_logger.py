@@ -47,7 +47,8 @@ def make_run_dir(cfg: LoggingConfig, name: str) -> Path:
 
 
 class RunLogger:
-    """Writes metrics to wandb, ``metrics.jsonl`` and the console.
+    """Writes metrics to wandb, ``metrics.jsonl``, TensorBoard (``logging.tensorboard``) and
+    the console.
 
     Args:
         cfg: logging config (``wandb_mode`` offline|online|disabled).
@@ -60,6 +61,11 @@ class RunLogger:
         self.quiet = cfg.quiet
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._wandb = None
+        self._tb = None
+        if cfg.tensorboard:  # the same names as metrics.jsonl and wandb, step = the run's step
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"))
         if cfg.wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -78,6 +84,10 @@ class RunLogger:
         self._jsonl.write(json.dumps(rec, default=float) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, global_step=step)
 
     def console_step(self, step: int, total: int, m: dict[str, Any]) -> str:
         """Format the one-line step summary, print it (unless ``logging.quiet``); return it.
@@ -114,6 +124,9 @@ class RunLogger:
 
     def close(self) -> None:
         self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -91,3 +91,35 @@ def test_step_line_and_quiet(tmp_path, capsys):
     assert quiet.console_step(3, 24, m) == line and capsys.readouterr().out == ""
     loud.close()
     quiet.close()
+
+
+
+def _read_tb_scalars(logdir):
+    """(tag, step, value) of every scalar in the TFRecord event files under ``logdir``."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for f in sorted(logdir.glob("events.out.tfevents.*")):
+        data = f.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            out += [(v.tag, ev.step, v.simple_value) for v in ev.summary.value]
+    return out
+
+
+def test_tensorboard_gets_the_same_names_and_values(tmp_path):
+    from moe_async.logging.config import LoggingConfig
+    from moe_async.logging.run_logger import RunLogger
+
+    lg = RunLogger(LoggingConfig(wandb_mode="disabled", tensorboard=True), tmp_path, "x", {})
+    lg.log({"rollout/reward_mean": 0.5, "perf/wait_seconds": 1.25, "note": "text"}, step=1)
+    lg.log({"rollout/reward_mean": 0.75, "perf/wait_seconds": 2.0}, step=2)
+    lg.close()
+    assert sorted(_read_tb_scalars(tmp_path / "tensorboard")) == [
+        ("perf/wait_seconds", 1, 1.25), ("perf/wait_seconds", 2, 2.0),
+        ("rollout/reward_mean", 1, 0.5), ("rollout/reward_mean", 2, 0.75)]
