@@ -32,7 +32,7 @@ EXPECTED: dict[str, re.Pattern] = {
     "Transformer Engine/Apex fallback": re.compile(r"Transformer Engine and Apex are not installed|Apex is not installed"),
     "deprecation": re.compile(r"DeprecationWarning|FutureWarning|is deprecated|will be removed in"),
     "Ray notice": re.compile(r"Token authentication is enabled|authentication token|Started a local Ray instance"
-                             r"|Connecting to existing Ray cluster|Connected to Ray cluster"),
+                             r"|Connecting to existing Ray cluster|Connected to Ray cluster|Ray deduplicates logs by default"),
     "progress bar": re.compile(r"\d+%\|[^|]*\|\s*\d+/\d+|\|\s*\d+/\d+ \[\d+:\d+"),
     "oversize-bucket note": re.compile(r"weight sync: .* exceeds bucket_bytes=\d+; sent alone"),
 }

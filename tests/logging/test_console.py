@@ -28,6 +28,9 @@ def test_classify():
     assert classify(STARTUP[3]) == "Transformer Engine/Apex fallback"
     assert classify(STARTUP[7]) == "deprecation"
     assert classify(STARTUP[1]) == "Ray notice"
+    assert classify("(Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication.)") == "Ray notice"
+    assert classify(f"{P}Apex is not installed. Falling back to Torch Norm [repeated 2x across cluster]") \
+        == "Transformer Engine/Apex fallback"
     assert classify("step   1/3 | reward 0.000 acc 0.000") is None
     assert classify(f"{P}RuntimeError: engine 0 died") is None
 
