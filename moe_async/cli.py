@@ -1,8 +1,9 @@
 """``moe-async`` command line.
 
-    moe-async train CONFIG.yaml [key.sub=value ...]     run an experiment
+    moe-async train [--quiet] CONFIG.yaml [key.sub=value ...]   run an experiment
     moe-async show-config CONFIG.yaml [key.sub=value ...] print the validated config
     moe-async plan CONFIG.yaml [key.sub=value ...]        check the layout, estimate per-GPU memory
+    moe-async report RUN_DIR [RUN_DIR ...] [--out DIR]   plots and a summary of runs
 
 Bad user input (a config error, a missing config file, a ``cpu_affinity`` core this host
 lacks, a ``trainer.load`` that is no checkpoint, a bad ``model.hf_path``) prints one line
@@ -60,9 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config", help="YAML experiment file")
         sp.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        if name == "train":
+            sp.add_argument("--quiet", action="store_true", help="no per-step lines or live view (logging.quiet=true)")
+    rp = sub.add_parser("report", help="PNG plots and a markdown summary of run directories (overlaid)")
+    rp.add_argument("run_dirs", nargs="+", help="run directories written by moe-async train")
+    rp.add_argument("--out", default=None, help="output directory (default: <first run dir>/report)")
     args = p.parse_args(argv)
+    if args.cmd == "report":
+        return _report(args.run_dirs, args.out)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + (["logging.quiet=true"] if getattr(args, "quiet", False) else []))
     except ConfigError as e:
         return _refuse(e)
     if args.cmd == "show-config":
@@ -70,12 +78,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "plan":
         return _plan(cfg, args.config)
+    from moe_async.logging.console import RunConsole
     from moe_async.orchestration.driver import run_experiment
 
     try:
-        run_experiment(cfg)
+        with RunConsole(quiet=cfg.logging.quiet) as console:
+            run_experiment(cfg, console)
     except (ConfigError, UserInputError) as e:
         return _refuse(e)
+    return 0
+
+
+def _report(run_dirs: list[str], out: str | None) -> int:
+    from moe_async.report import make_report
+
+    try:
+        r = make_report(run_dirs, out)
+    except UserInputError as e:
+        return _refuse(e)
+    print(f"[moe-async] report: {r['out'] / 'summary.md'} and {len(r['plots'])} plots ({', '.join(r['plots'])})")
     return 0
 
 

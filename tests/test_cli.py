@@ -99,7 +99,7 @@ def test_internal_errors_keep_their_traceback(monkeypatch, exc) -> None:
     """Only UserInputError/ConfigError become the one-line refusal; a plain ValueError or a crash propagates."""
     import moe_async.orchestration.driver as driver
 
-    def crash(cfg):
+    def crash(cfg, console=None):
         raise exc
 
     monkeypatch.setattr(driver, "run_experiment", crash)
@@ -116,7 +116,7 @@ def test_user_input_error_from_a_ray_task_prints_the_cause_only(monkeypatch, cap
 
     cause = UserInputError("engine.cpu_affinity=[9]: cores [9] are not available here (allowed: [0, 1])")
 
-    def remote_refusal(cfg):
+    def remote_refusal(cfg, console=None):
         raise RayTaskError("EngineManager.launch", "Traceback (most recent call last):\n  ...", cause).as_instanceof_cause()
 
     monkeypatch.setattr(driver, "run_experiment", remote_refusal)

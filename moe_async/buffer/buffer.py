@@ -19,6 +19,11 @@ Groups are admitted and dropped whole (a GRPO group is the unit of an advantage)
 Accounting invariant: ``samples_generated == samples_trained + samples_dropped + samples_buffered``.
 A group still generating when generation stops (reason :data:`STOPPED`) is counted in
 ``in_flight_at_stop``, not as a drop: nothing was refused, the run just ended.
+
+The buffer also keeps when each group was put and when the trainer began waiting (the first
+``get_batch`` after a hand-out), so that each hand-out splits its wait into "filling" and
+"straggler" seconds (case C27, :mod:`moe_async.buffer.wait_split`; ``stats()``
+``wait_filling_s`` / ``wait_straggler_s``, seconds on this buffer's clock).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable, TypeVar
 
+from moe_async.buffer.wait_split import WaitSplit, split_batch_wait
 from moe_async.types import Group
 
 
@@ -41,12 +47,14 @@ class RolloutBuffer:
         groups_per_step: ``B``, groups handed to the trainer per step (> 0).
         max_staleness: ``K`` >= 0, in weight versions.
         start_version: ``v0``, the weight_version at (re)start.
+        clock: seconds (monotonic) for the wait split; ``time.monotonic`` by default.
 
     Raises:
         ValueError: on ``groups_per_step < 1`` or ``max_staleness < 0``.
     """
 
-    def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0):
+    def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
         if max_staleness < 0:
@@ -68,6 +76,10 @@ class RolloutBuffer:
         self.drop_reasons: Counter[str] = Counter()
         self.in_flight_at_stop = 0
         self.staleness_hist: Counter[int] = Counter()
+        self._clock = clock
+        self._put_at: dict[int, float] = {}  # id(group) -> when it was put (C27)
+        self._wait_since: float | None = None  # when the trainer began waiting for the next batch
+        self.last_wait = WaitSplit(0.0, 0.0)  # the last hand-out's filling/straggler seconds
 
     # ---- admission (rollout side) -------------------------------------------------
     @property
@@ -100,6 +112,7 @@ class RolloutBuffer:
         for s in group.samples:
             s.validate()
         self._queue.append(group)
+        self._put_at[id(group)] = self._clock()
         self.groups_put += 1
         self.samples_generated += len(group.samples)
 
@@ -118,6 +131,7 @@ class RolloutBuffer:
                 self.samples_dropped += len(g.samples)
                 self.retired += 1
                 self.drop_reasons["stale"] += 1
+                self._put_at.pop(id(g), None)
             else:
                 keep.append(g)
         self._queue = keep
@@ -126,12 +140,20 @@ class RolloutBuffer:
         """Pop ``B`` groups for a training step at ``trainer_version``, oldest first.
 
         Stale groups (oldest token more than ``K`` versions behind) are dropped and counted
-        first. Returns ``None`` when fewer than ``B`` fresh groups are buffered.
+        first. Returns ``None`` when fewer than ``B`` fresh groups are buffered. A hand-out
+        sets ``last_wait`` (C27), the wait counted from the first call since the previous one.
         """
+        now = self._clock()
+        if self._wait_since is None:
+            self._wait_since = now
         self._drop_stale(trainer_version)
         if len(self._queue) < self.B:
             return None
         batch = [self._queue.popleft() for _ in range(self.B)]
+        self.last_wait = split_batch_wait(
+            self._wait_since, now, [self._put_at.pop(id(g), now) for g in batch],
+            [trainer_version - g.oldest_version for g in batch], self.K)
+        self._wait_since = None
         for g in batch:
             self.groups_trained += 1
             self.samples_trained += len(g.samples)
@@ -168,6 +190,8 @@ class RolloutBuffer:
             "drop_reasons": dict(self.drop_reasons),
             "in_flight_at_stop": self.in_flight_at_stop,
             "staleness_hist": dict(self.staleness_hist),
+            "wait_filling_s": self.last_wait.filling,
+            "wait_straggler_s": self.last_wait.straggler,
         }
 
     def state_dict(self) -> dict[str, Any]:

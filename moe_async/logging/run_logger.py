@@ -1,9 +1,11 @@
 """Run logging: wandb (offline by default: a run directory you can ``wandb sync`` later),
-a ``metrics.jsonl`` file, and one console line per step.
+a ``metrics.jsonl`` file (one JSON object per step: ``step`` and every metric), and one
+console line per step.
 
 Metric names (per step): ``rollout/reward_mean``, ``rollout/accuracy``,
 ``buffer/staleness_mean``, ``buffer/staleness_max``, ``sync/seconds``,
-``perf/tokens_per_s``, ``perf/trainer_idle_frac``, ``train/loss``, ``train/grad_norm`` ...
+``perf/tokens_per_s``, ``perf/trainer_idle_frac``, ``train/loss``, ``train/grad_norm`` ...;
+the README's metrics catalogue lists them all with units and sources.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def make_run_dir(cfg: LoggingConfig, name: str) -> Path:
 
 
 class RunLogger:
-    """Writes metrics to wandb, ``metrics.jsonl`` and the console.
+    """Writes metrics to wandb, ``metrics.jsonl``, TensorBoard (``logging.tensorboard``) and
+    the console.
 
     Args:
         cfg: logging config (``wandb_mode`` offline|online|disabled).
@@ -55,8 +58,14 @@ class RunLogger:
 
     def __init__(self, cfg: LoggingConfig, run_dir: Path, name: str, config: dict[str, Any]):
         self.run_dir = run_dir
+        self.quiet = cfg.quiet
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._wandb = None
+        self._tb = None
+        if cfg.tensorboard:  # the same names as metrics.jsonl and wandb, step = the run's step
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"))
         if cfg.wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -75,24 +84,34 @@ class RunLogger:
         self._jsonl.write(json.dumps(rec, default=float) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, global_step=step)
 
     def console_step(self, step: int, total: int, m: dict[str, Any]) -> str:
-        """Format and print the one-line step summary; returns the line.
+        """Format the one-line step summary, print it (unless ``logging.quiet``); return it.
 
         ``reward`` is the trained batch's mean; ``gen reward`` (when known) the mean over every
         sample generated since the previous step, including groups that dynamic filtering or
-        the staleness bound dropped: the policy's own reward, which filtering does not bias."""
+        the staleness bound dropped: the policy's own reward, which filtering does not bias.
+        ``wait`` is the trainer's wait for the batch (``straggler`` its part spent on groups at
+        the staleness limit, C27), ``train`` the train step, ``sync`` the weight sync."""
         gen = m.get("rollout/reward_mean_generated_step")
+        strag = m.get("perf/wait_straggler_seconds", 0.0)
         line = (
             f"step {step:>3}/{total} | reward {m.get('rollout/reward_mean', 0):.3f}"
-            f" | acc {m.get('rollout/accuracy', 0):.3f}"
-            + (f" | gen reward {gen:.3f}" if gen is not None else "")
-            + f" | staleness mean {m.get('buffer/staleness_mean', 0):.2f} max {m.get('buffer/staleness_max', 0):.0f}"
-            f" | loss {m.get('train/loss', 0):+.4f} | aux {m.get('train/moe_aux_loss', 0):.3f} | sync {m.get('sync/seconds', 0):.2f}s"
-            f" | {m.get('perf/tokens_per_s', 0):.0f} tok/s | trainer idle {m.get('perf/trainer_idle_frac', 0):.0%}"
+            f" acc {m.get('rollout/accuracy', 0):.3f}"
+            + (f" gen reward {gen:.3f}" if gen is not None else "")
+            + f" | staleness {m.get('buffer/staleness_mean', 0):.2f} max {m.get('buffer/staleness_max', 0):.0f}"
+            f" | loss {m.get('train/loss', 0):+.4f} aux {m.get('train/moe_aux_loss', 0):.3f}"
+            f" | wait {m.get('perf/wait_seconds', 0):.1f}s" + (f" (straggler {strag:.1f}s)" if strag >= 0.05 else "")
+            + f" train {m.get('train/step_time_s', 0):.1f}s sync {m.get('sync/seconds', 0):.2f}s"
+            f" | {m.get('perf/tokens_per_s', 0):.0f} tok/s, trainer idle {m.get('perf/trainer_idle_frac', 0):.0%}"
             f" | dropped {m.get('buffer/samples_dropped', 0):.0f}"
         )
-        print(line, flush=True)
+        if not self.quiet:
+            print(line, flush=True)
         return line
 
     def summary(self, values: dict[str, Any]) -> None:
@@ -105,6 +124,9 @@ class RunLogger:
 
     def close(self) -> None:
         self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -299,6 +299,10 @@ class RolloutActor:
     async def metrics(self) -> dict[str, Any]:
         return self.manager.metrics()
 
+    async def trace_spans(self) -> list[tuple]:
+        """The timeline spans recorded since the last call (moe_async.logging.timeline)."""
+        return self.manager.trace.drain()
+
     async def data_state(self) -> dict[str, int]:
         """The train-prompt position (epoch, index in its seeded order), for checkpoints."""
         return self.dataset.state_dict()

@@ -15,7 +15,8 @@ k versions old), ``buffer/dropped/<reason>`` and ``rollout/dropped/<reason>`` (c
 counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
 ``perf/trainer_idle_frac`` (time waiting for a batch / loop time), ``perf/engine_idle_frac``,
 ``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); per step
-``perf/wait_seconds`` (trainer waiting for the batch), ``perf/step_seconds`` (wait + train +
+``perf/wait_seconds`` (trainer waiting for the batch; split into ``perf/wait_filling_seconds``
+and ``perf/wait_straggler_seconds``, case C27), ``perf/step_seconds`` (wait + train +
 sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
 outstanding during the step), ``perf/gen_seconds`` (wall-clock seconds since the previous
 step's metrics during which any engine had a request outstanding, so never more than that
@@ -41,16 +42,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_async.buffer.wait_split import wait_split_metrics
 from moe_async.config import ExperimentConfig, dump_config
 from moe_async.errors import UserInputError
+from moe_async.logging.console import RunConsole
 from moe_async.logging.run_logger import RunLogger, make_run_dir
+from moe_async.logging.timeline import Timeline
 from moe_async.orchestration.affinity import check_run_placement
 from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
 
 
-def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
+def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> dict[str, Any]:
     """Run one experiment end to end and return its summary (also in summary.json).
+
+    ``console`` (``moe-async train`` passes one) folds expected warnings and keeps the whole
+    console text in ``<run dir>/console.log``; every run writes its timeline to
+    ``<run dir>/trace.json`` (:mod:`moe_async.logging.timeline`).
 
     Raises: whatever a component raises (config/model/engine errors name their source);
     :class:`~moe_async.errors.UserInputError` at start-up, before Ray or any process starts,
@@ -80,6 +88,10 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
     model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
     run_dir = make_run_dir(cfg.logging, cfg.name)
+    console = console or RunConsole(install=False)
+    console.attach_log(run_dir)
+    timeline = Timeline(run_dir / "trace.json", on_phase=console.status)
+    timeline.phase("prepare model")
     # absolute: the trainer actor's working directory need not be the driver's
     save_dir = str(Path(cfg.trainer.save_dir).expanduser().resolve()) if cfg.trainer.save_dir else str(run_dir / "checkpoints")
     (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -94,7 +106,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
     try:
+        timeline.phase("start engines")
         urls = ray.get(engines.launch.remote())
+        timeline.phase("build trainer")
         trainer = TrainerActor.remote(cfg, model_path)
         ray.get(trainer.connect_engines.remote(urls))
         resumed: dict[str, Any] = {}
@@ -114,6 +128,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         if resumed.get("dataset"):
             ray.get(rollout.load_data_state.remote(resumed["dataset"]))
         if cfg.eval_before:
+            timeline.phase("eval_before", label="held-out eval (before)")
             evaluate(rollout, summary, "eval_before", "before")
         rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
         busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
@@ -126,6 +141,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         synced_version = version
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
+            timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
             groups = None
             while groups is None:
                 # a bounded wait for the buffer's own 5 s wait: a lost reply (seen once in CI
@@ -137,10 +153,12 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                     raise RuntimeError(f"rollout loop died: {err}")
             t1 = time.perf_counter()
             idle += t1 - t0
+            timeline.phase("train", step, label=f"step {step}/{cfg.num_steps}: train step")
             m = batch_metrics(groups, version)
             m.update(_get_watching(trainer.train_step.remote(groups), engines))
             version = ray.get(trainer.version.remote())
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
+                timeline.phase("sync", step, label=f"step {step}/{cfg.num_steps}: weight sync")
                 m.update(_get_watching(trainer.sync_weights.remote(), engines))
                 if cfg.weight_sync.check:
                     m.update(_get_watching(trainer.check_engines.remote(urls), engines))
@@ -149,6 +167,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             si = cfg.trainer.save_interval
             if si and (step % si == 0 or step == cfg.num_steps):
                 t_save = time.perf_counter()
+                timeline.phase("save", step, label=f"step {step}/{cfg.num_steps}: checkpoint")
                 data = ray.get(rollout.data_state.remote())
                 summary["last_checkpoint"] = ray.get(trainer.save_checkpoint.remote(save_dir, step, {"dataset": data}))
                 m["perf/save_seconds"] = time.perf_counter() - t_save
@@ -172,12 +191,15 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
+            m.update(wait_split_metrics(bstats, t1 - t0))  # C27: filling + straggler = wait
+            timeline.end_step(step, m["perf/wait_straggler_seconds"], ray.get(rollout.trace_spans.remote()))
             # reward per sample generated since the last step, filtered/dropped ones included
             rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
             if rg[1] > reward_prev[1]:
                 m["rollout/reward_mean_generated_step"] = (rg[0] - reward_prev[0]) / (rg[1] - reward_prev[1])
             busy_prev, gen_prev, reward_prev = busy_now, rm["rollout/gen_wall_seconds"], rg
             logger.log(m, step)
+            console.report_hidden()  # one line, only when expected warnings were hidden since the last
             logger.console_step(step, cfg.num_steps, m)
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
                                                  "perf/trainer_idle_frac", "perf/engine_idle_frac")}
@@ -190,7 +212,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
                              for k, v in ray.get(buffer.stats.remote()).items()}
         summary["rollout"] = ray.get(rollout.metrics.remote())
         if cfg.eval_after:
+            timeline.phase("eval_after", label="held-out eval (after)")
             evaluate(rollout, summary, "eval_after", "after")
+        timeline.idle()
         from moe_async.engines.client import SyncEngineClient
 
         trainer_sums = ray.get(trainer.checksums.remote())
@@ -214,11 +238,13 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             ray.get(engines.shutdown.remote(), timeout=60)
         finally:
             logger.close()
+            timeline.write()
             ray.shutdown()
             if prev_sigterm is not None:
                 import signal
 
                 signal.signal(signal.SIGTERM, prev_sigterm)
+    console.report_hidden()
     print(f"[moe-async] done. run files: {run_dir}", flush=True)
     if cfg.logging.wandb_mode == "offline":
         print(f"[moe-async] wandb offline run: sync later with `{wandb_command()} sync {run_dir / 'wandb'}/offline-run-*`",

@@ -47,6 +47,7 @@ from collections import Counter
 from typing import Any
 
 from moe_async.buffer.buffer import STOPPED
+from moe_async.logging.timeline import SpanRecorder
 from moe_async.rollout.config import RolloutConfig
 from moe_async.types import Group, Sample
 
@@ -127,6 +128,7 @@ class RolloutManager:
         self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
+        self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
         try:
             params = inspect.signature(buffer.cancel).parameters
             self._cancel_takes_reason = len(params) >= 1
@@ -226,7 +228,8 @@ class RolloutManager:
         reason, ``rollout/gen_wall_seconds`` (wall-clock s with >= 1 request outstanding on
         any engine, never more than the elapsed time), ``rollout/request_seconds_sum`` (s
         summed over requests; overlapping requests add up), ``rollout/engine_busy_s/<i>``
-        (per engine) and the reward pool's metrics."""
+        (per engine), ``rollout/requests_in_flight`` (requests outstanding now, all engines)
+        and the reward pool's metrics."""
         m: dict[str, float] = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
         for reason, n in self.dropped.items():
             m[f"rollout/dropped/{reason}"] = float(n)
@@ -235,6 +238,7 @@ class RolloutManager:
         # the per-request sum exceeds wall time when requests overlap
         m["rollout/gen_wall_seconds"] = self._gen_busy.total()
         m["rollout/request_seconds_sum"] = self.request_seconds_sum
+        m["rollout/requests_in_flight"] = float(self._gen_busy.outstanding)  # now, over all engines
         for i, b in enumerate(self._busy):
             m[f"rollout/engine_busy_s/{i}"] = b.total()
         if hasattr(self.reward_pool, "metrics"):
@@ -319,7 +323,9 @@ class RolloutManager:
                 [self._generate_sample(prompt_ids, max_new) for _ in range(G)]
             )
             texts = [self.dataset.decode(s.response_ids) for s in samples]
+            w0 = self.trace.now()
             results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
+            self.trace.add("reward", "reward", w0, self.trace.now(), {"group": gid})
             for i, (s, t, r) in enumerate(zip(samples, texts, results)):
                 s.response_text = t
                 s.reward = float(r.reward)
@@ -450,13 +456,14 @@ class RolloutManager:
         busy = self._busy[i]
         busy.enter()
         self._gen_busy.enter()
-        t0 = time.monotonic()
+        t0, w0 = time.monotonic(), self.trace.now()
         try:
             return await self.engines[i].generate(
                 ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts
             )
         finally:
             self.request_seconds_sum += time.monotonic() - t0
+            self.trace.add(f"engine {i}", "generate", w0, self.trace.now())
             self._gen_busy.exit()
             busy.exit()
             self.counters["requests"] += 1

@@ -1,0 +1,81 @@
+"""Reading a run directory written by ``moe-async train``: ``metrics.jsonl`` (one JSON object
+per step) and ``summary.json``; nothing else is needed and nothing is fetched."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_async.errors import UserInputError
+
+
+@dataclass
+class Run:
+    """One run's own records.
+
+    ``steps``: the metrics.jsonl records in file order (``step`` and every metric);
+    ``summary``: summary.json (empty when the run did not finish); ``name``: the run dir's name.
+    """
+
+    path: Path
+    name: str
+    steps: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """``(steps, values)`` of the records that hold a finite number under ``key``."""
+        xs, ys = [], []
+        for r in self.steps:
+            v = r.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                xs.append(int(r["step"]))
+                ys.append(float(v))
+        return xs, ys
+
+    def keys(self, prefix: str) -> list[str]:
+        """Metric names starting with ``prefix`` in any record, sorted (numeric suffixes by value)."""
+        names = {k for r in self.steps for k in r if k.startswith(prefix)}
+
+        def order(k: str):
+            tail = k[len(prefix):].lstrip("_l/")
+            return (0, int(tail), k) if tail.isdigit() else (1, 0, k)
+        return sorted(names, key=order)
+
+
+def load_run(path: str | Path) -> Run:
+    """Read ``path``'s metrics.jsonl (required, one step or more) and summary.json (optional).
+
+    Raises:
+        UserInputError naming the path when it is not a run directory (missing, not a
+        directory, no metrics.jsonl) or a file in it cannot be read (a line that is not JSON,
+        a record without ``step``).
+    """
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise UserInputError(f"{path}: not a run directory (no such directory)")
+    mpath = p / "metrics.jsonl"
+    if not mpath.is_file():
+        raise UserInputError(f"{path}: not a run directory of moe-async train (no metrics.jsonl)")
+    steps = []
+    for i, line in enumerate(mpath.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            int(rec["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserInputError(f"{mpath}:{i}: not a metrics record ({type(e).__name__}: {e})") from e
+        steps.append(rec)
+    if not steps:
+        raise UserInputError(f"{mpath}: no steps recorded")
+    summary: dict[str, Any] = {}
+    spath = p / "summary.json"
+    if spath.is_file():
+        try:
+            summary = json.loads(spath.read_text())
+        except ValueError as e:
+            raise UserInputError(f"{spath}: not JSON ({e})") from e
+    return Run(p.resolve(), p.resolve().name, steps, summary)

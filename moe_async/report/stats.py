@@ -1,0 +1,102 @@
+"""The numbers of a report, each computed from one run's own records (:class:`Run`).
+
+Every value names its source: ``last`` values are the final metrics.jsonl record's (the
+``perf/*_per_s`` and ``*_idle_frac`` metrics are already running values over the whole
+loop), ``mean`` values are plain means over the steps that logged the metric, the staleness
+figures are over every trained token (the per-step ``buffer/staleness_hist/<k>`` counts
+summed), and held-out accuracies come from summary.json (``eval_before`` / ``eval_after``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_async.report.runs import Run
+
+# per-step time parts of the stacked breakdown: (label, metric), all seconds
+TIME_PARTS = (("wait: filling", "perf/wait_filling_seconds"), ("wait: straggler", "perf/wait_straggler_seconds"),
+              ("train", "train/step_time_s"), ("sync", "sync/seconds"), ("sync check", "sync/check_seconds"),
+              ("save", "perf/save_seconds"))
+
+
+def staleness_hist(run: Run) -> dict[int, float]:
+    """Trained tokens per staleness (versions behind the trainer), summed over the steps."""
+    out: dict[int, float] = {}
+    for r in run.steps:
+        for k, v in r.items():
+            if k.startswith("buffer/staleness_hist/"):
+                s = int(k.rsplit("/", 1)[1])
+                out[s] = out.get(s, 0.0) + float(v)
+    return dict(sorted(out.items()))
+
+
+def hist_quantile(hist: dict[int, float], q: float) -> float | None:
+    """The smallest staleness ``s`` with at least a fraction ``q`` of the tokens at ``<= s``."""
+    total = sum(hist.values())
+    if total <= 0:
+        return None
+    acc = 0.0
+    for s, n in sorted(hist.items()):
+        acc += n
+        if acc >= q * total - 1e-9:
+            return float(s)
+    return float(max(hist))
+
+
+def _mean(run: Run, key: str) -> float | None:
+    _, ys = run.series(key)
+    return sum(ys) / len(ys) if ys else None
+
+
+def _last(run: Run, key: str) -> float | None:
+    _, ys = run.series(key)
+    return ys[-1] if ys else None
+
+
+def held_out(run: Run) -> list[tuple[int, float]]:
+    """Held-out (greedy) accuracy points ``(step, accuracy)``: summary.json's ``eval_before``
+    at the run's first step - 1 and ``eval_after`` at its last step, plus any per-step
+    ``eval/accuracy`` records of metrics.jsonl."""
+    first, last = int(run.steps[0]["step"]), int(run.steps[-1]["step"])
+    pts = []
+    if isinstance(run.summary.get("eval_before"), dict) and "accuracy" in run.summary["eval_before"]:
+        pts.append((first - 1, float(run.summary["eval_before"]["accuracy"])))
+    xs, ys = run.series("eval/accuracy")
+    pts += list(zip(xs, ys))
+    if isinstance(run.summary.get("eval_after"), dict) and "accuracy" in run.summary["eval_after"]:
+        pts.append((last, float(run.summary["eval_after"]["accuracy"])))
+    return pts
+
+
+def run_numbers(run: Run) -> dict[str, Any]:
+    """The summary row of one run (None where the run did not log the metric)."""
+    hist = staleness_hist(run)
+    tok = sum(hist.values())
+    ev = run.summary
+    out: dict[str, Any] = {
+        "run": run.name,
+        "steps": len(run.steps),
+        "last_step": int(run.steps[-1]["step"]),
+        "reward_mean_last": _last(run, "rollout/reward_mean"),
+        "reward_mean_avg": _mean(run, "rollout/reward_mean"),
+        "accuracy_last": _last(run, "rollout/accuracy"),
+        "accuracy_avg": _mean(run, "rollout/accuracy"),
+        "reward_mean_generated": _last(run, "rollout/reward_mean_generated"),
+        "heldout_accuracy_before": (ev.get("eval_before") or {}).get("accuracy"),
+        "heldout_accuracy_after": (ev.get("eval_after") or {}).get("accuracy"),
+        "staleness_mean": sum(s * n for s, n in hist.items()) / tok if tok else None,
+        "staleness_p50": hist_quantile(hist, 0.5),
+        "staleness_p99": hist_quantile(hist, 0.99),
+        "staleness_max": float(max(hist)) if hist else None,
+        "samples_per_s": _last(run, "perf/samples_per_s"),
+        "tokens_per_s": _last(run, "perf/tokens_per_s"),
+        "trainer_idle_frac": _last(run, "perf/trainer_idle_frac"),
+        "engine_idle_frac": _last(run, "perf/engine_idle_frac"),
+        "step_seconds_avg": _mean(run, "perf/step_seconds"),
+        "wait_seconds_avg": _mean(run, "perf/wait_seconds"),
+        "samples_dropped": _last(run, "buffer/samples_dropped"),
+        "samples_filtered": _last(run, "rollout/samples_filtered"),
+    }
+    for label, key in TIME_PARTS:
+        out[f"{key.split('/')[1]}_avg"] = _mean(run, key)
+    return out

@@ -1,0 +1,101 @@
+"""`moe-async report` on run directories written here: every plot, numbers equal to the
+records they come from, several runs overlaid, bad input named."""
+
+import json
+
+import pytest
+
+from moe_async.cli import main
+from moe_async.errors import UserInputError
+from moe_async.report import fmt, make_report
+from moe_async.report.stats import hist_quantile
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(d, rewards, routes=True):
+    d.mkdir()
+    recs = []
+    for i, r in enumerate(rewards, 1):
+        m = {"step": i, "rollout/reward_mean": r, "rollout/accuracy": r / 2, "rollout/reward_mean_generated_step": r - 0.1,
+             "rollout/reward_mean_generated": 0.3, "buffer/staleness_hist/0": 30.0, "buffer/staleness_hist/1": 10.0 * i,
+             "perf/wait_seconds": 1.5, "perf/wait_filling_seconds": 1.0, "perf/wait_straggler_seconds": 0.5,
+             "train/step_time_s": 2.0 + i, "sync/seconds": 0.25, "perf/step_seconds": 4.0 + i,
+             "perf/samples_per_s": 1.0 * i, "perf/tokens_per_s": 10.0 * i, "perf/trainer_idle_frac": 0.5 / i,
+             "perf/engine_idle_frac": 0.1, "buffer/samples_dropped": float(i), "rollout/samples_filtered": 0.0,
+             "train/mismatch_logp_absdiff_mean": 0.01 * i, "train/mismatch_kl_k3": 0.001 * i}
+        if routes:
+            m.update({"train/routing_agreement_l0": 0.9, "train/routing_agreement_l1": 0.8, "train/routing_agreement": 0.85})
+        recs.append(m)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in recs))
+    (d / "summary.json").write_text(json.dumps({"eval_before": {"accuracy": 0.25}, "eval_after": {"accuracy": 0.5}}))
+    return recs
+
+
+def test_report_of_one_run(tmp_path):
+    recs = _write_run(tmp_path / "run_a", [0.2, 0.4, 0.6])
+    r = make_report([tmp_path / "run_a"])
+    out = tmp_path / "run_a" / "report"
+    assert r["out"] == out
+    assert r["plots"] == ["reward.png", "staleness.png", "time_breakdown.png", "routing_agreement.png",
+                          "mismatch.png", "utilisation.png"]
+    for p in r["plots"]:
+        assert (out / p).read_bytes()[:8] == PNG
+    (n,) = json.loads((out / "report.json").read_text())["runs"]
+    assert n["steps"] == 3 and n["reward_mean_last"] == recs[-1]["rollout/reward_mean"]
+    assert n["reward_mean_avg"] == pytest.approx(0.4)
+    assert n["accuracy_last"] == 0.3 and n["tokens_per_s"] == 30.0 and n["trainer_idle_frac"] == 0.5 / 3
+    assert n["heldout_accuracy_before"] == 0.25 and n["heldout_accuracy_after"] == 0.5
+    # staleness over every trained token: 90 tokens at 0, 60 at 1
+    assert n["staleness_mean"] == pytest.approx(60 / 150)
+    assert (n["staleness_p50"], n["staleness_p99"], n["staleness_max"]) == (0.0, 1.0, 1.0)
+    assert n["wait_straggler_seconds_avg"] == 0.5 and n["step_time_s_avg"] == 4.0
+    md = (out / "summary.md").read_text()
+    assert f"| reward, last step (trained batch) | {fmt(0.6)} |" in md
+    assert f"| trainer idle fraction | {fmt(0.5 / 3)} |" in md
+    assert "![routing_agreement.png](routing_agreement.png)" in md
+
+
+def test_several_runs_overlay_and_optional_plots(tmp_path):
+    _write_run(tmp_path / "sync", [0.1, 0.2], routes=False)
+    _write_run(tmp_path / "async", [0.3, 0.5, 0.7], routes=False)
+    assert main(["report", str(tmp_path / "sync"), str(tmp_path / "async"), "--out", str(tmp_path / "cmp")]) == 0
+    rep = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert [n["run"] for n in rep["runs"]] == ["sync", "async"]
+    assert "routing_agreement.png" not in rep["plots"] and not (tmp_path / "cmp" / "routing_agreement.png").exists()
+    assert "| | sync | async |" in (tmp_path / "cmp" / "summary.md").read_text()
+    assert "timeline.png" not in rep["plots"]  # no trace.json in these runs
+
+
+def test_timeline_plot_from_the_run_trace(tmp_path):
+    from moe_async.logging.timeline import chrome_trace
+
+    _write_run(tmp_path / "r", [0.1, 0.2])
+    spans = [("trainer", "wait", 0.0, 1.0, {"step": 1}), ("trainer", "train", 1.0, 2.0, {"step": 1}),
+             ("engine 0", "generate", 0.1, 1.5, None), ("reward", "reward", 1.5, 1.6, {"group": 0})]
+    (tmp_path / "r" / "trace.json").write_text(json.dumps(chrome_trace(spans)))
+    r = make_report([tmp_path / "r"])
+    assert "timeline.png" in r["plots"] and (r["out"] / "timeline.png").read_bytes()[:8] == PNG
+
+
+def test_quantiles():
+    assert hist_quantile({0: 50, 1: 49, 3: 1}, 0.99) == 1.0
+    assert hist_quantile({0: 50, 1: 48, 3: 2}, 0.99) == 3.0
+    assert hist_quantile({}, 0.5) is None
+
+
+def test_bad_input_is_named(tmp_path, capsys):
+    with pytest.raises(UserInputError, match="no such directory"):
+        make_report([tmp_path / "nope"])
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert f"{tmp_path / 'empty'}: not a run directory of moe-async train (no metrics.jsonl)" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(UserInputError, match=r"metrics.jsonl:2: not a metrics record"):
+        make_report([bad])
+    _write_run(tmp_path / "ok", [0.1])
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserInputError, match="a file is in its place"):
+        make_report([tmp_path / "ok"], tmp_path / "afile")
