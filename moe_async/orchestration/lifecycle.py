@@ -8,8 +8,8 @@ from typing import Any
 
 
 def init_ray() -> None:
-    """Attach to the cluster in ``RAY_ADDRESS`` (launch/slurm_train.sbatch), else start a
-    local Ray bound to loopback."""
+    """Attach to the cluster in ``RAY_ADDRESS`` (launch/slurm/train.sbatch), else start a new
+    local Ray bound to loopback (never another job's cluster found on this host)."""
     import ray
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -17,7 +17,10 @@ def init_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+        # address="local": a new local instance even where /tmp/ray/ray_current_cluster names
+        # another job's cluster (a `ray start` on this host, live or dead); without it ray.init
+        # would try to join that one and refuse num_cpus
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=True, runtime_env=runtime_env)
 
 
