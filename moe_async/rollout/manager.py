@@ -132,7 +132,8 @@ class RolloutManager:
         self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
-        self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source())
+        self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source(),
+                                               cfg.reward_timeout_s)
         try:
             params = inspect.signature(buffer.cancel).parameters
             self._cancel_takes_reason = len(params) >= 1

@@ -27,13 +27,16 @@ class RewardErrorStreak:
         limit: failures in a row that stop the run (``rollout.max_consecutive_reward_errors``);
             0: never.
         source: the reward setting, as the error names it (e.g. ``rollout.reward_function='m:f'``).
+        timeout_s: the per-sample timeout (``rollout.reward_timeout_s``), named when the last
+            error is the pool's ``"timeout"``.
     """
 
-    def __init__(self, limit: int, source: str):
+    def __init__(self, limit: int, source: str, timeout_s: float | None = None):
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         self.limit = int(limit)
         self.source = source
+        self.timeout_s = timeout_s
         self.count = 0
         self.last_error: str | None = None
         self.failure: RewardFailureError | None = None
@@ -52,6 +55,8 @@ class RewardErrorStreak:
             self.count += 1
             self.last_error = err
             if self.limit and self.count >= self.limit and self.failure is None:
+                if err == "timeout" and self.timeout_s is not None:
+                    err = f"timeout: no result within rollout.reward_timeout_s={self.timeout_s:g} s"
                 self.failure = RewardFailureError(
                     f"reward ({self.source}) failed on {self.count} samples in a row "
                     f"(rollout.max_consecutive_reward_errors={self.limit}); last error: {err}")

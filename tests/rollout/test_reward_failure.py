@@ -26,6 +26,12 @@ def test_streak_counts_only_failures_in_a_row():
         s.update([None])
 
 
+def test_streak_names_the_timeout():
+    s = RewardErrorStreak(2, "rollout.reward='reasoning_gym'", timeout_s=10.0)
+    with pytest.raises(RewardFailureError, match=r"last error: timeout: no result within rollout.reward_timeout_s=10 s"):
+        s.update(["timeout", "timeout"])
+
+
 def test_streak_off_and_interleaved_failures_never_stop():
     off = RewardErrorStreak(0, "r")
     off.update(["e"] * 1000)
