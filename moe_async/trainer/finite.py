@@ -22,7 +22,6 @@ overflows is not a false alarm).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
@@ -34,13 +33,21 @@ class NonFiniteError(RuntimeError):
     """A loss, gradient or weight holds NaN/inf; the message names the sample or tensor."""
 
 
-def _has_nonfinite(t: Tensor) -> bool:
-    """Whether ``t`` holds a NaN or inf (a sum first: cheap, no temporary of ``t``'s size)."""
-    if t.numel() == 0:
-        return False
-    if math.isfinite(float(t.detach().sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))):
-        return False
-    return not bool(torch.isfinite(t.detach()).all())
+def _first_nonfinite(tensors: list[Tensor]) -> int | None:
+    """Index of the first of ``tensors`` holding a NaN or inf, None if none does. One sum per
+    tensor (no temporary of its size; NaN/inf propagate), gathered with ONE host sync; a
+    non-finite sum is confirmed element-wise (a sum that merely overflows is no hit)."""
+    ts = [t.detach() for t in tensors if t.numel()]
+    if not ts:
+        return None
+    sums = torch.stack([t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double()
+                        .to(ts[0].device) for t in ts])
+    hits = (~torch.isfinite(sums)).nonzero().flatten().tolist()
+    live = [i for i, t in enumerate(tensors) if t.numel()]
+    for h in hits:
+        if not bool(torch.isfinite(ts[h]).all()):
+            return live[h]
+    return None
 
 
 def dp_sample_indices(n_global: int, dp: int, dp_rank: int, n_local: int) -> list[int]:
@@ -90,13 +97,15 @@ def _grad_tensors(ddp_models: Iterable[Any]) -> Iterable[tuple[str, Tensor]]:
 
 def _first_bad_param(ddp_models: Iterable[Any]) -> str | None:
     """Name of the first parameter whose gradient (``main_grad`` or ``grad``) is non-finite."""
+    named = []
     for d in ddp_models:
         for n, p in d.named_parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
-            if g is not None and _has_nonfinite(g):
-                return n
-    return None
+            if g is not None:
+                named.append((n, g))
+    i = _first_nonfinite([g for _, g in named])
+    return None if i is None else named[i][0]
 
 
 def _describe(batch: list, idx: list[int], limit: int = 5) -> str:
@@ -125,7 +134,7 @@ class StepGuard:
         self.batch = list(batch)
         self.version = int(version)
         self.local_index: list[int] = []
-        self.bad = torch.zeros(len(batch) + 1)  # last slot: a padding copy / unattributed loss
+        self._records: list[tuple[int, Tensor, Tensor]] = []  # (first row, nonfinite_rows, loss finite)
 
     def bind(self, mbs_list: list[dict[str, Any]]) -> None:
         """Note where each micro-batch's rows start in this rank's sample list (``mb
@@ -146,15 +155,24 @@ class StepGuard:
         """Mark the samples of micro-batch ``mb`` whose loss is non-finite
         (``nonfinite_rows`` ``[B]`` bool), and the unattributed slot when the micro-batch's
         loss is non-finite with no row flagged."""
-        first = int(mb.get("guard_first", 0))
-        rows = nonfinite_rows.detach().reshape(-1).cpu().tolist()
-        for b, bad in enumerate(rows):
-            if bad:
-                i = first + b
-                g = self.local_index[i] if i < len(self.local_index) else -1
-                self.bad[g if g >= 0 else len(self.batch)] = 1.0
-        if not any(rows) and not math.isfinite(float(loss_sum.detach())):
-            self.bad[len(self.batch)] = 1.0
+        # kept on the device: read once in check() (no host sync per micro-batch)
+        self._records.append((int(mb.get("guard_first", 0)), nonfinite_rows.detach().reshape(-1),
+                              torch.isfinite(loss_sum.detach())))
+
+    def _local_flags(self) -> Tensor:
+        """``[len(batch) + 1]`` float64: 1 for each global sample with a non-finite loss on
+        this rank; the last slot for a padding copy or an unattributed non-finite loss."""
+        bad = torch.zeros(len(self.batch) + 1, dtype=torch.float64)
+        for first, rows_t, finite in self._records:
+            rows = rows_t.cpu().tolist()
+            for b, hit in enumerate(rows):
+                if hit:
+                    i = first + b
+                    g = self.local_index[i] if i < len(self.local_index) else -1
+                    bad[g if g >= 0 else len(self.batch)] = 1.0
+            if not any(rows) and not bool(finite):
+                bad[len(self.batch)] = 1.0
+        return bad
 
     def check(self, ddp_models: list[Any]) -> None:
         """After the backward pass, before ``optimizer.step()``. Collective (every rank).
@@ -163,8 +181,8 @@ class StepGuard:
             NonFiniteError: on every rank when any rank saw a non-finite loss or gradient;
                 the gradient buffers are zeroed first (nothing of the step is kept).
         """
-        grad_bad = any(_has_nonfinite(g) for _, g in _grad_tensors(ddp_models))
-        flags = _all_max(torch.cat([self.bad, torch.tensor([1.0 if grad_bad else 0.0])]).double())
+        grad_bad = _first_nonfinite([g for _, g in _grad_tensors(ddp_models)]) is not None
+        flags = _all_max(torch.cat([self._local_flags(), torch.tensor([1.0 if grad_bad else 0.0], dtype=torch.float64)]))
         if not bool((flags > 0).any()):
             return
         samples = [i for i in range(len(self.batch)) if flags[i] > 0]
@@ -190,14 +208,9 @@ def check_weights_finite(models: Iterable[torch.nn.Module], version: int) -> Non
     Raises:
         NonFiniteError: naming the first non-finite parameter (this rank's) and the version.
     """
-    bad = None
-    for c, m in enumerate(models):
-        for n, p in m.named_parameters():
-            if _has_nonfinite(p):
-                bad = n
-                break
-        if bad:
-            break
+    named = [(n, p) for m in models for n, p in m.named_parameters()]
+    i = _first_nonfinite([p for _, p in named])
+    bad = None if i is None else named[i][0]
     flags = _all_max(torch.tensor([1.0 if bad else 0.0], dtype=torch.float64))
     if flags[0] > 0:
         where = f"parameter {bad}" if bad else "a parameter on another rank"

@@ -80,3 +80,16 @@ def test_resolve_checkpoint_refuses_another_models_checkpoint(ckpts):
     # the same checkpoint with the model sized as it was saved is accepted
     ok = load_config(SMOKE, [f"trainer.load={other}", "model.intermediate_size=96"])
     assert resolve_checkpoint(ok) == (str(other), 0)
+
+
+def test_configured_hf_config_without_making_the_model(tmp_path):
+    from moe_async.models.config import ModelConfig
+    from moe_async.models.prepare import configured_hf_config
+
+    d = configured_hf_config(ModelConfig(source="random_moe", cache_dir=str(tmp_path), intermediate_size=96))
+    assert (d["model_type"], d["intermediate_size"], d["vocab_size"], d["num_local_experts"]) == ("mixtral", 96, 49152, 4)
+    assert list(tmp_path.iterdir()) == []  # nothing made
+    assert configured_hf_config(ModelConfig(source="smollm2_upcycled", cache_dir=str(tmp_path))) is None
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    assert configured_hf_config(ModelConfig(source="hf", hf_path=str(tmp_path)))["hidden_size"] == 8
+    assert configured_hf_config(ModelConfig(source="hf", hf_path=str(tmp_path / "nope"))) is None
