@@ -70,6 +70,16 @@ async def _gather_or_cancel(coros: list) -> list:
         raise
 
 
+class EngineTimeoutError(TimeoutError):
+    """An engine request that timed out, naming the engine (index, URL) and the limit."""
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    import httpx
+
+    return isinstance(exc, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException))
+
+
 class DropGroup(Exception):
     """A group that cannot be produced; ``reason`` is counted."""
 
@@ -472,6 +482,14 @@ class RolloutManager:
             return await self.engines[i].generate(
                 ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts
             )
+        except Exception as exc:
+            if not _is_timeout(exc) or isinstance(exc, EngineTimeoutError):
+                raise
+            eng = self.engines[i]
+            raise EngineTimeoutError(
+                f"engine {i} ({getattr(eng, 'base_url', '?')}) /generate: no reply within "
+                f"{getattr(eng, 'timeout_s', '?')} s (engine.request_timeout_s); {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             self.request_seconds_sum += time.monotonic() - t0
             self._gen_busy.exit()

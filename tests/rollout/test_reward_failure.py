@@ -100,3 +100,26 @@ def test_config_field():
     assert RolloutConfig().max_consecutive_reward_errors == 100
     with pytest.raises(ValueError, match="max_consecutive_reward_errors"):
         RolloutConfig(max_consecutive_reward_errors=-1)
+
+
+def test_engine_timeout_names_the_engine(caplog):
+    """A /generate that times out (httpx) drops its group as error:EngineTimeoutError, the log
+    naming the engine, its URL and engine.request_timeout_s (timeouts name themselves)."""
+    import logging
+
+    import httpx
+
+    class SlowEngine(FakeEngine):
+        base_url, timeout_s = "http://127.0.0.1:9", 600.0
+
+        async def generate(self, *a, **kw):
+            raise httpx.ReadTimeout("timed out")
+
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=1, max_new_tokens=8)
+    buf = FakeBuffer(capacity=1)
+    pool = RewardPool(lambda p, t: 1.0, timeout_s=5.0, max_workers=1, use_processes=False)
+    m = RolloutManager(cfg, FakeDataset([10]), [SlowEngine()], buf, pool, eos_token_ids=[EOS])
+    with caplog.at_level(logging.ERROR, logger="moe_async.rollout.manager"):
+        _run(m, buf, 1)
+    assert buf.cancels == ["error"] and m.metrics()["rollout/dropped/error:EngineTimeoutError"] == 1
+    assert "engine 0 (http://127.0.0.1:9) /generate: no reply within 600.0 s (engine.request_timeout_s)" in caplog.text
