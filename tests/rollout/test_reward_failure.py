@@ -123,3 +123,24 @@ def test_engine_timeout_names_the_engine(caplog):
         _run(m, buf, 1)
     assert buf.cancels == ["error"] and m.metrics()["rollout/dropped/error:EngineTimeoutError"] == 1
     assert "engine 0 (http://127.0.0.1:9) /generate: no reply within 600.0 s (engine.request_timeout_s)" in caplog.text
+
+
+def test_remote_reward_transport_errors_name_the_url():
+    """A reward server that accepts but never answers, and one that is not there."""
+    import socket
+
+    from moe_async.rollout.rewards import RemoteReward
+    from moe_async.rollout.tasks import Problem
+
+    p = Problem("q", "1", {}, 0)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        url = f"http://127.0.0.1:{srv.getsockname()[1]}/score"
+        with pytest.raises(TimeoutError, match=rf"rollout.reward_url='{url}': no reply within 0.5 s \(rollout.reward_timeout_s"):
+            RemoteReward(url, timeout_s=0.5)(p, "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/score"  # bound, not listening: refused
+        with pytest.raises(ConnectionError, match=rf"rollout.reward_url='{dead}': ConnectError"):
+            RemoteReward(dead, timeout_s=0.5)(p, "1")
