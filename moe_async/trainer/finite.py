@@ -82,7 +82,9 @@ def _grad_tensors(ddp_models: Iterable[Any]) -> Iterable[tuple[str, Tensor]]:
     """``(what, gradient)`` of every DDP model chunk: Megatron DDP's contiguous gradient
     buffers when it has them, else each parameter's ``main_grad`` / ``grad``."""
     for c, d in enumerate(ddp_models):
-        bufs = list(getattr(d, "buffers", None) or []) + list(getattr(d, "expert_parallel_buffers", None) or [])
+        # Megatron DDP's lists (``buffers`` shadows nn.Module.buffers() there)
+        bufs = [b for k in ("buffers", "expert_parallel_buffers")
+                if isinstance(getattr(d, k, None), (list, tuple)) for b in getattr(d, k)]
         grads = [b.grad_data for b in bufs if getattr(b, "grad_data", None) is not None]
         if grads:
             for i, g in enumerate(grads):
