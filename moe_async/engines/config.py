@@ -41,6 +41,14 @@ class EngineConfig(BaseModel):
     dtype: Literal["fp32", "bf16"] = "fp32"
     startup_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for /health.")
     request_timeout_s: float = Field(600.0, gt=0)
+    max_restarts: StrictInt = Field(
+        2, ge=0, description="Restarts allowed per engine (moe_async/orchestration/supervisor.py, C21); an engine "
+        "that dies once more is retired (out of routing for good). 0: a dead engine is retired at once.",
+    )
+    min_healthy_engines: StrictInt = Field(
+        1, ge=1, description="Floor of healthy engines (neither dead nor retired): a death that leaves fewer stops "
+        "the run with an error naming every engine that is down. At most num_engines.",
+    )
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort", description="SGLang pause_generation mode used around weight updates."
     )
@@ -57,6 +65,9 @@ class EngineConfig(BaseModel):
         if self.devices_per_engine is not None and self.devices_per_engine < tp:
             raise ValueError(f"engine.devices_per_engine={self.devices_per_engine} is fewer than "
                              f"engine.tensor_parallel_size={tp} (one device per engine rank)")
+        if self.min_healthy_engines > self.num_engines:
+            raise ValueError(f"engine.min_healthy_engines={self.min_healthy_engines} is more than "
+                             f"engine.num_engines={self.num_engines}: the run could never start")
         if self.backend == "embedded" and tp > 1:
             raise ValueError(f"engine.tensor_parallel_size={tp} with engine.backend='embedded': the embedded CPU "
                              "engine is one process (one update-group rank); use backend='sglang' for TP > 1")

@@ -129,16 +129,12 @@ def load_smollm2_tokenizer():
     return copy.deepcopy(_smollm2_tokenizer_cached())
 
 
-def build_random_moe(cfg: ModelConfig, vocab_size: int = _SMOLLM2_VOCAB, bos_token_id: int = 1,
-                     eos_token_id: int = 2, pad_token_id: int = 2):
-    """Random-init ``MixtralForCausalLM`` of ``cfg``'s sizes, deterministic in ``cfg.init_seed``.
+def random_moe_config(cfg: ModelConfig, vocab_size: int = _SMOLLM2_VOCAB, bos_token_id: int = 1,
+                      eos_token_id: int = 2, pad_token_id: int = 2):
+    """The ``MixtralConfig`` of :func:`build_random_moe` (tied embeddings, rope_theta 1e5)."""
+    from transformers import MixtralConfig
 
-    Tied embeddings, rope_theta 1e5, router ~ N(0, cfg.router_init_std). The global torch RNG
-    state is left untouched.
-    """
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    mcfg = MixtralConfig(
+    return MixtralConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -158,6 +154,17 @@ def build_random_moe(cfg: ModelConfig, vocab_size: int = _SMOLLM2_VOCAB, bos_tok
         sliding_window=None,
         router_jitter_noise=0.0,
     )
+
+
+def build_random_moe(cfg: ModelConfig, vocab_size: int = _SMOLLM2_VOCAB, bos_token_id: int = 1,
+                     eos_token_id: int = 2, pad_token_id: int = 2):
+    """Random-init ``MixtralForCausalLM`` of ``cfg``'s sizes (:func:`random_moe_config`),
+    deterministic in ``cfg.init_seed``. Router ~ N(0, cfg.router_init_std). The global torch
+    RNG state is left untouched.
+    """
+    from transformers import MixtralForCausalLM
+
+    mcfg = random_moe_config(cfg, vocab_size, bos_token_id, eos_token_id, pad_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         model = MixtralForCausalLM(mcfg).to(torch.float32)
@@ -230,6 +237,25 @@ def _check_hf_dir(p: Path) -> None:
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise UserInputError(f"model.hf_path: {f} is not a readable safetensors file "
                                  f"(truncated or corrupt): {e}") from e
+
+
+def configured_hf_config(cfg: ModelConfig) -> dict | None:
+    """The HF config (a dict) of the model ``cfg`` describes, without making it: ``hf``: its
+    ``config.json``; a made source: the cached checkpoint's ``config.json`` when it is made,
+    else for ``random_moe`` :func:`random_moe_config` (the SmolLM2 vocabulary). None when it
+    cannot be known yet (``smollm2_upcycled`` not made, an unreadable ``config.json``)."""
+    try:
+        if cfg.source == "hf":
+            p = Path(cfg.hf_path).expanduser() / "config.json"
+        else:
+            root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+            p = root / _cache_key(cfg) / "config.json"
+            if not _is_complete(p.parent):
+                return random_moe_config(cfg).to_dict() if cfg.source == "random_moe" else None
+        d = json.loads(p.read_text())
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def prepare_hf_checkpoint(cfg: ModelConfig) -> Path:

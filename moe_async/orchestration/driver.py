@@ -51,6 +51,7 @@ from moe_async.logging.timeline import Timeline
 from moe_async.orchestration.affinity import check_run_placement
 from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
+from moe_async.trainer.ckpt_shapes import check_load_matches_config
 
 
 def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> dict[str, Any]:
@@ -349,8 +350,9 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
 
     Raises:
         UserInputError (a ValueError) naming ``trainer.load`` when the path does not exist or
-        is not such a checkpoint or its step file cannot be read, and naming ``num_steps``
-        when it is not above the checkpoint's step.
+        is not such a checkpoint or its step file cannot be read, naming ``num_steps``
+        when it is not above the checkpoint's step, and naming the first tensor whose shape
+        differs when it is another model's checkpoint (from its metadata: ``ckpt_shapes``).
     """
     import json
     import os
@@ -384,6 +386,7 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
     if cfg.num_steps <= step:
         raise UserInputError(f"num_steps={cfg.num_steps} counts steps in total and the checkpoint trainer.load={p} "
                              f"is at step {step}: nothing left to train (set num_steps above {step})")
+    check_load_matches_config(p, cfg)  # another model's checkpoint: refused naming the first tensor that differs
     return p, step
 
 

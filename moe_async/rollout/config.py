@@ -67,6 +67,16 @@ class RolloutConfig(BaseModel):
         16, ge=0, description="Resubmissions of an aborted request before its group is dropped."
     )
     return_routed_experts: bool = Field(False, description="Ask engines for routed experts (R3).")
+    max_consecutive_reward_errors: int = Field(
+        100,
+        ge=0,
+        description=(
+            "Stop the run (RewardFailureError naming the reward setting and the last error) after "
+            "this many scored samples in a row whose reward raised, timed out or was not a finite "
+            "number (training and eval; each is scored 0 and counted in rollout/reward_errors). "
+            "0: never stop."
+        ),
+    )
     reward_workers: int = Field(2, ge=1, description="Reward worker processes/threads.")
     reward_use_processes: bool = Field(
         True, description="Score in worker processes (a hung scorer is killed) instead of threads."

@@ -27,6 +27,10 @@ Per admitted group (``run``):
 4. A 0-token completion gets finish reason ``length`` and ``loss_weight`` 0.
 5. Every sample is scored by the reward pool (per-sample timeout), then
    ``Group(group_id, samples, start_version=admitted version)`` is put into the buffer.
+   A reward that keeps failing stops the loop: at ``max_consecutive_reward_errors`` failed
+   samples in a row (training or eval) :class:`~moe_async.rollout.reward_streak.RewardFailureError`
+   names the reward setting and the last error (the group is dropped, reason
+   ``reward_failure``; :meth:`run` and :meth:`evaluate` raise it).
 6. Dynamic filtering (``dynamic_filter``, DAPO's dynamic sampling): a group whose rewards
    are all equal is not put; its admission is cancelled (reason ``filtered_equal_rewards``)
    so the buffer admits another group in its place (over-sampling on demand). At most
@@ -49,6 +53,7 @@ from typing import Any
 from moe_async.buffer.buffer import STOPPED
 from moe_async.logging.timeline import SpanRecorder
 from moe_async.rollout.config import RolloutConfig
+from moe_async.rollout.reward_streak import RewardErrorStreak, RewardFailureError
 from moe_async.types import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,16 @@ async def _gather_or_cancel(coros: list) -> list:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+class EngineTimeoutError(TimeoutError):
+    """An engine request that timed out, naming the engine (index, URL) and the limit."""
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    import httpx
+
+    return isinstance(exc, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException))
 
 
 class DropGroup(Exception):
@@ -129,6 +144,8 @@ class RolloutManager:
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
+        self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source(),
+                                               cfg.reward_timeout_s)
         try:
             params = inspect.signature(buffer.cancel).parameters
             self._cancel_takes_reason = len(params) >= 1
@@ -144,6 +161,8 @@ class RolloutManager:
         try:
             while not stop_event.is_set():
                 tasks = {t for t in tasks if not t.done()}
+                if self.reward_streak.failure is not None:  # the reward never returns a number
+                    raise self.reward_streak.failure
                 if len(tasks) >= self.cfg.max_concurrent_groups:
                     await self._wait_any(tasks, stop_event)
                     continue
@@ -212,6 +231,7 @@ class RolloutManager:
 
         res = await asyncio.gather(*(one(p) for p in problems))
         done = [r for r in res if r is not None]
+        self.reward_streak.update(r[1] for r in done)  # RewardFailureError: stop before training
         n = len(done)
         return {
             "reward_mean": sum(r[0] for r in done) / n if n else 0.0,
@@ -295,6 +315,12 @@ class RolloutManager:
 
     _MAX_REPORTED_REWARD_ERRORS = 5
 
+    def _reward_source(self) -> str:
+        """The reward setting, as errors name it."""
+        return {"function": f"rollout.reward_function={self.cfg.reward_function!r}",
+                "remote": f"rollout.reward_url={self.cfg.reward_url!r}"}.get(
+                    self.cfg.reward, f"rollout.reward={self.cfg.reward!r}")
+
     def _report_reward_errors(self, samples: list) -> None:
         """Log each distinct reward error message once (the first few), naming the reward
         setting: otherwise a scorer that raises or returns garbage on every sample trains on
@@ -305,10 +331,7 @@ class RolloutManager:
             if err is None or err in seen or len(seen) >= self._MAX_REPORTED_REWARD_ERRORS:
                 continue
             seen.add(err)
-            field = {"function": f"rollout.reward_function={self.cfg.reward_function!r}",
-                     "remote": f"rollout.reward_url={self.cfg.reward_url!r}"}.get(
-                         self.cfg.reward, f"rollout.reward={self.cfg.reward!r}")
-            log.warning("reward error (%s), sample scored 0: %s%s", field, err,
+            log.warning("reward error (%s), sample scored 0: %s%s", self._reward_source(), err,
                         "" if len(seen) < self._MAX_REPORTED_REWARD_ERRORS
                         else " (further distinct reward errors are only counted: rollout/reward_errors)")
 
@@ -341,6 +364,7 @@ class RolloutManager:
             self.counters["tokens_generated"] += group.num_tokens
             self.counters["reward_errors"] += sum(s.reward_error is not None for s in samples)
             self._report_reward_errors(samples)
+            self.reward_streak.update(s.reward_error for s in samples)  # RewardFailureError
             if self._filter_out(group, version):
                 self.dropped["filtered_equal_rewards"] += 1
                 self.counters["samples_filtered"] += len(samples)
@@ -354,6 +378,9 @@ class RolloutManager:
             self.dropped[exc.reason] += 1
             log.warning("group %d dropped: %s", gid, exc.reason)
             await self._cancel(exc.reason)
+        except RewardFailureError:  # run() raises it next
+            self.dropped["reward_failure"] += 1
+            await self._cancel("reward_failure")
         except asyncio.CancelledError:
             if not put_attempted:  # the run ended while it generated: not a drop
                 self.counters["in_flight_at_stop"] += 1
@@ -461,6 +488,14 @@ class RolloutManager:
             return await self.engines[i].generate(
                 ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts
             )
+        except Exception as exc:
+            if not _is_timeout(exc) or isinstance(exc, EngineTimeoutError):
+                raise
+            eng = self.engines[i]
+            raise EngineTimeoutError(
+                f"engine {i} ({getattr(eng, 'base_url', '?')}) /generate: no reply within "
+                f"{getattr(eng, 'timeout_s', '?')} s (engine.request_timeout_s); {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             self.request_seconds_sum += time.monotonic() - t0
             self.trace.add(f"engine {i}", "generate", w0, self.trace.now())

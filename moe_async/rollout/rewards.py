@@ -133,7 +133,8 @@ class RemoteReward:
 
     Raises (inside the pool, recorded per sample): :class:`RewardValueError` naming
     ``rollout.reward_url`` on a non-2xx status, a reply that is not JSON, or one without a
-    finite ``reward``; ``httpx`` errors on connection failure.
+    finite ``reward``; TimeoutError (no reply within ``rollout.reward_timeout_s``) and
+    ConnectionError (any other transport failure), both naming ``rollout.reward_url``.
     """
 
     field = "rollout.reward_url"
@@ -148,9 +149,15 @@ class RemoteReward:
 
         if self._client is None:
             self._client = httpx.Client(timeout=self.timeout_s)
-        r = self._client.post(self.url, json={
-            "question": str(problem.question), "response": str(response), "answer": str(problem.answer),
-        })
+        try:
+            r = self._client.post(self.url, json={
+                "question": str(problem.question), "response": str(response), "answer": str(problem.answer),
+            })
+        except httpx.TimeoutException as e:
+            raise TimeoutError(f"{self.field}={self.url!r}: no reply within {self.timeout_s:g} s "
+                               f"(rollout.reward_timeout_s; {type(e).__name__})") from e
+        except httpx.HTTPError as e:
+            raise ConnectionError(f"{self.field}={self.url!r}: {type(e).__name__}: {e}") from e
         if r.status_code // 100 != 2:
             raise RewardValueError(f"{self.field}={self.url!r} answered HTTP {r.status_code}: {r.text[:200]}")
         try:

@@ -47,6 +47,15 @@ DeepSeekMath); asymmetric ("clip-higher") bounds, DAPO (Yu et al., 2025).
 
 With one optimizer step per batch the proximal policy equals the current one, so by default
 ``logp_old = logp.detach()`` (ratio == 1 in value, gradient of ``A * ratio`` == ``A * grad logp``).
+
+Masking is by selection, never by multiplication (case C28): ``NaN * 0`` is NaN, so a
+non-finite value at a position with ``loss_mask == 0`` (padding, a prompt token, a sample of
+loss weight 0 whose rollout logprobs hold a NaN) would poison the sum and every gradient.
+Every input (``logp``, ``logp_old``, ``rollout_logp``, ``advantages``) is replaced by 0 where
+the mask is 0 before it is used (``torch.where``), and every masked sum selects too
+(:func:`masked_sum`), so masked positions contribute exactly 0 to the loss and get exactly 0
+gradient. A non-finite value at a loss-bearing position is not hidden: it makes the loss
+non-finite, and ``metrics["nonfinite_rows"]`` names the rows it came from.
 """
 
 from __future__ import annotations
@@ -62,9 +71,30 @@ Tensor = torch.Tensor
 OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
 
 
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """``sum(x * mask)`` over ``dim`` (None: all), with the positions where ``mask == 0``
+    SELECTED away (``torch.where``) instead of multiplied by 0: a NaN/inf of ``x`` there
+    contributes exactly 0 to the value and gets exactly 0 gradient. ``mask`` float (weights)
+    or bool, broadcastable to ``x``."""
+    w = mask.to(x.dtype) if mask.dtype == torch.bool else mask
+    y = torch.where(mask != 0, x * w, torch.zeros((), dtype=x.dtype, device=x.device))
+    return y.sum() if dim is None else y.sum(dim, keepdim=keepdim)
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Token mean ``masked_sum(x, mask) / sum(mask)`` (0-d; 0 tokens -> 0.0), by selection:
+    the row ``[1, NaN, 3]`` with mask ``[1, 0, 1]`` gives 2.0 (C28)."""
+    return masked_sum(x, mask) / torch.clamp(mask.to(x.dtype).sum(), min=1.0)
+
+
 def _row_mean(x: Tensor, m: Tensor) -> Tensor:
     """Masked mean over the last dim, kept as ``[..., 1]``; rows with no token give 0."""
-    return (x * m).sum(-1, keepdim=True) / torch.clamp(m.sum(-1, keepdim=True), min=1.0)
+    return masked_sum(x, m, -1, keepdim=True) / torch.clamp(m.sum(-1, keepdim=True), min=1.0)
+
+
+def _select(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` where ``keep`` (bool, broadcastable), else 0: the masked inputs of the loss."""
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def off_policy_weight(
@@ -94,8 +124,10 @@ def off_policy_weight(
         ValueError: unknown ``correction``.
     """
     with torch.no_grad():
-        m = (loss_mask > 0).to(logp.dtype)
-        d = logp_old.detach() - rollout_logp
+        keep = loss_mask > 0
+        m = keep.to(logp.dtype)
+        # by selection (C28): a NaN rollout logprob under a zero mask must not reach the weight
+        d = _select(logp_old.detach(), keep) - _select(rollout_logp, keep)
         no = torch.zeros_like(d, dtype=torch.bool)
         if correction == "none":
             return torch.ones_like(d), no
@@ -111,7 +143,7 @@ def off_policy_weight(
             # torch.where, not r * keep: an overflowed ratio (inf) times 0 would be NaN
             return torch.where(keep, r, torch.zeros_like(r)), ~keep
         if correction == "opsm":
-            kl_seq = _row_mean(rollout_logp - logp.detach(), m)
+            kl_seq = _row_mean(_select(rollout_logp, keep) - _select(logp.detach(), keep), m)
             neg = (advantages < 0).expand_as(d)
             drop = neg & (kl_seq > opsm_delta).expand_as(d)
             w = torch.clamp(torch.exp(d), max=tis_cap)
@@ -156,7 +188,10 @@ def grpo_token_loss(
 
     Returns:
         ``(loss_sum, metrics)``: ``loss_sum`` a 0-d tensor (sum over tokens, NOT averaged;
-        the caller divides by the global token count); ``metrics`` 0-d detached tensors, each
+        the caller divides by the global token count; masked positions selected away, see the
+        module docstring); ``metrics["nonfinite_rows"]`` ``[B]`` bool (the shape of the inputs
+        without their last dim), True for a row with a non-finite loss term at a loss-bearing
+        token (the caller names the sample); the other ``metrics`` are 0-d detached tensors, each
         the masked mean over tokens (``num_tokens`` = masked token count; 0 tokens -> 0.0):
         ``pg_loss`` (mean loss), ``clipfrac`` (fraction where the clipped branch is active),
         ``tis_mean`` (mean off-policy weight ``w``), ``is_masked_frac`` (fraction of tokens
@@ -177,9 +212,14 @@ def grpo_token_loss(
     if off_policy_correction == "decoupled_ppo" and logp_old is None:
         raise ValueError("off_policy_correction='decoupled_ppo' needs logp_old (the recomputed proximal logprobs)")
     mask = loss_mask.to(logp.dtype)
-    if logp_old is None:
-        logp_old = logp.detach()
-    logp_old = logp_old.detach()
+    keep = mask > 0
+    # masking by selection (C28): every input is 0 where the mask is 0, so nothing non-finite
+    # there reaches the value or the gradient (torch.where's gradient there is exactly 0)
+    logp_old = logp.detach() if logp_old is None else logp_old.detach()
+    logp, logp_old = _select(logp, keep), _select(logp_old, keep)
+    advantages = _select(torch.as_tensor(advantages, dtype=logp.dtype, device=logp.device), keep)
+    if rollout_logp is not None:
+        rollout_logp = _select(rollout_logp, keep)
     ratio = torch.exp(logp - logp_old)
     pg1 = -advantages * ratio
     pg2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
@@ -189,19 +229,22 @@ def grpo_token_loss(
         rejected = torch.zeros_like(logp, dtype=torch.bool)
     else:
         w, rejected = off_policy_weight(
-            off_policy_correction, logp, logp_old, rollout_logp, torch.as_tensor(advantages), mask,
+            off_policy_correction, logp, logp_old, rollout_logp, advantages, mask,
             tis_cap=tis_cap, mis_low=mis_low, mis_high=mis_high, icepop_beta=icepop_beta,
             opsm_delta=opsm_delta,
         )
         pg = pg * w
-    loss_sum = (pg * mask).sum()
+    loss_sum = masked_sum(pg, mask)
 
     with torch.no_grad():
         n = mask.sum()
         denom = torch.clamp(n, min=1.0)
 
         def mmean(x: Tensor) -> Tensor:
-            return (x * mask).sum() / denom
+            return masked_sum(x, mask) / denom
+
+        term = torch.where(keep, pg.detach() * mask, torch.zeros((), dtype=pg.dtype, device=pg.device))
+        nonfinite_rows = ~torch.isfinite(term).all(-1) if term.ndim else ~torch.isfinite(term)
 
         metrics = {
             "pg_loss": loss_sum.detach() / denom,
@@ -209,6 +252,7 @@ def grpo_token_loss(
             "tis_mean": mmean(w),
             "is_masked_frac": mmean(rejected.to(mask.dtype)),
             "num_tokens": n,
+            "nonfinite_rows": nonfinite_rows,
         }
         if rollout_logp is not None:
             d = logp.detach() - rollout_logp

@@ -67,6 +67,7 @@ from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing, unsupported_combination
+from moe_async.trainer.finite import StepGuard, check_weights_finite
 from moe_async.trainer.loss import grpo_token_loss
 from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
 from moe_async.trainer.sharding import (
@@ -981,7 +982,9 @@ class MegatronTrainer:
         micro-batches), ``grad_norm`` (before clipping), ``clipfrac``, ``tis_mean``,
         ``logp_diff_mean``, ``kl_k3``, ``entropy`` (token means), ``num_tokens``,
         ``num_microbatches``, ``step_time_s``, ``lr``, ``weight_version`` (after the step).
-        Raises ValueError for mismatched lengths or a batch with no loss-bearing token.
+        Raises ValueError for mismatched lengths or a batch with no loss-bearing token;
+        :class:`~moe_async.trainer.finite.NonFiniteError` (all ranks) for a NaN/inf loss or
+        gradient, naming the sample, before the optimizer runs (weights and version unchanged).
         """
         if len(advantages) != len(batch):
             raise ValueError(f"{len(advantages)} advantages for {len(batch)} samples")
@@ -996,8 +999,10 @@ class MegatronTrainer:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         cfg = self.cfg
+        guard = StepGuard(batch, self.version)  # C28: non-finite loss/grad fails before the optimizer
         batch, advantages = self._dp_local(batch, advantages)  # DP: this replica's slice
         mbs_list = self._pack(batch, advantages, equalize_dp=True)
+        guard.bind(mbs_list)
         # --- off-policy correction (issue 7): decoupled PPO's proximal policy ---
         if cfg.off_policy_correction == "decoupled_ppo":
             self._attach_proximal_logp(batch, mbs_list)
@@ -1027,6 +1032,7 @@ class MegatronTrainer:
                 icepop_beta=cfg.icepop_beta,
                 opsm_delta=cfg.opsm_delta,
             )
+            guard.record(mb, m["nonfinite_rows"], loss_sum)
             with torch.no_grad():
                 n = m["num_tokens"]
                 sums = {k: m[k] * n for k in _METRIC_KEYS if k in m}
@@ -1069,6 +1075,7 @@ class MegatronTrainer:
                 micro_batch_size=mb_size,
                 forward_only=False,
             )
+        guard.check(self.ddp_models)  # every rank: raises (grads zeroed) before any update
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step skipped (non-finite gradients)")
@@ -1336,6 +1343,7 @@ class MegatronTrainer:
         """
         import torch.distributed as dist
 
+        check_weights_finite(self.models, self.version)  # C28: nothing non-finite reaches an engine
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.relayout_params(out)  # 1 process: builds the plan; with out, moves parameters once
         plan = self.__dict__.get("_hf_export_plan")

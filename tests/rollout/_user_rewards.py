@@ -13,3 +13,7 @@ def returns_text(response: str, answer: str, question: str):
 
 def returns_nan(response: str, answer: str, question: str):
     return float("nan")
+
+
+def returns_none(response: str, answer: str, question: str):
+    return None
