@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from moe_async.models import deepseek_v3 as _deepseek_v3  # noqa: F401  (registers "deepseek_v3")
+from moe_async.models import glm4_moe as _glm4_moe  # noqa: F401  (registers "glm4_moe")
 from moe_async.models import llama as _llama  # noqa: F401  (registers "llama")
 from moe_async.models import mixtral as _mixtral  # noqa: F401  (registers "mixtral")
 from moe_async.models import qwen3_moe as _qwen3_moe  # noqa: F401  (registers "qwen3_moe")

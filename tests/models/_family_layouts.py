@@ -7,6 +7,9 @@ Checkpoints (tiny, random, fp32, written by ``ref`` before Megatron is imported)
            groups (2 chosen), 1 shared expert, non-zero fp32 e_score_correction_bias
     qwen3  qwen3_moe: 2 layers, GQA + qk-norm, 4 experts top-2, norm_topk_prob=True, untied
     llama  dense llama: 2 layers, GQA, tied embeddings (as SmolLM2)
+    glm    glm4_moe: the tiny C26 checkpoint (partial rotary 0.5, first layer dense, 4 routed +
+           1 shared expert top-2, q/k/v bias, q/k norm, fp32 router bias, MTP block on disk)
+           with vocab 256 (the samples' ids)
 
 Modes:
     python _family_layouts.py ref TMP
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 from _checks import ADAM_EPS, ADV, main, samples, trainer_cfg  # noqa: E402
 
-CKPTS = ("ds3", "qwen3", "llama")
+CKPTS = ("ds3", "qwen3", "llama", "glm")
 
 
 def cfg(tp=1, pp=1, ep=1, vpp=None):
@@ -88,7 +91,12 @@ def run(path: str, tp: int, pp: int, ep: int, vpp: int | None = None) -> dict:
     res: dict = {"logp": tr.compute_logprobs(ss)}
     exported = dict(tr.export_hf_weights())  # collective; rank 0 gets the tensors
     if exported:
+        from moe_async.models import get_family, hf_config_dict
+
         disk = load_file(os.path.join(path, "model.safetensors"))
+        fam = get_family(hf_config_dict(path)["model_type"])
+        mtp = set(fam.mtp_hf_keys(fam.arch_args(path))) if hasattr(fam, "mtp_hf_keys") else set()
+        disk = {k: v for k, v in disk.items() if k not in mtp}  # glm4_moe: no MTP layer is exported
         res["export_equals_disk"] = set(exported) == set(disk) and all(torch.equal(exported[k], disk[k]) for k in disk)
     res["steps"] = [{k: m[k] for k in ("loss", "grad_norm", "entropy", "num_tokens")}
                     for m in (tr.train_step(ss, ADV), tr.train_step(ss, ADV))]
@@ -114,10 +122,12 @@ def hf_logprobs(path: str) -> list[list[float]]:
 def main_ref(tmp: str) -> None:
     from _tiny import make_tiny_llama, make_tiny_qwen3_moe  # before Megatron is imported
     from _tiny_deepseek_v3 import make_tiny_deepseek_v3
+    from _tiny_glm4_moe import make_tiny_glm4_moe
 
     make_tiny_deepseek_v3(os.path.join(tmp, "ds3"), num_hidden_layers=4)
     make_tiny_qwen3_moe(os.path.join(tmp, "qwen3"), tie=False, norm_topk_prob=True)
     make_tiny_llama(os.path.join(tmp, "llama"), tie=True)
+    make_tiny_glm4_moe(os.path.join(tmp, "glm"), vocab_size=256)
     out = {}
     for ck in CKPTS:
         path = os.path.join(tmp, ck)

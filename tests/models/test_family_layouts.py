@@ -1,11 +1,12 @@
-"""qwen3_moe, deepseek_v3 and dense llama at parallel layouts against 1 process (gloo, CPU):
+"""qwen3_moe, deepseek_v3, glm4_moe and dense llama at parallel layouts against 1 process (gloo, CPU):
 the loss, grad norm and entropy of two optimizer steps (fp32, relative difference <= 1e-5),
 logprobs (and their parity with transformers), bit-exact HF export after loading.
 
 Layouts: deepseek_v3 and qwen3_moe at TP2+SP, EP2, PP2 (2 processes) and TP2+EP2, PP2+EP2,
 TP2+PP2+EP2, EP4 (4 processes); deepseek_v3 also at PP2+VPP2 (2 processes: each rank holds two
 model chunks of one layer each, the first dense layer in rank 0's chunk 0, built from Megatron's
-decoder block spec with ``vp_stage``); llama at TP2+SP, PP2, TP2+PP2. (Mixtral: tests/trainer/
+decoder block spec with ``vp_stage``); glm4_moe at TP2+SP, EP2, PP2 (the dense layer on stage 0,
+the MoE layer on stage 1) and TP2+EP2; llama at TP2+SP, PP2, TP2+PP2. (Mixtral: tests/trainer/
 test_layouts.py.) Three launches in all (see _family_layouts.py): the 1-process references
 (plain python), one 2-process and one 4-process torchrun, each looping over its cases.
 
@@ -30,9 +31,10 @@ SCRIPT = os.path.join(HERE, "_family_layouts.py")
 MOE_W2 = ["tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1"]
 MOE_W4 = ["tp2pp1ep2", "tp1pp2ep2", "tp2pp2ep2", "tp1pp1ep4"]
 W2 = [f"{ck}-{lay}" for ck in ("ds3", "qwen3") for lay in MOE_W2] + ["llama-tp2pp1ep1", "llama-tp1pp2ep1",
-                                                                      "ds3cpl-tp2pp1ep1", "ds3-tp1pp2ep1vpp2"]
-W4 = [f"{ck}-{lay}" for ck in ("ds3", "qwen3") for lay in MOE_W4] + ["llama-tp2pp2ep1"]
-REFS = ["ds3-tp1pp1ep1", "qwen3-tp1pp1ep1", "llama-tp1pp1ep1"]
+                                                                      "ds3cpl-tp2pp1ep1", "ds3-tp1pp2ep1vpp2",
+                                                                      *(f"glm-{lay}" for lay in MOE_W2)]
+W4 = [f"{ck}-{lay}" for ck in ("ds3", "qwen3") for lay in MOE_W4] + ["llama-tp2pp2ep1", "glm-tp2pp1ep2"]
+REFS = ["ds3-tp1pp1ep1", "qwen3-tp1pp1ep1", "llama-tp1pp1ep1", "glm-tp1pp1ep1"]
 CASES = [c for c in W2 + W4 if not c.startswith("ds3cpl")]
 REL = 1e-5
 

@@ -176,7 +176,7 @@ class LogitsHead:
     ``model(...)`` call (``enabled`` False).
     """
 
-    _FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+    _FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"}
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

@@ -34,7 +34,12 @@ EXPERT_NAMING: dict[str, ExpertNaming] = {
     "qwen2_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
     "qwen3_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
 }
+
+# Buffers a checkpoint holds and weight sync updates like parameters: the sigmoid router's
+# expert bias (glm4_moe; transformers keeps it fp32 whatever the model dtype).
+_SYNCED_BUFFERS = (".e_score_correction_bias",)
 
 _GATE_UP = ".experts.gate_up_proj"
 _DOWN = ".experts.down_proj"
@@ -48,12 +53,14 @@ class _Slot:
 
 
 class HFWeightMap:
-    """Every HF on-disk tensor name of ``model`` mapped to a view of its parameters."""
+    """Every HF on-disk tensor name of ``model`` mapped to a view of its parameters (and of
+    the buffers in ``_SYNCED_BUFFERS``)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         model_type = getattr(model.config, "model_type", "")
         self._params = dict(model.named_parameters())
+        self._params.update({n: b for n, b in model.named_buffers() if n.endswith(_SYNCED_BUFFERS)})
         self._slots: dict[str, _Slot] = {}
         naming = EXPERT_NAMING.get(model_type)
         for pname, p in self._params.items():

@@ -80,11 +80,20 @@ from moe_async.models.family import (
     read_rope_theta,
     register_family,
 )
-from moe_async.models.mapping import Rule, gated_mlp_rules
+from moe_async.models.mapping import Rule
+from moe_async.models.sigmoid_moe import (
+    FUSED_EXPERT_NAMES,
+    SigmoidMoeArgs,
+    decoder_block_spec,
+    moe_scopes,
+    read_sigmoid_moe,
+    sigmoid_moe_kwargs,
+    sigmoid_moe_rules,
+    skip_shared,
+)
 
 _A = _L + "self_attn."
 _S = _M + "self_attention."
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 # rope_interleave=False: HF rotates pairs (j, j + dr/2); Megatron's MLA RoPE always rotates
 # pairs (2j, 2j + 1). Megatron's rope rows are HF's interleaved: m[2j] = h[j], m[2j+1] = h[j+dr/2]
@@ -144,38 +153,21 @@ DEEPSEEK_V3_RULES: list[Rule] = [
     Rule(_S + "linear_kv_up_proj.weight", (_A + "kv_b_proj.weight",), scope="layer"),
     Rule(_S + "linear_proj.weight", (_A + "o_proj.weight",), scope="layer"),
     Rule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), scope="layer"),
-    # dense layers
-    *gated_mlp_rules(_M + "mlp.", _L + "mlp.", _MLP, scope="dense"),
-    # MoE layers
-    Rule(_M + "mlp.router.weight", (_L + "mlp.gate.weight",), scope="moe"),
-    Rule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",), scope="moe"),
-    *gated_mlp_rules(_M + "mlp.experts.local_experts.{e}.", _L + "mlp.experts.{e}.", _MLP, scope="expert"),
-    *gated_mlp_rules(_M + "mlp.shared_experts.", _L + "mlp.shared_experts.", _MLP, scope="moe"),
+    *sigmoid_moe_rules(),  # dense layers; MoE layers (router, expert bias, experts, shared experts)
     *FINAL_RULES,
 ]
 
 
 @dataclass(frozen=True)
-class DeepseekV3Args(ArchArgs):
-    """:class:`ArchArgs` plus the DeepSeek-V3 fields (``head_dim`` = qk_nope + qk_rope,
-    ``intermediate_size`` = the routed experts' width)."""
+class DeepseekV3Args(SigmoidMoeArgs):
+    """:class:`SigmoidMoeArgs` plus the MLA fields (``head_dim`` = qk_nope + qk_rope)."""
 
-    dense_intermediate_size: int = 0
-    first_k_dense: int = 0
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    shared_intermediate_size: int | None = None
-    n_group: int | None = None  # None: no group limit
-    topk_group: int | None = None
-    routed_scaling_factor: float = 1.0
     rope_interleave: bool = True
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(range(self.first_k_dense, self.num_layers))
 
 
 class DeepseekV3Family(ModelFamily):
@@ -192,8 +184,7 @@ class DeepseekV3Family(ModelFamily):
         "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
         "scoring_func": "sigmoid",
     }
-    fused_expert_names = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                          "mlp.experts.{e}.down_proj.weight")
+    fused_expert_names = FUSED_EXPERT_NAMES
 
     def arch_args(self, hf_config: Any) -> DeepseekV3Args:
         """Read and validate a DeepSeek-V3 HF config.
@@ -204,38 +195,11 @@ class DeepseekV3Family(ModelFamily):
         """
         d = self.read_hf_config(hf_config)
         nh, h = d["num_attention_heads"], d["hidden_size"]
-        L = d["num_hidden_layers"]
-        E = d.get("n_routed_experts")
-        if not E:
-            raise ValueError("deepseek_v3 config without n_routed_experts")
-        k = d.get("first_k_dense_replace") or 0
-        if not 0 <= k < L:
-            raise ValueError(f"unsupported HF config field first_k_dense_replace={k} (num_hidden_layers={L})")
-        if d.get("moe_layer_freq", 1) != 1:
-            raise ValueError(f"unsupported HF config field moe_layer_freq={d['moe_layer_freq']!r} (supported: 1)")
-        topk = d["num_experts_per_tok"]
-        ng, tg = d.get("n_group") or 1, d.get("topk_group") or 1
-        if E % ng:
-            raise ValueError(f"unsupported HF config field n_group={ng}: n_routed_experts={E} not divisible")
-        if tg >= ng:
-            ng_m = tg_m = None  # every group selected: no group limit
-        else:
-            if topk % tg or topk // tg != 2:
-                raise ValueError(
-                    f"unsupported HF config field topk_group={tg}: HF scores a group by its top-2 experts,"
-                    f" Megatron by its top num_experts_per_tok // topk_group = {topk // tg}; need 2"
-                )
-            if E // ng < 2:
-                raise ValueError(f"unsupported HF config field n_group={ng}: fewer than 2 experts per group")
-            ng_m, tg_m = ng, tg
-        nsh = d.get("n_shared_experts") or 0
-        moe_i = d["moe_intermediate_size"]
         return DeepseekV3Args(
             model_type=d["model_type"],
             vocab_size=d["vocab_size"],
             hidden_size=h,
-            intermediate_size=moe_i,
-            num_layers=L,
+            num_layers=d["num_hidden_layers"],
             num_attention_heads=nh,
             num_key_value_heads=nh,
             head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
@@ -243,20 +207,13 @@ class DeepseekV3Family(ModelFamily):
             rope_theta=read_rope_theta(d),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            num_experts=int(E),
-            top_k=int(topk),
-            dense_intermediate_size=d["intermediate_size"],
-            first_k_dense=int(k),
             q_lora_rank=d.get("q_lora_rank"),
             kv_lora_rank=d["kv_lora_rank"],
             qk_nope_head_dim=d["qk_nope_head_dim"],
             qk_rope_head_dim=d["qk_rope_head_dim"],
             v_head_dim=d["v_head_dim"],
-            shared_intermediate_size=moe_i * nsh if nsh else None,
-            n_group=ng_m,
-            topk_group=tg_m,
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
             rope_interleave=bool(d.get("rope_interleave", True)),
+            **read_sigmoid_moe(d, "deepseek_v3"),
         )
 
     def rules(self) -> list[Rule]:
@@ -269,14 +226,12 @@ class DeepseekV3Family(ModelFamily):
         return {
             "q_lora": every if a.q_lora_rank is not None else [],
             "q_full": every if a.q_lora_rank is None else [],
-            "dense": [{"i": i} for i in range(a.first_k_dense)],
-            "moe": [{"i": i} for i in a.moe_layers],
-            "expert": [{"i": i, "e": e} for i in a.moe_layers for e in range(a.num_experts)],
+            **moe_scopes(a),
         }
 
     def skip_rule(self, r: Rule, a: DeepseekV3Args) -> bool:
         """Also the shared-expert rules when the config has no shared experts."""
-        return super().skip_rule(r, a) or (a.shared_intermediate_size is None and "shared_experts" in r.megatron)
+        return super().skip_rule(r, a) or skip_shared(r, a)
 
     # ---- Megatron model ------------------------------------------------------------------
     def config_class(self) -> type:
@@ -286,12 +241,9 @@ class DeepseekV3Family(ModelFamily):
         return MLATransformerConfig
 
     def model_config_kwargs(self, a: DeepseekV3Args, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
-        """MLA, dense/MoE layer pattern and sigmoid group-limited router fields of
-        ``MLATransformerConfig``. The expert-bias update rate defaults to 0 (bias kept as
-        loaded); pass ``moe_router_bias_update_rate`` to :meth:`transformer_config` to enable
-        the aux-loss-free update."""
+        """MLA fields of ``MLATransformerConfig``, then the dense/MoE layer pattern and the
+        sigmoid group-limited router (:func:`sigmoid_moe.sigmoid_moe_kwargs`)."""
         return dict(
-            ffn_hidden_size=a.dense_intermediate_size,
             # MLA
             multi_latent_attention=True,
             q_lora_rank=a.q_lora_rank,
@@ -306,26 +258,7 @@ class DeepseekV3Family(ModelFamily):
             rotary_scaling_factor=1.0,
             mscale=1.0,
             mscale_all_dim=0.0,
-            # MoE
-            num_moe_experts=a.num_experts,
-            moe_layer_freq=[0] * a.first_k_dense + [1] * (a.num_layers - a.first_k_dense),
-            moe_ffn_hidden_size=a.intermediate_size,
-            moe_shared_expert_intermediate_size=a.shared_intermediate_size,
-            moe_router_topk=a.top_k,
-            moe_router_score_function="sigmoid",
-            moe_router_pre_softmax=False,
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,
-            moe_router_dtype="fp32",
-            moe_router_num_groups=a.n_group,
-            moe_router_group_topk=a.topk_group,
-            moe_router_topk_scaling_factor=a.routed_scaling_factor,
-            # "aux_loss": the trainer reports the tracker's "load_balancing_loss" (DeepSeek-V3 trains
-            # with "seq_aux_loss", tracked as "seq_load_balancing_loss": pass it as an override)
-            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff else "none",
-            moe_aux_loss_coeff=moe_aux_loss_coeff,
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
+            **sigmoid_moe_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff),
         )
 
     def layer_spec(self, hf_config: Any, *, use_te: bool = False, vp_stage: int | None = None):
@@ -338,21 +271,7 @@ class DeepseekV3Family(ModelFamily):
         Raises:
             ValueError: ``vp_stage`` given without virtual pipeline stages, or missing with them.
         """
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        pp, vpp = 1, None
-        if ps.model_parallel_is_initialized():
-            pp = ps.get_pipeline_model_parallel_world_size()
-            vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-        vpp = vpp if vpp is not None and vpp > 1 else None
-        if (vpp is None) != (vp_stage is None):
-            raise ValueError(f"deepseek_v3 layer_spec: vp_stage={vp_stage!r} with virtual pipeline world size "
-                             f"{vpp!r} (vp_stage is needed exactly when the parallel state has VPP > 1)")
-        cfg = self.transformer_config(hf_config, pipeline_model_parallel_size=pp,
-                                      virtual_pipeline_model_parallel_size=vpp)
-        block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=use_te, normalization="RMSNorm",
-                                           vp_stage=vp_stage)
+        block = decoder_block_spec(self, hf_config, use_te=use_te, vp_stage=vp_stage, name="deepseek_v3")
         if not use_te:
             # Megatron 0.16.1's local MLA spec is neither buildable nor exact under TP as is
             # (core attention; q/kv down projections): see moe_async.compat.mla_local_attention

@@ -1,0 +1,263 @@
+"""GLM-4.5 family (HF ``model_type="glm4_moe"``: GLM-4.5, GLM-4.5-Air; transformers'
+``Glm4MoeForCausalLM``): config reading, Megatron ``TransformerConfig`` / block spec, and
+parameter mapping.
+
+Architecture -> Megatron-Core 0.16.1:
+
+* GQA attention (Megatron's local spec), q/k/v biases when ``attention_bias``
+  (``add_qkv_bias``; ``o_proj`` has none), per-head q/k RMSNorm before RoPE when
+  ``use_qk_norm`` (``qk_layernorm``).
+* Partial RoPE: HF rotates the FIRST ``int(head_dim * partial_rotary_factor)`` dims of each
+  head, in rotate-half pairs ``(j, j + r/2)`` of that part, and passes the rest through
+  (``apply_rotary_pos_emb``: ``q[..., :rotary_dim]``); frequencies ``base^(-2j/r)`` over the
+  rotated dims. Megatron's ``rotary_percent`` does the same (``RotaryEmbedding`` dim =
+  ``kv_channels * rotary_percent``; ``_apply_rotary_pos_emb_bshd`` rotates ``t[..., :rot_dim]``
+  with the same rotate-half and passes ``t[..., rot_dim:]``), so no weight permutation is
+  needed: ``partial_rotary_factor`` -> ``GPTModel(rotary_percent=...)``. The factor is read
+  from ``rope_parameters.partial_rotary_factor`` (transformers 5) or the top-level
+  ``partial_rotary_factor`` (the hub's config.json), default 0.5 as transformers'
+  ``Glm4MoeConfig``.
+* MoE as DeepSeek-V3 (:mod:`moe_async.models.sigmoid_moe`): first ``first_k_dense_replace``
+  layers dense, shared experts, sigmoid router in fp32 with ``e_score_correction_bias`` ->
+  fp32 buffer ``router.expert_bias``, ``n_group``/``topk_group`` (GLM-4.5: 1 group, no limit),
+  ``norm_topk_prob`` (must be true), ``routed_scaling_factor``.
+* MTP: ``num_nextn_predict_layers`` layers stored after the decoder as ``model.layers.{L+j}``
+  (``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm`` [, ``shared_head.head``,
+  ``embed_tokens``] and a whole MoE decoder layer). transformers builds no MTP layer and
+  ignores them on load; so does this family: :meth:`Glm4MoeFamily.mtp_hf_keys` is the exact
+  list of their names, which :meth:`~Glm4MoeFamily.normalize_hf_state` drops (logging each
+  name once); they are never read as a decoder layer, anything else under those layers (or
+  any layer past them) fails the mapping's unused-key check, and an export (Megatron -> HF)
+  holds no MTP layer (as transformers' ``save_pretrained`` of the loaded model).
+
+Rejected with the field named: scaled RoPE (``rope_parameters.rope_type`` other than
+default), ``norm_topk_prob=False``, ``hidden_act`` other than silu, a group limit Megatron
+cannot reproduce, ``n_routed_experts`` with a different ``num_experts``/``num_local_experts``,
+``partial_rotary_factor`` giving an odd or zero rotary dim.
+
+HF on-disk names (transformers 5.23 ``save_pretrained``) <-> Megatron (local spec). ``A`` =
+``model.layers.{i}.self_attn.``; the MLP rows are those of deepseek_v3 (dense layers:
+``mlp.{gate,up,down}_proj``; MoE layers: ``mlp.gate.weight`` -> ``mlp.router.weight``,
+``mlp.gate.e_score_correction_bias`` -> ``mlp.router.expert_bias`` (fp32),
+``mlp.experts.{e}.*`` -> ``mlp.experts.local_experts.{e}.linear_fc1/2``,
+``mlp.shared_experts.*`` -> ``mlp.shared_experts.linear_fc1/2``).
+
+| Megatron (decoder.layers.{i}.)                       | HF                                        |
+| ---------------------------------------------------- | ----------------------------------------- |
+| input_layernorm.weight [H]                           | model.layers.{i}.input_layernorm.weight   |
+| self_attention.linear_qkv.weight [ng(nh/ng+2)d,H]    | A {q,k,v}_proj.weight (per group [q..;k;v]) |
+| self_attention.linear_qkv.bias [ng(nh/ng+2)d]        | A {q,k,v}_proj.bias   (attention_bias)    |
+| self_attention.q_layernorm.weight [d]                | A q_norm.weight       (use_qk_norm)       |
+| self_attention.k_layernorm.weight [d]                | A k_norm.weight       (use_qk_norm)       |
+| self_attention.linear_proj.weight [H,nh d]           | A o_proj.weight                           |
+| pre_mlp_layernorm.weight [H]                         | post_attention_layernorm.weight           |
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from moe_async.models.family import (
+    EMBEDDING_RULE,
+    FINAL_RULES,
+    HF_LAYER as _L,
+    MG_LAYER as _M,
+    ModelFamily,
+    Tensor,
+    gqa_attention_rules,
+    qkv_fuse,
+    qkv_split,
+    read_rope_theta,
+    register_family,
+)
+from moe_async.models.mapping import Rule, expand
+from moe_async.models.sigmoid_moe import (
+    FUSED_EXPERT_NAMES,
+    SigmoidMoeArgs,
+    decoder_block_spec,
+    moe_scopes,
+    read_sigmoid_moe,
+    sigmoid_moe_kwargs,
+    sigmoid_moe_rules,
+    skip_shared,
+)
+
+log = logging.getLogger(__name__)
+
+_A = _L + "self_attn."
+
+
+def qkv_bias_fuse(ts, a) -> Tensor:
+    """q/k/v biases -> Megatron's ``linear_qkv.bias``, laid out as :func:`qkv_fuse`'s rows."""
+    return qkv_fuse([t.unsqueeze(-1) for t in ts], a).squeeze(-1)
+
+
+def qkv_bias_split(t: Tensor, a) -> list[Tensor]:
+    """Inverse of :func:`qkv_bias_fuse`."""
+    return [x.squeeze(-1).contiguous() for x in qkv_split(t.unsqueeze(-1), a)]
+
+
+_QKV_BIAS = Rule(_M + "self_attention.linear_qkv.bias",
+                 (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"),
+                 fuse=qkv_bias_fuse, split=qkv_bias_split, scope="layer")
+
+# gqa_attention_rules with q/k norms (skipped without use_qk_norm), the qkv bias after the qkv
+# weight (skipped without attention_bias), then the sigmoid MoE MLP rules.
+_ATTN = gqa_attention_rules(qk_norm=True)
+GLM4_MOE_RULES: list[Rule] = [EMBEDDING_RULE, *_ATTN[:2], _QKV_BIAS, *_ATTN[2:], *sigmoid_moe_rules(), *FINAL_RULES]
+_QK_NORM = {_M + "self_attention.q_layernorm.weight", _M + "self_attention.k_layernorm.weight"}
+
+#: MTP-only tensors of layer ``model.layers.{L+j}.`` besides its decoder layer
+MTP_EXTRA = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+             "shared_head.head.weight", "embed_tokens.weight")
+
+
+@dataclass(frozen=True)
+class Glm4MoeArgs(SigmoidMoeArgs):
+    """:class:`SigmoidMoeArgs` plus GLM's attention and MTP fields."""
+
+    rotary_percent: float = 0.5
+    attention_bias: bool = False
+    qk_norm: bool = False
+    mtp_layers: int = 0
+
+
+def read_partial_rotary(d: Mapping[str, Any], head_dim: int) -> float:
+    """``partial_rotary_factor`` from ``rope_parameters`` or the top level (default 0.5).
+
+    Raises:
+        ValueError: naming the field when both places give different values or the rotary
+            dim ``int(head_dim * factor)`` is zero, odd or above ``head_dim``.
+    """
+    rp = d.get("rope_parameters") or {}
+    top, inner = d.get("partial_rotary_factor"), rp.get("partial_rotary_factor")
+    if top is not None and inner is not None and float(top) != float(inner):
+        raise ValueError(f"glm4_moe config gives partial_rotary_factor={top} and "
+                         f"rope_parameters.partial_rotary_factor={inner}")
+    f = float(inner if inner is not None else top if top is not None else 0.5)
+    r = int(head_dim * f)
+    if not 0 < r <= head_dim or r % 2:
+        raise ValueError(f"unsupported HF config field partial_rotary_factor={f}: rotary dim "
+                         f"int(head_dim={head_dim} * {f}) = {r} must be even and in (0, head_dim]")
+    if r != head_dim * f:
+        raise ValueError(f"unsupported HF config field partial_rotary_factor={f}: head_dim={head_dim} * {f} "
+                         "is not a whole number of dims (Megatron's rotary_percent would round otherwise)")
+    return f
+
+
+class Glm4MoeFamily(ModelFamily):
+    """Also reads transformers' in-memory layout: ``mlp.experts.gate_up_proj`` [E,2I,H]
+    (gate rows first) and ``mlp.experts.down_proj`` [E,H,I] -> per-expert on-disk names."""
+
+    model_types = ("glm4_moe",)
+    display_name = "GLM-4.5"
+    unsupported_fields = {
+        "hidden_act": "silu",
+        "norm_topk_prob": True,
+        "pretraining_tp": (None, 1),
+    }
+    fused_expert_names = FUSED_EXPERT_NAMES
+
+    def __init__(self) -> None:
+        self._mtp_logged: set[str] = set()
+
+    def arch_args(self, hf_config: Any) -> Glm4MoeArgs:
+        """Read and validate a GLM-4.5 HF config.
+
+        Raises:
+            ValueError: naming an unsupported field (see the module docstring), or
+                ``num_attention_heads`` not a multiple of ``num_key_value_heads``.
+            KeyError: a required field is missing.
+        """
+        d = self.read_hf_config(hf_config)
+        nh, h = d["num_attention_heads"], d["hidden_size"]
+        ng = d.get("num_key_value_heads") or nh
+        if nh % ng:
+            raise ValueError(f"num_attention_heads={nh} is not a multiple of num_key_value_heads={ng}")
+        hd = d.get("head_dim") or h // nh
+        mtp = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0
+        return Glm4MoeArgs(
+            model_type=d["model_type"],
+            vocab_size=d["vocab_size"],
+            hidden_size=h,
+            num_layers=d["num_hidden_layers"],
+            num_attention_heads=nh,
+            num_key_value_heads=ng,
+            head_dim=hd,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            rope_theta=read_rope_theta(d),
+            max_position_embeddings=d.get("max_position_embeddings", 131072),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rotary_percent=read_partial_rotary(d, hd),
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm=bool(d.get("use_qk_norm", False)),
+            mtp_layers=int(mtp),
+            **read_sigmoid_moe(d, "glm4_moe"),
+        )
+
+    def rules(self) -> list[Rule]:
+        return GLM4_MOE_RULES
+
+    # ---- mapping -------------------------------------------------------------------------
+    def scopes(self, a: Glm4MoeArgs) -> dict[str, list[dict[str, int]]]:
+        return moe_scopes(a)
+
+    def skip_rule(self, r: Rule, a: Glm4MoeArgs) -> bool:
+        """Also the shared-expert rules without shared experts, the qkv bias without
+        ``attention_bias`` and the q/k norms without ``use_qk_norm``."""
+        return (super().skip_rule(r, a) or skip_shared(r, a) or (r is _QKV_BIAS and not a.attention_bias)
+                or (r.megatron in _QK_NORM and not a.qk_norm))
+
+    def mtp_hf_keys(self, a: Glm4MoeArgs) -> tuple[str, ...]:
+        """The exact HF names an MTP layer ``model.layers.{L+j}`` may hold (j <
+        ``num_nextn_predict_layers``): :data:`MTP_EXTRA` and the names of a whole MoE decoder
+        layer at that index. Dropped on the way in, never mapped."""
+        out: list[str] = []
+        for j in range(a.mtp_layers):
+            i = a.num_layers + j
+            moe = replace(a, num_layers=i + 1, first_k_dense=i, mtp_layers=0)
+            layer = [h for h in expand(self.rules(), i + 1, a.num_experts, moe, skip=self.skip_rule,
+                                       scopes={**moe_scopes(moe), "layer": [{"i": i}]}).hf_keys
+                     if h.startswith(f"model.layers.{i}.")]
+            out += [f"model.layers.{i}.{n}" for n in MTP_EXTRA] + layer
+        return tuple(out)
+
+    def normalize_hf_state(self, hf_state: Mapping[str, Tensor], a: Glm4MoeArgs) -> dict[str, Tensor]:
+        """Drop the MTP layer's tensors (:meth:`mtp_hf_keys`, each name logged once per
+        family instance), then the fused-expert rewrite of the base class."""
+        mtp = set(self.mtp_hf_keys(a)) if a.mtp_layers else set()
+        state = {k: v for k, v in hf_state.items() if k not in mtp}
+        dropped = sorted(set(hf_state) - set(state) - self._mtp_logged)
+        if dropped:
+            self._mtp_logged.update(dropped)
+            log.info("glm4_moe: skipping %d MTP tensor(s) of num_nextn_predict_layers=%d (not trained, "
+                     "not exported, as transformers): %s", len(dropped), a.mtp_layers, dropped)
+        return super().normalize_hf_state(state, a)
+
+    # ---- Megatron model ------------------------------------------------------------------
+    def model_config_kwargs(self, a: Glm4MoeArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+        """GQA attention (q/k/v bias, q/k norm) and the dense/MoE sigmoid router fields
+        (:func:`sigmoid_moe.sigmoid_moe_kwargs`)."""
+        return dict(
+            num_query_groups=a.num_key_value_heads,
+            kv_channels=a.head_dim,
+            qk_layernorm=a.qk_norm,
+            add_qkv_bias=a.attention_bias,
+            **sigmoid_moe_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff),
+        )
+
+    def layer_spec(self, hf_config: Any, *, use_te: bool = False, vp_stage: int | None = None):
+        """Decoder block spec (:func:`sigmoid_moe.decoder_block_spec`: dense / MoE layers,
+        this pipeline stage's, chunk ``vp_stage``'s with virtual pipeline stages)."""
+        return decoder_block_spec(self, hf_config, use_te=use_te, vp_stage=vp_stage, name="glm4_moe")
+
+    def gpt_model_kwargs(self, hf_config: Any) -> dict[str, Any]:
+        """The base kwargs with ``rotary_percent`` = ``partial_rotary_factor``."""
+        kw = super().gpt_model_kwargs(hf_config)
+        kw["rotary_percent"] = self.arch_args(hf_config).rotary_percent
+        return kw
+
+
+GLM4_MOE = register_family(Glm4MoeFamily())
