@@ -279,8 +279,10 @@ class RolloutManager:
         finally:
             stop.cancel()
 
-    def _sampling_params(self, max_new: int, greedy: bool) -> dict[str, Any]:
+    def _sampling_params(self, max_new: int, greedy: bool, seed: int | None = None) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": int(max_new)}
+        if seed is not None and not greedy:
+            sp["sampling_seed"] = int(seed)
         if greedy:
             sp.update(temperature=0.0, top_p=1.0, top_k=1)
         else:
@@ -316,7 +318,7 @@ class RolloutManager:
         try:
             G = self.cfg.n_samples_per_prompt
             samples = await _gather_or_cancel(
-                [self._generate_sample(prompt_ids, max_new) for _ in range(G)]
+                [self._generate_sample(prompt_ids, max_new, seed=self._sample_seed(gid, i)) for i in range(G)]
             )
             texts = [self.dataset.decode(s.response_ids) for s in samples]
             results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
@@ -376,8 +378,16 @@ class RolloutManager:
         self._filtered_per_version[version] += 1
         return True
 
-    async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False) -> Sample:
-        """One response, resubmitting aborted segments (C5); see the module docstring."""
+    def _sample_seed(self, gid: int, index: int) -> int | None:
+        """``rollout.sampling_seed`` mixed with the group id and the sample's index (None: unseeded)."""
+        if self.cfg.sampling_seed is None:
+            return None
+        return (self.cfg.sampling_seed * 1_000_003 + gid * 1_009 + index) % (2**31 - 1)
+
+    async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False,
+                               seed: int | None = None) -> Sample:
+        """One response, resubmitting aborted segments (C5); see the module docstring.
+        ``seed``: the request's ``sampling_seed`` (a resumed segment's: plus its tokens so far)."""
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -390,7 +400,8 @@ class RolloutManager:
                 finish = "length"
                 break
             ids = list(prompt_ids) + tokens
-            out = await self._call_engine(ids, self._sampling_params(remaining, greedy))
+            seg_seed = None if seed is None else (seed + 7_919 * len(tokens)) % (2**31 - 1)
+            out = await self._call_engine(ids, self._sampling_params(remaining, greedy, seg_seed))
             raw_n = len(out.output_ids or [])  # router replay: routes cover ids + raw_n tokens
             seg_ids = [int(t) for t in (out.output_ids or [])]
             seg_lp = [float(x) for x in (out.output_logprobs or [])]
