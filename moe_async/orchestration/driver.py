@@ -150,16 +150,19 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             m = batch_metrics(groups, version)
             m.update(trainer.train_step(groups))  # every rank; a dead engine or rank fails it, named
             version = trainer.version()
+            si = cfg.trainer.save_interval
+            saving = bool(si) and (step % si == 0 or step == cfg.num_steps)
+            # the prompt position before the sync opens admission for the next version: in sync
+            # mode it is exactly the prompts trained, so a resumed run draws what this one would
+            data = ray.get(rollout.data_state.remote()) if saving else None
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
                 m.update(trainer.sync_weights())
                 if cfg.weight_sync.check:
                     m.update(trainer.check_engines(urls))
                 ray.get(buffer.set_engine_version.remote(version))
                 synced_version = version
-            si = cfg.trainer.save_interval
-            if si and (step % si == 0 or step == cfg.num_steps):
+            if saving:
                 t_save = time.perf_counter()
-                data = ray.get(rollout.data_state.remote())
                 summary["last_checkpoint"] = trainer.save_checkpoint(save_dir, step, {"dataset": data})
                 m["perf/save_seconds"] = time.perf_counter() - t_save
             tokens += m["train/response_tokens"]

@@ -9,7 +9,7 @@ from typing import Any
 
 def init_ray() -> None:
     """Attach to the cluster in ``RAY_ADDRESS`` (launch/slurm_train.sbatch), else start a
-    local Ray bound to loopback."""
+    new local Ray bound to loopback."""
     import ray
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -17,7 +17,9 @@ def init_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+        # address="local": always a new instance, never a cluster some other process left
+        # in /tmp/ray/ray_current_cluster (ray.init's default would attach to it)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=True, runtime_env=runtime_env)
 
 

@@ -56,7 +56,7 @@ class RolloutConfig(BaseModel):
     sampling_seed: int | None = Field(
         None,
         description="Seed every request's sampling (SGLang's sampling_params.sampling_seed) from this seed, "
-        "the group id, the sample's index in its group and the tokens it has so far, so that a run's "
+        "the prompt's draw (epoch and index), the sample's index in its group and the tokens it has so far, so that a run's "
         "samples do not depend on which engine serves them or on timing (a sync-mode run repeats its "
         "batches); None = unseeded.",
     )
