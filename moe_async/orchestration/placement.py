@@ -128,7 +128,7 @@ def _wait_ready(pg: Any, what: str, bundles: list[dict[str, float]], strategy: s
         need: dict[str, float] = {}
         for b in bundles:
             for k, v in b.items():
-                need[k] = need.get(k, 0.0) + v
+                need[k] = round(need.get(k, 0.0) + v, 2)
         raise PlacementError(
             f"{what}: need {len(bundles)} bundles of {bundles[0]} ({strategy}; {need} in all), the cluster has "
             f"{ {k: v for k, v in ray.available_resources().items() if k in need} } free of "
