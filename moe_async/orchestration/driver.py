@@ -1,6 +1,8 @@
 """The driver loop of ``moe-async train``.
 
-    prepare HF checkpoint -> Ray: engines, trainer, buffer, rollout
+    prepare HF checkpoint -> Ray: placement (trainer ranks, engines: placement.py)
+    -> engines (EnginePool, in parallel) -> trainer (TrainerGroup: one actor per Megatron rank)
+    -> buffer, rollout
     eval (held-out) -> start generation (it never waits for training)
     for step: batch = buffer.get_batch(trainer_version)     # staleness-checked
               metrics = trainer.train_step(batch)            # GRPO + TIS, version += 1
