@@ -31,8 +31,10 @@ every ``save_interval`` steps and after the last one the trainer writes
 position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
 checkpoint before the buffer is made (its admission bound counts from the loaded version,
 case C6), the engines receive the loaded weights by a weight sync before any generation,
-the train prompts continue from the saved position (prompts drawn but not trained at save
-time, i.e. buffered or in flight, are skipped, as slime's data-source offset does), and the
+the train prompts continue from the position read after the saving step's train step and
+before its sync (prompts drawn by then but not trained, i.e. buffered or in flight, are
+skipped, as slime's data-source offset does; in sync mode none are, so a resumed run draws
+what the uninterrupted run would), and the
 loop runs steps N+1..num_steps (num_steps counts in total, slime's convention).
 """
 
