@@ -122,15 +122,3 @@ def test_user_input_error_from_a_ray_task_prints_the_cause_only(monkeypatch, cap
     monkeypatch.setattr(driver, "run_experiment", remote_refusal)
     assert main(["train", str(SMOKE)]) == 2
     assert capsys.readouterr().err.splitlines() == [f"moe-async: {cause}"]
-
-
-def test_train_model_parallel_layout_is_one_line_exit_2(tmp_path) -> None:
-    """The driver's trainer is one process: PP2 (+VPP2) was a Megatron 'world_size (1) is not
-    divisible by 2' inside a dead Ray actor ~2 minutes in; now refused before Ray starts."""
-    runs = tmp_path / "runs"
-    r = _train(str(SMOKE), "model.num_layers=4", "trainer.pipeline_model_parallel_size=2",
-               "trainer.virtual_pipeline_model_parallel_size=2", f"logging.output_dir={runs}", cwd=tmp_path)
-    _assert_refused(r, "trainer.pipeline_model_parallel_size=2: 'moe-async train' runs the trainer as one process "
-                       "(world size 1); parallel layouts run the same trainer under torchrun, "
-                       "driving MegatronTrainer from a script as tests/trainer/_layout_checks.py does")
-    assert not runs.exists()

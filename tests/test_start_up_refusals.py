@@ -130,16 +130,3 @@ def test_truncated_step_file_named_at_start_up(tmp_path, name, text):
     (step / name).write_text(text)
     with pytest.raises(UserInputError, match=rf"trainer\.load=.*cannot read the step from .*step_3/{name} \("):
         resolve_checkpoint(load_config(SMOKE, [f"trainer.load={step}"]))
-
-
-@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                   "expert_model_parallel_size", "context_parallel_size",
-                                   "expert_tensor_parallel_size"])
-def test_model_parallel_sizes_refused_by_the_one_process_driver(field):
-    """Every model-parallel size > 1 is refused before Ray starts, naming the field."""
-    from moe_async.errors import UserInputError
-    from moe_async.orchestration.driver import check_single_process_trainer
-
-    cfg = load_config(SMOKE, [f"trainer.{field}=2"])
-    with pytest.raises(UserInputError, match=f"trainer.{field}=2: 'moe-async train' runs the trainer as one process"):
-        check_single_process_trainer(cfg)

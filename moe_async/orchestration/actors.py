@@ -1,7 +1,9 @@
-"""Ray actors: the buffer, the trainer, the engine manager and the rollout manager.
+"""Ray actors: the buffer, one trainer rank and the rollout manager (the engines' actor is
+:class:`moe_async.orchestration.engine_pool.EngineActor`).
 
-Every actor asks for ``num_cpus=0``: the pieces share the machine's cores and set their
-own thread counts (``trainer.num_threads``, ``engine.num_threads``) so trainer and
+The buffer and rollout actors ask for ``num_cpus=0``; the trainer ranks and the engines are
+placed on bundles of their own (:mod:`moe_async.orchestration.placement`). Every process sets
+its own thread count (``trainer.num_threads``, ``engine.num_threads``) so trainer and
 engines do not oversubscribe them. The actors only adapt the plain classes of
 ``buffer``, ``trainer``, ``engines`` and ``rollout`` to Ray; they hold no logic of their own.
 """
@@ -75,66 +77,26 @@ class BufferProxy:
 
 
 @ray.remote(num_cpus=0)
-class EngineManager:
-    """Launches the engines (embedded CPU servers or SGLang) and shuts them down."""
-
-    def __init__(self, cfg: ExperimentConfig, model_path: str):
-        self.cfg = cfg
-        self.model_path = model_path
-        self.engines: list[Any] = []
-
-    def launch(self) -> list[str]:
-        """Start ``engine.num_engines`` servers; returns their base URLs once healthy.
-
-        Raises: RuntimeError naming the engine whose process died or timed out.
-        """
-        from moe_async.engines.base import make_engine
-
-        ec = self.cfg.engine
-        for i in range(ec.num_engines):
-            port = ec.base_port + i if ec.base_port else 0
-            eng = make_engine(ec, self.model_path, port)
-            self.engines.append(eng)
-            eng.launch()
-        return [e.url for e in self.engines]
-
-    def check_and_restart(self) -> list[int]:
-        """Restart engines whose process died or whose ``/health`` fails (same URLs).
-
-        Returns the restarted indices: those engines run the checkpoint weights again, so the
-        caller re-joins them to the weight-update group and re-sends the current weights.
-        Not called by the driver yet: the update group is one process group over the trainer
-        and all engines, which a restarted engine cannot rejoin without every member
-        re-forming it; a dead engine instead fails the run, named by :meth:`dead_engines`.
-        """
-        from moe_async.engines.base import ensure_healthy
-
-        return ensure_healthy(self.engines)
-
-    def dead_engines(self) -> list[str]:
-        """One line per engine whose process has exited: index, URL, exit code, log file
-        (kept, since it died on its own). Used to name the engine when a step fails."""
-        out = []
-        for i, e in enumerate(self.engines):
-            proc = getattr(e, "proc", None)
-            if proc is not None and proc.poll() is not None:
-                out.append(f"engine {i} at {e.url} exited with code {proc.returncode}; log: {getattr(e, 'log_path', None)}")
-        return out
-
-    def shutdown(self) -> None:
-        for e in self.engines:
-            e.shutdown()
-        self.engines = []
-
-
-@ray.remote(num_cpus=0)
 class TrainerActor:
-    """Megatron-Core trainer plus the sending side of weight sync."""
+    """One Megatron rank: the trainer's shard plus, on global rank 0, the sending side of
+    weight sync. Made and driven by :class:`~moe_async.orchestration.trainer_group.TrainerGroup`,
+    which calls every method on every rank with the same arguments (the trainer's methods
+    are collective) and takes rank 0's result.
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str):
+    Start-up: ``__init__`` pins the process (``trainer.cpu_affinity``) and sets the thread
+    count; rank 0's :meth:`rendezvous` binds the TCPStore of ``torch.distributed`` on a port
+    its node picks (held from then on, so nobody else can take it); :meth:`setup` on every
+    rank sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``, joins the
+    process group (NCCL with CUDA, else gloo) through that store and builds the
+    :class:`MegatronTrainer`.
+
+    ``fault`` (tests only, from ``MOE_ASYNC_TRAINER_FAULT``; see :func:`trainer_group.parse_fault`):
+    ``(method, n)`` makes this rank raise RuntimeError at its n-th call of ``method``.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, model_path: str, rank: int = 0, world_size: int = 1,
+                 fault: tuple[str, int] | None = None):
         import torch
-
-        from moe_async.trainer.megatron_trainer import MegatronTrainer
 
         from moe_async.orchestration.affinity import pin_this_process
 
@@ -142,32 +104,100 @@ class TrainerActor:
         pin_this_process(cfg.trainer.cpu_affinity, "trainer.cpu_affinity")
         torch.set_num_threads(cfg.trainer.num_threads)
         self.cfg = cfg
-        self.trainer = MegatronTrainer(cfg.trainer, model_path)
+        self.model_path = model_path
+        self.rank, self.world_size = rank, world_size
+        self.fault = fault
+        self._calls: dict[str, int] = {}
+        self._store = None
+        self.trainer = None
         self.transport = None
+
+    def _enter(self, method: str) -> None:
+        """Count the call; raise the test-only injected fault when it is due."""
+        n = self._calls[method] = self._calls.get(method, 0) + 1
+        if self.fault is not None and self.fault == (method, n):
+            raise RuntimeError(f"injected fault (MOE_ASYNC_TRAINER_FAULT) in {method} call {n} "
+                               f"on trainer rank {self.rank}")
+
+    def rendezvous(self, host: str, timeout_s: float = 600.0) -> tuple[str, int]:
+        """Rank 0: bind the process group's TCPStore on this node (port picked by the OS and
+        held); returns ``(host, port)`` for every rank's ``MASTER_ADDR/PORT``. ``host``: this
+        node's address as Ray knows it (its NodeManagerAddress; loopback for a local run)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        ip = host
+        self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout_s))
+        return ip, int(self._store.port)
+
+    def setup(self, env: dict[str, str], timeout_s: float = 600.0) -> int:
+        """Join the process group as ``env["RANK"]`` and build this rank's trainer; returns the
+        process id. Collective: every rank calls it."""
+        import os
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+        os.environ.update(env)
+        self._enter("setup")
+        if self._store is None:  # not rank 0: a client of rank 0's store
+            self._store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.world_size,
+                                        is_master=False, timeout=timedelta(seconds=timeout_s))
+        cuda = torch.cuda.is_available()
+        if cuda:  # Ray leaves one visible device per rank (its bundle's GPU)
+            torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else int(env["LOCAL_RANK"]))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", store=self._store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        self.trainer = MegatronTrainer(self.cfg.trainer, self.model_path)
+        return os.getpid()
 
     def version(self) -> int:
         return self.trainer.version
 
     def connect_engines(self, urls: list[str]) -> None:
+        """Rank 0 joins the weight-update group with every engine; the other ranks only
+        take part in the export (:meth:`sync_weights`)."""
+        self._enter("connect_engines")
+        if self.rank != 0:
+            return
+        import os
+
         from moe_async.engines.client import SyncEngineClient
         from moe_async.weight_sync.transport import make_transport
 
         clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
-        # weight_sync.transport: broadcast (bucketed, overlapped packing) | disk (fallback)
-        self.transport = make_transport(clients, self.cfg.weight_sync, pause_mode=self.cfg.engine.pause_mode)
+        # weight_sync.transport: broadcast (bucketed, overlapped packing) | disk (fallback);
+        # the engines reach the update group's store on this rank's node
+        kw = {} if self.cfg.weight_sync.transport == "disk" else dict(
+            master_address=os.environ["MASTER_ADDR"], ranks_per_engine=self.cfg.engine.tensor_parallel_size)
+        self.transport = make_transport(clients, self.cfg.weight_sync, pause_mode=self.cfg.engine.pause_mode, **kw)
         self.transport.connect()
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
-        """GRPO advantages per group, then one optimizer step on all samples."""
+        """GRPO advantages per group, then one optimizer step on all samples (the same global
+        batch on every rank; the trainer takes its data-parallel slice)."""
         from moe_async.trainer.advantages import compute_grpo_advantages
 
+        self._enter("train_step")
         adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
         samples = [s for g in groups for s in g.samples]
         flat_adv = [a for ga in adv for a in ga]
         return {f"train/{k}": v for k, v in self.trainer.train_step(samples, flat_adv).items()}
 
     def sync_weights(self) -> dict[str, float]:
-        """Send the current weights to every engine under the trainer's version."""
+        """Send the current weights to every engine under the trainer's version (rank 0 sends;
+        every rank takes part in the export's gather). Returns rank 0's sync metrics."""
+        self._enter("sync_weights")
+        if self.rank != 0:
+            for _ in self.trainer.export_hf_weights():
+                pass
+            return {}
         assert self.transport is not None, "connect_engines() first"
         # The exporter writes each tensor straight into the transport's send buffer when the
         # engines publish their layout (embedded engines), so buckets go out without packing.
@@ -180,32 +210,48 @@ class TrainerActor:
     def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
         """Write ``<save_dir>/step_<step>`` (torch_dist model + optimizer, RNG, version and
         ``extra``) and point ``<save_dir>/latest`` at it; returns the checkpoint path.
+        Collective; ``save_dir`` must be one directory for every rank (a shared file system
+        on a cluster).
 
-        The checkpoint is written under ``step_<step>.tmp`` and renamed when complete, and
-        ``latest`` is replaced atomically after that, so a crash never leaves a partial
-        checkpoint under a valid name."""
+        The checkpoint is written under ``step_<step>.tmp`` and renamed by rank 0 when every
+        rank has written its part, and ``latest`` is replaced atomically after that, so a crash
+        never leaves a partial checkpoint under a valid name."""
         import os
         import shutil
 
+        import torch.distributed as dist
+
+        self._enter("save_checkpoint")
+        multi = dist.is_initialized() and dist.get_world_size() > 1
         final = os.path.join(save_dir, f"step_{step}")
         tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        if multi:
+            dist.barrier()
         self.trainer.save_checkpoint(tmp, extra={**extra, "step": step})
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
-            f.write(f"step_{step}\n")
-        os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+        if multi:
+            dist.barrier()
+        if self.rank == 0:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
+                f.write(f"step_{step}\n")
+            os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+        if multi:
+            dist.barrier()
         return final
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load model, optimizer, version (hence LR schedule) and RNG from ``path``; returns
-        the ``extra`` dict saved with it (``step``, ``dataset``)."""
+        the ``extra`` dict saved with it (``step``, ``dataset``). Collective."""
+        self._enter("load_checkpoint")
         return self.trainer.load_checkpoint(path)
 
     def check_engines(self, urls: list[str]) -> dict[str, float]:
-        """Check mode: compare per-tensor checksums of every engine with the trainer's.
+        """Check mode: compare per-tensor checksums of every engine with the trainer's
+        (collective: every rank computes the checksums; rank 0 compares).
 
         Raises: WeightSyncError naming the engine, the version and the first differing tensors.
         """
@@ -214,6 +260,8 @@ class TrainerActor:
 
         t0 = time.perf_counter()
         mine = self.trainer.hf_checksums()
+        if self.rank != 0:
+            return {}
         m = check_engines([SyncEngineClient(u) for u in urls], mine, self.trainer.version)
         m["sync/check_seconds"] = time.perf_counter() - t0  # including the trainer's checksums
         return m

@@ -1,6 +1,8 @@
 """The driver loop of ``moe-async train``.
 
-    prepare HF checkpoint -> Ray: engines, trainer, buffer, rollout
+    prepare HF checkpoint -> Ray: placement (trainer ranks, engines: placement.py)
+    -> engines (EnginePool, in parallel) -> trainer (TrainerGroup: one actor per Megatron rank)
+    -> buffer, rollout
     eval (held-out) -> start generation (it never waits for training)
     for step: batch = buffer.get_batch(trainer_version)     # staleness-checked
               metrics = trainer.train_step(batch)            # GRPO + TIS, version += 1
@@ -30,8 +32,10 @@ every ``save_interval`` steps and after the last one the trainer writes
 position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
 checkpoint before the buffer is made (its admission bound counts from the loaded version,
 case C6), the engines receive the loaded weights by a weight sync before any generation,
-the train prompts continue from the saved position (prompts drawn but not trained at save
-time, i.e. buffered or in flight, are skipped, as slime's data-source offset does), and the
+the train prompts continue from the position read after the saving step's train step and
+before its sync (prompts drawn by then but not trained, i.e. buffered or in flight, are
+skipped, as slime's data-source offset does; in sync mode none are, so a resumed run draws
+what the uninterrupted run would), and the
 loop runs steps N+1..num_steps (num_steps counts in total, slime's convention).
 """
 
@@ -78,13 +82,15 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     t_launch = time.perf_counter()
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
         check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
-    check_single_process_trainer(cfg)
     load_path, start_step = resolve_checkpoint(cfg)  # refused here, before Ray or any process starts
     check_save_dir(cfg)  # an explicit trainer.save_dir: refused now, not at the first save after training
     import ray
 
     from moe_async.models.prepare import prepare_hf_checkpoint
-    from moe_async.orchestration.actors import BufferActor, EngineManager, RolloutActor, TrainerActor
+    from moe_async.orchestration.actors import BufferActor, RolloutActor
+    from moe_async.orchestration.engine_pool import EnginePool
+    from moe_async.orchestration.placement import place_engines, place_trainer
+    from moe_async.orchestration.trainer_group import TrainerGroup
 
     # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
     model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
@@ -103,28 +109,36 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
 
     init_ray()
     prev_sigterm = sigterm_to_exit()
-    engines = EngineManager.remote(cfg, model_path)
+    engines = trainer = None
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
     try:
+        # both pools placed first (each its own devices or cores), so a cluster short of them
+        # fails before anything starts; then the engines start (in parallel) and the ranks
+        trainer_slots, engine_slots = place_trainer(cfg), place_engines(cfg)
+        engines = EnginePool(cfg, model_path, placement=engine_slots)
         timeline.phase("start engines")
-        urls = ray.get(engines.launch.remote())
+        urls = engines.launch()
         timeline.phase("build trainer")
-        trainer = TrainerActor.remote(cfg, model_path)
-        ray.get(trainer.connect_engines.remote(urls))
+        trainer = TrainerGroup(cfg, model_path, placement=trainer_slots, watch=engines.dead_engines)
+        lay = cfg.trainer.layout
+        print(f"[moe-async] trainer: {trainer.world_size} rank(s) (TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} "
+              f"ETP{lay.etp} DP{lay.dp}) on {len(set(trainer_slots.node_ids))} node(s), rendezvous "
+              f"{trainer.master_addr}:{trainer.master_port}; engines: {', '.join(urls)}", flush=True)
+        trainer.connect_engines(urls)
         resumed: dict[str, Any] = {}
         if load_path is not None:
-            resumed = ray.get(trainer.load_checkpoint.remote(load_path))
+            resumed = trainer.load_checkpoint(load_path)
             summary["resumed_from"] = load_path
             summary["start_step"] = start_step
-            summary["loaded_weights_digest"] = weights_digest(ray.get(trainer.checksums.remote()))
-            sync_m = ray.get(trainer.sync_weights.remote())  # engines get the loaded weights
+            summary["loaded_weights_digest"] = weights_digest(trainer.checksums())
+            sync_m = trainer.sync_weights()  # engines get the loaded weights
             if cfg.weight_sync.check:
-                sync_m.update(ray.get(trainer.check_engines.remote(urls)))
+                sync_m.update(trainer.check_engines(urls))
             summary["resume_sync"] = sync_m
             print(f"[moe-async] resumed from {load_path} at step {start_step} "
-                  f"(weight_version {ray.get(trainer.version.remote())})", flush=True)
-        buffer = BufferActor.remote(B, K, ray.get(trainer.version.remote()))  # v0 = loaded version (C6)
+                  f"(weight_version {trainer.version()})", flush=True)
+        buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version (C6)
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
         if resumed.get("dataset"):
             ray.get(rollout.load_data_state.remote(resumed["dataset"]))
@@ -138,7 +152,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         ray.get(rollout.start.remote())
         busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
-        t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, ray.get(trainer.version.remote())
+        t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, trainer.version()
         synced_version = version
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
@@ -156,21 +170,24 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             idle += t1 - t0
             timeline.phase("train", step, label=f"step {step}/{cfg.num_steps}: train step")
             m = batch_metrics(groups, version)
-            m.update(_get_watching(trainer.train_step.remote(groups), engines))
-            version = ray.get(trainer.version.remote())
+            m.update(trainer.train_step(groups))  # every rank; a dead engine or rank fails it, named
+            version = trainer.version()
+            si = cfg.trainer.save_interval
+            saving = bool(si) and (step % si == 0 or step == cfg.num_steps)
+            # the prompt position before the sync opens admission for the next version: in sync
+            # mode it is exactly the prompts trained, so a resumed run draws what this one would
+            data = ray.get(rollout.data_state.remote()) if saving else None
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
                 timeline.phase("sync", step, label=f"step {step}/{cfg.num_steps}: weight sync")
-                m.update(_get_watching(trainer.sync_weights.remote(), engines))
+                m.update(trainer.sync_weights())
                 if cfg.weight_sync.check:
-                    m.update(_get_watching(trainer.check_engines.remote(urls), engines))
+                    m.update(trainer.check_engines(urls))
                 ray.get(buffer.set_engine_version.remote(version))
                 synced_version = version
-            si = cfg.trainer.save_interval
-            if si and (step % si == 0 or step == cfg.num_steps):
+            if saving:
                 t_save = time.perf_counter()
                 timeline.phase("save", step, label=f"step {step}/{cfg.num_steps}: checkpoint")
-                data = ray.get(rollout.data_state.remote())
-                summary["last_checkpoint"] = ray.get(trainer.save_checkpoint.remote(save_dir, step, {"dataset": data}))
+                summary["last_checkpoint"] = trainer.save_checkpoint(save_dir, step, {"dataset": data})
                 m["perf/save_seconds"] = time.perf_counter() - t_save
             tokens += m["train/response_tokens"]
             n_samples += m["train/samples"]
@@ -218,25 +235,30 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         timeline.idle()
         from moe_async.engines.client import SyncEngineClient
 
-        trainer_sums = ray.get(trainer.checksums.remote())
+        trainer_sums = trainer.checksums()
         engine_sums = [SyncEngineClient(u).weights_checksum() for u in urls]
         summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
         summary["final_weight_version"] = version
         summary["final_weights_digest"] = weights_digest(trainer_sums)
         summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
+        summary["engine_weights_match"] = [e["checksums"] == trainer_sums for e in engine_sums]
+        summary["trainer_world_size"] = trainer.world_size
         summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
         summary["startup_seconds"] = t_start - t_launch
         logger.summary(summary)
-        ray.get(trainer.shutdown.remote())
+        trainer.shutdown()
         ray.get(rollout.close.remote())
     except Exception as e:
-        dead = dead_engines(engines)
+        dead = dead_engines(engines) if engines is not None else []
         if dead:  # name the engine that died instead of the HTTP error it caused
             raise RuntimeError("; ".join(dead)) from e
         raise
     finally:
         try:
-            ray.get(engines.shutdown.remote(), timeout=60)
+            if trainer is not None:
+                trainer.kill()  # no rank left blocked in a collective
+            if engines is not None:
+                engines.shutdown()
         finally:
             logger.close()
             timeline.write()
@@ -291,26 +313,6 @@ def check_save_dir(cfg: ExperimentConfig) -> None:
     else:
         return
     raise UserInputError(f"trainer.save_dir={t.save_dir!r}: checkpoints cannot be written there ({why})")
-
-
-def check_single_process_trainer(cfg: ExperimentConfig) -> None:
-    """The driver's trainer actor is one process (world size 1), so every model-parallel
-    size must be 1 in ``moe-async train``; multi-process layouts run the same trainer under
-    ``torchrun`` (tests/trainer/test_layouts.py, tools/convert_*). Refused at start-up, before
-    Ray or any process starts (Megatron would otherwise fail minutes later inside the actor).
-
-    Raises:
-        UserInputError: naming the first field > 1.
-    """
-    t = cfg.trainer
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                 "context_parallel_size", "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
-        v = getattr(t, name, None) or 1
-        if v > 1:
-            raise UserInputError(
-                f"trainer.{name}={v}: 'moe-async train' runs the trainer as one process (world size 1); "
-                f"parallel layouts run the same trainer under torchrun, driving MegatronTrainer from a script "
-                f"as tests/trainer/_layout_checks.py does")
 
 
 _BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in the step loop

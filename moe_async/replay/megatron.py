@@ -71,6 +71,7 @@ def _measured_replay_class():
             self.reference_real: torch.Tensor | None = None  # [N] bool
             self.agree = 0
             self.count = 0
+            self.replayed = 0  # real tokens whose USED top-k set equals the reference (replay forwards)
             self.recorded: list[torch.Tensor] = []
             self.used: torch.Tensor | None = None  # top-k indices of the last forward
 
@@ -104,6 +105,10 @@ def _measured_replay_class():
                         f"{scores.shape[0]} routed tokens"
                     )
                 probs, idx = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+                if act == RouterReplayAction.REPLAY_FORWARD and self.reference is not None:
+                    ref = self.reference.to(idx.device)
+                    same = (torch.sort(idx.detach(), -1).values == torch.sort(ref, -1).values).all(-1)
+                    self.replayed += int((same & self.reference_real.to(idx.device)).sum())
             self.used = idx.detach()
             return probs, idx
 
@@ -267,7 +272,7 @@ class RouterReplayHook:
         (also on error). Metrics are reset on entry."""
         self._meter.reset()
         for r in self.routers:
-            r.agree = r.count = 0
+            r.agree = r.count = r.replayed = 0
         self._r2 = []
         self._reset_counters()
         try:
@@ -358,15 +363,21 @@ class RouterReplayHook:
         both are summed."""
         agree = [0] * self.num_moe_layers
         count = [0] * self.num_moe_layers
+        replayed = [0] * self.num_moe_layers
         for r in self.routers:
             agree[r.moe_index] += r.agree
             count[r.moe_index] += r.count
-        self._reduce_world(agree, count)
+            replayed[r.moe_index] += r.replayed
+        self._reduce_world(agree, count, replayed)
         for j in range(self.num_moe_layers):
             self._meter.set_layer(j, agree[j], count[j])
-        return self._meter.result()
+        out = self._meter.result()
+        if self.mode == "R3" and sum(count):
+            # R3: share of (real token, MoE layer) pairs whose experts were the replayed ones
+            out["replay_agreement"] = sum(replayed) / sum(count)
+        return out
 
-    def _reduce_world(self, agree: list[int], count: list[int]) -> None:
+    def _reduce_world(self, agree: list[int], count: list[int], replayed: list[int]) -> None:
         """In place: the meter's logprob sums and ``agree``/``count`` summed over the world
         (see :meth:`metrics`); no-op on 1 process."""
         import torch.distributed as dist
@@ -380,7 +391,7 @@ class RouterReplayHook:
         lp_owner = ps.is_pipeline_last_stage() and tp_rank == 0
         route_owner = tp_rank == 0 or bool(getattr(self.config, "sequence_parallel", False))
         lp = [m.n, m.absdiff, m.k3, m.gt2] if lp_owner else [0.0] * 4
-        rt = [float(x) for x in agree + count] if route_owner else [0.0] * (2 * self.num_moe_layers)
+        rt = [float(x) for x in agree + count + replayed] if route_owner else [0.0] * (3 * self.num_moe_layers)
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         t = torch.tensor(lp + rt, dtype=torch.float64, device=dev)
         dist.all_reduce(t)
@@ -391,7 +402,8 @@ class RouterReplayHook:
         m.absmax = float(mx.item())
         L = self.num_moe_layers
         agree[:] = [int(round(x)) for x in v[4 : 4 + L]]
-        count[:] = [int(round(x)) for x in v[4 + L :]]
+        count[:] = [int(round(x)) for x in v[4 + L : 4 + 2 * L]]
+        replayed[:] = [int(round(x)) for x in v[4 + 2 * L :]]
 
     def used_routes(self) -> list[torch.Tensor | None]:
         """Top-k indices each local router used in its last forward (tests)."""

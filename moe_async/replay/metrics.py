@@ -11,7 +11,9 @@ trainer's logprob from the step's forward, i.e. the policy before the update):
 Over (real token, MoE layer) pairs with engine routes:
 
 - ``routing_agreement``: share with the trainer router's own top-k SET equal to the
-  engine's; ``routing_agreement_l{j}`` per MoE layer ``j``.
+  engine's; ``routing_agreement_l{j}`` per MoE layer ``j``;
+- ``replay_agreement`` (R3, added by ``RouterReplayHook.metrics``): share whose experts USED
+  in the forward are the engine's (1.0 when every real token replays the engine's routes).
 """
 
 from __future__ import annotations

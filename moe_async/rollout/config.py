@@ -53,6 +53,13 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 = off.")
+    sampling_seed: int | None = Field(
+        None,
+        description="Seed every request's sampling (SGLang's sampling_params.sampling_seed) from this seed, "
+        "the prompt's draw (epoch and index), the sample's index in its group and the tokens it has so far, so that a run's "
+        "samples do not depend on which engine serves them or on timing (a sync-mode run repeats its "
+        "batches); None = unseeded.",
+    )
     eval_max_new_tokens: int = Field(32, ge=1)
     max_concurrent_groups: int = Field(4, ge=1, description="Groups generating at once.")
     reward_timeout_s: float = Field(10.0, gt=0, description="Per-sample reward timeout.")

@@ -173,6 +173,7 @@ class RolloutManager:
                     continue
                 try:
                     problem = self.dataset.next_train()
+                    draw = self._draw_key(problem)
                     prompt_ids = self.dataset.build_prompt_ids(problem)
                 except BaseException:
                     await self._cancel("error")
@@ -184,7 +185,7 @@ class RolloutManager:
                 gid = next(self._group_ids)
                 self._open_groups.add(gid)  # admitted, not yet put or cancelled
                 tasks.add(asyncio.create_task(
-                    self._produce_group(gid, problem, prompt_ids, max_new, int(version)),
+                    self._produce_group(gid, problem, prompt_ids, max_new, int(version), seed_key=draw),
                     name=f"group-{gid}",
                 ))
         finally:
@@ -303,8 +304,10 @@ class RolloutManager:
         finally:
             stop.cancel()
 
-    def _sampling_params(self, max_new: int, greedy: bool) -> dict[str, Any]:
+    def _sampling_params(self, max_new: int, greedy: bool, seed: int | None = None) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": int(max_new)}
+        if seed is not None and not greedy:
+            sp["sampling_seed"] = int(seed)
         if greedy:
             sp.update(temperature=0.0, top_p=1.0, top_k=1)
         else:
@@ -336,14 +339,16 @@ class RolloutManager:
                         else " (further distinct reward errors are only counted: rollout/reward_errors)")
 
     async def _produce_group(self, gid: int, problem: Any, prompt_ids: list[int], max_new: int,
-                             version: int) -> None:
-        """Generate, score and put (or cancel) one admitted group; settles ``gid``'s admission."""
+                             version: int, seed_key: int | None = None) -> None:
+        """Generate, score and put (or cancel) one admitted group; settles ``gid``'s admission.
+        ``seed_key`` (default ``gid``): what ``rollout.sampling_seed`` is mixed with."""
+        seed_key = gid if seed_key is None else seed_key
         self._open_groups.discard(gid)  # from its first step on, this task settles the admission
         put_attempted = False
         try:
             G = self.cfg.n_samples_per_prompt
             samples = await _gather_or_cancel(
-                [self._generate_sample(prompt_ids, max_new) for _ in range(G)]
+                [self._generate_sample(prompt_ids, max_new, seed=self._sample_seed(seed_key, i)) for i in range(G)]
             )
             texts = [self.dataset.decode(s.response_ids) for s in samples]
             w0 = self.trace.now()
@@ -409,8 +414,23 @@ class RolloutManager:
         self._filtered_per_version[version] += 1
         return True
 
-    async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False) -> Sample:
-        """One response, resubmitting aborted segments (C5); see the module docstring."""
+    def _draw_key(self, problem: Any) -> int:
+        """Which draw of the train prompts ``problem`` is: ``epoch * 1_000_003 + problem.index``
+        (the dataset's epoch after the draw), the same in a run resumed from a checkpoint."""
+        st = self.dataset.state_dict() if hasattr(self.dataset, "state_dict") else {}
+        return int(st.get("epoch", 0)) * 1_000_003 + int(getattr(problem, "index", 0))
+
+    def _sample_seed(self, key: int, index: int) -> int | None:
+        """``rollout.sampling_seed`` mixed with the group's draw key and the sample's index
+        (None: unseeded)."""
+        if self.cfg.sampling_seed is None:
+            return None
+        return (self.cfg.sampling_seed * 1_000_003 + key * 1_009 + index) % (2**31 - 1)
+
+    async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False,
+                               seed: int | None = None) -> Sample:
+        """One response, resubmitting aborted segments (C5); see the module docstring.
+        ``seed``: the request's ``sampling_seed`` (a resumed segment's: plus its tokens so far)."""
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -423,7 +443,8 @@ class RolloutManager:
                 finish = "length"
                 break
             ids = list(prompt_ids) + tokens
-            out = await self._call_engine(ids, self._sampling_params(remaining, greedy))
+            seg_seed = None if seed is None else (seed + 7_919 * len(tokens)) % (2**31 - 1)
+            out = await self._call_engine(ids, self._sampling_params(remaining, greedy, seg_seed))
             raw_n = len(out.output_ids or [])  # router replay: routes cover ids + raw_n tokens
             seg_ids = [int(t) for t in (out.output_ids or [])]
             seg_lp = [float(x) for x in (out.output_logprobs or [])]

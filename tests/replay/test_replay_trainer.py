@@ -71,3 +71,10 @@ def test_mismatch_metrics_reported(res):
 
 def test_r3_without_routes_is_a_clear_error(res):
     assert "router_replay='R3' needs routed experts" in res["missing_err"]
+
+
+def test_replay_agreement_metric_counts_the_used_routes(res):
+    """R3: every real (token, layer) pair used the engine's experts (replay_agreement 1.0, the
+    metric the driver logs as train/replay_agreement); off and R2 do not report it."""
+    assert res["R3"]["metrics"]["replay_agreement"] == 1.0
+    assert "replay_agreement" not in res["off"]["metrics"] and "replay_agreement" not in res["R2"]["metrics"]

@@ -1,0 +1,199 @@
+"""Placement of the trainer ranks and the engines on a Ray cluster (its devices, or its cores).
+
+The two pools are disaggregated: the trainer's ranks and the engines live in their own
+placement groups, so Ray gives each bundle its own GPUs (``CUDA_VISIBLE_DEVICES`` is set per
+actor from its bundle's GPU ids) and no device is shared between the pools.
+
+Trainer: ``trainer.nodes`` placement groups of ``world_size / nodes`` bundles each, every
+group ``STRICT_PACK`` (all its bundles on one node). Ranks are numbered group by group,
+bundle by bundle, so a node's ranks are contiguous and Megatron's TP groups (contiguous
+ranks, TP innermost) stay inside a node whenever TP divides the ranks per node. One bundle
+per rank: ``{"GPU": 1, "CPU": c}`` on a cluster with GPUs, ``{"CPU": c}`` on CPU.
+
+Engines: one ``PACK`` placement group, one bundle per engine (a bundle lives on one node):
+``{"GPU": engine.resolved_devices_per_engine, "CPU": c}`` for ``engine.backend: sglang`` on a
+cluster with GPUs, else ``{"CPU": c}``.
+
+CPU share ``c``: each process sets its own thread count (``trainer.num_threads``,
+``engine.num_threads``); a bundle asks for ``min(threads, CPUs of the cluster / bundles)``
+(at least 0.01), so a 2-core machine still places a 2-rank trainer and 2 engines (Ray's CPU
+is a logical resource; the thread counts keep the processes from oversubscribing).
+
+Waiting: a placement group that cannot be placed within ``timeout_s`` (resources missing:
+a node not joined yet, another job holding them) is removed and the error names what was
+needed and what the cluster has (case C23).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: seconds to wait for a placement group's resources before failing (C23)
+PLACEMENT_TIMEOUT_S = 300.0
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold a placement group; the message names the need and the supply."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one process runs: its placement group and bundle, the resources it asks for,
+    and (once placed) the node it landed on."""
+
+    pg: Any
+    bundle_index: int
+    num_cpus: float
+    num_gpus: float
+    node_id: str
+    node_ip: str
+
+    def options(self) -> dict[str, Any]:
+        """``actor_cls.options(**slot.options())``: the bundle as the actor's scheduling strategy."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return dict(num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=self.bundle_index,
+                        placement_group_capture_child_tasks=False))
+
+
+@dataclass
+class Placement:
+    """Placed slots in rank (or engine-index) order, and the placement groups holding them."""
+
+    slots: list[Slot]
+    groups: list[Any] = field(default_factory=list)
+
+    def local_ranks(self) -> list[int]:
+        """Each slot's index among the slots on its node (``LOCAL_RANK``)."""
+        seen: dict[str, int] = {}
+        out = []
+        for s in self.slots:
+            out.append(seen.get(s.node_id, 0))
+            seen[s.node_id] = out[-1] + 1
+        return out
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [s.node_id for s in self.slots]
+
+    def spans_nodes(self) -> bool:
+        return len(set(self.node_ids)) > 1
+
+    def remove(self) -> None:
+        """Remove the placement groups (idempotent; actors in them are killed by Ray)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already gone with the cluster
+                pass
+        self.groups = []
+
+
+def cluster_gpus() -> float:
+    """GPUs the Ray cluster declares (0 on a CPU machine)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def cpu_share(threads: int, n_bundles: int) -> float:
+    """CPUs one bundle asks for: ``min(threads, cluster CPUs / n_bundles)``, >= 0.01, in 0.01 steps."""
+    import math
+
+    import ray
+
+    total = float(ray.cluster_resources().get("CPU", 1.0))
+    return max(0.01, min(float(threads), math.floor(100 * total / max(1, n_bundles)) / 100))
+
+
+def _node_ips() -> dict[str, str]:
+    import ray
+
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _wait_ready(pg: Any, what: str, bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        need: dict[str, float] = {}
+        for b in bundles:
+            for k, v in b.items():
+                need[k] = round(need.get(k, 0.0) + v, 2)
+        raise PlacementError(
+            f"{what}: need {len(bundles)} bundles of {bundles[0]} ({strategy}; {need} in all), the cluster has "
+            f"{ {k: v for k, v in ray.available_resources().items() if k in need} } free of "
+            f"{ {k: v for k, v in ray.cluster_resources().items() if k in need} } after {timeout_s:.0f} s") from None
+
+
+def place(bundle_groups: list[list[dict[str, float]]], strategy: str, what: str,
+          timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
+    """One placement group per entry of ``bundle_groups`` (``strategy``: ``STRICT_PACK``,
+    ``PACK``, ...), each waited for; slots in group order, then bundle order.
+
+    Raises: PlacementError (every group made so far removed) when one cannot be placed in
+    ``timeout_s`` seconds.
+    """
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    out = Placement(slots=[])
+    try:
+        for bundles in bundle_groups:
+            pg = placement_group(bundles, strategy=strategy)
+            _wait_ready(pg, what, bundles, strategy, timeout_s)
+            out.groups.append(pg)
+            where = placement_group_table(pg)["bundles_to_node_id"]
+            ips = _node_ips()
+            for i, b in enumerate(bundles):
+                nid = where[i]
+                out.slots.append(Slot(pg=pg, bundle_index=i, num_cpus=b.get("CPU", 0.0),
+                                      num_gpus=b.get("GPU", 0.0), node_id=nid, node_ip=ips.get(nid, "127.0.0.1")))
+    except BaseException:
+        out.remove()
+        raise
+    return out
+
+
+def trainer_bundles(world_size: int, nodes: int, threads: int, use_gpus: bool,
+                    n_bundles_total: int) -> list[list[dict[str, float]]]:
+    """``nodes`` lists of ``world_size / nodes`` rank bundles (see the module docstring)."""
+    if world_size % nodes:
+        raise ValueError(f"trainer world size {world_size} is not divisible by trainer.nodes={nodes}")
+    c = cpu_share(threads, n_bundles_total)
+    b = {"CPU": c, **({"GPU": 1.0} if use_gpus else {})}
+    return [[dict(b) for _ in range(world_size // nodes)] for _ in range(nodes)]
+
+
+def engine_bundles(num_engines: int, devices: int, threads: int, use_gpus: bool,
+                   n_bundles_total: int) -> list[dict[str, float]]:
+    """One bundle per engine (see the module docstring)."""
+    c = cpu_share(threads, n_bundles_total)
+    return [{"CPU": c, **({"GPU": float(devices)} if use_gpus else {})} for _ in range(num_engines)]
+
+
+def place_trainer(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
+    """The trainer's rank slots for an :class:`~moe_async.config.ExperimentConfig` (rank order)."""
+    t, e = cfg.trainer, cfg.engine
+    n_total = t.resolved_world_size + e.num_engines
+    bundles = trainer_bundles(t.resolved_world_size, t.nodes, t.num_threads, cluster_gpus() > 0, n_total)
+    return place(bundles, "STRICT_PACK", f"trainer (trainer.world_size={t.resolved_world_size}, "
+                 f"trainer.nodes={t.nodes})", timeout_s)
+
+
+def place_engines(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
+    """The engines' slots (engine-index order), each engine on its own bundle."""
+    t, e = cfg.trainer, cfg.engine
+    n_total = t.resolved_world_size + e.num_engines
+    use_gpus = e.backend == "sglang" and cluster_gpus() > 0
+    bundles = engine_bundles(e.num_engines, e.resolved_devices_per_engine, e.num_threads, use_gpus, n_total)
+    return place([bundles], "PACK", f"engines (engine.num_engines={e.num_engines}, engine.devices_per_engine="
+                 f"{e.resolved_devices_per_engine})", timeout_s)

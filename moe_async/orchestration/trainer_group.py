@@ -1,0 +1,199 @@
+"""The trainer as a group of Ray actors, one per Megatron rank.
+
+    place_trainer(cfg)  ->  slots in rank order (placement.py: node order, STRICT_PACK per node)
+    actor r on slot r   ->  rank 0 binds the TCPStore on its node: (MASTER_ADDR, MASTER_PORT)
+    every rank: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, process group, trainer
+    every call -> all ranks, same arguments (the batch put once in Ray's object store); rank 0's result
+
+Failure: a call waits on every rank's reply; when one rank raises or its process dies, the
+others are left blocked in a collective that will never complete, so the group kills every
+rank (and removes the placement groups) and raises :class:`TrainerRankError` naming the rank
+and the call, within ``_ERROR_GRACE_S`` seconds of the first failing reply. The same happens
+when ``watch()`` (the driver: dead engines) reports a problem while a call waits.
+
+Test-only fault hook: ``MOE_ASYNC_TRAINER_FAULT=RANK:METHOD:N`` in the driver's environment
+(e.g. ``1:train_step:2``) makes trainer rank RANK raise RuntimeError at its N-th call of
+METHOD (:class:`~moe_async.orchestration.actors.TrainerActor` methods: ``setup``,
+``train_step``, ``sync_weights``, ``save_checkpoint``, ...). Not a configuration knob.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from moe_async.orchestration.placement import Placement, place_trainer
+
+FAULT_ENV = "MOE_ASYNC_TRAINER_FAULT"
+_POLL_S = 2.0  # s: how often a waiting call checks watch()
+_ERROR_GRACE_S = 2.0  # s: after a first failure, how long to collect the other ranks' errors
+
+
+class TrainerRankError(RuntimeError):
+    """A trainer rank raised or died; every rank of the group has been killed."""
+
+
+def parse_fault(value: str | None, rank: int) -> tuple[str, int] | None:
+    """``(method, n)`` for ``rank`` from ``MOE_ASYNC_TRAINER_FAULT=RANK:METHOD:N``, else None.
+
+    Raises: ValueError naming the variable when the value is not of that form."""
+    if not value:
+        return None
+    parts = value.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
+        raise ValueError(f"{FAULT_ENV}={value!r}: expected RANK:METHOD:N, e.g. 1:train_step:2")
+    return (parts[1], int(parts[2])) if int(parts[0]) == rank else None
+
+
+def rank_envs(placement: Placement, master_addr: str, master_port: int) -> list[dict[str, str]]:
+    """The torch.distributed environment of every rank (rank = slot index)."""
+    world = len(placement.slots)
+    return [{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(lr), "MASTER_ADDR": master_addr,
+             "MASTER_PORT": str(master_port)} for r, lr in enumerate(placement.local_ranks())]
+
+
+def _cause(e: BaseException) -> str:
+    c = getattr(e, "cause", None)  # RayTaskError: the exception raised in the actor
+    c = c if isinstance(c, BaseException) else e
+    return f"{type(c).__name__}: {c}".strip()
+
+
+class TrainerGroup:
+    """``trainer.world_size`` :class:`TrainerActor` ranks behind the TrainerActor's methods.
+
+    Args:
+        cfg: the experiment config (``trainer.*`` layout and world size).
+        model_path: the HF checkpoint every rank builds from.
+        placement: slots in rank order (default :func:`place_trainer`); the group owns it
+            and removes it on :meth:`kill` / :meth:`shutdown`.
+        watch: called while a call waits (every ``_POLL_S`` s): a non-empty list of lines
+            fails the call with them (the driver: dead engines).
+        actor_cls: the rank actor class (tests: one that only reports its environment).
+
+    Every method is called on every rank and returns rank 0's result.
+
+    Raises (any method, and the constructor): TrainerRankError naming the failing rank(s),
+    after killing every rank; RuntimeError with ``watch``'s lines.
+    """
+
+    def __init__(self, cfg: Any, model_path: str, *, placement: Placement | None = None,
+                 watch: Callable[[], list[str]] | None = None, actor_cls: Any = None):
+        if actor_cls is None:
+            from moe_async.orchestration.actors import TrainerActor as actor_cls
+        self.placement = placement if placement is not None else place_trainer(cfg)
+        self.watch = watch
+        world = len(self.placement.slots)
+        fault = os.environ.get(FAULT_ENV)
+        self.actors = [actor_cls.options(**s.options()).remote(cfg, model_path, r, world, parse_fault(fault, r))
+                       for r, s in enumerate(self.placement.slots)]
+        self.world_size = world
+        try:
+            addr, port = self._gather([self.actors[0].rendezvous.remote(self.placement.slots[0].node_ip)],
+                                      "rendezvous")[0]
+            self.envs = rank_envs(self.placement, addr, port)
+            self.pids = self._gather([a.setup.remote(e) for a, e in zip(self.actors, self.envs)], "setup")
+        except BaseException:
+            self.kill()
+            raise
+        self.master_addr, self.master_port = addr, port
+
+    # ---------------------------------------------------------------- calls
+    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+        """Every rank's reply in rank order (refs[r] is rank r's); see the class docstring."""
+        import ray
+
+        pending = {ref: r for r, ref in enumerate(refs)}
+        out: list[Any] = [None] * len(refs)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
+            failed = []
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    out[r] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - named below
+                    failed.append((r, e))
+            if failed:
+                # the first failure often makes the others fail (a peer gone from a collective):
+                # collect what fails within the grace, then name the actors that died first
+                t0 = time.monotonic()
+                while pending and time.monotonic() - t0 < _ERROR_GRACE_S:
+                    more, _ = ray.wait(list(pending), num_returns=1, timeout=_ERROR_GRACE_S)
+                    for ref in more:
+                        r = pending.pop(ref)
+                        try:
+                            out[r] = ray.get(ref)
+                        except Exception as e:  # noqa: BLE001
+                            failed.append((r, e))
+                self.kill()
+                from moe_async.errors import UserInputError
+
+                for _, e in failed:  # bad input (a core id this host lacks): the CLI's one line
+                    if isinstance(getattr(e, "cause", None), UserInputError):
+                        raise e.cause from e
+                failed.sort(key=lambda x: (not isinstance(x[1], ray.exceptions.RayActorError), x[0]))
+                lines = [f"trainer rank {r} died in {what} ({type(e).__name__})"
+                         if isinstance(e, ray.exceptions.RayActorError)
+                         else f"trainer rank {r} failed in {what}: {_cause(e)}" for r, e in failed]
+                raise TrainerRankError("; ".join(lines) + f" (all {len(refs)} trainer ranks stopped)") from failed[0][1]
+            if not ready and self.watch is not None:
+                bad = self.watch()
+                if bad:
+                    self.kill()
+                    raise RuntimeError("; ".join(bad))
+        return out
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if not self.actors:
+            raise RuntimeError(f"trainer group stopped: cannot call {method}")
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return self._gather(refs, method)[0]
+
+    def version(self) -> int:
+        return self._call("version")
+
+    def connect_engines(self, urls: list[str]) -> None:
+        self._call("connect_engines", urls)
+
+    def train_step(self, groups: list) -> dict[str, float]:
+        import ray
+
+        ref = ray.put(groups)  # one copy in the object store for every rank
+        return self._call("train_step", ref)
+
+    def sync_weights(self) -> dict[str, float]:
+        return self._call("sync_weights")
+
+    def checksums(self) -> dict[str, str]:
+        return self._call("checksums")
+
+    def check_engines(self, urls: list[str]) -> dict[str, float]:
+        return self._call("check_engines", urls)
+
+    def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
+        return self._call("save_checkpoint", save_dir, step, extra)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return self._call("load_checkpoint", path)
+
+    # ---------------------------------------------------------------- teardown
+    def shutdown(self) -> None:
+        """Close rank 0's transport, then stop every rank (see :meth:`kill`)."""
+        try:
+            self._call("shutdown")
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank's actor and remove the placement groups (idempotent)."""
+        import ray
+
+        for a in getattr(self, "actors", []):
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.actors = []
+        self.placement.remove()

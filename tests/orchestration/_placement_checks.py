@@ -1,0 +1,130 @@
+"""Placement of the trainer group and the engines, with actors that only report their
+environment (no trainer, no engine server is started).
+
+    python _placement_checks.py gpus8     # ray.init(num_gpus=8): 4 trainer ranks + 2 engines of 2 GPUs
+    python _placement_checks.py two_nodes # ray.cluster_utils.Cluster, 2 nodes of 2 GPUs: 4 ranks, nodes=2
+
+Runs the real placement (moe_async.orchestration.placement), the real TrainerGroup start-up
+(rank 0's rendezvous, every rank's environment) and the real EnginePool, with the actor
+classes swapped. Prints one JSON document (the last stdout line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import ray  # noqa: E402
+
+from moe_async.config import load_config  # noqa: E402
+from moe_async.orchestration.engine_pool import EnginePool  # noqa: E402
+from moe_async.orchestration.placement import PlacementError, place_engines, place_trainer  # noqa: E402
+from moe_async.orchestration.trainer_group import TrainerGroup  # noqa: E402
+
+SMOKE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_smoke.yaml")
+
+
+def _node_ip() -> str:
+    nid = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == nid)
+
+
+@ray.remote(num_cpus=0)
+class EnvRank:
+    """The TrainerActor's start-up protocol, reporting instead of training."""
+
+    def __init__(self, cfg, model_path, rank, world_size, fault=None):
+        self.rank, self.world_size, self.env = rank, world_size, None
+        self._sock = None
+
+    def rendezvous(self, host):
+        self._sock = socket.socket()
+        self._sock.bind((host, 0))  # held, as the TCPStore holds it
+        self._sock.listen()
+        return host, self._sock.getsockname()[1]
+
+    def setup(self, env):
+        os.environ.update(env)
+        self.env = env
+        return os.getpid()
+
+    def report(self):
+        return {"env": self.env, "rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": _node_ip(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+@ray.remote(num_cpus=0)
+class EnvEngine:
+    def __init__(self, cfg, model_path, index, host=None):
+        self.index, self.host = index, host
+
+    def launch(self):
+        return f"http://{self.host or '127.0.0.1'}:{30000 + self.index}"
+
+    def dead(self):
+        return None
+
+    def shutdown(self):
+        pass
+
+    def report(self):
+        return {"index": self.index, "host": self.host, "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": _node_ip(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def run(cfg) -> dict:
+    tp, ep = place_trainer(cfg), place_engines(cfg)
+    group = TrainerGroup(cfg, "unused", placement=tp, actor_cls=EnvRank)
+    pool = EnginePool(cfg, "unused", placement=ep, actor_cls=EnvEngine)
+    urls = pool.launch()
+    out = {"ranks": ray.get([a.report.remote() for a in group.actors]),
+           "engines": ray.get([a.report.remote() for a in pool.actors]), "urls": urls,
+           "slots": [{"node_id": s.node_id, "node_ip": s.node_ip, "gpus": s.num_gpus, "cpus": s.num_cpus}
+                     for s in tp.slots],
+           "master": [group.master_addr, group.master_port],
+           "pids": group.pids}
+    group.kill()
+    pool.shutdown()
+    return out
+
+
+def main(mode: str) -> None:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    res: dict = {}
+    if mode == "gpus8":
+        ray.init(address="local", num_cpus=2, num_gpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+        cfg = load_config(SMOKE, ["trainer.world_size=4", "engine.backend=sglang", "engine.num_engines=2",
+                                  "engine.tensor_parallel_size=2"])
+        res = run(cfg)
+        # a job that needs more GPUs than declared fails, naming the need and the supply (C23)
+        big = load_config(SMOKE, ["trainer.world_size=16"])
+        try:
+            place_trainer(big, timeout_s=3)
+        except PlacementError as e:
+            res["too_big"] = str(e)
+        res["free_after"] = ray.available_resources().get("GPU", 0.0)
+    elif mode == "two_nodes":
+        from ray.cluster_utils import Cluster
+
+        # (one host: every node has the host's address; nodes differ by id)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        cluster.add_node(num_cpus=2, num_gpus=2)
+        cluster.add_node(num_cpus=2, num_gpus=2)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        cfg = load_config(SMOKE, ["trainer.nodes=2", "trainer.devices_per_node=2", "engine.num_engines=1"])
+        try:
+            res = run(cfg)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
