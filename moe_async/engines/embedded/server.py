@@ -87,6 +87,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from moe_async.engines.embedded.openai_api import register_openai_routes
 from moe_async.engines.embedded.request import decode_generate
 from moe_async.engines.embedded.sampling import RequestError
 from moe_async.engines.embedded.scheduler import Req, Scheduler
@@ -363,25 +364,18 @@ def create_app(state: EngineState) -> FastAPI:
     async def get_weight_version():
         return {"weight_version": sched.weight_version}
 
-    @app.post("/generate")
-    async def generate(request: Request):
-        """SGLang's ``/generate``: the body decoded by :func:`decode_generate` (every field
-        honoured or refused), one :class:`Req` per sample."""
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error("the /generate body is not valid JSON")
-        try:
-            items, single = decode_generate(body, tokenizer=state.tokenizer,
-                                            vocab_size=state.model.config.vocab_size)
-        except RequestError as e:
-            return _error(str(e))
+    async def run_generate(body: Any) -> Any:
+        """One ``/generate`` body, decoded by :func:`decode_generate` (every field honoured
+        or refused), one :class:`Req` per sample -> SGLang's response (a list for a batch
+        or ``n`` > 1). Raises :class:`RequestError` (a 400) before anything is queued."""
+        items, single = decode_generate(body, tokenizer=state.tokenizer,
+                                        vocab_size=state.model.config.vocab_size)
         for it in items:
             asked = it.params.max_new_tokens if it.params.max_new_tokens_set else None
             err = (context_length_error(len(it.input_ids), None, state.context_length)
                    or context_length_error(len(it.input_ids), asked, state.context_length))
             if err:
-                return _error(err)
+                raise RequestError(err)
         reqs = [Req(input_ids=it.input_ids, params=it.params, rid=it.rid, return_logprob=it.return_logprob,
                     logprob_start_len=it.logprob_start_len, top_logprobs_num=it.top_logprobs_num,
                     token_ids_logprob=it.token_ids_logprob, return_text_in_logprobs=it.return_text_in_logprobs,
@@ -394,6 +388,20 @@ def create_app(state: EngineState) -> FastAPI:
         futs = [sched.submit(r) for r in reqs]
         results = [await asyncio.wrap_future(f) for f in futs]
         return results[0] if single else results
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error("the /generate body is not valid JSON")
+        try:
+            return await run_generate(body)
+        except RequestError as e:
+            return _error(str(e))
+
+    register_openai_routes(app, generate=run_generate, tokenizer=state.tokenizer,
+                           model_path=state.model_path, context_length=state.context_length)
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationReqInput):
