@@ -8,9 +8,10 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
 
 * ``GET /health``, ``GET /get_model_info`` (also ``/model_info``), ``GET /get_weight_version``
   -> ``{"weight_version": int}``.
-* ``POST /generate`` (``GenerateReqInput``: ``input_ids`` one list or a batch of lists,
-  ``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``return_routed_experts``,
-  ``rid``) -> ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
+* ``POST /generate`` (``GenerateReqInput``; every field of SGLang 0.5.23's request and
+  sampling schemas is honoured or refused with a 400 naming it, an unknown field too: see
+  :mod:`.request` and :mod:`.sampling`; ``n`` > 1 answers a list; response layout in
+  :mod:`.response`) -> ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
   ``prompt_tokens``, ``completion_tokens``, ``finish_reason`` (``{"type": "stop",
   "matched"}`` | ``{"type": "length", "length"}`` | ``{"type": "abort", "message"}``),
   ``output_token_logprobs`` ``[[logprob, token_id, null], ...]``, ``weight_version``,
@@ -38,6 +39,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   one such element fails the whole request. Without an explicit ``max_new_tokens`` the default
   (128) is clipped to ``C - P``, as SGLang's scheduler clips it (SGLang also keeps a margin of
   one or two tokens below ``C`` there; not modelled). Prompts are never cut.
+* ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI
+  compatible, non-streaming, as SGLang serves them; :mod:`.openai_api`).
 * ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``,
   ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
   ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
