@@ -81,7 +81,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0): no top-k
+    top_k: int = -1  # -1: no top-k (SGLang refuses 0)
     min_p: float = 0.0
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_new_tokens_set: bool = False  # the client set max_new_tokens (context check)

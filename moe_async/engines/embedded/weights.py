@@ -34,6 +34,7 @@ EXPERT_NAMING: dict[str, ExpertNaming] = {
     "qwen2_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
     "qwen3_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 _GATE_UP = ".experts.gate_up_proj"
@@ -53,7 +54,13 @@ class HFWeightMap:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         model_type = getattr(model.config, "model_type", "")
+        # parameters, then the persistent buffers a checkpoint holds (deepseek_v3's router
+        # e_score_correction_bias: the trainer syncs it like a weight)
         self._params = dict(model.named_parameters())
+        saved = set(model.state_dict())
+        for bname, b in model.named_buffers():
+            if bname in saved and bname not in self._params:
+                self._params[bname] = b
         self._slots: dict[str, _Slot] = {}
         naming = EXPERT_NAMING.get(model_type)
         for pname, p in self._params.items():
