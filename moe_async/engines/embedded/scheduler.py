@@ -19,7 +19,6 @@ forward, ``H`` KV heads, ``D`` head dim, ``V`` vocab, ``L`` MoE layers, ``K`` ro
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import logging
 import queue
@@ -37,54 +36,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from moe_async.engines.embedded.response import build_response
+from moe_async.engines.embedded.sampling import SamplingParams, adjust_logits, check_finish
+
+__all__ = ["Req", "SamplingParams", "Scheduler"]
+
 log = logging.getLogger("moe_async.engines.embedded")
-
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
-
-
-@dataclass
-class SamplingParams:
-    """The subset of SGLang's ``sampling_params`` the embedded engine honours."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0): no top-k
-    min_p: float = 0.0
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    sampling_seed: int | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        d = dict(d or {})
-        p = cls()
-        for key in ("temperature", "top_p", "min_p"):
-            if d.get(key) is not None:
-                setattr(p, key, float(d[key]))
-        if d.get("top_k") is not None:
-            p.top_k = int(d["top_k"])
-        if d.get("max_new_tokens") is not None:
-            p.max_new_tokens = int(d["max_new_tokens"])
-        if d.get("stop_token_ids") is not None:
-            p.stop_token_ids = [int(t) for t in d["stop_token_ids"]]
-        p.ignore_eos = bool(d.get("ignore_eos", False))
-        if d.get("sampling_seed") is not None:
-            p.sampling_seed = int(d["sampling_seed"])
-        if p.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k < -1:
-            raise ValueError(f"sampling_params.top_k must be -1 or >= 0, got {p.top_k}")
-        if p.max_new_tokens < 0:
-            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
-        return p
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
 
 @dataclass
 class Req:
@@ -97,12 +54,21 @@ class Req:
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
     sampling_logprobs_mode: str = "selected"  # "selected" | "support"
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    routed_experts_start_len: int = 0
+    return_prompt_token_ids: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     max_new_tokens: int = 0  # after clamping to the context
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
     input_token_logprobs: list[list] | None = None
+    input_top: list = field(default_factory=list)  # per input position: None | (vals, ids)
+    input_ids_lp: list = field(default_factory=list)  # per input position: None | (vals, ids)
+    output_top: list = field(default_factory=list)  # per output token: (vals, ids)
+    output_ids_lp: list = field(default_factory=list)  # per output token: (vals, ids)
     routed: list[np.ndarray] = field(default_factory=list)  # chunks of [S, L, K] int32
     sampling_mask: list[list[int]] = field(default_factory=list)  # per output token: support ids
     sampling_logprobs: list = field(default_factory=list)  # per output token: float | list
@@ -285,19 +251,21 @@ class Scheduler:
             req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
         if req.max_new_tokens == 0:
             # Prompt fills the context (or 0 tokens asked): nothing is generated and the prompt
-            # is never cut. Routed experts must still cover the P-1 prompt positions that
-            # predict a following token, so run the forward pass for them when asked.
-            if req.return_routed_experts and prompt_len > 1:
-                with self._lock:
-                    self.waiting.append(req)
-                self._wake.set()
+            # is never cut. A forward pass still runs when the request wants what the prompt
+            # alone gives: routed experts of its P-1 positions that predict a following token,
+            # or input logprobs (a scoring call: return_logprob with logprob_start_len >= 0).
+            if not ((req.return_routed_experts and prompt_len > 1) or self._wants_input_logprobs(req)):
+                self._finish(req, {"type": "length", "length": 0})
                 return req.future
-            self._finish(req, {"type": "length", "length": 0})
-            return req.future
         with self._lock:
             self.waiting.append(req)
         self._wake.set()
         return req.future
+
+    @staticmethod
+    def _wants_input_logprobs(req: Req) -> bool:
+        return (req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids)
+                and req.input_token_logprobs is None)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the scheduler thread between forward passes."""
@@ -403,7 +371,7 @@ class Scheduler:
                     batch.append(self.waiting.popleft())
             if not batch:
                 return
-            for req in [r for r in batch if r.max_new_tokens == 0]:  # routing-only, alone
+            for req in [r for r in batch if r.max_new_tokens == 0]:  # prompt-only, alone
                 self._prefill_guarded([req])
             batch = [r for r in batch if r.max_new_tokens > 0]
             if batch:
@@ -416,7 +384,7 @@ class Scheduler:
             st["prefill_forwards"] += 1
             st["prefill_reqs"] += len(reqs)
             if reqs[0].max_new_tokens == 0:
-                self._prefill_routing_only(reqs[0])
+                self._prefill_prompt_only(reqs[0])
             else:
                 self._prefill(reqs)
         except Exception as e:
@@ -429,13 +397,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ model steps
     @torch.inference_mode()
-    def _prefill_routing_only(self, req: Req) -> None:
-        """0-token request that wants routed experts: route the first P-1 prompt tokens."""
-        ids = req.input_ids[:-1]
-        self.capture.enabled = True
-        self.model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False,
-                   logits_to_keep=1)
-        req.routed = [self.capture.take(len(ids))]
+    def _prefill_prompt_only(self, req: Req) -> None:
+        """0-token request: routed experts of the first P-1 prompt tokens and/or input
+        logprobs (scoring), from one forward over the prompt."""
+        need_lp = self._wants_input_logprobs(req)
+        ids = req.input_ids if need_lp else req.input_ids[:-1]
+        self.capture.enabled = req.return_routed_experts
+        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False,
+                         logits_to_keep=0 if need_lp else 1)
+        if req.return_routed_experts:
+            req.routed = [self.capture.take(len(ids))[: len(req.input_ids) - 1]]
+        if need_lp:
+            self._input_logprobs(req, out.logits[0].float())
         self._finish(req, {"type": "length", "length": 0})
 
     @torch.inference_mode()
@@ -445,8 +418,7 @@ class Scheduler:
         seqs = [r.input_ids + r.output_ids for r in reqs]  # re-prefill after a retract includes outputs
         n, S = len(reqs), max(len(x) for x in seqs)
         pads = [S - len(x) for x in seqs]
-        need_lp = [r.return_logprob and r.logprob_start_len >= 0 and r.input_token_logprobs is None
-                   for r in reqs]
+        need_lp = [self._wants_input_logprobs(r) for r in reqs]
         routed = any(r.return_routed_experts for r in reqs)
         self.capture.enabled = routed
         cache = DynamicCache()
@@ -481,7 +453,7 @@ class Scheduler:
             req.routed = [routing[i, pads[i]:]] if req.return_routed_experts else []
             if need_lp[i]:
                 self._input_logprobs(req, full[i].float())
-            self._append(req, last_NV[i : i + 1])
+            self._append(req, self._adjusted(req, last_NV[i]).unsqueeze(0))
             if req.finish is None:
                 keep.append(i)
         if not keep:
@@ -500,14 +472,33 @@ class Scheduler:
         self.running.extend(reqs[i] for i in keep)
 
     def _input_logprobs(self, req: Req, logits_SV: torch.Tensor) -> None:
+        """``input_token_logprobs`` (and top / asked-id logprobs) of the prompt positions
+        ``[logprob_start_len, P)``: position ``pos`` scored by the logits at ``pos - 1`` (the
+        raw ``log_softmax``); position 0 has none (``null``)."""
         prompt = req.input_ids
         lp_SV = torch.log_softmax(logits_SV[: len(prompt)], dim=-1)
         start = min(req.logprob_start_len, len(prompt))
-        res = []
+        res, top, asked = [], [], []
+        k = req.top_logprobs_num
+        ids = torch.tensor(req.token_ids_logprob or [], dtype=torch.long)
         for pos in range(start, len(prompt)):
-            lp = None if pos == 0 else float(lp_SV[pos - 1, prompt[pos]])
-            res.append([lp, prompt[pos], None])
-        req.input_token_logprobs = res
+            row = None if pos == 0 else lp_SV[pos - 1]
+            res.append([None if row is None else float(row[prompt[pos]]), prompt[pos], None])
+            if k:
+                top.append(None if row is None else _topk(row, k))
+            if req.token_ids_logprob is not None:
+                asked.append(None if row is None else (row[ids].tolist(), ids.tolist()))
+        req.input_token_logprobs, req.input_top, req.input_ids_lp = res, top, asked
+
+    def _adjusted(self, req: Req, logits_V: torch.Tensor) -> torch.Tensor:
+        """``logits_V`` after the request's penalties and logit bias (:func:`adjust_logits`)."""
+        p = req.params
+        if not p.adjusts_logits:
+            return logits_V
+        stop_ids = set(self.eos_token_ids) | set(p.stop_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            stop_ids.add(int(self.tokenizer.eos_token_id))
+        return adjust_logits(logits_V, p, req.output_ids, stop_ids)
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
@@ -547,6 +538,9 @@ class Scheduler:
         self.kv = [(layer.keys, layer.values) for layer in cache.layers]
         routing_BLK = self.capture.take(B) if routed else None
         logits_BV = logits_BV.float()
+        for b, r in enumerate(self.running):
+            if r.params.adjusts_logits:
+                logits_BV[b] = self._adjusted(r, logits_BV[b])
         # One batched log_softmax (and argmax) for every row instead of one per request (the
         # fused log_softmax kernel is ~2x faster than logsumexp on a CPU).
         temps = [1.0 if (r.params.greedy or self.return_original_logprob) else r.params.temperature
@@ -617,21 +611,25 @@ class Scheduler:
             return
         # SGLang default: logprob of the temperature-scaled distribution (before top-k/p);
         # greedy or --return-original-logprob: the raw distribution.
+        if lp_V is None and (req.top_logprobs_num or req.token_ids_logprob is not None):
+            t = 1.0 if (p.greedy or self.return_original_logprob) else p.temperature
+            lp_V = torch.log_softmax(logits_V / t if t != 1.0 else logits_V, dim=-1)
         if lp_V is not None:
             lp = lp_V[tok]
         elif p.greedy or self.return_original_logprob:
             lp = torch.log_softmax(logits_V, dim=-1)[tok]
         else:
             lp = torch.log_softmax(logits_V / p.temperature, dim=-1)[tok]
+        if req.top_logprobs_num:
+            req.output_top.append(_topk(lp_V, req.top_logprobs_num))
+        if req.token_ids_logprob is not None:
+            req.output_ids_lp.append((lp_V[req.token_ids_logprob].tolist(), list(req.token_ids_logprob)))
         req.output_ids.append(tok)
         req.output_logprobs.append(float(lp))
         req.output_versions.append(self.weight_version)
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            self._finish(req, {"type": "stop", "matched": tok})
-        elif tok in p.stop_token_ids:
-            self._finish(req, {"type": "stop", "matched": tok})
-        elif len(req.output_ids) >= req.max_new_tokens:
-            self._finish(req, {"type": "length", "length": req.max_new_tokens})
+        finish = check_finish(p, req.output_ids, req.max_new_tokens, self.eos_token_ids, self.tokenizer)
+        if finish is not None:
+            self._finish(req, finish)
 
     @staticmethod
     def _sampling_probs(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -687,49 +685,15 @@ class Scheduler:
             req.future.set_result(self.response(req))
 
     def response(self, req: Req) -> dict:
-        """SGLang's ``/generate`` response for one finished request."""
-        C = len(req.output_ids)
-        version = req.output_versions[-1] if req.output_versions else self.weight_version
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": req.finish,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": C,
-            "cached_tokens": 0,
-            "weight_version": version,
-            # our extension: the weight_version that produced each output token
-            "output_token_weight_versions": list(req.output_versions),
-            # SGLang 0.5.23's span form of the same information
-            "weight_versions": _spans(req.output_versions, version),
-            "num_retractions": req.num_retractions,
-            "e2e_latency": time.monotonic() - req.created,
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids)
-            ]
-            if req.input_token_logprobs is not None:
-                meta["input_token_logprobs"] = req.input_token_logprobs
-        if req.return_sampling_mask:
-            meta["output_token_sampling_mask"] = req.sampling_mask[:C]
-            meta["output_token_sampling_logprobs"] = req.sampling_logprobs[:C]
-            meta["output_token_sampling_mask_length"] = len(meta["output_token_sampling_mask"])
-        if req.return_routed_experts:
-            # rows = prompt + completion - 1 (SGLang's (seqlen - 1, L, K)); a 0-token
-            # completion covers the prompt's first P - 1 tokens.
-            if req.routed:
-                arr = np.ascontiguousarray(np.concatenate(req.routed, axis=0), dtype=np.int32)
-            else:
-                arr = np.zeros((0, self.capture.num_layers, self.top_k), dtype=np.int32)
-            meta["routed_experts"] = base64.b64encode(arr.tobytes()).decode("ascii")
-            meta["routed_experts_shape"] = list(arr.shape)  # our extension
-        text = ""
-        if self.tokenizer is not None and C:
-            try:
-                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            except Exception:  # pragma: no cover - tokenizer quirks must not fail a request
-                text = ""
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        """SGLang's ``/generate`` response for one finished request (:mod:`.response`)."""
+        return build_response(req, weight_version=self.weight_version, num_layers=self.capture.num_layers,
+                              top_k=self.top_k, tokenizer=self.tokenizer)
+
+
+def _topk(lp_V: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
+    """The ``k`` best ``(logprobs, token ids)`` of a logprob row, best first."""
+    v, i = torch.topk(lp_V, min(k, lp_V.numel()))
+    return v.tolist(), i.tolist()
 
 
 def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -737,13 +701,3 @@ def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
     if n == 0:
         return x
     return F.pad(x, (0, 0, n, 0))
-
-
-def _spans(versions: list[int], current: int) -> list[dict]:
-    spans: list[dict] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == str(v):
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": str(v), "start": i, "end": i + 1})
-    return spans or [{"version": str(current), "start": 0, "end": 0}]

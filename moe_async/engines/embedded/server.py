@@ -8,9 +8,10 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
 
 * ``GET /health``, ``GET /get_model_info`` (also ``/model_info``), ``GET /get_weight_version``
   -> ``{"weight_version": int}``.
-* ``POST /generate`` (``GenerateReqInput``: ``input_ids`` one list or a batch of lists,
-  ``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``return_routed_experts``,
-  ``rid``) -> ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
+* ``POST /generate`` (``GenerateReqInput``; every field of SGLang 0.5.23's request and
+  sampling schemas is honoured or refused with a 400 naming it, an unknown field too: see
+  :mod:`.request` and :mod:`.sampling`; ``n`` > 1 answers a list; response layout in
+  :mod:`.response`) -> ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
   ``prompt_tokens``, ``completion_tokens``, ``finish_reason`` (``{"type": "stop",
   "matched"}`` | ``{"type": "length", "length"}`` | ``{"type": "abort", "message"}``),
   ``output_token_logprobs`` ``[[logprob, token_id, null], ...]``, ``weight_version``,
@@ -38,6 +39,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   one such element fails the whole request. Without an explicit ``max_new_tokens`` the default
   (128) is clipped to ``C - P``, as SGLang's scheduler clips it (SGLang also keeps a margin of
   one or two tokens below ``C`` there; not modelled). Prompts are never cut.
+* ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI
+  compatible, non-streaming, as SGLang serves them; :mod:`.openai_api`).
 * ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``,
   ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
   ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
@@ -83,11 +86,14 @@ from typing import Any, Literal
 
 import torch
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from moe_async.engines.embedded.scheduler import Req, SamplingParams, Scheduler
+from moe_async.engines.embedded.openai_api import register_openai_routes
+from moe_async.engines.embedded.request import decode_generate
+from moe_async.engines.embedded.sampling import RequestError
+from moe_async.engines.embedded.scheduler import Req, Scheduler
 from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
 from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
 from moe_async.weight_sync.group import group_broadcast, init_weight_update_group
@@ -101,19 +107,6 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float
 # ---------------------------------------------------------------- request bodies (SGLang's)
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-class GenerateReqInput(_Body):
-    rid: str | list[str] | None = None
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    return_routed_experts: bool = False
-    return_sampling_mask: bool | list[bool] | None = None
-    sampling_logprobs_mode: Literal["selected", "support"] | list[Literal["selected", "support"] | None] | None = None
-    stream: bool = False
 
 
 class PauseGenerationReqInput(_Body):
@@ -374,67 +367,44 @@ def create_app(state: EngineState) -> FastAPI:
     async def get_weight_version():
         return {"weight_version": sched.weight_version}
 
-    @app.post("/generate")
-    async def generate(body: GenerateReqInput):
-        if body.stream:
-            return _error("stream=True is not supported by the embedded engine")
-        if body.input_ids is None:
-            if body.text is None:
-                return _error("one of input_ids or text is required")
-            if state.tokenizer is None:
-                return _error("text input needs a tokenizer; none found at the model path")
-            texts = [body.text] if isinstance(body.text, str) else body.text
-            batch = [state.tokenizer(t)["input_ids"] for t in texts]
-            single = isinstance(body.text, str)
-        else:
-            single = len(body.input_ids) == 0 or isinstance(body.input_ids[0], int)
-            batch = [body.input_ids] if single else body.input_ids
-
-        def pick(v, i, default):
-            if isinstance(v, list):
-                return v[i] if v[i] is not None else default
-            return default if v is None else v
-
-        vocab = state.model.config.vocab_size
-        reqs = []
-        for i, ids in enumerate(batch):
-            if len(ids) == 0:
-                return _error(f"input_ids[{i}] is empty")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                return _error(f"input_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
-            err = context_length_error(len(ids), None, state.context_length)  # the prompt alone
+    async def run_generate(body: Any) -> Any:
+        """One ``/generate`` body, decoded by :func:`decode_generate` (every field honoured
+        or refused), one :class:`Req` per sample -> SGLang's response (a list for a batch
+        or ``n`` > 1). Raises :class:`RequestError` (a 400) before anything is queued."""
+        items, single = decode_generate(body, tokenizer=state.tokenizer,
+                                        vocab_size=state.model.config.vocab_size)
+        for it in items:
+            asked = it.params.max_new_tokens if it.params.max_new_tokens_set else None
+            err = (context_length_error(len(it.input_ids), None, state.context_length)
+                   or context_length_error(len(it.input_ids), asked, state.context_length))
             if err:
-                return _error(err)
-            sp = pick(body.sampling_params, i, None)
-            try:
-                params = SamplingParams.from_dict(sp)
-            except (ValueError, TypeError) as e:
-                return _error(str(e))
-            asked = isinstance(sp, dict) and sp.get("max_new_tokens") is not None
-            err = context_length_error(len(ids), params.max_new_tokens if asked else None, state.context_length)
-            if err:
-                return _error(err)
-            rid = pick(body.rid, i, None)
-            if isinstance(body.rid, str) and not single:
-                rid = f"{body.rid}_{i}"
-            req = Req(
-                input_ids=list(ids),
-                params=params,
-                return_logprob=bool(pick(body.return_logprob, i, False)),
-                logprob_start_len=int(pick(body.logprob_start_len, i, -1)),
-                return_routed_experts=body.return_routed_experts,
-                return_sampling_mask=bool(pick(body.return_sampling_mask, i, False)),
-                sampling_logprobs_mode=pick(body.sampling_logprobs_mode, i, "selected"),
-            )
-            if pick(body.sampling_logprobs_mode, i, None) is not None and not req.return_sampling_mask:
-                return _error("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
-            if rid:
-                req.rid = rid
-            reqs.append(req)
+                raise RequestError(err)
+        reqs = [Req(input_ids=it.input_ids, params=it.params, rid=it.rid, return_logprob=it.return_logprob,
+                    logprob_start_len=it.logprob_start_len, top_logprobs_num=it.top_logprobs_num,
+                    token_ids_logprob=it.token_ids_logprob, return_text_in_logprobs=it.return_text_in_logprobs,
+                    return_routed_experts=it.return_routed_experts,
+                    routed_experts_start_len=it.routed_experts_start_len,
+                    return_sampling_mask=it.return_sampling_mask,
+                    sampling_logprobs_mode=it.sampling_logprobs_mode,
+                    return_prompt_token_ids=it.return_prompt_token_ids)
+                for it in items]
         futs = [sched.submit(r) for r in reqs]
         results = [await asyncio.wrap_future(f) for f in futs]
         return results[0] if single else results
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error("the /generate body is not valid JSON")
+        try:
+            return await run_generate(body)
+        except RequestError as e:
+            return _error(str(e))
+
+    register_openai_routes(app, generate=run_generate, tokenizer=state.tokenizer,
+                           model_path=state.model_path, context_length=state.context_length)
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationReqInput):

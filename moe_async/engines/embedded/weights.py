@@ -35,10 +35,11 @@ EXPERT_NAMING: dict[str, ExpertNaming] = {
     "qwen3_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
     "glm4_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 # Buffers a checkpoint holds and weight sync updates like parameters: the sigmoid router's
-# expert bias (glm4_moe; transformers keeps it fp32 whatever the model dtype).
+# expert bias (deepseek_v3, glm4_moe; transformers keeps it fp32 whatever the model dtype).
 _SYNCED_BUFFERS = (".e_score_correction_bias",)
 
 _GATE_UP = ".experts.gate_up_proj"
@@ -59,6 +60,8 @@ class HFWeightMap:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         model_type = getattr(model.config, "model_type", "")
+        # parameters, then the buffers a checkpoint holds that weight sync updates (the router's
+        # e_score_correction_bias of deepseek_v3 and glm4_moe: the trainer syncs it like a weight)
         self._params = dict(model.named_parameters())
         self._params.update({n: b for n, b in model.named_buffers() if n.endswith(_SYNCED_BUFFERS)})
         self._slots: dict[str, _Slot] = {}
