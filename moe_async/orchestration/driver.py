@@ -47,6 +47,7 @@ from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.orchestration.affinity import check_run_placement
 from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
+from moe_async.rollout.evaluation import EvalCurve
 
 
 def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -115,6 +116,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             ray.get(rollout.load_data_state.remote(resumed["dataset"]))
         if cfg.eval_before:
             evaluate(rollout, summary, "eval_before", "before")
+        curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps, lambda: ray.get(rollout.evaluate_curve.remote()))
+        curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
         rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
         busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
         gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)
@@ -177,6 +180,8 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             if rg[1] > reward_prev[1]:
                 m["rollout/reward_mean_generated_step"] = (rg[0] - reward_prev[0]) / (rg[1] - reward_prev[1])
             busy_prev, gen_prev, reward_prev = busy_now, rm["rollout/gen_wall_seconds"], rg
+            m.update(curve.run(step))  # every rollout.eval_interval steps and at the last step
+            t_start += m.get("eval/seconds", 0.0)  # the perf/* rates count the loop without evaluations
             logger.log(m, step)
             logger.console_step(step, cfg.num_steps, m)
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
@@ -191,6 +196,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         summary["rollout"] = ray.get(rollout.metrics.remote())
         if cfg.eval_after:
             evaluate(rollout, summary, "eval_after", "after")
+        if curve.points:
+            summary["eval_curve"] = curve.points
+            print(curve.format(), flush=True)
         from moe_async.engines.client import SyncEngineClient
 
         trainer_sums = ray.get(trainer.checksums.remote())
