@@ -1,0 +1,51 @@
+"""The loop optimizes: the smoke pipeline (configs/cpu_smoke.yaml's tiny random MoE, engine,
+Megatron trainer, weight sync, buffer, Ray) on a task such a model learns in a minute, the
+toy reward ``moe_async.rollout.toy_rewards:first_half_letters`` (fraction of the response's
+characters in a-m; about 0.42 for the random model's near-uniform tokens). The reward per
+generated sample (``rollout/reward_mean_generated_step``) must rise from its start to above a
+threshold within a fixed number of steps, in ``sync`` and in ``fully_async`` mode.
+
+Sized from measurements (3 seeds per mode, see the report of issue 22): at this lr the
+end-of-run reward was 0.75-0.85 in every run, and with lr 1e-9 (no learning; lr 0 is refused
+by the config) it stayed at 0.40-0.46, below both thresholds."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STEPS = 40
+LR = 3e-2
+START_MAX = 0.5   # mean of the first 3 steps' reward per generated sample
+END_MIN = 0.65    # mean of the last 5 steps'
+
+
+def learning_run(tmp_path: Path, mode: str, lr: float = LR, seed: int = 1234) -> list[float]:
+    """Run the smoke pipeline on the toy reward; the per-step reward of generated samples."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
+           f"logging.output_dir={tmp_path}", f"num_steps={STEPS}", f"seed={seed}", f"async.mode={mode}",
+           f"async.max_staleness={0 if mode == 'sync' else 1}", f"trainer.lr={lr}",
+           "rollout.reward=function", "rollout.reward_function=moe_async.rollout.toy_rewards:first_half_letters",
+           "rollout.prompts_per_step=4", "rollout.max_concurrent_groups=4",
+           "eval_before=false", "eval_after=false", "weight_sync.check=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == STEPS
+    return [m["rollout/reward_mean_generated_step"] for m in steps if "rollout/reward_mean_generated_step" in m]
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_reward_per_generated_sample_rises(tmp_path, mode):
+    r = learning_run(tmp_path, mode)
+    assert len(r) >= 10, r
+    start, end = sum(r[:3]) / 3, sum(r[-5:]) / 5
+    assert start < START_MAX, r
+    assert end > END_MIN, r
