@@ -22,7 +22,12 @@ interval (Miller, 2024, "Adding error bars to evals: a statistical approach to l
 evaluations", arXiv:2411.00640: standard errors over questions, paired differences).
 
 Config: ``rollout.eval_interval`` (N; 0 = off), ``rollout.eval_k`` (k), ``rollout.eval_size``
-and ``rollout.eval_max_new_tokens``.
+and ``rollout.eval_max_new_tokens``. In the driver the first point runs before generation
+starts; later points run after that step's weight sync, on the engines' new weights, while
+training generation may go on beside them (async modes). Their requests count in the step's
+engine-time metrics (``perf/gen_seconds``, ``perf/engine_busy_seconds``); their wall time
+(``eval/seconds``) is taken out of the loop time behind the ``perf/*_per_s`` rates. The
+console prints the curve after the last step; ``summary.json`` holds it as ``eval_curve``.
 """
 
 from __future__ import annotations
