@@ -117,7 +117,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         if cfg.eval_before:
             evaluate(rollout, summary, "eval_before", "before")
         curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps, lambda: ray.get(rollout.evaluate_curve.remote()))
-        curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
+        ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
+        if ev0:
+            logger.log(ev0, start_step)
         rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
         busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
         gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)

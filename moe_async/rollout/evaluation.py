@@ -161,16 +161,20 @@ class EvalCurve:
             self._base = per
         ev.update(paired_gains(per, self._base))
         self.points.append({"step": step, **ev})
+        print(f"[moe-async] held-out at step {step}: " + self._line(self.points[-1]), flush=True)
         return {k: float(v) for k, v in ev.items()}
+
+    @staticmethod
+    def _line(p: dict[str, Any]) -> str:
+        return (f"greedy {p['eval/greedy_accuracy']:.3f} +- {p['eval/greedy_accuracy_se']:.3f}"
+                f" | mean@{p['eval/k']:.0f} {p['eval/mean_at_k']:.3f} +- {p['eval/mean_at_k_se']:.3f}"
+                f" | pass@{p['eval/k']:.0f} {p['eval/pass_at_k']:.3f}"
+                f" | mean@k gain {p['eval/mean_at_k_gain']:+.3f} +- {p['eval/mean_at_k_gain_se']:.3f}"
+                f" (n={p['eval/n']:.0f}, {p.get('eval/seconds', 0.0):.0f} s)")
 
     def format(self) -> str:
         """The curve as a table: one line per evaluation (values +- standard error)."""
-        lines = ["[moe-async] held-out curve (n problems, k samples at the training temperature; +- one standard error over problems):",
-                 "  step | greedy acc     | mean@k         | pass@k | mean@k gain vs step 0"]
-        for p in self.points:
-            lines.append(
-                f"  {p['step']:>4} | {p['eval/greedy_accuracy']:.3f} +- {p['eval/greedy_accuracy_se']:.3f}"
-                f" | {p['eval/mean_at_k']:.3f} +- {p['eval/mean_at_k_se']:.3f} | {p['eval/pass_at_k']:.3f}"
-                f"  | {p['eval/mean_at_k_gain']:+.3f} +- {p['eval/mean_at_k_gain_se']:.3f}"
-                f" (n={p['eval/n']:.0f}, k={p['eval/k']:.0f})")
+        lines = ["[moe-async] held-out curve (k samples per problem at the training temperature; "
+                 "+- one standard error over problems; gains paired against the first point):"]
+        lines += [f"  step {p['step']:>4} | " + self._line(p) for p in self.points]
         return "\n".join(lines)

@@ -58,7 +58,7 @@ def test_curve_schedule_and_gains_against_the_first_point():
     assert got[0]["eval/mean_at_k_gain"] == 0.0 and got[7]["eval/mean_at_k_gain"] == 1.0
     assert "per_problem" not in got[3]
     assert [p["step"] for p in c.points] == [0, 3, 6, 7]
-    assert "+1.000" in c.format().splitlines()[-1]
+    assert "gain +1.000" in c.format().splitlines()[-1]
     off = EvalCurve(interval=0, num_steps=7, evaluate=ev)
     assert off.run(0) == {} and not off.points
 
