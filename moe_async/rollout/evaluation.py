@@ -53,15 +53,17 @@ def mean_se(x: list[float]) -> tuple[float, float]:
     return mu, math.sqrt(var / n)
 
 
-def summarize(greedy: list[float], sampled: list[list[float]]) -> dict[str, Any]:
+def summarize(greedy: list[float], sampled: list[list[float]], ids: list[int] | None = None) -> dict[str, Any]:
     """Metrics of one evaluation from per-problem rewards (module docstring formulas).
 
     Args:
         greedy: the greedy reward of each problem (``n``).
         sampled: the ``k`` sampled rewards of each problem (``n`` lists, same order).
+        ids: the problems' ids (default ``0..n-1``): paired gains match problems by id.
 
     Returns: ``eval/<name>`` and ``eval/<name>_se`` floats for :data:`SERIES`, ``eval/n``,
-    ``eval/k``, and ``per_problem`` (``{name: [x_i]}``, for paired gains; not a metric).
+    ``eval/k``, and ``per_problem`` (``{name: [x_i]}`` plus ``"ids"``, for paired gains; not
+    a metric).
     """
     if len(greedy) != len(sampled):
         raise ValueError(f"{len(greedy)} greedy rewards for {len(sampled)} problems")
@@ -75,18 +77,22 @@ def summarize(greedy: list[float], sampled: list[list[float]]) -> dict[str, Any]
     out: dict[str, Any] = {"eval/n": float(len(greedy)), "eval/k": float(max((len(s) for s in sampled), default=0))}
     for name, x in per.items():
         out[f"eval/{name}"], out[f"eval/{name}_se"] = mean_se(x)
+    per["ids"] = list(range(len(greedy))) if ids is None else list(ids)
     out["per_problem"] = per
     return out
 
 
-def paired_gains(now: dict[str, list[float]], base: dict[str, list[float]]) -> dict[str, float]:
-    """``eval/<name>_gain`` and ``_gain_se`` (paired over problems) for :data:`GAIN_SERIES`."""
+def paired_gains(now: dict[str, list], base: dict[str, list]) -> dict[str, float]:
+    """``eval/<name>_gain`` and ``_gain_se`` (paired over the problems both evaluations
+    scored, matched by ``"ids"``; positions when absent) for :data:`GAIN_SERIES`."""
+    ids_now = now.get("ids", list(range(len(now["greedy_accuracy"]))))
+    ids_base = base.get("ids", list(range(len(base["greedy_accuracy"]))))
+    pos_base = {i: j for j, i in enumerate(ids_base)}
+    pairs = [(j, pos_base[i]) for j, i in enumerate(ids_now) if i in pos_base]
     out = {}
     for name in GAIN_SERIES:
         a, b = now[name], base[name]
-        if len(a) != len(b):
-            raise ValueError(f"{name}: {len(a)} problems now, {len(b)} in the baseline")
-        out[f"eval/{name}_gain"], out[f"eval/{name}_gain_se"] = mean_se([x - y for x, y in zip(a, b)])
+        out[f"eval/{name}_gain"], out[f"eval/{name}_gain_se"] = mean_se([a[j] - b[jb] for j, jb in pairs])
     return out
 
 
@@ -107,7 +113,7 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
         r = await manager.reward_pool.score(p, manager.dataset.decode(s.response_ids))
         return float(r.reward)
 
-    async def one(p: Any) -> tuple[float, list[float]] | None:
+    async def one(p: Any) -> tuple[float, list[float], int] | None:
         from moe_async.rollout.manager import DropGroup
 
         prompt_ids = manager.dataset.build_prompt_ids(p)
@@ -118,10 +124,10 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
             rs = await asyncio.gather(*(sample(p, prompt_ids, max_new, i == 0) for i in range(k + 1)))
         except DropGroup:
             return None
-        return rs[0], list(rs[1:])
+        return rs[0], list(rs[1:]), int(getattr(p, "index", id(p)))
 
     res = [r for r in await asyncio.gather(*(one(p) for p in problems)) if r is not None]
-    out = summarize([r[0] for r in res], [r[1] for r in res])
+    out = summarize([r[0] for r in res], [r[1] for r in res], [r[2] for r in res])
     out["eval/n_skipped"] = float(len(problems) - len(res))
     out["eval/seconds"] = time.perf_counter() - t0
     return out

@@ -28,7 +28,7 @@ def test_summarize_per_problem_then_over_problems():
     assert m["eval/mean_at_k_se"] == pytest.approx(math.sqrt(((0.0) ** 2 + 0.25 ** 2 + 0.25 ** 2) / 2) / math.sqrt(3))
     assert m["eval/pass_at_k"] == 1.0
     assert m["eval/sampled_reward"] == pytest.approx((0.5 + 0.25 + 0.875) / 3)
-    assert m["per_problem"]["mean_at_k"] == [0.5, 0.25, 0.75]
+    assert m["per_problem"]["mean_at_k"] == [0.5, 0.25, 0.75] and m["per_problem"]["ids"] == [0, 1, 2]
 
 
 def test_paired_gain_uses_the_per_problem_differences():
@@ -42,6 +42,12 @@ def test_paired_gain_uses_the_per_problem_differences():
     same = paired_gains({"greedy_accuracy": [1, 1, 0], "mean_at_k": [0.75, 0.5, 0.25]},
                         {"greedy_accuracy": [1, 1, 0], "mean_at_k": [0.5, 0.25, 0.0]})
     assert same["eval/mean_at_k_gain"] == pytest.approx(0.25) and same["eval/mean_at_k_gain_se"] == pytest.approx(0.0)
+    # a problem scored in one evaluation only is left out of the pairing (matched by id)
+    a = summarize([1.0, 0.0, 1.0], [[1.0], [0.0], [1.0]], ids=[10, 11, 12])["per_problem"]
+    b = summarize([0.0, 0.0], [[0.0], [1.0]], ids=[12, 10])["per_problem"]
+    g = paired_gains(a, b)
+    assert g["eval/greedy_accuracy_gain"] == pytest.approx(1.0)  # ids 10 and 12: 1-0 and 1-0
+    assert g["eval/mean_at_k_gain"] == pytest.approx((0.0 + 1.0) / 2)  # id 10: 1-1, id 12: 1-0
 
 
 def test_curve_schedule_and_gains_against_the_first_point():
