@@ -81,7 +81,7 @@ def run_moe_async(a: argparse.Namespace, out: Path) -> dict:
     (run_dir,) = [d for d in out.iterdir() if d.is_dir()]
     s = json.loads((run_dir / "summary.json").read_text())
     curve = s["eval_curve"]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] >= 1]
     gain = {k: v for k, v in curve[-1].items() if k.endswith(("_gain", "_gain_se"))}  # paired, vs step 0
     return {"before": curve[0], "after": curve[-1], "gain": gain, "curve": curve, "wall_s": wall,
             "train_s": s["perf"]["loop_seconds"], "steps": len(steps),
