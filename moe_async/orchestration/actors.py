@@ -319,6 +319,14 @@ class RolloutActor:
     async def evaluate(self) -> dict[str, float]:
         return await self.manager.evaluate(self.dataset.eval_problems(), self.cfg.rollout.eval_max_new_tokens)
 
+    async def evaluate_curve(self) -> dict[str, Any]:
+        """One point of the held-out curve (greedy + ``rollout.eval_k`` samples per problem):
+        :func:`moe_async.rollout.evaluation.evaluate_heldout`."""
+        from moe_async.rollout.evaluation import evaluate_heldout
+
+        r = self.cfg.rollout
+        return await evaluate_heldout(self.manager, self.dataset.eval_problems(), r.eval_k, r.eval_max_new_tokens)
+
     async def start(self) -> None:
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.manager.run(self._stop))

@@ -55,6 +55,7 @@ from moe_async.logging.timeline import Timeline
 from moe_async.orchestration.affinity import check_run_placement
 from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
+from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
 
 
@@ -145,6 +146,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         if cfg.eval_before:
             timeline.phase("eval_before", label="held-out eval (before)")
             evaluate(rollout, summary, "eval_before", "before")
+        curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps, lambda: ray.get(rollout.evaluate_curve.remote()))
+        ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
+        if ev0:
+            logger.log(ev0, start_step)
         rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
         busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
         gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)
@@ -216,6 +221,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             if rg[1] > reward_prev[1]:
                 m["rollout/reward_mean_generated_step"] = (rg[0] - reward_prev[0]) / (rg[1] - reward_prev[1])
             busy_prev, gen_prev, reward_prev = busy_now, rm["rollout/gen_wall_seconds"], rg
+            m.update(curve.run(step))  # every rollout.eval_interval steps and at the last step
+            t_start += m.get("eval/seconds", 0.0)  # the perf/* rates count the loop without evaluations
             logger.log(m, step)
             console.report_hidden()  # one line, only when expected warnings were hidden since the last
             logger.console_step(step, cfg.num_steps, m)
@@ -233,6 +240,9 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             timeline.phase("eval_after", label="held-out eval (after)")
             evaluate(rollout, summary, "eval_after", "after")
         timeline.idle()
+        if curve.points:
+            summary["eval_curve"] = curve.points
+            print(curve.format(), flush=True)
         from moe_async.engines.client import SyncEngineClient
 
         trainer_sums = trainer.checksums()

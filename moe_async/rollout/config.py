@@ -61,6 +61,15 @@ class RolloutConfig(BaseModel):
         "batches); None = unseeded.",
     )
     eval_max_new_tokens: int = Field(32, ge=1)
+    eval_interval: int = Field(
+        0, ge=0,
+        description=(
+            "Held-out curve (moe_async/rollout/evaluation.py): evaluate at step 0, every N steps and at "
+            "the last step (greedy accuracy and mean@k at the training temperature, +- standard error "
+            "over problems, as eval/* metrics); 0 = off (only eval_before/eval_after, greedy)."
+        ),
+    )
+    eval_k: int = Field(4, ge=1, description="k: samples per held-out problem for eval/mean_at_k (eval_interval > 0).")
     max_concurrent_groups: int = Field(4, ge=1, description="Groups generating at once.")
     reward_timeout_s: float = Field(10.0, gt=0, description="Per-sample reward timeout.")
     partial_rollout: bool = Field(

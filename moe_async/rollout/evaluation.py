@@ -1,0 +1,186 @@
+"""Held-out evaluation during a run: greedy accuracy and mean@k at the training temperature,
+each with its standard error over problems, and paired gains against the first evaluation.
+
+One evaluation (:func:`evaluate_heldout`) runs every held-out problem once greedily
+(temperature 0) and ``k`` times with the training sampling parameters (``rollout.temperature``,
+``top_p``, ``top_k``), through the rollout manager's own request path and reward pool (the
+configured ``rollout.reward``, its timeout and error isolation). Per problem ``i`` (``n``
+problems):
+
+    g_i = 1[greedy reward >= 1]               m_i = (1/k) sum_j 1[reward of sample j >= 1]
+    eval/greedy_accuracy = mean_i g_i          eval/mean_at_k = mean_i m_i
+    eval/pass_at_k = mean_i 1[max_j reward >= 1]
+    eval/greedy_reward, eval/sampled_reward    (mean configured reward, greedy / over samples)
+
+Standard errors are over problems (the problems are the sampling unit; the k samples of one
+problem are averaged first): ``se(x) = std(x, ddof=1) / sqrt(n)`` (0 for n < 2), as
+``eval/greedy_accuracy_se`` and ``eval/mean_at_k_se``. Against the first evaluation of the run
+(the baseline, on the same problems) :class:`EvalCurve` adds paired gains
+``eval/<name>_gain = mean_i (x_i - x0_i)`` with ``eval/<name>_gain_se = se(x - x0)`` for
+``greedy_accuracy`` and ``mean_at_k``; ``gain +- 1.96 se`` is a normal-approximation 95%
+interval (Miller, 2024, "Adding error bars to evals: a statistical approach to language model
+evaluations", arXiv:2411.00640: standard errors over questions, paired differences).
+
+Config: ``rollout.eval_interval`` (N; 0 = off), ``rollout.eval_k`` (k), ``rollout.eval_size``
+and ``rollout.eval_max_new_tokens``. In the driver the first point runs before generation
+starts; later points run after that step's weight sync, on the engines' new weights, while
+training generation may go on beside them (async modes). Their requests count in the step's
+engine-time metrics (``perf/gen_seconds``, ``perf/engine_busy_seconds``); their wall time
+(``eval/seconds``) is taken out of the loop time behind the ``perf/*_per_s`` rates. The
+console prints the curve after the last step; ``summary.json`` holds it as ``eval_curve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any, Callable
+
+# the per-problem series an evaluation keeps (for paired gains) and reports
+SERIES = ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_reward", "sampled_reward")
+GAIN_SERIES = ("greedy_accuracy", "mean_at_k")
+
+
+def mean_se(x: list[float]) -> tuple[float, float]:
+    """``(mean, std(ddof=1)/sqrt(n))``; ``(0, 0)`` for no values, se 0 for one."""
+    n = len(x)
+    if n == 0:
+        return 0.0, 0.0
+    mu = sum(x) / n
+    if n < 2:
+        return mu, 0.0
+    var = sum((v - mu) ** 2 for v in x) / (n - 1)
+    return mu, math.sqrt(var / n)
+
+
+def summarize(greedy: list[float], sampled: list[list[float]], ids: list[int] | None = None) -> dict[str, Any]:
+    """Metrics of one evaluation from per-problem rewards (module docstring formulas).
+
+    Args:
+        greedy: the greedy reward of each problem (``n``).
+        sampled: the ``k`` sampled rewards of each problem (``n`` lists, same order).
+        ids: the problems' ids (default ``0..n-1``): paired gains match problems by id.
+
+    Returns: ``eval/<name>`` and ``eval/<name>_se`` floats for :data:`SERIES`, ``eval/n``,
+    ``eval/k``, and ``per_problem`` (``{name: [x_i]}`` plus ``"ids"``, for paired gains; not
+    a metric).
+    """
+    if len(greedy) != len(sampled):
+        raise ValueError(f"{len(greedy)} greedy rewards for {len(sampled)} problems")
+    per = {
+        "greedy_accuracy": [1.0 if r >= 1.0 else 0.0 for r in greedy],
+        "mean_at_k": [sum(r >= 1.0 for r in s) / len(s) if s else 0.0 for s in sampled],
+        "pass_at_k": [1.0 if any(r >= 1.0 for r in s) else 0.0 for s in sampled],
+        "greedy_reward": [float(r) for r in greedy],
+        "sampled_reward": [sum(s) / len(s) if s else 0.0 for s in sampled],
+    }
+    out: dict[str, Any] = {"eval/n": float(len(greedy)), "eval/k": float(max((len(s) for s in sampled), default=0))}
+    for name, x in per.items():
+        out[f"eval/{name}"], out[f"eval/{name}_se"] = mean_se(x)
+    per["ids"] = list(range(len(greedy))) if ids is None else list(ids)
+    out["per_problem"] = per
+    return out
+
+
+def paired_gains(now: dict[str, list], base: dict[str, list]) -> dict[str, float]:
+    """``eval/<name>_gain`` and ``_gain_se`` (paired over the problems both evaluations
+    scored, matched by ``"ids"``; positions when absent) for :data:`GAIN_SERIES`."""
+    ids_now = now.get("ids", list(range(len(now["greedy_accuracy"]))))
+    ids_base = base.get("ids", list(range(len(base["greedy_accuracy"]))))
+    pos_base = {i: j for j, i in enumerate(ids_base)}
+    pairs = [(j, pos_base[i]) for j, i in enumerate(ids_now) if i in pos_base]
+    out = {}
+    for name in GAIN_SERIES:
+        a, b = now[name], base[name]
+        out[f"eval/{name}_gain"], out[f"eval/{name}_gain_se"] = mean_se([a[j] - b[jb] for j, jb in pairs])
+    return out
+
+
+async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens: int) -> dict[str, Any]:
+    """One held-out evaluation (greedy + ``k`` samples per problem) with ``manager``'s engines
+    and reward pool; returns :func:`summarize`'s dict plus ``eval/n_skipped`` (problems whose
+    prompt fills the context, or whose request was dropped) and ``eval/seconds``.
+    Requests run concurrently, at most ``max_concurrent_groups x n_samples_per_prompt`` at once."""
+    import time
+
+    t0 = time.perf_counter()
+    cfg = manager.cfg
+    sem = asyncio.Semaphore(max(1, cfg.max_concurrent_groups * cfg.n_samples_per_prompt))
+
+    async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> float:
+        async with sem:
+            s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy)
+        r = await manager.reward_pool.score(p, manager.dataset.decode(s.response_ids))
+        return float(r.reward)
+
+    async def one(p: Any) -> tuple[float, list[float], int] | None:
+        from moe_async.rollout.manager import DropGroup
+
+        prompt_ids = manager.dataset.build_prompt_ids(p)
+        max_new = manager._check_length(len(prompt_ids), max_new_tokens, count=False)
+        if max_new is None:
+            return None
+        try:
+            rs = await asyncio.gather(*(sample(p, prompt_ids, max_new, i == 0) for i in range(k + 1)))
+        except DropGroup:
+            return None
+        return rs[0], list(rs[1:]), int(getattr(p, "index", id(p)))
+
+    res = [r for r in await asyncio.gather(*(one(p) for p in problems)) if r is not None]
+    out = summarize([r[0] for r in res], [r[1] for r in res], [r[2] for r in res])
+    out["eval/n_skipped"] = float(len(problems) - len(res))
+    out["eval/seconds"] = time.perf_counter() - t0
+    return out
+
+
+class EvalCurve:
+    """The run's held-out curve: evaluations at step 0 (before training; on resume the loaded
+    step), every ``rollout.eval_interval`` steps and at the last step; ``run(step)`` returns
+    the step's metrics (with paired gains against the first point) for the step's log line.
+
+    ``evaluate``: a callable ``() -> dict`` returning :func:`evaluate_heldout`'s dict (in the
+    driver: a Ray call to the rollout actor).
+    """
+
+    def __init__(self, interval: int, num_steps: int, evaluate: Callable[[], dict[str, Any]]):
+        self.interval = int(interval)
+        self.num_steps = int(num_steps)
+        self._evaluate = evaluate
+        self.points: list[dict[str, Any]] = []
+        self._base: dict[str, list[float]] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    def due(self, step: int) -> bool:
+        """The first call (step 0, or the resumed step), every ``interval`` steps, the last step."""
+        return self.enabled and (not self.points or step % self.interval == 0 or step == self.num_steps)
+
+    def run(self, step: int) -> dict[str, float]:
+        """Evaluate now (if :meth:`due`) and return the ``eval/*`` metrics (else ``{}``)."""
+        if not self.due(step):
+            return {}
+        ev = self._evaluate()
+        per = ev.pop("per_problem")
+        if self._base is None:
+            self._base = per
+        ev.update(paired_gains(per, self._base))
+        self.points.append({"step": step, **ev})
+        print(f"[moe-async] held-out at step {step}: " + self._line(self.points[-1]), flush=True)
+        return {k: float(v) for k, v in ev.items()}
+
+    @staticmethod
+    def _line(p: dict[str, Any]) -> str:
+        return (f"greedy {p['eval/greedy_accuracy']:.3f} +- {p['eval/greedy_accuracy_se']:.3f}"
+                f" | mean@{p['eval/k']:.0f} {p['eval/mean_at_k']:.3f} +- {p['eval/mean_at_k_se']:.3f}"
+                f" | pass@{p['eval/k']:.0f} {p['eval/pass_at_k']:.3f}"
+                f" | mean@k gain {p['eval/mean_at_k_gain']:+.3f} +- {p['eval/mean_at_k_gain_se']:.3f}"
+                f" (n={p['eval/n']:.0f}, {p.get('eval/seconds', 0.0):.0f} s)")
+
+    def format(self) -> str:
+        """The curve as a table: one line per evaluation (values +- standard error)."""
+        lines = ["[moe-async] held-out curve (k samples per problem at the training temperature; "
+                 "+- one standard error over problems; gains paired against the first point):"]
+        lines += [f"  step {p['step']:>4} | " + self._line(p) for p in self.points]
+        return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""Held-out curve statistics (moe_async/rollout/evaluation.py): values, standard errors over
+problems and paired gains, computed by hand; the curve's schedule."""
+
+import asyncio
+import math
+
+import pytest
+
+from moe_async.rollout.evaluation import EvalCurve, evaluate_heldout, mean_se, paired_gains, summarize
+
+
+def test_mean_se_is_the_sample_std_over_sqrt_n():
+    mu, se = mean_se([1.0, 0.0, 1.0, 1.0])
+    assert mu == 0.75
+    # var(ddof=1) = (3 * 0.25**2 + 0.75**2) / 3 = 0.25: std 0.5, se 0.5 / sqrt(4)
+    assert se == pytest.approx(0.5 / 2)
+    assert mean_se([]) == (0.0, 0.0) and mean_se([0.3]) == (0.3, 0.0)
+
+
+def test_summarize_per_problem_then_over_problems():
+    greedy = [1.0, 0.0, 1.0]
+    sampled = [[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.5, 1.0, 1.0, 1.0]]  # 0.5: partial credit
+    m = summarize(greedy, sampled)
+    assert m["eval/n"] == 3 and m["eval/k"] == 4
+    assert m["eval/greedy_accuracy"] == pytest.approx(2 / 3)
+    # mean@k: per problem 0.5, 0.25, 0.75 (0.5 reward is not >= 1) -> 0.5
+    assert m["eval/mean_at_k"] == pytest.approx(0.5)
+    assert m["eval/mean_at_k_se"] == pytest.approx(math.sqrt(((0.0) ** 2 + 0.25 ** 2 + 0.25 ** 2) / 2) / math.sqrt(3))
+    assert m["eval/pass_at_k"] == 1.0
+    assert m["eval/sampled_reward"] == pytest.approx((0.5 + 0.25 + 0.875) / 3)
+    assert m["per_problem"]["mean_at_k"] == [0.5, 0.25, 0.75] and m["per_problem"]["ids"] == [0, 1, 2]
+
+
+def test_paired_gain_uses_the_per_problem_differences():
+    base = summarize([0.0, 1.0, 0.0, 0.0], [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, 1.0]])["per_problem"]
+    now = summarize([1.0, 1.0, 0.0, 1.0], [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0]])["per_problem"]
+    g = paired_gains(now, base)
+    assert g["eval/greedy_accuracy_gain"] == pytest.approx(0.5)  # diffs 1, 0, 0, 1
+    assert g["eval/greedy_accuracy_gain_se"] == pytest.approx(math.sqrt(1 / 3) / 2)
+    assert g["eval/mean_at_k_gain"] == pytest.approx((0.5 + 0.5 + 0 + 0.5) / 4)  # diffs .5 .5 0 .5
+    # paired: a constant gain on every problem has se 0 although both series vary
+    same = paired_gains({"greedy_accuracy": [1, 1, 0], "mean_at_k": [0.75, 0.5, 0.25]},
+                        {"greedy_accuracy": [1, 1, 0], "mean_at_k": [0.5, 0.25, 0.0]})
+    assert same["eval/mean_at_k_gain"] == pytest.approx(0.25) and same["eval/mean_at_k_gain_se"] == pytest.approx(0.0)
+    # a problem scored in one evaluation only is left out of the pairing (matched by id)
+    a = summarize([1.0, 0.0, 1.0], [[1.0], [0.0], [1.0]], ids=[10, 11, 12])["per_problem"]
+    b = summarize([0.0, 0.0], [[0.0], [1.0]], ids=[12, 10])["per_problem"]
+    g = paired_gains(a, b)
+    assert g["eval/greedy_accuracy_gain"] == pytest.approx(1.0)  # ids 10 and 12: 1-0 and 1-0
+    assert g["eval/mean_at_k_gain"] == pytest.approx((0.0 + 1.0) / 2)  # id 10: 1-1, id 12: 1-0
+
+
+def test_curve_schedule_and_gains_against_the_first_point():
+    calls = []
+
+    def ev():
+        calls.append(1)
+        x = float(len(calls) > 1)  # the first point scores 0, later ones 1
+        return summarize([x, x], [[x], [x]])
+
+    c = EvalCurve(interval=3, num_steps=7, evaluate=ev)
+    got = {s: c.run(s) for s in range(0, 8)}
+    assert [s for s, m in got.items() if m] == [0, 3, 6, 7]
+    assert got[0]["eval/mean_at_k_gain"] == 0.0 and got[7]["eval/mean_at_k_gain"] == 1.0
+    assert "per_problem" not in got[3]
+    assert [p["step"] for p in c.points] == [0, 3, 6, 7]
+    assert "gain +1.000" in c.format().splitlines()[-1]
+    off = EvalCurve(interval=0, num_steps=7, evaluate=ev)
+    assert off.run(0) == {} and not off.points
+
+
+class _FakeManager:
+    """The manager surface evaluate_heldout uses: greedy always answers right, a sampled
+    request right every other time."""
+
+    class cfg:
+        max_concurrent_groups, n_samples_per_prompt = 2, 2
+
+    class dataset:
+        @staticmethod
+        def build_prompt_ids(p):
+            return [1, 2, 3] * p  # problem 0: empty prompt -> skipped by _check_length below
+
+        @staticmethod
+        def decode(ids):
+            return "right" if ids == [7] else "wrong"
+
+    class reward_pool:
+        @staticmethod
+        async def score(p, text):
+            return type("R", (), {"reward": 1.0 if text == "right" else 0.0})()
+
+    def __init__(self):
+        self.n = 0
+
+    def _check_length(self, n, max_new, count=False):
+        return None if n == 0 else max_new
+
+    async def _generate_sample(self, ids, max_new, greedy=False):
+        self.n += 1
+        ok = greedy or self.n % 2 == 0
+        return type("S", (), {"response_ids": [7] if ok else [8]})()
+
+
+def test_evaluate_heldout_counts_greedy_and_k_samples_per_problem():
+    man = _FakeManager()
+    out = asyncio.run(evaluate_heldout(man, [0, 1, 2], k=4, max_new_tokens=8))
+    assert out["eval/n"] == 2 and out["eval/n_skipped"] == 1
+    assert man.n == 2 * 5  # per kept problem: 1 greedy + k samples
+    assert out["eval/greedy_accuracy"] == 1.0
+    assert 0.0 < out["eval/mean_at_k"] < 1.0
