@@ -45,7 +45,8 @@ from moe_async.config import ExperimentConfig, dump_config
 from moe_async.errors import UserInputError
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.orchestration.affinity import check_run_placement
-from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
+from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, sigterm_to_checkpoint, sigterm_to_exit,
+                                               stop_requested)
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
 
 
@@ -89,7 +90,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     init_ray()
-    prev_sigterm = sigterm_to_exit()
+    prev_sigterm = sigterm_to_checkpoint() if os.environ.get("MOE_ASYNC_SIGTERM") == "checkpoint" else sigterm_to_exit()
     engines = EngineManager.remote(cfg, model_path)
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
@@ -179,6 +180,14 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
             busy_prev, gen_prev, reward_prev = busy_now, rm["rollout/gen_wall_seconds"], rg
             logger.log(m, step)
             logger.console_step(step, cfg.num_steps, m)
+            if stop_requested() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
+                if not (si and step % si == 0):
+                    data = ray.get(rollout.data_state.remote())
+                    summary["last_checkpoint"] = ray.get(trainer.save_checkpoint.remote(save_dir, step, {"dataset": data}))
+                summary["stopped_at_step"] = step
+                print(f"[moe-async] {stop_requested()}: stopped after step {step}, checkpoint "
+                      f"{summary['last_checkpoint']}", flush=True)
+                break
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
                                                  "perf/trainer_idle_frac", "perf/engine_idle_frac")}
         summary["perf"]["loop_seconds"] = elapsed
@@ -189,7 +198,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         summary["buffer"] = {("samples_put" if k == "samples_generated" else k): v
                              for k, v in ray.get(buffer.stats.remote()).items()}
         summary["rollout"] = ray.get(rollout.metrics.remote())
-        if cfg.eval_after:
+        if cfg.eval_after and "stopped_at_step" not in summary:
             evaluate(rollout, summary, "eval_after", "after")
         from moe_async.engines.client import SyncEngineClient
 
