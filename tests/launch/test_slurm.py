@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -64,12 +65,12 @@ def _tagged(tag: str) -> dict[int, str]:
     return out
 
 
-def _submit(slurm, tmp: Path, *overrides: str) -> tuple[str, str, Path, Path]:
+def _submit(slurm, tmp: Path, *overrides: str, **extra_env: str) -> tuple[str, str, Path, Path]:
     tag = uuid.uuid4().hex
     runs = tmp / "runs"
-    env = dict(slurm.env, MOE_ASYNC_TEST_TAG=tag, MOE_ASYNC_PYTHON=sys.executable,
-               MOE_ASYNC_RAY_PORT=str(free_port()), OMP_NUM_THREADS="1", WANDB_MODE="offline",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = {**slurm.env, "MOE_ASYNC_TEST_TAG": tag, "MOE_ASYNC_PYTHON": sys.executable,
+           "MOE_ASYNC_RAY_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **extra_env}
     log = tmp / "job.out"
     p = slurm.run("sbatch", "--parsable", "--time=30", f"--output={log}", str(SBATCH), "configs/cpu_smoke.yaml",
                   *overrides, f"logging.output_dir={runs}", env=env, cwd=ROOT)
@@ -95,13 +96,16 @@ class _Watch:
         return kinds
 
 
-def _assert_nothing_left(tag: str, watch: _Watch, log: Path) -> None:
+_ALL_KINDS = {"raylet", "gcs_server", "moe_async.engines.embedded.server", "moe_async.cli train",
+              "ray.scripts.scripts start"}
+
+
+def _assert_nothing_left(tag: str, watch: _Watch, log: Path, kinds=_ALL_KINDS) -> None:
     t0 = time.monotonic()
     while _tagged(tag) and time.monotonic() - t0 < 10:  # Slurm's step cleanup is asynchronous
         time.sleep(0.5)
     assert _tagged(tag) == {}, (_tagged(tag), log.read_text()[-3000:])
-    assert {"raylet", "gcs_server", "moe_async.engines.embedded.server", "moe_async.cli train",
-            "ray.scripts.scripts start"} <= watch.kinds(), watch.seen
+    assert kinds <= watch.kinds(), watch.seen  # they ran, so their absence means they were stopped
 
 
 def test_sbatch_train_completes_and_leaves_nothing_running(slurm, tmp_path) -> None:
@@ -155,3 +159,36 @@ def test_preemption_signal_checkpoints_then_stops(slurm, tmp_path) -> None:
     assert json.loads((ckpt / f"step_{n}" / "moe_async_state.json").read_text())["extra"]["step"] == n
     assert not list(ckpt.glob("*.tmp"))
     _assert_nothing_left(tag, watch, log)
+
+
+def test_failing_driver_still_stops_the_ray_head(slurm, tmp_path) -> None:
+    """The driver refuses ``trainer.load`` after the Ray head is up (exit 2): ``set -e`` does
+    not skip the cleanup, the job fails with the driver's status and the head is gone."""
+    job, tag, runs, log = _submit(slurm, tmp_path, "trainer.load=/nonexistent/ckpt")
+    watch = _Watch(tag)
+    info = slurm.wait_job(job, JOB_TIMEOUT_S, poll=watch)
+    text = log.read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, text[-4000:])
+    assert "trainer.load='/nonexistent/ckpt': no such directory" in text
+    assert "driver exited with status 2" in text
+    _assert_nothing_left(tag, watch, log, {"raylet", "gcs_server", "ray.scripts.scripts start"})
+
+
+def test_cluster_wait_times_out_naming_need_and_have(slurm, tmp_path) -> None:
+    """C23 under Slurm: the config needs 2 nodes (trainer.nodes=2), the allocation has 1: the
+    wait gives up after MOE_ASYNC_CLUSTER_TIMEOUT saying what it needs and has; no driver runs."""
+    with socket.socket() as taken:  # the configured port is taken: the script moves on to the next one
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        job, tag, runs, log = _submit(slurm, tmp_path, "trainer.nodes=2", MOE_ASYNC_CLUSTER_TIMEOUT="3",
+                                      MOE_ASYNC_RAY_PORT=str(port))
+        watch = _Watch(tag)
+        info = slurm.wait_job(job, JOB_TIMEOUT_S, poll=watch)
+    text = log.read_text()
+    assert f"port {port} on {slurm.node} is taken: trying {port + 1}" in text, text[-3000:]
+    assert f"at 127.0.0.1:{port + 1} (attempt 2 of 3)" in text
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", (info, text[-4000:])
+    assert "the Ray cluster is not ready: need 2 nodes; have 1 node" in text, text[-3000:]
+    assert "driver PID" not in text and not runs.exists()
+    _assert_nothing_left(tag, watch, log, {"raylet", "gcs_server", "ray.scripts.scripts start"})
