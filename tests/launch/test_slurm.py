@@ -25,6 +25,7 @@ from _launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
+_DEFAULT_PY = ROOT / ".venv" / "bin" / "python"  # what the script runs unless MOE_ASYNC_PYTHON says
 JOB_TIMEOUT_S = 420  # each job's wait; its Slurm time limit is 30 minutes (above the script's 600 s --signal lead)
 
 pytestmark = pytest.mark.slow
@@ -68,9 +69,11 @@ def _tagged(tag: str) -> dict[int, str]:
 def _submit(slurm, tmp: Path, *overrides: str, **extra_env: str) -> tuple[str, str, Path, Path]:
     tag = uuid.uuid4().hex
     runs = tmp / "runs"
-    env = {**slurm.env, "MOE_ASYNC_TEST_TAG": tag, "MOE_ASYNC_PYTHON": sys.executable,
-           "MOE_ASYNC_RAY_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+    env = {**slurm.env, "MOE_ASYNC_TEST_TAG": tag, "MOE_ASYNC_RAY_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **extra_env}
+    env.pop("MOE_ASYNC_PYTHON", None)
+    if not _DEFAULT_PY.is_file():  # a checkout without its own .venv (a git worktree): name this python
+        env["MOE_ASYNC_PYTHON"] = sys.executable
     log = tmp / "job.out"
     p = slurm.run("sbatch", "--parsable", "--time=30", f"--output={log}", str(SBATCH), "configs/cpu_smoke.yaml",
                   *overrides, f"logging.output_dir={runs}", env=env, cwd=ROOT)
@@ -126,6 +129,8 @@ def test_sbatch_train_completes_and_leaves_nothing_running(slurm, tmp_path) -> N
     assert "stopped_at_step" not in summary
     assert "Ray cluster at 127.0.0.1:" in text and "ready after" in text  # the wait, not a sleep
     assert "driver exited with status 0" in text
+    py = _DEFAULT_PY if _DEFAULT_PY.is_file() else Path(sys.executable)  # found through the submitted path
+    assert f"python: {py};" in text
     _assert_nothing_left(tag, watch, log)
 
 
