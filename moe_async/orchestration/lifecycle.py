@@ -17,7 +17,9 @@ def init_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+        # address="local": a new local Ray even when `ray start` left a live cluster's address in
+        # /tmp/ray/ray_current_cluster (which address=None would join)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=True, runtime_env=runtime_env)
 
 

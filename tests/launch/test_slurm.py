@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -70,7 +71,9 @@ def _submit(slurm, tmp: Path, *overrides: str, **extra_env: str) -> tuple[str, s
     tag = uuid.uuid4().hex
     runs = tmp / "runs"
     env = {**slurm.env, "MOE_ASYNC_TEST_TAG": tag, "MOE_ASYNC_RAY_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **extra_env}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           # short (unix socket paths), and not the default /tmp/ray-<id>: job ids restart at 1 here
+           "MOE_ASYNC_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"), **extra_env}
     env.pop("MOE_ASYNC_PYTHON", None)
     if not _DEFAULT_PY.is_file():  # a checkout without its own .venv (a git worktree): name this python
         env["MOE_ASYNC_PYTHON"] = sys.executable
