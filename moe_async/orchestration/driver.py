@@ -53,7 +53,8 @@ from moe_async.logging.console import RunConsole
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.orchestration.affinity import check_run_placement
-from moe_async.orchestration.lifecycle import dead_engines, evaluate, init_ray, sigterm_to_exit
+from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, sigterm_to_checkpoint, sigterm_to_exit,
+                                               stop_requested)
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
@@ -109,7 +110,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     init_ray()
-    prev_sigterm = sigterm_to_exit()
+    prev_sigterm = sigterm_to_checkpoint() if os.environ.get("MOE_ASYNC_SIGTERM") == "checkpoint" else sigterm_to_exit()
     engines = trainer = None
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
@@ -226,6 +227,14 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             logger.log(m, step)
             console.report_hidden()  # one line, only when expected warnings were hidden since the last
             logger.console_step(step, cfg.num_steps, m)
+            if stop_requested() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
+                if not (si and step % si == 0):
+                    data = ray.get(rollout.data_state.remote())
+                    summary["last_checkpoint"] = trainer.save_checkpoint(save_dir, step, {"dataset": data})
+                summary["stopped_at_step"] = step
+                print(f"[moe-async] {stop_requested()}: stopped after step {step}, checkpoint "
+                      f"{summary['last_checkpoint']}", flush=True)
+                break
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
                                                  "perf/trainer_idle_frac", "perf/engine_idle_frac")}
         summary["perf"]["loop_seconds"] = elapsed
@@ -236,7 +245,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["buffer"] = {("samples_put" if k == "samples_generated" else k): v
                              for k, v in ray.get(buffer.stats.remote()).items()}
         summary["rollout"] = ray.get(rollout.metrics.remote())
-        if cfg.eval_after:
+        if cfg.eval_after and "stopped_at_step" not in summary:
             timeline.phase("eval_after", label="held-out eval (after)")
             evaluate(rollout, summary, "eval_after", "after")
         timeline.idle()

@@ -44,6 +44,37 @@ def sigterm_to_exit() -> Any:
     return signal.signal(signal.SIGTERM, _raise)
 
 
+_STOP = {"signal": None}
+
+
+def sigterm_to_checkpoint() -> Any:
+    """The driver's SIGTERM under ``launch/slurm/train.sbatch`` (``MOE_ASYNC_SIGTERM=checkpoint``,
+    the pre-emption signal of ``#SBATCH --signal=B:TERM@LEAD``): the first SIGTERM only sets a
+    flag (:func:`stop_requested`) that the step loop reads after each step to write a checkpoint
+    and leave the loop (case C22); a second one raises ``SystemExit`` as :func:`sigterm_to_exit`.
+    Returns the previous handler, or None off the main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    _STOP["signal"] = None
+
+    def _flag(signum, frame):  # noqa: ARG001
+        if _STOP["signal"] is not None:
+            raise SystemExit(128 + signum)
+        _STOP["signal"] = signal.Signals(signum).name
+        print(f"[moe-async] {_STOP['signal']}: checkpoint after the current step, then exit "
+              "(a second one exits at once)", flush=True)
+
+    return signal.signal(signal.SIGTERM, _flag)
+
+
+def stop_requested() -> str | None:
+    """The name of the signal that asked the step loop to checkpoint and stop, else None."""
+    return _STOP["signal"]
+
+
 def evaluate(rollout, summary: dict, key: str, label: str) -> None:
     import ray
 

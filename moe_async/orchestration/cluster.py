@@ -1,0 +1,172 @@
+"""Waiting for a Ray cluster to hold what a run needs (case C23), for ``launch/slurm/train.sbatch``.
+
+    python -m moe_async.orchestration.cluster --address HOST:PORT --nodes N [--gpus-per-node G]
+        [--tag RESOURCE] [--head-only] [--timeout S] [--watch-pid PID] CONFIG.yaml [key=value ...]
+
+The nodes a launcher starts carry a custom resource ``--tag`` (1 per node, e.g.
+``slurm_job_<id>``), so the nodes counted are that job's own, not a foreign cluster that
+happens to answer on the port. The wait polls (no fixed sleeps) until
+
+- ``nodes`` of them have joined (``max(--nodes, trainer.nodes)``), and
+- with GPUs (``--gpus-per-node`` > 0) ``trainer world size + engine.num_engines x
+  devices per engine`` GPUs are *available* (a leftover actor of another job that holds GPUs
+  is not counted),
+
+then prints one line and exits 0. After ``--timeout`` seconds it exits 1 with
+``need 2 nodes, 16 GPU; have 1 node, 8 GPU (...)``; when the process ``--watch-pid`` (the
+launcher's head step) exits first it exits 3 (the launcher may retry on another port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+EXIT_TIMEOUT, EXIT_HEAD_GONE = 1, 3
+
+
+class ClusterTimeout(TimeoutError):
+    """The cluster did not reach the resources needed in time; the message says need vs have."""
+
+
+class HeadGone(RuntimeError):
+    """The watched head process exited before the cluster answered."""
+
+
+def required_resources(cfg: Any, nodes: int, gpus_per_node: float = 0.0) -> dict[str, float]:
+    """What a run of ``cfg`` needs from the cluster: ``{"nodes": n}`` plus ``"GPU"`` when the
+    nodes have GPUs (one device per trainer rank, ``devices per engine`` per engine)."""
+    need: dict[str, float] = {"nodes": float(max(nodes, cfg.trainer.nodes))}
+    if gpus_per_node > 0:
+        need["GPU"] = float(cfg.trainer.resolved_world_size
+                            + cfg.engine.num_engines * cfg.engine.resolved_devices_per_engine)
+    return need
+
+
+def cluster_has(tag: str | None) -> dict[str, float]:
+    """``{"nodes": joined nodes (carrying ``tag``; all alive nodes without one), "GPU": available
+    GPUs, "CPU": available CPUs}`` of the connected Ray cluster."""
+    import ray
+
+    total, avail = ray.cluster_resources(), ray.available_resources()
+    nodes = total.get(tag, 0.0) if tag else float(sum(1 for n in ray.nodes() if n.get("Alive")))
+    return {"nodes": nodes, "GPU": avail.get("GPU", 0.0), "CPU": avail.get("CPU", 0.0)}
+
+
+def _fmt(d: dict[str, float]) -> str:
+    parts = []
+    for k, v in d.items():
+        n = int(v) if float(v).is_integer() else v
+        parts.append(f"{n} {k[:-1] if k == 'nodes' and n == 1 else k}")
+    return ", ".join(parts)
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of the launcher counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag: str | None = None,
+                     watch_pid: int | None = None, poll_s: float = 0.5) -> dict[str, float]:
+    """Connect to ``address`` once its port answers, then poll until :func:`cluster_has` meets
+    ``need``; returns what the cluster has. Leaves the connection closed (``ray.shutdown``).
+
+    Raises:
+        ClusterTimeout: after ``timeout_s``: ``need ... ; have ...`` (what is missing).
+        HeadGone: ``watch_pid`` exited before the cluster was ready.
+    """
+    import ray
+
+    host, _, port = address.rpartition(":")
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    have: dict[str, float] = {"nodes": 0.0}
+
+    def check_head() -> None:
+        if not _alive(watch_pid):
+            raise HeadGone(f"the Ray head process {watch_pid} exited before the cluster at {address} was ready")
+
+    while True:  # the head's port
+        check_head()
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ClusterTimeout(f"need {_fmt(need)}; have nothing: no Ray head answers at {address} "
+                                 f"after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    try:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    except Exception:
+        check_head()  # another process answered on the port and ours exited: HeadGone
+        raise
+    try:
+        while True:
+            check_head()
+            have = cluster_has(tag)
+            if all(have.get(k, 0.0) >= v for k, v in need.items()):
+                return have
+            if time.monotonic() > deadline:
+                missing = ", ".join(f"{k} ({have.get(k, 0.0):g} of {v:g})" for k, v in need.items()
+                                    if have.get(k, 0.0) < v)
+                raise ClusterTimeout(f"need {_fmt(need)}; have {_fmt({k: have.get(k, 0.0) for k in need})} at "
+                                     f"{address} after {timeout_s:.0f} s (missing: {missing})")
+            time.sleep(poll_s)
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moe_async.orchestration.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", required=True, help="HOST:PORT of the Ray head (GCS)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the launcher started")
+    p.add_argument("--gpus-per-node", type=float, default=0.0, help="GPUs each node registers (0: CPU)")
+    p.add_argument("--tag", default=None, help="custom resource each of the launcher's nodes carries (1 each)")
+    p.add_argument("--head-only", action="store_true", help="wait for the head node alone (1 tagged node)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
+    p.add_argument("--watch-pid", type=int, default=None, help="fail at once when this process exits")
+    p.add_argument("config", help="YAML experiment file")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    a = p.parse_args(argv)
+    from moe_async.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(a.config, a.overrides)
+    except ConfigError as e:
+        print(f"moe-async: {e}", file=sys.stderr)
+        return 2
+    need = {"nodes": 1.0} if a.head_only else required_resources(cfg, a.nodes, a.gpus_per_node)
+    t0 = time.monotonic()
+    try:
+        have = wait_for_cluster(a.address, need, a.timeout, a.tag, a.watch_pid)
+    except ClusterTimeout as e:
+        print(f"moe-async: the Ray cluster is not ready: {e}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except HeadGone as e:
+        print(f"moe-async: {e}", file=sys.stderr)
+        return EXIT_HEAD_GONE
+    print(f"[moe-async] Ray cluster at {a.address} ready after {time.monotonic() - t0:.1f} s: have {_fmt(have)} "
+          f"(need {_fmt(need)})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
