@@ -330,7 +330,7 @@ class EngineClient(_Base):
     async def update_weights_from_distributed(self, names, dtypes, shapes,
                                               group_name: str = "weight_update_group",
                                               flush_cache: bool = True,
-                                              weight_version: int | None = None,
+                                              weight_version: int | str | None = None,
                                               load_format: str | None = "flattened_bucket",
                                               abort_all_requests: bool = False) -> dict:
         body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,
@@ -452,7 +452,7 @@ class SyncEngineClient(_Base):
 
     def update_weights_from_distributed(self, names, dtypes, shapes,
                                         group_name: str = "weight_update_group",
-                                        flush_cache: bool = True, weight_version: int | None = None,
+                                        flush_cache: bool = True, weight_version: int | str | None = None,
                                         load_format: str | None = "flattened_bucket",
                                         abort_all_requests: bool = False) -> dict:
         body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,

@@ -84,6 +84,11 @@ class GroupMembership:
     def form(self, pool: ThreadPoolExecutor | None = None) -> dist.ProcessGroup:
         """Form the group (module docstring); returns it. Raises :class:`GroupFormationError`
         naming the engine (or the sender) whose join failed, after destroying every part."""
+        from torch.distributed.distributed_c10d import _world
+
+        if self.group_name in _world.pg_names.values():
+            raise GroupFormationError(f"this process already holds a weight-update group named {self.group_name!r} "
+                                      f"(another transport?): leave it first, or use another group name")
         own_pool = pool is None
         pool = pool or ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
         store = bind_master_store(self.master_address, self.world_size, self.timeout_s)
@@ -94,6 +99,7 @@ class GroupMembership:
             for i, c in enumerate(self.clients)
         ]
         group, err = None, None
+        refused: set[int] = set()  # engines that answered no: they hold nothing of this group
         try:
             group, _ = create_update_group(backend=self.backend, world_size=self.world_size, rank=0,
                                            group_name=self.group_name, timeout_s=self.timeout_s, store=store)
@@ -107,6 +113,7 @@ class GroupMembership:
                     if isinstance(r, dict) and r.get("success") is False:
                         raise RuntimeError(r.get("message"))
                 except Exception as e:  # noqa: BLE001
+                    refused.add(i)
                     err = f"engine {i}: init_weights_update_group failed: {str(e)[:500]}"
                     break
         if err is None:
@@ -120,18 +127,25 @@ class GroupMembership:
         gc.collect()
         for i, f in enumerate(futs):  # the joins that still run end now (their store is gone)
             try:
-                f.result(timeout=5.0)
-            except Exception:  # noqa: BLE001 - a failed or hung join: nothing to keep
+                r = f.result(timeout=5.0)
+                if isinstance(r, dict) and r.get("success") is False:
+                    refused.add(i)
+            except TimeoutError:  # still hung: destroy below, in case it completes
                 pass
-        self._destroy_on_engines(quiet=True)
+            except Exception:  # noqa: BLE001 - a failed join: nothing of the group there
+                refused.add(i)
+        # (never on an engine that refused: it may hold a LIVE group of this name, C20)
+        self._destroy_on_engines(quiet=True, skip=refused)
         if own_pool:
             pool.shutdown(wait=False)
         raise GroupFormationError(f"weight-update group {self.group_name!r} (world {self.world_size}, "
                                   f"engine rank offsets {self.offsets}) not formed: {err}; every partial "
                                   f"group was destroyed")
 
-    def _destroy_on_engines(self, quiet: bool) -> None:
+    def _destroy_on_engines(self, quiet: bool, skip: set[int] = frozenset()) -> None:
         for i, c in enumerate(self.clients):
+            if i in skip:
+                continue
             try:
                 fn = getattr(c, "destroy_weights_update_group", None)
                 if fn is not None:

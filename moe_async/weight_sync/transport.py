@@ -368,7 +368,7 @@ class BroadcastTransport(WeightTransport):
                         dtypes=bucket.dtypes,
                         shapes=bucket.shapes,
                         group_name=self.group_name,
-                        weight_version=weight_version if last else None,
+                        weight_version=str(weight_version) if last else None,  # SGLang: Optional[str]
                         flush_cache=last,
                         load_format="flattened_bucket",
                     ))

@@ -223,7 +223,7 @@ def test_send_pauses_while_exporting_and_resumes_after_the_versioned_call(monkey
     names = [n for n, _ in _named(3)]
     for e in range(2):
         seen = [x[1:] for x in log if x[0] == e]
-        ups = [("update", (n,), 7 if k == 2 else None) for k, n in enumerate(names)]
+        ups = [("update", (n,), "7" if k == 2 else None) for k, n in enumerate(names)]
         begin = [("begin", True)]
         assert seen == ([("pause",)] + begin + ups if scope == "sync" else begin + ups[:2] + [("pause",), ups[2]]) \
             + [("end",), ("continue",)]

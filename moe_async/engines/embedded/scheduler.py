@@ -696,7 +696,7 @@ class Scheduler:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": C,
             "cached_tokens": 0,
-            "weight_version": version,
+            "weight_version": str(version),  # SGLang types it str
             # our extension: the weight_version that produced each output token
             "output_token_weight_versions": list(req.output_versions),
             # SGLang 0.5.23's span form of the same information
