@@ -149,6 +149,7 @@ class BroadcastTransport(WeightTransport):
         self._posters = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weight-sync-post{i}")
                          for i in range(len(self.clients))]
         self._warned: set[str] = set()
+        self._sessionless: set[int] = set()  # engines without /begin_weight_update (404)
         self._pack_pool = PackPool(3)  # reused flat buffers: up to 3 x bucket_bytes
         #: the engines' common ``/weights_layout`` names (their buffer order), read at connect
         self.layout: list[str] | None = None
@@ -263,11 +264,19 @@ class BroadcastTransport(WeightTransport):
 
     def _begin_on_posters(self) -> list[tuple[int, Any]]:
         """Queue ``/begin_weight_update {atomic: true}`` on every poster. A session left open
-        (a sender that died mid-update) is closed first and opened again, logged."""
-        def begin(c: Any) -> tuple[Any, float]:
+        (a sender that died mid-update) is closed first and opened again, logged. An engine
+        without the endpoint (HTTP 404: SGLang before 0.5.23 has no sessions) is updated
+        without one."""
+        def begin(i: int, c: Any) -> tuple[Any, float]:
             try:
                 r = c.begin_weight_update(atomic=True)
-            except Exception as e:  # noqa: BLE001 - an HTTP 400 of a session left open
+            except Exception as e:  # noqa: BLE001 - an HTTP 400 of a session left open, or a 404
+                if getattr(e, "status_code", None) == 404:
+                    if i not in self._sessionless:
+                        log.warning("engine %d has no /begin_weight_update (SGLang < 0.5.23?): updating it "
+                                    "without a session", i)
+                    self._sessionless.add(i)
+                    return {"success": True}, time.perf_counter()
                 if "already open" not in str(e):
                     raise
                 r = {"success": False, "message": str(e)}
@@ -278,7 +287,15 @@ class BroadcastTransport(WeightTransport):
                 r = c.begin_weight_update(atomic=True)
             return r, time.perf_counter()
 
-        return [(i, self._posters[i].submit(begin, c)) for i, c in enumerate(self.clients)]
+        return [(i, self._posters[i].submit(begin, i, c)) for i, c in enumerate(self.clients)]
+
+    def _end_on_posters(self, skip: set[int] = frozenset()) -> list[tuple[int, Any]]:
+        """Queue ``/end_weight_update`` on every poster (but ``skip`` and sessionless engines)."""
+        def end(c: Any) -> tuple[Any, float]:
+            return c.end_weight_update(), time.perf_counter()
+
+        return [(i, self._posters[i].submit(end, c)) for i, c in enumerate(self.clients)
+                if i not in skip and i not in self._sessionless]
 
     def _replies(self, futs: list[tuple[int, Any]], what: str) -> float:
         """Wait for ``futs`` of :meth:`_on_posters` (one ``timeout_s`` for all); raise on the
@@ -376,7 +393,7 @@ class BroadcastTransport(WeightTransport):
                 ]
                 last_posted = last
                 if last:  # each poster sends them right after its engine's versioned reply
-                    ends = self._on_posters("end_weight_update")
+                    ends = self._end_on_posters()
                     if pauses:
                         resumes = self._on_posters("continue_generation")
                 tb = time.perf_counter()
@@ -411,7 +428,7 @@ class BroadcastTransport(WeightTransport):
                 # sessions makes the engines drop what they staged (embedded engine's atomic
                 # session), so the next update starts clean
                 gone = {i for i, f in begins if f.done() and not f.cancelled() and f.exception() is not None}
-                for i, f in self._on_posters("end_weight_update", skip=gone):
+                for i, f in self._end_on_posters(skip=gone):
                     try:
                         f.result(timeout=max(0.0, deadline - time.monotonic()))
                     except Exception as e:  # noqa: BLE001

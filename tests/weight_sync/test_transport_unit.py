@@ -264,3 +264,27 @@ def test_send_pause_to_a_gone_engine_raises_its_error(monkeypatch):
     continue), the others are resumed (their session closed), the gone one gets no further call."""
     log = _send_after_failed_pause(monkeypatch, ConnectionError, "engine 1 is gone", gone=True)
     assert log == [(0, "pause"), (0, "begin", True), (0, "end"), (0, "continue")]
+
+
+@pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+def test_engine_without_sessions_is_updated_without_one(monkeypatch):
+    """An engine answering 404 to /begin_weight_update (SGLang before 0.5.23) gets the update
+    without a session (no end call); the other engine gets its session as usual."""
+    import moe_async.weight_sync.transport as T
+    from moe_async.engines.client import EngineRequestError
+
+    log: list = []
+
+    class _Old(_Engine):
+        def begin_weight_update(self, atomic=False):
+            raise EngineRequestError("/begin_weight_update", 404, "Not Found")
+
+    engines = [_Engine(log, 0), _Old(log, 1)]
+    monkeypatch.setattr(T, "group_broadcast", lambda *a, **k: None)
+    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1))
+    tr.group = object()
+    for v in (1, 2):
+        tr.send(iter(_named(2)), v)
+    tr.shutdown()
+    assert [x[1] for x in log if x[0] == 1] == ["pause", "update", "update", "continue"] * 2
+    assert [x[1] for x in log if x[0] == 0] == ["pause", "begin", "update", "update", "end", "continue"] * 2
