@@ -92,3 +92,49 @@ def test_group_name_is_freed_by_destroy():
         # (a bare ProcessGroupGloo over PrefixStore(name) writes "unit_g/0/0" instead: case C15)
         assert store.check(["unit_g/unit_g//cpu//0/0"]) and not store.check(["unit_g/0/0"])
         destroy_update_group(pg)
+
+
+def test_form_in_turn_orders_senders_and_names_an_earlier_failure():
+    """Senders in different processes (threads here, one shared store): group k is formed only
+    after group k-1 was; a failed earlier group fails the later ones, naming it."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from moe_async.weight_sync.membership import GroupFormationError, form_in_turn
+
+    order: list[int] = []
+
+    class _M:
+        def __init__(self, k, fail=False):
+            self.k, self.fail = k, fail
+
+        def form(self):
+            time.sleep(0.2 * (2 - self.k))  # the later turn would finish first if not ordered
+            if self.fail:
+                raise GroupFormationError(f"group {self.k} broke")
+            order.append(self.k)
+            return f"pg{self.k}"
+
+    for fail0 in (False, True):
+        order.clear()
+        store = dist.HashStore()
+        out: dict = {}
+
+        def run(k, fail0=fail0, store=store, out=out):
+            try:
+                out[k] = form_in_turn(_M(k, fail=fail0 and k == 0), k, 3, store, timeout_s=10)
+            except GroupFormationError as e:
+                out[k] = e
+
+        ths = [threading.Thread(target=run, args=(k,)) for k in (2, 1, 0)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(20)
+        if not fail0:
+            assert order == [0, 1, 2] and out == {0: "pg0", 1: "pg1", 2: "pg2"}
+        else:
+            assert order == [] and all(isinstance(out[k], GroupFormationError) for k in range(3))
+            assert "group 0 broke" in str(out[2])
