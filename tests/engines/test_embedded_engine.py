@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_async.engines.base import EmbeddedEngine, free_port, make_engine
+from moe_async.engines.base import EmbeddedEngine, make_engine
 from moe_async.engines.checksum import tensor_checksum
 from moe_async.engines.client import EngineClient, EngineRequestError, SyncEngineClient
 from moe_async.engines.config import EngineConfig
