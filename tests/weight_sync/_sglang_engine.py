@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+JOIN_TIMEOUT_S = 20  # a rank's join gives up after this (SGLang: torch's default, 30 min)
 
 
 def _rank_main(local_rank: int, conn) -> None:
@@ -46,6 +47,13 @@ def _rank_main(local_rank: int, conn) -> None:
         sys.meta_path.remove(finder)
     from moe_async.engines.checksum import tensor_checksum
 
+    # SGLang's joins wait torch's default_pg_timeout (30 min): a join reaching this rank
+    # after its sender died would block it that long; 20 s here keeps the tests bounded
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
     # SGLang asserts a default group exists (its TP world); a 1-rank one stands in for it
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     nop = lambda *a, **k: None  # noqa: E731
@@ -100,6 +108,16 @@ class SGLangEngine:
         self.calls: list[str] = []
         #: optional ``hook(group_name)`` run before a join is forwarded (tests delay/hang joins)
         self.before_join = None
+        self.inflight = 0  # joins not yet answered
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until no join is in flight (a join whose sender died ends within JOIN_TIMEOUT_S)."""
+        import time
+
+        end = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not self.inflight, "a join is still in flight"
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         for c in self.pipes:
@@ -121,6 +139,13 @@ class SGLangEngine:
     # ---- the calls the transport makes ----
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name="weight_update_group", backend="nccl"):
+        self.inflight += 1
+        try:
+            return self._join(master_address, master_port, rank_offset, world_size, group_name, backend)
+        finally:
+            self.inflight -= 1
+
+    def _join(self, master_address, master_port, rank_offset, world_size, group_name, backend):
         if self.before_join is not None:
             self.before_join(group_name)
         with self.join_lock:
