@@ -92,7 +92,7 @@ def test_slime_style_sender_into_embedded_engine(tiny_engine, tiny_shapes):
     try:
         new = _rand(tiny_shapes, 21)
         names = sorted(new)
-        assert _post(url, "/begin_weight_update", {})  .json()["success"]
+        assert _post(url, "/begin_weight_update", {}).json()["success"]
         for k in range(0, len(names), 7):  # calls of 7 tensors, one broadcast per tensor, all versioned
             chunk = names[k:k + 7]
             out = {}
@@ -118,11 +118,13 @@ def test_slime_style_sender_into_embedded_engine(tiny_engine, tiny_shapes):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         HFWeightMap(model).apply(new)
         prompt = [5, 17, 33, 2, 99, 140]
-        r = _post(url, "/generate", {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8,
-                                                                                "ignore_eos": True}}).json()
+        r = _post(url, "/generate", {"input_ids": prompt,
+                                     "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}).json()
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8)
-        assert r["output_ids"] == ref[0, len(prompt):].tolist()
+            ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=8)
+        assert r["output_ids"] == ref[0, len(prompt):].tolist() and len(r["output_ids"]) > 0
+        assert r["meta_info"]["weight_version"] == "7"
     finally:
         _post(url, "/destroy_weights_update_group", {"group_name": name})
         torch.distributed.destroy_process_group(pg)
