@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -125,17 +126,21 @@ class GroupMembership:
         destroy_update_group(group)
         del group, store
         gc.collect()
-        for i, f in enumerate(futs):  # the joins that still run end now (their store is gone)
+        grace = time.monotonic() + 5.0  # the joins that still run end now (their store is gone)
+        for i, f in enumerate(futs):
             try:
-                r = f.result(timeout=5.0)
+                r = f.result(timeout=max(0.0, grace - time.monotonic()))
                 if isinstance(r, dict) and r.get("success") is False:
                     refused.add(i)
             except TimeoutError:  # still hung: destroy below, in case it completes
                 pass
             except Exception:  # noqa: BLE001 - a failed join: nothing of the group there
                 refused.add(i)
-        # (never on an engine that refused: it may hold a LIVE group of this name, C20)
-        self._destroy_on_engines(quiet=True, skip=refused)
+        # (never on an engine that refused: it may hold a LIVE group of this name, C20); in the
+        # background: an engine busy with a join that reached it late answers only after that
+        # join's own timeout, and connect() must raise within its own
+        threading.Thread(target=self._destroy_on_engines, kwargs=dict(quiet=True, skip=refused),
+                         name=f"weight-sync-destroy-{self.group_name}", daemon=True).start()
         if own_pool:
             pool.shutdown(wait=False)
         raise GroupFormationError(f"weight-update group {self.group_name!r} (world {self.world_size}, "

@@ -108,10 +108,12 @@ class SGLangEngine:
         self.calls: list[str] = []
         #: optional ``hook(group_name)`` run before a join is forwarded (tests delay/hang joins)
         self.before_join = None
-        self.inflight = 0  # joins not yet answered
+        self.inflight = 0  # joins and rank calls not yet answered
+        self._io = threading.Lock()
 
-    def wait_idle(self, timeout: float = 60.0) -> None:
-        """Until no join is in flight (a join whose sender died ends within JOIN_TIMEOUT_S)."""
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        """Until no call is in flight (a join whose sender died ends after the ranks' store
+        connect retries, about 2 x JOIN_TIMEOUT_S)."""
         import time
 
         end = time.monotonic() + timeout
@@ -126,15 +128,20 @@ class SGLangEngine:
             assert c.recv()[0] == "ready"
 
     def _all(self, op: str, kws: list[dict]) -> list[Any]:
-        for c, kw in zip(self.pipes, kws):
-            c.send((op, kw))
-        out = []
-        for c in self.pipes:
-            st, v = c.recv()
-            if st == "err":
-                raise RuntimeError(v)
-            out.append(v)
-        return out
+        self.inflight += 1
+        try:
+            with self._io:  # one call at a time on the ranks' pipes (as SGLang's scheduler)
+                for c, kw in zip(self.pipes, kws):
+                    c.send((op, kw))
+                out = []
+                for c in self.pipes:
+                    st, v = c.recv()
+                    if st == "err":
+                        raise RuntimeError(v)
+                    out.append(v)
+                return out
+        finally:
+            self.inflight -= 1
 
     # ---- the calls the transport makes ----
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
