@@ -22,6 +22,11 @@ For each bucket size, interleaved and repeated:
       - ``flat``: the source tensors already lie end to end in the engine's layout order
         (no copy on the sender at all): isolates what the transport and the engine add to
         the wire;
+      - ``versioned``: as ``pack``, but the way slime writes its sender: a plain (not
+        atomic) session and ``weight_version`` on EVERY bucket, so the engine applies each
+        bucket when its call returns (SGLang's semantics) instead of staging them; its cost
+        must stay proportional to the bytes (each bucket's bytes copied once into the live
+        parameters), not buckets x model size: the summary prints its time over ``pack``'s;
       - ``trainer``: the real sender, a 1-process ``MegatronTrainer`` built from the same
         checkpoint, ``send(trainer.export_hf_weights(out=transport.destination))`` as the
         trainer actor does (its own transport and weight-update group with the same engine;
@@ -51,11 +56,30 @@ import threading
 import time
 
 MiB = 1024**2
-LABEL = {"on": "pack", "off": "serial", "last": "last", "flat": "flat", "export": "export", "trainer": "trainer"}
+LABEL = {"on": "pack", "off": "serial", "last": "last", "flat": "flat", "export": "export", "trainer": "trainer",
+         "versioned": "versioned"}
 WHAT = {"on": "separate source tensors, packed, overlapped", "off": "packed, not overlapped",
         "last": "packed, engines paused before the last bucket only",
         "flat": "flat source, no copy on the sender", "export": "exporter copies into the send buffer",
-        "trainer": "1-process MegatronTrainer, parameters moved into the send buffer"}
+        "trainer": "1-process MegatronTrainer, parameters moved into the send buffer",
+        "versioned": "slime's protocol: every bucket versioned, each applied at once"}
+
+
+class VersionEveryBucket:
+    """A client as slime's sender drives it: a plain session (SGLang's semantics: each call is
+    applied when it returns) and ``weight_version`` on every bucket, not only the last."""
+
+    def __init__(self, client):
+        self.client, self.version = client, None
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def begin_weight_update(self, atomic=False, selector="all"):
+        return self.client.begin_weight_update(atomic=False, selector=selector)
+
+    def update_weights_from_distributed(self, **kw):
+        return self.client.update_weights_from_distributed(**{**kw, "weight_version": self.version})
 
 
 def make_model(path: str, hidden: int, layers: int, experts: int, inter: int, vocab: int) -> None:
@@ -82,8 +106,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--modes", nargs="+", default=["on", "off", "last", "flat", "export", "trainer"],
-                    choices=["on", "off", "last", "flat", "export", "trainer"],
+    ap.add_argument("--modes", nargs="+", default=["on", "off", "last", "flat", "export", "trainer", "versioned"],
+                    choices=["on", "off", "last", "flat", "export", "trainer", "versioned"],
                     help="sender paths to measure (on = pack, off = serial pack)")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -166,9 +190,16 @@ def main(argv=None) -> None:
         variants = {"on": dict(overlap=True, pause_scope="sync"), "off": dict(overlap=False, pause_scope="sync"),
                     "last": dict(overlap=True, pause_scope="last_bucket"),
                     "flat": dict(overlap=True, pause_scope="sync"), "export": dict(overlap=True, pause_scope="sync"),
-                    "trainer": dict(overlap=True, pause_scope="sync")}
+                    "trainer": dict(overlap=True, pause_scope="sync"), "versioned": dict(overlap=True, pause_scope="sync")}
         variants = {k: v for k, v in variants.items() if k in args.modes}
         transports = {k: tr for k in variants}
+        versioned = None
+        if "versioned" in variants:  # slime's protocol: its own group with the same engine
+            versioned = VersionEveryBucket(client)
+            tr_v = BroadcastTransport([versioned], tr.cfg, pause_mode="in_place", group_name="bench_weight_sync_versioned")
+            tr_v.connect()
+            transports["versioned"] = tr_v
+            raw_once(tr_v)  # warm-up
         trainer = None
         if "trainer" in variants:  # the real sender: a 1-process Megatron trainer, its own group
             from moe_async.trainer.config import TrainerConfig
@@ -200,6 +231,8 @@ def main(argv=None) -> None:
             t = transports[key]
             t.cfg = t.cfg.model_copy(update={"bucket_bytes": int(args.bucket_mib[0] * MiB), **upd})
             version += 1
+            if versioned is not None:
+                versioned.version = str(version)
             cold[key] = t.send(sources.get(key, lambda: named)(), version)["sync/seconds"]
         print("first (cold) sync, not in the ratios: " + ", ".join(f"{LABEL[k]} {v:.2f}s" for k, v in cold.items()),
               flush=True)
@@ -212,6 +245,8 @@ def main(argv=None) -> None:
                     t.cfg = t.cfg.model_copy(update={"bucket_bytes": int(mib * MiB), **upd})
                     before = total / raw_once(t)[0] / 1e9
                     version += 1
+                    if versioned is not None:
+                        versioned.version = str(version)
                     m = t.send(sources.get(key, lambda: named)(), version)
                     after = total / raw_once(t)[0] / 1e9
                     assert m["sync/bytes"] == total
@@ -244,6 +279,8 @@ def main(argv=None) -> None:
         if trainer is not None:
             transports["trainer"].shutdown()
             trainer.close()
+        if versioned is not None:
+            transports["versioned"].shutdown()
         tr.shutdown()
         client.close()
     finally:
@@ -266,6 +303,12 @@ def main(argv=None) -> None:
         best = max(rows, key=lambda r: r[f"ratio_{key}"])
         print(f"best ({LABEL[key]}: {WHAT[key]}): {best['bucket_mib']:g} MiB, median ratio {best[f'ratio_{key}']:.3f} "
               f"(best {best[f'ratio_best_{key}']:.3f}; goal >= 0.9)")
+    if "versioned" in variants and "on" in variants:
+        print("every bucket versioned (slime) vs version on the last bucket (ours), same packed source: "
+              "sync seconds versioned / pack, median; 1.0 = proportional to the bytes, not buckets x model size")
+        for r in rows:
+            v, o = r["detail_versioned"]["sync/seconds"], r["detail_on"]["sync/seconds"]
+            print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_versioned']} buckets): {v:.3f}s / {o:.3f}s = {v / o:.3f}")
     print(f"engine buckets copied through scratch (not in layout order): {sums.get('recv_copies')}")
     if args.json:
         with open(args.json, "w") as f:

@@ -226,6 +226,17 @@ class _Base:
         return body
 
     @staticmethod
+    def _checksums_of(info: dict) -> dict:
+        return {**info, "weight_version": _version(info.get("weight_version"))}
+
+    @staticmethod
+    def _begin_body(atomic: bool, selector: str) -> dict:
+        body: dict[str, Any] = {"selector": selector}
+        if atomic:
+            body["atomic"] = True
+        return body
+
+    @staticmethod
     def _weight_version_of(info: dict) -> int:
         return _version(info.get("weight_version"))
 
@@ -319,16 +330,33 @@ class EngineClient(_Base):
     async def update_weights_from_distributed(self, names, dtypes, shapes,
                                               group_name: str = "weight_update_group",
                                               flush_cache: bool = True,
-                                              weight_version: int | None = None,
+                                              weight_version: int | str | None = None,
                                               load_format: str | None = "flattened_bucket",
                                               abort_all_requests: bool = False) -> dict:
         body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,
                                  load_format, abort_all_requests)
         return (await self._request("POST", "/update_weights_from_distributed", body, retry=None)).json()
 
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """Leave the weight-update group ``group_name`` (SGLang's call)."""
+        body = {"group_name": group_name}
+        return (await self._request("POST", "/destroy_weights_update_group", body, retry=None)).json()
+
+    async def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> dict:
+        """Open SGLang 0.5.23's weight-update session (required around
+        ``update_weights_from_distributed``); ``atomic`` (ours, SGLang ignores it): the
+        embedded engine stages the session's calls until the versioned one."""
+        body = self._begin_body(atomic, selector)
+        return (await self._request("POST", "/begin_weight_update", body, retry=None)).json()
+
+    async def end_weight_update(self) -> dict:
+        """Close the weight-update session."""
+        return (await self._request("POST", "/end_weight_update", {}, retry=None)).json()
+
     async def weights_checksum(self) -> dict:
-        """``{"weight_version": int, "checksums": {hf_name: sha256 hex}}`` (embedded engine only)."""
-        return (await self._request("GET", "/weights_checksum")).json()
+        """``{"weight_version": int, "checksums": {hf_name: sha256 hex}, ...}`` (embedded engine only;
+        the wire's string version parsed to the trainer's int)."""
+        return self._checksums_of((await self._request("GET", "/weights_checksum")).json())
 
     async def weights_layout(self) -> dict | None:
         """``{"names", "shapes", "dtypes"}``: the HF tensors in the order the engine receives
@@ -424,15 +452,27 @@ class SyncEngineClient(_Base):
 
     def update_weights_from_distributed(self, names, dtypes, shapes,
                                         group_name: str = "weight_update_group",
-                                        flush_cache: bool = True, weight_version: int | None = None,
+                                        flush_cache: bool = True, weight_version: int | str | None = None,
                                         load_format: str | None = "flattened_bucket",
                                         abort_all_requests: bool = False) -> dict:
         body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,
                                  load_format, abort_all_requests)
         return self._request("POST", "/update_weights_from_distributed", body, retry=None).json()
 
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """See :meth:`EngineClient.destroy_weights_update_group`."""
+        return self._request("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=None).json()
+
+    def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> dict:
+        """See :meth:`EngineClient.begin_weight_update`."""
+        return self._request("POST", "/begin_weight_update", self._begin_body(atomic, selector), retry=None).json()
+
+    def end_weight_update(self) -> dict:
+        """See :meth:`EngineClient.end_weight_update`."""
+        return self._request("POST", "/end_weight_update", {}, retry=None).json()
+
     def weights_checksum(self) -> dict:
-        return self._request("GET", "/weights_checksum").json()
+        return self._checksums_of(self._request("GET", "/weights_checksum").json())
 
     def weights_layout(self) -> dict | None:
         """See :meth:`EngineClient.weights_layout`."""

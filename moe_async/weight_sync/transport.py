@@ -10,12 +10,16 @@ SGLang's ``update_weights_from_distributed``):
       -> engines: POST /pause_generation       (mode from config; sent while the first
                                                 bucket is exported, answered before any
                                                 bucket's POST)
+      -> POST /begin_weight_update {atomic}    (the session SGLang 0.5.23 requires)
       -> per bucket: POST /update_weights_from_distributed {names, dtypes, shapes,
-         load_format="flattened_bucket", weight_version on the LAST bucket only}
-         while rank 0 broadcasts the flat uint8 buffer over the weight-update group
-      -> engines apply the staged update atomically on the last bucket
-      -> POST /continue_generation             (queued behind the versioned call: each
-                                                engine's poster sends it on that reply)
+         load_format="flattened_bucket", weight_version (a string) on the LAST bucket only}
+         while rank 0 broadcasts the flat uint8 buffer (packed on the transport's device:
+         CUDA for NCCL, CPU for gloo) over the weight-update group (membership.py)
+      -> SGLang applies each call at once; the embedded engine (atomic session) stages them
+         and applies the whole update on the versioned last call
+      -> POST /end_weight_update               (also after a failure: drops what was staged)
+      -> POST /continue_generation             (queued behind them: each engine's poster
+                                                sends it on that engine's reply)
 
 The HTTP call and the broadcast must overlap (the engine's handler blocks in the
 receiving broadcast): each bucket's POST is queued on that engine's poster thread (one
@@ -37,31 +41,27 @@ from __future__ import annotations
 import abc
 import logging
 import os
-import queue
 import shutil
 import socket
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from moe_async.weight_sync.bucket import Bucket, make_buckets, nbytes_of, str_to_dtype
+from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
-from moe_async.weight_sync.group import (
-    bind_master_store,
-    group_broadcast,
-    init_weight_update_group,
-    resolve_backend,
+from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
+from moe_async.weight_sync.membership import GroupMembership
+from moe_async.weight_sync.packing import (  # noqa: F401 - re-exported (callers import them from here)
+    PackPool,
+    contiguous_span,
+    in_layout_order,
+    packed_buckets,
 )
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """An engine refused or failed a weight update; the message names the engine."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,231 +69,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _lookahead(it: Iterable[Bucket]) -> Iterator[tuple[Bucket, bool]]:
-    """Yield ``(bucket, is_last)``."""
-    it = iter(it)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for cur in it:
-        yield prev, False
-        prev = cur
-    yield prev, True
-
-
-_END = object()
-
-
-class PackPool:
-    """Flat buffers reused across buckets and syncs (``slots`` of them, grown on demand).
-
-    Packing into a fresh multi-MiB allocation page-faults (and the kernel zeroes) every page
-    of it on every bucket; at 64 MiB+ that costs as much as the copy itself. A bucket of one
-    tensor needs no buffer at all: its own bytes are sent (zero copy).
-    """
-
-    def __init__(self, slots: int):
-        self.slots = slots
-        self.bufs: list[torch.Tensor | None] = [None] * slots
-        self.free: queue.Queue = queue.Queue()
-        self.reset()
-
-    def reset(self) -> None:
-        """All slots free again (call only when no packed buffer is in use)."""
-        self.free = queue.Queue()
-        for i in range(self.slots):
-            self.free.put(i)
-
-    def acquire(self, stop: threading.Event | None = None) -> int:
-        while True:
-            try:
-                return self.free.get(timeout=0.1)
-            except queue.Empty:
-                if stop is not None and stop.is_set():
-                    raise _Stopped() from None
-
-    def release(self, slot: int) -> None:
-        self.free.put(slot)
-
-    def pack(self, slot: int, bucket: Bucket) -> torch.Tensor:
-        if len(bucket.tensors) == 1:
-            return bucket.flatten()
-        span = contiguous_span(bucket.tensors)
-        if span is not None:  # already end to end in one storage (e.g. an exporter's flat buffer)
-            return span
-        n = bucket.nbytes
-        buf = self.bufs[slot]
-        dev = bucket.tensors[0].device
-        if buf is None or buf.numel() < n or buf.device != dev:
-            self.bufs[slot] = buf = torch.empty(n, dtype=torch.uint8, device=dev)
-        off = 0
-        for t in bucket.tensors:
-            v = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buf[off: off + v.numel()].copy_(v)
-            off += v.numel()
-        return buf[:n]
-
-
-class _Stopped(Exception):
-    pass
-
-
-def contiguous_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The ``uint8`` view of ``tensors`` when they already lie end to end, in order, in one
-    storage (each contiguous): their flattened bucket without a copy. None otherwise."""
-    t0 = tensors[0]
-    st = t0.untyped_storage()
-    end = t0.data_ptr()
-    for t in tensors:
-        if (not t.is_contiguous() or t.device != t0.device or t.data_ptr() != end
-                or t.untyped_storage().data_ptr() != st.data_ptr()):
-            return None
-        end += t.numel() * t.element_size()
-    start = t0.data_ptr() - st.data_ptr()
-    return torch.empty(0, dtype=torch.uint8, device=t0.device).set_(st, start, (end - t0.data_ptr(),))
-
-
-def in_layout_order(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                    order: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``named_tensors`` re-ordered to follow ``order`` (an engine's ``/weights_layout``), so
-    that consecutive names of a bucket are consecutive in the engine's parameter buffer and
-    it receives the bucket in place. A tensor is yielded as soon as every name before it in
-    ``order`` was (those that arrive early are held: memory up to what the exporter yields
-    out of order); names missing from the stream are skipped at the end; names not in
-    ``order`` (or repeated) follow last, in arrival order (the engine names them in its
-    error)."""
-    pos = {n: i for i, n in enumerate(order)}
-    held: dict[int, tuple[str, torch.Tensor]] = {}
-    extra: list[tuple[str, torch.Tensor]] = []
-    nxt = 0
-    for name, t in named_tensors:
-        i = pos.get(name)
-        if i is None or i < nxt or i in held:
-            extra.append((name, t))
-            continue
-        held[i] = (name, t)
-        while nxt in held:
-            yield held.pop(nxt)
-            nxt += 1
-    for i in sorted(held):
-        yield held[i]
-    yield from extra
-
-
-def packed_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    *,
-    overlap: bool = True,
-    stats: dict[str, float] | None = None,
-    pool: PackPool | None = None,
-) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
-    """Yield ``(bucket, flat_uint8, is_last)`` for every bucket of ``named_tensors``.
-
-    With ``overlap`` the producer (pulling from ``named_tensors``: for the trainer, the
-    gather/convert/cast of ``export_hf_weights``; then packing) runs in a background thread
-    ahead of the consumer (queue depth 1: double buffering), so packing bucket k+1 overlaps
-    whatever the consumer does with bucket k (the broadcast); the thread starts when this
-    function returns (the first bucket is being made while the caller pauses the engines),
-    and the returned iterator's ``close()`` stops it. A yielded ``flat`` is valid
-    until the consumer asks for the next bucket (its buffer is then reused, see
-    :class:`PackPool`; 3 slots with overlap, 1 without). Exceptions of the producer re-raise
-    here. ``stats`` (optional) gets ``pack_seconds`` (producer busy time) and
-    ``wait_seconds`` (consumer time spent waiting for a packed bucket).
-    """
-    stats = stats if stats is not None else {}
-    stats.setdefault("pack_seconds", 0.0)
-    stats.setdefault("wait_seconds", 0.0)
-    need = 3 if overlap else 1
-    if pool is None or pool.slots < need:
-        pool = PackPool(need)
-    pool.reset()
-    it = _lookahead(make_buckets(named_tensors, bucket_bytes))
-    return _Overlapped(it, stats, pool) if overlap else _serial(it, stats, pool)
-
-
-def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
-    while True:
-        t0 = time.perf_counter()
-        b = next(it, None)
-        flat = None if b is None else pool.pack(0, b[0])
-        dt = time.perf_counter() - t0
-        stats["pack_seconds"] += dt
-        stats["wait_seconds"] += dt
-        if b is None:
-            return
-        yield b[0], flat, b[1]
-
-
-class _Overlapped:
-    """Iterator of :func:`packed_buckets` with overlap: its producer thread starts at once
-    (on construction, not on the first ``next``), so the exporter already runs while the
-    caller does something else first (e.g. pauses the engines). ``close()`` stops the thread."""
-
-    def __init__(self, it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool):
-        self.stats, self.pool = stats, pool
-        self.q: queue.Queue = queue.Queue(maxsize=1)
-        self.stop = threading.Event()
-        self.held: int | None = None  # the slot of the bucket the consumer holds
-        self.done = False
-        self.th = threading.Thread(target=self._produce, args=(it,), name="weight-sync-pack", daemon=True)
-        self.th.start()
-
-    def _produce(self, it: Iterator[tuple[Bucket, bool]]) -> None:
-        stats, pool, q, stop = self.stats, self.pool, self.q, self.stop
-        try:
-            while not stop.is_set():
-                slot = pool.acquire(stop)
-                t0 = time.perf_counter()
-                b = next(it, None)
-                item = _END if b is None else (b[0], pool.pack(slot, b[0]), b[1], slot)
-                stats["pack_seconds"] += time.perf_counter() - t0
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if item is _END:
-                    return
-        except _Stopped:
-            return
-        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
-            q.put(e)
-
-    def __iter__(self) -> "_Overlapped":
-        return self
-
-    def __next__(self) -> tuple[Bucket, torch.Tensor, bool]:
-        if self.held is not None:  # the consumer is done with the previous bucket's buffer
-            self.pool.release(self.held)
-            self.held = None
-        if self.done:
-            raise StopIteration
-        t0 = time.perf_counter()
-        item = self.q.get()
-        self.stats["wait_seconds"] += time.perf_counter() - t0
-        if item is _END:
-            self.close()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        self.held = item[3]
-        return item[0], item[1], item[2]
-
-    def close(self) -> None:
-        self.done = True
-        self.stop.set()
-        while self.th.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                self.q.get_nowait()
-            except queue.Empty:
-                pass
-            self.th.join(0.1)
 
 
 def _post(client: Any, path: str, body: dict) -> dict:
@@ -336,8 +111,12 @@ class BroadcastTransport(WeightTransport):
             ``pause_generation``, ``continue_generation``.
         cfg: bucket size, backend, timeout.
         pause_mode: SGLang ``pause_generation`` mode (``abort``, ``retract``, ``in_place``).
-        ranks_per_engine: engine TP size (ranks each engine contributes to the group).
+        ranks_per_engine: ranks each engine contributes to the group (its TP size, x DP
+            when its replicas join): one int for all, or one per engine (offsets from
+            every engine's own size, C13).
         master_address: address the trainer's TCPStore binds (loopback on CPU).
+        group_name: SGLang's weight-update ``group_name``.
+        world_size: a declared group world size, checked against 1 + the engines' ranks.
 
     Raises:
         WeightSyncError: an engine answered ``success: false`` or an HTTP error.
@@ -349,17 +128,20 @@ class BroadcastTransport(WeightTransport):
         cfg: WeightSyncConfig,
         *,
         pause_mode: str = "abort",
-        ranks_per_engine: int = 1,
+        ranks_per_engine: int | Sequence[int] = 1,
         master_address: str = "127.0.0.1",
         group_name: str = "moe_async_weight_sync",
+        world_size: int | None = None,
     ):
         self.clients = list(clients)
         self.cfg = cfg
         self.pause_mode = pause_mode
-        self.ranks_per_engine = ranks_per_engine
         self.master_address = master_address
         self.group_name = group_name
         self.backend = resolve_backend(cfg.backend)
+        self.membership = GroupMembership(self.clients, engine_sizes=ranks_per_engine, group_name=group_name,
+                                          backend=self.backend, master_address=master_address,
+                                          timeout_s=cfg.timeout_s, world_size=world_size)
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
         # one thread per engine posts its bucket metadata in order (the engine pairs the i-th
@@ -367,6 +149,7 @@ class BroadcastTransport(WeightTransport):
         self._posters = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weight-sync-post{i}")
                          for i in range(len(self.clients))]
         self._warned: set[str] = set()
+        self._sessionless: set[int] = set()  # engines without /begin_weight_update (404)
         self._pack_pool = PackPool(3)  # reused flat buffers: up to 3 x bucket_bytes
         #: the engines' common ``/weights_layout`` names (their buffer order), read at connect
         self.layout: list[str] | None = None
@@ -379,39 +162,31 @@ class BroadcastTransport(WeightTransport):
 
     @property
     def world_size(self) -> int:
-        return 1 + len(self.clients) * self.ranks_per_engine
+        return self.membership.world_size
+
+    @property
+    def rank_offsets(self) -> list[int]:
+        """Each engine's ``rank_offset`` in the group (from every engine's own size)."""
+        return list(self.membership.offsets)
+
+    @property
+    def device(self) -> torch.device:
+        """Where buckets and the send buffer live (:func:`~moe_async.weight_sync.group.transport_device`)."""
+        return transport_device(self.backend)
 
     def connect(self) -> None:
-        """Create the weight-update group with every engine (collective with them); an
-        existing group is left first, so connect() also re-joins restarted engines."""
+        """Create the weight-update group with every engine (collective with them; SGLang's
+        way, :mod:`~moe_async.weight_sync.membership`); an existing group is left first, so
+        connect() also re-joins restarted engines. Several transports into the same engines:
+        connect them with :func:`~moe_async.weight_sync.membership.form_in_order`'s order.
+
+        Raises:
+            WeightSyncError (GroupFormationError): naming the engine whose join failed, after
+                every partial group was destroyed (a later connect() starts clean).
+        """
         if self.group is not None:
             self.close()
-        store = bind_master_store(self.master_address, self.world_size, self.cfg.timeout_s)
-        port = store.port
-        futs = [
-            self._pool.submit(
-                c.init_weights_update_group,
-                master_address=self.master_address,
-                master_port=port,
-                rank_offset=1 + i * self.ranks_per_engine,
-                world_size=self.world_size,
-                group_name=self.group_name,
-                backend=self.backend,
-            )
-            for i, c in enumerate(self.clients)
-        ]
-        self.group = init_weight_update_group(
-            master_address=self.master_address,
-            master_port=port,
-            rank=0,
-            world_size=self.world_size,
-            group_name=self.group_name,
-            backend=self.backend,
-            timeout_s=self.cfg.timeout_s,
-            store=store,
-        )
-        for i, f in enumerate(futs):
-            self._check(i, f.result(timeout=self.cfg.timeout_s), "init_weights_update_group")
+        self.group = self.membership.form(self._pool)
         self._set_layout(self._common_layout())
 
     def _set_layout(self, layout: dict | None) -> None:
@@ -456,10 +231,7 @@ class BroadcastTransport(WeightTransport):
         if v is not None:
             return v
         if self._send_buf is None:
-            # NCCL sends CUDA tensors only; gloo CPU ones
-            dev = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-                   else torch.device("cpu"))
-            self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8, device=dev)
+            self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8, device=self.device)
             self._views = {}
         off, shp, dt, nb = slot
         v = self._views[name] = self._send_buf[off: off + nb].view(dt).view(shp)
@@ -489,6 +261,41 @@ class BroadcastTransport(WeightTransport):
             return r, time.perf_counter()
 
         return [(i, self._posters[i].submit(call, c)) for i, c in enumerate(self.clients) if i not in skip]
+
+    def _begin_on_posters(self) -> list[tuple[int, Any]]:
+        """Queue ``/begin_weight_update {atomic: true}`` on every poster. A session left open
+        (a sender that died mid-update) is closed first and opened again, logged. An engine
+        without the endpoint (HTTP 404: SGLang before 0.5.23 has no sessions) is updated
+        without one."""
+        def begin(i: int, c: Any) -> tuple[Any, float]:
+            try:
+                r = c.begin_weight_update(atomic=True)
+            except Exception as e:  # noqa: BLE001 - an HTTP 400 of a session left open, or a 404
+                if getattr(e, "status_code", None) == 404:
+                    if i not in self._sessionless:
+                        log.warning("engine %d has no /begin_weight_update (SGLang < 0.5.23?): updating it "
+                                    "without a session", i)
+                    self._sessionless.add(i)
+                    return {"success": True}, time.perf_counter()
+                if "already open" not in str(e):
+                    raise
+                r = {"success": False, "message": str(e)}
+            if isinstance(r, dict) and r.get("success") is False and "already open" in str(r.get("message")):
+                log.warning("weight sync: a weight-update session was left open on %s; closing it first",
+                            getattr(c, "base_url", c))
+                c.end_weight_update()
+                r = c.begin_weight_update(atomic=True)
+            return r, time.perf_counter()
+
+        return [(i, self._posters[i].submit(begin, i, c)) for i, c in enumerate(self.clients)]
+
+    def _end_on_posters(self, skip: set[int] = frozenset()) -> list[tuple[int, Any]]:
+        """Queue ``/end_weight_update`` on every poster (but ``skip`` and sessionless engines)."""
+        def end(c: Any) -> tuple[Any, float]:
+            return c.end_weight_update(), time.perf_counter()
+
+        return [(i, self._posters[i].submit(end, c)) for i, c in enumerate(self.clients)
+                if i not in skip and i not in self._sessionless]
 
     def _replies(self, futs: list[tuple[int, Any]], what: str) -> float:
         """Wait for ``futs`` of :meth:`_on_posters` (one ``timeout_s`` for all); raise on the
@@ -541,15 +348,20 @@ class BroadcastTransport(WeightTransport):
         t_paused = t_resumed = t0
         nbytes, nbuckets, bcast_s, oversize, ack_s = 0, 0, 0.0, 0, 0.0
         pending: list[tuple[int, Any]] = []
+        begins: list[tuple[int, Any]] = []
+        ends: list[tuple[int, Any]] = []
         last_posted = False
         buckets = None
         failed = False
+        broadcasting = False
         try:
             if whole:  # in flight while the exporter makes the first bucket (below)
                 t_paused = time.perf_counter()
                 pauses = self._on_posters("pause_generation", mode=self.pause_mode)
+            begins = self._begin_on_posters()  # SGLang 0.5.23 refuses updates outside a session
             buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
-                                     pool=self._pack_pool)
+                                     pool=self._pack_pool, device=self.device)
+            sessions_ok = False
             for bucket, flat, last in buckets:
                 if last and not pauses:  # pause_scope=last_bucket: engines stage until here
                     t_paused = time.perf_counter()
@@ -557,6 +369,9 @@ class BroadcastTransport(WeightTransport):
                 if pauses and not paused_ok:  # every engine paused before this bucket's POST
                     self._replies(pauses, "pause_generation")
                     paused_ok = True
+                if not sessions_ok:  # every session open before the first bucket's POST
+                    self._replies(begins, "begin_weight_update")
+                    sessions_ok = True
                 if bucket.nbytes > self.cfg.bucket_bytes:
                     oversize += 1
                     if bucket.names[0] not in self._warned:
@@ -570,17 +385,21 @@ class BroadcastTransport(WeightTransport):
                         dtypes=bucket.dtypes,
                         shapes=bucket.shapes,
                         group_name=self.group_name,
-                        weight_version=weight_version if last else None,
+                        weight_version=str(weight_version) if last else None,  # SGLang: Optional[str]
                         flush_cache=last,
                         load_format="flattened_bucket",
                     ))
                     for i, c in enumerate(self.clients)
                 ]
                 last_posted = last
-                if last and pauses:  # each poster sends it right after its engine's versioned reply
-                    resumes = self._on_posters("continue_generation")
+                if last:  # each poster sends them right after its engine's versioned reply
+                    ends = self._end_on_posters()
+                    if pauses:
+                        resumes = self._on_posters("continue_generation")
                 tb = time.perf_counter()
+                broadcasting = True
                 group_broadcast(self.group, flat, src=0)
+                broadcasting = False
                 bcast_s += time.perf_counter() - tb
                 nbytes += flat.numel()
                 nbuckets += 1
@@ -591,23 +410,29 @@ class BroadcastTransport(WeightTransport):
             for i, f in pending:
                 self._check(i, f.result(timeout=max(0.0, deadline - time.monotonic())),
                             "update_weights_from_distributed")
+            self._replies(ends, "end_weight_update")
             ack_s = time.perf_counter() - ta
         except BaseException:
             failed = True
-            if pending and not last_posted:
-                # abandoned mid-update (e.g. the exporter raised): the engines hold staged
-                # buckets that no versioned call will apply or drop; leaving the group makes
-                # them drop those (embedded engine), so the next update starts clean. The
-                # transport must be connect()ed again.
-                deadline = time.monotonic() + self.cfg.timeout_s  # one bound for all replies
-                for _, f in pending:
+            deadline = time.monotonic() + self.cfg.timeout_s  # one bound for all replies
+            for _, f in pending + ends:
+                try:
+                    f.result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - the original error is what propagates
+                    pass
+            if broadcasting:  # the group itself failed (a peer gone): it cannot be reused
+                log.warning("weight sync: a broadcast failed; leaving the update group (connect() again)")
+                self.close()
+            elif begins and not ends:
+                # abandoned before its last bucket (e.g. the exporter raised): closing the
+                # sessions makes the engines drop what they staged (embedded engine's atomic
+                # session), so the next update starts clean
+                gone = {i for i, f in begins if f.done() and not f.cancelled() and f.exception() is not None}
+                for i, f in self._end_on_posters(skip=gone):
                     try:
                         f.result(timeout=max(0.0, deadline - time.monotonic()))
-                    except Exception:  # noqa: BLE001 - the original error is what propagates
-                        pass
-                log.warning("weight sync abandoned before its last bucket: leaving the update group "
-                            "(engines drop the staged buckets); connect() before the next send")
-                self.close()
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("engine %d: end_weight_update after an abandoned update failed: %s", i, e)
             raise
         finally:
             if buckets is not None:
@@ -641,12 +466,7 @@ class BroadcastTransport(WeightTransport):
     def close(self) -> None:
         """Leave the weight-update group on every engine (``/destroy_weights_update_group``)
         so a later :meth:`connect` (this transport or a new one) can re-create it."""
-        if self.group is not None:
-            for i, c in enumerate(self.clients):
-                try:
-                    _post(c, "/destroy_weights_update_group", {"group_name": self.group_name})
-                except Exception as e:  # noqa: BLE001 - best effort on the way out
-                    log.warning("engine %d: destroy_weights_update_group failed: %s", i, e)
+        self.membership.leave()
         self.group = None
 
     def shutdown(self) -> None:
@@ -705,7 +525,7 @@ class DiskTransport(WeightTransport):
             c.pause_generation(mode=self.pause_mode)
         t_paused = time.perf_counter()
         try:
-            body = {"model_path": path, "weight_version": weight_version, "flush_cache": True}
+            body = {"model_path": path, "weight_version": str(weight_version), "flush_cache": True}
             futs = [self._pool.submit(_post, c, "/update_weights_from_disk", body) for c in self.clients]
             for i, f in enumerate(futs):
                 BroadcastTransport._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_disk")

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from moe_async.engines.base import EmbeddedEngine, free_port, make_engine
+from moe_async.engines.base import EmbeddedEngine, make_engine
 from moe_async.engines.checksum import tensor_checksum
 from moe_async.engines.client import EngineClient, EngineRequestError, SyncEngineClient
 from moe_async.engines.config import EngineConfig
 from moe_async.weight_sync.bucket import make_buckets
-from moe_async.weight_sync.group import group_broadcast, init_weight_update_group
+from moe_async.weight_sync.group import bind_master_store, create_update_group, group_broadcast
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -256,18 +256,19 @@ def test_weight_update_over_gloo(engine):
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         disk = {n: f.get_tensor(n) for n in f.keys()}
     init = c.weights_checksum()
-    assert init["weight_version"] == 0
+    assert init["weight_version"] == 0  # "0" on the wire (SGLang types it str), parsed by the client
     assert init["checksums"] == {n: tensor_checksum(t) for n, t in disk.items()}
 
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 2, 60)
     res = {}
     th = threading.Thread(target=lambda: res.setdefault("r", c.init_weights_update_group(
-        "127.0.0.1", port, rank_offset=1, world_size=2, group_name="wu", backend="gloo")))
+        "127.0.0.1", store.port, rank_offset=1, world_size=2, group_name="wu", backend="gloo")))
     th.start()
-    group = init_weight_update_group(master_address="127.0.0.1", master_port=port, rank=0,
-                                     world_size=2, group_name="wu", backend="gloo", timeout_s=60)
+    group, _ = create_update_group(backend="gloo", world_size=2, rank=0, group_name="wu", timeout_s=60,
+                                   store=store)
     th.join(60)
     assert res["r"]["success"], res["r"]
+    assert c.begin_weight_update(atomic=True)["success"]  # one atomic session: staged until versioned
 
     names = sorted(disk)
     largest = max(t.numel() * 4 for t in disk.values())
@@ -307,6 +308,11 @@ def test_weight_update_over_gloo(engine):
     out = c.generate(_prompt(9, 8), {"temperature": 0.0, "max_new_tokens": 6}, return_routed_experts=True)
     assert out.weight_version == 3 and out.output_token_weight_versions == [3] * len(out.output_ids)
     _check_against_hf(model, _prompt(9, 8), out, 6)
+    assert c.end_weight_update()["success"]
+    c.destroy_weights_update_group("wu")
+    from moe_async.weight_sync.group import destroy_update_group
+
+    destroy_update_group(group)
     c.close()
 
 

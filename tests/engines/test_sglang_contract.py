@@ -39,7 +39,12 @@ ENDPOINT_CLASS = {
     "/continue_generation": "ContinueGenerationReqInput",
     "/abort_request": "AbortReq",
     "/flush_cache": None,  # Query(timeout) only
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
 }
+# keys of ours that SGLang's decoder ignores (extra="ignore"): never a field it would misread
+EXTENSIONS = {"/begin_weight_update": {"atomic"}}
 
 
 def _record_client():
@@ -74,6 +79,10 @@ def _client_bodies():
     for mode in ("abort", "retract", "in_place"):
         c.pause_generation(mode)
     c.continue_generation()
+    c.begin_weight_update(atomic=True)
+    c.begin_weight_update()
+    c.end_weight_update()
+    c.destroy_weights_update_group("weight_update_group")
     c.flush_cache()
     c.abort_request("r-1")
     c.abort_request(abort_all=True)
@@ -102,6 +111,9 @@ def test_every_client_payload_is_accepted_by_sglang_dataclasses():
             sp.normalize(None)
             sp.verify(vocab_size=1000)
         for key, val in body.items():  # nothing was silently renamed or coerced
+            if key in EXTENSIONS.get(path, ()):
+                assert not hasattr(obj, key), (path, key)  # ignored by SGLang, not misread
+                continue
             assert getattr(obj, key) == val, (path, key)
 
 
@@ -234,3 +246,26 @@ def test_context_length_refusals_match_sglang():
             refused += theirs is not None
     # prompts 64, 65, 200 always (3 x 7); 1 + 100; 40 + {25, 100}; 63 + {23, 24, 25, 100}
     assert refused == 21 + 1 + 2 + 4
+
+
+def test_embedded_weight_bodies_have_sglang_fields():
+    """The embedded engine's weight-update request bodies accept exactly SGLang 0.5.23's
+    fields (plus the documented ``atomic`` extension) and refuse any other; their types
+    follow SGLang's (``weight_version`` a string)."""
+    import msgspec
+    from pydantic import ValidationError
+
+    from moe_async.engines.embedded import weight_update as wu
+
+    pairs = {"InitWeightsUpdateGroupReqInput": set(), "DestroyWeightsUpdateGroupReqInput": set(),
+             "BeginWeightUpdateReqInput": {"atomic"}, "EndWeightUpdateReqInput": set(),
+             "UpdateWeightsFromDistributedReqInput": set(), "UpdateWeightFromDiskReqInput": set()}
+    for name, ours_only in pairs.items():
+        theirs = {f.name for f in msgspec.structs.fields(getattr(io, name))}
+        ours = set(getattr(wu, name).model_fields)
+        assert ours == theirs | ours_only, (name, ours ^ (theirs | ours_only))
+        with pytest.raises(ValidationError, match="not_a_field"):
+            getattr(wu, name).model_validate({"not_a_field": 1})
+    with pytest.raises(ValidationError, match="weight_version"):
+        wu.UpdateWeightsFromDistributedReqInput.model_validate(
+            {"names": [], "dtypes": [], "shapes": [], "weight_version": 3})

@@ -175,6 +175,16 @@ class _Engine:
         self.log.append((self.i, "continue"))
         return {"status": "ok"}
 
+    def begin_weight_update(self, atomic=False):
+        if self.gone:
+            raise ConnectionError(f"engine {self.i} is gone")
+        self.log.append((self.i, "begin", atomic))
+        return {"success": True}
+
+    def end_weight_update(self):
+        self.log.append((self.i, "end"))
+        return {"success": True}
+
     def update_weights_from_distributed(self, names, weight_version=None, **kw):
         self.log.append((self.i, "update", tuple(names), weight_version))
         return {"success": True}
@@ -186,7 +196,8 @@ def test_send_pauses_while_exporting_and_resumes_after_the_versioned_call(monkey
     """pause_scope=sync: the pause requests are in flight while the exporter makes the first
     bucket (the fake engines answer the pause only once the exporter has run), every engine
     has answered its pause before any bucket is posted or broadcast, each engine sees
-    pause -> buckets in order -> the versioned bucket -> continue, and the stall covers all of it."""
+    pause -> begin (atomic session) -> buckets in order -> the versioned bucket -> end ->
+    continue, and the stall covers all of it."""
     import moe_async.weight_sync.transport as T
 
     log: list = []
@@ -212,8 +223,10 @@ def test_send_pauses_while_exporting_and_resumes_after_the_versioned_call(monkey
     names = [n for n, _ in _named(3)]
     for e in range(2):
         seen = [x[1:] for x in log if x[0] == e]
-        ups = [("update", (n,), 7 if k == 2 else None) for k, n in enumerate(names)]
-        assert seen == ([("pause",)] + ups if scope == "sync" else ups[:2] + [("pause",), ups[2]]) + [("continue",)]
+        ups = [("update", (n,), "7" if k == 2 else None) for k, n in enumerate(names)]
+        begin = [("begin", True)]
+        assert seen == ([("pause",)] + begin + ups if scope == "sync" else begin + ups[:2] + [("pause",), ups[2]]) \
+            + [("end",), ("continue",)]
     assert len(sent) == 3 and m["sync/buckets"] == 3
     assert 0 < m["sync/pause_seconds"] <= m["sync/seconds"]
 
@@ -237,15 +250,41 @@ def _send_after_failed_pause(monkeypatch, exc, match, **engine1) -> list:
 @pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 def test_send_refused_pause_posts_no_bucket_and_resumes(monkeypatch):
     """An engine that refuses the pause: no bucket is posted to any engine or broadcast, every
-    engine gets its continue, and the error names the engine."""
+    engine's session (opened behind the pause) is closed, every engine gets its continue, and
+    the error names the engine."""
     log = _send_after_failed_pause(monkeypatch, WeightSyncError, "engine 1: pause_generation failed: cannot pause",
                                    fail_pause=True)
-    assert sorted(log) == [(0, "continue"), (0, "pause"), (1, "continue"), (1, "pause")]
+    for e in (0, 1):
+        assert [x[1:] for x in log if x[0] == e] == [("pause",), ("begin", True), ("end",), ("continue",)]
 
 
 @pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 def test_send_pause_to_a_gone_engine_raises_its_error(monkeypatch):
     """An engine whose pause request raises (gone): its error propagates (not masked by the
-    continue), the others are resumed, the gone one gets no further call."""
+    continue), the others are resumed (their session closed), the gone one gets no further call."""
     log = _send_after_failed_pause(monkeypatch, ConnectionError, "engine 1 is gone", gone=True)
-    assert log == [(0, "pause"), (0, "continue")]
+    assert log == [(0, "pause"), (0, "begin", True), (0, "end"), (0, "continue")]
+
+
+@pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+def test_engine_without_sessions_is_updated_without_one(monkeypatch):
+    """An engine answering 404 to /begin_weight_update (SGLang before 0.5.23) gets the update
+    without a session (no end call); the other engine gets its session as usual."""
+    import moe_async.weight_sync.transport as T
+    from moe_async.engines.client import EngineRequestError
+
+    log: list = []
+
+    class _Old(_Engine):
+        def begin_weight_update(self, atomic=False):
+            raise EngineRequestError("/begin_weight_update", 404, "Not Found")
+
+    engines = [_Engine(log, 0), _Old(log, 1)]
+    monkeypatch.setattr(T, "group_broadcast", lambda *a, **k: None)
+    tr = BroadcastTransport(engines, WeightSyncConfig(bucket_bytes=1))
+    tr.group = object()
+    for v in (1, 2):
+        tr.send(iter(_named(2)), v)
+    tr.shutdown()
+    assert [x[1] for x in log if x[0] == 1] == ["pause", "update", "update", "continue"] * 2
+    assert [x[1] for x in log if x[0] == 0] == ["pause", "begin", "update", "update", "end", "continue"] * 2

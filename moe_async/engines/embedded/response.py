@@ -45,7 +45,7 @@ def build_response(req: Any, *, weight_version: int, num_layers: int, top_k: int
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": C,
         "cached_tokens": 0,
-        "weight_version": version,
+        "weight_version": str(version),  # SGLang types it str (the engine counts in ints)
         # our extension: the weight_version that produced each output token
         "output_token_weight_versions": list(req.output_versions),
         # SGLang 0.5.23's span form of the same information

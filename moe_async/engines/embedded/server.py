@@ -7,7 +7,7 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
 ``managers/io_struct.py``):
 
 * ``GET /health``, ``GET /get_model_info`` (also ``/model_info``), ``GET /get_weight_version``
-  -> ``{"weight_version": int}``.
+  -> ``{"weight_version": str}`` (a string, as SGLang types it; the engine counts in ints).
 * ``POST /generate`` (``GenerateReqInput``; every field of SGLang 0.5.23's request and
   sampling schemas is honoured or refused with a 400 naming it, an unknown field too: see
   :mod:`.request` and :mod:`.sampling`; ``n`` > 1 answers a list; response layout in
@@ -44,34 +44,10 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
 * ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``,
   ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
   ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
-* ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset,
-  world_size, group_name, backend}`` -> ``{"success", "message"}``.
-* ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name,
-  flush_cache, abort_all_requests, weight_version, load_format}``: receives the tensors
-  (``load_format="flattened_bucket"``: one uint8 broadcast; ``null``: one broadcast per
-  tensor) from group rank 0 and *stages* them in a standby copy of the parameters; a call
-  with a non-null ``weight_version`` ends the update: names not sent keep their current
-  values, then the standby copy becomes the live one by pointer swap between two decode
-  steps (no copy) and ``weight_version`` is set. An unknown name or a wrong shape is a 400
-  naming the tensor, and the staged update is discarded. (SGLang applies each call at once;
-  staging is what makes a multi-bucket update atomic here.) A bucket whose names are
-  consecutive in ``GET /weights_layout`` order (and in the engine's dtype) is received
-  straight into the standby copy; others go through a scratch buffer and a copy.
-* ``GET /weights_layout`` (ours) -> ``{"names": [hf_name, ...], "shapes", "dtypes"}``: the
-  order in which a sender should send the tensors so that buckets land without a copy.
-* ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache,
-  abort_all_requests}`` (SGLang's ``UpdateWeightFromDiskReqInput``): reads every
-  ``*.safetensors`` under ``model_path`` (HF on-disk names), checks every name and shape
-  (a 400 naming the tensor, nothing applied), then writes them all into the model between
-  two decode steps and sets ``weight_version`` -> ``{"success", "message",
-  "num_paused_requests"}``. (weight-sync disk transport)
-* ``POST /debug_receive_broadcast`` ``{group_name, nbytes}`` (ours, benchmarks only):
-  receives one raw ``nbytes`` uint8 broadcast from group rank 0 into a reused buffer ->
-  ``{"success", "seconds"}``.
-* ``GET /weights_checksum`` (ours) -> ``{"weight_version", "checksums": {hf_name: sha256},
-  "bytes_received"}`` over the HF on-disk names (see :mod:`moe_async.engines.checksum`);
-  ``bytes_received``: bytes of all weight-update broadcasts so far; ``recv_copies``: buckets
-  that went through the scratch buffer (not consecutive in ``/weights_layout`` order).
+* Weight updates (``/init_weights_update_group``, ``/destroy_weights_update_group``,
+  ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_distributed``,
+  ``/update_weights_from_disk``, ``/weights_layout``, ``/weights_checksum``,
+  ``/debug_receive_broadcast``): :mod:`moe_async.engines.embedded.weight_update`.
 """
 
 from __future__ import annotations
@@ -94,9 +70,7 @@ from moe_async.engines.embedded.openai_api import register_openai_routes
 from moe_async.engines.embedded.request import decode_generate
 from moe_async.engines.embedded.sampling import RequestError
 from moe_async.engines.embedded.scheduler import Req, Scheduler
-from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
-from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
-from moe_async.weight_sync.group import group_broadcast, init_weight_update_group
+from moe_async.engines.embedded.weight_update import WeightUpdater, weight_update_router
 
 log = logging.getLogger("moe_async.engines.embedded")
 
@@ -118,47 +92,8 @@ class AbortReq(_Body):
     abort_all: bool = False
 
 
-class InitWeightsUpdateGroupReqInput(_Body):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
-
-
 class SlowDownReqInput(_Body):
     forward_sleep_time: float | None = None
-
-
-class DestroyWeightsUpdateGroupReqInput(_Body):
-    group_name: str = "weight_update_group"
-
-
-# --- weight-sync additions (moe_async/weight_sync owns these two bodies) ---
-class UpdateWeightFromDiskReqInput(_Body):
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: str | int | None = None
-    flush_cache: bool = True
-
-
-class DebugReceiveBroadcastReqInput(_Body):
-    group_name: str = "weight_update_group"
-    nbytes: int
-# --- end weight-sync additions ---
-
-
-class UpdateWeightsFromDistributedReqInput(_Body):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | int | None = None
-    load_format: str | None = None
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -187,10 +122,6 @@ def context_length_error(prompt_len: int, max_new_tokens: int | None, context_le
             f"of tokens in the input messages or the completion to fit within the limit.")
 
 
-def _fail(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message}, status_code=status)
-
-
 class EngineState:
     """Everything the endpoints share: model, scheduler, weight map, staged update, groups."""
 
@@ -213,7 +144,6 @@ class EngineState:
             e = getattr(src, "eos_token_id", None) if src is not None else None
             if e is not None:
                 eos.update([e] if isinstance(e, int) else list(e))
-        self.weight_map = HFWeightMap(self.model)
         self.scheduler = Scheduler(
             self.model,
             context_length=self.context_length,
@@ -223,102 +153,8 @@ class EngineState:
             tokenizer=self.tokenizer,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         )
-        self.groups: dict[str, Any] = {}
-        # weight-sync: live/standby parameter buffers (bound on the first update), scratch
-        self.arena = ParamArena(self.weight_map)
-        self.bytes_received = 0  # weight-sync: over every weight-update broadcast so far
-        self.recv_scratch = torch.empty(0, dtype=torch.uint8)  # weight-sync: see _recv_buffer
-        self.recv_copies = 0  # weight-sync: buckets received into scratch and copied
-        self.update_error: str | None = None  # weight-sync: a failed bucket of the update under way
-        self.bench_buf: torch.Tensor | None = None  # /debug_receive_broadcast's reused buffer
-        self.update_lock = asyncio.Lock()
+        self.weights = WeightUpdater(self.model, self.scheduler, self.dtype, args.weight_update_timeout_s)
         self.pause_lock = asyncio.Lock()
-
-    # ---- weight updates ----
-    def receive(self, body: UpdateWeightsFromDistributedReqInput) -> int:
-        """Receive one update call's tensors from group rank 0 into the standby parameters
-        (:class:`ParamArena`; the live ones are untouched until :meth:`ParamArena.swap`).
-
-        A flattened bucket whose names are consecutive in the arena (the order of
-        ``GET /weights_layout``) and in the engine's dtype is received straight into its
-        standby span; any other bucket into a reused scratch buffer, then copied (cast)
-        per tensor. The names/shapes are checked before, but the bytes are received even
-        when the check fails (then it raises after), so the collective never desyncs.
-        """
-        group = self.groups[body.group_name]
-        if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
-            raise ValueError(
-                f"names/dtypes/shapes lengths differ: {len(body.names)}/{len(body.dtypes)}/{len(body.shapes)}"
-            )
-        dtypes = [str_to_dtype(d) for d in body.dtypes]
-        if body.load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format must be null or 'flattened_bucket', got {body.load_format!r}")
-        error = None
-        if self.update_error is not None:
-            error = ValueError(f"an earlier bucket of this update failed ({self.update_error}); refused")
-        try:
-            for n, s in zip(body.names, body.shapes):
-                self.weight_map.check(n, list(s))
-        except (KeyError, ValueError) as e:
-            error = error or e
-        arena = self.arena
-        if body.load_format == "flattened_bucket":
-            n_bytes = sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes))
-            span = None if error else arena.span(body.names, body.shapes, dtypes)
-            flat = span if span is not None else self._recv_buffer(n_bytes)
-            group_broadcast(group, flat, src=0)
-            self.bytes_received += flat.numel()  # weight-sync: bytes received == bytes sent
-            if error:
-                raise error
-            if span is None:
-                self.recv_copies += 1
-                for n, t in unflatten(flat, body.names, body.dtypes, body.shapes):
-                    arena.standby(n).copy_(t)
-        else:
-            for n, d, s in zip(body.names, dtypes, body.shapes):
-                dst = None if error else arena.standby(n)
-                t = dst if dst is not None and dst.dtype == d else torch.empty(s, dtype=d)
-                group_broadcast(group, t, src=0)
-                self.bytes_received += t.numel() * t.element_size()
-                if dst is not None and t is not dst:
-                    dst.copy_(t)
-            if error:
-                raise error
-        arena.mark(body.names)
-        return len(body.names)
-
-    def drop_staged(self) -> None:
-        """Forget an update that never got its versioned call (the sender gave up mid-update):
-        its staged tensors and its failure, so they do not leak into the next update."""
-        self.arena.discard()
-        self.update_error = None
-
-    # --- weight-sync addition: scratch receive buffer reused across buckets and updates ---
-    def _recv_buffer(self, n: int) -> torch.Tensor:
-        """A scratch buffer of ``n`` bytes for a bucket that cannot land in the arena directly
-        (copied out before the next bucket is received, so one buffer is reused)."""
-        if self.recv_scratch.numel() < n:
-            self.recv_scratch = torch.empty(n, dtype=torch.uint8)
-        return self.recv_scratch[:n]
-    # --- end weight-sync addition ---
-
-    # --- weight-sync addition: disk transport ---
-    def read_disk(self, model_path: str) -> dict[str, torch.Tensor]:
-        """Every tensor of the ``*.safetensors`` files under ``model_path``, name/shape-checked."""
-        import glob
-
-        from safetensors.torch import load_file
-
-        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-        if not files:
-            raise ValueError(f"no *.safetensors files under {model_path!r}")
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            for n, t in load_file(f).items():
-                self.weight_map.check(n, list(t.shape))
-                out[n] = t if t.dtype == self.dtype else t.to(self.dtype)
-        return out
-    # --- end weight-sync addition ---
 
 
 def create_app(state: EngineState) -> FastAPI:
@@ -340,7 +176,7 @@ def create_app(state: EngineState) -> FastAPI:
         return {
             "model_path": state.model_path,
             "is_generation": True,
-            "weight_version": sched.weight_version,
+            "weight_version": str(sched.weight_version),
             "model_type": getattr(cfg, "model_type", None),
             "architectures": getattr(cfg, "architectures", None),
             "context_length": state.context_length,
@@ -360,12 +196,12 @@ def create_app(state: EngineState) -> FastAPI:
             "paused": sched.paused,
             "max_decode_batch_size": sched.max_decode_batch,
             "scheduler_stats": dict(sched.stats),
-            "weight_version": sched.weight_version,
+            "weight_version": str(sched.weight_version),
         }
 
     @app.get("/get_weight_version")
     async def get_weight_version():
-        return {"weight_version": sched.weight_version}
+        return {"weight_version": str(sched.weight_version)}
 
     async def run_generate(body: Any) -> Any:
         """One ``/generate`` body, decoded by :func:`decode_generate` (every field honoured
@@ -440,145 +276,7 @@ def create_app(state: EngineState) -> FastAPI:
         sched.forward_sleep_s = float(body.forward_sleep_time or 0.0)
         return Response(status_code=200)
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput):
-        try:
-            group = await asyncio.to_thread(
-                init_weight_update_group,
-                master_address=body.master_address,
-                master_port=body.master_port,
-                rank=body.rank_offset,
-                world_size=body.world_size,
-                group_name=body.group_name,
-                backend=body.backend,
-            )
-        except Exception as e:
-            return _fail(f"init_weights_update_group failed: {type(e).__name__}: {e}")
-        state.groups[body.group_name] = group
-        async with state.update_lock:  # a new sender: an update it did not finish is dropped
-            state.drop_staged()
-        if not state.arena.bound:  # weight-sync: live/standby buffers now, not in the first update
-            await on_sched(state.arena.bind)
-        return {"success": True, "message": f"joined {body.group_name!r} as rank {body.rank_offset}"}
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput):
-        if state.groups.pop(body.group_name, None) is None:
-            return _fail(f"no weight update group named {body.group_name!r}")
-        async with state.update_lock:  # the sender left: an update it did not finish is dropped
-            state.drop_staged()
-        return {"success": True, "message": "destroyed"}
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput):
-        if body.group_name not in state.groups:
-            return _fail(f"no weight update group named {body.group_name!r}; call /init_weights_update_group")
-        version = None
-        if body.weight_version is not None:
-            try:
-                version = int(body.weight_version)
-            except ValueError:
-                return _fail(f"weight_version must be an integer, got {body.weight_version!r}")
-        async with state.update_lock:
-            if body.abort_all_requests:
-                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
-            t0 = time.perf_counter()
-            if not state.arena.bound:  # first update: parameters move into the live buffer
-                await on_sched(state.arena.bind)
-
-            def receive() -> int:
-                n = state.receive(body)
-                if version is not None:
-                    # names this update did not carry keep their live values (off the
-                    # scheduler thread: the live buffer is only read there, and update_lock
-                    # keeps other writers out); in the same worker hop as the receive
-                    state.arena.fill_stale()
-                return n
-
-            try:
-                n = await asyncio.to_thread(receive)
-            except (KeyError, ValueError, RuntimeError) as e:
-                dropped = len(state.arena.fresh)
-                state.arena.discard()
-                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-                # a sender may post later buckets before it reads this reply: they are received
-                # and refused until the update's versioned call, which fails and clears this
-                # (the first failure is kept: a refusal names it, not the refusal before it)
-                state.update_error = (state.update_error or msg) if version is None else None
-                return _fail(f"{msg} (staged update of {dropped} tensors discarded)")
-            if version is None:
-                return {"success": True, "message": f"staged {n} tensors ({len(state.arena.fresh)} in total)"}
-            staged = len(state.arena.fresh)
-
-            def apply():
-                state.arena.swap()  # pointers only: between two forward passes
-                sched.weight_version = version
-
-            await on_sched(apply)
-            dt = time.perf_counter() - t0
-            return {
-                "success": True,
-                "message": f"applied {staged} tensors; weight_version={version} ({dt:.3f}s)",
-            }
-
-    # --- weight-sync additions: disk transport, raw-broadcast benchmark ---
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput):
-        version = None
-        if body.weight_version is not None:
-            try:
-                version = int(body.weight_version)
-            except ValueError:
-                return _fail(f"weight_version must be an integer, got {body.weight_version!r}")
-        async with state.update_lock:
-            if body.abort_all_requests:
-                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
-            try:
-                new = await asyncio.to_thread(state.read_disk, body.model_path)
-            except (KeyError, ValueError, OSError) as e:
-                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-                return _fail(f"{msg} (nothing applied)")
-
-            def apply():
-                state.weight_map.apply(new)
-                if version is not None:
-                    sched.weight_version = version
-
-            await on_sched(apply)
-            return {"success": True, "message": f"applied {len(new)} tensors from {body.model_path}",
-                    "num_paused_requests": 0}
-
-    @app.post("/debug_receive_broadcast")
-    async def debug_receive_broadcast(body: DebugReceiveBroadcastReqInput):
-        if body.group_name not in state.groups:
-            return _fail(f"no weight update group named {body.group_name!r}")
-
-        def recv():
-            if state.bench_buf is None or state.bench_buf.numel() < body.nbytes:
-                state.bench_buf = torch.ones(body.nbytes, dtype=torch.uint8)  # touched: no page faults
-            buf = state.bench_buf[: body.nbytes]
-            t0 = time.perf_counter()
-            group_broadcast(state.groups[body.group_name], buf, src=0)
-            return time.perf_counter() - t0
-
-        async with state.update_lock:
-            secs = await asyncio.to_thread(recv)
-        return {"success": True, "seconds": secs}
-    # --- end weight-sync additions ---
-
-    # --- weight-sync addition ---
-    @app.get("/weights_layout")
-    async def weights_layout():
-        return state.arena.layout()
-    # --- end weight-sync addition ---
-
-    @app.get("/weights_checksum")
-    async def weights_checksum():
-        return await on_sched(
-            lambda: {"weight_version": sched.weight_version, "checksums": state.weight_map.checksums(),
-                     "bytes_received": state.bytes_received, "recv_copies": state.recv_copies}
-        )
-
+    app.include_router(weight_update_router(state.weights))
     return app
 
 
@@ -610,6 +308,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest per-token sampling support returned (SGLang's flag); more aborts")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="accepted for SGLang parity; routing is always captured here")
+    p.add_argument("--weight-update-timeout-s", type=float, default=600.0,
+                   help="bound on joining a weight-update group and on each of its broadcasts")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone")
     p.add_argument("--log-level", default="warning")

@@ -253,6 +253,21 @@ class ParamArena:
                 n += 1
         return n
 
+    @torch.no_grad()
+    def commit(self, names) -> int:
+        """Copy the standby bytes of ``names`` (just received) into the live buffer and unmark
+        them: an update applied at once (SGLang's semantics for a call outside an atomic
+        update), costing the bytes of ``names`` only, never a copy of the whole model.
+        Scheduler thread only (between two forward passes). Returns the bytes copied."""
+        live, standby = self.bufs
+        n = 0
+        for name in names:
+            o, nb = self.slot[name]
+            live[o: o + nb].copy_(standby[o: o + nb])
+            n += nb
+        self.fresh.difference_update(names)
+        return n
+
     def swap(self) -> None:
         """Point every parameter at the standby buffer; it becomes live (scheduler thread)."""
         live, standby = self.bufs

@@ -1,0 +1,466 @@
+"""The embedded engine's weight-update endpoints (SGLang 0.5.23's, plus a few of ours).
+
+Mounted by :mod:`moe_async.engines.embedded.server` (``app.include_router``). Request
+bodies carry SGLang's fields (``managers/io_struct.py``) and nothing else: an unknown field
+is a 422 naming it. ``weight_version`` is a string on the wire, as SGLang types it
+(``Optional[str]``); the engine numbers versions, so it must be a decimal integer string.
+
+* ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset,
+  world_size, group_name, backend}``: joins the group as rank ``rank_offset`` (one rank: the
+  engine is one process) exactly as SGLang does (:func:`~moe_async.weight_sync.group.
+  create_update_group`: rendezvous ``tcp://master_address:master_port``, then torch's
+  ``_new_process_group_helper``, so the store keys are SGLang's). Joins run one at a time,
+  as SGLang's scheduler runs them. A rank outside ``[1, world_size)`` is a 400 naming the
+  numbers. A group of the same name already held: if its sender's store no longer answers
+  (the trainer was killed) it is torn down first (staged bytes and session dropped) and the
+  join goes on; if it answers (a live sender) the join is refused with the fix in the
+  message. A join that fails (peers missing past ``--weight-update-timeout-s``) is a 400.
+* ``POST /destroy_weights_update_group`` ``{group_name}``: leaves it (destroys the process
+  group), drops a staged update.
+* ``POST /begin_weight_update`` ``{selector}`` / ``POST /end_weight_update`` ``{}``: the
+  update session SGLang 0.5.23 requires around ``update_weights_from_distributed`` (same
+  refusals and messages: a second begin, an end without begin). Ours: ``atomic: true`` on
+  begin makes the session one atomic update (below); SGLang ignores the field. ``end``
+  drops what an atomic session staged and never applied.
+* ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name,
+  flush_cache, abort_all_requests, weight_version, load_format, selector,
+  torch_empty_cache}``: receives the tensors from group rank 0 (``load_format=
+  "flattened_bucket"``: one uint8 broadcast, SGLang's ``FlattenedTensorBucket`` layout;
+  ``null``: one broadcast per tensor). Outside a session: refused with SGLang's message
+  (the bytes are still received and dropped, so the group stays usable). In a plain
+  session (SGLang's semantics) every call is applied when it returns (its bytes copied into
+  the live parameters between two decode steps: cost proportional to the call's bytes) and
+  a non-null ``weight_version`` is recorded. In an atomic session the calls are staged in a
+  standby copy of the parameters and the call with a ``weight_version`` applies the whole
+  update at once (names not sent keep their values; live/standby swapped by pointer); a
+  failed call makes the rest of that update refused and its versioned call fail (nothing
+  applied). An unknown name or a wrong shape is a 400 naming the tensor.
+* ``GET /weights_layout`` (ours): ``{"names", "shapes", "dtypes"}`` in the order that lets
+  a bucket land in the standby copy without a copy.
+* ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache,
+  abort_all_requests, load_format}``: every ``*.safetensors`` under ``model_path``, checked,
+  applied at once (no session, as SGLang).
+* ``POST /debug_receive_broadcast`` ``{group_name, nbytes}`` (ours, benchmarks).
+* ``GET /weights_checksum`` (ours): ``{"weight_version" (str), "checksums", "bytes_received",
+  "recv_copies"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
+from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
+from moe_async.weight_sync.group import (
+    create_update_group,
+    destroy_update_group,
+    group_broadcast,
+    store_alive,
+)
+
+log = logging.getLogger("moe_async.engines.embedded")
+
+#: SGLang 0.5.23's refusal of an update outside a session (scheduler weight_updater.py)
+OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
+                   "end_weight_update()")
+
+
+# ---------------------------------------------------------------- request bodies (SGLang's)
+class _Req(BaseModel):
+    """SGLang's ``BaseReq`` fields; any field SGLang does not define is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class InitWeightsUpdateGroupReqInput(_Req):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReqInput(_Req):
+    group_name: str = "weight_update_group"
+
+
+class BeginWeightUpdateReqInput(_Req):
+    selector: Literal["target", "draft", "all"] = "all"
+    atomic: bool = Field(False, description="ours: stage until the versioned call (SGLang ignores it)")
+
+
+class EndWeightUpdateReqInput(_Req):
+    pass
+
+
+class UpdateWeightsFromDistributedReqInput(_Req):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightFromDiskReqInput(_Req):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    manifest: dict[str, Any] | None = None
+
+
+class DebugReceiveBroadcastReqInput(_Req):
+    group_name: str = "weight_update_group"
+    nbytes: int = Field(ge=0)
+
+
+def _fail(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+def parse_version(v: str | None) -> int | None:
+    """The engine's int version of a wire ``weight_version`` (a string, as SGLang's)."""
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"weight_version must be a decimal integer string (the embedded engine numbers "
+                         f"its versions), got {v!r}") from None
+
+
+@dataclass
+class Membership:
+    """One weight-update group this engine is a member of."""
+
+    group: Any
+    store: Any  # the rendezvous store (client of the sender's): probed for liveness
+    rank: int
+    world_size: int
+    master: str
+
+
+@dataclass
+class Session:
+    atomic: bool
+    calls: int = 0
+
+
+class WeightUpdater:
+    """The engine's side of weight updates: groups, the session, the double-buffered params."""
+
+    def __init__(self, model: torch.nn.Module, scheduler: Any, dtype: torch.dtype, timeout_s: float = 600.0):
+        self.weight_map = HFWeightMap(model)
+        self.arena = ParamArena(self.weight_map)
+        self.sched = scheduler
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.groups: dict[str, Membership] = {}
+        self.session: Session | None = None
+        self.bytes_received = 0  # over every weight-update broadcast so far
+        self.recv_scratch = torch.empty(0, dtype=torch.uint8)
+        self.recv_copies = 0  # buckets received into scratch and copied
+        self.update_error: str | None = None  # a failed call of the atomic update under way
+        self.bench_buf: torch.Tensor | None = None
+        self.update_lock = asyncio.Lock()
+        self.join_lock = asyncio.Lock()  # one join at a time, as SGLang's scheduler
+
+    # ---- receiving ----
+    def receive(self, body: UpdateWeightsFromDistributedReqInput, refuse: str | None = None) -> list[str]:
+        """Receive one call's tensors from group rank 0 into the standby parameters (the live
+        ones are untouched); returns the names received. A flattened bucket whose names are
+        consecutive in the arena and in the engine's dtype lands in its standby span, any
+        other through a reused scratch buffer. The bytes are received even when the call is
+        refused (``refuse``, a bad name/shape, an earlier failure: then it raises after), so
+        the collective never desyncs."""
+        group = self.groups[body.group_name].group
+        if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
+            raise ValueError(f"names/dtypes/shapes lengths differ: "
+                             f"{len(body.names)}/{len(body.dtypes)}/{len(body.shapes)}")
+        dtypes = [str_to_dtype(d) for d in body.dtypes]
+        if body.load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format must be null or 'flattened_bucket', got {body.load_format!r}")
+        error: Exception | None = ValueError(refuse) if refuse else None
+        if error is None and self.update_error is not None:
+            error = ValueError(f"an earlier bucket of this update failed ({self.update_error}); refused")
+        try:
+            for n, s in zip(body.names, body.shapes):
+                self.weight_map.check(n, list(s))
+        except (KeyError, ValueError) as e:
+            error = error or e
+        arena = self.arena
+        if body.load_format == "flattened_bucket":
+            n_bytes = sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes))
+            span = None if error else arena.span(body.names, body.shapes, dtypes)
+            flat = span if span is not None else self._recv_buffer(n_bytes)
+            group_broadcast(group, flat, src=0)
+            self.bytes_received += flat.numel()
+            if error:
+                raise error
+            if span is None:
+                self.recv_copies += 1
+                for n, t in unflatten(flat, body.names, body.dtypes, body.shapes):
+                    arena.standby(n).copy_(t)
+        else:
+            for n, d, s in zip(body.names, dtypes, body.shapes):
+                dst = None if error else arena.standby(n)
+                t = dst if dst is not None and dst.dtype == d else torch.empty(s, dtype=d)
+                group_broadcast(group, t, src=0)
+                self.bytes_received += t.numel() * t.element_size()
+                if dst is not None and t is not dst:
+                    dst.copy_(t)
+            if error:
+                raise error
+        arena.mark(body.names)
+        return list(body.names)
+
+    def _recv_buffer(self, n: int) -> torch.Tensor:
+        if self.recv_scratch.numel() < n:
+            self.recv_scratch = torch.empty(n, dtype=torch.uint8)
+        return self.recv_scratch[:n]
+
+    def drop_staged(self) -> None:
+        """Forget an update that never got its versioned call, and its failure."""
+        self.arena.discard()
+        self.update_error = None
+
+    def leave(self, name: str) -> Membership | None:
+        """Leave group ``name`` (destroy it here); drops a staged update. Blocking."""
+        m = self.groups.pop(name, None)
+        if m is not None:
+            destroy_update_group(m.group)
+            self.drop_staged()
+        return m
+
+    def read_disk(self, model_path: str) -> dict[str, torch.Tensor]:
+        """Every tensor of the ``*.safetensors`` files under ``model_path``, name/shape-checked."""
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors files under {model_path!r}")
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            for n, t in load_file(f).items():
+                self.weight_map.check(n, list(t.shape))
+                out[n] = t if t.dtype == self.dtype else t.to(self.dtype)
+        return out
+
+
+def join_refusal(body: InitWeightsUpdateGroupReqInput, ranks: int = 1) -> str | None:
+    """Why a join cannot work, before anyone waits on the store (None when it can)."""
+    if body.backend not in ("gloo", "nccl"):
+        return f"backend must be 'gloo' or 'nccl', got {body.backend!r}"
+    if not body.group_name:
+        return "group_name must be non-empty"
+    if body.rank_offset < 1 or body.rank_offset + ranks > body.world_size:
+        return (f"rank_offset={body.rank_offset} with this engine's {ranks} rank(s) does not fit "
+                f"world_size={body.world_size} (engine ranks are 1 .. world_size - 1; rank 0 is the sender)")
+    return None
+
+
+def weight_update_router(wu: WeightUpdater) -> APIRouter:
+    """The endpoints of the module docstring over ``wu`` (and its scheduler)."""
+    r = APIRouter()
+    sched = wu.sched
+
+    async def on_sched(fn):
+        return await asyncio.wrap_future(sched.call(fn))
+
+    @r.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput):
+        why = join_refusal(body)
+        if why:
+            return _fail(f"init_weights_update_group refused: {why}")
+        async with wu.join_lock:
+            old = wu.groups.get(body.group_name)
+            if old is not None:
+                if await asyncio.to_thread(store_alive, old.store):
+                    return _fail(
+                        f"this engine already is rank {old.rank} of the live weight-update group "
+                        f"{body.group_name!r} (world {old.world_size}, sender store {old.master} still answers); "
+                        f"a second membership under one name is refused: close the other sender first "
+                        f"(POST /destroy_weights_update_group {{\"group_name\": \"{body.group_name}\"}}) "
+                        f"or give this sender another weight-update group name")
+                log.warning("weight-update group %r: its sender %s is gone; tearing the stale group down "
+                            "before the new join", body.group_name, old.master)
+                async with wu.update_lock:
+                    await asyncio.to_thread(wu.leave, body.group_name)
+                    wu.session = None
+            master = f"{body.master_address}:{body.master_port}"
+            try:
+                group, store = await asyncio.to_thread(
+                    create_update_group, backend=body.backend, world_size=body.world_size,
+                    rank=body.rank_offset, group_name=body.group_name, timeout_s=wu.timeout_s,
+                    init_method=f"tcp://{master}")
+            except Exception as e:  # noqa: BLE001 - reported to the sender, as SGLang does
+                return _fail(f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
+            wu.groups[body.group_name] = Membership(group, store, body.rank_offset, body.world_size, master)
+        async with wu.update_lock:  # a new sender: an update it did not finish is dropped
+            wu.drop_staged()
+        if not wu.arena.bound:  # live/standby buffers now, not in the first update
+            await on_sched(wu.arena.bind)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @r.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput):
+        if body.group_name not in wu.groups:
+            return _fail("The group to be destroyed does not exist.")
+        async with wu.update_lock:
+            await asyncio.to_thread(wu.leave, body.group_name)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    @r.post("/begin_weight_update")
+    async def begin_weight_update(body: BeginWeightUpdateReqInput):
+        async with wu.update_lock:
+            if wu.session is not None:
+                return _fail("a weight-update session is already open; call end_weight_update() first")
+            wu.drop_staged()
+            wu.session = Session(atomic=body.atomic)
+        return {"success": True, "message": "Success"}
+
+    @r.post("/end_weight_update")
+    async def end_weight_update(body: EndWeightUpdateReqInput):
+        async with wu.update_lock:
+            if wu.session is None:
+                return _fail("no weight-update session is open; call begin_weight_update() first")
+            dropped = len(wu.arena.fresh)
+            wu.drop_staged()
+            wu.session = None
+        return {"success": True, "message": "Success" if not dropped else
+                f"Success; dropped {dropped} staged tensors that no versioned call applied"}
+
+    @r.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput):
+        if body.group_name not in wu.groups:
+            return _fail(f"Group {body.group_name} not in {list(wu.groups)}. "
+                         f"Please call `init_weights_update_group` first.")
+        try:
+            version = parse_version(body.weight_version)
+        except ValueError as e:
+            return _fail(str(e))
+        async with wu.update_lock:
+            session = wu.session
+            if body.abort_all_requests:
+                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
+            t0 = time.perf_counter()
+            if not wu.arena.bound:
+                await on_sched(wu.arena.bind)
+            atomic = session is not None and session.atomic
+
+            def receive() -> list[str]:
+                names = wu.receive(body, refuse=OUTSIDE_SESSION if session is None else None)
+                if atomic and version is not None:
+                    # names this update did not carry keep their live values (off the scheduler
+                    # thread: the live buffer is only read there; update_lock keeps writers out)
+                    wu.arena.fill_stale()
+                return names
+
+            try:
+                names = await asyncio.to_thread(receive)
+            except (KeyError, ValueError, RuntimeError) as e:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                if session is None:
+                    return _fail(msg)
+                dropped = len(wu.arena.fresh)
+                wu.arena.discard()
+                # later calls of an atomic update are received and refused until its versioned
+                # call, which fails and clears this (the first failure is the one named)
+                wu.update_error = (wu.update_error or msg) if atomic and version is None else None
+                return _fail(f"{msg} (staged update of {dropped} tensors discarded)" if atomic else msg)
+            session.calls += 1
+            if atomic and version is None:
+                return {"success": True, "message": f"staged {len(names)} tensors ({len(wu.arena.fresh)} in total)"}
+            staged = len(wu.arena.fresh)
+
+            def apply():
+                if atomic:
+                    wu.arena.swap()  # pointers only: between two forward passes
+                else:
+                    wu.arena.commit(names)  # this call's bytes only
+                if version is not None:
+                    sched.weight_version = version
+
+            await on_sched(apply)
+            dt = time.perf_counter() - t0
+            what = f"applied {staged} tensors" if atomic else f"applied {len(names)} tensors at once"
+            return {"success": True, "message": f"{what}; weight_version={sched.weight_version} ({dt:.3f}s)"}
+
+    @r.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput):
+        try:
+            version = parse_version(body.weight_version)
+        except ValueError as e:
+            return _fail(str(e))
+        async with wu.update_lock:
+            if body.abort_all_requests:
+                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
+            try:
+                new = await asyncio.to_thread(wu.read_disk, body.model_path)
+            except (KeyError, ValueError, OSError) as e:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                return _fail(f"{msg} (nothing applied)")
+
+            def apply():
+                wu.weight_map.apply(new)
+                if version is not None:
+                    sched.weight_version = version
+
+            await on_sched(apply)
+            return {"success": True, "message": f"applied {len(new)} tensors from {body.model_path}",
+                    "num_paused_requests": 0}
+
+    @r.post("/debug_receive_broadcast")
+    async def debug_receive_broadcast(body: DebugReceiveBroadcastReqInput):
+        if body.group_name not in wu.groups:
+            return _fail(f"no weight update group named {body.group_name!r}")
+
+        def recv():
+            if wu.bench_buf is None or wu.bench_buf.numel() < body.nbytes:
+                wu.bench_buf = torch.ones(body.nbytes, dtype=torch.uint8)  # touched: no page faults
+            buf = wu.bench_buf[: body.nbytes]
+            t0 = time.perf_counter()
+            group_broadcast(wu.groups[body.group_name].group, buf, src=0)
+            return time.perf_counter() - t0
+
+        async with wu.update_lock:
+            secs = await asyncio.to_thread(recv)
+        return {"success": True, "seconds": secs}
+
+    @r.get("/weights_layout")
+    async def weights_layout():
+        return wu.arena.layout()
+
+    @r.get("/weights_checksum")
+    async def weights_checksum():
+        return await on_sched(
+            lambda: {"weight_version": str(sched.weight_version), "checksums": wu.weight_map.checksums(),
+                     "bytes_received": wu.bytes_received, "recv_copies": wu.recv_copies}
+        )
+
+    return r

@@ -1,0 +1,211 @@
+"""The sender's side of forming weight-update groups with engines.
+
+One :class:`GroupMembership` is one group: the sender (group rank 0) and every rank of every
+engine. Forming it (:meth:`GroupMembership.form`):
+
+    rank_offsets(engine sizes)          each engine's offset from every engine's OWN size (C13)
+    -> check_world(declared)            a declared world that differs fails now, naming it
+    -> bind_master_store                rank 0's TCPStore on a port the OS picked
+    -> POST /init_weights_update_group  to every engine at once (one thread each)
+    -> create_update_group(rank 0)      SGLang's way (group.py), bounded by timeout_s
+    -> every join's reply read          (one deadline for all)
+
+If anything fails or times out, the partial group is destroyed everywhere: the sender's own
+group, ``/destroy_weights_update_group`` on every engine, and the sender's store is closed,
+which makes a join still waiting on it fail at once; the next :meth:`form` starts clean.
+
+Several groups (several senders, e.g. one per PP stage, into the same engines) are formed
+one after another in one fixed global order, never concurrently: an engine serves one join
+at a time (SGLang's scheduler does), so concurrent groups whose joins reach two engines in
+opposite orders wait on each other until their timeouts (case C12). :func:`form_in_order`
+does it for senders in one process; :func:`form_in_turn` for senders in different processes
+that share a ``torch.distributed`` store (e.g. the trainer world's).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from moe_async.weight_sync.group import (
+    WeightSyncError,
+    bind_master_store,
+    check_world,
+    create_update_group,
+    destroy_update_group,
+    rank_offsets,
+)
+
+log = logging.getLogger(__name__)
+
+
+class GroupFormationError(WeightSyncError):
+    """A weight-update group could not be formed; the message names the engine or the step."""
+
+
+class GroupMembership:
+    """The sender's membership of one weight-update group with ``clients`` (one per engine).
+
+    Args:
+        clients: engine clients with ``init_weights_update_group`` /
+            ``destroy_weights_update_group`` (SGLang's HTTP calls).
+        engine_sizes: ranks each engine contributes (its TP size, x DP when its replicas
+            join); one int for all engines or one per engine.
+        group_name: SGLang's ``group_name`` (store prefix, the engines' key for the group).
+        backend: ``gloo`` | ``nccl`` (resolved).
+        master_address: address the sender's store binds (engines connect to it).
+        timeout_s: bound on forming the group and on its collectives.
+        world_size: a declared world size to check (None: derived).
+    """
+
+    def __init__(self, clients: Sequence[Any], *, engine_sizes: int | Sequence[int], group_name: str,
+                 backend: str, master_address: str, timeout_s: float, world_size: int | None = None):
+        self.clients = list(clients)
+        sizes = [engine_sizes] * len(self.clients) if isinstance(engine_sizes, int) else list(engine_sizes)
+        if len(sizes) != len(self.clients):
+            raise ValueError(f"engine_sizes has {len(sizes)} entries for {len(self.clients)} engines")
+        self.engine_sizes = sizes
+        self.offsets, self.world_size = rank_offsets(sizes)
+        if world_size is not None:
+            check_world(world_size, 1, sum(sizes))
+        self.group_name = group_name
+        self.backend = backend
+        self.master_address = master_address
+        self.timeout_s = timeout_s
+        self.group: dist.ProcessGroup | None = None
+        self._store: dist.Store | None = None
+
+    def form(self, pool: ThreadPoolExecutor | None = None) -> dist.ProcessGroup:
+        """Form the group (module docstring); returns it. Raises :class:`GroupFormationError`
+        naming the engine (or the sender) whose join failed, after destroying every part."""
+        from torch.distributed.distributed_c10d import _world
+
+        if self.group_name in _world.pg_names.values():
+            raise GroupFormationError(f"this process already holds a weight-update group named {self.group_name!r} "
+                                      f"(another transport?): leave it first, or use another group name")
+        own_pool = pool is None
+        pool = pool or ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+        store = bind_master_store(self.master_address, self.world_size, self.timeout_s)
+        futs = [
+            pool.submit(c.init_weights_update_group, master_address=self.master_address, master_port=store.port,
+                        rank_offset=self.offsets[i], world_size=self.world_size, group_name=self.group_name,
+                        backend=self.backend)
+            for i, c in enumerate(self.clients)
+        ]
+        group, err = None, None
+        refused: set[int] = set()  # engines that answered no: they hold nothing of this group
+        try:
+            group, _ = create_update_group(backend=self.backend, world_size=self.world_size, rank=0,
+                                           group_name=self.group_name, timeout_s=self.timeout_s, store=store)
+        except Exception as e:  # noqa: BLE001 - reported below with the engines' replies
+            err = f"the sender (rank 0) could not form the group: {type(e).__name__}: {str(e)[:300]}"
+        if err is None:
+            deadline = time.monotonic() + self.timeout_s
+            for i, f in enumerate(futs):
+                try:
+                    r = f.result(timeout=max(0.0, deadline - time.monotonic()))
+                    if isinstance(r, dict) and r.get("success") is False:
+                        raise RuntimeError(r.get("message"))
+                except Exception as e:  # noqa: BLE001
+                    refused.add(i)
+                    err = f"engine {i}: init_weights_update_group failed: {str(e)[:500]}"
+                    break
+        if err is None:
+            self.group, self._store = group, store
+            if own_pool:
+                pool.shutdown(wait=False)
+            return group
+        # tear every part down: ours, the store (a join still waiting on it fails at once), theirs
+        destroy_update_group(group)
+        del group, store
+        gc.collect()
+        grace = time.monotonic() + 5.0  # the joins that still run end now (their store is gone)
+        for i, f in enumerate(futs):
+            try:
+                r = f.result(timeout=max(0.0, grace - time.monotonic()))
+                if isinstance(r, dict) and r.get("success") is False:
+                    refused.add(i)
+            except TimeoutError:  # still hung: destroy below, in case it completes
+                pass
+            except Exception:  # noqa: BLE001 - a failed join: nothing of the group there
+                refused.add(i)
+        # (never on an engine that refused: it may hold a LIVE group of this name, C20); in the
+        # background: an engine busy with a join that reached it late answers only after that
+        # join's own timeout, and connect() must raise within its own
+        threading.Thread(target=self._destroy_on_engines, kwargs=dict(quiet=True, skip=refused),
+                         name=f"weight-sync-destroy-{self.group_name}", daemon=True).start()
+        if own_pool:
+            pool.shutdown(wait=False)
+        raise GroupFormationError(f"weight-update group {self.group_name!r} (world {self.world_size}, "
+                                  f"engine rank offsets {self.offsets}) not formed: {err}; every partial "
+                                  f"group was destroyed")
+
+    def _destroy_on_engines(self, quiet: bool, skip: set[int] = frozenset()) -> None:
+        for i, c in enumerate(self.clients):
+            if i in skip:
+                continue
+            try:
+                fn = getattr(c, "destroy_weights_update_group", None)
+                if fn is not None:
+                    fn(group_name=self.group_name)
+                else:
+                    c._request("POST", "/destroy_weights_update_group", {"group_name": self.group_name}, retry=None)
+            except Exception as e:  # noqa: BLE001 - best effort (an engine that never joined refuses)
+                if not quiet:
+                    log.warning("engine %d: destroy_weights_update_group failed: %s", i, e)
+
+    def leave(self) -> None:
+        """Leave the group everywhere (engines first, then ours); a later :meth:`form` may follow."""
+        if self.group is not None:
+            self._destroy_on_engines(quiet=False)
+        destroy_update_group(self.group)
+        self.group = None
+        self._store = None
+
+
+def form_in_order(memberships: Sequence[GroupMembership]) -> list[dist.ProcessGroup]:
+    """Form every group one after another, in the given (global, fixed) order; if one fails,
+    the ones formed before it are left again and the error re-raised."""
+    done: list[GroupMembership] = []
+    try:
+        for m in memberships:
+            m.form()
+            done.append(m)
+    except BaseException:
+        for m in reversed(done):
+            m.leave()
+        raise
+    return [m.group for m in memberships]
+
+
+def form_in_turn(membership: GroupMembership | None, turn: int, turns: int, store: dist.Store,
+                 key: str = "moe_async/update_groups", timeout_s: float = 600.0) -> dist.ProcessGroup | None:
+    """Cross-process :func:`form_in_order`: the sender whose group is number ``turn`` of
+    ``turns`` waits for every earlier group to be formed (keys in ``store``, shared by all
+    senders), forms its own, then marks it. A sender with no group (``membership=None``)
+    passes its turn. Returns the group (None without one).
+
+    Raises:
+        GroupFormationError: an earlier sender failed (named), or this one did.
+    """
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    if turn > 0:
+        store.wait([f"{key}/{turn - 1}"])
+        prev = store.get(f"{key}/{turn - 1}").decode()
+        if prev != "ok":
+            store.set(f"{key}/{turn}", prev)
+            raise GroupFormationError(f"update group {turn} not formed: {prev}")
+    try:
+        group = membership.form() if membership is not None else None
+    except GroupFormationError as e:
+        store.set(f"{key}/{turn}", f"group {turn} failed: {e}")
+        raise
+    store.set(f"{key}/{turn}", "ok")
+    return group

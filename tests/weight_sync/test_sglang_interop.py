@@ -1,0 +1,211 @@
+"""Our sender against SGLang 0.5.23's own receiver code (``_sglang_engine.py``: SGLang's
+``WeightUpdater`` in one process per engine rank, its ``init_custom_process_group``, its
+``FlattenedTensorBucket``), over gloo on a CPU.
+
+* C15: the group forms within seconds (a group made with other store keys than SGLang's
+  waits until its timeout here), weights arrive bit-identical, and the update session SGLang
+  requires is opened and closed by the transport.
+* C13: engines of TP1 and TP2 in one group: world 4, offsets 1 and 2, the TP2 engine's ranks
+  2 and 3 (each engine's size its own); a declared world that differs fails at once.
+* C12: two senders (PP stages) into the same two engines, each engine serving one join at a
+  time: joins in opposite orders at the two engines do not both form; in one fixed order
+  they do; a join that never returns makes connect raise within its timeout, the partial
+  group destroyed, and the next connect succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
+
+pytestmark = pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+
+
+def _sglang_or_skip():
+    import _sglang_import
+
+    try:
+        _sglang_import.load_io_struct()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Two SGLang-code engines: TP1 and TP2 (3 rank processes)."""
+    _sglang_or_skip()
+    from _sglang_engine import SGLangEngine
+
+    es = [SGLangEngine(tp=1), SGLangEngine(tp=2)]
+    try:
+        for e in es:
+            e.wait_ready()
+        yield es
+    finally:
+        for e in es:
+            e.close()
+
+
+def _cfg(timeout_s=60.0):
+    from moe_async.weight_sync.config import WeightSyncConfig
+
+    return WeightSyncConfig(backend="gloo", bucket_bytes=4096, timeout_s=timeout_s)
+
+
+def _tensors(seed: int, prefix: str = "w") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"{prefix}.{i}": torch.randn(8 * (i + 1), 16, generator=g) for i in range(6)}
+    out[f"{prefix}.big"] = torch.randn(64, 64, generator=g)  # 16 KiB: over the 4 KiB bucket, alone
+    out[f"{prefix}.bf16"] = torch.randn(33, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _sums(ts):
+    from moe_async.engines.checksum import tensor_checksum
+
+    return {n: tensor_checksum(t) for n, t in ts.items()}
+
+
+def test_group_forms_with_sglang_receivers_tp1_tp2(engines):
+    """C15 + C13: our transport into SGLang's receiver code, engines of TP1 and TP2."""
+    from moe_async.weight_sync.transport import BroadcastTransport
+
+    for e in engines:
+        e.joins.clear()
+        e.calls.clear()
+    tr = BroadcastTransport(engines, _cfg(timeout_s=30), ranks_per_engine=[1, 2], group_name="c15")
+    assert tr.world_size == 4 and tr.rank_offsets == [1, 2]
+    t0 = time.monotonic()
+    tr.connect()
+    formed_s = time.monotonic() - t0
+    try:
+        assert formed_s < 15, formed_s  # seconds, not the 30 s timeout of mismatched store keys
+        assert [(j["rank"], j["world"]) for j in engines[0].joins] == [(1, 4)]
+        assert sorted((j["rank"], j["world"]) for j in engines[1].joins) == [(2, 4), (3, 4)]
+        ts = _tensors(1)
+        m = tr.send(ts.items(), 3)
+        assert m["sync/buckets"] >= 4
+        for e in engines:
+            assert e.checksums == _sums(ts)  # bit-identical on every rank of every engine
+            assert e.version == "3"  # SGLang's string version, on the last bucket
+            assert e.calls[1] == "begin" and e.calls[-1] == "end"  # the session SGLang requires
+            assert all(c.startswith("update:") for c in e.calls[2:-1])
+            assert [c.split(":")[2] for c in e.calls[2:-1]] == ["None"] * (len(e.calls) - 4) + ["3"]
+    finally:
+        tr.shutdown()
+
+
+def test_declared_world_that_differs_fails_at_once(engines):
+    """C13: a declared world of 5 for 1 sender + 3 engine ranks fails before anyone joins."""
+    from moe_async.weight_sync.transport import BroadcastTransport
+
+    with pytest.raises(ValueError, match=r"world_size=5 .*1 sender.*3 engine.* = 4"):
+        BroadcastTransport(engines, _cfg(), ranks_per_engine=[1, 2], world_size=5)
+
+
+def _delay_opposite(engines, delay_s: float) -> None:
+    """Engine 0 gets stage 0's join first, engine 1 stage 1's (C12's arrival orders)."""
+    def later(name_late):
+        return lambda g: time.sleep(delay_s) if g == name_late else None
+
+    engines[0].before_join = later("pp1")
+    engines[1].before_join = later("pp0")
+
+
+def test_pp_senders_fixed_order_vs_opposite_joins(engines):
+    """C12: concurrent groups whose joins reach the engines in opposite orders do not both
+    form (each engine serves one join at a time); connect raises within its timeout; the
+    groups formed one after another in a fixed order all form, and both stages' weights
+    arrive bit-identical."""
+    from moe_async.weight_sync.membership import GroupFormationError, form_in_order
+    from moe_async.weight_sync.transport import BroadcastTransport
+
+    timeout = 6.0
+    trs = [BroadcastTransport(engines, _cfg(timeout_s=timeout), ranks_per_engine=[1, 2], group_name=f"pp{k}")
+           for k in range(2)]
+    try:
+        _delay_opposite(engines, 1.0)
+        errs: dict[int, BaseException] = {}
+        took: dict[int, float] = {}
+
+        def naive(k):
+            t0 = time.monotonic()
+            try:
+                trs[k].connect()
+            except BaseException as e:  # noqa: BLE001
+                errs[k] = e
+            took[k] = time.monotonic() - t0
+
+        ths = [threading.Thread(target=naive, args=(k,)) for k in range(2)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+        assert errs, "opposite join orders formed both groups: the engines did not serialize joins"
+        for k, e in errs.items():
+            assert isinstance(e, GroupFormationError) and "every partial group was destroyed" in str(e)
+            assert took[k] < timeout + 10, took
+        # the fixed order: pp0 wholly formed before pp1's joins go out (delays still on)
+        for t in trs:
+            t.close()
+        for e in engines:  # joins that reached an engine after their sender gave up end first
+            e.wait_idle()
+        t0 = time.monotonic()
+        form_in_order([t.membership for t in trs])
+        for t in trs:
+            t.group = t.membership.group
+        assert time.monotonic() - t0 < 2 * timeout
+        stage = [_tensors(10, "stage0"), _tensors(11, "stage1")]
+        for e in engines:
+            e.checksums.clear()
+        trs[0].send(stage[0].items(), 5)
+        trs[1].send(stage[1].items(), 5)
+        for e in engines:
+            assert e.checksums == {**_sums(stage[0]), **_sums(stage[1])}
+    finally:
+        for e in engines:
+            e.before_join = None
+        for t in trs:
+            t.shutdown()
+
+
+def test_join_that_never_returns(engines):
+    """C12: engine 1's join hangs: connect raises within its timeout naming it, engine 0's
+    partial join is ended (the sender's store is gone), and the next connect succeeds."""
+    from moe_async.weight_sync.membership import GroupFormationError
+    from moe_async.weight_sync.transport import BroadcastTransport
+
+    release = threading.Event()
+
+    def hang(group_name):
+        release.wait(120)
+        raise RuntimeError("this join was abandoned")
+
+    engines[1].before_join = hang
+    tr = BroadcastTransport(engines, _cfg(timeout_s=5), ranks_per_engine=[1, 2], group_name="hang")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(GroupFormationError, match="sender .* could not form"):
+            tr.connect()
+        assert time.monotonic() - t0 < 5 + 12  # its timeout, + 5 s for the joins still out to end
+        assert engines[0].joins[-1]["success"] is False  # its half-made join ended, nothing held
+        release.set()
+        engines[1].before_join = None
+        for e in engines:
+            e.wait_idle()
+        tr.connect()
+        ts = _tensors(3)
+        tr.send(ts.items(), 9)
+        assert all(e.checksums.items() >= _sums(ts).items() for e in engines)
+    finally:
+        release.set()
+        engines[1].before_join = None
+        tr.shutdown()
