@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -19,12 +18,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
-from moe_async.engines.base import free_port, make_engine  # noqa: E402
+from moe_async.engines.base import make_engine  # noqa: E402
 from moe_async.engines.checksum import tensor_checksum  # noqa: E402
 from moe_async.engines.client import SyncEngineClient  # noqa: E402
 from moe_async.engines.config import EngineConfig  # noqa: E402
-from moe_async.weight_sync.bucket import make_buckets  # noqa: E402
-from moe_async.weight_sync.group import group_broadcast, init_weight_update_group  # noqa: E402
+from moe_async.weight_sync.config import WeightSyncConfig  # noqa: E402
+from moe_async.weight_sync.transport import BroadcastTransport  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 125 + 3 for i in range(32)]  # 32 tokens, vocab 128
 
@@ -58,17 +57,6 @@ def glm_engine(tmp_path_factory):
         eng.shutdown()
 
 
-def _send(client, group, bucket, version):
-    res = {}
-    th = threading.Thread(target=lambda: res.setdefault("r", client.update_weights_from_distributed(
-        bucket.names, bucket.dtypes, bucket.shapes, group_name="wu", weight_version=version,
-        load_format="flattened_bucket")))
-    th.start()
-    group_broadcast(group, bucket.flatten(), src=0)
-    th.join(60)
-    return res["r"]
-
-
 def test_sync_then_routing_equals_fp32_reference(glm_engine, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -87,15 +75,12 @@ def test_sync_then_routing_equals_fp32_reference(glm_engine, tmp_path):
     assert out.routed_experts.shape == (32, 1, 2)
     np.testing.assert_array_equal(np.sort(out.routed_experts, -1), _ref_routing(model_dir, PROMPT))
 
-    port = free_port()
-    res = {}
-    th = threading.Thread(target=lambda: res.setdefault("r", c.init_weights_update_group(
-        "127.0.0.1", port, rank_offset=1, world_size=2, group_name="wu", backend="gloo")))
-    th.start()
-    group = init_weight_update_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-                                     group_name="wu", backend="gloo", timeout_s=60)
-    th.join(60)
-    assert res["r"]["success"], res["r"]
+    # the trainer's own sender (the update group formed as SGLang forms it, a begin/end
+    # session, the version on the last bucket); 16 KiB buckets: several per sync
+    with pytest.warns(UserWarning, match="bucket_bytes"):
+        cfg = WeightSyncConfig(bucket_bytes=16 << 10, backend="gloo", timeout_s=60)
+    tr = BroadcastTransport([c], cfg, pause_mode="in_place", group_name="wu")
+    tr.connect()
 
     g = torch.Generator().manual_seed(7)
     base = {k: v for k, v in disk.items() if k not in mtp}
@@ -110,11 +95,8 @@ def test_sync_then_routing_equals_fp32_reference(glm_engine, tmp_path):
         assert {n for n, _ in sent} == set(base)
         bias = dict(sent)["model.layers.1.mlp.gate.e_score_correction_bias"]
         assert bias.dtype == torch.float32
-        buckets = list(make_buckets(sent, 16 << 10))
-        assert len(buckets) > 1
-        for i, b in enumerate(buckets):
-            r = _send(c, group, b, version if i == len(buckets) - 1 else None)
-            assert r["success"], r
+        m = tr.send(sent, version)
+        assert m["sync/buckets"] > 1
         got = c.weights_checksum()
         assert got["weight_version"] == version
         assert got["checksums"] == {n: tensor_checksum(t) for n, t in sent}
@@ -140,4 +122,5 @@ def test_sync_then_routing_equals_fp32_reference(glm_engine, tmp_path):
         if prev is not None:
             assert not np.array_equal(prev, ref)  # the second sync changed the routing
         prev = ref
+    tr.shutdown()
     c.close()
