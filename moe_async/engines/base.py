@@ -242,8 +242,10 @@ _SGLANG_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 class SGLangEngine(_SubprocessEngine):
     """The GPU engine: ``python -m sglang.launch_server`` with routed-expert capture on.
 
-    ``cfg.sglang_args`` become extra flags: ``{"tp_size": 2, "enable_dp_attention": True}``
-    -> ``--tp-size 2 --enable-dp-attention`` (``False`` drops the flag).
+    ``engine.tensor_parallel_size`` / ``expert_parallel_size`` become ``--tp-size`` /
+    ``--ep-size`` (the same sizes the weight-update group counts ranks by). ``cfg.sglang_args``
+    become extra flags: ``{"enable_dp_attention": True, "mem_fraction_static": 0.85}`` ->
+    ``--enable-dp-attention --mem-fraction-static 0.85`` (``False`` drops the flag).
     """
 
     name = "sglang"
@@ -259,6 +261,8 @@ class SGLangEngine(_SubprocessEngine):
             "--port", str(self.port),
             "--dtype", _SGLANG_DTYPE[self.cfg.dtype],
             "--max-running-requests", str(self.cfg.max_running_requests),
+            "--tp-size", str(self.cfg.tensor_parallel_size),
+            "--ep-size", str(self.cfg.expert_parallel_size),
             "--enable-return-routed-experts",
         ]
         for key, val in self.cfg.sglang_args.items():

@@ -68,6 +68,15 @@ class EngineConfig(BaseModel):
         if self.min_healthy_engines > self.num_engines:
             raise ValueError(f"engine.min_healthy_engines={self.min_healthy_engines} is more than "
                              f"engine.num_engines={self.num_engines}: the run could never start")
+        # the sizes reach SGLang as --tp-size / --ep-size from these fields, which the update group
+        # also counts ranks by: a second spelling in sglang_args would let the two disagree
+        for key, field in (("tp_size", "tensor_parallel_size"), ("tp", "tensor_parallel_size"),
+                           ("tensor_parallel_size", "tensor_parallel_size"), ("ep_size", "expert_parallel_size"),
+                           ("ep", "expert_parallel_size"), ("expert_parallel_size", "expert_parallel_size")):
+            if key in self.sglang_args:
+                raise ValueError(f"engine.sglang_args.{key}: set engine.{field} instead (it becomes SGLang's "
+                                 f"--{key.replace('_', '-') if key.endswith('size') else key + '-size'} and sizes "
+                                 "the weight-update group's ranks)")
         if self.backend == "embedded" and tp > 1:
             raise ValueError(f"engine.tensor_parallel_size={tp} with engine.backend='embedded': the embedded CPU "
                              "engine is one process (one update-group rank); use backend='sglang' for TP > 1")

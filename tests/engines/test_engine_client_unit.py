@@ -14,18 +14,27 @@ from moe_async.engines.config import EngineConfig
 
 
 def test_sglang_command_line():
-    cfg = EngineConfig(backend="sglang", dtype="bf16", max_running_requests=32,
-                       sglang_args={"tp_size": 2, "enable_dp_attention": True, "disable_radix_cache": False})
+    cfg = EngineConfig(backend="sglang", dtype="bf16", max_running_requests=32, tensor_parallel_size=4,
+                       expert_parallel_size=2,
+                       sglang_args={"enable_dp_attention": True, "disable_radix_cache": False})
     eng = make_engine(cfg, "/models/m", 30001)
     assert isinstance(eng, SGLangEngine)
     cmd = eng.command()
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     for a, b in [("--model-path", "/models/m"), ("--port", "30001"), ("--dtype", "bfloat16"),
-                 ("--tp-size", "2"), ("--max-running-requests", "32")]:
+                 ("--tp-size", "4"), ("--ep-size", "2"), ("--max-running-requests", "32")]:
         assert cmd[cmd.index(a) + 1] == b
     assert "--enable-return-routed-experts" in cmd and "--enable-dp-attention" in cmd
     assert "--disable-radix-cache" not in cmd
     assert eng.url == "http://127.0.0.1:30001" and not eng.alive
+
+
+@pytest.mark.parametrize("key,field", [("tp_size", "tensor_parallel_size"), ("ep_size", "expert_parallel_size")])
+def test_sglang_sizes_only_from_their_fields(key, field):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=rf"engine.sglang_args.{key}: set engine.{field} instead"):
+        EngineConfig(backend="sglang", sglang_args={key: 2})
 
 
 def test_embedded_command_line():
