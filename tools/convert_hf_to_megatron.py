@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 tools/convert_hf_to_megatron.py --hf HF_DIR --out MEG_DIR --ep 2
     torchrun --nproc_per_node 4 tools/convert_hf_to_megatron.py --hf HF_DIR --out MEG_DIR --tp 2 --ep 2
 
-Families: mixtral, qwen3_moe, deepseek_v3, llama (moe_async.models registry). The HF config is checked
+Families: mixtral, qwen3_moe, deepseek_v3, glm4_moe, llama (moe_async.models registry). The HF config is checked
 against the family spec first (a mismatch is refused naming the field). Safetensors are
 read one file at a time (model.safetensors.index.json when present); each rank reads only
 the tensors its shards come from. Both HF expert layouts are accepted (per-expert on-disk
