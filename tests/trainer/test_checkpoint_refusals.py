@@ -155,7 +155,7 @@ def test_checkpoint_read_error_is_one_cli_line(monkeypatch, capsys):
     cause = CheckpointReadError("checkpoint /x/step_3: cannot read /x/step_3/moe_async_rng/rank_0.pt (rank 0; "
                                 "EOFError: ); the trainer is unchanged")
 
-    def remote_refusal(cfg):
+    def remote_refusal(cfg, console=None):  # run_experiment(cfg, console)
         raise RayTaskError("TrainerActor.load_checkpoint", "Traceback ...", cause).as_instanceof_cause()
 
     monkeypatch.setattr(driver, "run_experiment", remote_refusal)
