@@ -96,6 +96,8 @@ def _report(run_dirs: list[str], out: str | None) -> int:
         r = make_report(run_dirs, out)
     except UserInputError as e:
         return _refuse(e)
+    for note in r["notes"]:
+        print(f"[moe-async] report: {note}", file=sys.stderr)
     print(f"[moe-async] report: {r['out'] / 'summary.md'} and {len(r['plots'])} plots ({', '.join(r['plots'])})")
     return 0
 

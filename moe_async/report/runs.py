@@ -17,13 +17,15 @@ class Run:
     """One run's own records.
 
     ``steps``: the metrics.jsonl records in file order (``step`` and every metric);
-    ``summary``: summary.json (empty when the run did not finish); ``name``: the run dir's name.
+    ``summary``: summary.json (empty when the run did not finish); ``name``: the run dir's name;
+    ``notes``: what was left out while reading (a half-written last line), one sentence each.
     """
 
     path: Path
     name: str
     steps: list[dict[str, Any]]
     summary: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of the records that hold a finite number under ``key``."""
@@ -49,24 +51,35 @@ def load_run(path: str | Path) -> Run:
     """Read ``path``'s metrics.jsonl (required, one step or more) and summary.json (optional).
 
     Raises:
-        UserInputError naming the path when it is not a run directory (missing, not a
-        directory, no metrics.jsonl) or a file in it cannot be read (a line that is not JSON,
-        a record without ``step``).
+        UserInputError naming the path when it is not a run directory (missing, a file, no
+        metrics.jsonl) or a file in it cannot be read (a line that is not JSON, a record
+        without ``step``). A last line without its newline that is not JSON is the record a
+        killed run was writing: it is left out and named in ``Run.notes``, not refused.
     """
     p = Path(path).expanduser()
+    if p.is_file():
+        raise UserInputError(f"{path}: not a run directory (a file; give the run's directory)")
     if not p.is_dir():
         raise UserInputError(f"{path}: not a run directory (no such directory)")
     mpath = p / "metrics.jsonl"
     if not mpath.is_file():
         raise UserInputError(f"{path}: not a run directory of moe-async train (no metrics.jsonl)")
     steps = []
-    for i, line in enumerate(mpath.read_text().splitlines(), 1):
+    notes: list[str] = []
+    text = mpath.read_text()
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             int(rec["step"])
-        except (ValueError, KeyError, TypeError) as e:
+        except ValueError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                notes.append(f"{mpath}:{i}: half-written last record left out (the run stopped while writing it)")
+                break
+            raise UserInputError(f"{mpath}:{i}: not a metrics record ({type(e).__name__}: {e})") from e
+        except (KeyError, TypeError) as e:
             raise UserInputError(f"{mpath}:{i}: not a metrics record ({type(e).__name__}: {e})") from e
         steps.append(rec)
     if not steps:
@@ -78,4 +91,4 @@ def load_run(path: str | Path) -> Run:
             summary = json.loads(spath.read_text())
         except ValueError as e:
             raise UserInputError(f"{spath}: not JSON ({e})") from e
-    return Run(p.resolve(), p.resolve().name, steps, summary)
+    return Run(p.resolve(), p.resolve().name, steps, summary, notes)

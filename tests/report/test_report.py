@@ -99,3 +99,22 @@ def test_bad_input_is_named(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(UserInputError, match="a file is in its place"):
         make_report([tmp_path / "ok"], tmp_path / "afile")
+    with pytest.raises(UserInputError, match="afile: not a run directory \\(a file"):
+        make_report([tmp_path / "afile"])
+
+
+def test_half_written_last_record_is_left_out_and_named(tmp_path, capsys):
+    """A run killed while writing metrics.jsonl: the complete records are reported, the torn
+    last one is named on stderr; a torn line in the middle is still refused."""
+    _write_run(tmp_path / "r", [0.1, 0.2])
+    m = tmp_path / "r" / "metrics.jsonl"
+    whole = m.read_text()
+    m.write_text(whole + '{"step": 3, "train/lo')
+    assert main(["report", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:3: half-written last record left out" in err
+    r = make_report([tmp_path / "r"])
+    assert len(r["notes"]) == 1
+    m.write_text(whole + '{"step": 3, "train/lo\n')
+    with pytest.raises(UserInputError, match=r"metrics.jsonl:3: not a metrics record"):
+        make_report([tmp_path / "r"])
