@@ -335,7 +335,7 @@ class TrainerConfig(BaseModel):
 def unsupported_combination(cfg: TrainerConfig) -> str | None:
     """The refusal, naming the fields, of a parallel combination MegatronTrainer does not run,
     or None: router replay R2 with context parallelism (its recording forward is not split over
-    CP; R3 runs) or with virtual pipeline stages (R2 refuses pipeline parallelism), and virtual
+    CP; R3 runs), with pipeline parallelism or virtual pipeline stages, and virtual
     pipeline stages with CP (not tested together). Raised as ValueError by the TrainerConfig
     validator and as NotImplementedError by MegatronTrainer (a config built without validation)."""
     cp, vpp = cfg.context_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
@@ -345,6 +345,10 @@ def unsupported_combination(cfg: TrainerConfig) -> str | None:
     if cp > 1 and vpp > 1:
         return (f"trainer.virtual_pipeline_model_parallel_size with trainer.context_parallel_size={cp}: "
                 "not implemented (not tested together)")
+    pp = cfg.pipeline_model_parallel_size
+    if pp > 1 and vpp == 1 and cfg.router_replay == "R2":
+        return (f"trainer.router_replay='R2' with trainer.pipeline_model_parallel_size={pp}: R2's recording "
+                "forward is not implemented with pipeline parallelism (R3 and off run)")
     if vpp > 1 and cfg.router_replay == "R2":
         return (f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
                 "recording forward is not implemented with pipeline parallelism (which VPP needs)")

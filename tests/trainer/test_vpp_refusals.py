@@ -65,3 +65,13 @@ def test_deepseek_v3_vp_stage_needs_virtual_pipeline(ckpts):
         hf = json.load(f)
     with pytest.raises(ValueError, match=r"vp_stage=0 with virtual pipeline world size None"):
         DEEPSEEK_V3.layer_spec(hf, vp_stage=0)
+
+
+def test_router_replay_r2_with_pp_refused_by_the_config():
+    """R2 at PP2 (no VPP) is refused when the config is read (show-config, train), naming both
+    fields, not only in the first train step (fresh-user finding); R3 at PP2 is accepted."""
+    from moe_async.trainer.config import TrainerConfig
+
+    with pytest.raises(ValueError, match=r"router_replay='R2' with trainer.pipeline_model_parallel_size=2"):
+        TrainerConfig(pipeline_model_parallel_size=2, router_replay="R2")
+    assert TrainerConfig(pipeline_model_parallel_size=2, router_replay="R3").router_replay == "R3"
