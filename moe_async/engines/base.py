@@ -246,9 +246,20 @@ class SGLangEngine(_SubprocessEngine):
     ``--ep-size`` (the same sizes the weight-update group counts ranks by). ``cfg.sglang_args``
     become extra flags: ``{"enable_dp_attention": True, "mem_fraction_static": 0.85}`` ->
     ``--enable-dp-attention --mem-fraction-static 0.85`` (``False`` drops the flag).
+    ``engine.nodes_per_engine > 1``: one process per node, ``--nnodes N --node-rank R
+    --dist-init-addr HOST:PORT`` (node rank 0's address); raises ValueError without the address.
     """
 
     name = "sglang"
+
+    def __init__(self, cfg: EngineConfig, model_path: str, port: int = 0, *, node_rank: int = 0,
+                 dist_init_addr: str | None = None):
+        super().__init__(cfg, model_path, port)
+        #: this process's node among the engine's ``cfg.nodes_per_engine`` (SGLang --node-rank);
+        #: rank 0 serves the API, the others SGLang's health-only server on their own port
+        self.node_rank = node_rank
+        #: ``HOST:PORT`` of node rank 0 for torch.distributed inside the engine (--dist-init-addr)
+        self.dist_init_addr = dist_init_addr
 
     def preexec(self) -> None:
         _set_pdeathsig(signal.SIGTERM)
@@ -265,6 +276,12 @@ class SGLangEngine(_SubprocessEngine):
             "--ep-size", str(self.cfg.expert_parallel_size),
             "--enable-return-routed-experts",
         ]
+        if self.cfg.nodes_per_engine > 1:
+            if not self.dist_init_addr:
+                raise ValueError(f"engine.nodes_per_engine={self.cfg.nodes_per_engine}: the SGLang command needs "
+                                 "node rank 0's dist_init_addr (HOST:PORT, from the engine's placement)")
+            cmd += ["--nnodes", str(self.cfg.nodes_per_engine), "--node-rank", str(self.node_rank),
+                    "--dist-init-addr", self.dist_init_addr]
         for key, val in self.cfg.sglang_args.items():
             flag = "--" + key.replace("_", "-")
             if val is True:
@@ -296,10 +313,12 @@ def ensure_healthy(engines: list[Engine], timeout_s: float = 5.0) -> list[int]:
     return restarted
 
 
-def make_engine(cfg: EngineConfig, model_path: str, port: int = 0) -> Engine:
-    """The engine ``cfg.backend`` names (not launched)."""
+def make_engine(cfg: EngineConfig, model_path: str, port: int = 0, *, node_rank: int = 0,
+                dist_init_addr: str | None = None) -> Engine:
+    """The engine ``cfg.backend`` names (not launched); ``node_rank`` / ``dist_init_addr``: this
+    process's place in an engine spanning ``cfg.nodes_per_engine`` nodes (SGLang only)."""
     if cfg.backend == "embedded":
         return EmbeddedEngine(cfg, model_path, port)
     if cfg.backend == "sglang":
-        return SGLangEngine(cfg, model_path, port)
+        return SGLangEngine(cfg, model_path, port, node_rank=node_rank, dist_init_addr=dist_init_addr)
     raise ValueError(f"engines.backend must be embedded|sglang, got {cfg.backend!r}")

@@ -29,6 +29,10 @@ class EngineConfig(BaseModel):
         ge=1,
         description="Devices (GPUs on a cluster) one engine is placed on; None = tensor_parallel_size.",
     )
+    nodes_per_engine: StrictInt = Field(
+        1, ge=1, description="Nodes one engine spans (SGLang --nnodes; its node ranks get --node-rank and rank 0's "
+        "--dist-init-addr from the placement). devices_per_engine is split evenly over them; only backend='sglang'.",
+    )
     host: str = "127.0.0.1"
     base_port: int = Field(0, ge=0, le=65535, description="0 = pick free ports.")
     max_running_requests: int = Field(16, ge=1, description="Decode batch size cap.")
@@ -77,6 +81,18 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"engine.sglang_args.{key}: set engine.{field} instead (it becomes SGLang's "
                                  f"--{key.replace('_', '-') if key.endswith('size') else key + '-size'} and sizes "
                                  "the weight-update group's ranks)")
+        n, dev = self.nodes_per_engine, self.resolved_devices_per_engine
+        if dev % n:
+            raise ValueError(f"engine.nodes_per_engine={n} does not divide the engine's {dev} devices "
+                             "(engine.devices_per_engine, else engine.tensor_parallel_size): every node holds "
+                             "the same number of its ranks")
+        if self.backend == "embedded" and n > 1:
+            raise ValueError(f"engine.nodes_per_engine={n} with engine.backend='embedded': the embedded CPU engine "
+                             "is one process on one node; use backend='sglang'")
+        for key in ("nnodes", "node_rank", "dist_init_addr"):
+            if key in self.sglang_args:
+                raise ValueError(f"engine.sglang_args.{key}: set engine.nodes_per_engine instead (node ranks and "
+                                 "rank 0's address come from the engine's placement)")
         if self.backend == "embedded" and tp > 1:
             raise ValueError(f"engine.tensor_parallel_size={tp} with engine.backend='embedded': the embedded CPU "
                              "engine is one process (one update-group rank); use backend='sglang' for TP > 1")
@@ -86,6 +102,11 @@ class EngineConfig(BaseModel):
     def resolved_devices_per_engine(self) -> int:
         """Devices one engine is placed on (``devices_per_engine``, else its TP size)."""
         return self.devices_per_engine or self.tensor_parallel_size
+
+    @property
+    def devices_per_engine_node(self) -> int:
+        """Devices of one engine on each of its ``nodes_per_engine`` nodes."""
+        return self.resolved_devices_per_engine // self.nodes_per_engine
 
     @field_validator("cpu_affinity")
     @classmethod

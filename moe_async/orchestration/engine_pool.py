@@ -10,6 +10,11 @@ exited (index, URL, exit code, log) or whose actor died; ``shutdown()`` stops th
 Address: an engine serves on ``engine.host`` (loopback by default) when the Ray cluster is
 one node, and on its node's address when the cluster has more than one node, so the
 rollout actor and the trainer's rank 0 reach it from other nodes.
+
+Multi-node engines (``engine.nodes_per_engine`` = N > 1, SGLang only): N actors per engine,
+one per node of its ``STRICT_SPREAD`` group; node rank 0's actor picks a free port on its
+node for SGLang's ``--dist-init-addr``, all N processes start at once, and only node rank
+0's URL is routed to (the others serve SGLang's health-only endpoint).
 """
 
 from __future__ import annotations
@@ -26,18 +31,30 @@ from moe_async.orchestration.placement import Placement, place_engines
 class EngineActor:
     """One engine server on this actor's node (placed on its bundle)."""
 
-    def __init__(self, cfg: Any, model_path: str, index: int, host: str | None = None):
+    def __init__(self, cfg: Any, model_path: str, index: int, host: str | None = None, node_rank: int = 0):
         self.cfg = cfg if host is None else cfg.model_copy(update={"host": host})
         self.model_path = model_path
         self.index = index
+        self.node_rank = node_rank
         self.engine = None
 
-    def launch(self) -> str:
+    def pick_port(self) -> int:
+        """A TCP port free on this actor's node (node rank 0's ``--dist-init-addr`` port)."""
+        from moe_async.engines.base import free_port
+
+        return free_port("0.0.0.0")
+
+    def launch(self, dist_init_addr: str | None = None) -> str:
         """Start the server; its URL once ``/health`` answers. Raises EngineLaunchError."""
         from moe_async.engines.base import make_engine
 
-        port = self.cfg.base_port + self.index if self.cfg.base_port else 0
-        self.engine = make_engine(self.cfg, self.model_path, port)
+        n = getattr(self.cfg, "nodes_per_engine", 1)
+        port = self.cfg.base_port + self.index * n + self.node_rank if self.cfg.base_port else 0
+        if n > 1:
+            self.engine = make_engine(self.cfg, self.model_path, port, node_rank=self.node_rank,
+                                      dist_init_addr=dist_init_addr)
+        else:
+            self.engine = make_engine(self.cfg, self.model_path, port)
         self.engine.launch()
         return self.engine.url
 
@@ -74,25 +91,43 @@ class EnginePool:
         self.placement = placement if placement is not None else place_engines(cfg)
         multi_node = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
         cls = actor_cls or EngineActor
-        self.actors = [cls.options(**s.options()).remote(cfg.engine, model_path, i, s.node_ip if multi_node else None)
-                       for i, s in enumerate(self.placement.slots)]
+        self.nodes_per_engine = n = getattr(cfg.engine, "nodes_per_engine", 1)
+        #: every engine process's actor: engine i's node rank r at ``i * nodes_per_engine + r``
+        self.all_actors = [cls.options(**s.options()).remote(cfg.engine, model_path, j // n,
+                                                             s.node_ip if multi_node or n > 1 else None,
+                                                             *((j % n,) if n > 1 else ()))
+                           for j, s in enumerate(self.placement.slots)]
+        #: node rank 0 of each engine (the server the rollouts and the weight sync talk to)
+        self.actors = self.all_actors[::n]
         self.urls: list[str | None] = [None] * len(self.actors)
 
-    def launch(self) -> list[str]:
-        """Start every engine at once; their URLs in engine-index order.
+    def _where(self, j: int) -> str:
+        n = self.nodes_per_engine
+        node = f"node {self.placement.slots[j].node_ip}"
+        return f"engine {j // n} ({node}{f', node rank {j % n}' if n > 1 else ''})"
 
-        Raises: RuntimeError naming the engine (index, node) whose server did not start."""
-        refs = [a.launch.remote() for a in self.actors]
+    def launch(self) -> list[str]:
+        """Start every engine process at once; the engines' URLs in engine-index order.
+
+        Raises: RuntimeError naming the engine (index, node, node rank) whose server did not start."""
+        n = self.nodes_per_engine
+        addrs: list[str | None] = [None] * len(self.actors)
+        if n > 1:
+            ports = ray.get([a.pick_port.remote() for a in self.actors], timeout=60)
+            addrs = [f"{self.placement.slots[i * n].node_ip}:{p}" for i, p in enumerate(ports)]
+        refs = [a.launch.remote(addrs[j // n]) if n > 1 else a.launch.remote() for j, a in enumerate(self.all_actors)]
         errs = []
-        for i, ref in enumerate(refs):
+        for j, ref in enumerate(refs):
             try:
-                self.urls[i] = ray.get(ref)
+                url = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - named below
                 c = getattr(e, "cause", None) or e
                 if isinstance(c, UserInputError):  # bad input (engine.cpu_affinity): the CLI's one line
                     raise c from e
-                errs.append(f"engine {i} (node {self.placement.slots[i].node_ip}) did not start: "
-                            f"{type(c).__name__}: {c}")
+                errs.append(f"{self._where(j)} did not start: {type(c).__name__}: {c}")
+                continue
+            if j % n == 0:
+                self.urls[j // n] = url
         if errs:
             raise RuntimeError("; ".join(errs))
         return list(self.urls)
@@ -100,8 +135,10 @@ class EnginePool:
     def dead_engines(self, timeout_s: float = 30.0) -> list[str]:
         """One line per engine whose server exited or whose actor died (index, URL, why)."""
         out = []
-        refs = [a.dead.remote() for a in self.actors]
-        for i, ref in enumerate(refs):
+        n = self.nodes_per_engine
+        refs = [a.dead.remote() for a in self.all_actors]
+        for j, ref in enumerate(refs):
+            i = j // n
             try:
                 why = ray.get(ref, timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
@@ -109,7 +146,8 @@ class EnginePool:
             except Exception as e:  # noqa: BLE001 - the actor itself is gone
                 why = f"its actor died ({type(e).__name__})"
             if why:
-                out.append(f"engine {i} at {self.urls[i]} {why}")
+                rank = f" (node rank {j % n})" if n > 1 else ""
+                out.append(f"engine {i} at {self.urls[i]}{rank} {why}")
         return out
 
     def check_and_restart(self) -> list[int]:
@@ -120,13 +158,14 @@ class EnginePool:
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every server, then the actors and their placement group (idempotent)."""
         try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
+            ray.get([a.shutdown.remote() for a in self.all_actors], timeout=timeout_s)
         except Exception:  # noqa: BLE001 - a dead actor's server died with it (--parent-pid)
             pass
-        for a in self.actors:
+        for a in self.all_actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
         self.actors = []
+        self.all_actors = []
         self.placement.remove()

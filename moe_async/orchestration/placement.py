@@ -12,7 +12,10 @@ per rank: ``{"GPU": 1, "CPU": c}`` on a cluster with GPUs, ``{"CPU": c}`` on CPU
 
 Engines: one ``PACK`` placement group, one bundle per engine (a bundle lives on one node):
 ``{"GPU": engine.resolved_devices_per_engine, "CPU": c}`` for ``engine.backend: sglang`` on a
-cluster with GPUs, else ``{"CPU": c}``.
+cluster with GPUs, else ``{"CPU": c}``. An engine spanning ``engine.nodes_per_engine`` > 1
+nodes gets its own ``STRICT_SPREAD`` group of that many bundles of
+``engine.devices_per_engine_node`` GPUs (one per node, node rank = bundle index); slots are
+then engine-major (engine i, node rank r at ``i * nodes_per_engine + r``).
 
 CPU share ``c``: each process sets its own thread count (``trainer.num_threads``,
 ``engine.num_threads``); a bundle asks for ``min(threads, CPUs of the cluster / bundles)``
@@ -194,6 +197,11 @@ def place_engines(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement
     t, e = cfg.trainer, cfg.engine
     n_total = t.resolved_world_size + e.num_engines
     use_gpus = e.backend == "sglang" and cluster_gpus() > 0
-    bundles = engine_bundles(e.num_engines, e.resolved_devices_per_engine, e.num_threads, use_gpus, n_total)
-    return place([bundles], "PACK", f"engines (engine.num_engines={e.num_engines}, engine.devices_per_engine="
-                 f"{e.resolved_devices_per_engine})", timeout_s)
+    what = (f"engines (engine.num_engines={e.num_engines}, engine.devices_per_engine="
+            f"{e.resolved_devices_per_engine}, engine.nodes_per_engine={e.nodes_per_engine})")
+    n = e.nodes_per_engine
+    if n == 1:
+        bundles = engine_bundles(e.num_engines, e.resolved_devices_per_engine, e.num_threads, use_gpus, n_total)
+        return place([bundles], "PACK", what, timeout_s)
+    per_node = engine_bundles(n, e.devices_per_engine_node, e.num_threads, use_gpus, n_total + e.num_engines * (n - 1))
+    return place([per_node] * e.num_engines, "STRICT_SPREAD", what, timeout_s)

@@ -168,8 +168,8 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig") -> list[str]:
     Trainer (Megatron-Core): attention heads and KV groups divisible by TP, experts by EP, the
     expert FFN by ETP, dense / shared FFN widths by TP, layers by PP x VPP, and its ranks per
     node at most ``cluster.gpus_per_node``. Engine (SGLang): heads divisible by its TP, KV heads
-    and TP one a multiple of the other, experts by its EP, an engine within a node or on whole
-    nodes. Devices: trainer + engines within ``cluster.nodes x gpus_per_node`` when nodes is set.
+    and TP one a multiple of the other, experts by its EP, an engine within a node or on
+    ``engine.nodes_per_engine`` whole nodes. Devices: trainer + engines within ``cluster.nodes x gpus_per_node`` when nodes is set.
     """
     t, e, c = cfg.trainer, cfg.engine, cfg.cluster
     lay = t.layout
@@ -214,10 +214,14 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig") -> list[str]:
                                            "divide the other (SGLang splits or replicates KV heads)")
     need(shape.num_experts % e.expert_parallel_size == 0,
          f"engine.expert_parallel_size={e.expert_parallel_size} does not divide the {shape.num_experts} experts ({src})")
-    dpe = e.resolved_devices_per_engine
-    need(dpe <= c.gpus_per_node or dpe % c.gpus_per_node == 0,
-         f"engine.devices_per_engine={dpe}: an engine spans part of a node or whole nodes (cluster.gpus_per_node="
-         f"{c.gpus_per_node})")
+    dpe, npe = e.resolved_devices_per_engine, e.nodes_per_engine
+    need(e.devices_per_engine_node <= c.gpus_per_node,
+         f"engine.devices_per_engine={dpe} on engine.nodes_per_engine={npe} node(s) = {e.devices_per_engine_node} "
+         f"GPUs per node exceed cluster.gpus_per_node={c.gpus_per_node}: set engine.nodes_per_engine="
+         f"{-(-dpe // c.gpus_per_node)} (SGLang --nnodes; each node holds one bundle of the engine)")
+    need(npe == 1 or e.devices_per_engine_node == c.gpus_per_node,
+         f"engine.nodes_per_engine={npe}: an engine spanning nodes takes them whole ({e.devices_per_engine_node} of "
+         f"cluster.gpus_per_node={c.gpus_per_node} GPUs per node)")
     if c.nodes is not None:
         have = c.nodes * c.gpus_per_node
         want = lay.world_size + e.num_engines * dpe

@@ -83,3 +83,38 @@ def test_tools_import_safe_and_help():
     r = subprocess.run([sys.executable, str(root / "tools" / "gpu_check.py"), "--help"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--port" in r.stdout
+
+
+def test_sglang_command_lines_parse_with_sglangs_own_parser():
+    """Single- and multi-node command lines as SGLang 0.5.23's ``prepare_server_args`` reads
+    them (its own argparse: an unknown or misspelt flag fails here, not on the GPU node)."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _sglang_import import load_io_struct
+
+    load_io_struct()
+    from sglang.srt.server_args import prepare_server_args
+
+    one = make_engine(EngineConfig(backend="sglang", dtype="bf16", tensor_parallel_size=4, expert_parallel_size=2,
+                                   sglang_args={"mem_fraction_static": 0.8}), "/models/m", 30001)
+    a = prepare_server_args(one.command()[3:])
+    assert (a.tp_size, a.ep_size, a.nnodes, a.node_rank, a.port, a.dtype) == (4, 2, 1, 0, 30001, "bfloat16")
+    assert a.enable_return_routed_experts and a.mem_fraction_static == 0.8
+    cfg = EngineConfig(backend="sglang", tensor_parallel_size=16, expert_parallel_size=16, nodes_per_engine=2)
+    assert cfg.devices_per_engine_node == 8
+    b = prepare_server_args(make_engine(cfg, "/m", 30002, node_rank=1, dist_init_addr="10.0.0.5:29600").command()[3:])
+    assert (b.tp_size, b.nnodes, b.node_rank, b.dist_init_addr) == (16, 2, 1, "10.0.0.5:29600")
+    with pytest.raises(ValueError, match="needs node rank 0's dist_init_addr"):
+        make_engine(cfg, "/m", 30003).command()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(backend="sglang", tensor_parallel_size=8, nodes_per_engine=3), "nodes_per_engine=3 does not divide"),
+    (dict(nodes_per_engine=2, devices_per_engine=2), "nodes_per_engine=2 with engine.backend='embedded'"),
+    (dict(backend="sglang", sglang_args={"nnodes": 2}), "sglang_args.nnodes: set engine.nodes_per_engine"),
+    (dict(backend="sglang", sglang_args={"dist_init_addr": "h:1"}), "sglang_args.dist_init_addr: set engine.nodes"),
+])
+def test_nodes_per_engine_refusals(kw, match):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=match):
+        EngineConfig(**kw)

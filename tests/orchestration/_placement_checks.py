@@ -3,6 +3,7 @@ environment (no trainer, no engine server is started).
 
     python _placement_checks.py gpus8     # ray.init(num_gpus=8): 4 trainer ranks + 2 engines of 2 GPUs
     python _placement_checks.py two_nodes # ray.cluster_utils.Cluster, 2 nodes of 2 GPUs: 4 ranks, nodes=2
+    python _placement_checks.py multinode_engines  # 3 nodes of 4 GPUs: 2 SGLang engines of 2 nodes x 2 GPUs
 
 Runs the real placement (moe_async.orchestration.placement), the real TrainerGroup start-up
 (rank 0's rendezvous, every rank's environment) and the real EnginePool, with the actor
@@ -77,6 +78,41 @@ class EnvEngine:
                 "node_ip": _node_ip(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
+@ray.remote(num_cpus=0)
+class CmdEngine:
+    """EngineActor's protocol for a multi-node engine: builds the real SGLang command line
+    (moe_async.engines.base.make_engine) for its node rank instead of running it."""
+
+    def __init__(self, cfg, model_path, index, host=None, node_rank=0):
+        self.cfg, self.model_path, self.index, self.host, self.node_rank = cfg, model_path, index, host, node_rank
+        self.cmd = None
+
+    def pick_port(self):
+        from moe_async.engines.base import free_port
+
+        return free_port("0.0.0.0")
+
+    def launch(self, dist_init_addr=None):
+        from moe_async.engines.base import make_engine
+
+        cfg = self.cfg if self.host is None else self.cfg.model_copy(update={"host": self.host})
+        eng = make_engine(cfg, self.model_path, 31000 + 10 * self.index + self.node_rank, node_rank=self.node_rank,
+                          dist_init_addr=dist_init_addr)
+        self.cmd = eng.command()
+        return eng.url
+
+    def dead(self):
+        return None
+
+    def shutdown(self):
+        pass
+
+    def report(self):
+        return {"index": self.index, "node_rank": self.node_rank, "host": self.host, "cmd": self.cmd,
+                "node_id": ray.get_runtime_context().get_node_id(), "node_ip": _node_ip(),
+                "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
 def run(cfg) -> dict:
     tp, ep = place_trainer(cfg), place_engines(cfg)
     group = TrainerGroup(cfg, "unused", placement=tp, actor_cls=EnvRank)
@@ -120,6 +156,33 @@ def main(mode: str) -> None:
         cfg = load_config(SMOKE, ["trainer.nodes=2", "trainer.devices_per_node=2", "engine.num_engines=1"])
         try:
             res = run(cfg)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    elif mode == "multinode_engines":
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        for _ in range(3):
+            cluster.add_node(num_cpus=2, num_gpus=4)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        cfg = load_config(SMOKE, ["engine.backend=sglang", "engine.num_engines=2", "engine.tensor_parallel_size=4",
+                                  "engine.nodes_per_engine=2"])
+        try:
+            ep = place_engines(cfg)
+            pool = EnginePool(cfg, "/models/m", placement=ep, actor_cls=CmdEngine)
+            res = {"urls": pool.launch(), "procs": ray.get([a.report.remote() for a in pool.all_actors]),
+                   "leaders": ray.get([a.report.remote() for a in pool.actors]),
+                   "slots": [{"node_id": s.node_id, "gpus": s.num_gpus} for s in ep.slots]}
+            pool.shutdown()
+            import time
+
+            for _ in range(100):  # the nodes report freed resources to the GCS asynchronously
+                res["free_after"] = ray.available_resources().get("GPU", 0.0)
+                if res["free_after"] == 12.0:
+                    break
+                time.sleep(0.1)
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -72,3 +72,38 @@ def test_two_node_cluster_ranks_in_node_order():
     assert len({r["env"]["MASTER_PORT"] for r in ranks}) == 1
     (eng,) = res["engines"]
     assert eng["host"] == eng["node_ip"] and res["urls"] == [f"http://{eng['node_ip']}:30000"]
+
+
+def test_multi_node_engines_one_process_per_node():
+    """engine.nodes_per_engine=2 on a 3-node Cluster of 4 GPUs: 2 SGLang engines of TP4, each
+    split over 2 nodes (STRICT_SPREAD, 2 GPUs per node); every process's SGLang command line
+    has --nnodes 2, its --node-rank, and --dist-init-addr at node rank 0's address; only node
+    rank 0 is routed to; SGLang 0.5.23's own argument parser reads every command line the same."""
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "..", "engines"))
+    from _sglang_import import load_io_struct
+
+    tmp = tempfile.mkdtemp(prefix="mray", dir="/tmp")
+    res = run_json(os.path.join(HERE, "_placement_checks.py"), "multinode_engines", timeout=300, TMPDIR=tmp)
+    procs = res["procs"]
+    assert [(p["index"], p["node_rank"]) for p in procs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(s["gpus"] == 2.0 for s in res["slots"])
+    for i in (0, 1):
+        a, b = procs[2 * i], procs[2 * i + 1]
+        assert a["node_id"] != b["node_id"]  # one bundle per node
+        assert len(a["cuda"].split(",")) == len(b["cuda"].split(",")) == 2
+    used = [(p["node_id"], d) for p in procs for d in p["cuda"].split(",")]
+    assert len(set(used)) == 8  # no GPU of a node given twice
+    assert res["urls"] == [f"http://{p['host']}:{31000 + 10 * p['index']}" for p in res["leaders"]]
+    assert res["free_after"] == 12.0
+    load_io_struct()  # SGLang's stubs for triton/torchvision (tests/engines/_sglang_import.py)
+    from sglang.srt.server_args import prepare_server_args
+
+    for p in procs:
+        cmd = p["cmd"]
+        assert cmd[cmd.index("--dist-init-addr") + 1].split(":")[0] == procs[2 * p["index"]]["node_ip"]
+        args = prepare_server_args(cmd[3:])  # after `python -m sglang.launch_server`
+        assert (args.nnodes, args.node_rank, args.tp_size) == (2, p["node_rank"], 4)
+        assert args.dist_init_addr == procs[2 * p["index"] + 1]["cmd"][cmd.index("--dist-init-addr") + 1]
+        assert args.enable_return_routed_experts

@@ -41,6 +41,11 @@ def _plan(*overrides):
         (["engine.tensor_parallel_size=3", "engine.expert_parallel_size=1"],
          "engine.tensor_parallel_size=3 does not divide the 32 attention heads"),
         (["engine.num_engines=3", "cluster.nodes=3"], "= 28 GPUs exceed cluster.nodes=3 x gpus_per_node=8 = 24"),
+        # an engine of 16 GPUs on 8-GPU nodes: one Ray bundle cannot span nodes (SGLang --nnodes)
+        (["engine.tensor_parallel_size=16", "engine.expert_parallel_size=16"],
+         "16 GPUs per node exceed cluster.gpus_per_node=8: set engine.nodes_per_engine=2"),
+        (["engine.tensor_parallel_size=8", "engine.expert_parallel_size=8", "engine.devices_per_engine=8",
+          "engine.nodes_per_engine=2"], "engine.nodes_per_engine=2: an engine spanning nodes takes them whole"),
     ],
 )
 def test_layout_against_model_and_cluster(overrides, needle):
