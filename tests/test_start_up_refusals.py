@@ -89,6 +89,25 @@ def test_train_with_a_file_as_save_dir_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "runs").exists()  # refused before the run dir is made
 
 
+def test_train_refuses_a_layout_the_model_cannot_take_before_ray(tmp_path):
+    """TP3 on the smoke model (4 heads, 2 KV heads) passes the config (3 ranks) but not the
+    model: refused at start-up with plan's rules, naming the field and the model's numbers,
+    before any Ray process (fresh-user finding: it used to reach Megatron's own assertion)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), "trainer.world_size=3",
+                        "trainer.tensor_model_parallel_size=3", f"logging.output_dir={tmp_path / 'runs'}",
+                        f"model.cache_dir={tmp_path / 'cache'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("moe-async:")]
+    assert "layout does not fit the model" in line
+    assert "trainer.tensor_model_parallel_size=3 does not divide the 4 attention heads" in line
+    assert "trainer.tensor_model_parallel_size=3 does not divide the 2 KV groups" in line
+    assert "Traceback" not in r.stderr and "[moe-async] trainer:" not in r.stdout  # no rank was started
+
+
 # ------------------------------------------------------------------ metrics and console
 def test_rollout_counts_are_zero_before_their_first_event():
     """rollout/samples_filtered (and the other cumulative counts) are in the first step's

@@ -107,6 +107,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     print(f"[moe-async] run dir: {run_dir}", flush=True)
     model_path = model_path or str(prepare_hf_checkpoint(cfg.model))  # other sources: made (and cached) here
     print(f"[moe-async] model: {model_path}", flush=True)
+    from moe_async.plan.report import model_layout_errors
+
+    if errs := model_layout_errors(cfg, model_path):  # before any Ray process (plan's model rules)
+        raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     init_ray()

@@ -162,8 +162,10 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return _ceil_div(vocab, m) * m
 
 
-def check_layout(shape: ModelShape, cfg: "ExperimentConfig") -> list[str]:
+def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = True) -> list[str]:
     """The rules ``cfg`` (an ExperimentConfig) breaks for ``shape``, one message each (empty: none).
+    ``cluster=False``: only the rules of the model (``moe-async train`` at start-up, which has
+    its own machines, not ``cluster.*``'s).
 
     Trainer (Megatron-Core): attention heads and KV groups divisible by TP, experts by EP, the
     expert FFN by ETP, dense / shared FFN widths by TP, layers by PP x VPP, and its ranks per
@@ -202,7 +204,7 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig") -> list[str]:
          f"pipeline_model_parallel_size={lay.pp} x virtual_pipeline_model_parallel_size={vpp} = {lay.pp * vpp} "
          "(each pipeline chunk holds the same number of layers)")
     per_node = lay.world_size // t.nodes
-    need(per_node <= c.gpus_per_node,
+    need(not cluster or per_node <= c.gpus_per_node,
          f"trainer: {per_node} ranks per node (trainer.world_size={lay.world_size} / trainer.nodes={t.nodes}) exceed "
          f"cluster.gpus_per_node={c.gpus_per_node} (one GPU per rank); raise trainer.nodes")
     # engines
@@ -214,6 +216,8 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig") -> list[str]:
                                            "divide the other (SGLang splits or replicates KV heads)")
     need(shape.num_experts % e.expert_parallel_size == 0,
          f"engine.expert_parallel_size={e.expert_parallel_size} does not divide the {shape.num_experts} experts ({src})")
+    if not cluster:
+        return errs
     dpe, npe = e.resolved_devices_per_engine, e.nodes_per_engine
     need(e.devices_per_engine_node <= c.gpus_per_node,
          f"engine.devices_per_engine={dpe} on engine.nodes_per_engine={npe} node(s) = {e.devices_per_engine_node} "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_async.plan.arch import ModelShape, model_shape
+from moe_async.plan.arch import SUPPORTED, ArchError, ModelShape, model_shape
 from moe_async.plan.memory import (
     GiB,
     EngineEstimate,
@@ -143,3 +143,23 @@ def make_plan(cfg, *, family_check: bool = True) -> Plan:
     if c.nodes is not None and plan.nodes_needed < c.nodes:
         plan.warnings.append(f"cluster.nodes={c.nodes} but the roles use {gpus} GPUs ({plan.nodes_needed} nodes)")
     return plan
+
+
+def model_layout_errors(cfg, hf_dir: str) -> list[str]:
+    """The model rules of :func:`check_layout` (heads, KV groups, experts, expert FFN, layers by
+    the trainer's and the engine's sizes) for the HF checkpoint ``hf_dir`` that ``moe-async train``
+    is about to load; empty when they hold or when plan does not know its ``model_type`` (the
+    trainer's own checks then apply). Raises nothing for a readable config.json: an unreadable
+    one is left to the loader, which names it."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if d.get("model_type") not in SUPPORTED:
+        return []
+    try:
+        shape = model_shape(d, str(path))
+    except ArchError:
+        return []
+    return check_layout(shape, cfg, cluster=False)
