@@ -145,7 +145,7 @@ class _SubprocessEngine(Engine):
     def launch(self) -> "Engine":
         if self.alive:
             return self
-        from moe_async.orchestration.affinity import check_cpu_affinity
+        from moe_async.affinity import check_cpu_affinity
 
         cores = check_cpu_affinity(self.cfg.cpu_affinity, "engine.cpu_affinity")  # raises in the parent
         fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log")

@@ -98,7 +98,7 @@ class TrainerActor:
                  fault: tuple[str, int] | None = None):
         import torch
 
-        from moe_async.orchestration.affinity import pin_this_process
+        from moe_async.affinity import pin_this_process
 
         # trainer.cpu_affinity: before torch starts its thread pool, which inherits the mask
         pin_this_process(cfg.trainer.cpu_affinity, "trainer.cpu_affinity")

@@ -236,7 +236,7 @@ class TrainerConfig(BaseModel):
     @field_validator("cpu_affinity")
     @classmethod
     def _check_affinity(cls, v: list[int] | None) -> list[int] | None:
-        from moe_async.orchestration.affinity import validate_core_list
+        from moe_async.affinity import validate_core_list
 
         return validate_core_list(v)
 
@@ -359,20 +359,11 @@ def _cuda_available() -> bool:
 
 
 def _have_transformer_engine() -> bool:
-    """True when ``transformer_engine`` imports (with CUDA; the TE layer spec is used)."""
-    import importlib.util
+    """True when ``transformer_engine`` imports (with CUDA; the TE layer spec is used):
+    :func:`moe_async.megatron.parallel.have_te`."""
+    from moe_async.megatron.parallel import have_te
 
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return have_te()
 
 
 def resolve_sequence_packing(packing: str, context_parallel_size: int = 1) -> str:
