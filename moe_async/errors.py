@@ -65,3 +65,23 @@ def check_safetensors_file(path: str) -> None:
             raise ValueError(f"truncated: {size} bytes, its tensors end at byte {8 + n + end}")
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         raise CheckpointReadError(f"cannot read safetensors file {path}: {e}") from e
+
+
+def read_json_object(path, field: str, error: type[Exception] = UserInputError) -> dict:
+    """The JSON object in file ``path`` (a ``str`` or ``pathlib.Path``), which the config field
+    ``field`` (e.g. ``model.hf_path``) points at.
+
+    Raises:
+        error (default :class:`UserInputError`): ``"<field>: cannot read <path>: ..."`` when the
+            file cannot be read or parsed, ``"<field>: <path> is not a JSON object"`` otherwise.
+    """
+    import json
+    import pathlib
+
+    try:
+        d = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"{field}: cannot read {path}: {type(e).__name__}: {e}") from e
+    if not isinstance(d, dict):
+        raise error(f"{field}: {path} is not a JSON object")
+    return d

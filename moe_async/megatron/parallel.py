@@ -1,7 +1,7 @@
 """Megatron-Core parallel runtime shared by the trainer and the converters.
 
-- :class:`ParallelLayout`: the frozen TP/PP/EP/ETP/CP/VPP sizes of one run and Megatron-Core's
-  world-size rules for them (:meth:`ParallelLayout.check_world`, ``ValueError`` naming the
+- :class:`MegatronLayout`: the frozen TP/PP/EP/ETP/CP/VPP sizes of one run and Megatron-Core's
+  world-size rules for them (:meth:`MegatronLayout.check_world`, ``ValueError`` naming the
   ``trainer.*`` fields); :func:`check_layout`: the converters' layout refusal (naming the
   ``--tp/--pp/--ep`` flags and the HF config field) before any process group exists.
 - Process groups: :func:`init_distributed` (the trainer's rendezvous: TCP store,
@@ -53,10 +53,12 @@ def have_te() -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelLayout:
+class MegatronLayout:
     """Megatron-Core parallel sizes of one model: TP, PP, EP, ETP (expert tensor parallel),
     CP (context parallel) and VPP (virtual pipeline stages per PP rank; None = one model
-    chunk, Megatron's "off"). DP is what the world size leaves: ``world / (TP x PP x CP)``."""
+    chunk, Megatron's "off"). DP is what the world size leaves: ``world / (TP x PP x CP)``.
+    (:class:`moe_async.layout.ParallelLayout` is the config-time layout resolved against a
+    planned world, with DP/EDP derived; this one is what the runtime initialises.)"""
 
     tp: int = 1
     pp: int = 1
@@ -66,7 +68,7 @@ class ParallelLayout:
     vpp: int | None = None
 
     @classmethod
-    def from_trainer_config(cls, cfg) -> "ParallelLayout":
+    def from_trainer_config(cls, cfg) -> "MegatronLayout":
         """The layout of a ``TrainerConfig`` (``virtual_pipeline_model_parallel_size`` <= 1 -> None)."""
         vpp = cfg.virtual_pipeline_model_parallel_size
         return cls(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
@@ -94,6 +96,51 @@ class ParallelLayout:
                 f"trainer.expert_tensor_parallel_size={etp} x trainer.expert_model_parallel_size={ep} must divide "
                 f"TP x CP x DP = world size {world} / trainer.pipeline_model_parallel_size={pp} "
                 f"(Megatron-Core: world size divisible by ETP x EP x PP = {etp * ep * pp})")
+
+
+def init_model_parallel(layout: MegatronLayout) -> None:
+    """Megatron-Core's parallel state (``parallel_state.initialize_model_parallel``) at ``layout``;
+    the process group must exist. Its errors are Megatron-Core's (check
+    :meth:`MegatronLayout.check_world` first for ones that name the fields)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+    )
+
+
+def check_model_parallel(layout: MegatronLayout) -> None:
+    """The Megatron-Core parallel state already initialised in this process (another trainer)
+    has ``layout``'s sizes.
+
+    Raises:
+        RuntimeError: naming the sizes found and the ones wanted.
+    """
+    from megatron.core import parallel_state as ps
+
+    got = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+    )
+    want = (layout.tp, layout.pp, layout.ep, layout.vpp, layout.cp)
+    if got != want:
+        raise RuntimeError(
+            f"Megatron parallel state already initialised with (tp, pp, ep, vpp, cp)={got}, "
+            f"this trainer wants {want}"
+        )
+    if ps.get_expert_tensor_parallel_world_size() != layout.etp:
+        raise RuntimeError(
+            f"Megatron parallel state already initialised with expert_tensor_parallel_size="
+            f"{ps.get_expert_tensor_parallel_world_size()}, this trainer wants "
+            f"trainer.expert_tensor_parallel_size={layout.etp}")
 
 
 def init_distributed(master_addr: str, master_port: int | None) -> bool:
@@ -179,12 +226,7 @@ def parallel_layout(tp: int, pp: int, ep: int):
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp={tp * pp}")
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1,
-    )
+    init_model_parallel(MegatronLayout(tp=tp, pp=pp, ep=ep))
     try:
         apply_cpu_compat()
         with cpu_device_scope():

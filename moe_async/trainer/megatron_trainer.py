@@ -62,7 +62,7 @@ import torch
 from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
 from moe_async.megatron.build import model_chunks
 from moe_async.megatron.hf_io import load_hf_weights
-from moe_async.megatron.parallel import init_distributed
+from moe_async.megatron.parallel import MegatronLayout, check_model_parallel, init_distributed, init_model_parallel
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.batching import BatchingMixin
@@ -77,6 +77,9 @@ from moe_async.types import Sample
 
 Tensor = torch.Tensor
 
+# trainer.* fields that Megatron-Core's OptimizerConfig takes under the same names
+_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+                     "use_distributed_optimizer")
 _METRIC_KEYS = ("pg_loss", "clipfrac", "tis_mean", "is_masked_frac", "logp_diff_mean", "kl_k3", "entropy")
 
 
@@ -133,39 +136,11 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         self._owns_dist = False
         self._init_distributed(master_addr, master_port)
         self._check_expert_tensor_parallel()  # ETP x EP vs the world, naming the fields
-        tp, pp, ep, cp = (
-            cfg.tensor_model_parallel_size,
-            cfg.pipeline_model_parallel_size,
-            cfg.expert_model_parallel_size,
-            cfg.context_parallel_size,
-        )
+        layout = MegatronLayout.from_trainer_config(cfg)
         if ps.model_parallel_is_initialized():
-            got = (
-                ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size(),
-                ps.get_context_parallel_world_size(),
-            )
-            if got != (tp, pp, ep, self._vpp, cp):
-                raise RuntimeError(
-                    f"Megatron parallel state already initialised with (tp, pp, ep, vpp, cp)={got}, "
-                    f"this trainer wants {(tp, pp, ep, self._vpp, cp)}"
-                )
-            if ps.get_expert_tensor_parallel_world_size() != cfg.expert_tensor_parallel_size:
-                raise RuntimeError(
-                    f"Megatron parallel state already initialised with expert_tensor_parallel_size="
-                    f"{ps.get_expert_tensor_parallel_world_size()}, this trainer wants "
-                    f"trainer.expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}")
+            check_model_parallel(layout)  # RuntimeError when another trainer's sizes differ
         else:
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
-                context_parallel_size=cp,
-                expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
-                virtual_pipeline_model_parallel_size=self._vpp,
-            )
+            init_model_parallel(layout)
             self._owns_mp = True
         self._cpu = apply_cpu_compat()
         with cpu_device_scope():
@@ -268,16 +243,9 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         bf16 = cfg.params_dtype == "bf16"
         self.opt_config = OptimizerConfig(
             optimizer="adam",
-            lr=cfg.lr,
-            min_lr=cfg.min_lr,
-            weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2,
-            adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad,
             bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=cfg.use_distributed_optimizer,
+            **{k: getattr(cfg, k) for k in _OPTIMIZER_FIELDS},
         )
         self.optimizer = get_megatron_optimizer(self.opt_config, self.ddp_models)
         self.tf_config.finalize_model_grads_func = finalize_model_grads

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moe_async.megatron.parallel import ParallelLayout
+from moe_async.megatron.parallel import MegatronLayout
 from moe_async.trainer.config import unsupported_combination
 
 Tensor = torch.Tensor
@@ -68,7 +68,7 @@ class ModelSetupMixin:
         """
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         try:
-            ParallelLayout.from_trainer_config(self.cfg).check_world(world)
+            MegatronLayout.from_trainer_config(self.cfg).check_world(world)
         except ValueError:
             self.close()  # the process group this trainer created (the caller gets no trainer to close)
             raise
