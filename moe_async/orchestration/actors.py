@@ -201,8 +201,8 @@ class TrainerActor:
         assert self.transport is not None, "connect_engines() first"
         # The exporter writes each tensor straight into the transport's send buffer when the
         # engines publish their layout (embedded engines), so buckets go out without packing.
-        out = getattr(self.transport, "destination", None)
-        return self.transport.send(self.trainer.export_hf_weights(out=out), self.trainer.version)
+        return self.transport.send(self.trainer.export_hf_weights(out=self.transport.destination),
+                                   self.trainer.version)
 
     def checksums(self) -> dict[str, str]:
         return self.trainer.hf_checksums()
