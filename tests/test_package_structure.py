@@ -122,3 +122,18 @@ def test_megatron_package_import_is_light():
             "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_readme_module_table_matches_the_tree():
+    """Every package and top-level module of moe_async is in the README's module table, and
+    every path the table names exists."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("| piece | module |")
+    table = text[start: text.index("\n\n", start)]
+    named = set(re.findall(r"`(moe_async/[\w/.]*)`", table))
+    tree = {f"moe_async/{p.name}/" for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    tree |= {f"moe_async/{p.name}" for p in PKG.glob("*.py") if p.name != "__init__.py"}
+    assert sorted(tree - named) == [], "missing from the README's module table"
+    assert sorted(n for n in named if not (ROOT / n).exists()) == [], "named in the table, not in the tree"

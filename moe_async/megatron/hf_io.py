@@ -57,10 +57,8 @@ def prefault_read(t: Tensor) -> bool:
     """Map the memory pages of CPU tensor ``t`` readable now, with ONE ``madvise(2)``
     (``MADV_POPULATE_READ``) over them, instead of on demand as they are first read. For
     tensors that are views of a memory-mapped file (``safe_open().get_tensor``, a mapped
-    ``.distcp`` item) whose pages are in the page cache: on this machine (Linux 6.18 VM),
-    writing 345 MB to a file straight from a new private map of another took 0.26-0.28 s, and
-    0.10 s after this advice (0.09 s from ordinary memory); the torch_dist save of HF ->
-    Megatron and the safetensors write of Megatron -> HF read their tensors from such maps.
+    ``.distcp`` item) whose pages are in the page cache, read by the torch_dist save of
+    HF -> Megatron and the safetensors write of Megatron -> HF (measured gain: docs/convert.md).
     The data and the mapping are unchanged (a private mapping stays copy-on-write). Returns
     True when the kernel took the advice; False (nothing done) off Linux, before Linux 5.14,
     for an empty, non-contiguous or non-CPU tensor, or a range the kernel refuses (e.g. past

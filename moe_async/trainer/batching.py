@@ -41,12 +41,8 @@ class BatchingMixin:
         longest: the p2p buffers have one shape), at least :data:`MIN_SEQ_LEN` (64), rounded
         up to a multiple of TP (sequence parallelism splits ``S``). The floor makes gradients
         independent of the micro-batching to fp32 accumulation order for short sequences too
-        (measured 7e-8..9e-8 relative with 9..17-token samples, vs 1.9e-6 without it): on CPU
-        two kernels round differently for tiny shapes than for the same rows inside a larger
-        tensor, torch's softmax over a last dim shorter than the AVX-512 width (16 floats) and
-        MKL's sgemm with <= 3 rows (an expert given 2 tokens). Micro-batches of >= 30 tokens
-        measured 6e-8..8e-8 without padding, so longer ones are not padded further (rounding
-        every length up to a multiple of 64 cost the CPU demo's train step ~25% tokens/s).
+        (on CPU two kernels round differently for tiny shapes than for the same rows inside a
+        larger tensor; measurements and why longer ones are not padded further: docs/trainer.md).
         Padding tokens are causal-masked and carry no loss; they are routed, but
         ``padding_mask`` keeps them out of Megatron's MoE load-balancing statistics (aux loss,
         z-loss), except with a router expert bias (see :meth:`_stage_padding_mask`).
