@@ -67,7 +67,6 @@ from typing import Any
 
 import torch
 
-from moe_async.models import get_family
 from moe_async.megatron.build import DEFAULT_VOCAB_DIV, build_model
 from moe_async.megatron.dist_ckpt import (
     checkpoint_dtype,
@@ -84,9 +83,10 @@ from moe_async.megatron.hf_io import (
     load_hf_into_model,
     read_hf_config,
     read_hf_index,
-    read_json_object,
+    read_json_dict,
 )
 from moe_async.megatron.parallel import check_layout, global_rank, parallel_layout, world_size
+from moe_async.models import get_family
 
 META_NAME = "moe_async_convert.json"
 
@@ -198,14 +198,14 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} does not exist")
     saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
     if os.path.exists(saved_cfg_p):
-        saved = read_json_object(saved_cfg_p, "the HF config this checkpoint was converted from")
+        saved = read_json_dict(saved_cfg_p, "the HF config this checkpoint was converted from")
         arch_saved = get_family(saved.get("model_type")).arch_args(saved)
         if arch_saved != arch_now:
             diff = [k for k in arch_now.__dataclass_fields__ if getattr(arch_saved, k) != getattr(arch_now, k)]
             raise ValueError(f"--hf-config does not match the checkpoint's HF config: field {diff[0]} "
                              f"({getattr(arch_now, diff[0])!r} vs saved {getattr(arch_saved, diff[0])!r})")
     meta_p = os.path.join(megatron_dir, META_NAME)
-    meta = read_json_object(meta_p, "conversion metadata") if os.path.exists(meta_p) else {}
+    meta = read_json_dict(meta_p, "conversion metadata") if os.path.exists(meta_p) else {}
     if vocab_div is None:
         vocab_div = int(meta.get("vocab_div", DEFAULT_VOCAB_DIV))
     ckpt_md = read_torch_dist_metadata(megatron_dir)

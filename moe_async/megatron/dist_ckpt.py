@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moe_async.megatron.hf_io import prefault_read, read_json_object
+from moe_async.megatron.hf_io import prefault_read, read_json_dict
 from moe_async.megatron.parallel import cpu_tensors_only
 
 Tensor = torch.Tensor
@@ -538,7 +538,7 @@ def read_torch_dist_metadata(megatron_dir: str):
     mj = os.path.join(megatron_dir, "metadata.json")
     if not os.path.exists(mj):
         raise FileNotFoundError(f"{megatron_dir} is not a Megatron torch_dist checkpoint: no metadata.json")
-    if "sharded_backend" not in read_json_object(mj, "Megatron checkpoint metadata"):
+    if "sharded_backend" not in read_json_dict(mj, "Megatron checkpoint metadata"):
         raise ValueError(f"{mj} (Megatron checkpoint metadata) has no 'sharded_backend': not written by "
                          "megatron.core.dist_checkpointing")
     p = os.path.join(megatron_dir, ".metadata")

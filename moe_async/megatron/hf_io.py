@@ -2,7 +2,7 @@
 
 - :func:`read_hf_index` (HF key -> file; ``model.safetensors.index.json`` or ``*.safetensors``,
   each file checked by :func:`moe_async.errors.check_safetensors_file`), :func:`iter_hf_tensors`,
-  :func:`read_json_file` / :func:`read_json_object` / :func:`read_hf_config` (errors name the file),
+  :func:`read_json_file` / :func:`read_json_dict` / :func:`read_hf_config` (errors name the file),
   :func:`hf_checkpoint_dtype` (the params dtype the files hold).
 - :func:`check_hf_keys`: every HF key the family's mapping table uses and no other, else
   ``KeyError`` naming the keys, before anything is written.
@@ -22,8 +22,8 @@ from typing import Any, Iterator
 
 import torch
 
-from moe_async.models import get_family
 from moe_async.megatron.parallel import cpu_tensors_only, global_rank
+from moe_async.models import get_family
 
 Tensor = torch.Tensor
 
@@ -92,7 +92,7 @@ def read_hf_index(hf_dir: str) -> dict[str, str]:
 
     idx = os.path.join(hf_dir, INDEX_NAME)
     if os.path.exists(idx):
-        wm = read_json_object(idx, "safetensors index").get("weight_map")
+        wm = read_json_dict(idx, "safetensors index").get("weight_map")
         if not isinstance(wm, dict):
             raise ValueError(f"{idx} (safetensors index) has no weight_map object")
         out = {k: os.path.join(hf_dir, v) for k, v in wm.items()}
@@ -299,7 +299,7 @@ def read_json_file(path: str, what: str = "") -> Any:
                          f"at byte {e.start}") from None
 
 
-def read_json_object(path: str, what: str) -> dict:
+def read_json_dict(path: str, what: str) -> dict:
     d = read_json_file(path, what)
     if not isinstance(d, dict):
         raise ValueError(f"{path} ({what}) holds a JSON {type(d).__name__}, not an object")
@@ -311,7 +311,7 @@ def read_hf_config(hf_dir: str) -> dict:
     p = os.path.join(hf_dir, "config.json") if os.path.isdir(hf_dir) else hf_dir
     if not os.path.exists(p):
         raise FileNotFoundError(f"no HF config: {p} does not exist")
-    return read_json_object(p, "HF config")
+    return read_json_dict(p, "HF config")
 
 
 def whole_param(pcs: list, params: dict[str, Tensor]) -> Tensor | None:
