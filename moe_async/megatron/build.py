@@ -79,7 +79,7 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
     when there is one. Returns ``(model, hf_vocab_size)``."""
     import torch
 
-    from moe_async.trainer.sharding import padded_vocab_size
+    from moe_async.megatron.sharding import padded_vocab_size
 
     d = hf_config_dict(hf_config)
     fam = get_family(d.get("model_type"))

@@ -2,7 +2,7 @@
 
 Used by ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``. Both
 directions go through the family's ONE declarative mapping table (``moe_async.models``:
-``ModelFamily.table``) and the trainer's sharding helpers (``moe_async.trainer.sharding``:
+``ModelFamily.table``) and the trainer's sharding helpers (``moe_async.megatron.sharding``:
 per-rank slices read from Megatron's own ``sharded_state_dict()`` metadata), i.e. the same
 path as ``MegatronTrainer``'s HF load and HF export; the Megatron model is built with the
 same family helpers as the trainer (``transformer_config``, ``layer_spec``,

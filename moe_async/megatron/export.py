@@ -132,12 +132,12 @@ class ShardWriter:
 
 
 def full_hf_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
-    """:func:`moe_async.trainer.sharding.gather_full_state` to rank 0, with a copy-free path
+    """:func:`moe_async.megatron.sharding.gather_full_state` to rank 0, with a copy-free path
     at world size 1: a tensor held whole by one local piece is yielded as that piece (a view
     of the parameter, vocab padding sliced off) instead of being copied into a new buffer;
     tensors made of several local pieces are assembled, each element exactly once
     (ValueError otherwise). Same names, order and values as ``gather_full_state``."""
-    from moe_async.trainer.sharding import VOCAB_PARAMS, gather_full_state, local_pieces
+    from moe_async.megatron.sharding import VOCAB_PARAMS, gather_full_state, local_pieces
 
     if world_size() > 1:
         yield from gather_full_state(model, vocab_size, dst=0)

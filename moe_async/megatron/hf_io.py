@@ -202,7 +202,7 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     shape mismatch (vocab padding excepted) or an untied-in-config head that differs."""
     from safetensors import safe_open
 
-    from moe_async.trainer.sharding import _fit_vocab, local_pieces
+    from moe_async.megatron.sharding import _fit_vocab, local_pieces
 
     fam = get_family(hf_cfg.get("model_type"))
     a = fam.arch_args(hf_cfg)
@@ -372,7 +372,7 @@ def load_hf_weights(models: list, family: Any, hf_config: dict[str, Any], hf_pat
 
     from moe_async.errors import check_safetensors_file
     from moe_async.models import local_spec_name
-    from moe_async.trainer.sharding import load_full_state, needed_names
+    from moe_async.megatron.sharding import load_full_state, needed_names
 
     files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
     if not files:

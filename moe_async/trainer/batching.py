@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from moe_async.megatron.sharding import cp_positions
 from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
-from moe_async.trainer.sharding import cp_positions
 from moe_async.types import Sample
 
 Tensor = torch.Tensor

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from moe_async.compat import cpu_device_scope
+from moe_async.megatron.sharding import padded_vocab_size
 from moe_async.models import get_family
-from moe_async.trainer.sharding import padded_vocab_size
 
 Tensor = torch.Tensor
 

@@ -128,7 +128,7 @@ def check_checkpoint_matches_model(ckpt_dir: str, hf_config: Mapping[str, Any] |
     """
     if hf_config is None:
         return
-    from moe_async.trainer.sharding import padded_vocab_size
+    from moe_async.megatron.sharding import padded_vocab_size
 
     try:
         saved = saved_tensor_shapes(ckpt_dir)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from moe_async.compat import cpu_device_scope
-from moe_async.trainer.sharding import gather_over_cp
+from moe_async.megatron.sharding import gather_over_cp
 from moe_async.types import Sample
 
 Tensor = torch.Tensor

@@ -12,7 +12,7 @@ tests/trainer/test_layouts.py), and virtual pipeline stages (``trainer.
 virtual_pipeline_model_parallel_size``: each PP rank holds a list of model chunks, one per
 ``vp_stage``, run by Megatron's interleaved 1F1B schedule with one data iterator per chunk;
 PP2+VPP2 and PP2+VPP2+EP2 tested). HF weights are sliced per rank and gathered back for
-export with :mod:`moe_async.trainer.sharding` (driven by Megatron's ``sharded_state_dict()``,
+export with :mod:`moe_async.megatron.sharding` (driven by Megatron's ``sharded_state_dict()``,
 per chunk).
 
 Data path at DP > 1: every rank is given the SAME global batch; rank ``d`` of the data-parallel
@@ -63,6 +63,7 @@ from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_
 from moe_async.megatron.build import model_chunks
 from moe_async.megatron.hf_io import load_hf_weights
 from moe_async.megatron.parallel import MegatronLayout, check_model_parallel, init_distributed, init_model_parallel
+from moe_async.megatron.sharding import gather_full_state, padded_vocab_size
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.batching import BatchingMixin
@@ -72,7 +73,6 @@ from moe_async.trainer.finite import StepGuard, check_weights_finite
 from moe_async.trainer.logprobs import LogprobsMixin
 from moe_async.trainer.loss import grpo_token_loss
 from moe_async.trainer.model_setup import ModelSetupMixin
-from moe_async.trainer.sharding import gather_full_state, padded_vocab_size
 from moe_async.types import Sample
 
 Tensor = torch.Tensor
