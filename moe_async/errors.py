@@ -67,53 +67,21 @@ def check_safetensors_file(path: str) -> None:
         raise CheckpointReadError(f"cannot read safetensors file {path}: {e}") from e
 
 
-def check_torch_dist_files(path: str):
-    """Check the files of a Megatron ``torch_dist`` checkpoint directory before any tensor is
-    read: ``metadata.json`` (a JSON object with ``sharded_backend``), ``.metadata`` (torch DCP
-    metadata), ``common.pt`` (Megatron's common state, ``torch.load``-able) and every ``.distcp`` shard the
-    metadata names (present, and at least as long as the byte extent ``offset + length`` of
-    every item stored in it). Cost: the metadata and ``common.pt`` are read; the shards are
-    only ``stat``-ed.
-
-    Returns:
-        The DCP ``Metadata`` (``torch.distributed.checkpoint.metadata.Metadata``), for reuse.
+def read_json_object(path, field: str, error: type[Exception] = UserInputError) -> dict:
+    """The JSON object in file ``path`` (a ``str`` or ``pathlib.Path``), which the config field
+    ``field`` (e.g. ``model.hf_path``) points at.
 
     Raises:
-        UserInputFileNotFoundError: ``path`` lacks ``metadata.json`` or ``.metadata``, naming it.
-        CheckpointReadError: naming the file that is truncated or corrupt, and for a short
-            ``.distcp`` its size, the byte its items end at and one item key cut off.
+        error (default :class:`UserInputError`): ``"<field>: cannot read <path>: ..."`` when the
+            file cannot be read or parsed, ``"<field>: <path> is not a JSON object"`` otherwise.
     """
-    import os
-
-    import torch
-
-    from moe_async.models.convert import read_torch_dist_metadata
+    import json
+    import pathlib
 
     try:
-        metadata = read_torch_dist_metadata(path)
-    except FileNotFoundError as e:
-        raise UserInputFileNotFoundError(str(e)) from None
-    except ValueError as e:
-        raise CheckpointReadError(f"checkpoint {path}: {e}") from None
-    common = os.path.join(path, "common.pt")
-    if not os.path.exists(common):  # Megatron's dist_checkpointing.save always writes it
-        raise CheckpointReadError(f"checkpoint {path}: {common} (Megatron common state) is missing")
-    try:
-        torch.load(common, map_location="cpu", weights_only=False)  # as Megatron's load_common
-    except Exception as e:  # noqa: BLE001 - a cut zip/pickle raises many kinds
-        raise CheckpointReadError(f"checkpoint {path}: cannot read {common} (Megatron common state; "
-                                  f"{type(e).__name__}: {str(e)[:200]})") from None
-    ends: dict[str, tuple[int, str]] = {}
-    for idx, info in metadata.storage_data.items():
-        end = int(info.offset) + int(info.length)
-        if end > ends.get(info.relative_path, (-1, ""))[0]:
-            ends[info.relative_path] = (end, idx.fqn)
-    for rel, (end, fqn) in sorted(ends.items()):
-        f = os.path.join(path, rel)
-        if not os.path.exists(f):
-            raise CheckpointReadError(f"checkpoint {path}: shard {f} named by its .metadata is missing")
-        size = os.path.getsize(f)
-        if size < end:
-            raise CheckpointReadError(f"checkpoint {path}: shard {f} is truncated ({size} bytes; its items end "
-                                      f"at byte {end}, e.g. {fqn})")
-    return metadata
+        d = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"{field}: cannot read {path}: {type(e).__name__}: {e}") from e
+    if not isinstance(d, dict):
+        raise error(f"{field}: {path} is not a JSON object")
+    return d

@@ -60,3 +60,24 @@ def torchrun(n: int, script: str, *args: str, timeout: float = 400, **env: str) 
     loopback port, as :func:`run`."""
     return run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
                 f"--master_port={free_port()}", script, *args], timeout=timeout, **env)
+
+
+def merged_json(directory: str, *names: str) -> dict:
+    """The JSON objects of ``directory/<name>.json`` for each of ``names``, merged in that
+    order into one dict (a later file's keys win)."""
+    out: dict = {}
+    for name in names:
+        with open(os.path.join(directory, f"{name}.json")) as f:
+            out.update(json.load(f))
+    return out
+
+
+def cpu_check_json(script: str, tmp: str, timeout: float, **env: str):
+    """:func:`run_json` of ``python script tmp``, for the one-process CPU/gloo check scripts:
+    skips the calling test (``pytest.skip``) where CUDA is available."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU/gloo checks")
+    return run_json(script, tmp, timeout=timeout, **env)

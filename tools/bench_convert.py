@@ -113,7 +113,7 @@ def baseline(hf: str, scratch: str, fsync: bool = False) -> float:
     of each written file when ``fsync``)."""
     from safetensors.torch import load_file, save_file
 
-    from moe_async.models.convert import read_hf_index
+    from moe_async.megatron.hf_io import read_hf_index
 
     files = sorted(set(read_hf_index(hf).values()))
     os.makedirs(scratch, exist_ok=True)
@@ -173,12 +173,8 @@ def bench_family(hf: str, work: str, label: str, args) -> dict:
     described in the module docstring."""
     import torch
 
-    from moe_async.models.convert import (
-        hf_to_megatron_checkpoint,
-        iter_hf_tensors,
-        megatron_to_hf_checkpoint,
-        read_hf_index,
-    )
+    from moe_async.megatron.convert import hf_to_megatron_checkpoint, megatron_to_hf_checkpoint
+    from moe_async.megatron.hf_io import iter_hf_tensors, read_hf_index
 
     idx = read_hf_index(hf)
     nbytes = sum(os.path.getsize(f) for f in set(idx.values()))
@@ -304,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         import megatron.core.dist_checkpointing  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401
 
+        import moe_async.megatron.convert  # noqa: F401
         import moe_async.trainer.megatron_trainer  # noqa: F401
 
         imports_s = time.perf_counter() - t0

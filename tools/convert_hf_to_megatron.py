@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from moe_async.models.convert import hf_to_megatron_checkpoint
+    from moe_async.megatron.convert import hf_to_megatron_checkpoint
 
     st = hf_to_megatron_checkpoint(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                    progress=not args.no_progress, vocab_div=args.vocab_div,
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` with a refused input reported as one ``convert_hf_to_megatron: error: ...`` line, exit 2
-    (:func:`moe_async.models.convert.run_tool`)."""
-    from moe_async.models.convert import run_tool
+    (:func:`moe_async.megatron.convert.run_tool`)."""
+    from moe_async.megatron.convert import run_tool
 
     return run_tool(main, "convert_hf_to_megatron", argv)
 

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from moe_async.models.convert import megatron_to_hf_checkpoint, parse_size
+    from moe_async.megatron.convert import megatron_to_hf_checkpoint
+    from moe_async.megatron.export import parse_size
 
     try:
         ok = parse_size(args.max_shard_size) > 0
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` with a refused input reported as one ``convert_megatron_to_hf: error: ...`` line, exit 2
-    (:func:`moe_async.models.convert.run_tool`)."""
-    from moe_async.models.convert import run_tool
+    (:func:`moe_async.megatron.convert.run_tool`)."""
+    from moe_async.megatron.convert import run_tool
 
     return run_tool(main, "convert_megatron_to_hf", argv)
 

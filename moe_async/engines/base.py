@@ -27,7 +27,6 @@ import abc
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import weakref
 import httpx
 
 from moe_async.engines.config import EngineConfig
+from moe_async.megatron.parallel import free_port
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
@@ -50,13 +50,6 @@ def _shutdown_all() -> None:
 
 
 atexit.register(_shutdown_all)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EngineLaunchError(RuntimeError):
@@ -145,7 +138,7 @@ class _SubprocessEngine(Engine):
     def launch(self) -> "Engine":
         if self.alive:
             return self
-        from moe_async.orchestration.affinity import check_cpu_affinity
+        from moe_async.affinity import check_cpu_affinity
 
         cores = check_cpu_affinity(self.cfg.cpu_affinity, "engine.cpu_affinity")  # raises in the parent
         fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log")

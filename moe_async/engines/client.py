@@ -226,6 +226,13 @@ class _Base:
         return body
 
     @staticmethod
+    def _disk_body(model_path: str, weight_version: int | str | None, flush_cache: bool) -> dict:
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)  # SGLang types it Optional[str]
+        return body
+
+    @staticmethod
     def _checksums_of(info: dict) -> dict:
         return {**info, "weight_version": _version(info.get("weight_version"))}
 
@@ -336,6 +343,13 @@ class EngineClient(_Base):
         body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,
                                  load_format, abort_all_requests)
         return (await self._request("POST", "/update_weights_from_distributed", body, retry=None)).json()
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
+                                       flush_cache: bool = True) -> dict:
+        """Load the HF checkpoint directory ``model_path`` (SGLang's ``/update_weights_from_disk``)
+        and serve it as ``weight_version``."""
+        body = self._disk_body(model_path, weight_version, flush_cache)
+        return (await self._request("POST", "/update_weights_from_disk", body, retry=None)).json()
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """Leave the weight-update group ``group_name`` (SGLang's call)."""
@@ -458,6 +472,12 @@ class SyncEngineClient(_Base):
         body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,
                                  load_format, abort_all_requests)
         return self._request("POST", "/update_weights_from_distributed", body, retry=None).json()
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
+                                 flush_cache: bool = True) -> dict:
+        """See :meth:`EngineClient.update_weights_from_disk`."""
+        body = self._disk_body(model_path, weight_version, flush_cache)
+        return self._request("POST", "/update_weights_from_disk", body, retry=None).json()
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """See :meth:`EngineClient.destroy_weights_update_group`."""

@@ -111,6 +111,6 @@ class EngineConfig(BaseModel):
     @field_validator("cpu_affinity")
     @classmethod
     def _check_affinity(cls, v: list[int] | None) -> list[int] | None:
-        from moe_async.orchestration.affinity import validate_core_list
+        from moe_async.affinity import validate_core_list
 
         return validate_core_list(v)

@@ -186,6 +186,46 @@ def local_spec_name(name: str) -> str:
     return name
 
 
+
+def gqa_heads(d: Mapping[str, Any]) -> tuple[int, int, int]:
+    """``(num_attention_heads, hidden_size, num_key_value_heads)`` of an HF config dict of a
+    GQA decoder (``num_key_value_heads`` defaults to ``num_attention_heads``).
+
+    Raises:
+        KeyError: ``num_attention_heads`` or ``hidden_size`` missing.
+        ValueError: ``num_attention_heads`` not a multiple of ``num_key_value_heads``.
+    """
+    nh, h = d["num_attention_heads"], d["hidden_size"]
+    ng = d.get("num_key_value_heads") or nh
+    if nh % ng:
+        raise ValueError(f"num_attention_heads={nh} is not a multiple of num_key_value_heads={ng}")
+    return nh, h, ng
+
+
+def decoder_fields(d: Mapping[str, Any], *, num_key_value_heads: int, head_dim: int, rms_norm_eps: float,
+                   max_position_embeddings: int) -> dict[str, Any]:
+    """The :class:`ArchArgs` fields every decoder family reads the same way from its HF config
+    dict ``d`` (``rms_norm_eps`` and ``max_position_embeddings``: the family's defaults when
+    ``d`` lacks them; ``num_key_value_heads``, ``head_dim``: as the family derives them).
+
+    Raises:
+        KeyError: ``model_type``, ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` or
+            ``num_attention_heads`` missing.
+    """
+    return dict(
+        model_type=d["model_type"],
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        num_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", rms_norm_eps)),
+        rope_theta=read_rope_theta(d),
+        max_position_embeddings=d.get("max_position_embeddings", max_position_embeddings),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )
+
 class ModelFamily(ABC):
     """One HF architecture family. Subclasses declare ``model_types``, ``rules`` and the class
     fields below; the defaults read a GQA decoder (Llama-style config fields) into
@@ -242,24 +282,13 @@ class ModelFamily(ABC):
             KeyError: a required field is missing.
         """
         d = self.read_hf_config(hf_config)
-        nh, h = d["num_attention_heads"], d["hidden_size"]
-        ng = d.get("num_key_value_heads") or nh
-        if nh % ng:
-            raise ValueError(f"num_attention_heads={nh} is not a multiple of num_key_value_heads={ng}")
+        nh, h, ng = gqa_heads(d)
         moe = self.moe_args(d)
         return ArchArgs(
-            model_type=d["model_type"],
-            vocab_size=d["vocab_size"],
-            hidden_size=h,
+            **decoder_fields(d, num_key_value_heads=ng, head_dim=d.get("head_dim") or h // nh,
+                             rms_norm_eps=self.default_rms_norm_eps,
+                             max_position_embeddings=self.default_max_position_embeddings),
             intermediate_size=d[self.intermediate_size_field],
-            num_layers=d["num_hidden_layers"],
-            num_attention_heads=nh,
-            num_key_value_heads=ng,
-            head_dim=d.get("head_dim") or h // nh,
-            rms_norm_eps=float(d.get("rms_norm_eps", self.default_rms_norm_eps)),
-            rope_theta=read_rope_theta(d),
-            max_position_embeddings=d.get("max_position_embeddings", self.default_max_position_embeddings),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             **moe,
         )
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from moe_async.errors import UserInputError, UserInputFileNotFoundError
+from moe_async.errors import UserInputError, UserInputFileNotFoundError, read_json_object
 from moe_async.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -209,12 +209,7 @@ def _check_hf_dir(p: Path) -> None:
     from moe_async.models.family import get_family
 
     cfg_path = p / "config.json"
-    try:
-        hf_cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserInputError(f"model.hf_path: cannot read {cfg_path}: {type(e).__name__}: {e}") from e
-    if not isinstance(hf_cfg, dict):
-        raise UserInputError(f"model.hf_path: {cfg_path} is not a JSON object")
+    hf_cfg = read_json_object(cfg_path, "model.hf_path")  # UserInputError naming the file
     try:
         get_family(hf_cfg.get("model_type"))
     except ValueError as e:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from moe_async.models.family import HF_LAYER as _L
 from moe_async.models.family import MG_LAYER as _M
-from moe_async.models.family import ArchArgs
+from moe_async.models.family import ArchArgs, ModelFamily
 from moe_async.models.mapping import Rule, gated_mlp_rules
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -183,3 +183,21 @@ def decoder_block_spec(family, hf_config: Any, *, use_te: bool, vp_stage: int | 
                                     virtual_pipeline_model_parallel_size=vpp)
     return get_gpt_decoder_block_spec(cfg, use_transformer_engine=use_te, normalization="RMSNorm",
                                       vp_stage=vp_stage)
+
+
+class SigmoidMoeFamily(ModelFamily):
+    """Base of the sigmoid-router MoE families (deepseek_v3, glm4_moe): transformers' fused
+    in-memory expert names (:data:`FUSED_EXPERT_NAMES`), the MoE layer scopes
+    (:func:`moe_scopes`) and the shared-expert rules skipped without shared experts
+    (:func:`skip_shared`). Their HF load also reads transformers' in-memory layout:
+    ``mlp.experts.gate_up_proj`` [E,2I,H] (gate rows first) and ``mlp.experts.down_proj``
+    [E,H,I] -> per-expert on-disk names."""
+
+    fused_expert_names = FUSED_EXPERT_NAMES
+
+    def scopes(self, a: SigmoidMoeArgs) -> dict[str, list[dict[str, int]]]:
+        return moe_scopes(a)
+
+    def skip_rule(self, r: Rule, a: SigmoidMoeArgs) -> bool:
+        """Also the shared-expert rules when the config has no shared experts."""
+        return super().skip_rule(r, a) or skip_shared(r, a)

@@ -98,7 +98,7 @@ class TrainerActor:
                  fault: tuple[str, int] | None = None):
         import torch
 
-        from moe_async.orchestration.affinity import pin_this_process
+        from moe_async.affinity import pin_this_process
 
         # trainer.cpu_affinity: before torch starts its thread pool, which inherits the mask
         pin_this_process(cfg.trainer.cpu_affinity, "trainer.cpu_affinity")
@@ -201,8 +201,8 @@ class TrainerActor:
         assert self.transport is not None, "connect_engines() first"
         # The exporter writes each tensor straight into the transport's send buffer when the
         # engines publish their layout (embedded engines), so buckets go out without packing.
-        out = getattr(self.transport, "destination", None)
-        return self.transport.send(self.trainer.export_hf_weights(out=out), self.trainer.version)
+        return self.transport.send(self.trainer.export_hf_weights(out=self.transport.destination),
+                                   self.trainer.version)
 
     def checksums(self) -> dict[str, str]:
         return self.trainer.hf_checksums()

@@ -8,11 +8,11 @@ checks but does not fit the devices is a :class:`Plan` with ``refusals`` (exit s
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_async.errors import read_json_object
 from moe_async.plan.arch import SUPPORTED, ArchError, ModelShape, model_shape
 from moe_async.plan.memory import (
     GiB,
@@ -57,12 +57,7 @@ def read_arch(model_cfg) -> tuple[dict[str, Any], str]:
                         "with model.hf_path holding config.json, or model.arch)")
     p = Path(model_cfg.hf_path) / "config.json"
     if p.is_file():
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise PlanError(f"model.hf_path: cannot read {p}: {type(e).__name__}: {e}") from e
-        if not isinstance(d, dict):
-            raise PlanError(f"model.hf_path: {p} is not a JSON object")
+        d = read_json_object(p, "model.hf_path", PlanError)  # PlanError naming the file
         for k, v in (model_cfg.arch or {}).items():
             if k in d and d[k] != v:
                 raise PlanError(f"model.arch.{k}={v!r} differs from {p}: {k}={d[k]!r} (remove it or fix it)")
@@ -153,8 +148,8 @@ def model_layout_errors(cfg, hf_dir: str) -> list[str]:
     one is left to the loader, which names it."""
     path = Path(hf_dir) / "config.json"
     try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
+        d = read_json_object(path, "model", ValueError)
+    except ValueError:
         return []
     if d.get("model_type") not in SUPPORTED:
         return []

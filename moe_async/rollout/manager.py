@@ -8,9 +8,10 @@ clients follow a duck interface::
 
 with ``output_ids``, ``output_logprobs``, ``finish_reason`` ('stop'|'length'|'abort'),
 ``weight_version``, ``output_token_weight_versions``, ``routed_experts``, ``prompt_tokens``.
-The buffer has async ``admit() -> int | None``, ``put(group)``, ``cancel([reason])``; a
-refused ``admit`` is retried after ``admit_poll_s`` seconds, or at once when the buffer sets
-``admit_waits = True`` (its ``admit`` itself waits for capacity, as the Ray proxy does).
+The buffer (:class:`moe_async.protocols.GroupBuffer`) has async ``admit() -> int | None``,
+``put(group)``, ``cancel(reason)``; a refused ``admit`` is retried after ``admit_poll_s``
+seconds, or at once when the buffer has ``admit_waits = True`` (its ``admit`` itself waits
+for capacity, as the Ray proxy does). Engines: :class:`moe_async.protocols.GenerateEngine`.
 
 Per admitted group (``run``):
 
@@ -43,7 +44,6 @@ Per admitted group (``run``):
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import time
@@ -52,6 +52,7 @@ from typing import Any
 
 from moe_async.buffer.buffer import STOPPED
 from moe_async.logging.timeline import SpanRecorder
+from moe_async.protocols import GenerateEngine, GroupBuffer
 from moe_async.rollout.config import RolloutConfig
 from moe_async.rollout.reward_streak import RewardErrorStreak, RewardFailureError
 from moe_async.types import Group, Sample
@@ -119,8 +120,8 @@ class RolloutManager:
         self,
         cfg: RolloutConfig,
         dataset: Any,
-        engine_clients: list,
-        buffer: Any,
+        engine_clients: list[GenerateEngine],
+        buffer: GroupBuffer,
         reward_pool: Any,
         eos_token_ids: list[int] | None = None,
         max_context_len: int = 2048,
@@ -146,11 +147,6 @@ class RolloutManager:
         self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
         self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source(),
                                                cfg.reward_timeout_s)
-        try:
-            params = inspect.signature(buffer.cancel).parameters
-            self._cancel_takes_reason = len(params) >= 1
-        except (TypeError, ValueError):
-            self._cancel_takes_reason = False
 
     # ================================================================== public
     async def run(self, stop_event: asyncio.Event) -> None:
@@ -168,7 +164,7 @@ class RolloutManager:
                     continue
                 version = await self.buffer.admit()
                 if version is None:
-                    if not getattr(self.buffer, "admit_waits", False):  # else admit() already waited
+                    if not self.buffer.admit_waits:  # else admit() already waited
                         await self._sleep_or_stop(stop_event, self.cfg.admit_poll_s)
                     continue
                 try:
@@ -282,10 +278,7 @@ class RolloutManager:
 
     async def _cancel(self, reason: str) -> None:
         try:
-            if self._cancel_takes_reason:
-                await self.buffer.cancel(reason)
-            else:
-                await self.buffer.cancel()
+            await self.buffer.cancel(reason)
         except Exception:  # noqa: BLE001
             log.exception("buffer.cancel failed")
 
@@ -514,8 +507,8 @@ class RolloutManager:
                 raise
             eng = self.engines[i]
             raise EngineTimeoutError(
-                f"engine {i} ({getattr(eng, 'base_url', '?')}) /generate: no reply within "
-                f"{getattr(eng, 'timeout_s', '?')} s (engine.request_timeout_s); {type(exc).__name__}: {exc}"
+                f"engine {i} ({eng.base_url}) /generate: no reply within "
+                f"{eng.timeout_s} s (engine.request_timeout_s); {type(exc).__name__}: {exc}"
             ) from exc
         finally:
             self.request_seconds_sum += time.monotonic() - t0

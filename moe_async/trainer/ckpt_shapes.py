@@ -103,7 +103,7 @@ def saved_tensor_shapes(ckpt_dir: str) -> dict[str, tuple[int, ...]]:
     ``.metadata``; the model keys as saved (a ``model.`` / ``model<v>.`` prefix, if any, dropped).
 
     Raises: FileNotFoundError / ValueError naming the file (:func:`read_torch_dist_metadata`)."""
-    from moe_async.models.convert import is_optimizer_key, read_torch_dist_metadata
+    from moe_async.megatron.dist_ckpt import is_optimizer_key, read_torch_dist_metadata
 
     md = read_torch_dist_metadata(ckpt_dir).state_dict_metadata
     out = {}
@@ -128,7 +128,7 @@ def check_checkpoint_matches_model(ckpt_dir: str, hf_config: Mapping[str, Any] |
     """
     if hf_config is None:
         return
-    from moe_async.trainer.sharding import padded_vocab_size
+    from moe_async.megatron.sharding import padded_vocab_size
 
     try:
         saved = saved_tensor_shapes(ckpt_dir)

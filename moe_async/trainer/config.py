@@ -138,9 +138,8 @@ class TrainerConfig(BaseModel):
             "0.16.1's local attention refuses packed_seq_params); without CUDA moe_async.compat."
             "thd_attention provides it. Not with context_parallel_size > 1. 'padded': each sequence a row "
             "[B, S] right-padded to the longest (at least 64), dense causal mask. 'auto': 'thd' with CUDA "
-            "and Transformer Engine (and CP 1), else 'padded'. On CPU (tools/bench_trainer.py --packing both, "
-            "demo model) thd ran at 0.95-1.00x padded's tokens/s on equal-length micro-batches and 1.09x "
-            "with variable response lengths (13% padding); set 'thd' for variable-length rollouts."
+            "and Transformer Engine (and CP 1), else 'padded'. On CPU set 'thd' for variable-length "
+            "rollouts (measurements: docs/trainer.md)."
         ),
     )
     make_vocab_size_divisible_by: int = Field(
@@ -236,7 +235,7 @@ class TrainerConfig(BaseModel):
     @field_validator("cpu_affinity")
     @classmethod
     def _check_affinity(cls, v: list[int] | None) -> list[int] | None:
-        from moe_async.orchestration.affinity import validate_core_list
+        from moe_async.affinity import validate_core_list
 
         return validate_core_list(v)
 
@@ -363,32 +362,22 @@ def _cuda_available() -> bool:
 
 
 def _have_transformer_engine() -> bool:
-    """True when ``transformer_engine`` imports (with CUDA; the TE layer spec is used)."""
-    import importlib.util
+    """True when ``transformer_engine`` imports (with CUDA; the TE layer spec is used):
+    :func:`moe_async.megatron.parallel.have_te`."""
+    from moe_async.megatron.parallel import have_te
 
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return have_te()
 
 
 def resolve_sequence_packing(packing: str, context_parallel_size: int = 1) -> str:
     """``trainer.sequence_packing`` as run: 'thd' or 'padded'. 'auto' is 'thd' with CUDA and
     Transformer Engine (TE's fused THD attention, no FLOPs on padding) and no context
-    parallelism (refused with thd), else 'padded'. On the CPU path (compat THD attention: one
-    local attention call per sequence and layer) ``tools/bench_trainer.py --packing both`` on
-    the demo model measured thd at 0.952x and (causal masks cached per length) 0.997x padded's
-    tokens/s with equal-length micro-batches (no padding to save: the demo batch's default
-    shape) and 1.093x with response lengths drawn from [4, 32] (13% of padded positions were
-    padding), median of 5 each: no gain without padding, so the CPU default stays 'padded' (the
-    path every other CPU test runs) and 'thd' is the setting for variable-length rollouts."""
+    parallelism (refused with thd), else 'padded' (on the CPU path 'thd' gains only where
+    there is padding to save: docs/trainer.md).
+
+    Raises:
+        ValueError: ``packing`` not 'auto', 'thd' or 'padded'; 'thd' with CUDA but without
+            Transformer Engine (naming ``trainer.sequence_packing``)."""
     if packing == "auto":
         gpu_thd = _cuda_available() and _have_transformer_engine() and context_parallel_size == 1
         return "thd" if gpu_thd else "padded"

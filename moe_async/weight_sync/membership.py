@@ -152,11 +152,7 @@ class GroupMembership:
             if i in skip:
                 continue
             try:
-                fn = getattr(c, "destroy_weights_update_group", None)
-                if fn is not None:
-                    fn(group_name=self.group_name)
-                else:
-                    c._request("POST", "/destroy_weights_update_group", {"group_name": self.group_name}, retry=None)
+                c.destroy_weights_update_group(group_name=self.group_name)
             except Exception as e:  # noqa: BLE001 - best effort (an engine that never joined refuses)
                 if not quiet:
                     log.warning("engine %d: destroy_weights_update_group failed: %s", i, e)

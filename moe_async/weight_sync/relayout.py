@@ -96,9 +96,9 @@ def whole_tensors(models: Sequence[torch.nn.Module], vocab_size: int) -> dict[st
     """``{1-process Megatron name: (parameter or buffer, vocab rows or None)}`` when this
     rank holds every tensor of the model whole (one model chunk, each name's shards all from
     one local tensor of the full shape: TP = PP = EP = 1, one process); None otherwise.
-    Vocab tensors (:data:`~moe_async.trainer.sharding.VOCAB_PARAMS`) may hold Megatron's
+    Vocab tensors (:data:`~moe_async.megatron.sharding.VOCAB_PARAMS`) may hold Megatron's
     padded rows after the ``vocab_size`` HF rows."""
-    from moe_async.trainer.sharding import VOCAB_PARAMS, local_pieces
+    from moe_async.megatron.sharding import VOCAB_PARAMS, local_pieces
 
     if len(models) != 1:
         return None

@@ -42,14 +42,14 @@ import abc
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from moe_async.protocols import WeightReceiver
 from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
@@ -62,21 +62,6 @@ from moe_async.weight_sync.packing import (  # noqa: F401 - re-exported (callers
 )
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port on ``host`` (bound and released)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _post(client: Any, path: str, body: dict) -> dict:
-    """POST ``body`` to an engine endpoint the client has no method for (no retries)."""
-    fn = getattr(client, path.strip("/"), None)
-    if fn is not None:
-        return fn(**body)
-    return client._request("POST", path, body, retry=None).json()
 
 
 class WeightTransport(abc.ABC):
@@ -93,6 +78,12 @@ class WeightTransport(abc.ABC):
         Returns metrics: ``sync/bytes`` (bytes), ``sync/seconds`` (s), ``sync/gbps``
         (GB/s), ``sync/pause_seconds`` (s engines were paused), ``sync/buckets``.
         """
+
+    #: ``destination(hf_name, shape, dtype) -> Tensor | None``: where the exporter may write a
+    #: tensor so that :meth:`send` sends it without a copy (the trainer's ``export_hf_weights(out=)``);
+    #: None on a transport without a send buffer (the exporter allocates every tensor).
+    #: :meth:`BroadcastTransport.destination` is one.
+    destination: Callable[[str, Sequence[int], torch.dtype], torch.Tensor | None] | None = None
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release per-connection resources (a later connect() may follow)."""
@@ -124,7 +115,7 @@ class BroadcastTransport(WeightTransport):
 
     def __init__(
         self,
-        clients: Sequence[Any],
+        clients: Sequence[WeightReceiver],
         cfg: WeightSyncConfig,
         *,
         pause_mode: str = "abort",
@@ -242,9 +233,8 @@ class BroadcastTransport(WeightTransport):
         (SGLang has no ``/weights_layout``: the exporter's order is kept)."""
         layouts = []
         for c in self.clients:
-            fn = getattr(c, "weights_layout", None)
             try:
-                layouts.append(fn() if fn is not None else None)
+                layouts.append(c.weights_layout())
             except Exception as e:  # noqa: BLE001 - an optional extension: fall back to export order
                 log.info("weights_layout unavailable (%s); sending in export order", e)
                 return None
@@ -252,12 +242,13 @@ class BroadcastTransport(WeightTransport):
             return None
         return layouts[0]
 
-    def _on_posters(self, method: str, skip: set[int] = frozenset(), **kw: Any) -> list[tuple[int, Any]]:
-        """Queue ``client.<method>(**kw)`` on every engine's poster thread (but those in
+    def _on_posters(self, call_engine: Callable[[WeightReceiver], Any],
+                    skip: set[int] = frozenset()) -> list[tuple[int, Any]]:
+        """Queue ``call_engine(client)`` on every engine's poster thread (but those in
         ``skip``), after what is already queued there (so it reaches each engine in order
         with the bucket calls); each future gives ``(reply, perf_counter() at the reply)``."""
-        def call(c: Any) -> tuple[Any, float]:
-            r = getattr(c, method)(**kw)
+        def call(c: WeightReceiver) -> tuple[Any, float]:
+            r = call_engine(c)
             return r, time.perf_counter()
 
         return [(i, self._posters[i].submit(call, c)) for i, c in enumerate(self.clients) if i not in skip]
@@ -282,7 +273,7 @@ class BroadcastTransport(WeightTransport):
                 r = {"success": False, "message": str(e)}
             if isinstance(r, dict) and r.get("success") is False and "already open" in str(r.get("message")):
                 log.warning("weight sync: a weight-update session was left open on %s; closing it first",
-                            getattr(c, "base_url", c))
+                            c.base_url)
                 c.end_weight_update()
                 r = c.begin_weight_update(atomic=True)
             return r, time.perf_counter()
@@ -357,7 +348,7 @@ class BroadcastTransport(WeightTransport):
         try:
             if whole:  # in flight while the exporter makes the first bucket (below)
                 t_paused = time.perf_counter()
-                pauses = self._on_posters("pause_generation", mode=self.pause_mode)
+                pauses = self._on_posters(lambda c: c.pause_generation(mode=self.pause_mode))
             begins = self._begin_on_posters()  # SGLang 0.5.23 refuses updates outside a session
             buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
                                      pool=self._pack_pool, device=self.device)
@@ -365,7 +356,7 @@ class BroadcastTransport(WeightTransport):
             for bucket, flat, last in buckets:
                 if last and not pauses:  # pause_scope=last_bucket: engines stage until here
                     t_paused = time.perf_counter()
-                    pauses = self._on_posters("pause_generation", mode=self.pause_mode)
+                    pauses = self._on_posters(lambda c: c.pause_generation(mode=self.pause_mode))
                 if pauses and not paused_ok:  # every engine paused before this bucket's POST
                     self._replies(pauses, "pause_generation")
                     paused_ok = True
@@ -395,7 +386,7 @@ class BroadcastTransport(WeightTransport):
                 if last:  # each poster sends them right after its engine's versioned reply
                     ends = self._end_on_posters()
                     if pauses:
-                        resumes = self._on_posters("continue_generation")
+                        resumes = self._on_posters(lambda c: c.continue_generation())
                 tb = time.perf_counter()
                 broadcasting = True
                 group_broadcast(self.group, flat, src=0)
@@ -440,7 +431,7 @@ class BroadcastTransport(WeightTransport):
             if pauses:  # also after a failure: a paused engine must not stay paused
                 if not resumes:  # (not to an engine whose pause request itself raised: gone)
                     gone = {i for i, f in pauses if f.done() and not f.cancelled() and f.exception() is not None}
-                    resumes = self._on_posters("continue_generation", skip=gone)
+                    resumes = self._on_posters(lambda c: c.continue_generation(), skip=gone)
                 try:
                     t_resumed = self._replies(resumes, "continue_generation")
                 except Exception as e:  # noqa: BLE001
@@ -486,7 +477,7 @@ class DiskTransport(WeightTransport):
     the engines confirm. Engines apply the whole directory atomically.
     """
 
-    def __init__(self, clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort"):
+    def __init__(self, clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort"):
         self.clients = list(clients)
         self.cfg = cfg
         self.pause_mode = pause_mode
@@ -525,8 +516,8 @@ class DiskTransport(WeightTransport):
             c.pause_generation(mode=self.pause_mode)
         t_paused = time.perf_counter()
         try:
-            body = {"model_path": path, "weight_version": str(weight_version), "flush_cache": True}
-            futs = [self._pool.submit(_post, c, "/update_weights_from_disk", body) for c in self.clients]
+            futs = [self._pool.submit(c.update_weights_from_disk, model_path=path, weight_version=str(weight_version),
+                                      flush_cache=True) for c in self.clients]
             for i, f in enumerate(futs):
                 BroadcastTransport._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_disk")
         finally:

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
 
 import torch  # noqa: E402
+from _routes import hf_logprobs_and_routes, megatron_logprobs_and_routes  # noqa: E402
 from _tiny_deepseek_v3 import make_tiny_deepseek_v3  # noqa: E402
 from _trainer_checks import samples  # noqa: E402
 
@@ -27,39 +28,11 @@ def hf_run(path, ss):
     sets and weights of every token."""
     from transformers import DeepseekV3ForCausalLM
 
-    m = DeepseekV3ForCausalLM.from_pretrained(path).eval()
-    routes: list = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda mod, i, o, k=k: routes.append((k, o[2], o[1])))
-        for k, layer in enumerate(m.model.layers)
-        if hasattr(layer.mlp, "gate")
-    ]
-    lps, rts = [], []
-    with torch.no_grad():
-        for s in ss:
-            routes.clear()
-            ids = s.prompt_ids + s.response_ids
-            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-            P = len(s.prompt_ids)
-            lps.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
-            rts.append({k: (idx.clone(), w.clone()) for k, idx, w in routes})
-    for h in hooks:
-        h.remove()
-    return lps, rts
+    return hf_logprobs_and_routes(DeepseekV3ForCausalLM.from_pretrained(path).eval(), ss)
 
 
 def megatron_routes(tr, ss):
-    routes: list = []
-    hooks = [
-        layer.mlp.router.register_forward_hook(lambda mod, i, o, k=k: routes.append((k, o[0].detach().clone(), o[1].clone())))
-        for k, layer in enumerate(tr.model.decoder.layers)
-        if hasattr(layer.mlp, "router")
-    ]
-    mine = tr.compute_logprobs(ss)  # micro_batch_size=1: one forward per sample, in order
-    for h in hooks:
-        h.remove()
-    per_sample = [routes[i * 2 : (i + 1) * 2] for i in range(len(ss))]  # 2 MoE layers
-    return mine, [{k: (probs, rmap) for k, probs, rmap in r} for r in per_sample]
+    return megatron_logprobs_and_routes(tr, ss, moe_layers=2)
 
 
 def main(tmp: str) -> None:
@@ -173,21 +146,7 @@ def main(tmp: str) -> None:
 
 
 def hf_run_model(m, ss):
-    routes: list = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda mod, i, o, k=k: routes.append((k, o[2], o[1])))
-        for k, layer in enumerate(m.model.layers)
-        if hasattr(layer.mlp, "gate")
-    ]
-    rts = []
-    with torch.no_grad():
-        for s in ss:
-            routes.clear()
-            m(torch.tensor([s.prompt_ids + s.response_ids]))
-            rts.append({k: (idx.clone(), w.clone()) for k, idx, w in routes})
-    for h in hooks:
-        h.remove()
-    return None, rts
+    return None, hf_logprobs_and_routes(m, ss)[1]
 
 
 if __name__ == "__main__":

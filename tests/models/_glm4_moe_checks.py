@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+from _routes import hf_logprobs_and_routes, megatron_logprobs_and_routes  # noqa: E402
 from _tiny_glm4_moe import make_tiny_glm4_moe  # noqa: E402
 
 from moe_async.trainer.config import TrainerConfig  # noqa: E402
@@ -40,32 +41,11 @@ def samples(seed: int = 0) -> list[Sample]:
 
 def hf_run(m, ss):
     """HF logprobs of the response tokens and, per sample, per MoE layer, (indices, weights)."""
-    routes: list = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, i, o, k=k: routes.append((k, o[2], o[1])))
-             for k, layer in enumerate(m.model.layers) if hasattr(layer.mlp, "gate")]
-    lps, rts = [], []
-    with torch.no_grad():
-        for s in ss:
-            routes.clear()
-            ids = s.prompt_ids + s.response_ids
-            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-            P = len(s.prompt_ids)
-            lps.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
-            rts.append({k: (idx.clone(), w.clone()) for k, idx, w in routes})
-    for h in hooks:
-        h.remove()
-    return lps, rts
+    return hf_logprobs_and_routes(m, ss)
 
 
 def megatron_routes(tr, ss):
-    routes: list = []
-    hooks = [layer.mlp.router.register_forward_hook(
-        lambda mod, i, o, k=k: routes.append((k, o[0].detach().clone(), o[1].clone())))
-        for k, layer in enumerate(tr.model.decoder.layers) if hasattr(layer.mlp, "router")]
-    mine = tr.compute_logprobs(ss)  # micro_batch_size=1: one forward per sample, in order
-    for h in hooks:
-        h.remove()
-    return mine, [{k: (p, r) for k, p, r in routes[i: i + 1]} for i in range(len(ss))]  # 1 MoE layer
+    return megatron_logprobs_and_routes(tr, ss, moe_layers=1)
 
 
 def maxdiff(a, b) -> float:

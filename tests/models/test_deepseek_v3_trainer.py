@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from _launch import run_json
+from _launch import cpu_check_json
 
 HERE = os.path.dirname(__file__)
 VARIANTS = ["qlora", "noqlora"]  # q_lora_rank=32 untied head / q_lora_rank=None tied
@@ -16,10 +15,8 @@ VARIANTS = ["qlora", "noqlora"]  # q_lora_rank=32 untied head / q_lora_rank=None
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU/gloo checks")
     pytest.importorskip("megatron.core")
-    return run_json(os.path.join(HERE, "_deepseek_v3_checks.py"), str(tmp_path_factory.mktemp("ds3")), timeout=300)
+    return cpu_check_json(os.path.join(HERE, "_deepseek_v3_checks.py"), str(tmp_path_factory.mktemp("ds3")), timeout=300)
 
 
 @pytest.mark.parametrize("v", VARIANTS)

@@ -17,13 +17,12 @@ deepseek_v3 at TP2+SP still has the right loss but the wrong grad norm.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from _launch import free_port as _port
+from _launch import merged_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -46,13 +45,8 @@ def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("family_layouts"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], 300)}
     for n, cases in ((2, W2), (4, W4)):
-        times[f"w{n}"] = _run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                               "--master_addr=127.0.0.1", f"--master_port={_port()}", SCRIPT, "run", tmp,
-                               os.path.join(tmp, f"w{n}.json"), *cases], 400)
-    out = {}
-    for name in ("ref", "w2", "w4"):
-        with open(os.path.join(tmp, f"{name}.json")) as f:
-            out.update(json.load(f))
+        times[f"w{n}"] = torchrun(n, SCRIPT, "run", tmp, os.path.join(tmp, f"w{n}.json"), *cases, timeout=400)
+    out = merged_json(tmp, "ref", "w2", "w4")
     print("family layout wall times (s):", times)
     return out
 

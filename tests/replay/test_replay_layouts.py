@@ -20,13 +20,12 @@ replay OFF as well (outside replay; the routes themselves are replayed on 100% o
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from _launch import free_port as _port
+from _launch import merged_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -51,13 +50,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layo
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("replay_layouts"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
-    times["w2"] = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        "--master_addr=127.0.0.1", f"--master_port={_port()}", SCRIPT, "run", tmp,
-                        os.path.join(tmp, "w2.json"), *LAYOUTS], timeout=400)
-    out = {}
-    for name in ("ref", "w2"):
-        with open(os.path.join(tmp, f"{name}.json")) as f:
-            out.update(json.load(f))
+    times["w2"] = torchrun(2, SCRIPT, "run", tmp, os.path.join(tmp, "w2.json"), *LAYOUTS, timeout=400)
+    out = merged_json(tmp, "ref", "w2")
     out["times"] = times
     print("replay layout check wall times (s):", times)
     return out

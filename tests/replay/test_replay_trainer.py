@@ -8,17 +8,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from _launch import run_json
+from _launch import cpu_check_json
 
 HERE = os.path.dirname(__file__)
 
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU/gloo checks")
-    return run_json(os.path.join(HERE, "_replay_checks.py"), str(tmp_path_factory.mktemp("rc")), timeout=300)
+    return cpu_check_json(os.path.join(HERE, "_replay_checks.py"), str(tmp_path_factory.mktemp("rc")), timeout=300)
 
 
 def test_routes_differ_without_replay(res):

@@ -38,6 +38,8 @@ class SegEngine:
 
 
 class _Buf:
+    admit_waits = False
+
     async def cancel(self, reason: str = "") -> None:  # unused here
         pass
 

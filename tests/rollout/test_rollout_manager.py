@@ -33,6 +33,8 @@ class FakeEngine:
     """Scripted engine: each call pops ``(n_tokens, finish_reason, version)`` from the
     script; without a script it answers ``answer_ids + [EOS]`` at ``version``."""
 
+    base_url, timeout_s = "fake://engine", 600.0
+
     def __init__(self, script: list[tuple[int, str, int]] | None = None, version: int = 0,
                  answer_ids: list[int] | None = None, empty_for_prompt_len: int | None = None,
                  context_len: int | None = None):
@@ -66,6 +68,8 @@ class FakeEngine:
 
 class FakeBuffer:
     """Admits ``capacity`` groups at ``version``, then refuses."""
+
+    admit_waits = False
 
     def __init__(self, capacity: int, version: int = 3):
         self.capacity = capacity

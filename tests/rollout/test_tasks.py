@@ -142,6 +142,8 @@ def test_manager_end_to_end_real_task(tokenizer) -> None:
     eng = OracleEngine(tokenizer, answers)
 
     class Buf:
+        admit_waits = False
+
         def __init__(self):
             self.n, self.groups = 0, []
 
@@ -152,7 +154,7 @@ def test_manager_end_to_end_real_task(tokenizer) -> None:
         async def put(self, g):
             self.groups.append(g)
 
-        async def cancel(self):
+        async def cancel(self, reason: str = "cancelled"):
             raise AssertionError("nothing should be cancelled")
 
     buf = Buf()

@@ -10,13 +10,12 @@ error cases), ONE 2-process torchrun for every EP2 / TP2 conversion (both direct
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from _launch import free_port as _port
+from _launch import merged_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -33,13 +32,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo conv
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("convert"))
     times = {"prep": _run([sys.executable, SCRIPT, "prep", tmp], timeout=300)}
-    times["w2"] = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        "--master_addr=127.0.0.1", f"--master_port={_port()}", SCRIPT, "w2", tmp], timeout=400)
+    times["w2"] = torchrun(2, SCRIPT, "w2", tmp, timeout=400)
     times["final"] = _run([sys.executable, SCRIPT, "final", tmp], timeout=300)
-    out = {}
-    for name in ("prep", "final"):
-        with open(os.path.join(tmp, f"{name}.json")) as f:
-            out.update(json.load(f))
+    out = merged_json(tmp, "prep", "final")
     out["times"] = times
     print("conversion check wall times (s):", times)
     return out

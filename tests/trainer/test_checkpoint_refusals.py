@@ -11,12 +11,11 @@ ValueError / OSError after the weights had changed.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from _launch import torchrun
+from _launch import merged_json, torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_checkpoint_refusal_checks.py")
@@ -29,8 +28,7 @@ def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ckrefuse"))
     out = os.path.join(tmp, "out.json")
     torchrun(2, SCRIPT, tmp, out, timeout=400)
-    with open(out) as f:
-        r = json.load(f)
+    r = merged_json(tmp, "out")
     r["tmp"] = tmp
     return r
 

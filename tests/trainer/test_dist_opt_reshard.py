@@ -12,12 +12,11 @@ took the step it had before the load (1) instead of the saved one (compat mend 1
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from _launch import torchrun
+from _launch import merged_json, torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_dist_opt_reshard_checks.py")
@@ -31,8 +30,7 @@ def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("doreshard"))
     out = os.path.join(tmp, "out.json")
     torchrun(2, SCRIPT, tmp, out, timeout=400)
-    with open(out) as f:
-        return json.load(f)
+    return merged_json(tmp, "out")
 
 
 def _rel(a: float, b: float) -> float:

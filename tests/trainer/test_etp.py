@@ -15,13 +15,12 @@ the second step, mixtral EP2+ETP2), logprobs within 7.6e-6.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from _launch import free_port as _port
+from _launch import merged_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -41,13 +40,8 @@ def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("etp"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
     out_path = os.path.join(tmp, "w4.json")
-    times["w4"] = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-                        "--master_addr=127.0.0.1", f"--master_port={_port()}", SCRIPT, "run", tmp, out_path,
-                        *CASES, "ckpt", "refuse"], timeout=400)
-    out = {}
-    for name in ("ref.json", "w4.json"):
-        with open(os.path.join(tmp, name)) as f:
-            out.update(json.load(f))
+    times["w4"] = torchrun(4, SCRIPT, "run", tmp, out_path, *CASES, "ckpt", "refuse", timeout=400)
+    out = merged_json(tmp, "ref", "w4")
     out["times"] = times
     print("ETP check wall times (s):", times)
     return out

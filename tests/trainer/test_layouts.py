@@ -26,13 +26,12 @@ THD; R3 with THD replays every real row in the packed order.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from _launch import free_port as _port
+from _launch import merged_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -69,9 +68,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layo
 
 
 def _torchrun(n: int, tmp: str, out: str, layouts: list[str]) -> float:
-    return _run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                 "--master_addr=127.0.0.1", f"--master_port={_port()}", SCRIPT, "run", tmp, out, *layouts],
-                timeout=400)
+    return torchrun(n, SCRIPT, "run", tmp, out, *layouts, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +79,7 @@ def res(tmp_path_factory):
                             [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2])
     times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=120)
     times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4])
-    out = {}
-    for name in ("ref", "w2", "w4", "cpck_load"):
-        with open(os.path.join(tmp, f"{name}.json")) as f:
-            out.update(json.load(f))
+    out = merged_json(tmp, "ref", "w2", "w4", "cpck_load")
     out["times"] = times
     print("layout check wall times (s):", times)
     return out
@@ -253,12 +247,9 @@ def test_cp_logprobs_equal_one_process_per_token(res, layout):
     assert max(abs(a - b) for x, y in zip(got["logp_all"], ref["logp_all"]) for a, b in zip(x, y)) <= tol
 
 
-def test_cp_router_replay_r3(res):
-    """R3 at CP2 (tie0, engine routes on the long samples): every real token row of every MoE
-    layer is routed to the engine's experts on the CP rank holding it (rows replayed equal the
-    1-process count, each checked once: agree == checked == expected), and the step's loss,
-    grad norm and routing agreement equal 1 process."""
-    got, ref = res["r3cp"], res["r3_ref"]
+def _assert_r3_as_reference(got: dict, ref: dict) -> None:
+    """R3 replayed every real token row (agree == checked == expected, the reference's count)
+    and each step's token count, routing agreement, loss and grad norm equal the reference's."""
     for g, r in zip(got["routes"], ref["routes"]):
         assert g["agree"] == g["checked"] == g["expected"] == r["agree"] == r["checked"] > 0
     for g, r in zip(got["steps"], ref["steps"]):
@@ -266,6 +257,15 @@ def test_cp_router_replay_r3(res):
         assert g["routing_agreement"] == pytest.approx(r["routing_agreement"], abs=1e-12)
         for k in ("loss", "grad_norm"):
             assert _rel(g[k], r[k]) <= REL, (k, g[k], r[k])
+
+
+def test_cp_router_replay_r3(res):
+    """R3 at CP2 (tie0, engine routes on the long samples): every real token row of every MoE
+    layer is routed to the engine's experts on the CP rank holding it (rows replayed equal the
+    1-process count, each checked once: agree == checked == expected), and the step's loss,
+    grad norm and routing agreement equal 1 process."""
+    got, ref = res["r3cp"], res["r3_ref"]
+    _assert_r3_as_reference(got, ref)
 
 
 def test_cp_checkpoint_loads_at_one_process(res):
@@ -322,13 +322,7 @@ def test_thd_router_replay_r3(res):
     checked == expected, the padded run's count), and loss, grad norm and routing agreement
     equal the padded R3 run."""
     got, ref = res["r3_thd"], res["r3_ref"]
-    for g, r in zip(got["routes"], ref["routes"]):
-        assert g["agree"] == g["checked"] == g["expected"] == r["agree"] == r["checked"] > 0
-    for g, r in zip(got["steps"], ref["steps"]):
-        assert g["num_tokens"] == r["num_tokens"]
-        assert g["routing_agreement"] == pytest.approx(r["routing_agreement"], abs=1e-12)
-        for k in ("loss", "grad_norm"):
-            assert _rel(g[k], r[k]) <= REL, (k, g[k], r[k])
+    _assert_r3_as_reference(got, ref)
 
 
 @pytest.mark.parametrize("layout", [x for x in TH2 if "pp2" in x])

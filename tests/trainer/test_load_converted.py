@@ -6,12 +6,11 @@ checkpoint directly. One 2-process torchrun (see _load_converted_checks.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from _launch import torchrun
+from _launch import merged_json, torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_load_converted_checks.py")
@@ -23,8 +22,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo chec
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("load_converted"))
     torchrun(2, SCRIPT, tmp, timeout=300)
-    with open(os.path.join(tmp, "load_converted.json")) as f:
-        return json.load(f)
+    return merged_json(tmp, "load_converted")
 
 
 def test_converted_checkpoint_is_model_only(res):

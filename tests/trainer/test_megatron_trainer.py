@@ -6,17 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from _launch import run_json
+from _launch import cpu_check_json
 
 HERE = os.path.dirname(__file__)
 
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU/gloo checks")
-    return run_json(os.path.join(HERE, "_trainer_checks.py"), str(tmp_path_factory.mktemp("tc")), timeout=240)
+    return cpu_check_json(os.path.join(HERE, "_trainer_checks.py"), str(tmp_path_factory.mktemp("tc")), timeout=240)
 
 
 @pytest.mark.parametrize("tie", [True, False])

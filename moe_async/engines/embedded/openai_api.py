@@ -169,13 +169,29 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
         except ValueError:
             raise RequestError("the body is not valid JSON") from None
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def answer(request: Request, fields: frozenset, route: str, handler) -> Any:
+        """``handler(body)`` for a request whose JSON body passes :func:`_check_fields`; a
+        :class:`RequestError` from either is SGLang's 400 ``ErrorResponse``."""
         try:
-            body = _check_fields(await body_of(request), COMPLETION_FIELDS, "/v1/completions")
-            return await _completions(body)
+            return await handler(_check_fields(await body_of(request), fields, route))
         except RequestError as e:
             return error_response(str(e))
+
+    def pass_through(body: dict, g: dict[str, Any]) -> None:
+        """The SGLang request fields both /v1 routes hand to ``/generate`` as given."""
+        for k in ("rid", "return_routed_experts", "routed_experts_start_len"):
+            if body.get(k) is not None:
+                g[k] = body[k]
+
+    def with_routes(out: dict, body: dict, rets: list) -> dict:
+        """``out`` with SGLang's ``sglext.routed_experts`` when the body asked for them."""
+        if body.get("return_routed_experts"):
+            out["sglext"] = {"routed_experts": rets[0]["meta_info"]["routed_experts"]}
+        return out
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, COMPLETION_FIELDS, "/v1/completions", _completions)
 
     async def _completions(body: dict) -> dict:
         prompt = body.get("prompt")
@@ -194,9 +210,7 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
             g.update(return_logprob=True, top_logprobs_num=int(logprobs), return_text_in_logprobs=True)
             if echo:
                 g["logprob_start_len"] = 0
-        for k in ("rid", "return_routed_experts", "routed_experts_start_len"):
-            if body.get(k) is not None:
-                g[k] = body[k]
+        pass_through(body, g)
         if body.get("return_token_ids"):
             g["return_prompt_token_ids"] = True
         rets = _listify(await generate(g))
@@ -217,17 +231,11 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
             choices.append(c)
         out = {"id": rets[0]["meta_info"]["id"], "object": "text_completion", "created": int(time.time()),
                "model": body.get("model", "default"), "choices": choices, "usage": _usage(rets, n)}
-        if body.get("return_routed_experts"):
-            out["sglext"] = {"routed_experts": rets[0]["meta_info"]["routed_experts"]}
-        return out
+        return with_routes(out, body, rets)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = _check_fields(await body_of(request), CHAT_FIELDS, "/v1/chat/completions")
-            return await _chat(body)
-        except RequestError as e:
-            return error_response(str(e))
+        return await answer(request, CHAT_FIELDS, "/v1/chat/completions", _chat)
 
     async def _chat(body: dict) -> dict:
         ids = chat_prompt_ids(tokenizer, body.get("messages"))
@@ -238,9 +246,7 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
                      return_text_in_logprobs=True)
         elif body.get("top_logprobs"):
             raise RequestError("top_logprobs needs logprobs=true")
-        for k in ("rid", "return_routed_experts", "routed_experts_start_len"):
-            if body.get(k) is not None:
-                g[k] = body[k]
+        pass_through(body, g)
         rets = _listify(await generate(g))
         choices = []
         for i, r in enumerate(rets):
@@ -254,6 +260,4 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
         out = {"id": rets[0]["meta_info"]["id"] if body.get("rid") else uuid.uuid4().hex,
                "object": "chat.completion", "created": int(time.time()), "model": body.get("model", "default"),
                "choices": choices, "usage": _usage(rets, int(body.get("n") or 1))}
-        if body.get("return_routed_experts"):
-            out["sglext"] = {"routed_experts": rets[0]["meta_info"]["routed_experts"]}
-        return out
+        return with_routes(out, body, rets)

@@ -76,20 +76,17 @@ from moe_async.models.family import (
     HF_LAYER as _L,
     MG_LAYER as _M,
     ArchArgs,
-    ModelFamily,
-    read_rope_theta,
+    decoder_fields,
     register_family,
 )
 from moe_async.models.mapping import Rule
 from moe_async.models.sigmoid_moe import (
-    FUSED_EXPERT_NAMES,
     SigmoidMoeArgs,
+    SigmoidMoeFamily,
     decoder_block_spec,
-    moe_scopes,
     read_sigmoid_moe,
     sigmoid_moe_kwargs,
     sigmoid_moe_rules,
-    skip_shared,
 )
 
 _A = _L + "self_attn."
@@ -170,9 +167,9 @@ class DeepseekV3Args(SigmoidMoeArgs):
     rope_interleave: bool = True
 
 
-class DeepseekV3Family(ModelFamily):
-    """Also reads transformers' in-memory layout: ``mlp.experts.gate_up_proj`` [E,2I,H]
-    (gate rows first) and ``mlp.experts.down_proj`` [E,H,I] -> per-expert on-disk names."""
+class DeepseekV3Family(SigmoidMoeFamily):
+    """DeepSeek-V3: MLA attention, first-k dense layers, sigmoid router with expert bias (see
+    the module docstring and :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
 
     model_types = ("deepseek_v3",)
     display_name = "DeepSeek-V3"
@@ -184,7 +181,6 @@ class DeepseekV3Family(ModelFamily):
         "topk_method": "noaux_tc",  # original DeepSeek remote-code configs
         "scoring_func": "sigmoid",
     }
-    fused_expert_names = FUSED_EXPERT_NAMES
 
     def arch_args(self, hf_config: Any) -> DeepseekV3Args:
         """Read and validate a DeepSeek-V3 HF config.
@@ -194,19 +190,10 @@ class DeepseekV3Family(ModelFamily):
             KeyError: a required field is missing.
         """
         d = self.read_hf_config(hf_config)
-        nh, h = d["num_attention_heads"], d["hidden_size"]
         return DeepseekV3Args(
-            model_type=d["model_type"],
-            vocab_size=d["vocab_size"],
-            hidden_size=h,
-            num_layers=d["num_hidden_layers"],
-            num_attention_heads=nh,
-            num_key_value_heads=nh,
-            head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=read_rope_theta(d),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **decoder_fields(d, num_key_value_heads=d["num_attention_heads"],  # MLA: no query groups
+                             head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"], rms_norm_eps=1e-6,
+                             max_position_embeddings=4096),
             q_lora_rank=d.get("q_lora_rank"),
             kv_lora_rank=d["kv_lora_rank"],
             qk_nope_head_dim=d["qk_nope_head_dim"],
@@ -226,12 +213,8 @@ class DeepseekV3Family(ModelFamily):
         return {
             "q_lora": every if a.q_lora_rank is not None else [],
             "q_full": every if a.q_lora_rank is None else [],
-            **moe_scopes(a),
+            **super().scopes(a),
         }
-
-    def skip_rule(self, r: Rule, a: DeepseekV3Args) -> bool:
-        """Also the shared-expert rules when the config has no shared experts."""
-        return super().skip_rule(r, a) or skip_shared(r, a)
 
     # ---- Megatron model ------------------------------------------------------------------
     def config_class(self) -> type:

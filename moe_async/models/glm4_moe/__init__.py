@@ -64,24 +64,23 @@ from moe_async.models.family import (
     FINAL_RULES,
     HF_LAYER as _L,
     MG_LAYER as _M,
-    ModelFamily,
     Tensor,
     gqa_attention_rules,
+    decoder_fields,
+    gqa_heads,
     qkv_fuse,
     qkv_split,
-    read_rope_theta,
     register_family,
 )
 from moe_async.models.mapping import Rule, expand
 from moe_async.models.sigmoid_moe import (
-    FUSED_EXPERT_NAMES,
     SigmoidMoeArgs,
+    SigmoidMoeFamily,
     decoder_block_spec,
     moe_scopes,
     read_sigmoid_moe,
     sigmoid_moe_kwargs,
     sigmoid_moe_rules,
-    skip_shared,
 )
 
 log = logging.getLogger(__name__)
@@ -147,9 +146,10 @@ def read_partial_rotary(d: Mapping[str, Any], head_dim: int) -> float:
     return f
 
 
-class Glm4MoeFamily(ModelFamily):
-    """Also reads transformers' in-memory layout: ``mlp.experts.gate_up_proj`` [E,2I,H]
-    (gate rows first) and ``mlp.experts.down_proj`` [E,H,I] -> per-expert on-disk names."""
+class Glm4MoeFamily(SigmoidMoeFamily):
+    """GLM-4.5: GQA attention with q/k/v bias, partial rotary, first-k dense layers, MTP
+    layers on disk (see the module docstring and
+    :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
 
     model_types = ("glm4_moe",)
     display_name = "GLM-4.5"
@@ -158,7 +158,6 @@ class Glm4MoeFamily(ModelFamily):
         "norm_topk_prob": True,
         "pretraining_tp": (None, 1),
     }
-    fused_expert_names = FUSED_EXPERT_NAMES
 
     def __init__(self) -> None:
         self._mtp_logged: set[str] = set()
@@ -172,24 +171,11 @@ class Glm4MoeFamily(ModelFamily):
             KeyError: a required field is missing.
         """
         d = self.read_hf_config(hf_config)
-        nh, h = d["num_attention_heads"], d["hidden_size"]
-        ng = d.get("num_key_value_heads") or nh
-        if nh % ng:
-            raise ValueError(f"num_attention_heads={nh} is not a multiple of num_key_value_heads={ng}")
+        nh, h, ng = gqa_heads(d)
         hd = d.get("head_dim") or h // nh
         mtp = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0
         return Glm4MoeArgs(
-            model_type=d["model_type"],
-            vocab_size=d["vocab_size"],
-            hidden_size=h,
-            num_layers=d["num_hidden_layers"],
-            num_attention_heads=nh,
-            num_key_value_heads=ng,
-            head_dim=hd,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=read_rope_theta(d),
-            max_position_embeddings=d.get("max_position_embeddings", 131072),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **decoder_fields(d, num_key_value_heads=ng, head_dim=hd, rms_norm_eps=1e-5, max_position_embeddings=131072),
             rotary_percent=read_partial_rotary(d, hd),
             attention_bias=bool(d.get("attention_bias", False)),
             qk_norm=bool(d.get("use_qk_norm", False)),
@@ -201,13 +187,10 @@ class Glm4MoeFamily(ModelFamily):
         return GLM4_MOE_RULES
 
     # ---- mapping -------------------------------------------------------------------------
-    def scopes(self, a: Glm4MoeArgs) -> dict[str, list[dict[str, int]]]:
-        return moe_scopes(a)
-
     def skip_rule(self, r: Rule, a: Glm4MoeArgs) -> bool:
         """Also the shared-expert rules without shared experts, the qkv bias without
         ``attention_bias`` and the q/k norms without ``use_qk_norm``."""
-        return (super().skip_rule(r, a) or skip_shared(r, a) or (r is _QKV_BIAS and not a.attention_bias)
+        return (super().skip_rule(r, a) or (r is _QKV_BIAS and not a.attention_bias)
                 or (r.megatron in _QK_NORM and not a.qk_norm))
 
     def mtp_hf_keys(self, a: Glm4MoeArgs) -> tuple[str, ...]:

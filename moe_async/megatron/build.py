@@ -1,0 +1,101 @@
+"""Megatron-Core model chunks from a model family, an HF config and the current parallel state.
+
+:func:`model_chunks` is the one place a ``GPTModel`` is constructed (trainer and converters):
+the family's layer spec (TE spec with CUDA + Transformer Engine, else the local spec), one
+chunk per virtual pipeline stage (Megatron-LM's ``get_model``: chunk ``v`` holds the layers of
+``get_transformer_layer_offset(config, vp_stage=v)``; the first stage's chunk 0 embeds, the
+last stage's last chunk has the output layer), logits gathered over TP (``parallel_output=False``:
+``[B, S, V_padded]`` on every TP rank). :func:`build_model` is the converters' one-chunk build
+at TP/PP/EP with the vocab padded as the trainer pads it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from moe_async.megatron.parallel import have_te
+from moe_async.models import get_family, hf_config_dict
+
+# Megatron-Core's default make_vocab_size_divisible_by (Megatron-LM); only the stored shape
+# depends on it, the HF tensors never (padding rows are zeros, dropped on export).
+DEFAULT_VOCAB_DIV = 128
+
+
+def model_chunks(family: Any, hf_config: dict[str, Any], tf_config: Any, gpt_kwargs: dict[str, Any], *,
+                 vpp: int | None = None, wrap_spec: Callable[[Any], Any] = lambda spec: spec) -> list:
+    """This PP rank's ``GPTModel`` chunks at the current Megatron parallel state: one per
+    virtual pipeline stage ``v`` in ``vp_stage`` order (one chunk with ``vpp`` None).
+
+    Args:
+        family: the model family (``layer_spec``); hf_config: its HF config dict.
+        tf_config: the ``TransformerConfig``; gpt_kwargs: ``GPTModel`` keyword arguments
+            (``vocab_size`` already padded).
+        vpp: virtual pipeline stages per PP rank, or None.
+        wrap_spec: applied to every layer spec before the build (the trainer's CPU CP/THD
+            attention swap).
+
+    Raises:
+        NotImplementedError: ``vpp`` with a family whose ``layer_spec`` returns a decoder block
+            spec without a ``vp_stage`` argument (its layers would be one stage's, not one chunk's).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    use_te = have_te()
+    # a family whose spec is a decoder block spec (deepseek_v3: first-k dense layers) lists
+    # one model chunk's layers and takes ``vp_stage``: one spec per chunk with virtual
+    # pipeline stages; a per-layer spec (the other families) is the same for every chunk
+    per_chunk_spec = bool(vpp) and "vp_stage" in inspect.signature(family.layer_spec).parameters
+    layer_spec = None if per_chunk_spec else wrap_spec(family.layer_spec(hf_config, use_te=use_te))
+    if vpp and isinstance(layer_spec, TransformerBlockSubmodules):  # one PP stage's layers
+        raise NotImplementedError(
+            f"trainer.virtual_pipeline_model_parallel_size={vpp} with model_type "
+            f"{hf_config.get('model_type')!r}: the family's layer_spec returns a decoder block spec "
+            "without a vp_stage argument (its layers would be one pipeline stage's, not one chunk's)")
+    chunks: list = []
+    for v in range(vpp or 1):
+        stage = dict(ignore_virtual=False, vp_stage=v) if vpp else {}
+        chunks.append(GPTModel(
+            config=tf_config,
+            transformer_layer_spec=(wrap_spec(family.layer_spec(hf_config, use_te=use_te, vp_stage=v))
+                                    if per_chunk_spec else layer_spec),
+            pre_process=ps.is_pipeline_first_stage(**stage),
+            post_process=ps.is_pipeline_last_stage(**stage),
+            parallel_output=False,  # logits gathered over TP: [B,S,V_padded] on every TP rank
+            vp_stage=v if vpp else None,
+            **gpt_kwargs,
+        ))
+    return chunks
+
+
+def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str = "fp32",
+                vocab_div: int = DEFAULT_VOCAB_DIV, padded_vocab: int | None = None):
+    """This rank's ``GPTModel`` stage for ``hf_config`` at the current Megatron parallel
+    state, built by :func:`model_chunks` as the trainer builds it (same family helpers, vocab
+    padded to a multiple of ``vocab_div * tp``, or to ``padded_vocab`` rows when given),
+    without random init (every parameter is overwritten by the load); on the CUDA device
+    when there is one. Returns ``(model, hf_vocab_size)``."""
+    import torch
+
+    from moe_async.megatron.sharding import padded_vocab_size
+
+    d = hf_config_dict(hf_config)
+    fam = get_family(d.get("model_type"))
+    tf = fam.transformer_config(
+        d,
+        params_dtype=params_dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    # every parameter is overwritten by the load: allocate without the random init
+    tf.perform_initialization = False
+    kw = fam.gpt_model_kwargs(d)
+    vocab = int(kw["vocab_size"])
+    kw["vocab_size"] = padded_vocab if padded_vocab is not None else padded_vocab_size(vocab, tp, vocab_div)
+    (model,) = model_chunks(fam, d, tf, kw)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model, vocab

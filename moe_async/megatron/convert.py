@@ -1,0 +1,258 @@
+"""Checkpoint conversion HF safetensors <-> Megatron ``torch_dist``, at any TP/PP/EP layout.
+
+Used by ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``. Both
+directions go through the family's ONE declarative mapping table (``moe_async.models``:
+``ModelFamily.table``) and the trainer's sharding helpers (``moe_async.megatron.sharding``:
+per-rank slices read from Megatron's own ``sharded_state_dict()`` metadata), i.e. the same
+path as ``MegatronTrainer``'s HF load and HF export; the Megatron model is built with the
+same family helpers as the trainer (``transformer_config``, ``layer_spec``,
+``gpt_model_kwargs``, ``padded_vocab_size``).
+
+Before anything else both directions refuse, naming the flag and the config field, a
+TP/PP/EP layout Megatron could not build the model at (:func:`check_layout`), and name the
+file of any JSON input that does not parse (``config.json``, the safetensors index, the
+checkpoint's ``hf_config.json`` / ``moe_async_convert.json``). The CLIs print such a refusal
+as one ``error:`` line and exit with status 2.
+
+HF -> Megatron (:func:`hf_to_megatron_checkpoint`): the HF config is checked against the
+family spec first (``arch_args``; a mismatch raises ``ValueError`` naming the field). The
+safetensors files (``model.safetensors.index.json`` when present, else ``*.safetensors``)
+are read ONE FILE AT A TIME with ``safe_open``; a rank reads only the tensors its own shards
+come from (an EP rank: its experts). A Megatron tensor whose HF sources span files (q/k/v,
+gate/up) is fused once its last source has been read; the pending sources are all that is
+kept between files. Transformers' in-memory fused expert layout (``experts.gate_up_proj``
+``[E,2I,H]`` / ``experts.down_proj`` ``[E,H,I]``, ``mlp.gate``) is accepted too (each fused
+tensor is rewritten to the per-expert on-disk names by the family's ``normalize_hf_state``).
+Any HF key the table does not use, and any table source that no file holds, raises
+``KeyError`` naming the keys BEFORE anything is written. The model's sharded state dict is
+written with ``megatron.core.dist_checkpointing.save`` under the ``"model"`` key (the same
+keys as ``MegatronTrainer.save_checkpoint``'s model part) by :func:`save_strategy`
+(default: Megatron's torch_dist strategy with an in-process writer, no fsync unless asked),
+SwiGLU fc1 tensors as one item each where their halves are contiguous
+(:func:`whole_glu_tensors`), plus ``hf_config.json`` and ``moe_async_convert.json``
+(family, vocab, the layout it was written at).
+
+Megatron -> HF (:func:`megatron_to_hf_checkpoint`): builds the model at the requested
+layout (any: ``torch_dist`` reshards on load), ``dist_checkpointing.load`` through
+:func:`mmap_load_strategy` into the parameters; every checkpoint
+tensor the model does not ask for raises ``KeyError`` (strict ``raise_unexpected``), every
+model tensor missing from the checkpoint too (``raise_all``). Full tensors are gathered to
+rank 0 one at a time (``gather_full_state``), split into HF names by the mapping table
+(which raises naming any HF tensor left unset or Megatron tensor left unused), and written
+as sharded safetensors of at most ``max_shard_size`` bytes each, with
+``model.safetensors.index.json``; ``config.json``, generation config and tokenizer files
+are copied from the reference HF dir. Host memory on rank 0: its model share + one output
+file's worth of tensors.
+
+Composed from :mod:`moe_async.megatron.parallel` (layout check, process groups),
+:mod:`~moe_async.megatron.build` (model), :mod:`~moe_async.megatron.hf_io` (HF read),
+:mod:`~moe_async.megatron.dist_ckpt` (torch_dist save/load) and
+:mod:`~moe_async.megatron.export` (HF write). Why not megatron-bridge / mbridge, and the
+measured throughput: ``docs/convert.md``.
+
+Public API:
+    hf_to_megatron_checkpoint(hf_dir, out_dir, tp=1, pp=1, ep=1, progress=True, vocab_div=128,
+                              save_threads=0, fsync=False) -> dict   (stats, incl. "phases" s)
+    megatron_to_hf_checkpoint(megatron_dir, hf_config_dir, out_dir, max_shard_size="5GB",
+                              tp=1, pp=1, ep=1, progress=True, vocab_div=None, fsync=False) -> dict
+    run_tool(main, prog, argv=None) -> int   (a CLI's refusal as one ``error:`` line, status 2)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from moe_async.megatron.build import DEFAULT_VOCAB_DIV, build_model
+from moe_async.megatron.dist_ckpt import (
+    checkpoint_dtype,
+    load_megatron_into_model,
+    read_torch_dist_metadata,
+    save_strategy,
+    saved_vocab_rows,
+    whole_glu_tensors,
+)
+from moe_async.megatron.export import check_out_dir, full_hf_state, write_hf
+from moe_async.megatron.hf_io import (
+    check_hf_keys,
+    hf_checkpoint_dtype,
+    load_hf_into_model,
+    read_hf_config,
+    read_hf_index,
+    read_json_dict,
+)
+from moe_async.megatron.parallel import check_layout, global_rank, parallel_layout, world_size
+from moe_async.models import get_family
+
+META_NAME = "moe_async_convert.json"
+
+
+class _Clock:
+    """Seconds per named step: ``mark(name)`` records the time since the previous mark."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+        self.t0 = self.t
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.t
+        self.t = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
+                              progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV,
+                              save_threads: int = 0, fsync: bool = False) -> dict[str, Any]:
+    """HF checkpoint dir -> Megatron torch_dist checkpoint dir at layout (tp, pp, ep) (the
+    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)), written by
+    :func:`save_strategy` ``(save_threads, fsync)`` (default: in the calling process, no
+    fsync). The layout (:func:`check_layout`), the HF config (family spec) and the HF keys
+    are checked before any process group, model or file exists. Returns stats on every
+    rank: ``seconds``, ``phases`` (seconds per step), ``bytes_read`` (summed over ranks),
+    ``hf_bytes``, ``world``."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    clock = _Clock()
+    hf_cfg = read_hf_config(hf_dir)
+    fam = get_family(hf_cfg.get("model_type"))
+    a = fam.arch_args(hf_cfg)  # refuses an unsupported config, naming the field
+    check_layout(hf_cfg, tp, pp, ep)
+    check_out_dir(out_dir)
+    index = read_hf_index(hf_dir)
+    check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
+    dtype = hf_checkpoint_dtype(hf_cfg, index)
+    hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
+    clock.mark("checks_s")
+    with parallel_layout(tp, pp, ep):
+        clock.mark("setup_s")
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+        clock.mark("build_s")
+        stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and global_rank() == 0)
+        clock.mark("read_map_copy_s")
+        if global_rank() == 0:
+            check_out_dir(out_dir)
+            os.makedirs(out_dir, exist_ok=True)
+        dist.barrier()
+        sd = model.sharded_state_dict()
+        whole_glu_tensors(sd)
+        dist_checkpointing.save({"model": sd}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
+        clock.mark("torch_dist_save_s")
+        t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)
+        dist.all_reduce(t)
+        if global_rank() == 0:
+            meta = {
+                "format": "moe_async megatron torch_dist (model only)",
+                "model_type": hf_cfg["model_type"],
+                "vocab_size": vocab,
+                "params_dtype": dtype,
+                "vocab_div": vocab_div,
+                "saved_layout": {"tp": tp, "pp": pp, "ep": ep, "world": world_size()},
+            }
+            for name, obj in (("hf_config.json", hf_cfg), (META_NAME, meta)):
+                with open(os.path.join(out_dir, name), "w") as f:
+                    json.dump(obj, f, indent=2, sort_keys=True)
+                    if fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+        dist.barrier()
+        world = world_size()
+        clock.mark("finish_s")
+        del model, sd
+        clock.mark("free_s")
+    clock.mark("teardown_s")
+    return {"seconds": clock.total(), "phases": clock.phases, "bytes_read": float(t.item()), "hf_bytes": hf_bytes,
+            "world": world}
+
+
+def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: str,
+                              max_shard_size: str | int = "5GB", tp: int = 1, pp: int = 1, ep: int = 1,
+                              progress: bool = True, vocab_div: int | None = None,
+                              fsync: bool = False) -> dict[str, Any]:
+    """Megatron torch_dist checkpoint (any saved layout) -> HF checkpoint dir, loaded at
+    layout (tp, pp, ep) in the current torchrun world (1 process otherwise). The HF config
+    (and tokenizer files) come from ``hf_config_dir``; it must be the config the checkpoint
+    was converted from (``hf_config.json`` in the checkpoint is compared when present:
+    ValueError naming the first differing field; a corrupt ``hf_config.json`` or
+    ``moe_async_convert.json`` is a ValueError naming the file). The layout is checked by
+    :func:`check_layout` first. ``fsync``: fsync each written safetensors file. Returns stats
+    on every rank (``seconds``, ``phases``, ``files``, ``bytes_written``, ``world``)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing  # noqa: F401 - imported before the clock starts
+
+    clock = _Clock()
+    hf_cfg = read_hf_config(hf_config_dir)
+    fam = get_family(hf_cfg.get("model_type"))
+    arch_now = fam.arch_args(hf_cfg)
+    check_layout(hf_cfg, tp, pp, ep)
+    check_out_dir(out_dir)
+    if not os.path.isdir(megatron_dir):
+        raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} does not exist")
+    saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
+    if os.path.exists(saved_cfg_p):
+        saved = read_json_dict(saved_cfg_p, "the HF config this checkpoint was converted from")
+        arch_saved = get_family(saved.get("model_type")).arch_args(saved)
+        if arch_saved != arch_now:
+            diff = [k for k in arch_now.__dataclass_fields__ if getattr(arch_saved, k) != getattr(arch_now, k)]
+            raise ValueError(f"--hf-config does not match the checkpoint's HF config: field {diff[0]} "
+                             f"({getattr(arch_now, diff[0])!r} vs saved {getattr(arch_saved, diff[0])!r})")
+    meta_p = os.path.join(megatron_dir, META_NAME)
+    meta = read_json_dict(meta_p, "conversion metadata") if os.path.exists(meta_p) else {}
+    if vocab_div is None:
+        vocab_div = int(meta.get("vocab_div", DEFAULT_VOCAB_DIV))
+    ckpt_md = read_torch_dist_metadata(megatron_dir)
+    dtype = checkpoint_dtype(megatron_dir, meta, ckpt_md)
+    # the padded vocab rows are part of the saved global shape: load with the same rows (the
+    # padding rule of another TP could give a different count), which must split over TP
+    rows = saved_vocab_rows(megatron_dir, ckpt_md)
+    if rows is not None and rows % tp:
+        raise ValueError(f"the checkpoint's padded vocab ({rows} rows) does not split over tp={tp}")
+    written: list[str] = []
+    nbytes = 0
+    clock.mark("checks_s")
+    with parallel_layout(tp, pp, ep):
+        clock.mark("setup_s")
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
+                                   padded_vocab=rows)
+        clock.mark("build_s")
+        load_megatron_into_model(model, megatron_dir, ckpt_md)
+        clock.mark("torch_dist_load_s")
+        full = full_hf_state(model, vocab)
+        if global_rank() == 0:
+            written, nbytes = write_hf(full, fam, hf_cfg, dtype, hf_config_dir, out_dir, max_shard_size, fsync,
+                                        progress)
+        else:
+            for _ in full:  # collective: take part in the gather
+                pass
+        clock.mark("gather_map_write_s")
+        dist.barrier()
+        world = world_size()
+        clock.mark("finish_s")
+        del model, full
+        clock.mark("free_s")
+    clock.mark("teardown_s")
+    return {"seconds": clock.total(), "phases": clock.phases, "files": written, "bytes_written": nbytes,
+            "world": world}
+
+
+def run_tool(main, prog: str, argv: list[str] | None = None) -> int:
+    """Run a converter's ``main(argv)`` with a refused input (bad layout, config, keys, files)
+    reported as one ``<prog>: error: ...`` line on stderr and exit status 2 instead of a
+    traceback; other exceptions propagate with theirs."""
+    import sys
+
+    try:
+        return main(argv)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
+

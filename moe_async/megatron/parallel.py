@@ -1,0 +1,360 @@
+"""Megatron-Core parallel runtime shared by the trainer and the converters.
+
+- :class:`MegatronLayout`: the frozen TP/PP/EP/ETP/CP/VPP sizes of one run and Megatron-Core's
+  world-size rules for them (:meth:`MegatronLayout.check_world`, ``ValueError`` naming the
+  ``trainer.*`` fields); :func:`check_layout`: the converters' layout refusal (naming the
+  ``--tp/--pp/--ep`` flags and the HF config field) before any process group exists.
+- Process groups: :func:`init_distributed` (the trainer's rendezvous: TCP store,
+  ``WORLD_SIZE``/``RANK``/``MASTER_PORT`` from torchrun), :func:`parallel_layout` (the
+  converters' context: process group + Megatron parallel state, torn down on exit),
+  :func:`destroy_process_groups` (teardown with the gloo destructors off the caller's clock).
+- :func:`have_te`: the one Transformer Engine probe (True only with CUDA and an importable
+  ``transformer_engine``: the TE layer spec is used); :func:`free_port`: the one free-TCP-port
+  helper; :func:`global_rank` / :func:`world_size` (0 / 1 without a process group);
+  :func:`no_device_scope` / :func:`cpu_tensors_only` (the CPU compat mode suspended).
+
+Importing this module imports neither torch nor Megatron-Core (functions import them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (bound and released; another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def have_te() -> bool:
+    """True when torch sees CUDA and ``transformer_engine`` imports: the GPU path (NCCL + the
+    TE layer spec). False on the CPU path (gloo + the local spec + ``moe_async.compat``), also
+    when the import raises anything."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronLayout:
+    """Megatron-Core parallel sizes of one model: TP, PP, EP, ETP (expert tensor parallel),
+    CP (context parallel) and VPP (virtual pipeline stages per PP rank; None = one model
+    chunk, Megatron's "off"). DP is what the world size leaves: ``world / (TP x PP x CP)``.
+    (:class:`moe_async.layout.ParallelLayout` is the config-time layout resolved against a
+    planned world, with DP/EDP derived; this one is what the runtime initialises.)"""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    vpp: int | None = None
+
+    @classmethod
+    def from_trainer_config(cls, cfg) -> "MegatronLayout":
+        """The layout of a ``TrainerConfig`` (``virtual_pipeline_model_parallel_size`` <= 1 -> None)."""
+        vpp = cfg.virtual_pipeline_model_parallel_size
+        return cls(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
+                   ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size,
+                   cp=cfg.context_parallel_size, vpp=vpp if vpp is not None and vpp > 1 else None)
+
+    def check_world(self, world: int) -> None:
+        """Megatron-Core's rules (``parallel_state.initialize_model_parallel``), checked before
+        it runs so the error names the fields: TP x PP x CP divides the world size, and
+        ETP x EP x PP divides it (expert data parallelism gets the rest).
+
+        Raises:
+            ValueError: naming ``trainer.tensor_model_parallel_size`` / ``pipeline_model_parallel_size``
+                / ``context_parallel_size``, or ``trainer.expert_tensor_parallel_size`` and
+                ``trainer.expert_model_parallel_size``.
+        """
+        tp, pp, cp, etp, ep = self.tp, self.pp, self.cp, self.etp, self.ep
+        if world % (tp * pp * cp):
+            raise ValueError(
+                f"trainer.tensor_model_parallel_size={tp} x trainer.pipeline_model_parallel_size={pp} x "
+                f"trainer.context_parallel_size={cp} = {tp * pp * cp} must divide the world size {world} "
+                "(Megatron-Core: DP = world / (TP x PP x CP))")
+        if world % (etp * ep * pp):
+            raise ValueError(
+                f"trainer.expert_tensor_parallel_size={etp} x trainer.expert_model_parallel_size={ep} must divide "
+                f"TP x CP x DP = world size {world} / trainer.pipeline_model_parallel_size={pp} "
+                f"(Megatron-Core: world size divisible by ETP x EP x PP = {etp * ep * pp})")
+
+
+def init_model_parallel(layout: MegatronLayout) -> None:
+    """Megatron-Core's parallel state (``parallel_state.initialize_model_parallel``) at ``layout``;
+    the process group must exist. Its errors are Megatron-Core's (check
+    :meth:`MegatronLayout.check_world` first for ones that name the fields)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+    )
+
+
+def check_model_parallel(layout: MegatronLayout) -> None:
+    """The Megatron-Core parallel state already initialised in this process (another trainer)
+    has ``layout``'s sizes.
+
+    Raises:
+        RuntimeError: naming the sizes found and the ones wanted.
+    """
+    from megatron.core import parallel_state as ps
+
+    got = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+    )
+    want = (layout.tp, layout.pp, layout.ep, layout.vpp, layout.cp)
+    if got != want:
+        raise RuntimeError(
+            f"Megatron parallel state already initialised with (tp, pp, ep, vpp, cp)={got}, "
+            f"this trainer wants {want}"
+        )
+    if ps.get_expert_tensor_parallel_world_size() != layout.etp:
+        raise RuntimeError(
+            f"Megatron parallel state already initialised with expert_tensor_parallel_size="
+            f"{ps.get_expert_tensor_parallel_world_size()}, this trainer wants "
+            f"trainer.expert_tensor_parallel_size={layout.etp}")
+
+
+def init_distributed(master_addr: str, master_port: int | None) -> bool:
+    """``torch.distributed.init_process_group`` for this process unless one exists: world size
+    and rank from ``WORLD_SIZE`` / ``RANK`` (torchrun; default 1 process), TCP rendezvous at
+    ``master_addr:master_port`` (port: ``MASTER_PORT``, else a free port at 1 process); NCCL
+    with CUDA (device ``LOCAL_RANK``), gloo otherwise.
+
+    Returns:
+        True when this call created the process group (the caller destroys it).
+
+    Raises:
+        ValueError: no port given and no ``MASTER_PORT`` at ``WORLD_SIZE`` > 1.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if master_port is None:
+        env_port = os.environ.get("MASTER_PORT")
+        if env_port:
+            master_port = int(env_port)
+        elif world == 1:
+            master_port = free_port()
+        else:
+            raise ValueError("master_port (or MASTER_PORT) is required for WORLD_SIZE > 1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world,
+    )
+    return True
+
+
+def global_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The process group's world size (1 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def parallel_layout(tp: int, pp: int, ep: int):
+    """torch.distributed (gloo on CPU, NCCL with CUDA; world from ``WORLD_SIZE``/``RANK``/
+    ``MASTER_ADDR``/``MASTER_PORT`` as set by torchrun; 1 process otherwise, with an
+    in-memory ``HashStore`` instead of a TCP rendezvous) + Megatron parallel state at
+    (tp, pp, ep) with ETP 1, the CPU compat mends and the CPU device scope.
+    Destroys the Megatron parallel state (and the process group if it created it) on exit."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
+
+    own_pg = False
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if world == 1:  # no rendezvous needed (a TCP store costs ~0.1 s to start)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=int(os.environ.get("RANK", "0")),
+                                    world_size=world)
+        own_pg = True
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is already initialised in this process")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp*pp={tp * pp}")
+    init_model_parallel(MegatronLayout(tp=tp, pp=pp, ep=ep))
+    try:
+        apply_cpu_compat()
+        with cpu_device_scope():
+            model_parallel_manual_seed(1234)
+            yield
+    finally:
+        ps.destroy_model_parallel()
+        if own_pg:
+            destroy_process_groups()
+
+
+@contextlib.contextmanager
+def no_device_scope():
+    """Suspend the CPU compat layer's ``CudaToCpuMode`` (when it is the innermost torch
+    function mode) for code that only moves CPU tensors and never names a CUDA device: the
+    mode costs a Python call on every torch op and tensor attribute (``.shape``,
+    ``.data_ptr()``), ~15k of them per conversion of a 4-layer MoE. No-op otherwise (CUDA,
+    no mode, or another mode on top)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from moe_async.compat import CudaToCpuMode
+
+    stack = _get_current_function_mode_stack()
+    if not stack or not isinstance(stack[-1], CudaToCpuMode):
+        yield
+        return
+    from torch.overrides import _pop_mode_temporarily
+
+    with _pop_mode_temporarily():
+        yield
+
+
+def cpu_tensors_only(fn):
+    """Decorator: run ``fn`` under :func:`no_device_scope`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with no_device_scope():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def destroy_process_groups() -> None:
+    """``dist.destroy_process_group()`` with the groups' C++ teardown on another thread.
+
+    Megatron's ``initialize_model_parallel`` creates ~20 groups even at 1 process; each gloo
+    group's destructor joins its worker threads, which took 0.05-0.45 s in all on this
+    shared 2-core machine, on the caller's clock. Here the destroy unregisters every group
+    at once (the global state is clean when it returns: a new ``init_process_group`` works),
+    while references to the group objects are kept and dropped on a background thread, where
+    the destructors then run (they do not hold the GIL while joining); the interpreter waits
+    for that thread at exit. At world size > 1 the
+    default group (which owns the TCP store and its port) is still destroyed here. Without
+    torch's ``distributed_c10d._world`` registry the destroy is plain."""
+    import threading
+
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        keep = [pg for pg in list(c10d._world.pg_map)
+                if dist.get_world_size() == 1 or pg is not dist.GroupMember.WORLD]
+    except (AttributeError, ImportError):  # pragma: no cover - other torch versions
+        keep = []
+    dist.destroy_process_group()
+    if keep:
+        # not a daemon: the interpreter waits for it at exit (a group destroyed while the
+        # process exits aborts it in C++: "terminate called without an active exception")
+        threading.Thread(target=keep.clear, name="moe_async-release-process-groups", daemon=False).start()
+
+
+def _layout_world() -> int:
+    """World size of this run: the process group's, else ``WORLD_SIZE`` (torchrun), else 1."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = None) -> None:
+    """Refuse, before any process group or model exists, a layout Megatron cannot build the
+    model of ``hf_cfg`` at, naming the flag and the config field. ValueError when: a size is
+    not a positive integer; ``--tp`` does not divide the attention heads, the query groups
+    (``num_key_value_heads``; not for MLA), the dense MLP width (``intermediate_size``, when
+    the model has dense MLP layers) or the shared-expert width; ``--pp`` does not divide the
+    layers; ``--ep`` does not divide the routed experts (or is > 1 for a dense model); the
+    world (``world``, default: this run's, see :func:`_layout_world`) is not a multiple of
+    ``tp * pp`` or of ``ep * pp`` (expert TP is 1; Megatron's own rules,
+    ``parallel_state.initialize_model_parallel``). All problems are listed in one message."""
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+    from moe_async.models import get_family
+
+    world = _layout_world() if world is None else world
+    fam = get_family(hf_cfg.get("model_type"))
+    a = fam.arch_args(hf_cfg)
+    tf = fam.transformer_config(hf_cfg)  # at TP/PP/EP 1: Megatron's own numbers of this model
+    errs = []
+    if tf.num_attention_heads % tp:
+        errs.append(f"--tp {tp} does not divide num_attention_heads={tf.num_attention_heads}")
+    mla = bool(getattr(tf, "multi_latent_attention", False))
+    if not mla and tf.num_query_groups and tf.num_query_groups % tp:
+        errs.append(f"--tp {tp} does not divide num_key_value_heads={tf.num_query_groups} (Megatron's query groups)")
+    freq = getattr(tf, "moe_layer_freq", 1)
+    has_dense = not tf.num_moe_experts or (isinstance(freq, list) and 0 in freq)
+    if has_dense and tf.ffn_hidden_size % tp:
+        errs.append(f"--tp {tp} does not divide the dense MLP width intermediate_size={tf.ffn_hidden_size}")
+    shared = getattr(tf, "moe_shared_expert_intermediate_size", None)
+    if shared and shared % tp:
+        errs.append(f"--tp {tp} does not divide the shared-expert width {shared}")
+    if tf.num_layers % pp:
+        errs.append(f"--pp {pp} does not divide num_hidden_layers={tf.num_layers}")
+    if a.num_experts:
+        if a.num_experts % ep:
+            errs.append(f"--ep {ep} does not divide num_experts={a.num_experts}")
+    elif ep > 1:
+        errs.append(f"--ep {ep}: {a.model_type} has no experts (use --ep 1)")
+    if world % (tp * pp):
+        errs.append(f"the world size {world} (processes) is not a multiple of --tp x --pp = {tp * pp}")
+    if world % (ep * pp):
+        errs.append(f"the world size {world} (processes) is not a multiple of --ep x --pp = {ep * pp}")
+    if errs:
+        hint = (f" (run it under torchrun --nproc_per_node N with N a multiple of "
+                f"{math.lcm(tp * pp, ep * pp)})" if any("world size" in e for e in errs) else "")
+        raise ValueError(f"layout tp={tp} pp={pp} ep={ep} (world {world}) refused for {a.model_type}: "
+                         + "; ".join(errs) + hint)
+

@@ -1,0 +1,303 @@
+"""Micro-batches of :class:`~moe_async.trainer.megatron_trainer.MegatronTrainer`: packing and the DP/PP/CP data path.
+
+:class:`BatchingMixin` (a base of the trainer): ``list[Sample]`` -> right-padded or packed-THD
+micro-batch dicts of tensors (:meth:`_pack`; keys and shapes in its docstring), this DP rank's
+slice of the global batch (:meth:`_dp_local`, :meth:`_pad_for_pp`), the CP rank's sequence
+chunks (:meth:`_cp_split`), what the model is given (:meth:`_model_view`) and Megatron's data
+iterators (:meth:`_data_iterators`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from moe_async.megatron.sharding import cp_positions
+from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
+from moe_async.types import Sample
+
+Tensor = torch.Tensor
+
+# Micro-batches are right-padded to at least this many positions (see MegatronTrainer._pack)
+MIN_SEQ_LEN = 64
+
+
+class BatchingMixin:
+    """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
+
+    # ------------------------------------------------------------------ batching
+    def _pack(self, samples: list[Sample], advantages: list[float] | None,
+              equalize_dp: bool = False) -> list[dict[str, Tensor]]:
+        """Right-padded micro-batches of at most ``cfg.micro_batch_size`` sequences and, with
+        ``cfg.max_tokens_per_micro_batch``, at most that many padded positions ``B x S``
+        (contiguous runs of ``samples``, :func:`micro_batches.micro_batch_ranges`; a sequence
+        longer than the budget goes alone). ``equalize_dp``: the train step's DP-local slices
+        may cut into different counts; the smaller counts are split further to the DP
+        maximum (EP all-to-all and the schedule are collectives over the DP ranks).
+
+        Padded length ``S``: the micro-batch's longest sequence (with PP > 1 the batch's
+        longest: the p2p buffers have one shape), at least :data:`MIN_SEQ_LEN` (64), rounded
+        up to a multiple of TP (sequence parallelism splits ``S``). The floor makes gradients
+        independent of the micro-batching to fp32 accumulation order for short sequences too
+        (on CPU two kernels round differently for tiny shapes than for the same rows inside a
+        larger tensor; measurements and why longer ones are not padded further: docs/trainer.md).
+        Padding tokens are causal-masked and carry no loss; they are routed, but
+        ``padding_mask`` keeps them out of Megatron's MoE load-balancing statistics (aux loss,
+        z-loss), except with a router expert bias (see :meth:`_stage_padding_mask`).
+
+        Each dict: ``tokens [B,S]`` long, ``position_ids [B,S]``, ``attention_mask
+        [B,1,S,S]`` bool (True = masked, causal), ``padding_mask [B,S]`` bool (True = padding
+        position, Megatron-Core's GPTModel ``padding_mask``), and over the S-1 predicted positions:
+        ``loss_mask [B,S-1]`` float (response tokens x loss_weight), ``advantages [B,S-1]``,
+        ``rollout_logp [B,S-1]``, ``resp_len [B]``, ``prompt_len [B]``; ``logit_b [N]``,
+        ``logit_s [N]`` the (sequence, position) of the N response-predicting positions.
+
+        Packed THD micro-batches (``trainer.sequence_packing`` resolved to thd): the model sees
+        ONE row of the micro-batch's sequences back to back (:meth:`_thd_entries`); the loss
+        side above stays per sequence (``tokens [B,S]`` with ``S`` the longest sequence, no
+        floor; ``loss_mask``, ``advantages``, ``rollout_logp``, ``logit_b``/``logit_s``), so
+        the loss, its sequence-level off-policy corrections and the per-sample logprobs are
+        the padded path's; no ``attention_mask``/``position_ids``/``padding_mask [B,S]``. The
+        token budget counts the packed row's ``T`` (real tokens). With PP > 1 each row keeps
+        its own ``T`` through Megatron-Core's ``variable_seq_lengths`` (every p2p exchange
+        sends its shape first; see :meth:`_layout_overrides`); with virtual pipeline stages
+        every row is padded to the batch's largest ``T`` (one p2p shape) instead.
+        """
+        mbs = self.cfg.micro_batch_size
+        lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        for i, s in enumerate(samples):
+            if len(s.prompt_ids) == 0:
+                raise ValueError(f"sample {i} has an empty prompt")
+            if s.rollout_logprobs and len(s.rollout_logprobs) != len(s.response_ids):
+                raise ValueError(
+                    f"sample {i}: {len(s.rollout_logprobs)} rollout_logprobs for {len(s.response_ids)} response tokens"
+                )
+        thd = self._thd
+        pp = self.cfg.pipeline_model_parallel_size
+        fixed_len = max(lens) if pp > 1 and not thd else None
+        # S (padded) or T (thd): SP splits it over TP ranks; CP into 2*CP chunks (see _seq_multiple)
+        pad = dict(min_len=MIN_SEQ_LEN, multiple=self._seq_multiple(), fixed_len=fixed_len)
+        budget = self.cfg.max_tokens_per_micro_batch
+        ranges = micro_batch_ranges(lens, mbs, budget, packed=thd, **pad)
+        if equalize_dp and budget is not None and self._dp_size() > 1:
+            ranges = split_to_count(ranges, int(self._dp_max(len(ranges))))
+        # thd: the packed row's length T per micro-batch; with PP > 1 and without Megatron's
+        # variable_seq_lengths (VPP) the largest (one p2p shape)
+        T_rows = [padded_len([sum(lens[a:b])], min_len=MIN_SEQ_LEN, multiple=self._seq_multiple())
+                  for a, b in ranges] if thd else []
+        if thd and pp > 1 and not getattr(self.tf_config, "variable_seq_lengths", False):
+            T_rows = [max(T_rows)] * len(ranges)
+        out = []
+        for i, (start, end) in enumerate(ranges):
+            chunk = samples[start:end]
+            S = max(lens[start:end]) if thd else padded_len(lens[start:end], **pad)
+            B = len(chunk)
+            tokens = torch.zeros(B, S, dtype=torch.long)
+            loss_mask = torch.zeros(B, S - 1)
+            adv = torch.zeros(B, S - 1)
+            rlp = torch.zeros(B, S - 1)
+            plen = torch.zeros(B, dtype=torch.long)
+            rlen = torch.zeros(B, dtype=torch.long)
+            for b, s in enumerate(chunk):
+                P, R = len(s.prompt_ids), len(s.response_ids)
+                tokens[b, :P] = torch.tensor(s.prompt_ids, dtype=torch.long)
+                if R:
+                    tokens[b, P : P + R] = torch.tensor(s.response_ids, dtype=torch.long)
+                    # position t predicts token t+1: response token j is predicted at P-1+j
+                    loss_mask[b, P - 1 : P - 1 + R] = float(s.loss_weight)
+                    if advantages is not None:
+                        adv[b, P - 1 : P - 1 + R] = float(advantages[start + b])
+                    if s.rollout_logprobs:
+                        rlp[b, P - 1 : P - 1 + R] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+                plen[b], rlen[b] = P, R
+            mb = dict(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logp=rlp,
+                      prompt_len=plen, resp_len=rlen)
+            if not thd:
+                causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
+                mb.update(position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
+                          attention_mask=causal.expand(B, 1, S, S).contiguous(),
+                          padding_mask=torch.arange(S).unsqueeze(0) >= (plen + rlen).unsqueeze(1))
+            out.append(mb)
+            # response positions (b, t): the only rows whose logits the loss and logprobs use
+            rows = [(b, t) for b in range(B) for t in range(int(plen[b]) - 1, int(plen[b] + rlen[b]) - 1)]
+            out[-1]["logit_b"] = torch.tensor([b for b, _ in rows], dtype=torch.long)
+            out[-1]["logit_s"] = torch.tensor([t for _, t in rows], dtype=torch.long)
+            # router replay: routes (thd: in the packed row's order), masks
+            out[-1].update(self.router_replay.pack(chunk, S, packed_len=T_rows[i] if thd else None))
+            if thd:
+                out[-1].update(self._thd_entries(out[-1], lens[start:end], T_rows[i]))
+            if self.cfg.context_parallel_size > 1:
+                out[-1].update(self._cp_split(out[-1]))
+        return out
+
+    def _thd_entries(self, mb: dict[str, Any], lens: list[int], T: int) -> dict[str, Any]:
+        """The packed THD row of a micro-batch whose loss-side ``tokens [B,S]`` hold sequences of
+        ``lens`` tokens, as extra entries (Megatron-Core's packed sequences, as TE's THD
+        attention takes them; Megatron-LM's ``get_packed_seq_params``):
+
+        ``thd_tokens [1,T]`` long: the sequences back to back (sequence ``b`` at offsets
+        ``cu[b] .. cu[b+1]-1``), then tail padding (token 0) up to ``T``; ``thd_position_ids
+        [1,T]``: 0..l-1 per sequence (the tail continues the last one's); ``thd_padding_mask
+        [1,T]`` bool, True on the tail; ``cu_seqlens [B+1]`` int32 (real lengths, Megatron's
+        ``cu_seqlens_q/kv``), ``cu_seqlens_padded [B+1]`` int32 (the same with the last one
+        ending at ``T``: ``cu_seqlens_q/kv_padded``; RoPE's ``_apply_rotary_pos_emb_thd``
+        splits all ``T`` tokens by it); ``thd_max_seqlen`` int (longest padded segment: the
+        RoPE table length); ``thd_logit_s [N]``: the packed offset of each response-predicting
+        row ``(logit_b, logit_s)`` (``cu[logit_b] + logit_s``)."""
+        from moe_async.replay.routes import pack_rows
+
+        B = len(lens)
+        total = int(sum(lens))
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        cu_pad = cu.clone()
+        cu_pad[-1] = T
+        pos = torch.arange(T).unsqueeze(0).expand(B, T).contiguous()  # [B, T]: row b's own positions
+        last = lens[-1]
+        position_ids = pack_rows(pos, lens, T, 0)
+        position_ids[0, total:] = torch.arange(last, last + T - total)
+        return dict(
+            thd_tokens=pack_rows(mb["tokens"], lens, T, 0),
+            thd_position_ids=position_ids,
+            thd_padding_mask=torch.arange(T).unsqueeze(0) >= total,
+            cu_seqlens=cu,
+            cu_seqlens_padded=cu_pad,
+            thd_max_seqlen=int((cu_pad[1:] - cu_pad[:-1]).max()),
+            thd_logit_s=cu[mb["logit_b"]].long() + mb["logit_s"],
+        )
+
+    @staticmethod
+    def _packed_seq_params(mb: dict[str, Any]) -> Any:
+        """Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``) of a packed micro-batch
+        (see :meth:`_thd_entries`); self-attention, so q and kv share the cu_seqlens."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+            cu_seqlens_q_padded=mb["cu_seqlens_padded"], cu_seqlens_kv_padded=mb["cu_seqlens_padded"],
+            max_seqlen_q=mb["thd_max_seqlen"], max_seqlen_kv=mb["thd_max_seqlen"],
+        )
+
+    def _schedule_shape(self, mbs_list: list[dict[str, Any]]) -> tuple[int, int]:
+        """``(seq_length, micro_batch_size)`` for Megatron's schedule (its p2p buffers with
+        PP > 1: ``[seq_length/TP, micro_batch_size, hidden]``): the padded micro-batches'
+        ``(S, cfg.micro_batch_size)``, packed ones' ``(T, 1)``."""
+        if self._thd:
+            return max(mb["thd_tokens"].shape[1] for mb in mbs_list), 1
+        return max(mb["tokens"].shape[1] for mb in mbs_list), self.cfg.micro_batch_size
+
+    def _seq_multiple(self) -> int:
+        """Padded sequence lengths are multiples of this: TP (sequence parallelism splits S
+        over the TP ranks); with CP > 1, of ``2*CP`` (Megatron's load-balanced split into
+        ``2*CP`` chunks) with each rank's ``S/CP`` positions a multiple of TP:
+        ``CP * lcm(2, TP)``."""
+        import math
+
+        tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
+        return tp if cp == 1 else cp * math.lcm(2, tp)
+
+    _CP_SEQ_KEYS = ("tokens", "position_ids", "padding_mask", "routes_BSLK", "routes_real_BS")
+
+    def _cp_split(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+        """CP > 1: this context-parallel rank's part of a packed micro-batch (which keeps its
+        whole-sequence tensors for the loss), as extra entries. Sequence-dim tensors are split
+        by Megatron-Core's ``get_batch_on_this_cp_rank`` (chunks ``r`` and ``2*CP-1-r`` of
+        ``2*CP``): ``cp_tokens``, ``cp_position_ids`` (global positions), ``cp_padding_mask``,
+        ``cp_labels`` (token ``t+1`` at position ``t``, 0 at the last), and with router replay
+        ``cp_routes_BSLK``, ``cp_routes_real_BS``; all ``[B, S/CP, ...]``.
+        ``cp_logit_b``/``cp_logit_s``: the response-predicting rows of ``logit_b``/``logit_s``
+        this rank holds, as (sequence, local position). The loss side (loss mask, advantages,
+        rollout/old logprobs) stays whole: logprobs are gathered over CP before the loss
+        (:meth:`_cp_token_logp`)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        tokens = mb["tokens"]
+        B, S = tokens.shape
+        labels = torch.zeros_like(tokens)
+        labels[:, :-1] = tokens[:, 1:]
+        seq = {k: mb[k].contiguous() for k in self._CP_SEQ_KEYS if mb.get(k) is not None}
+        seq["labels"] = labels
+        local = get_batch_on_this_cp_rank(seq, ps.get_context_parallel_group())
+        cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        inv = torch.full((S,), -1, dtype=torch.long)
+        inv[cp_positions(S, cp, r)] = torch.arange(S // cp)
+        s_local = inv[mb["logit_s"]]
+        keep = s_local >= 0
+        out = {f"cp_{k}": v for k, v in local.items()}
+        out.update(cp_logit_b=mb["logit_b"][keep], cp_logit_s=s_local[keep])
+        return out
+
+    def _model_view(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The micro-batch as the model (and the router replay hook) sees it on this rank:
+        with CP the ``cp_*`` entries (this rank's sequence chunks) in place of the whole
+        sequence's tokens, positions, padding mask and routes; packed (thd) the ``thd_*``
+        entries (the packed row ``[1,T]``; its routes are already packed); ``mb`` itself
+        otherwise."""
+        if "thd_tokens" in mb:
+            return {**mb, "tokens": mb["thd_tokens"], "position_ids": mb["thd_position_ids"],
+                    "padding_mask": mb["thd_padding_mask"]}
+        if "cp_tokens" not in mb:
+            return mb
+        view = dict(mb)
+        for k in self._CP_SEQ_KEYS:
+            if f"cp_{k}" in mb:
+                view[k] = mb[f"cp_{k}"]
+        return view
+
+    def _to_device(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+        if torch.cuda.is_available():
+            return {k: v.cuda(non_blocking=True) if isinstance(v, Tensor) else v for k, v in mb.items()}
+        return mb
+    # --- end off-policy correction ---
+
+    # ------------------------------------------------------------------ data parallel
+    def _dp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    def _dp_local(self, batch: list[Sample], advantages: list[float]) -> tuple[list[Sample], list[float]]:
+        """This DP rank's contiguous slice of the global batch (every rank is given the same
+        global batch). Slices are padded to ``ceil(len/dp)`` with zero-weight copies of the
+        first sample (no loss, no token count) so that every DP rank runs the same number of
+        micro-batches (EP all-to-all and DDP are collectives over DP ranks)."""
+        from megatron.core import parallel_state as ps
+
+        dp = self._dp_size()
+        b, a = list(batch), list(advantages)
+        if dp > 1:
+            r = ps.get_data_parallel_rank()
+            per = -(-len(batch) // dp)
+            lo, hi = min(r * per, len(batch)), min((r + 1) * per, len(batch))
+            b, a = list(batch[lo:hi]), list(advantages[lo:hi])
+            while len(b) < per:
+                b.append(dataclasses.replace(batch[0], loss_weight=0.0))
+                a.append(0.0)
+        b = self._pad_for_pp(b)
+        return b, a + [0.0] * (len(b) - len(a))
+
+    def _pad_for_pp(self, samples: list[Sample]) -> list[Sample]:
+        """With PP > 1 every micro-batch must hold exactly ``micro_batch_size`` sequences (the
+        p2p receive buffers are sized from it): pad with zero-weight copies of the first
+        sample. With virtual pipeline stages, also pad the number of micro-batches to a
+        multiple of PP (Megatron's interleaved schedule runs micro-batches in groups of
+        ``microbatch_group_size_per_vp_stage`` = PP and refuses a partial last group).
+        Identity at PP == 1."""
+        mbs = self.cfg.micro_batch_size
+        unit = mbs * (self.cfg.pipeline_model_parallel_size if self._vpp else 1)
+        if self.cfg.pipeline_model_parallel_size == 1 or not samples or len(samples) % unit == 0:
+            return list(samples)
+        pad = [dataclasses.replace(samples[0], loss_weight=0.0)] * (unit - len(samples) % unit)
+        return list(samples) + pad
+
+    def _data_iterators(self, mbs_list: list[dict[str, Tensor]]):
+        """Megatron's ``data_iterator`` argument: one iterator over the micro-batches, or with
+        virtual pipeline stages one per model chunk (each chunk runs every micro-batch, in
+        order; the interleaved schedule calls ``forward_step`` with the chunk's iterator)."""
+        if len(self.ddp_models) == 1:
+            return iter(mbs_list)
+        return [iter(mbs_list) for _ in self.ddp_models]

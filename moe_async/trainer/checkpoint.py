@@ -1,0 +1,518 @@
+"""torch_dist checkpoints of :class:`~moe_async.trainer.megatron_trainer.MegatronTrainer`.
+
+:class:`CheckpointMixin` (a base of the trainer): :meth:`save_checkpoint` /
+:meth:`load_checkpoint` (model, distributed-optimizer state in Megatron's ``dp_reshardable``
+or ``fully_reshardable`` format, RNG states, ``weight_version`` and the layout it was saved
+at; any layout resumes where the format allows), with the side-file and optimizer-format
+checks that name the file or the field before any state changes. File-level checks and
+metadata reads come from :mod:`moe_async.megatron.dist_ckpt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from moe_async.compat import cpu_device_scope
+from moe_async.megatron.sharding import padded_vocab_size
+from moe_async.models import get_family
+
+Tensor = torch.Tensor
+
+
+class CheckpointMixin:
+    """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        """Save model + optimizer as a Megatron ``torch_dist`` checkpoint (layout-independent;
+        with the distributed optimizer, its state in 'dp_reshardable' format, resumable at another
+        DP size only, or with ``trainer.dist_ckpt_optim_fully_reshardable`` in 'fully_reshardable'
+        format, resumable at any layout), plus ``version``, this rank's RNG state and ``extra``.
+
+        Files besides the torch_dist shards: ``moe_async_version.txt`` (``version``);
+        ``moe_async_state.json`` (rank 0: ``version``, the saving ``layout`` and ``extra``, a
+        JSON-able dict, e.g. the driver's data-side step and prompt position);
+        ``moe_async_rng/rank_<r>.pt`` (every rank: python ``random``, numpy, torch CPU and, when
+        CUDA is available, CUDA generator states, and Megatron's RNG tracker states, as
+        Megatron-LM's ``rng_state``). There is no separate scheduler state: the LR is a pure
+        function of ``version`` (:meth:`_set_lr`), so restoring the step restores the schedule.
+        Saving into a directory that holds a checkpoint overwrites it: its old checkpoint
+        files are removed first (:meth:`_remove_old_checkpoint_files`; other files stay).
+        The caller's script needs an ``if __name__ == "__main__"`` guard. Collective."""
+        import json
+        import random
+
+        import numpy as np
+        from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel import random as mrandom
+
+        os.makedirs(path, exist_ok=True)
+        if torch.distributed.get_rank() == 0:
+            self._remove_old_checkpoint_files(path)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()  # no rank writes before the old files are gone
+        with cpu_device_scope():
+            sd = {
+                **self._model_sharded_state_dict(),
+                "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict(),
+                                                               **self._optim_ckpt_kwargs()),
+            }
+            dist_checkpointing.save(sd, path)
+        rank = torch.distributed.get_rank()
+        rng = {
+            "layout": self._ckpt_layout(),
+            "random": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "tracker": mrandom.get_cuda_rng_tracker().get_states(),
+        }
+        os.makedirs(os.path.join(path, "moe_async_rng"), exist_ok=True)
+        torch.save(rng, os.path.join(path, "moe_async_rng", f"rank_{rank}.pt"))
+        if rank == 0:
+            with open(os.path.join(path, "moe_async_version.txt"), "w") as f:
+                f.write(str(self.version))
+            with open(os.path.join(path, "moe_async_state.json"), "w") as f:
+                json.dump({"version": self.version, "layout": self._ckpt_layout(), "extra": extra or {}}, f)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()  # every rank's files are written when any rank returns
+
+    @staticmethod
+    def _remove_old_checkpoint_files(path: str) -> None:
+        """Before saving into ``path``: remove the files a previous checkpoint there left
+        (``__<rank>_<i>.distcp``, ``.metadata``, ``metadata.json``, ``common.pt``, our
+        ``moe_async_*`` files and ``moe_async_rng/``, and a converter-made checkpoint's
+        ``hf_config.json`` and ``moe_async_convert.json``, which a load would otherwise check
+        the new weights against), with a WARNING log line, as Megatron-LM
+        overwrites. A save at fewer ranks would otherwise leave the old ranks' shards and RNG
+        files beside the new ones (a later load at the old layout restored a stale rank's RNG
+        state). Other files are left alone."""
+        import logging
+        import re
+        import shutil
+
+        old = [n for n in os.listdir(path)
+               if re.fullmatch(r"__\d+_\d+\.distcp|\.metadata|metadata\.json|common\.pt|"
+                               r"moe_async_version\.txt|moe_async_state\.json|moe_async_rng|"
+                               r"hf_config\.json|moe_async_convert\.json", n)]
+        if not old:
+            return
+        logging.getLogger(__name__).warning("save_checkpoint: %s holds a checkpoint; overwriting it (%d old files "
+                                            "removed)", path, len(old))
+        for n in old:
+            f = os.path.join(path, n)
+            shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
+
+    def _model_sharded_state_dict(self) -> dict[str, Any]:
+        """The model part of a torch_dist state dict, as Megatron-LM's ``generate_state_dict``:
+        ``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": sd1, ...}`` for virtual
+        pipeline chunks (in ``vp_stage`` order). The tensor keys inside are global (layer
+        numbers from each chunk's offset), so checkpoints load at any PP/VPP layout."""
+        if len(self.models) == 1:
+            return {"model": self.model.sharded_state_dict()}
+        return {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
+
+    # Megatron's distributed optimizer saves its state in one of two of Megatron-Core's formats
+    # (DistributedOptimizer.sharded_state_dict): 'dp_reshardable' (Megatron-LM's default),
+    # per-bucket shards each rank writes without communication, loadable at any DP size but only
+    # at the saving TP/PP/EP/ETP/VPP/CP (the buckets follow the model chunks and their parameters;
+    # _check_optimizer_format); or, with trainer.dist_ckpt_optim_fully_reshardable (Megatron-LM's
+    # --dist-ckpt-optim-fully-reshardable), 'fully_reshardable': gathered over the DP group and
+    # stored per parameter under the model's global keys, so torch_dist reshards it like the
+    # weights (any layout). Loading reads the format the checkpoint records. With torch's Adam (no
+    # Apex/TE, always on CPU) both need compat mend 13 (moe_async/compat/dist_opt_step.py: the
+    # per-parameter 'step'). Megatron-Core's default, 'fully_sharded_model_space', raises
+    # 'ShardedTensor.flattened_range is not supported' on save and is not offered.
+    _DIST_OPT_FORMATS = ("dp_reshardable", "fully_reshardable")
+
+    def _dist_opt_save_format(self) -> str:
+        """The format this trainer saves distributed-optimizer state in (see above)."""
+        return "fully_reshardable" if self.cfg.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+
+    def _optim_ckpt_kwargs(self, fmt: str | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``optimizer.sharded_state_dict`` (the ``metadata`` Megatron-LM's
+        checkpointing passes): the distributed optimizer's sharding type ``fmt`` (default: the
+        one this trainer saves in); none without the distributed optimizer (format unchanged)."""
+        if not self.cfg.use_distributed_optimizer:
+            return {}
+        return {"metadata": {"distrib_optim_sharding_type": fmt or self._dist_opt_save_format(),
+                             "chained_optim_avoid_prefix": True}}
+
+    @staticmethod
+    def _saved_dist_opt_format(common: Any, opt_keys: list[str]) -> str | None:
+        """The distributed-optimizer format a checkpoint's optimizer state was saved in, None for
+        the plain optimizer's. ``common``: the checkpoint's common (non-tensor) optimizer state,
+        where Megatron records ``param_state_sharding_type`` (once per chained optimizer);
+        ``opt_keys``: its optimizer tensor keys (``*optimizer.distributed.*`` are
+        'dp_reshardable' buckets, the fallback when no type is recorded).
+
+        Raises:
+            UserInputError (a ValueError): chained optimizers saved in different formats."""
+        from moe_async.errors import UserInputError
+
+        found: set[str] = set()
+
+        def walk(x: Any) -> None:
+            if isinstance(x, dict):
+                if isinstance(x.get("param_state_sharding_type"), str):
+                    found.add(x["param_state_sharding_type"])
+                for v in x.values():
+                    walk(v)
+
+        walk(common)
+        if len(found) > 1:
+            raise UserInputError(f"its optimizer state mixes distributed-optimizer formats {sorted(found)}")
+        if found:
+            return found.pop()
+        return "dp_reshardable" if any(".distributed." in k for k in opt_keys) else None
+
+    def _init_dist_opt_state(self) -> None:
+        """Allocate the Adam state of a distributed optimizer that has not stepped yet, before its
+        sharded state dict is built for loading. Answers Megatron-Core 0.16.1's
+        ``DistributedOptimizer.state_dict``, which without Apex/Transformer Engine reads
+        'step' from the per-parameter state (``assert len(steps) == 1`` on an empty one).
+        Uses Megatron's own ``_init_optimizer_states_with_dummy_values`` (a step on zero
+        gradients, as for its fsdp_dtensor format); that step's weight decay would move the
+        weights (fp32 main params are views of them), so they are put back; the checkpoint
+        then overwrites the state, the main params and the step."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        opts = [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                if isinstance(o, DistributedOptimizer) and len(o.optimizer.state) == 0]
+        if not opts:
+            return
+        keep = [(p, p.detach().clone()) for m in self.models for p in m.parameters()]
+        for o in opts:
+            o._init_optimizer_states_with_dummy_values()
+        with torch.no_grad():
+            for p, v in keep:
+                p.copy_(v)
+
+    # layout keys a checkpoint records; absent from checkpoints written before they were added
+    # (virtual pipeline, context parallel, expert tensor parallel): those were saved at 1
+    _LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1, "etp": 1}
+    # the layout a 'dp_reshardable' distributed-optimizer checkpoint (per-bucket state) needs
+    _DIST_OPT_LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "vpp", "cp")
+
+    def _check_optimizer_format(self, path: str, fmt: str | None, state: dict[str, Any] | None) -> None:
+        """A checkpoint's optimizer state must match this trainer's optimizer. ``fmt``: the
+        format it was saved in (:meth:`_saved_dist_opt_format`; None = the plain optimizer's).
+        The distributed optimizer's loads only into a distributed optimizer (whatever
+        ``trainer.dist_ckpt_optim_fully_reshardable`` says): 'fully_reshardable' at any layout,
+        'dp_reshardable' at the saving TP/PP/EP/ETP/VPP/CP (any DP); the plain optimizer's only
+        into a plain one (its state is keyed by global parameter names, so it loads at any
+        layout). ``state`` is ``moe_async_state.json`` (None when absent), whose ``layout`` is
+        the only record of the saving layout: a 'dp_reshardable' checkpoint without it is
+        refused, as Megatron's bucket-space state would otherwise be read into the wrong
+        parameters at another layout.
+
+        Raises:
+            UserInputError (a ValueError) naming ``trainer.use_distributed_optimizer``, an
+            unsupported format, the two layouts, or the missing ``moe_async_state.json``.
+        """
+        from moe_async.errors import UserInputError
+
+        saved_do = fmt is not None
+        do = bool(self.cfg.use_distributed_optimizer)
+        if saved_do != do:
+            raise UserInputError(
+                f"checkpoint {path}: its optimizer state was saved "
+                f"{'with' if saved_do else 'without'} Megatron's distributed optimizer and this trainer has "
+                f"trainer.use_distributed_optimizer={str(do).lower()}; set it to {str(saved_do).lower()} to resume")
+        if not do:
+            return
+        if fmt not in self._DIST_OPT_FORMATS:
+            raise UserInputError(
+                f"checkpoint {path}: its distributed-optimizer state is in Megatron's {fmt!r} format, which "
+                f"this trainer does not read (it reads {' and '.join(map(repr, self._DIST_OPT_FORMATS))})")
+        if fmt == "fully_reshardable":
+            return  # keyed per parameter like the weights: any layout
+        saved = (state or {}).get("layout")
+        if not isinstance(saved, dict):
+            raise UserInputError(
+                f"checkpoint {path}: its distributed-optimizer state ({fmt}) loads only at "
+                f"the saving TP/PP/EP/ETP/VPP/CP, and {os.path.join(path, 'moe_async_state.json')} (which records that "
+                f"layout) is {'missing' if state is None else 'without a layout'}; restore the file or resume "
+                "from another checkpoint")
+        saved = {**self._LAYOUT_DEFAULTS, **saved}
+        now = self._ckpt_layout()
+        keys = self._DIST_OPT_LAYOUT_KEYS
+        diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
+        if diff:
+            lay_str = lambda lay: " ".join(f"{k.upper()}{lay.get(k)}" for k in keys)  # noqa: E731
+            raise UserInputError(
+                f"checkpoint {path}: distributed-optimizer state ({fmt}) loads at "
+                f"another DP size but not at another TP/PP/EP/ETP/VPP/CP (saved vs now: {diff}; saved at "
+                f"{lay_str(saved)}, this trainer at {lay_str(now)}); resume at the saving layout (checkpoints "
+                "saved with trainer.dist_ckpt_optim_fully_reshardable=true resume at any layout)")
+
+    def _ckpt_layout(self) -> dict[str, int]:
+        """The world layout RNG states and distributed-optimizer state belong to: world size,
+        TP, PP, EP, ETP, VPP (model chunks per PP rank, 1 without a virtual pipeline), CP, DP."""
+        return {"world_size": torch.distributed.get_world_size(),
+                "tp": self.cfg.tensor_model_parallel_size, "pp": self.cfg.pipeline_model_parallel_size,
+                "ep": self.cfg.expert_model_parallel_size,
+                "etp": getattr(self.cfg, "expert_tensor_parallel_size", 1) or 1,
+                "vpp": self.cfg.virtual_pipeline_model_parallel_size or 1,
+                "cp": getattr(self.cfg, "context_parallel_size", 1) or 1, "dp": self._dp_size()}
+
+    _RNG_KEYS = ("layout", "random", "numpy", "torch", "cuda", "tracker")
+
+    def _read_ckpt_side_files(self, path: str) -> tuple[int | None, dict[str, Any] | None, dict[str, Any] | None]:
+        """Read and check the files :meth:`save_checkpoint` writes besides the tensors, before
+        anything of this trainer changes: ``(version, state, rng)`` from
+        ``moe_async_version.txt`` (an int), ``moe_async_state.json`` (a JSON object whose
+        ``layout`` and ``extra`` are objects) and this rank's ``moe_async_rng/rank_<r>.pt``
+        (a dict with the RNG states); None for a file that is absent.
+
+        Collective at world size > 1: every rank learns whether any rank failed, so that all
+        raise together (one rank alone would leave the others waiting in the next collective).
+
+        Raises:
+            CheckpointReadError naming the file (and the rank for an RNG file).
+        """
+        import json
+
+        import torch.distributed as dist
+
+        from moe_async.errors import CheckpointReadError
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        version = state = rng = None
+        err = None
+        ver_p = os.path.join(path, "moe_async_version.txt")
+        state_p = os.path.join(path, "moe_async_state.json")
+        rng_p = os.path.join(path, "moe_async_rng", f"rank_{rank}.pt")
+        cur = ver_p
+        try:
+            if os.path.exists(ver_p):
+                with open(ver_p) as f:
+                    text = f.read().strip()
+                if not text.isdigit():
+                    raise ValueError(f"expected a non-negative integer (the weight_version), got {text[:40]!r}")
+                version = int(text)
+            cur = state_p
+            if os.path.exists(state_p):
+                with open(state_p) as f:
+                    state = json.load(f)
+                if not isinstance(state, dict):
+                    raise ValueError(f"expected a JSON object, got {type(state).__name__}")
+                for k in ("layout", "extra"):
+                    if k in state and not isinstance(state[k], dict):
+                        raise ValueError(f"{k!r} is a {type(state[k]).__name__}, not an object")
+            cur = rng_p
+            if os.path.exists(rng_p):
+                rng = torch.load(rng_p, weights_only=False)  # written by save_checkpoint (numpy state)
+                if not isinstance(rng, dict) or any(k not in rng for k in self._RNG_KEYS):
+                    raise ValueError(f"not an RNG state file of this trainer (needs keys {list(self._RNG_KEYS)})")
+        except Exception as e:  # noqa: BLE001 - truncated text/JSON/zip: OSError, ValueError, RuntimeError, EOFError, ...
+            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+            err = (f"checkpoint {path}: cannot read {cur} (rank {rank}; {type(e).__name__}: "
+                   f"{(lines[-1] if lines else '')[:200]}); the trainer is unchanged")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errs: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, err)
+            err = next((x for x in errs if x), None)
+        if err:
+            raise CheckpointReadError(err)
+        return version, state, rng
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
+        reshards on load). Returns the ``extra`` dict given to :meth:`save_checkpoint` (``{}``
+        when the checkpoint has none).
+
+        Two kinds are accepted:
+
+        * written by :meth:`save_checkpoint`: model, optimizer state and ``version`` (which
+          also restores the LR schedule, a pure function of ``version``); this rank's RNG
+          states are restored when the saving layout (world size, TP, PP, EP, ETP, VPP, CP, DP)
+          equals this one, else an INFO log line says they are not (Megatron-LM's
+          ``--no-load-rng``). Distributed-optimizer state is read in the format it was saved in
+          (recorded in the checkpoint): 'fully_reshardable' at any layout, 'dp_reshardable' only
+          at the saving TP/PP/EP/ETP/VPP/CP (any DP), read from ``moe_async_state.json``;
+        * model only (``tools/convert_hf_to_megatron.py``, or any checkpoint without
+          optimizer tensors): the model is loaded, the optimizer starts fresh (its
+          state, if this trainer already stepped, is cleared; bf16 main params are re-read
+          from the loaded model, as Megatron-LM's ``--no-load-optim`` / ``--finetune`` do),
+          ``version`` is read from ``moe_async_version.txt`` when present, else 0; a log line
+          (``logging``, WARNING) says so.
+
+        Everything that can fail is read and checked before any weight or optimizer state of
+        this trainer changes: the side files, then the model tensors and the optimizer state
+        (read into copies: torch_dist would otherwise read into the live tensors, and the
+        distributed optimizer's fp32 main params are views of the weights), then they are
+        applied. A failed load leaves the trainer as it was (weights, optimizer state,
+        version, RNG). Memory: the model and optimizer state are held twice while loading.
+
+        The checkpoint's vocab rows (Megatron pads V) must equal this model's: ValueError
+        naming ``trainer.make_vocab_size_divisible_by`` and TP otherwise. A
+        ``hf_config.json`` next to the tensors (written by the converter) must describe
+        the same architecture as this trainer's HF config: ValueError naming the first
+        differing field. Collective at world size > 1.
+
+        Raises:
+            FileNotFoundError: ``path`` is not a directory.
+            CheckpointReadError (a UserInputError and a RuntimeError): a file that cannot be
+                read, named: ``.metadata``, ``metadata.json`` or ``common.pt`` truncated or
+                corrupt, a ``.distcp`` shard missing or shorter than its items
+                (:func:`moe_async.megatron.dist_ckpt.check_torch_dist_files`, before any tensor is read),
+                shard bytes that do not deserialise (model or optimizer part),
+                ``moe_async_version.txt``, ``moe_async_state.json``,
+                ``moe_async_rng/rank_<r>.pt``, ``hf_config.json``.
+            UserInputError (a ValueError): optimizer kind or ('dp_reshardable' distributed
+                optimizer state) layout differs from the saving one, ``moe_async_state.json`` is
+                missing for a 'dp_reshardable' checkpoint, or the distributed-optimizer format is
+                neither 'dp_reshardable' nor 'fully_reshardable'.
+            KeyError: naming the model tensors absent from the checkpoint, or the checkpoint
+                tensors (other than optimizer state) this model does not use (checked on
+                every rank, before any weight is changed).
+        """
+        import json
+        import logging
+
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        from moe_async.errors import CheckpointReadError
+
+        log = logging.getLogger(__name__)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"checkpoint dir {path} " + ("is a file, not a checkpoint directory"
+                                                                 if os.path.exists(path) else "does not exist"))
+        cfg_p = os.path.join(path, "hf_config.json")
+        if os.path.exists(cfg_p):
+            try:
+                with open(cfg_p) as f:
+                    saved = json.load(f)
+                a_saved = get_family(saved.get("model_type")).arch_args(saved)
+            except (OSError, ValueError, AttributeError, TypeError) as e:
+                raise CheckpointReadError(f"checkpoint {path}: cannot read {cfg_p} ({type(e).__name__}: "
+                                          f"{str(e)[:200]}); the trainer is unchanged") from e
+            a_now = self.family.arch_args(self.hf_config)
+            if a_saved != a_now:
+                diff = [k for k in dataclasses.fields(a_now) if getattr(a_saved, k.name) != getattr(a_now, k.name)]
+                k = diff[0].name if diff else "model_type"
+                raise ValueError(f"checkpoint {path}: its hf_config.json differs from this trainer's HF config "
+                                 f"in field {k} ({getattr(a_saved, k, None)!r} vs {getattr(a_now, k, None)!r})")
+        from moe_async.megatron.dist_ckpt import check_torch_dist_files, is_optimizer_key, saved_vocab_rows
+
+
+        # metadata, common.pt and every shard's length, each named, before any tensor is read
+        try:
+            metadata = check_torch_dist_files(path)
+        except CheckpointReadError as e:
+            raise CheckpointReadError(f"{e}; the trainer is unchanged") from None
+        rows = saved_vocab_rows(path, metadata)
+        want = padded_vocab_size(self.vocab_size, self.cfg.tensor_model_parallel_size,
+                                 self.cfg.make_vocab_size_divisible_by)
+        if rows is not None and rows != want:
+            raise ValueError(
+                f"checkpoint {path} has {rows} (padded) vocab rows, this trainer's model {want} "
+                f"(V={self.vocab_size}, trainer.make_vocab_size_divisible_by="
+                f"{self.cfg.make_vocab_size_divisible_by}, TP={self.cfg.tensor_model_parallel_size}); "
+                "set make_vocab_size_divisible_by (or convert with --vocab-div) so that they agree")
+        version, state, rng = self._read_ckpt_side_files(path)
+
+        # torch_dist reads into the tensors it is given: give it copies, so that a load failing
+        # halfway (a truncated shard) leaves this trainer's weights and optimizer state untouched
+        def _own_copy(x):
+            if isinstance(getattr(x, "data", None), torch.Tensor):
+                x.data = x.data.detach().clone()
+            return x
+
+        def _read(sd: dict[str, Any], what: str, **kw):
+            try:
+                return dist_checkpointing.load(sd, path, **kw)
+            except BaseException as e:  # torch's CheckpointException derives from BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+                cause = lines[-1][:200] if lines else ""  # torch's text ends with the rank's error
+                raise CheckpointReadError(f"checkpoint {path}: cannot read its {what} (.distcp shards), the "
+                                          f"trainer's weights and optimizer state are unchanged "
+                                          f"({type(e).__name__}: {cause})") from e
+
+        with cpu_device_scope():
+            model_sd = self._model_sharded_state_dict()
+            dict_list_map_inplace(_own_copy, model_sd)
+            # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
+            # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
+            loaded, in_ckpt_only, absent = _read(model_sd, "model tensors", strict=StrictHandling.RETURN_ALL)
+            absent = set(absent)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                everyone: list = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, sorted(absent))
+                absent = set().union(*map(set, everyone))
+            has_opt = any(is_optimizer_key(k) for k in in_ckpt_only)
+            unused = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
+            if absent or unused:
+                raise KeyError(
+                    f"checkpoint {path}: "
+                    + (f"model tensors missing from it {sorted(absent)[:20]} (of {len(absent)}); " if absent else "")
+                    + (f"tensors this model does not use {unused[:20]} (of {len(unused)})" if unused else ""))
+            opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            if has_opt:
+                opt_keys = [k for k in in_ckpt_only if is_optimizer_key(k)]
+                try:
+                    fmt = self._saved_dist_opt_format(loaded.get("optimizer"), opt_keys)
+                except ValueError as e:
+                    raise type(e)(f"checkpoint {path}: {e}") from e
+                self._check_optimizer_format(path, fmt, state)
+                # the optimizer's sharded state dict needs allocated state: remember which
+                # optimizers had none, to give them back none if the read fails
+                fresh = [o for o in opts if len(o.optimizer.state) == 0]
+                try:
+                    self._init_dist_opt_state()
+                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True,
+                                                               **self._optim_ckpt_kwargs(fmt))
+                    dict_list_map_inplace(_own_copy, opt_sd)
+                    opt_loaded = _read({"optimizer": opt_sd}, "optimizer state")["optimizer"]
+                except BaseException:
+                    for o in fresh:
+                        o.optimizer.state.clear()
+                        o.reload_model_params()  # bf16: main params <- the (unchanged) weights
+                    raise
+                with torch.no_grad():  # fp32 + distributed optimizer: main params are views of the weights
+                    self.optimizer.load_state_dict(opt_loaded)
+            for key, m in zip(model_sd, self.models):
+                m.load_state_dict(loaded[key])
+            if not has_opt:
+                for opt in opts:
+                    opt.optimizer.state.clear()  # Adam moments and step: fresh
+                self.optimizer.reload_model_params()  # bf16: main (fp32) params <- loaded model
+        self.version = version if version is not None else 0
+        if version is not None and (state is None or rng is None):  # a save_checkpoint dir missing files
+            log.warning("checkpoint %s has moe_async_version.txt but no %s: loaded without them (no saved "
+                        "step/data position%s)", path,
+                        " and no ".join(n for n, x in (("moe_async_state.json", state),
+                                                        (f"moe_async_rng/rank_{dist.get_rank() if dist.is_initialized() else 0}.pt", rng))
+                                        if x is None),
+                        "; RNG not restored" if rng is None else "")
+        if not has_opt:
+            log.warning("checkpoint %s holds no optimizer state: loaded the model only, the optimizer "
+                        "starts fresh (weight_version=%d)", path, self.version)
+        if rng is not None:
+            saved_layout = {**self._LAYOUT_DEFAULTS, **(rng["layout"] or {})}
+            if saved_layout == self._ckpt_layout():
+                import random
+
+                import numpy as np
+                from megatron.core.tensor_parallel import random as mrandom
+
+                random.setstate(rng["random"])
+                np.random.set_state(rng["numpy"])
+                torch.set_rng_state(rng["torch"])
+                if rng["cuda"] is not None and torch.cuda.is_available():
+                    torch.cuda.set_rng_state_all(rng["cuda"])
+                mrandom.get_cuda_rng_tracker().set_states(rng["tracker"])
+            else:
+                log.info("checkpoint %s: RNG state not restored, the layout changed (saved %s, now %s)",
+                         path, saved_layout, self._ckpt_layout())
+        return dict((state or {}).get("extra") or {})

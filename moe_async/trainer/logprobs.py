@@ -1,0 +1,245 @@
+"""Forward pass and per-token logprobs of :class:`~moe_async.trainer.megatron_trainer.MegatronTrainer`.
+
+:class:`LogprobsMixin` (a base of the trainer): one micro-batch through a model chunk
+(:meth:`_forward`: logits of the response positions only where the output layer allows),
+token logprobs from the logits (:meth:`_token_logp`; gathered over CP by
+:meth:`_cp_token_logp`), the expert-bias routers' padding correction, and the public
+:meth:`compute_logprobs` (forward only through Megatron's schedule).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from moe_async.compat import cpu_device_scope
+from moe_async.megatron.sharding import gather_over_cp
+from moe_async.types import Sample
+
+Tensor = torch.Tensor
+
+
+class LogprobsMixin:
+    """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
+
+    def _forward(self, model, mb: dict[str, Tensor]) -> tuple[Tensor, bool]:
+        """Forward of one micro-batch: ``(output, rows_only)``. On the last PP stage the
+        output is the logits: ``[1,N,V_padded]`` for the N response positions of
+        ``mb["logit_b"/"logit_s"]`` when ``rows_only`` (the output layer is applied to those
+        hidden states only: prompt positions carry no loss), else ``[B,S,V_padded]``. Rows
+        are selected when the output layer is not sequence parallel (TP == 1); under
+        sequence parallelism its input is this rank's sequence shard and all rows go."""
+        rows_only = self._rows_hook is not None
+        extra: dict[str, Any] = {}
+        if "cp_tokens" in mb:  # CP: this rank's chunks; causal attention over CP (no dense mask)
+            self._logit_rows = (mb["cp_logit_s"], mb["cp_logit_b"]) if rows_only else None
+            inputs = (mb["cp_tokens"], mb["cp_position_ids"], None)
+            padding_mask = mb.get("cp_padding_mask")
+        elif "thd_tokens" in mb:  # packed: one row [1,T], attention per cu_seqlens segment
+            s = mb["thd_logit_s"]
+            self._logit_rows = (s, torch.zeros_like(s)) if rows_only else None
+            inputs = (mb["thd_tokens"], mb["thd_position_ids"], None)
+            padding_mask = mb["thd_padding_mask"]
+            extra["packed_seq_params"] = self._packed_seq_params(mb)
+        else:
+            self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
+            inputs = (mb["tokens"], mb["position_ids"], mb["attention_mask"])
+            padding_mask = mb.get("padding_mask")
+        if self._bias_hooks and padding_mask is not None:  # see _uncount_padding
+            pm = self._sp_shard(padding_mask) if self.tf_config.sequence_parallel else padding_mask
+            self._router_pad = pm.transpose(0, 1).reshape(-1)  # router token order: [S, B] flattened
+        try:
+            return model(*inputs, padding_mask=self._stage_padding_mask(model, padding_mask), **extra), rows_only
+        finally:
+            self._logit_rows = None
+            self._router_pad = None
+
+    def _uncount_padding(self, module, args, output) -> None:
+        """Forward hook of a router with an expert bias (deepseek_v3): takes this micro-batch's
+        padding positions back out of ``local_tokens_per_expert``, the token counts that
+        Megatron-Core's aux-loss-free update (``get_updated_expert_bias``) balances. Megatron
+        counts every routed row because this trainer cannot pass it the padding mask there
+        (see :meth:`_stage_padding_mask`); without this the update's direction depended on how
+        much padding the micro-batching added. ``output``: ``(probs, routing_map [tokens,
+        experts] bool)``; counted only where Megatron counts (grad enabled)."""
+        pad = self._router_pad
+        if pad is None or not torch.is_grad_enabled():
+            return
+        routing_map = output[1]
+        if routing_map.shape[0] != pad.numel():
+            raise RuntimeError(f"router saw {routing_map.shape[0]} tokens, the micro-batch's padding mask "
+                               f"has {pad.numel()} (this rank's shard)")
+        with torch.no_grad():
+            cnt = module.local_tokens_per_expert
+            cnt -= routing_map[pad.to(routing_map.device)].sum(0).to(cnt.dtype)
+
+    def _stage_padding_mask(self, model, padding_mask: Tensor | None) -> Tensor | None:
+        """``padding_mask [B,S]`` as this stage's MoE routers see it: Megatron-Core's GPTModel
+        splits it over the TP ranks under sequence parallelism only on the first pipeline
+        stage (with the embedding); a later stage gets this rank's ``[B,S/TP]`` slice here,
+        the same contiguous split as ``scatter_to_sequence_parallel_region``.
+
+        ``None`` (padding routed and counted like real tokens) for routers with an expert bias
+        (deepseek_v3): Megatron-Core 0.16.1's ``TopKRouter._apply_expert_bias`` ANDs the
+        ``[tokens, experts]`` routing map with the flattened ``[tokens]`` mask, which does not
+        broadcast (fixed upstream with ``unsqueeze(-1)``)."""
+        from megatron.core.utils import get_attr_wrapped_model
+
+        if getattr(self.tf_config, "moe_router_enable_expert_bias", False):
+            return None
+        if padding_mask is None or not self.tf_config.sequence_parallel:
+            return padding_mask
+        if get_attr_wrapped_model(model, "pre_process"):
+            return padding_mask
+        return self._sp_shard(padding_mask)
+
+    @staticmethod
+    def _sp_shard(x: Tensor) -> Tensor:
+        """``x [B,S,...]`` -> this TP rank's ``[B,S/TP,...]``: the contiguous sequence split of
+        sequence parallelism (``scatter_to_sequence_parallel_region`` on ``[S,B,...]``)."""
+        from megatron.core import parallel_state as ps
+
+        tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        n = x.shape[1] // tp
+        return x[:, r * n : (r + 1) * n].contiguous()
+
+    def _select_logit_rows(self, module, args, kwargs):
+        """Forward pre-hook of the output layer (see :meth:`_forward`): hidden ``[S,B,H]`` ->
+        ``[N,1,H]`` of the selected (position, sequence) rows."""
+        if self._logit_rows is None:
+            return None
+        s, b = self._logit_rows
+        return (args[0][s, b].unsqueeze(1), *args[1:]), kwargs
+
+    def _token_logp(self, logits: Tensor, mb: dict[str, Tensor], rows_only: bool,
+                    entropy: bool = False) -> tuple[Tensor | None, Tensor]:
+        """``(entropy [B,S-1] or None, logp [B,S-1])``: fp32 (fp64 for fp64 logits) log-softmax over the HF vocab V
+        (the padded vocab rows are dropped first); ``logp[b,t]`` = log-prob of token t+1,
+        ``entropy[b,t]`` of the predicted distribution (no grad). With ``rows_only``
+        (``logits [1,N,V_padded]``) positions other than the response rows hold 0."""
+        if "cp_tokens" in mb:
+            return self._cp_token_logp(logits, mb, rows_only, entropy)
+        if "thd_tokens" in mb and not rows_only:  # packed [1,T,V]: the response rows, in logit_b/s order
+            logits, rows_only = logits[:, mb["thd_logit_s"]], True
+        tokens = mb["tokens"]
+        B, S = tokens.shape
+        wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        if rows_only:
+            b, s = mb["logit_b"], mb["logit_s"]
+            logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
+            lp = logp_NV.gather(-1, tokens[b, s + 1].unsqueeze(-1)).squeeze(-1)
+            logp = torch.zeros(B, S - 1, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
+            ent = None
+            if entropy:
+                with torch.no_grad():
+                    e = -(logp_NV.exp() * logp_NV).sum(-1)
+                    ent = torch.zeros(B, S - 1, dtype=e.dtype, device=e.device).index_put((b, s), e)
+            return ent, logp
+        logp_BSV = torch.log_softmax(logits[:, :-1, : self.vocab_size].to(wide), dim=-1)
+        logp = logp_BSV.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
+        return ent, logp
+
+    def _cp_token_logp(self, logits: Tensor, mb: dict[str, Tensor], rows_only: bool,
+                       entropy: bool = False) -> tuple[Tensor | None, Tensor]:
+        """:meth:`_token_logp` with CP > 1: logits of this rank's positions (``[1,N_local,V_padded]``
+        rows ``cp_logit_b/s`` when ``rows_only``, else ``[B,S/CP,V_padded]``) -> this rank's
+        ``[B,S/CP]`` logprobs of ``cp_labels`` -> all-gathered over the CP group into global
+        order ``[B,S]`` (differentiable; each rank back-propagates its own positions, see
+        :func:`sharding.gather_over_cp`) -> ``[B,S-1]``, equal on every CP rank."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_context_parallel_group()
+        labels = mb["cp_labels"]
+        B, S_loc = labels.shape
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        ent_loc = None
+        if rows_only:
+            b, s = mb["cp_logit_b"], mb["cp_logit_s"]
+            logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
+            lp = logp_NV.gather(-1, labels[b, s].unsqueeze(-1)).squeeze(-1)
+            logp_loc = torch.zeros(B, S_loc, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
+            if entropy:
+                with torch.no_grad():
+                    e = -(logp_NV.exp() * logp_NV).sum(-1)
+                    ent_loc = torch.zeros(B, S_loc, dtype=e.dtype, device=e.device).index_put((b, s), e)
+        else:
+            logp_BSV = torch.log_softmax(logits[:, :, : self.vocab_size].to(wide), dim=-1)
+            logp_loc = logp_BSV.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            if entropy:
+                with torch.no_grad():
+                    ent_loc = -(logp_BSV.exp() * logp_BSV).sum(-1)
+        logp = gather_over_cp(logp_loc, group)[:, :-1]
+        ent = None
+        if ent_loc is not None:
+            with torch.no_grad():
+                ent = gather_over_cp(ent_loc, group)[:, :-1]
+        return ent, logp
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample], equalize_dp: bool = False) -> list[list[float]]:
+        """Per-response-token logprobs (natural log, temperature 1) under the current
+        weights, aligned with ``Sample.rollout_logprobs`` (entry j = log p(response_ids[j] |
+        prompt, response_ids[:j])). Runs through Megatron's schedule (forward only).
+
+        Collective: every rank of the world calls it with the same ``samples``; each DP
+        replica computes all of them (no DP split), and the last PP stage's result is
+        broadcast over the PP group, so every rank returns the same lists. ``equalize_dp``
+        (internal: decoupled PPO's proximal logprobs of each DP rank's own slice): DP ranks
+        holding different samples cut them into one common micro-batch count."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not samples:
+            return []
+        n_real = len(samples)
+        samples = self._pad_for_pp(samples)
+        with cpu_device_scope():
+            mbs_list = self._pack(samples, None, equalize_dp=equalize_dp)
+
+            def loss_func(mb, rows_only, logits):
+                _, logp = self._token_logp(logits, mb, rows_only)
+                return logits.sum() * 0.0, {"logp": logp.float().cpu()}
+
+            def forward_step(data_iterator, model):
+                mb = self._to_device(next(data_iterator))
+                self.router_replay.before_forward(self._model_view(mb), model)  # router replay (R3: engine routes)
+                logits, rows_only = self._forward(model, mb)
+                return logits, partial(loss_func, mb, rows_only)
+
+            for d in self.ddp_models:
+                d.eval()
+            seq_length, mb_size = self._schedule_shape(mbs_list)
+            with self.router_replay.step(mbs_list):  # router replay: set/clear (R2: own routes)
+                reduced = get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=self._data_iterators(mbs_list),
+                    model=self.ddp_models,
+                    num_microbatches=len(mbs_list),
+                    seq_length=seq_length,
+                    micro_batch_size=mb_size,
+                    forward_only=True,
+                )
+            for d in self.ddp_models:
+                d.train()
+        out: list[list[float]] = []
+        if ps.is_pipeline_last_stage():
+            for mb, d in zip(mbs_list, reduced):
+                for b in range(mb["tokens"].shape[0]):
+                    P, R = int(mb["prompt_len"][b]), int(mb["resp_len"][b])
+                    out.append(d["logp"][b, P - 1 : P - 1 + R].tolist())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            import torch.distributed as dist
+
+            box = [out]
+            dist.broadcast_object_list(
+                box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
+            out = box[0]
+        return out[:n_real]
