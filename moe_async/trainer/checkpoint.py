@@ -11,6 +11,7 @@ metadata reads come from :mod:`moe_async.megatron.dist_ckpt`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -21,6 +22,8 @@ from moe_async.megatron.sharding import padded_vocab_size
 from moe_async.models import get_family
 
 Tensor = torch.Tensor
+# the trainer's logger: these records keep the name they had before the trainer was split
+_LOG = logging.getLogger("moe_async.trainer.megatron_trainer")
 
 
 class CheckpointMixin:
@@ -91,7 +94,6 @@ class CheckpointMixin:
         overwrites. A save at fewer ranks would otherwise leave the old ranks' shards and RNG
         files beside the new ones (a later load at the old layout restored a stale rank's RNG
         state). Other files are left alone."""
-        import logging
         import re
         import shutil
 
@@ -101,7 +103,7 @@ class CheckpointMixin:
                                r"hf_config\.json|moe_async_convert\.json", n)]
         if not old:
             return
-        logging.getLogger(__name__).warning("save_checkpoint: %s holds a checkpoint; overwriting it (%d old files "
+        _LOG.warning("save_checkpoint: %s holds a checkpoint; overwriting it (%d old files "
                                             "removed)", path, len(old))
         for n in old:
             f = os.path.join(path, n)
@@ -373,7 +375,6 @@ class CheckpointMixin:
                 every rank, before any weight is changed).
         """
         import json
-        import logging
 
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
@@ -382,7 +383,7 @@ class CheckpointMixin:
 
         from moe_async.errors import CheckpointReadError
 
-        log = logging.getLogger(__name__)
+        log = _LOG
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint dir {path} " + ("is a file, not a checkpoint directory"
                                                                  if os.path.exists(path) else "does not exist"))
