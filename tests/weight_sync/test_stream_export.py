@@ -125,3 +125,22 @@ def test_one_process_stream_of_shards():
     b, flat, _ = out[0]
     assert b.names == ["w"] and b.dtypes == ["bfloat16"] and torch.equal(b.tensors[0], w.to(torch.bfloat16))
     assert flat.numel() == 64
+
+
+def test_padded_vocab_rows_are_dropped_and_a_renamed_tensor_is_received_in_place():
+    """Vocab padding (rows >= the HF vocab) never reaches the bucket; a rename goes straight
+    into the bucket's bytes (no scratch: peak = the bucket buffer alone)."""
+    from moe_async.weight_sync.alive_bytes import AliveBytes
+    from moe_async.weight_sync.stream_export import streamed_buckets
+
+    class P:
+        def __init__(self, name, data, full, off):
+            self.name, self.data, self.full_shape, self.offset = name, data, full, off
+
+    emb = torch.randn(6, 4)  # 2 padded rows over a vocab of 4, two vocab-parallel shards
+    pieces = [P("emb", emb[:3].clone(), (6, 4), (0, 0)), P("emb", emb[3:].clone(), (6, 4), (3, 0))]
+    with AliveBytes() as ab:
+        (b, flat, last), = streamed_buckets(pieces, _ident, 1024, vocab={"emb": 4}, direct=lambda n: True)
+        peak = ab.peak
+    assert last and b.shapes == [[4, 4]] and torch.equal(b.tensors[0], emb[:4])
+    assert peak == 4 * 4 * 4  # the bucket's 64 bytes, nothing else
