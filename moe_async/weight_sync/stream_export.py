@@ -266,8 +266,11 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
 
     def bucket_of(b: int, f: Tensor) -> Bucket:
         ps = plan.buckets[b]
-        return Bucket(names=[p.hf_name for p in ps], tensors=[_typed(f, p) if p.offset % p.dtype.itemsize == 0
-                                                               else f[p.offset: p.offset + p.nbytes] for p in ps],
+        # a part at an offset its dtype cannot view (mixed dtypes) is described by a typed copy
+        # of its bytes (the Bucket's dtypes/shapes are the engines' metadata; ``f`` is what is sent)
+        return Bucket(names=[p.hf_name for p in ps],
+                      tensors=[_typed(f, p) if p.offset % p.dtype.itemsize == 0
+                               else f[p.offset: p.offset + p.nbytes].clone().view(p.dtype).view(p.shape) for p in ps],
                       nbytes=plan.bucket_nbytes[b])
 
     def receive(t: _Tensor, into: Tensor) -> None:

@@ -144,3 +144,21 @@ def test_padded_vocab_rows_are_dropped_and_a_renamed_tensor_is_received_in_place
         peak = ab.peak
     assert last and b.shapes == [[4, 4]] and torch.equal(b.tensors[0], emb[:4])
     assert peak == 4 * 4 * 4  # the bucket's 64 bytes, nothing else
+
+
+def test_mixed_dtypes_keep_their_metadata_at_any_offset():
+    """A bf16 tensor of odd length puts the next fp32 tensor at an offset fp32 cannot view:
+    the bucket still names every tensor's own dtype and shape, and the bytes are end to end."""
+    from moe_async.weight_sync.bucket import unflatten
+    from moe_async.weight_sync.stream_export import streamed_buckets
+
+    class P:
+        def __init__(self, name, data):
+            self.name, self.data, self.full_shape, self.offset = name, data, tuple(data.shape), (0,) * data.dim()
+
+    a = torch.randn(3).to(torch.bfloat16)  # 6 bytes
+    w = torch.randn(2, 2)
+    (b, flat, _), = streamed_buckets([P("a", a), P("w", w)], _ident, 1024, direct=lambda n: True)
+    assert b.names == ["a", "w"] and b.dtypes == ["bfloat16", "float32"] and b.shapes == [[3], [2, 2]]
+    got = dict(unflatten(flat, b.names, b.dtypes, b.shapes))
+    assert torch.equal(got["a"], a) and torch.equal(got["w"], w)
