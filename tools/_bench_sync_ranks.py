@@ -100,7 +100,9 @@ def main() -> None:
         if rank == 0:
             raw = (total / before + total / after) / 2 / 1e9
             rows.append({"ratio": m["sync/gbps"] / raw, "sync_gbps": m["sync/gbps"], "raw_gbps": raw,
-                         "seconds": m["sync/seconds"], "buckets": m["sync/buckets"], "stall_s": m["sync/pause_seconds"]})
+                         "seconds": m["sync/seconds"], "buckets": m["sync/buckets"], "stall_s": m["sync/pause_seconds"],
+                         "broadcast_s": m["sync/broadcast_seconds"], "export_s": m["sync/pack_seconds"],
+                         "export_wait_s": m["sync/pack_wait_seconds"], "raw_s": (before + after) / 2})
     with AliveBytes() as ab:
         sync(overlap=False)
         peak = ab.peak

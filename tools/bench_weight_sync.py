@@ -367,7 +367,9 @@ def multi_rank(args, path: str, total: int) -> None:
                 md, b = r["median"], r["best"]
                 print(f"{layout} -> {r['engines']} engines, bucket {mib:g} MiB ({int(md['buckets'])} buckets): "
                       f"sync / raw broadcast median {md['ratio']:.3f} (best {b['ratio']:.3f}; goal >= 0.9), "
-                      f"sync {md['sync_gbps']:.2f} GB/s, raw {md['raw_gbps']:.2f} GB/s, stall {md['stall_s']:.3f}s; "
+                      f"sync {md['sync_gbps']:.2f} GB/s, raw {md['raw_gbps']:.2f} GB/s, stall {md['stall_s']:.3f}s "
+                      f"(sync {md['seconds']:.3f}s: broadcasts {md['broadcast_s']:.3f}s, waiting for the export "
+                      f"{md['export_wait_s']:.3f}s, export busy {md['export_s']:.3f}s; raw {md['raw_s']:.3f}s); "
                       f"peak extra bytes per rank {[round(p / MiB, 2) for p in r['peaks']]} MiB vs C14 bound "
                       f"{r['bound'] / MiB:.2f} MiB (bucket {r['bucket_bytes'] / MiB:g} + largest "
                       f"{r['largest_bytes'] / MiB:.2f} + fused QKV {r['fused_bytes'] / MiB:.2f}); model "

@@ -24,11 +24,14 @@ and a bucket is handed to the broadcast as soon as it is full. Data path::
        ``flat``); nothing on the other ranks, which must still exhaust the iterator.
 
 Memory on rank ``dst`` beyond its own shard (measured by ``tests/weight_sync/test_stream_export.py``
-with a tensor-lifetime tracker): ``slots`` bucket buffers (``slots=1`` when the consumer pulls
-serially; 2 to overlap the export of bucket k+1 with the broadcast of bucket k) + the largest
-tensor (a gather scratch, or an oversize tensor's own bucket) + for a fused tensor whose split
-rule copies (fused QKV: the q/k/v parts) its parts, at most the tensor's size again. The other
-ranks hold at most one contiguous copy of a non-contiguous shard. Never the state dict.
+with a tensor-lifetime tracker), when the consumer drops each bucket before asking for the next
+(``BroadcastTransport.send`` does): ``slots`` bucket buffers (``slots=1`` when the consumer
+pulls serially; 2 to overlap the export of bucket k+1 with the broadcast of bucket k) + the
+largest of: a lone tensor over ``bucket_bytes`` (its own buffer), a fused tensor's gather
+scratch plus its split rule's copies (fused QKV: scratch + q/k/v = twice the tensor), a
+received shard that is not contiguous in its destination. For real models the embedding
+(vocab x hidden) is larger than twice a fused QKV, so this is one bucket + the largest tensor.
+The other ranks hold at most one contiguous copy of a shard. Never the state dict.
 """
 
 from __future__ import annotations
@@ -206,8 +209,11 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
 
 
 class _Buffers:
-    """``slots`` reused flat buffers of ``capacity`` bytes (an oversize bucket gets its own,
-    freed after it was sent); ``acquire`` blocks until the consumer released one."""
+    """``slots`` reused flat buffers of ``capacity`` bytes; a bucket over ``capacity`` (a lone
+    tensor over bucket_bytes, C2) gets its own, freed as soon as the consumer drops it (the
+    consumer must drop its references to a bucket before asking for the next one, as
+    ``BroadcastTransport.send`` does); ``acquire`` blocks on ``sem`` until the consumer
+    released a slot."""
 
     def __init__(self, capacity: int, slots: int, device: torch.device, sem: threading.Semaphore | None):
         self.capacity, self.device, self.sem = capacity, device, sem
@@ -217,10 +223,10 @@ class _Buffers:
     def acquire(self, nbytes: int) -> Tensor:
         if self.sem is not None:
             self.sem.acquire()
-        if nbytes > self.capacity:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         i = self.k % len(self.bufs)
         self.k += 1
+        if nbytes > self.capacity:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self.bufs[i] is None:
             self.bufs[i] = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         return self.bufs[i][:nbytes]
@@ -242,7 +248,8 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
              sem: threading.Semaphore | None = None) -> Iterator[tuple[Bucket, Tensor, bool]]:
     """Execute ``plan``: collective over ``group`` (every rank exhausts the iterator, in the
     same plan); rank ``dst`` yields ``(bucket, flat, is_last)``, ``flat`` valid until the next
-    item is asked for (with ``sem``: until the consumer releases the semaphore once more).
+    item is asked for (with ``sem``: until the consumer releases the semaphore once more); the
+    consumer drops both before asking (the memory bound counts on it).
     ``pieces``: this rank's primary pieces (``.data`` views), indexed as in the metadata."""
     import torch.distributed as dist
 
@@ -256,8 +263,8 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                 if s.rank == me and n:  # padded vocab rows are not sent
                     dist.send(pieces[s.index].data[:n].contiguous(), dst=gdst, group=group)
         return
-    # one reused buffer per slot, of the largest bucket within bucket_bytes; a lone tensor
-    # over bucket_bytes (C2) gets its own, freed once sent
+    # per slot one reused buffer of the largest bucket within bucket_bytes; a lone tensor over
+    # it (C2) gets its own
     cap = max((n for n in plan.bucket_nbytes if n <= plan.bucket_bytes), default=0)
     bufs = _Buffers(cap, max(1, slots), device, sem)
     nb = len(plan.buckets)

@@ -414,6 +414,7 @@ class BroadcastTransport(WeightTransport):
                 nbuckets += 1
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
+                bucket = flat = None  # a streamed export frees or reuses its buffer (C14)
             ta = time.perf_counter()
             deadline = time.monotonic() + self.cfg.timeout_s
             for i, f in pending:

@@ -74,6 +74,7 @@ def _flat_of(buckets) -> tuple[list[str], bytes, list[int]]:
         names += b.names
         raw.append(bytes(flat.numpy()))
         sizes.append(int(flat.numel()))
+        b = flat = None  # dropped before the next bucket, as BroadcastTransport.send does
     return names, b"".join(raw), sizes
 
 
@@ -95,6 +96,7 @@ def run_synthetic() -> dict:
             names += b.names
             raw.append(bytes(flat.numpy()))
             sizes.append(int(flat.numel()))
+            b = flat = None
         peak = ab.peak
     res.update(streamed_peak=peak, streamed_names=names, bucket_sizes=sizes)
     # reference bytes: the full tensors (outside the tracker), converted, in the same order
@@ -149,7 +151,7 @@ def run_trainer(model_dir: str, layout: str) -> dict:
         res["model_bytes"] = sum(t.numel() * t.element_size() for _, t in ref)
         res["largest_bytes"] = max(t.numel() * t.element_size() for _, t in ref)
         qkv = [t for n, t in ref if n.endswith("q_proj.weight")]
-        res["largest_fused_bytes"] = max(2 * t.numel() * t.element_size() for t in qkv)  # q + k + v ~ 2 q (GQA 2:1)
+        res["largest_fused_bytes"] = max(2 * t.numel() * t.element_size() for t in qkv)  # q + k + v = 2 q (GQA 2:1)
     for label, order in (("export_order", None), ("reversed", [n for n, _ in reversed(ref)] if rank == 0 else None)):
         with AliveBytes() as ab:
             names, raw, sizes = _flat_of(trainer_buckets(tr, bucket, order=order))

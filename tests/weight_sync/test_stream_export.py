@@ -34,7 +34,10 @@ def res(tmp_path_factory):
     out = str(tmp / "out.json")
     torchrun(2, SCRIPT, model_dir, out, timeout=400)
     with open(out) as f:
-        return json.load(f)
+        r = json.load(f)
+    print("stream export peaks (bytes):", {k: v["streamed_peak"] if k == "synthetic" else
+                                           [v["export_order"]["peak"], v["reversed"]["peak"]] for k, v in r.items()})
+    return r
 
 
 def test_c14_streamed_export_is_bit_identical_in_a_fixed_order(res):
@@ -68,13 +71,15 @@ def test_trainer_stream_equals_export_hf_weights(res, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trainer_stream_memory_bound(res, layout):
-    """A real trainer at 16 KiB buckets: one bucket + the largest tensor (the 64 KiB embedding,
-    sent alone in its own buffer) + a fused QKV's split copies; far below the model."""
+    """A real trainer at 16 KiB buckets: one bucket + the largest of the 64 KiB embedding (over
+    the bucket: its own buffer) and a fused QKV's scratch + q/k/v copies (2 x 32 KiB); here that
+    is one bucket + the largest tensor, far below the model."""
     r = res[layout]
-    bound = r["bucket_bytes"] + r["largest_bytes"] + r["largest_fused_bytes"]
+    bound = r["bucket_bytes"] + max(r["largest_bytes"], 2 * r["largest_fused_bytes"])
+    assert bound == r["bucket_bytes"] + r["largest_bytes"]
     for label in ("export_order", "reversed"):
         assert r[label]["peak"] <= bound, (label, r[label]["peak"], bound)
-    assert bound < r["model_bytes"] / 2
+    assert bound < r["model_bytes"] / 10
 
 
 # ---------------------------------------------------------------------------- one process
