@@ -255,7 +255,12 @@ def test_cp_logprobs_equal_one_process_per_token(res, layout):
     alpha = 1; MKL_ENABLE_INSTRUCTIONS=AVX2 makes head_dim 16 differ too (6e-7), so which
     families read 0 depends on the CPU's MKL code path (how "measured 0" before and 5.7e-6 /
     3.8e-6 for qwen3 / ds3 now can both be true with the same torch 2.13.0 wheel). Two layers at
-    init_std 0.2 carry the 1-ulp score differences to a few e-6 in the logprobs."""
+    init_std 0.2 carry the 1-ulp score differences to a few e-6 in the logprobs. End to end
+    (ds3, CP2 vs 1 process, forward hooks on every module): 3.8e-6 in the logprobs, the first
+    differing output is layer 0's core_attention (1.1e-6; embeddings, norms, q/k/v and RoPE
+    bit-equal); with ``baddbmm`` computing ``(q . k)`` at alpha 1 and the scale applied after it
+    (elementwise, row-count invariant), every hooked output and every logprob is bit-equal (0);
+    mixtral (tie0) reads 0 either way."""
     got, ref = res[layout], res[_ref_key(layout)]
     assert got["logp_same_on_ranks"] is True
     assert [len(x) for x in got["logp_all"]] == [len(x) for x in ref["logp_all"]]
