@@ -220,6 +220,12 @@ class _Buffers:
         self.bufs: list[Tensor | None] = [None] * slots
         self.k = 0
 
+    def token(self) -> None:
+        """A bucket that needs no buffer (sent from its own tensor's bytes) still takes a turn."""
+        if self.sem is not None:
+            self.sem.acquire()
+        self.k += 1
+
     def acquire(self, nbytes: int) -> Tensor:
         if self.sem is not None:
             self.sem.acquire()
@@ -315,16 +321,27 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                 flat = bufs.acquire(plan.bucket_nbytes[cur])
             receive(t, _typed(flat, t.parts[0]))
             continue
+        if flat is not None and cur < first:  # hand the finished bucket over before the scratch exists
+            yield bucket_of(cur, flat), flat, False
+            flat = None
         got = split(t)  # the scratch lives only in ``got``'s parts (views or the rule's copies)
         for i, p in enumerate(t.parts):
+            v = got[i]
+            own = (len(plan.buckets[p.bucket]) == 1 and plan.bucket_nbytes[p.bucket] > plan.bucket_bytes
+                   and v.dtype == p.dtype and v.is_contiguous())
             while cur < p.bucket:
                 if flat is not None:
                     yield bucket_of(cur, flat), flat, False
                     flat = None
                 cur += 1
-                flat = bufs.acquire(plan.bucket_nbytes[cur])
-            _write(flat, p, got[i])
-            got[i] = None  # a part once written is dropped (the rule's copies go one by one)
+                if own:  # a lone part over bucket_bytes: sent from its own bytes, no buffer
+                    bufs.token()
+                    flat = v.reshape(-1).view(torch.uint8)
+                else:
+                    flat = bufs.acquire(plan.bucket_nbytes[cur])
+            if not own:
+                _write(flat, p, v)
+            got[i] = v = None  # a part once written is dropped (the rule's copies go one by one)
         del got
     if flat is not None:
         if cur != nb - 1:  # pragma: no cover - plan invariant
@@ -396,6 +413,7 @@ def _timed(it: Iterator, stats: dict[str, float]) -> Iterator:
         if item is None:
             return
         yield item
+        item = None  # not held while the next bucket is made (the memory bound counts on it)
 
 
 _END = object()
@@ -422,6 +440,7 @@ class _Ahead:
                 if self.done:
                     return
                 self.q.put(item)
+                item = None  # not held while the next bucket is made
                 t0 = time.perf_counter()
             self.q.put(_END)
         except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
