@@ -44,6 +44,14 @@ stall (``sync/pause_seconds``: engines paused) for both pause scopes.
     python tools/bench_weight_sync.py                       # random Mixtral, ~0.5 GB fp32
     python tools/bench_weight_sync.py --model-path DIR      # any HF checkpoint
     python tools/bench_weight_sync.py --model-path demo     # the CPU demo's model (1.5 GB fp32)
+    python tools/bench_weight_sync.py --trainer-layouts tp2 ep2 --engines 2 --bucket-mib 64
+
+``--trainer-layouts``: instead of the 1-process paths, a 2-rank MegatronTrainer (TP2 and/or EP2,
+torchrun/gloo, tools/_bench_sync_ranks.py) syncs into ``--engines`` embedded engines through the
+streamed export (C14: each tensor gathered into the bucket that is sent); ratio = sync GB/s over
+a raw broadcast of the same bytes from rank 0 to the same engines over the same group, just
+before and after each sync; each rank's peak extra tensor bytes during a sync printed beside the
+C14 bound (one bucket + the largest tensor + a fused QKV's split copies).
 """
 
 from __future__ import annotations
@@ -109,6 +117,10 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=["on", "off", "last", "flat", "export", "trainer", "versioned"],
                     choices=["on", "off", "last", "flat", "export", "trainer", "versioned"],
                     help="sender paths to measure (on = pack, off = serial pack)")
+    ap.add_argument("--trainer-layouts", nargs="+", choices=["tp2", "ep2"], default=None,
+                    help="a 2-rank trainer at these layouts into --engines engines (streamed export); "
+                         "replaces the 1-process paths")
+    ap.add_argument("--engines", type=int, default=2, help="engines for --trainer-layouts")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
@@ -147,6 +159,13 @@ def main(argv=None) -> None:
     largest = max(t.numel() * t.element_size() for _, t in named)
     print(f"model: {path}  {len(named)} tensors, {total / 1e6:.1f} MB, largest {largest / 1e6:.1f} MB", flush=True)
 
+    if args.trainer_layouts:
+        try:
+            multi_rank(args, path, total)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
+        return
     eng = make_engine(EngineConfig(startup_timeout_s=600, num_threads=args.threads, max_running_requests=4), path, 0)
     eng.launch()
     rows = []
@@ -313,6 +332,54 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"total_bytes": total, "rows": rows}, f, indent=1)
+
+
+def multi_rank(args, path: str, total: int) -> None:
+    """``--trainer-layouts``: engines launched here, the trainer's 2 ranks under torchrun."""
+    import socket
+    import subprocess
+    import sys
+
+    from moe_async.engines.base import make_engine
+    from moe_async.engines.config import EngineConfig
+
+    engines = [make_engine(EngineConfig(startup_timeout_s=600, num_threads=args.threads, max_running_requests=4),
+                           path, 0) for _ in range(args.engines)]
+    out_all = []
+    try:
+        for e in engines:  # one after another: 2 cores
+            e.launch()
+        urls = ",".join(e.url for e in engines)
+        here = os.path.dirname(os.path.abspath(__file__))
+        for layout in args.trainer_layouts:
+            for mib in args.bucket_mib:
+                with socket.socket() as sk:
+                    sk.bind(("127.0.0.1", 0))
+                    port = sk.getsockname()[1]
+                with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+                    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                    "--master_addr=127.0.0.1", f"--master_port={port}",
+                                    os.path.join(here, "_bench_sync_ranks.py"), path, urls, f.name, layout,
+                                    str(mib), str(args.repeats)], check=True, env=env)
+                    r = json.load(open(f.name))
+                out_all.append(r)
+                md, b = r["median"], r["best"]
+                print(f"{layout} -> {r['engines']} engines, bucket {mib:g} MiB ({int(md['buckets'])} buckets): "
+                      f"sync / raw broadcast median {md['ratio']:.3f} (best {b['ratio']:.3f}; goal >= 0.9), "
+                      f"sync {md['sync_gbps']:.2f} GB/s, raw {md['raw_gbps']:.2f} GB/s, stall {md['stall_s']:.3f}s "
+                      f"(sync {md['seconds']:.3f}s: broadcasts {md['broadcast_s']:.3f}s, waiting for the export "
+                      f"{md['export_wait_s']:.3f}s, export busy {md['export_s']:.3f}s; raw {md['raw_s']:.3f}s); "
+                      f"peak extra bytes per rank {[round(p / MiB, 2) for p in r['peaks']]} MiB vs C14 bound "
+                      f"{r['bound'] / MiB:.2f} MiB (bucket {r['bucket_bytes'] / MiB:g} + largest "
+                      f"{r['largest_bytes'] / MiB:.2f} + fused QKV {r['fused_bytes'] / MiB:.2f}); model "
+                      f"{total / MiB:.1f} MiB; check mode: {r['check_tensors']:.0f} tensors equal", flush=True)
+    finally:
+        for e in engines:
+            e.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"total_bytes": total, "multi_rank": out_all}, f, indent=1)
 
 
 if __name__ == "__main__":

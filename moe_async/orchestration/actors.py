@@ -192,8 +192,21 @@ class TrainerActor:
 
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version (rank 0 sends;
-        every rank takes part in the export's gather). Returns rank 0's sync metrics."""
+        every rank takes part in the export's gather). At world size > 1 over the broadcast
+        transport the export is streamed (C14, :mod:`moe_async.weight_sync.stream_export`):
+        each tensor is gathered into the bucket that is sent, so rank 0 never holds the model.
+        Returns rank 0's sync metrics."""
         self._enter("sync_weights")
+        if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
+            # C14: each tensor gathered straight into the bucket that is sent (stream_export.py)
+            from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
+
+            if self.rank != 0:
+                for _ in trainer_buckets(self.trainer, self.cfg.weight_sync.bucket_bytes):
+                    pass
+                return {}
+            assert self.transport is not None, "connect_engines() first"
+            return self.transport.send(trainer_export(self.trainer), self.trainer.version)
         if self.rank != 0:
             for _ in self.trainer.export_hf_weights():
                 pass

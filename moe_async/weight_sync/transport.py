@@ -54,6 +54,7 @@ from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
 from moe_async.weight_sync.membership import GroupMembership
+from moe_async.weight_sync.stream_export import PackedExport
 from moe_async.weight_sync.packing import (  # noqa: F401 - re-exported (callers import them from here)
     PackPool,
     contiguous_span,
@@ -308,7 +309,10 @@ class BroadcastTransport(WeightTransport):
         """Send one full update (see the module docstring for the data path).
 
         Tensors are re-ordered to the engines' ``/weights_layout`` when they publish one
-        (:func:`in_layout_order`). Each bucket's metadata POST is queued on the engine's
+        (:func:`in_layout_order`). ``named_tensors`` may instead be a
+        :class:`~moe_async.weight_sync.stream_export.PackedExport` (a multi-rank trainer's
+        streamed export, C14): opened with this transport's ``bucket_bytes``, device, the
+        engines' layout as its order and ``overlap``, its buckets are sent as they come. Each bucket's metadata POST is queued on the engine's
         poster thread and the buffer broadcast at once; replies are read after the last
         bucket (the engine refuses every later bucket of an update once one failed, and
         then fails the versioned call: nothing is applied).
@@ -330,7 +334,8 @@ class BroadcastTransport(WeightTransport):
             raise WeightSyncError("BroadcastTransport.send before connect()")
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
-        if self.layout is not None:
+        streamed = isinstance(named_tensors, PackedExport)  # ready buckets (C14: world size > 1)
+        if self.layout is not None and not streamed:
             named_tensors = in_layout_order(named_tensors, self.layout)
         whole = self.cfg.pause_scope == "sync"
         pauses: list[tuple[int, Any]] = []
@@ -350,8 +355,12 @@ class BroadcastTransport(WeightTransport):
                 t_paused = time.perf_counter()
                 pauses = self._on_posters(lambda c: c.pause_generation(mode=self.pause_mode))
             begins = self._begin_on_posters()  # SGLang 0.5.23 refuses updates outside a session
-            buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
-                                     pool=self._pack_pool, device=self.device)
+            if streamed:  # gathered tensor by tensor into the bucket that is sent (stream_export.py)
+                buckets = named_tensors.open(self.cfg.bucket_bytes, device=self.device, order=self.layout,
+                                             overlap=self.cfg.overlap, stats=stats)
+            else:
+                buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
+                                         pool=self._pack_pool, device=self.device)
             sessions_ok = False
             for bucket, flat, last in buckets:
                 if last and not pauses:  # pause_scope=last_bucket: engines stage until here
@@ -396,6 +405,7 @@ class BroadcastTransport(WeightTransport):
                 nbuckets += 1
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
+                bucket = flat = None  # a streamed export frees or reuses its buffer (C14)
             ta = time.perf_counter()
             deadline = time.monotonic() + self.cfg.timeout_s
             for i, f in pending:

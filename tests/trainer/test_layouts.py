@@ -237,9 +237,24 @@ def test_cp_aux_loss_equals_one_process(res, layout):
 def test_cp_logprobs_equal_one_process_per_token(res, layout):
     """compute_logprobs at CP (gathered back over CP into token order) = 1 process, every
     response token of the 8 long samples, equal on every rank. Tolerance: the TP layouts'
-    (logits summed in another order; measured up to 5.7e-6), 1e-5 without TP (measured 0 until
-    2026-12-01, then 5.7e-6 (qwen3) and 3.8e-6 (ds3) at CP2 and EP2+CP2 with no change found in
-    the logprob path: to be bisected, see the closing note of that session)."""
+    (logits summed in another order; measured up to 5.7e-6), 1e-5 without TP.
+
+    Without TP the difference is fp32 rounding, not a bug (found 2026-12-01): Megatron's local
+    DotProductAttention computes the scores as ``torch.baddbmm(..., beta=0, alpha=softmax_scale)``,
+    and MKL's sgemm rounds ``alpha x (q . k)`` differently depending on how many query rows it
+    is given (a CP2 rank has S/2, one process S), whenever ``alpha = 1/sqrt(head_dim)`` is not a
+    power of two. On this machine's AVX-512 MKL path: scores of the same query rows computed
+    alone vs among all S rows differ by 1.2e-6..1.9e-6 at head_dim 24 and 32 (ds3's MLA q/k head,
+    qwen3's), 0 at head_dim 16 (mixtral, llama: alpha = 0.25 exact), and 0 at every head_dim with
+    alpha = 1; MKL_ENABLE_INSTRUCTIONS=AVX2 makes head_dim 16 differ too (6e-7), so which
+    families read 0 depends on the CPU's MKL code path (how "measured 0" before and 5.7e-6 /
+    3.8e-6 for qwen3 / ds3 now can both be true with the same torch 2.13.0 wheel). Two layers at
+    init_std 0.2 carry the 1-ulp score differences to a few e-6 in the logprobs. End to end
+    (ds3, CP2 vs 1 process, forward hooks on every module): 3.8e-6 in the logprobs, the first
+    differing output is layer 0's core_attention (1.1e-6; embeddings, norms, q/k/v and RoPE
+    bit-equal); with ``baddbmm`` computing ``(q . k)`` at alpha 1 and the scale applied after it
+    (elementwise, row-count invariant), every hooked output and every logprob is bit-equal (0);
+    mixtral (tie0) reads 0 either way."""
     got, ref = res[layout], res[_ref_key(layout)]
     assert got["logp_same_on_ranks"] is True
     assert [len(x) for x in got["logp_all"]] == [len(x) for x in ref["logp_all"]]

@@ -288,3 +288,37 @@ def test_engine_without_sessions_is_updated_without_one(monkeypatch):
     tr.shutdown()
     assert [x[1] for x in log if x[0] == 1] == ["pause", "update", "update", "continue"] * 2
     assert [x[1] for x in log if x[0] == 0] == ["pause", "begin", "update", "update", "end", "continue"] * 2
+
+
+@pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_send_streams_a_packed_export_in_the_engines_layout(monkeypatch, overlap):
+    """A PackedExport (the multi-rank trainer's streamed export, C14) is opened with the
+    transport's bucket size, device, overlap and the engines' layout as its order; its flat
+    buffers are broadcast as they are (no re-packing), the last bucket carries the version."""
+    import moe_async.weight_sync.transport as T
+    from moe_async.weight_sync.stream_export import PackedExport, streamed_buckets
+
+    class P:
+        def __init__(self, name, data):
+            self.name, self.data, self.full_shape, self.offset = name, data, tuple(data.shape), (0,) * data.dim()
+
+    src = {n: torch.full((4,), float(k)) for k, n in enumerate("abc")}  # 16 bytes each
+    opened, sent = {}, []
+
+    def open_(bucket_bytes, **kw):
+        opened.update(bucket_bytes=bucket_bytes, **kw)
+        return streamed_buckets([P(n, t) for n, t in src.items()], lambda n, t: [(n, t)], bucket_bytes,
+                                direct=lambda n: True, **kw)
+
+    monkeypatch.setattr(T, "group_broadcast", lambda group, flat, src=0: sent.append(bytes(flat.numpy())))
+    log: list = []
+    tr = BroadcastTransport([_Engine(log, 0)], WeightSyncConfig(bucket_bytes=32, overlap=overlap))
+    tr.group, tr.layout = object(), ["c", "a", "b"]
+    m = tr.send(PackedExport(open_), 3)
+    tr.shutdown()
+    assert opened["bucket_bytes"] == 32 and opened["order"] == ["c", "a", "b"] and opened["overlap"] is overlap
+    assert [x[2:] for x in log if x[1] == "update"] == [(("c", "a"), None), (("b",), "3")]
+    assert sent == [bytes(torch.cat([src["c"], src["a"]]).view(torch.uint8).numpy()),
+                    bytes(src["b"].view(torch.uint8).numpy())]
+    assert m["sync/bytes"] == 48 and m["sync/buckets"] == 2

@@ -1,0 +1,529 @@
+"""Streamed HF export for weight sync at world size > 1 (case C14).
+
+The sending rank (``dst``, global rank 0) never holds the model: each full tensor is gathered
+from the ranks' primary shards straight into the bucket it is sent in, one tensor at a time,
+and a bucket is handed to the broadcast as soon as it is full. Data path::
+
+    every rank: local_pieces(models) (primary shards, views of the parameters)
+    -> one all_gather_object of the metadata; every rank builds the same ExportPlan:
+       Megatron tensor order (the engines' /weights_layout when rank ``dst`` has one,
+       broadcast from it; else sorted names), each tensor's HF parts (the family's split rule
+       run on a ``meta`` tensor: shapes only), greedy buckets of <= bucket_bytes (a tensor
+       larger than that alone), every tiling checked (ValueError on every rank, before any
+       byte moves)
+    -> per Megatron tensor, in plan order: the other ranks send their shards point-to-point;
+       rank ``dst`` receives each one directly into its place:
+         * a renamed tensor (identity split, same dtype, aligned): into the bucket's own
+           bytes (no scratch); padded vocab rows are neither sent nor received
+         * otherwise (fused QKV / gate;up, a cast): into one scratch tensor
+           of the full Megatron shape, split by the family's rule, each HF part copied (and
+           cast) into the bucket
+       a shard that is not contiguous in its destination (TP dim-1 shards) goes through one
+       receive buffer of the shard's size
+    -> ``(Bucket, flat_uint8, is_last)`` on rank ``dst`` (the Bucket's tensors are views of
+       ``flat``); nothing on the other ranks, which must still exhaust the iterator.
+
+Memory on rank ``dst`` beyond its own shard (measured by ``tests/weight_sync/test_stream_export.py``
+with a tensor-lifetime tracker), when the consumer drops each bucket before asking for the next
+(``BroadcastTransport.send`` does): ``slots`` bucket buffers (``slots=1`` when the consumer
+pulls serially; 2 to overlap the export of bucket k+1 with the broadcast of bucket k) + the
+largest of: a lone tensor over ``bucket_bytes`` (its own buffer), a fused tensor's gather
+scratch plus its split rule's copies (fused QKV: scratch + q/k/v = twice the tensor), a
+received shard that is not contiguous in its destination. For real models the embedding
+(vocab x hidden) is larger than twice a fused QKV, so this is one bucket + the largest tensor.
+The other ranks hold at most one contiguous copy of a shard. Never the state dict.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from moe_async.weight_sync.bucket import Bucket
+
+Tensor = torch.Tensor
+#: ``convert(megatron_name, full_tensor) -> [(hf_name, hf_tensor), ...]`` (the family's split)
+Convert = Callable[[str, Tensor], list[tuple[str, Tensor]]]
+
+
+@dataclass
+class _Source:
+    rank: int
+    index: int  # in that rank's primary pieces
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def rows(self, keep: int | None) -> int:
+        """Rows of this shard inside the kept rows ``[0, keep)`` (all when ``keep`` is None)."""
+        return self.shape[0] if keep is None else max(0, min(self.shape[0], keep - self.offset[0]))
+
+    def region(self, keep: int | None) -> tuple[slice, ...]:
+        """This shard's kept part in the (row-trimmed) full tensor."""
+        n = self.rows(keep)
+        return (slice(self.offset[0], self.offset[0] + n),
+                *(slice(o, o + s) for o, s in zip(self.offset[1:], self.shape[1:])))
+
+
+@dataclass
+class _Part:
+    hf_name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket: int = -1
+    offset: int = 0  # byte offset in its bucket
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class _Tensor:
+    name: str  # 1-process Megatron name
+    full_shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: list[_Source]
+    keep_rows: int | None  # vocab rows kept (padding dropped, never sent), None: all
+    parts: list[_Part] = field(default_factory=list)
+    direct: bool = False  # gathered straight into its bucket's bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The exported (row-trimmed) full shape."""
+        return self.full_shape if self.keep_rows is None else (self.keep_rows, *self.full_shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class ExportPlan:
+    """What every rank agrees on before any byte moves: tensor order, HF parts, buckets."""
+
+    tensors: list[_Tensor]
+    buckets: list[list[_Part]]
+    bucket_nbytes: list[int]
+    bucket_bytes: int
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((t.nbytes for t in self.tensors), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_nbytes)
+
+
+def _check_tiling(name: str, full: tuple[int, ...], sources: Sequence[_Source]) -> None:
+    """ValueError unless the sources' boxes cover ``full`` exactly once (metadata only)."""
+    numel = 1
+    for s in full:
+        numel *= s
+    covered = 0
+    for i, a in enumerate(sources):
+        if len(a.offset) != len(full) or any(o < 0 or o + s > f for o, s, f in zip(a.offset, a.shape, full)):
+            raise ValueError(f"{name}: a shard at offset {a.offset} of shape {a.shape} lies outside {full}")
+        n = 1
+        for s in a.shape:
+            n *= s
+        covered += n
+        for b in sources[:i]:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape)):
+                raise ValueError(f"{name}: primary shards overlap (offsets {a.offset} and {b.offset})")
+    if covered != numel:
+        raise ValueError(f"{name}: primary shards cover {covered} of {numel} elements")
+
+
+def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_bytes: int, *,
+              dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
+              direct: Callable[[str], bool] = lambda name: False,
+              vocab: dict[str, int] | None = None, expected: set[str] | None = None) -> ExportPlan:
+    """The common plan from every rank's piece metadata ``all_meta[rank] = [(name, full_shape,
+    offset, shape, dtype_str), ...]``. ``order``: HF names in the engines' buffer order (Megatron
+    tensors follow their first HF part's position; names not in it last, sorted). ``direct(name)``:
+    the tensor's split is the identity (a rename). ``vocab``: ``{name: rows kept}`` for padded
+    vocab tensors. ``expected``: every Megatron name the conversion needs (KeyError naming the
+    missing ones). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"weight_sync.bucket_bytes must be > 0, got {bucket_bytes}")
+    vocab = vocab or {}
+    by_name: dict[str, _Tensor] = {}
+    for r, rank_meta in enumerate(all_meta):
+        for i, (name, fs, off, shape, dts) in enumerate(rank_meta):
+            t = by_name.get(name)
+            src_dtype = getattr(torch, str(dts).split(".")[-1])
+            if t is None:
+                rows = vocab.get(name)
+                keep = rows if rows is not None and fs[0] > rows else None
+                t = by_name[name] = _Tensor(name, tuple(fs), src_dtype, [], keep)
+            elif tuple(fs) != t.full_shape:
+                raise ValueError(f"{name}: ranks disagree on the full shape ({tuple(fs)} vs {t.full_shape})")
+            t.sources.append(_Source(r, i, tuple(off), tuple(shape)))
+    if expected is not None and set(expected) - set(by_name):
+        miss = sorted(set(expected) - set(by_name))
+        raise KeyError(f"Megatron -> HF conversion: Megatron tensors missing {miss[:20]} (of {len(miss)})")
+    for t in by_name.values():
+        _check_tiling(t.name, t.full_shape, t.sources)
+        for hf, p in convert(t.name, torch.empty(t.shape, dtype=t.dtype, device="meta")):
+            t.parts.append(_Part(hf, tuple(p.shape), dtype or p.dtype))
+        t.direct = (direct(t.name) and len(t.parts) == 1
+                    and t.parts[0].dtype == t.dtype and t.parts[0].shape == t.shape)
+    names = sorted(by_name)
+    if order is not None:
+        pos = {n: i for i, n in enumerate(order)}
+        first = {n: min((pos.get(p.hf_name, len(pos)) for p in by_name[n].parts), default=len(pos)) for n in names}
+        names.sort(key=lambda n: (first[n], n))
+    tensors = [by_name[n] for n in names]
+    buckets: list[list[_Part]] = []
+    sizes: list[int] = []
+    cur: list[_Part] = []
+    cur_n = 0
+    for t in tensors:
+        for p in t.parts:
+            if cur and cur_n + p.nbytes > bucket_bytes:
+                buckets.append(cur)
+                sizes.append(cur_n)
+                cur, cur_n = [], 0
+            p.bucket, p.offset = len(buckets), cur_n
+            cur.append(p)
+            cur_n += p.nbytes
+    if cur:
+        buckets.append(cur)
+        sizes.append(cur_n)
+    for t in tensors:  # a typed view of the bucket needs an aligned offset
+        if t.direct and t.parts[0].offset % t.dtype.itemsize:
+            t.direct = False
+    return ExportPlan(tensors, buckets, sizes, bucket_bytes)
+
+
+class _Buffers:
+    """``slots`` reused flat buffers of ``capacity`` bytes; a bucket over ``capacity`` (a lone
+    tensor over bucket_bytes, C2) gets its own, freed as soon as the consumer drops it (the
+    consumer must drop its references to a bucket before asking for the next one, as
+    ``BroadcastTransport.send`` does); ``acquire`` blocks on ``sem`` until the consumer
+    released a slot."""
+
+    def __init__(self, capacity: int, slots: int, device: torch.device, sem: threading.Semaphore | None):
+        self.capacity, self.device, self.sem = capacity, device, sem
+        self.bufs: list[Tensor | None] = [None] * slots
+        self.k = 0
+
+    def token(self) -> None:
+        """A bucket that needs no buffer (sent from its own tensor's bytes) still takes a turn."""
+        if self.sem is not None:
+            self.sem.acquire()
+        self.k += 1
+
+    def acquire(self, nbytes: int) -> Tensor:
+        if self.sem is not None:
+            self.sem.acquire()
+        i = self.k % len(self.bufs)
+        self.k += 1
+        if nbytes > self.capacity:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self.bufs[i] is None:
+            self.bufs[i] = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        return self.bufs[i][:nbytes]
+
+
+def _typed(flat: Tensor, p: _Part) -> Tensor:
+    return flat[p.offset: p.offset + p.nbytes].view(p.dtype).view(p.shape)
+
+
+def _write(flat: Tensor, p: _Part, t: Tensor) -> None:
+    if p.offset % p.dtype.itemsize == 0:
+        _typed(flat, p).copy_(t)
+    else:  # misaligned for a typed view (mixed dtypes): through the bytes
+        flat[p.offset: p.offset + p.nbytes].copy_(t.to(p.dtype).contiguous().reshape(-1).view(torch.uint8))
+
+
+def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, device: torch.device,
+             slots: int = 1, group=None, dst: int = 0,
+             sem: threading.Semaphore | None = None) -> Iterator[tuple[Bucket, Tensor, bool]]:
+    """Execute ``plan``: collective over ``group`` (every rank exhausts the iterator, in the
+    same plan); rank ``dst`` yields ``(bucket, flat, is_last)``, ``flat`` valid until the next
+    item is asked for (with ``sem``: until the consumer releases the semaphore once more); the
+    consumer drops both before asking (the memory bound counts on it).
+    ``pieces``: this rank's primary pieces (``.data`` views), indexed as in the metadata."""
+    import torch.distributed as dist
+
+    multi = dist.is_initialized() and dist.get_world_size(group) > 1
+    me = dist.get_rank(group) if multi else 0
+    gdst = dst if group is None or not multi else dist.get_global_rank(group, dst)
+    if me != dst:
+        for t in plan.tensors:
+            for s in t.sources:
+                n = s.rows(t.keep_rows)
+                if s.rank == me and n:  # padded vocab rows are not sent
+                    dist.send(pieces[s.index].data[:n].contiguous(), dst=gdst, group=group)
+        return
+    # per slot one reused buffer of the largest bucket within bucket_bytes; a lone tensor over
+    # it (C2) gets its own
+    cap = max((n for n in plan.bucket_nbytes if n <= plan.bucket_bytes), default=0)
+    bufs = _Buffers(cap, max(1, slots), device, sem)
+    nb = len(plan.buckets)
+    cur = -1
+    flat: Tensor | None = None
+
+    def bucket_of(b: int, f: Tensor) -> Bucket:
+        ps = plan.buckets[b]
+        # a part at an offset its dtype cannot view (mixed dtypes) is described by a typed copy
+        # of its bytes (the Bucket's dtypes/shapes are the engines' metadata; ``f`` is what is sent)
+        return Bucket(names=[p.hf_name for p in ps],
+                      tensors=[_typed(f, p) if p.offset % p.dtype.itemsize == 0
+                               else f[p.offset: p.offset + p.nbytes].clone().view(p.dtype).view(p.shape) for p in ps],
+                      nbytes=plan.bucket_nbytes[b])
+
+    def receive(t: _Tensor, into: Tensor) -> None:
+        for s in t.sources:
+            n = s.rows(t.keep_rows)
+            if not n:
+                continue
+            region = into[s.region(t.keep_rows)]
+            if s.rank == me:
+                region.copy_(pieces[s.index].data[:n])
+            elif region.is_contiguous():
+                dist.recv(region, src=_glob(s.rank, group, multi), group=group)
+            else:  # e.g. a dim-1 TP shard: one buffer of the shard's size
+                tmp = torch.empty((n, *s.shape[1:]), dtype=t.dtype, device=device)
+                dist.recv(tmp, src=_glob(s.rank, group, multi), group=group)
+                region.copy_(tmp)
+                del tmp
+
+    def split(t: _Tensor) -> list[Tensor | None]:
+        scratch = torch.empty(t.shape, dtype=t.dtype, device=device)
+        receive(t, scratch)
+        got = convert(t.name, scratch)
+        if [h for h, _ in got] != [p.hf_name for p in t.parts]:
+            raise KeyError(f"{t.name}: the split gave {[h for h, _ in got]}, planned {[p.hf_name for p in t.parts]}")
+        return [v for _, v in got]
+
+    for t in plan.tensors:
+        first = t.parts[0].bucket if t.parts else cur
+        if t.direct:
+            while cur < first:  # the tensor's bucket: hand over the ones before it
+                if flat is not None:
+                    yield bucket_of(cur, flat), flat, False
+                    flat = None
+                cur += 1
+                flat = bufs.acquire(plan.bucket_nbytes[cur])
+            receive(t, _typed(flat, t.parts[0]))
+            continue
+        if flat is not None and cur < first:  # hand the finished bucket over before the scratch exists
+            yield bucket_of(cur, flat), flat, False
+            flat = None
+        got = split(t)  # the scratch lives only in ``got``'s parts (views or the rule's copies)
+        for i, p in enumerate(t.parts):
+            v = got[i]
+            own = (len(plan.buckets[p.bucket]) == 1 and plan.bucket_nbytes[p.bucket] > plan.bucket_bytes
+                   and v.dtype == p.dtype and v.is_contiguous())
+            while cur < p.bucket:
+                if flat is not None:
+                    yield bucket_of(cur, flat), flat, False
+                    flat = None
+                cur += 1
+                if own:  # a lone part over bucket_bytes: sent from its own bytes, no buffer
+                    bufs.token()
+                    flat = v.reshape(-1).view(torch.uint8)
+                else:
+                    flat = bufs.acquire(plan.bucket_nbytes[cur])
+            if not own:
+                _write(flat, p, v)
+            got[i] = v = None  # a part once written is dropped (the rule's copies go one by one)
+        del got
+    if flat is not None:
+        if cur != nb - 1:  # pragma: no cover - plan invariant
+            raise RuntimeError(f"weight export ended in bucket {cur} of {nb}")
+        yield bucket_of(cur, flat), flat, True
+
+
+def _glob(rank: int, group, multi: bool) -> int:
+    import torch.distributed as dist
+
+    return rank if group is None or not multi else dist.get_global_rank(group, rank)
+
+
+def gather_plan(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *, dtype: torch.dtype | None = None,
+                order: Sequence[str] | None = None, direct: Callable[[str], bool] = lambda n: False,
+                vocab: dict[str, int] | None = None, expected: set[str] | None = None,
+                group=None, dst: int = 0) -> ExportPlan:
+    """Collective: exchange ``pieces``' metadata (one ``all_gather_object``) and ``dst``'s
+    ``order`` (one ``broadcast_object_list``), then :func:`make_plan` on every rank."""
+    import torch.distributed as dist
+
+    meta = [(pc.name, pc.full_shape, pc.offset, tuple(pc.data.shape), str(pc.data.dtype)) for pc in pieces]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        world = dist.get_world_size(group)
+        all_meta: list = [None] * world
+        dist.all_gather_object(all_meta, meta, group=group)
+        box = [list(order) if order is not None else None]
+        dist.broadcast_object_list(box, src=_glob(dst, group, True), group=group)
+        order = box[0]
+    else:
+        all_meta = [meta]
+    return make_plan(all_meta, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
+                     expected=expected)
+
+
+def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *,
+                     device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                     order: Sequence[str] | None = None, direct: Callable[[str], bool] = lambda n: False,
+                     vocab: dict[str, int] | None = None, expected: set[str] | None = None,
+                     overlap: bool = False, stats: dict[str, float] | None = None, group=None, dst: int = 0,
+                     ) -> Iterator[tuple[Bucket, Tensor, bool]]:
+    """Plan (:func:`gather_plan`) and stream (:func:`run_plan`) the export; collective.
+
+    Serial (``overlap=False``): one bucket buffer; each ``flat`` valid until the next item
+    is asked for. ``overlap=True``: a thread runs the export (and its gather) one bucket ahead
+    with two buffers; the returned iterator's ``close()`` stops it (the other ranks' sends
+    then fail: only for a sync that is failing anyway). ``stats`` gets ``pack_seconds``
+    (export busy time) and ``wait_seconds`` (consumer waiting), like
+    :func:`~moe_async.weight_sync.packing.packed_buckets`."""
+    stats = stats if stats is not None else {}
+    stats.setdefault("pack_seconds", 0.0)
+    stats.setdefault("wait_seconds", 0.0)
+    device = torch.device(device)
+    plan = gather_plan(pieces, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
+                       expected=expected, group=group, dst=dst)
+    if not overlap:
+        return _timed(run_plan(plan, pieces, convert, device=device, slots=1, group=group, dst=dst), stats)
+    return _Ahead(lambda sem: run_plan(plan, pieces, convert, device=device, slots=2, group=group, dst=dst,
+                                       sem=sem), stats)
+
+
+def _timed(it: Iterator, stats: dict[str, float]) -> Iterator:
+    while True:
+        t0 = time.perf_counter()
+        item = next(it, None)
+        dt = time.perf_counter() - t0
+        stats["pack_seconds"] += dt
+        stats["wait_seconds"] += dt
+        if item is None:
+            return
+        yield item
+        item = None  # not held while the next bucket is made (the memory bound counts on it)
+
+
+_END = object()
+
+
+class _Ahead:
+    """Runs a bucket generator one bucket ahead in a thread (two buffers: the semaphore's two
+    tokens; the consumer gives one back when it asks for the next bucket)."""
+
+    def __init__(self, make: Callable[[threading.Semaphore], Iterator], stats: dict[str, float]):
+        self.sem = threading.Semaphore(2)
+        self.q: queue.Queue = queue.Queue()
+        self.stats = stats
+        self.held = False
+        self.done = False
+        self.th = threading.Thread(target=self._run, args=(make(self.sem),), name="weight-sync-export", daemon=True)
+        self.th.start()
+
+    def _run(self, it: Iterator) -> None:
+        try:
+            t0 = time.perf_counter()
+            for item in it:
+                self.stats["pack_seconds"] += time.perf_counter() - t0
+                if self.done:
+                    return
+                self.q.put(item)
+                item = None  # not held while the next bucket is made
+                t0 = time.perf_counter()
+            self.q.put(_END)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+            self.q.put(e)
+
+    def __iter__(self) -> "_Ahead":
+        return self
+
+    def __next__(self) -> tuple[Bucket, Tensor, bool]:
+        if self.held:
+            self.sem.release()
+            self.held = False
+        if self.done:
+            raise StopIteration
+        t0 = time.perf_counter()
+        item = self.q.get()
+        self.stats["wait_seconds"] += time.perf_counter() - t0
+        if item is _END:
+            self.done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.held = True
+        return item
+
+    def close(self) -> None:
+        self.done = True
+        self.sem.release()  # a producer waiting for a buffer goes on and sees ``done``
+        self.sem.release()
+
+
+def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
+                    overlap: bool = False, stats: dict[str, float] | None = None,
+                    ) -> Iterator[tuple[Bucket, Tensor, bool]]:
+    """:func:`streamed_buckets` of a ``MegatronTrainer`` (its ``models``, ``family``,
+    ``hf_config``, ``vocab_size``, ``version``) over the whole world, global rank 0 yielding.
+    Refuses non-finite weights first (C28, collective). Collective: every rank exhausts it.
+    KeyError if a parameter has no HF name (every rank, before anything is sent)."""
+    from moe_async.compat import cpu_device_scope
+    from moe_async.models.family import local_spec_name
+    from moe_async.models.mapping import _identity_out
+    from moe_async.trainer.finite import check_weights_finite
+    from moe_async.trainer.sharding import VOCAB_PARAMS, local_pieces
+
+    check_weights_finite(trainer.models, trainer.version)
+    a = trainer.family.arch_args(trainer.hf_config)
+    table = trainer.family.table(a)
+    with cpu_device_scope():  # Megatron's sharded_state_dict
+        pieces = [pc for pc in local_pieces(trainer.models) if pc.primary]
+
+    def rule(name: str):
+        key = local_spec_name(name)
+        if key not in table.by_megatron:
+            raise KeyError(f"Megatron -> HF conversion: unknown/unused Megatron tensor {name!r}")
+        return table.by_megatron[key]
+
+    def convert(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+        r, hs = rule(name)
+        return list(zip(hs, r.split(t, a)))
+
+    it = streamed_buckets(pieces, convert, bucket_bytes, device=device, dtype=dtype, order=order,
+                          direct=lambda n: rule(n)[0].split is _identity_out,
+                          vocab={n: trainer.vocab_size for n in VOCAB_PARAMS}, expected=set(table.by_megatron),
+                          overlap=overlap, stats=stats)
+    return it
+
+
+class PackedExport:
+    """A sync's tensors as ready buckets: ``BroadcastTransport.send`` opens it with its
+    ``bucket_bytes``, device, engines' order and overlap instead of bucketing named tensors.
+    ``open(bucket_bytes, *, device, order, overlap, stats)`` -> iterator of
+    ``(bucket, flat, is_last)`` with ``close()``."""
+
+    def __init__(self, open_fn: Callable[..., Iterator[tuple[Bucket, Tensor, bool]]]):
+        self._open = open_fn
+
+    def open(self, bucket_bytes: int, *, device: torch.device, order: Sequence[str] | None,
+             overlap: bool, stats: dict[str, float]) -> Iterator[tuple[Bucket, Tensor, bool]]:
+        return self._open(bucket_bytes, device=device, order=order, overlap=overlap, stats=stats)
+
+
+def trainer_export(trainer: Any, dtype: torch.dtype | None = None) -> PackedExport:
+    """The streamed export of ``trainer`` for ``BroadcastTransport.send`` (global rank 0)."""
+    return PackedExport(lambda bucket_bytes, **kw: trainer_buckets(trainer, bucket_bytes, dtype=dtype, **kw))

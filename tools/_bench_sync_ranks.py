@@ -1,0 +1,131 @@
+"""The 2-rank trainer side of ``tools/bench_weight_sync.py --trainer-layouts`` (run by it under
+torchrun/gloo; not a command of its own).
+
+    torchrun --nproc_per_node 2 tools/_bench_sync_ranks.py MODEL_DIR URLS OUT.json LAYOUT BUCKET_MIB REPEATS
+
+Every rank builds a ``MegatronTrainer`` of MODEL_DIR at LAYOUT (``tp2`` or ``ep2``); global rank 0
+connects one ``BroadcastTransport`` to every engine of URLS (comma-separated) and sends, the
+other rank takes part in the streamed export (``stream_export.trainer_buckets``), as the trainer
+actors do. Per repeat: one raw broadcast of the model's bytes from rank 0 into every engine over
+the same weight-update group (``/debug_receive_broadcast``; the slowest receiver's time), the
+sync, another raw broadcast; ratio = sync GB/s / mean raw GB/s. Then one more sync with each
+rank's extra tensor bytes counted (``AliveBytes``, overlap off: one bucket buffer) beside the
+C14 bound (bucket + largest tensor, + a fused QKV's split copies), and the check mode.
+Rank 0 writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+MiB = 1024**2
+
+
+def main() -> None:
+    import httpx
+    import torch
+    import torch.distributed as dist
+
+    from moe_async.engines.client import SyncEngineClient
+    from moe_async.trainer.config import TrainerConfig
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.weight_sync.alive_bytes import AliveBytes
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.group import group_broadcast
+    from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
+    from moe_async.weight_sync.transport import BroadcastTransport, check_engines
+
+    model_dir, urls, out, layout, bucket_mib, repeats = sys.argv[1:7]
+    urls, bucket, repeats = urls.split(","), int(float(bucket_mib) * MiB), int(repeats)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp, ep = {"tp2": (2, 1), "ep2": (1, 2)}[layout]
+    t0 = time.perf_counter()
+    tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                       moe_aux_loss_coeff=0.0, num_threads=1), model_dir)
+    build_s = time.perf_counter() - t0
+    sizes = {n: t.numel() * t.element_size() for n, t in tr.export_hf_weights()}  # rank 0 only
+    box = [sizes]
+    dist.broadcast_object_list(box, src=0)
+    sizes = box[0]
+    total, largest = sum(sizes.values()), max(sizes.values())
+    fused = max((3 * v for n, v in sizes.items() if n.endswith("q_proj.weight")), default=0)  # q+k+v (MHA)
+    cfg = WeightSyncConfig(bucket_bytes=bucket, backend="gloo", timeout_s=600)
+    transport = clients = None
+    version = 0
+    if rank == 0:
+        clients = [SyncEngineClient(u, timeout_s=600) for u in urls]
+        transport = BroadcastTransport(clients, cfg, pause_mode="in_place")
+        transport.connect()
+        version = max(c.get_weight_version() for c in clients)
+        raw_buf = torch.full((total,), 7, dtype=torch.uint8)
+
+    def raw_once() -> float:
+        """Rank 0: one broadcast of ``total`` bytes into every engine; the slowest receiver's s."""
+        if rank != 0:
+            return 0.0
+        got: list = []
+        ths = [threading.Thread(target=lambda u=u: got.append(httpx.post(
+            f"{u}/debug_receive_broadcast", json={"group_name": transport.group_name, "nbytes": total},
+            timeout=600).json())) for u in urls]
+        for th in ths:
+            th.start()
+        group_broadcast(transport.group, raw_buf, src=0)
+        for th in ths:
+            th.join()
+        assert all(r["success"] for r in got), got
+        return max(float(r["seconds"]) for r in got)
+
+    def sync(overlap: bool = True) -> dict:
+        nonlocal version
+        version += 1
+        if rank != 0:
+            for _ in trainer_buckets(tr, bucket):
+                pass
+            return {}
+        transport.cfg = cfg.model_copy(update={"overlap": overlap})
+        return transport.send(trainer_export(tr), version)
+
+    raw_once()  # warm-up
+    sync()  # cold: the engines' first update allocates their standby copies
+    rows = []
+    for _ in range(repeats):
+        before = raw_once()
+        m = sync()
+        after = raw_once()
+        if rank == 0:
+            raw = (total / before + total / after) / 2 / 1e9
+            rows.append({"ratio": m["sync/gbps"] / raw, "sync_gbps": m["sync/gbps"], "raw_gbps": raw,
+                         "seconds": m["sync/seconds"], "buckets": m["sync/buckets"], "stall_s": m["sync/pause_seconds"],
+                         "broadcast_s": m["sync/broadcast_seconds"], "export_s": m["sync/pack_seconds"],
+                         "export_wait_s": m["sync/pack_wait_seconds"], "raw_s": (before + after) / 2})
+    with AliveBytes() as ab:
+        sync(overlap=False)
+        peak = ab.peak
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    sums = tr.hf_checksums()  # collective
+    res = {}
+    if rank == 0:
+        chk = check_engines(clients, sums, version)
+        rows.sort(key=lambda r: r["ratio"])
+        res = {"layout": layout, "engines": len(urls), "bucket_bytes": bucket, "total_bytes": total,
+               "largest_bytes": largest, "fused_bytes": fused, "build_s": build_s, "peaks": peaks,
+               "bound": bucket + largest + fused, "median": rows[len(rows) // 2], "best": rows[-1], "rows": rows,
+               "check_tensors": chk["sync/check_tensors"]}
+        transport.shutdown()
+        for c in clients:
+            c.close()
+        with open(out, "w") as f:
+            json.dump(res, f)
+    tr.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
