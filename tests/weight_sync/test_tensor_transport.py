@@ -189,3 +189,64 @@ def test_megatron_trainer_sync_through_tensor_path(tiny_engine):
         assert out[k]["sync/check_tensors"] == 41 and out[k]["sync/buckets"] > 3
     assert out["shared0"] and out["shared1"]  # the send buffer lives in shared memory
     assert out["changed"] > 0  # the step trained in the shared buffer, and that sync carried it
+
+
+class _FakeEngine:
+    """Records the calls an engine sees; decodes every tensor payload (each TP rank's entry)
+    before answering, as an engine copies the tensors before it replies."""
+
+    def __init__(self, log, i):
+        self.log, self.i, self.got = log, i, {}
+
+    def pause_generation(self, mode):
+        self.log.append((self.i, "pause"))
+        return {"status": "ok"}
+
+    def continue_generation(self):
+        self.log.append((self.i, "continue"))
+        return {"status": "ok"}
+
+    def begin_weight_update(self, atomic=False):
+        self.log.append((self.i, "begin", atomic))
+        return {"success": True}
+
+    def end_weight_update(self):
+        self.log.append((self.i, "end"))
+        return {"success": True}
+
+    def update_weights_from_tensor(self, serialized_named_tensors, load_format, flush_cache, weight_version):
+        from moe_async.engines.embedded.tensor_update import decode_named_tensors
+
+        ranks = [decode_named_tensors(e, load_format) for e in serialized_named_tensors]
+        for named in ranks:
+            for n, t in named:
+                self.got.setdefault(n, []).append(t.clone())
+        self.log.append((self.i, "update", len(serialized_named_tensors), weight_version, flush_cache))
+        return {"success": True}
+
+
+def test_tensor_transport_order_payload_per_tp_rank_and_errors():
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.group import WeightSyncError
+    from moe_async.weight_sync.transport import TensorTransport
+
+    log = []
+    engines = [_FakeEngine(log, 0), _FakeEngine(log, 1)]
+    tr = TensorTransport(engines, WeightSyncConfig(transport="tensor", bucket_bytes=1024), ranks_per_engine=[1, 2])
+    with pytest.raises(WeightSyncError, match="TensorTransport.send before connect"):
+        tr.send([], 1)
+    tr.connect()
+    g = torch.Generator().manual_seed(2)
+    sent = {f"t{i}": torch.randn(40 + i, generator=g) for i in range(12)}  # 160+ bytes each: several buckets
+    m = tr.send(sent.items(), 9)
+    for e, tp in zip(engines, (1, 2)):
+        calls = [x[1:] for x in log if x[0] == e.i]
+        ups = [c for c in calls if c[0] == "update"]
+        assert calls[0] == ("pause",) and calls[1] == ("begin", True) and calls[-2:] == [("end",), ("continue",)]
+        assert len(ups) == m["sync/buckets"] > 2 and all(c[1] == tp for c in ups)  # one payload per TP rank
+        assert [c[2] for c in ups] == [None] * (len(ups) - 1) + ["9"]
+        assert [c[3] for c in ups] == [False] * (len(ups) - 1) + [True]
+        assert sorted(e.got) == sorted(sent)
+        for n, t in sent.items():  # every rank's copy bit-identical to what was sent
+            assert len(e.got[n]) == tp and all(torch.equal(x, t) for x in e.got[n]), n
+    tr.shutdown()
