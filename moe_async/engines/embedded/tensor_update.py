@@ -81,6 +81,20 @@ class FlattenedTensorMetadata:
     numel: int
 
 
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's ``rebuild_cuda_tensor``, with the device given as an index or (as SGLang's
+    patched reductions and our sender send it) as the GPU's UUID string."""
+    from torch.multiprocessing import reductions as red
+
+    dev = args[6]
+    if isinstance(dev, str):
+        match = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev]
+        if not match:
+            raise ValueError(f"no visible GPU has the UUID {dev!r} of the sender's tensor")
+        args = (*args[:6], match[0], *args[7:])
+    return red.rebuild_cuda_tensor(*args)
+
+
 def _allowed() -> dict[tuple[str, str], Any]:
     from torch.multiprocessing import reductions as red
 
@@ -96,9 +110,9 @@ def _allowed() -> dict[tuple[str, str], Any]:
     ok[("torch", "UntypedStorage")] = torch.UntypedStorage
     ok[("torch.storage", "UntypedStorage")] = torch.storage.UntypedStorage
     ok[("torch.storage", "TypedStorage")] = torch.storage.TypedStorage
-    for n in ("rebuild_tensor", "rebuild_storage_filename", "rebuild_cuda_tensor", "rebuild_typed_storage",
-              "rebuild_storage_empty"):
+    for n in ("rebuild_tensor", "rebuild_storage_filename", "rebuild_typed_storage", "rebuild_storage_empty"):
         ok[("torch.multiprocessing.reductions", n)] = getattr(red, n)
+    ok[("torch.multiprocessing.reductions", "rebuild_cuda_tensor")] = _rebuild_cuda_tensor
     for n in dir(torch):
         v = getattr(torch, n, None)
         if isinstance(v, torch.dtype):

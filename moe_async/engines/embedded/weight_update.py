@@ -40,6 +40,9 @@ is a 422 naming it. ``weight_version`` is a string on the wire, as SGLang types 
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache,
   abort_all_requests, load_format}``: every ``*.safetensors`` under ``model_path``, checked,
   applied at once (no session, as SGLang).
+* ``POST /update_weights_from_tensor`` (the colocated path: handles to the sender's memory,
+  same session semantics through :func:`apply_update_call`): see
+  :mod:`moe_async.engines.embedded.tensor_update`.
 * ``POST /debug_receive_broadcast`` ``{group_name, nbytes}`` (ours, benchmarks).
 * ``GET /weights_checksum`` (ours): ``{"weight_version" (str), "checksums", "bytes_received",
   "recv_copies"}``.
