@@ -173,17 +173,21 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def test_megatron_trainer_sync_through_tensor_path(tiny_engine):
+def test_megatron_trainer_sync_through_tensor_path(tiny_engine, tmp_path):
     """1-process MegatronTrainer -> TensorTransport -> embedded engine; check mode raises on
     any differing tensor, so reaching RESULT means bit-equal."""
     import json
 
     eng, model_dir = tiny_engine
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", _TRAINER_SYNC, eng.url, model_dir, os.path.dirname(__file__)],
-                       env=env, capture_output=True, text=True, timeout=900)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-6000:]
+    # output to files, not pipes: the trainer's torch_shm_manager (file_system sharing)
+    # outlives it while the engine maps its memory, and would hold a pipe open
+    with open(tmp_path / "out.txt", "w") as out_f, open(tmp_path / "err.txt", "w") as err_f:
+        p = subprocess.run([sys.executable, "-c", _TRAINER_SYNC, eng.url, model_dir, os.path.dirname(__file__)],
+                           env=env, stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL, timeout=900)
+    stdout, stderr = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert p.returncode == 0 and line, stdout[-3000:] + stderr[-6000:]
     out = json.loads(line[len("RESULT "):])
     for k in ("sync0", "sync1"):
         assert out[k]["sync/check_tensors"] == 41 and out[k]["sync/buckets"] > 3
