@@ -233,6 +233,18 @@ class _Base:
         return body
 
     @staticmethod
+    def _tensor_body(serialized_named_tensors, load_format, flush_cache, weight_version, abort_all_requests):
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)  # SGLang types it Optional[str]
+        return body
+
+    @staticmethod
     def _checksums_of(info: dict) -> dict:
         return {**info, "weight_version": _version(info.get("weight_version"))}
 
@@ -350,6 +362,16 @@ class EngineClient(_Base):
         and serve it as ``weight_version``."""
         body = self._disk_body(model_path, weight_version, flush_cache)
         return (await self._request("POST", "/update_weights_from_disk", body, retry=None)).json()
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str],
+                                         load_format: str | None = "flattened_bucket", flush_cache: bool = True,
+                                         weight_version: int | str | None = None,
+                                         abort_all_requests: bool = False) -> dict:
+        """SGLang's colocated update: ``serialized_named_tensors`` one base64 entry per engine
+        TP rank (:mod:`moe_async.weight_sync.tensor_ipc`); ``weight_version`` sent as a string."""
+        body = self._tensor_body(serialized_named_tensors, load_format, flush_cache, weight_version,
+                                 abort_all_requests)
+        return (await self._request("POST", "/update_weights_from_tensor", body, retry=None)).json()
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """Leave the weight-update group ``group_name`` (SGLang's call)."""
@@ -478,6 +500,14 @@ class SyncEngineClient(_Base):
         """See :meth:`EngineClient.update_weights_from_disk`."""
         body = self._disk_body(model_path, weight_version, flush_cache)
         return self._request("POST", "/update_weights_from_disk", body, retry=None).json()
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str],
+                                   load_format: str | None = "flattened_bucket", flush_cache: bool = True,
+                                   weight_version: int | str | None = None, abort_all_requests: bool = False) -> dict:
+        """See :meth:`EngineClient.update_weights_from_tensor`."""
+        body = self._tensor_body(serialized_named_tensors, load_format, flush_cache, weight_version,
+                                 abort_all_requests)
+        return self._request("POST", "/update_weights_from_tensor", body, retry=None).json()
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """See :meth:`EngineClient.destroy_weights_update_group`."""

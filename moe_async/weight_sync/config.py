@@ -18,14 +18,18 @@ class WeightSyncConfig(BaseModel):
     Data path (``transport: broadcast``): Megatron params -> HF names (models mapping table)
     -> buckets of at most ``bucket_bytes`` (flattened; bucket k+1 packed while bucket k is
     broadcast) -> broadcast over a dedicated process group (NCCL on GPU, gloo on CPU) ->
-    engine ``/update_weights_from_distributed``. ``transport: disk`` (fallback): safetensors
-    files under ``disk_dir`` -> engine ``/update_weights_from_disk``.
+    engine ``/update_weights_from_distributed``. ``transport: tensor`` (colocated engines on
+    the trainer's host, e.g. one GPU shared: NCCL refuses two ranks on one device): the same
+    buckets and session, each bucket sent as ``/update_weights_from_tensor`` with CUDA IPC
+    handles (CPU: shared memory by name) instead of a broadcast. ``transport: disk``
+    (fallback): safetensors files under ``disk_dir`` -> engine ``/update_weights_from_disk``.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    transport: Literal["broadcast", "disk"] = Field(
-        "broadcast", description="broadcast (bucketed, process group) | disk (safetensors + /update_weights_from_disk)."
+    transport: Literal["broadcast", "tensor", "disk"] = Field(
+        "broadcast", description="broadcast (bucketed, process group) | tensor (colocated: CUDA IPC / shared "
+        "memory handles, /update_weights_from_tensor) | disk (safetensors + /update_weights_from_disk)."
     )
     bucket_bytes: int = Field(512 * 1024**2, ge=1, description="Bucket budget in bytes.")
     interval_steps: int = Field(1, ge=1, description="Sync every k optimizer steps.")
@@ -45,7 +49,7 @@ class WeightSyncConfig(BaseModel):
 
     @model_validator(mode="after")
     def _warn_small_buckets(self) -> "WeightSyncConfig":
-        if self.transport == "broadcast" and self.bucket_bytes < SMALL_BUCKET_BYTES:
+        if self.transport in ("broadcast", "tensor") and self.bucket_bytes < SMALL_BUCKET_BYTES:
             warnings.warn(
                 f"weight_sync.bucket_bytes={self.bucket_bytes} is below {SMALL_BUCKET_BYTES} bytes: every "
                 f"tensor larger than the budget is sent alone in a bucket grown to its size (C2), "

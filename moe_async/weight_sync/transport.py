@@ -44,7 +44,7 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -305,6 +305,31 @@ class BroadcastTransport(WeightTransport):
         if isinstance(resp, dict) and resp.get("success") is False:
             raise WeightSyncError(f"engine {i}: {what} failed: {resp.get('message')}")
 
+    def _connected(self) -> bool:
+        return self.group is not None
+
+    def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+        """Queue one bucket's update call on every engine's poster (``weight_version`` on the
+        last bucket only, as a string: SGLang's ``Optional[str]``); returns the futures."""
+        last = weight_version is not None
+        return [
+            (i, self._posters[i].submit(
+                c.update_weights_from_distributed,
+                names=bucket.names,
+                dtypes=bucket.dtypes,
+                shapes=bucket.shapes,
+                group_name=self.group_name,
+                weight_version=str(weight_version) if last else None,
+                flush_cache=last,
+                load_format="flattened_bucket",
+            ))
+            for i, c in enumerate(self.clients)
+        ]
+
+    def _transfer(self, flat: torch.Tensor, posted: list[tuple[int, Any]]) -> None:
+        """Move one bucket's bytes while its calls are in flight: rank 0's broadcast."""
+        group_broadcast(self.group, flat, src=0)
+
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
         """Send one full update (see the module docstring for the data path).
 
@@ -330,8 +355,8 @@ class BroadcastTransport(WeightTransport):
             WeightSyncError: before connect(), or naming the engine that answered
                 ``success: false`` (first failure).
         """
-        if self.group is None:
-            raise WeightSyncError("BroadcastTransport.send before connect()")
+        if not self._connected():
+            raise WeightSyncError(f"{type(self).__name__}.send before connect()")
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
         streamed = isinstance(named_tensors, PackedExport)  # ready buckets (C14: world size > 1)
@@ -378,19 +403,8 @@ class BroadcastTransport(WeightTransport):
                         self._warned.add(bucket.names[0])
                         log.warning("weight sync: %s (%d bytes) exceeds bucket_bytes=%d; sent alone in a "
                                     "grown bucket", bucket.names[0], bucket.nbytes, self.cfg.bucket_bytes)
-                pending += [
-                    (i, self._posters[i].submit(
-                        c.update_weights_from_distributed,
-                        names=bucket.names,
-                        dtypes=bucket.dtypes,
-                        shapes=bucket.shapes,
-                        group_name=self.group_name,
-                        weight_version=str(weight_version) if last else None,  # SGLang: Optional[str]
-                        flush_cache=last,
-                        load_format="flattened_bucket",
-                    ))
-                    for i, c in enumerate(self.clients)
-                ]
+                posted = self._post_bucket(bucket, flat, weight_version if last else None)
+                pending += posted
                 last_posted = last
                 if last:  # each poster sends them right after its engine's versioned reply
                     ends = self._end_on_posters()
@@ -398,7 +412,7 @@ class BroadcastTransport(WeightTransport):
                         resumes = self._on_posters(lambda c: c.continue_generation())
                 tb = time.perf_counter()
                 broadcasting = True
-                group_broadcast(self.group, flat, src=0)
+                self._transfer(flat, posted)
                 broadcasting = False
                 bcast_s += time.perf_counter() - tb
                 nbytes += flat.numel()
@@ -475,6 +489,73 @@ class BroadcastTransport(WeightTransport):
         self._pool.shutdown(wait=False, cancel_futures=True)
         for p in self._posters:
             p.shutdown(wait=False, cancel_futures=True)
+
+
+class TensorTransport(BroadcastTransport):
+    """Colocated engines (same host, e.g. trainer and engine sharing one GPU): each bucket
+    goes as SGLang 0.5.23's ``POST /update_weights_from_tensor`` with handles to the
+    sender's memory instead of a broadcast (NCCL refuses two ranks on one GPU).
+
+    Per bucket: ``{serialized_named_tensors: one base64 ForkingPickler payload per engine TP
+    rank (``ranks_per_engine``: each engine's TP size), load_format: "flattened_bucket",
+    flush_cache, weight_version (a string) on the LAST bucket only}``
+    (:mod:`~moe_async.weight_sync.tensor_ipc`), inside the same pause / ``begin_weight_update
+    {atomic}`` / ``end_weight_update`` / continue session as :class:`BroadcastTransport`
+    (same ordering, metrics and failure handling). Buckets and the send buffer live on the
+    current CUDA device when there is one (CUDA IPC handles), else in CPU shared memory
+    (opened by name by the engine process). Each bucket's tensors are kept alive until every
+    engine has answered its call (the engine copies them into its parameters before it
+    answers), so a packed buffer is reused only after that. No process group: ``connect()``
+    only reads the engines' ``/weights_layout``; ``master_address``/``group_name``/
+    ``world_size`` are accepted and unused. ``sync/broadcast_seconds`` is the time waiting
+    for the engines to copy a bucket.
+
+    Raises:
+        WeightSyncError: before connect(), or naming the engine that answered ``success: false``.
+    """
+
+    def __init__(self, clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
+                 ranks_per_engine: int | Sequence[int] = 1, **kw: Any):
+        super().__init__(clients, cfg, pause_mode=pause_mode, ranks_per_engine=ranks_per_engine, **kw)
+        self.tp_sizes = list(self.membership.engine_sizes)
+        self._ready = False
+
+    @property
+    def device(self) -> torch.device:
+        """The current CUDA device when CUDA is available (IPC handles), else CPU (shared memory)."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def connect(self) -> None:
+        """Read the engines' common ``/weights_layout`` (embedded engines); nothing to join."""
+        self._set_layout(self._common_layout())
+        self._ready = True
+
+    def _connected(self) -> bool:
+        return self._ready
+
+    def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+        from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
+
+        last = weight_version is not None
+        dtypes = [str_to_dtype(d) for d in bucket.dtypes]
+        payloads: dict[int, list[str]] = {}
+        for tp in set(self.tp_sizes):
+            payloads[tp] = serialize_flattened_bucket(flat, bucket.names, dtypes, bucket.shapes, copies=tp)
+        return [
+            (i, self._posters[i].submit(
+                c.update_weights_from_tensor, serialized_named_tensors=payloads[self.tp_sizes[i]],
+                load_format="flattened_bucket", flush_cache=last,
+                weight_version=str(weight_version) if last else None))  # SGLang: Optional[str]
+            for i, c in enumerate(self.clients)
+        ]
+
+    def _transfer(self, flat: torch.Tensor, posted: list[tuple[int, Any]]) -> None:
+        """Hold ``flat`` (this frame's reference) until every engine answered this bucket;
+        errors are read with the other replies after the last bucket."""
+        wait([f for _, f in posted], timeout=self.cfg.timeout_s)
+
+    def close(self) -> None:
+        self._ready = False
 
 
 class DiskTransport(WeightTransport):
@@ -560,9 +641,11 @@ class DiskTransport(WeightTransport):
 
 def make_transport(clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
                    **kw: Any) -> WeightTransport:
-    """The transport ``cfg.transport`` names (``broadcast`` | ``disk``), not yet connected."""
+    """The transport ``cfg.transport`` names (``broadcast`` | ``tensor`` | ``disk``), not yet connected."""
     if cfg.transport == "disk":
         return DiskTransport(clients, cfg, pause_mode=pause_mode)
+    if cfg.transport == "tensor":
+        return TensorTransport(clients, cfg, pause_mode=pause_mode, **kw)
     return BroadcastTransport(clients, cfg, pause_mode=pause_mode, **kw)
 
 

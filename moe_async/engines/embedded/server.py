@@ -70,6 +70,7 @@ from moe_async.engines.embedded.openai_api import register_openai_routes
 from moe_async.engines.embedded.request import decode_generate
 from moe_async.engines.embedded.sampling import RequestError
 from moe_async.engines.embedded.scheduler import Req, Scheduler
+from moe_async.engines.embedded.tensor_update import tensor_update_router
 from moe_async.engines.embedded.weight_update import WeightUpdater, weight_update_router
 
 log = logging.getLogger("moe_async.engines.embedded")
@@ -277,6 +278,7 @@ def create_app(state: EngineState) -> FastAPI:
         return Response(status_code=200)
 
     app.include_router(weight_update_router(state.weights))
+    app.include_router(tensor_update_router(state.weights))
     return app
 
 

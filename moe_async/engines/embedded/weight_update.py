@@ -40,6 +40,9 @@ is a 422 naming it. ``weight_version`` is a string on the wire, as SGLang types 
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache,
   abort_all_requests, load_format}``: every ``*.safetensors`` under ``model_path``, checked,
   applied at once (no session, as SGLang).
+* ``POST /update_weights_from_tensor`` (the colocated path: handles to the sender's memory,
+  same session semantics through :func:`apply_update_call`): see
+  :mod:`moe_async.engines.embedded.tensor_update`.
 * ``POST /debug_receive_broadcast`` ``{group_name, nbytes}`` (ours, benchmarks).
 * ``GET /weights_checksum`` (ours): ``{"weight_version" (str), "checksums", "bytes_received",
   "recv_copies"}``.
@@ -53,7 +56,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from fastapi import APIRouter
@@ -284,6 +287,67 @@ def join_refusal(body: InitWeightsUpdateGroupReqInput, ranks: int = 1) -> str | 
     return None
 
 
+async def apply_update_call(wu: WeightUpdater, receive: Callable[[str | None], list[str]],
+                            version: int | None, abort_all_requests: bool,
+                            outside_session: str = OUTSIDE_SESSION) -> dict | JSONResponse:
+    """One update call of any transport (``/update_weights_from_distributed``,
+    ``/update_weights_from_tensor``), with SGLang's session semantics (module docstring).
+
+    ``receive(refuse)`` runs in a worker thread: it writes the call's tensors into the standby
+    parameters (``wu.arena``, marked) and returns their names, or raises ``KeyError`` /
+    ``ValueError`` / ``RuntimeError`` (a 400 naming the tensor); given a ``refuse`` message
+    (no session open: ``outside_session``) it must raise ``ValueError(refuse)`` after
+    draining whatever the transport needs drained. Returns the JSON reply or a 400.
+    """
+    sched = wu.sched
+    async with wu.update_lock:
+        session = wu.session
+        if abort_all_requests:
+            await asyncio.wrap_future(sched.call(lambda: sched.abort(None, "aborted for a weight update")))
+        t0 = time.perf_counter()
+        if not wu.arena.bound:
+            await asyncio.wrap_future(sched.call(wu.arena.bind))
+        atomic = session is not None and session.atomic
+
+        def run() -> list[str]:
+            names = receive(outside_session if session is None else None)
+            if atomic and version is not None:
+                # names this update did not carry keep their live values (off the scheduler
+                # thread: the live buffer is only read there; update_lock keeps writers out)
+                wu.arena.fill_stale()
+            return names
+
+        try:
+            names = await asyncio.to_thread(run)
+        except (KeyError, ValueError, RuntimeError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            if session is None:
+                return _fail(msg)
+            dropped = len(wu.arena.fresh)
+            wu.arena.discard()
+            # later calls of an atomic update are received and refused until its versioned
+            # call, which fails and clears this (the first failure is the one named)
+            wu.update_error = (wu.update_error or msg) if atomic and version is None else None
+            return _fail(f"{msg} (staged update of {dropped} tensors discarded)" if atomic else msg)
+        session.calls += 1
+        if atomic and version is None:
+            return {"success": True, "message": f"staged {len(names)} tensors ({len(wu.arena.fresh)} in total)"}
+        staged = len(wu.arena.fresh)
+
+        def apply():
+            if atomic:
+                wu.arena.swap()  # pointers only: between two forward passes
+            else:
+                wu.arena.commit(names)  # this call's bytes only
+            if version is not None:
+                sched.weight_version = version
+
+        await asyncio.wrap_future(sched.call(apply))
+        dt = time.perf_counter() - t0
+        what = f"applied {staged} tensors" if atomic else f"applied {len(names)} tensors at once"
+        return {"success": True, "message": f"{what}; weight_version={sched.weight_version} ({dt:.3f}s)"}
+
+
 def weight_update_router(wu: WeightUpdater) -> APIRouter:
     """The endpoints of the module docstring over ``wu`` (and its scheduler)."""
     r = APIRouter()
@@ -364,52 +428,8 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
             version = parse_version(body.weight_version)
         except ValueError as e:
             return _fail(str(e))
-        async with wu.update_lock:
-            session = wu.session
-            if body.abort_all_requests:
-                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
-            t0 = time.perf_counter()
-            if not wu.arena.bound:
-                await on_sched(wu.arena.bind)
-            atomic = session is not None and session.atomic
-
-            def receive() -> list[str]:
-                names = wu.receive(body, refuse=OUTSIDE_SESSION if session is None else None)
-                if atomic and version is not None:
-                    # names this update did not carry keep their live values (off the scheduler
-                    # thread: the live buffer is only read there; update_lock keeps writers out)
-                    wu.arena.fill_stale()
-                return names
-
-            try:
-                names = await asyncio.to_thread(receive)
-            except (KeyError, ValueError, RuntimeError) as e:
-                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-                if session is None:
-                    return _fail(msg)
-                dropped = len(wu.arena.fresh)
-                wu.arena.discard()
-                # later calls of an atomic update are received and refused until its versioned
-                # call, which fails and clears this (the first failure is the one named)
-                wu.update_error = (wu.update_error or msg) if atomic and version is None else None
-                return _fail(f"{msg} (staged update of {dropped} tensors discarded)" if atomic else msg)
-            session.calls += 1
-            if atomic and version is None:
-                return {"success": True, "message": f"staged {len(names)} tensors ({len(wu.arena.fresh)} in total)"}
-            staged = len(wu.arena.fresh)
-
-            def apply():
-                if atomic:
-                    wu.arena.swap()  # pointers only: between two forward passes
-                else:
-                    wu.arena.commit(names)  # this call's bytes only
-                if version is not None:
-                    sched.weight_version = version
-
-            await on_sched(apply)
-            dt = time.perf_counter() - t0
-            what = f"applied {staged} tensors" if atomic else f"applied {len(names)} tensors at once"
-            return {"success": True, "message": f"{what}; weight_version={sched.weight_version} ({dt:.3f}s)"}
+        return await apply_update_call(
+            wu, lambda refuse: wu.receive(body, refuse=refuse), version, body.abort_all_requests)
 
     @r.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput):

@@ -1,0 +1,229 @@
+"""The embedded engine's ``POST /update_weights_from_tensor`` (SGLang 0.5.23's colocated path).
+
+Body: SGLang's ``UpdateWeightsFromTensorReqInput`` fields and nothing else (an unknown field
+is a 422 naming it, as the other weight endpoints): ``serialized_named_tensors`` (one base64
+string per engine TP rank: this engine is one rank and reads entry 0), ``load_format``,
+``flush_cache``, ``abort_all_requests``, ``weight_version`` (a decimal integer string or
+null), ``selector``, ``torch_empty_cache``.
+
+Each entry is the base64 of torch ``ForkingPickler`` bytes (SGLang's
+``MultiprocessingSerializer``): the tensors are not in the body, only handles to them (CUDA
+IPC handles, or CPU shared memory opened by name: torch's ``file_system`` sharing strategy;
+the ``file_descriptor`` strategy's handles only work over a multiprocessing connection and
+are refused). Payload by ``load_format``:
+
+* ``"flattened_bucket"``: ``{"flattened_tensor": uint8 1-D, "metadata": [m, ...]}`` with
+  each ``m`` carrying SGLang's ``FlattenedTensorMetadata`` fields (``name``, ``shape``,
+  ``dtype``, ``start_idx``, ``end_idx``, ``numel``; byte offsets into the flat tensor);
+* ``null`` or ``"direct"``: a list of ``(name, tensor)`` pairs.
+
+Deserialised with :class:`RestrictedUnpickler` (an allow-list of globals, as SGLang's
+``SafeUnpickler``; never plain pickle from HTTP). Session semantics are those of
+``/update_weights_from_distributed`` (:func:`~moe_async.engines.embedded.weight_update.
+apply_update_call`): refused outside a session with SGLang's message; in a plain session
+each call applied when it returns; in an atomic session (ours) staged until the call with a
+``weight_version``. The tensors are copied into the standby parameters before the reply, so
+the sender may free them once it has the answer. A bad name/shape is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import builtins
+import collections
+import copyreg
+import io
+import pickle
+import types
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from fastapi import APIRouter
+
+from moe_async.engines.embedded.weight_update import (
+    WeightUpdater,
+    _fail,
+    _Req,
+    apply_update_call,
+    parse_version,
+)
+from moe_async.weight_sync.packing import contiguous_span
+
+#: SGLang 0.5.23's refusal outside a session (scheduler_components/weight_updater.py)
+OUTSIDE_SESSION_TENSOR = ("update_weights_from_tensor must run between begin_weight_update() and "
+                          "end_weight_update()")
+
+
+class UpdateWeightsFromTensorReqInput(_Req):
+    """SGLang's fields (``managers/io_struct.py``); on the wire each entry is base64 text."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """What a pickled ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` (a
+    slime-style sender's) is rebuilt as here: the same fields, without importing sglang."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's ``rebuild_cuda_tensor``, with the device given as an index or (as SGLang's
+    patched reductions and our sender send it) as the GPU's UUID string."""
+    from torch.multiprocessing import reductions as red
+
+    dev = args[6]
+    if isinstance(dev, str):
+        match = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev]
+        if not match:
+            raise ValueError(f"no visible GPU has the UUID {dev!r} of the sender's tensor")
+        args = (*args[:6], match[0], *args[7:])
+    return red.rebuild_cuda_tensor(*args)
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    from torch.multiprocessing import reductions as red
+
+    ok: dict[tuple[str, str], Any] = {}
+    for n in ("dict", "list", "tuple", "int", "float", "bool", "str", "bytes", "bytearray"):
+        ok[("builtins", n)] = getattr(builtins, n)
+    ok[("collections", "OrderedDict")] = collections.OrderedDict
+    ok[("copyreg", "__newobj__")] = copyreg.__newobj__
+    ok[("types", "SimpleNamespace")] = types.SimpleNamespace
+    ok[("torch", "Tensor")] = torch.Tensor
+    ok[("torch", "Size")] = torch.Size
+    ok[("torch", "device")] = torch.device
+    ok[("torch", "UntypedStorage")] = torch.UntypedStorage
+    ok[("torch.storage", "UntypedStorage")] = torch.storage.UntypedStorage
+    ok[("torch.storage", "TypedStorage")] = torch.storage.TypedStorage
+    for n in ("rebuild_tensor", "rebuild_storage_filename", "rebuild_typed_storage", "rebuild_storage_empty"):
+        ok[("torch.multiprocessing.reductions", n)] = getattr(red, n)
+    ok[("torch.multiprocessing.reductions", "rebuild_cuda_tensor")] = _rebuild_cuda_tensor
+    for n in dir(torch):
+        v = getattr(torch, n, None)
+        if isinstance(v, torch.dtype):
+            ok[("torch", n)] = v
+    ok[("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")] = FlattenedTensorMetadata
+    return ok
+
+
+_ALLOWED = _allowed()
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the globals a tensor payload needs (containers, dtypes, torch's tensor
+    and storage rebuild functions, SGLang's metadata class: mapped to ours); anything else is
+    an ``UnpicklingError`` naming it. The ``file_descriptor`` handles (``rebuild_storage_fd``)
+    are refused: they cannot be opened from an HTTP request."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        v = _ALLOWED.get((module, name))
+        if v is None:
+            hint = (" (a file-descriptor shared tensor: the sender must use torch's file_system sharing "
+                    "strategy)") if name == "rebuild_storage_fd" else ""
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload{hint}")
+        return v
+
+
+def decode_named_tensors(entry: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of one ``serialized_named_tensors`` entry (module docstring).
+
+    Raises:
+        ValueError: not base64, not a payload of ``load_format``, a global not allowed, a
+            metadata entry out of the flat tensor's bounds or of the wrong size.
+    """
+    if load_format not in (None, "direct", "flattened_bucket"):
+        raise ValueError(f"load_format must be null, 'direct' or 'flattened_bucket', got {load_format!r}")
+    try:
+        raw = base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"serialized_named_tensors[0] is not base64: {e}") from None
+    try:
+        obj = RestrictedUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is the sender's
+        raise ValueError(f"serialized_named_tensors[0] cannot be deserialised: {type(e).__name__}: {e}") from None
+    if load_format == "flattened_bucket":
+        if not (isinstance(obj, dict) and isinstance(obj.get("flattened_tensor"), torch.Tensor)
+                and isinstance(obj.get("metadata"), list)):
+            raise ValueError("load_format='flattened_bucket' needs a dict with 'flattened_tensor' (a tensor) "
+                             f"and 'metadata' (a list), got {type(obj).__name__}")
+        flat = obj["flattened_tensor"]
+        if flat.dtype != torch.uint8 or flat.dim() != 1:
+            raise ValueError(f"flattened_tensor must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
+        out = []
+        for m in obj["metadata"]:
+            try:
+                name, shape, dtype = m.name, torch.Size(m.shape), m.dtype
+                start, end = int(m.start_idx), int(m.end_idx)
+            except (AttributeError, TypeError) as e:
+                raise ValueError(f"a flattened_bucket metadata entry lacks a field: {e}") from None
+            nb = shape.numel() * dtype.itemsize
+            if not (0 <= start <= end <= flat.numel()) or end - start != nb:
+                raise ValueError(f"{name}: bytes [{start}, {end}) do not hold {tuple(shape)} {dtype} "
+                                 f"in a flat tensor of {flat.numel()} bytes")
+            out.append((name, flat[start:end].view(dtype).reshape(shape)))
+        return out
+    if not (isinstance(obj, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], torch.Tensor) for p in obj)):
+        raise ValueError(f"load_format={load_format!r} needs a list of (name, tensor) pairs")
+    return [(str(n), t) for n, t in obj]
+
+
+@torch.no_grad()
+def write_standby(wu: WeightUpdater, named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy ``named`` into the standby parameters (one copy when they are consecutive there
+    in the engine's dtype and arrive as one span, else one per tensor, cast) and mark them;
+    returns the names. Raises KeyError/ValueError naming a tensor the engine does not have."""
+    for n, t in named:
+        wu.weight_map.check(n, list(t.shape))
+    names = [n for n, _ in named]
+    arena = wu.arena
+    tensors = [t for _, t in named]
+    span = arena.span(names, [list(t.shape) for t in tensors], [t.dtype for t in tensors])
+    src = contiguous_span(tensors) if span is not None else None
+    if src is not None and src.numel() == span.numel():
+        span.copy_(src)
+    else:
+        for n, t in named:
+            arena.standby(n).copy_(t)
+    wu.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
+    arena.mark(names)
+    return names
+
+
+def tensor_update_router(wu: WeightUpdater) -> APIRouter:
+    """``POST /update_weights_from_tensor`` over ``wu`` (module docstring)."""
+    r = APIRouter()
+
+    @r.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorReqInput):
+        try:
+            version = parse_version(body.weight_version)
+        except ValueError as e:
+            return _fail(str(e))
+        if not body.serialized_named_tensors:
+            return _fail("serialized_named_tensors is empty: one entry per engine TP rank is needed (this engine: 1)")
+
+        def receive(refuse: str | None) -> list[str]:
+            if refuse:
+                raise ValueError(refuse)
+            return write_standby(wu, decode_named_tensors(body.serialized_named_tensors[0], body.load_format))
+
+        return await apply_update_call(wu, receive, version, body.abort_all_requests,
+                                       outside_session=OUTSIDE_SESSION_TENSOR)
+
+    return r
