@@ -133,6 +133,9 @@ from typing import Any, Iterator
 import torch
 
 from moe_async.models import get_family, hf_config_dict
+from moe_async.megatron import container
+from moe_async.megatron.te_spec_names import is_te_extra_state, match_checkpoint, to_te_names
+from moe_async.models.deepseek_v3.hf_extras import hf_extras
 
 Tensor = torch.Tensor
 
@@ -444,7 +447,8 @@ def _dtype_of(hf_cfg: dict, index: dict[str, str]) -> str:
     for fp in sorted(set(index.values())):
         with safe_open(fp, framework="pt") as h:
             for k in h.keys():
-                dtypes[k] = h.get_slice(k).get_dtype()
+                if k in index:  # the keys asked about (FP8 weights and their scales may be left out)
+                    dtypes[k] = h.get_slice(k).get_dtype()
     ref = dtypes.get("model.embed_tokens.weight")
     if ref not in names:
         raise ValueError(f"model.embed_tokens.weight has dtype {ref}; supported: F32, BF16")
@@ -514,6 +518,8 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     fam = get_family(hf_cfg.get("model_type"))
     a = fam.arch_args(hf_cfg)
     table = fam.table(a)
+    extras = hf_extras(hf_cfg, index, log_skipped=False)  # DeepSeek-V3 MTP / FP8 (hf_extras.py)
+    read_scale, index = extras.scale_reader(index), extras.weights(index)
     src = check_hf_keys(fam, a, index)
     pieces = local_pieces(model)
     tensors = dict(model.named_parameters())
@@ -547,7 +553,7 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     for fp in sorted(files):
         with safe_open(fp, framework="pt") as h:
             for k in sorted(files[fp]):
-                t = h.get_tensor(k)
+                t = extras.get_tensor(k, h.get_tensor(k), read_scale)
                 prefault_read(t)  # a view of safetensors' map of the file: read by the copy / save below
                 nbytes += t.numel() * t.element_size()
                 if k in ("lm_head.weight", "model.embed_tokens.weight") and a.tie_word_embeddings:
@@ -906,11 +912,22 @@ def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = No
                          + "; ".join(errs) + hint)
 
 
+def _padded_vocab(vocab: int, tp: int, vocab_div: int) -> int:
+    from moe_async.trainer.sharding import padded_vocab_size
+
+    return padded_vocab_size(vocab, tp, vocab_div)
+
+
 def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
                               progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV,
                               save_threads: int = 0, fsync: bool = False) -> dict[str, Any]:
-    """HF checkpoint dir -> Megatron torch_dist checkpoint dir at layout (tp, pp, ep) (the
-    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)), written by
+    """HF checkpoint dir -> Megatron torch_dist checkpoint at layout (tp, pp, ep) (the
+    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)), in Megatron-LM's
+    container (``out_dir/latest_checkpointed_iteration.txt`` = 0, the torch_dist files in
+    ``out_dir/iter_0000000/``, ``common.pt`` with ``iteration`` and ``args``:
+    :mod:`moe_async.megatron.container`) under the Transformer Engine spec's key names
+    (:mod:`moe_async.megatron.te_spec_names`); a DeepSeek-V3 release's MTP keys are skipped
+    (logged) and its FP8 weights dequantized (:mod:`moe_async.models.deepseek_v3.hf_extras`); written by
     :func:`save_strategy` ``(save_threads, fsync)`` (default: in the calling process, no
     fsync). The layout (:func:`check_layout`), the HF config (family spec) and the HF keys
     are checked before any process group, model or file exists. Returns stats on every
@@ -926,8 +943,9 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     check_layout(hf_cfg, tp, pp, ep)
     check_out_dir(out_dir)
     index = read_hf_index(hf_dir)
-    check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
-    dtype = _dtype_of(hf_cfg, index)
+    extras = hf_extras(hf_cfg, index)  # DeepSeek-V3: MTP keys skipped (logged), FP8 weights + scales
+    check_hf_keys(fam, a, extras.weights(index))  # refuse unused / missing keys before building anything
+    dtype = _dtype_of(hf_cfg, extras.plain(index))
     hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
     clock.mark("checks_s")
     with parallel_layout(tp, pp, ep):
@@ -936,13 +954,18 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         clock.mark("build_s")
         stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and _rank() == 0)
         clock.mark("read_map_copy_s")
+        root, out_dir = out_dir, container.iteration_dir(out_dir, 0)  # Megatron-LM's container
         if _rank() == 0:
-            check_out_dir(out_dir)
+            check_out_dir(root)
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
         sd = model.sharded_state_dict()
+        to_te_names(sd)  # the TE spec's key names on any machine
         whole_glu_tensors(sd)
-        dist_checkpointing.save({"model": sd}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
+        common = container.common_state(0, container.megatron_lm_args(
+            a, tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(vocab, tp, vocab_div), vocab_div=vocab_div, params_dtype=dtype,
+            world=_world(), iteration=0))
+        dist_checkpointing.save({"model": sd, **common}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
         clock.mark("torch_dist_save_s")
         t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)
         dist.all_reduce(t)
@@ -961,6 +984,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
                     if fsync:
                         f.flush()
                         os.fsync(f.fileno())
+            container.write_tracker(root, 0, fsync)  # last: the iteration dir is complete
         dist.barrier()
         world = _world()
         clock.mark("finish_s")
@@ -1196,6 +1220,7 @@ def load_megatron_into_model(model, megatron_dir: str, metadata=None) -> None:
     if metadata is None:
         metadata = read_torch_dist_metadata(megatron_dir)
     sd = model.sharded_state_dict()
+    match_checkpoint(sd, metadata.state_dict_metadata)  # either spec's key names
     whole_glu_tensors(sd)
     md = metadata.state_dict_metadata
     for t in nested_values(sd):
@@ -1216,7 +1241,7 @@ def load_megatron_into_model(model, megatron_dir: str, metadata=None) -> None:
     repointed = _adopt_mapped(model, strategy)
     missing = sorted(absent)
     # optimizer state saved by MegatronTrainer.save_checkpoint is not a model tensor
-    unexpected = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
+    unexpected = sorted(k for k in in_ckpt_only if not is_optimizer_key(k) and not is_te_extra_state(k))
     if missing or unexpected:
         raise KeyError(
             "Megatron -> HF conversion: "
@@ -1496,6 +1521,7 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     check_out_dir(out_dir)
     if not os.path.isdir(megatron_dir):
         raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} does not exist")
+    megatron_dir = container.resolve(megatron_dir)  # a Megatron-LM container root -> its iteration dir
     saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
     if os.path.exists(saved_cfg_p):
         saved = _json_object(saved_cfg_p, "the HF config this checkpoint was converted from")

@@ -536,6 +536,10 @@ class MegatronTrainer:
                     if k in where:
                         raise ValueError(f"tensor {k!r} appears in two safetensors files ({f})")
                     where[k] = f
+        from moe_async.models.deepseek_v3.hf_extras import hf_extras
+
+        extras = hf_extras(self.hf_config, where)  # DeepSeek-V3: MTP keys skipped (logged), FP8 dequantized
+        read_scale, where = extras.scale_reader(where), extras.weights(where)
         arch = self.family.arch_args(self.hf_config)
         table = self.family.table(arch)
         want = needed_names(self.models)  # 1-process local-spec names this rank slices from
@@ -548,11 +552,13 @@ class MegatronTrainer:
                 handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
                 for m in sorted(want):
                     rule, hs = table.by_megatron[m]
-                    meg_local[m] = rule.fuse([handles[where[h]].get_tensor(h) for h in hs], arch)
+                    meg_local[m] = rule.fuse([extras.get_tensor(h, handles[where[h]].get_tensor(h), read_scale)
+                                              for h in hs], arch)
         else:
             hf_state: dict[str, Tensor] = {}
             for f in files:
                 hf_state.update(load_file(f))
+            hf_state = extras.apply(hf_state)
             meg = self.family.hf_to_megatron(hf_state, self.hf_config)
             del hf_state
             # TE-spec names (fused norms) -> the local-spec names of the mapping table
@@ -1464,7 +1470,10 @@ class MegatronTrainer:
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # no rank writes before the old files are gone
         with cpu_device_scope():
+            from moe_async.megatron.container import trainer_common_state
+
             sd = {
+                **trainer_common_state(self),  # Megatron-LM's iteration / args / checkpoint_version (common.pt)
                 **self._model_sharded_state_dict(),
                 "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict(),
                                                                **self._optim_ckpt_kwargs()),
@@ -1515,14 +1524,21 @@ class MegatronTrainer:
             f = os.path.join(path, n)
             shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
-    def _model_sharded_state_dict(self) -> dict[str, Any]:
+    def _model_sharded_state_dict(self, ckpt_keys=None) -> dict[str, Any]:
         """The model part of a torch_dist state dict, as Megatron-LM's ``generate_state_dict``:
         ``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": sd1, ...}`` for virtual
         pipeline chunks (in ``vp_stage`` order). The tensor keys inside are global (layer
-        numbers from each chunk's offset), so checkpoints load at any PP/VPP layout."""
+        numbers from each chunk's offset), so checkpoints load at any PP/VPP layout, and the
+        Transformer Engine spec's names on any machine (:mod:`moe_async.megatron.te_spec_names`);
+        ``ckpt_keys`` (loading): the checkpoint's keys, whose spec's names are then used."""
+        from moe_async.megatron.te_spec_names import match_checkpoint, to_te_names
+
         if len(self.models) == 1:
-            return {"model": self.model.sharded_state_dict()}
-        return {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
+            sd = {"model": self.model.sharded_state_dict()}
+        else:
+            sd = {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
+        to_te_names(sd) if ckpt_keys is None else match_checkpoint(sd, ckpt_keys)
+        return sd
 
     # Megatron's distributed optimizer saves its state in one of two of Megatron-Core's formats
     # (DistributedOptimizer.sharded_state_dict): 'dp_reshardable' (Megatron-LM's default),
@@ -1732,7 +1748,9 @@ class MegatronTrainer:
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
         reshards on load). Returns the ``extra`` dict given to :meth:`save_checkpoint` (``{}``
-        when the checkpoint has none).
+        when the checkpoint has none). ``path``: the torch_dist directory, or a Megatron-LM
+        container root (its ``latest_checkpointed_iteration.txt`` names the ``iter_*`` dir);
+        tensor keys under either layer spec's names (Transformer Engine or local).
 
         Two kinds are accepted:
 
@@ -1791,6 +1809,9 @@ class MegatronTrainer:
         from moe_async.errors import CheckpointReadError
 
         log = logging.getLogger(__name__)
+        from moe_async.megatron.container import resolve
+
+        path = resolve(path)  # a Megatron-LM container root -> its iteration dir (flat dirs as they are)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint dir {path} " + ("is a file, not a checkpoint directory"
                                                                  if os.path.exists(path) else "does not exist"))
@@ -1810,6 +1831,7 @@ class MegatronTrainer:
                 raise ValueError(f"checkpoint {path}: its hf_config.json differs from this trainer's HF config "
                                  f"in field {k} ({getattr(a_saved, k, None)!r} vs {getattr(a_now, k, None)!r})")
         from moe_async.models.convert import is_optimizer_key, saved_vocab_rows
+        from moe_async.megatron.te_spec_names import is_te_extra_state
 
         from moe_async.errors import check_torch_dist_files
 
@@ -1849,7 +1871,7 @@ class MegatronTrainer:
                                           f"({type(e).__name__}: {cause})") from e
 
         with cpu_device_scope():
-            model_sd = self._model_sharded_state_dict()
+            model_sd = self._model_sharded_state_dict(metadata.state_dict_metadata)
             dict_list_map_inplace(_own_copy, model_sd)
             # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
             # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
@@ -1860,7 +1882,7 @@ class MegatronTrainer:
                 dist.all_gather_object(everyone, sorted(absent))
                 absent = set().union(*map(set, everyone))
             has_opt = any(is_optimizer_key(k) for k in in_ckpt_only)
-            unused = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
+            unused = sorted(k for k in in_ckpt_only if not is_optimizer_key(k) and not is_te_extra_state(k))
             if absent or unused:
                 raise KeyError(
                     f"checkpoint {path}: "
@@ -1879,7 +1901,7 @@ class MegatronTrainer:
                 fresh = [o for o in opts if len(o.optimizer.state) == 0]
                 try:
                     self._init_dist_opt_state()
-                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True,
+                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(metadata.state_dict_metadata), is_loading=True,
                                                                **self._optim_ckpt_kwargs(fmt))
                     dict_list_map_inplace(_own_copy, opt_sd)
                     opt_loaded = _read({"optimizer": opt_sd}, "optimizer state")["optimizer"]

@@ -107,7 +107,10 @@ def megatron_logits(meg: str, hf_dir: str) -> torch.Tensor:
     from moe_async.models import hf_config_dict
     from moe_async.models.convert import build_model, load_megatron_into_model, parallel_layout
 
+    from moe_async.megatron.container import resolve
+
     cfg = hf_config_dict(hf_dir)
+    meg = resolve(meg)  # the converter's Megatron-LM container -> its iteration dir
     with parallel_layout(1, 1, 1):
         with open(p(meg, "moe_async_convert.json")) as f:
             div = json.load(f)["vocab_div"]

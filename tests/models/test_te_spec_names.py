@@ -1,0 +1,180 @@
+"""Case C18: torch_dist key names and Megatron-LM's container, whatever machine writes them.
+
+Unit checks of :mod:`moe_async.megatron.te_spec_names` and :mod:`moe_async.megatron.container`
+on key sets, then one process (``_te_names_checks.py``): for every family the converter
+(local spec on this CPU) writes exactly the committed golden TE-spec keys
+(``te_spec_keys/<family>.json``, see its README for where they come from); for Qwen3-MoE and
+DeepSeek-V3 a TE-named checkpoint and an old local-named flat one both load into the CPU
+trainer bit-exact, the trainer's own checkpoint has the golden keys, and the converter's
+directory is Megatron-LM's container (tracker, ``iter_0000000/``, ``common.pt`` with the
+iteration and args).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from _launch import run_json
+
+from moe_async.megatron import container
+from moe_async.megatron.te_spec_names import is_te_extra_state, layer_kinds, local_name, te_name
+
+HERE = os.path.dirname(__file__)
+GOLDEN = os.path.join(HERE, "te_spec_keys")
+FAMILIES = ("mixtral", "qwen3_moe", "llama", "deepseek_v3", "glm4_moe")
+
+# DeepSeek-V3-like: layer 0 dense MLA, layer 1 MoE MLA; per-layer keys (layers differ)
+DS_LOCAL = [
+    "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+    "decoder.layers.0.self_attention.q_layernorm.weight", "decoder.layers.0.self_attention.kv_layernorm.weight",
+    "decoder.layers.0.self_attention.linear_kv_down_proj.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+    "decoder.layers.1.input_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+    "decoder.layers.1.self_attention.q_layernorm.weight", "decoder.layers.1.self_attention.kv_layernorm.weight",
+    "decoder.layers.1.self_attention.linear_kv_down_proj.weight", "decoder.layers.1.mlp.router.weight",
+]
+DS_TE = {
+    "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+    "decoder.layers.0.self_attention.q_layernorm.weight": "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight",
+    "decoder.layers.0.self_attention.kv_layernorm.weight": "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight",
+    "decoder.layers.1.self_attention.q_layernorm.weight": "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
+    "decoder.layers.1.self_attention.kv_layernorm.weight": "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+# Mixtral-like, stacked layers (local spec's own keys map: input norm already TE-named)
+GQA_MOE_LOCAL = ["decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+                 "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.mlp.router.weight",
+                 "decoder.layers.self_attention.linear_qkv.weight"]
+LLAMA_LOCAL = ["decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+               "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.mlp.linear_fc1.weight"]
+
+
+def test_names_per_layer_kind_and_back():
+    kinds = layer_kinds(DS_LOCAL)
+    assert kinds == {"decoder.layers.0.": (False, True), "decoder.layers.1.": (True, True)}
+    te = {k: te_name(k, kinds) for k in DS_LOCAL}
+    assert {k: v for k, v in te.items() if k != v} == DS_TE  # MoE MLA layer keeps pre_mlp_layernorm
+    assert all(te_name(v, kinds) == v for v in te.values())  # TE names are fixed points
+    assert all(local_name(te[k], kinds) == k for k in DS_LOCAL)  # and map back
+    kinds = layer_kinds(GQA_MOE_LOCAL)
+    assert te_name("decoder.layers.mlp.linear_fc1.layer_norm_weight", kinds) == "decoder.layers.pre_mlp_layernorm.weight"
+    assert te_name("decoder.layers.self_attention.linear_qkv.layer_norm_weight", kinds) == \
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    kinds = layer_kinds(LLAMA_LOCAL)  # dense GQA: the local spec's names are the TE spec's already
+    assert [te_name(k, kinds) for k in LLAMA_LOCAL] == LLAMA_LOCAL
+
+
+def test_extra_state_keys():
+    assert is_te_extra_state("decoder.layers.self_attention.core_attention._extra_state/shard_0_2")
+    assert is_te_extra_state("decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_8")
+    assert is_te_extra_state("output_layer._extra_state")
+    assert not is_te_extra_state("decoder.layers.mlp.linear_fc1.weight")
+    assert not is_te_extra_state("decoder.layers.my_extra_state_w")
+
+
+def test_container_resolve_and_tracker(tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "metadata.json").write_text("{}")
+    assert container.resolve(str(flat)) == str(flat)  # the old flat layout, as it is
+    root = tmp_path / "root"
+    (root / "iter_0000042").mkdir(parents=True)
+    container.write_tracker(str(root), 42)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "42\n"
+    assert container.resolve(str(root)) == str(root / "iter_0000042")
+    assert container.resolve(str(root / "iter_0000042")) == str(root / "iter_0000042")
+    container.write_tracker(str(root), 7)  # names a missing dir
+    with pytest.raises(FileNotFoundError, match=r"latest_checkpointed_iteration\.txt names iteration 7, but .*iter_0000007"):
+        container.resolve(str(root))
+    (root / "latest_checkpointed_iteration.txt").write_text("seven")
+    with pytest.raises(ValueError, match=r"latest_checkpointed_iteration\.txt \(Megatron-LM checkpoint tracker\) holds 'seven'"):
+        container.resolve(str(root))
+    (root / "latest_checkpointed_iteration.txt").write_text("release")
+    (root / "release").mkdir()
+    assert container.resolve(str(root)) == str(root / "release")
+
+
+def test_link_iteration(tmp_path):
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "step_3" / "metadata.json").write_text("{}")
+    container.link_iteration(str(tmp_path), "step_3", 3)
+    assert os.readlink(tmp_path / "iter_0000003") == "step_3"
+    assert container.resolve(str(tmp_path)) == str(tmp_path / "iter_0000003")
+    assert (tmp_path / "iter_0000003" / "metadata.json").is_file()
+    container.link_iteration(str(tmp_path), "step_3", 3)  # again: replaced, not an error
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "latest_checkpointed_iteration.txt", "step_3"]
+
+
+def test_megatron_lm_args_fields():
+    from moe_async.models.family import ArchArgs
+
+    a = ArchArgs("mixtral", 256, 64, 128, 2, 4, 2, 16, 1e-5, 1e6, 4096, False, 4, 2)
+    ns = container.megatron_lm_args(a, tp=2, pp=1, ep=2, padded_vocab_size=512, vocab_div=128, params_dtype="bf16",
+                                    world=4, iteration=5)
+    assert isinstance(ns, argparse.Namespace)
+    want = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                group_query_attention=True, kv_channels=16, max_position_embeddings=4096,
+                add_position_embedding=False, padded_vocab_size=512, make_vocab_size_divisible_by=128,
+                tensor_model_parallel_size=2, pipeline_model_parallel_size=1, expert_model_parallel_size=2,
+                data_parallel_size=2, num_experts=4, moe_router_topk=2, bf16=True, ckpt_format="torch_dist",
+                untie_embeddings_and_output_weights=True, iteration=5)
+    assert {k: getattr(ns, k) for k in want} == want
+    assert container.common_state(5, ns) == {"args": ns, "checkpoint_version": 3.0, "iteration": 5}
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("te_names"))
+    return run_json(os.path.join(HERE, "_te_names_checks.py"), tmp, timeout=900)
+
+
+def golden(name: str) -> dict:
+    with open(os.path.join(GOLDEN, f"{name}.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_converted_checkpoint_has_exactly_the_te_spec_keys(res, name):
+    assert res["keys"][name] == golden(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
+@pytest.mark.parametrize("name", ("qwen3_moe", "deepseek_v3"))
+def test_c18_either_spec_loads_bit_exact(res, name):
+    r = res["trainer"][name]
+    assert r["before"]["differ"]  # the trainer started from other weights
+    for k in ("te_into_local", "old_into_local", "old_to_hf"):
+        assert r[k]["names_equal"] and r[k]["differ"] == [] and r[k]["n"] > 10, (k, r[k])
+    old = res["old_keys"][name]
+    assert set(old) != set(golden(name))  # the old checkpoint really has the local names
+    assert sorted(old.values()) == sorted(golden(name).values())  # the same tensors under them
+    if name == "qwen3_moe":
+        assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in old
+        assert "decoder.layers.pre_mlp_layernorm.weight" in golden(name)
+    else:
+        assert "decoder.layers.1.self_attention.q_layernorm.weight" in old
+        assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in golden(name)
+        assert "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight" in golden(name)
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in golden(name)  # MoE layer
+        assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in golden(name)  # dense layer
+    assert r["trainer_keys"] == golden(name)  # the trainer's own checkpoint: TE names too
+    assert r["trainer_common"] == {"iteration": 0, "num_layers": 2 if name == "qwen3_moe" else 3}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
+@pytest.mark.parametrize("name", ("qwen3_moe", "deepseek_v3"))
+def test_c18_converter_writes_megatron_lm_container(res, name):
+    c = res["container"][name]
+    assert c["root_files"] == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    assert c["tracker"] == "0\n"
+    assert {"common.pt", ".metadata", "metadata.json", "__0_0.distcp"} <= set(c["iter_files"])
+    assert c["iteration"] == 0 and c["checkpoint_version"] == 3.0
+    a = c["args"]
+    assert a["num_layers"] == (2 if name == "qwen3_moe" else 3) and a["hidden_size"] == 64
+    assert a["add_position_embedding"] is False and a["ckpt_format"] == "torch_dist"
+    assert a["tensor_model_parallel_size"] == 1 and a["pipeline_model_parallel_size"] == 1
+    assert a["padded_vocab_size"] == golden(name)["embedding.word_embeddings.weight"][0]
+    assert a["multi_latent_attention"] is (True if name == "deepseek_v3" else None)
