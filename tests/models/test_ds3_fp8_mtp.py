@@ -29,7 +29,7 @@ def test_dequantize_matches_blockwise_reference():
             ref[i * 4:(i + 1) * 4, j * 8:(j + 1) * 8] = w[i * 4:(i + 1) * 4, j * 8:(j + 1) * 8].float() * s[i, j]
     assert torch.equal(dequantize_block_fp8(w, s, (4, 8), torch.float32), ref)
     assert torch.equal(dequantize_block_fp8(w, s, (4, 8), torch.bfloat16), ref.to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"HF tensor x\.weight: its weight_scale_inv has shape \(2, 3\) .* 4x8 blocks"):
+    with pytest.raises(ValueError, match=r"HF tensor x\.weight: its weight_scale_inv has shape \(2, 3\), which .* 4x8 blocks"):
         dequantize_block_fp8(w, s[:2], (4, 8), torch.float32, "x.weight")
 
 

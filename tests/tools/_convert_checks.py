@@ -298,7 +298,9 @@ def compare_dirs(orig: str, back: str) -> dict:
 def experts_saved_once(meg: str) -> bool:
     from torch.distributed.checkpoint import FileSystemReader
 
-    md = FileSystemReader(meg).read_metadata().state_dict_metadata
+    from moe_async.megatron.container import resolve
+
+    md = FileSystemReader(resolve(meg)).read_metadata().state_dict_metadata
     keys = [k for k in md if k.startswith("decoder.layers.mlp.experts.") and k.endswith(".weight")]
     ok = bool(keys)
     for k in keys:

@@ -92,7 +92,8 @@ def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     float32), in float32, cast to ``dtype``. ValueError naming ``key`` on a wrong shape."""
     bm, bn = block
     if w.dim() != 2 or tuple(scale_inv.shape) != (math.ceil(w.shape[0] / bm), math.ceil(w.shape[1] / bn)):
-        raise ValueError(f"HF tensor {key}: its weight_scale_inv has shape {tuple(scale_inv.shape)} does not fit weight {tuple(w.shape)} in "
+        raise ValueError(f"HF tensor {key}: its weight_scale_inv has shape {tuple(scale_inv.shape)}, which "
+                         f"does not fit weight {tuple(w.shape)} in "
                          f"{bm}x{bn} blocks (quantization_config.weight_block_size)")
     s = scale_inv.to(torch.float32).repeat_interleave(bm, 0)[: w.shape[0]].repeat_interleave(bn, 1)[:, : w.shape[1]]
     return (w.to(torch.float32) * s).to(dtype)
