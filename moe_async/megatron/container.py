@@ -83,15 +83,32 @@ def write_tracker(root: str, iteration: int | str, fsync: bool = False) -> None:
     os.replace(tmp, p)
 
 
+# Megatron-LM's defaults of the arguments Megatron-Bridge's MLM-compat loader reads directly
+# (``megatron/bridge/training/mlm_compat/arguments.py`` ``_transformer_config_from_args``, used by
+# ``load_megatron_model`` on an iteration dir without Bridge's run_config.yaml)
+_MLM_DEFAULTS: dict[str, Any] = dict(
+    heterogeneous_layers_config_path=None, no_persist_layer_norm=False, apply_layernorm_1p=False,
+    overlap_p2p_comm=False, rotary_interleaved=False, decoder_first_pipeline_num_layers=None,
+    decoder_last_pipeline_num_layers=None, fp8_param_gather=False, bias_swiglu_fusion=True,
+    bias_gelu_fusion=False, squared_relu=False, init_method_xavier_uniform=False, config_logger_dir="",
+    cp_comm_type=["p2p"], is_hybrid_model=False, multi_latent_attention=False, num_experts=None,
+)
+
+
 def megatron_lm_args(arch: Any, *, tp: int, pp: int, ep: int, padded_vocab_size: int, vocab_div: int,
                      params_dtype: str, world: int, iteration: int, extra: Mapping[str, Any] | None = None,
                      ) -> argparse.Namespace:
     """Megatron-LM's ``args`` of a model of architecture ``arch`` (:class:`ArchArgs`, or a
     family subclass: MLA and MoE fields are added when present) saved at layout (tp, pp, ep)
     in a world of ``world`` processes; ``params_dtype`` "fp32" / "bf16"; ``extra``: more
-    fields. Argument names are Megatron-LM's (``megatron/training/arguments.py``)."""
+    fields (e.g. the family's ``TransformerConfig`` keyword arguments, whose names are
+    Megatron-LM's argument names). Argument names are Megatron-LM's
+    (``megatron/training/arguments.py``)."""
+    import torch
+
     g = getattr
-    d: dict[str, Any] = dict(
+    d: dict[str, Any] = dict(_MLM_DEFAULTS)
+    d.update(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
         num_attention_heads=arch.num_attention_heads, group_query_attention=arch.num_key_value_heads
         != arch.num_attention_heads, num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
@@ -106,6 +123,7 @@ def megatron_lm_args(arch: Any, *, tp: int, pp: int, ep: int, padded_vocab_size:
         bf16=params_dtype == "bf16", fp16=False, ckpt_format="torch_dist", use_dist_ckpt=True,
         transformer_impl="transformer_engine", iteration=iteration, consumed_train_samples=0,
         consumed_valid_samples=0, train_iters=None, hf_model_type=arch.model_type,
+        params_dtype=torch.bfloat16 if params_dtype == "bf16" else torch.float32,
     )
     if arch.num_experts:
         d.update(num_experts=arch.num_experts, moe_router_topk=arch.top_k,
@@ -115,7 +133,16 @@ def megatron_lm_args(arch: Any, *, tp: int, pp: int, ep: int, padded_vocab_size:
                  qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
                  v_head_dim=arch.v_head_dim)
     d.update(extra or {})
+    if d.get("num_moe_experts") and not d.get("num_experts"):
+        d["num_experts"] = d["num_moe_experts"]  # Megatron-LM's name of TransformerConfig.num_moe_experts
     return argparse.Namespace(**d)
+
+
+def family_config_args(family: Any, arch: Any) -> dict[str, Any]:
+    """The family's ``TransformerConfig`` keyword arguments (MoE router, MLA, qk norm, ...) as
+    Megatron-LM arguments (the same names), callables and the aux-loss coefficient left out."""
+    kw = family.model_config_kwargs(arch, moe_aux_loss_coeff=0.0)
+    return {k: v for k, v in kw.items() if not callable(v) and k != "moe_aux_loss_coeff"}
 
 
 def common_state(iteration: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -147,7 +174,8 @@ def trainer_common_state(trainer: Any) -> dict[str, Any]:
         padded_vocab_size=padded_vocab_size(trainer.vocab_size, tp, c.make_vocab_size_divisible_by),
         vocab_div=c.make_vocab_size_divisible_by, params_dtype=c.params_dtype, world=world,
         iteration=trainer.version,
-        extra={"expert_tensor_parallel_size": getattr(c, "expert_tensor_parallel_size", None) or 1,
+        extra={**family_config_args(trainer.family, trainer.family.arch_args(trainer.hf_config)),
+               "expert_tensor_parallel_size": getattr(c, "expert_tensor_parallel_size", None) or 1,
                "context_parallel_size": getattr(c, "context_parallel_size", 1) or 1,
                "virtual_pipeline_model_parallel_size": c.virtual_pipeline_model_parallel_size,
                "micro_batch_size": c.micro_batch_size, "lr": c.lr})

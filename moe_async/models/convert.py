@@ -964,7 +964,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         whole_glu_tensors(sd)
         common = container.common_state(0, container.megatron_lm_args(
             a, tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(vocab, tp, vocab_div), vocab_div=vocab_div, params_dtype=dtype,
-            world=_world(), iteration=0))
+            world=_world(), iteration=0, extra=container.family_config_args(fam, a)))
         dist_checkpointing.save({"model": sd, **common}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
         clock.mark("torch_dist_save_s")
         t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)

@@ -105,6 +105,25 @@ def main(tmp: str) -> None:
             conv.to_te_names, conv.container.iteration_dir, conv.container.write_tracker = keep
         res["old_keys"][name] = tensor_keys(os.path.join(tmp, f"{name}_old"))
 
+    # a GPU (TE) checkpoint also holds _extra_state objects of modules the local spec lacks
+    # (TEDotProductAttention's FP8 metadata): the qwen3_moe TE checkpoint again, with one
+    import io
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    keep_te = conv.to_te_names
+
+    def with_te_extra(sd):
+        keep_te(sd)
+        sd["te_extra"] = ShardedObject("decoder.layers.self_attention.core_attention._extra_state",
+                                       io.BytesIO(b"fp8 meta"), (1,), (0,), replica_id=0)
+
+    conv.to_te_names = with_te_extra
+    try:
+        hf_to_megatron_checkpoint(os.path.join(tmp, "qwen3_moe_orig"), os.path.join(tmp, "qwen3_moe_te_extra"),
+                                  progress=False)
+    finally:
+        conv.to_te_names = keep_te
     from moe_async.megatron.container import read_common
     from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
@@ -118,6 +137,15 @@ def main(tmp: str) -> None:
         r["te_into_local"] = bit_exact(tr.export_hf_weights(), hf_tensors(orig))
         tr.load_checkpoint(os.path.join(tmp, f"{name}_old"))
         r["old_into_local"] = bit_exact(tr.export_hf_weights(), hf_tensors(other))
+        if name == "qwen3_moe":
+            from moe_async.megatron.container import resolve
+            from moe_async.models.convert import read_torch_dist_metadata
+
+            md = read_torch_dist_metadata(resolve(os.path.join(tmp, "qwen3_moe_te_extra"))).state_dict_metadata
+            r["te_extra_saved"] = any("core_attention._extra_state" in k for k in md)
+            tr.load_checkpoint(os.path.join(tmp, "qwen3_moe_te_extra"))
+            r["te_extra_into_local"] = bit_exact(tr.export_hf_weights(), hf_tensors(orig))
+            tr.load_checkpoint(os.path.join(tmp, f"{name}_old"))
         tr.save_checkpoint(os.path.join(tmp, f"{name}_trainer"))
         r["trainer_keys"] = tensor_keys(os.path.join(tmp, f"{name}_trainer"))
         common = read_common(os.path.join(tmp, f"{name}_trainer"))

@@ -124,6 +124,50 @@ def test_megatron_lm_args_fields():
     assert container.common_state(5, ns) == {"args": ns, "checkpoint_version": 3.0, "iteration": 5}
 
 
+# what Megatron-Bridge's MLM-compat loader (load_megatron_model on a Megatron-LM iteration dir,
+# megatron/bridge/training/mlm_compat/arguments.py, _transformer_config_from_args) reads from
+# `args` by attribute, besides the TransformerConfig fields it copies by name
+BRIDGE_READS = ("multi_latent_attention", "heterogeneous_layers_config_path", "no_persist_layer_norm",
+                "apply_layernorm_1p", "norm_epsilon", "params_dtype", "overlap_p2p_comm", "num_experts",
+                "rotary_interleaved", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "fp8_param_gather", "swiglu", "bias_swiglu_fusion", "squared_relu", "init_method_xavier_uniform",
+                "group_query_attention", "num_query_groups", "config_logger_dir", "cp_comm_type", "is_hybrid_model")
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "deepseek_v3"))
+def test_args_give_megatron_bridge_the_model_config(tmp_path, name):
+    """Bridge's MLM-compat path, re-enacted: every attribute it reads is there, and the
+    TransformerConfig it builds (fields copied by name, then its overrides) has the family's
+    architecture (the config the trainer builds its model from)."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _tiny import make_tiny_qwen3_moe
+    from _tiny_deepseek_v3 import make_tiny_deepseek_v3
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    from moe_async.models import get_family, hf_config_dict
+
+    path = {"qwen3_moe": make_tiny_qwen3_moe, "deepseek_v3": make_tiny_deepseek_v3}[name](str(tmp_path / name))
+    fam = get_family(name)
+    a = fam.arch_args(hf_config_dict(path))
+    ns = container.megatron_lm_args(a, tp=1, pp=1, ep=1, padded_vocab_size=256, vocab_div=128, params_dtype="fp32",
+                                    world=1, iteration=0, extra=container.family_config_args(fam, a))
+    assert [k for k in BRIDGE_READS if not hasattr(ns, k)] == []
+    cls = MLATransformerConfig if ns.multi_latent_attention else TransformerConfig
+    kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    kw.update(layernorm_epsilon=ns.norm_epsilon, num_moe_experts=ns.num_experts, gated_linear_unit=ns.swiglu,
+              num_query_groups=ns.num_query_groups if ns.group_query_attention else None)
+    cfg = cls(**kw)
+    want = fam.model_config_kwargs(a, moe_aux_loss_coeff=0.0)
+    assert {k: getattr(cfg, k) for k in want if k != "moe_aux_loss_coeff"} == \
+        {k: v for k, v in want.items() if k != "moe_aux_loss_coeff"}
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (a.num_layers, a.hidden_size,
+                                                                          a.num_attention_heads)
+    assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and cfg.add_bias_linear is False
+
+
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("te_names"))
@@ -160,6 +204,8 @@ def test_c18_either_spec_loads_bit_exact(res, name):
         assert "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight" in golden(name)
         assert "decoder.layers.1.pre_mlp_layernorm.weight" in golden(name)  # MoE layer
         assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in golden(name)  # dense layer
+    if name == "qwen3_moe":  # with a TE-only module's _extra_state object in it, too
+        assert r["te_extra_saved"] and r["te_extra_into_local"]["differ"] == [], r["te_extra_into_local"]
     assert r["trainer_keys"] == golden(name)  # the trainer's own checkpoint: TE names too
     assert r["trainer_common"] == {"iteration": 0, "num_layers": 2 if name == "qwen3_moe" else 3}
 
@@ -177,4 +223,4 @@ def test_c18_converter_writes_megatron_lm_container(res, name):
     assert a["add_position_embedding"] is False and a["ckpt_format"] == "torch_dist"
     assert a["tensor_model_parallel_size"] == 1 and a["pipeline_model_parallel_size"] == 1
     assert a["padded_vocab_size"] == golden(name)["embedding.word_embeddings.weight"][0]
-    assert a["multi_latent_attention"] is (True if name == "deepseek_v3" else None)
+    assert a["multi_latent_attention"] is (name == "deepseek_v3")
