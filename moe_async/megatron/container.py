@@ -92,6 +92,9 @@ _MLM_DEFAULTS: dict[str, Any] = dict(
     decoder_last_pipeline_num_layers=None, fp8_param_gather=False, bias_swiglu_fusion=True,
     bias_gelu_fusion=False, squared_relu=False, init_method_xavier_uniform=False, config_logger_dir="",
     cp_comm_type=["p2p"], is_hybrid_model=False, multi_latent_attention=False, num_experts=None,
+    # and its GPT provider (mlm_compat/model.py, _gpt_provider)
+    qk_layernorm=False, qk_l2_norm=False, moe_grouped_gemm=False, mtp_num_layers=None, fp16_lm_cross_entropy=False,
+    rotary_percent=1.0, use_rope_scaling=False, init_model_with_meta_device=False,
 )
 
 

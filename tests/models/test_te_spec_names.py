@@ -131,7 +131,12 @@ BRIDGE_READS = ("multi_latent_attention", "heterogeneous_layers_config_path", "n
                 "apply_layernorm_1p", "norm_epsilon", "params_dtype", "overlap_p2p_comm", "num_experts",
                 "rotary_interleaved", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                 "fp8_param_gather", "swiglu", "bias_swiglu_fusion", "squared_relu", "init_method_xavier_uniform",
-                "group_query_attention", "num_query_groups", "config_logger_dir", "cp_comm_type", "is_hybrid_model")
+                "group_query_attention", "num_query_groups", "config_logger_dir", "cp_comm_type", "is_hybrid_model",
+                # and its GPT provider (mlm_compat/model.py, _gpt_provider)
+                "transformer_impl", "moe_grouped_gemm", "qk_layernorm", "qk_l2_norm", "normalization",
+                "mtp_num_layers", "padded_vocab_size", "max_position_embeddings", "fp16_lm_cross_entropy",
+                "untie_embeddings_and_output_weights", "position_embedding_type", "rotary_percent", "rotary_base",
+                "use_rope_scaling", "init_model_with_meta_device", "bf16", "fp16")
 
 
 @pytest.mark.parametrize("name", ("qwen3_moe", "deepseek_v3"))
