@@ -1504,7 +1504,8 @@ class MegatronTrainer:
         (``__<rank>_<i>.distcp``, ``.metadata``, ``metadata.json``, ``common.pt``, our
         ``moe_async_*`` files and ``moe_async_rng/``, and a converter-made checkpoint's
         ``hf_config.json`` and ``moe_async_convert.json``, which a load would otherwise check
-        the new weights against), with a WARNING log line, as Megatron-LM
+        the new weights against, and a Megatron-LM tracker, which a load would otherwise follow
+        to the old iteration dir), with a WARNING log line, as Megatron-LM
         overwrites. A save at fewer ranks would otherwise leave the old ranks' shards and RNG
         files beside the new ones (a later load at the old layout restored a stale rank's RNG
         state). Other files are left alone."""
@@ -1515,7 +1516,7 @@ class MegatronTrainer:
         old = [n for n in os.listdir(path)
                if re.fullmatch(r"__\d+_\d+\.distcp|\.metadata|metadata\.json|common\.pt|"
                                r"moe_async_version\.txt|moe_async_state\.json|moe_async_rng|"
-                               r"hf_config\.json|moe_async_convert\.json", n)]
+                               r"hf_config\.json|moe_async_convert\.json|latest_checkpointed_iteration\.txt", n)]
         if not old:
             return
         logging.getLogger(__name__).warning("save_checkpoint: %s holds a checkpoint; overwriting it (%d old files "
