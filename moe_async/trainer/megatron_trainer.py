@@ -1872,7 +1872,8 @@ class MegatronTrainer:
                                           f"({type(e).__name__}: {cause})") from e
 
         with cpu_device_scope():
-            model_sd = self._model_sharded_state_dict(metadata.state_dict_metadata)
+            ckpt_keys = metadata.state_dict_metadata  # the names (either layer spec's) the checkpoint uses
+            model_sd = self._model_sharded_state_dict(ckpt_keys)
             dict_list_map_inplace(_own_copy, model_sd)
             # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
             # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
@@ -1902,7 +1903,7 @@ class MegatronTrainer:
                 fresh = [o for o in opts if len(o.optimizer.state) == 0]
                 try:
                     self._init_dist_opt_state()
-                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(metadata.state_dict_metadata), is_loading=True,
+                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(ckpt_keys), is_loading=True,
                                                                **self._optim_ckpt_kwargs(fmt))
                     dict_list_map_inplace(_own_copy, opt_sd)
                     opt_loaded = _read({"optimizer": opt_sd}, "optimizer state")["optimizer"]
