@@ -10,7 +10,12 @@ against the family spec first (a mismatch is refused naming the field). Safetens
 read one file at a time (model.safetensors.index.json when present); each rank reads only
 the tensors its shards come from. Both HF expert layouts are accepted (per-expert on-disk
 keys, transformers' fused experts.gate_up_proj / down_proj). Any unused HF key or unset
-Megatron tensor raises, naming it, before anything is written. The torch_dist output can be
+Megatron tensor raises, naming it, before anything is written (a DeepSeek-V3 release's MTP layer
+is skipped with a WARNING naming its keys, its FP8 weights dequantized with their block scales).
+The output is Megatron-LM's container: MEG_DIR/latest_checkpointed_iteration.txt (0) and
+MEG_DIR/iter_0000000/ (torch_dist, common.pt with iteration and Megatron-LM's args), tensor keys
+under the Transformer Engine layer spec's names, so Megatron-LM's --load MEG_DIR and
+Megatron-Bridge's load_megatron_model(MEG_DIR/iter_0000000) find it. The torch_dist output can be
 loaded at any other TP/PP/EP layout (see tools/convert_megatron_to_hf.py). World size > 1:
 run under torchrun (gloo on CPU, NCCL with CUDA); DP = world / (tp * pp).
 """
@@ -29,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", required=True, help="HF checkpoint dir (config.json + *.safetensors)")
-    ap.add_argument("--out", required=True, help="output Megatron torch_dist dir (must be empty or absent)")
+    ap.add_argument("--out", required=True, help="output Megatron-LM checkpoint root (must be empty or absent)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size")

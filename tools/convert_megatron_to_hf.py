@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--megatron", required=True, help="Megatron torch_dist checkpoint dir")
+    ap.add_argument("--megatron", required=True, help="Megatron torch_dist checkpoint: a Megatron-LM root (latest_checkpointed_iteration.txt), an iter_* dir or a flat dir")
     ap.add_argument("--hf-config", required=True, help="reference HF dir (config.json, tokenizer files)")
     ap.add_argument("--out", required=True, help="output HF dir (must be empty or absent)")
     ap.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, 2GiB")

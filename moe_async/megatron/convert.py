@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from moe_async.megatron import container
 from moe_async.megatron.build import DEFAULT_VOCAB_DIV, build_model
 from moe_async.megatron.dist_ckpt import (
     checkpoint_dtype,
@@ -86,7 +87,9 @@ from moe_async.megatron.hf_io import (
     read_json_dict,
 )
 from moe_async.megatron.parallel import check_layout, global_rank, parallel_layout, world_size
+from moe_async.megatron.te_spec_names import to_te_names
 from moe_async.models import get_family
+from moe_async.models.deepseek_v3.hf_extras import hf_extras
 
 META_NAME = "moe_async_convert.json"
 
@@ -108,11 +111,22 @@ class _Clock:
         return time.perf_counter() - self.t0
 
 
+def _padded_vocab(vocab: int, tp: int, vocab_div: int) -> int:
+    from moe_async.megatron.sharding import padded_vocab_size
+
+    return padded_vocab_size(vocab, tp, vocab_div)
+
+
 def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
                               progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV,
                               save_threads: int = 0, fsync: bool = False) -> dict[str, Any]:
-    """HF checkpoint dir -> Megatron torch_dist checkpoint dir at layout (tp, pp, ep) (the
-    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)), written by
+    """HF checkpoint dir -> Megatron torch_dist checkpoint at layout (tp, pp, ep) (the
+    world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)), in Megatron-LM's
+    container (``out_dir/latest_checkpointed_iteration.txt`` = 0, the torch_dist files in
+    ``out_dir/iter_0000000/``, ``common.pt`` with ``iteration`` and ``args``:
+    :mod:`moe_async.megatron.container`) under the Transformer Engine spec's key names
+    (:mod:`moe_async.megatron.te_spec_names`); a DeepSeek-V3 release's MTP keys are skipped
+    (logged) and its FP8 weights dequantized (:mod:`moe_async.models.deepseek_v3.hf_extras`); written by
     :func:`save_strategy` ``(save_threads, fsync)`` (default: in the calling process, no
     fsync). The layout (:func:`check_layout`), the HF config (family spec) and the HF keys
     are checked before any process group, model or file exists. Returns stats on every
@@ -128,8 +142,9 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     check_layout(hf_cfg, tp, pp, ep)
     check_out_dir(out_dir)
     index = read_hf_index(hf_dir)
-    check_hf_keys(fam, a, index)  # refuse unused / missing keys before building anything
-    dtype = hf_checkpoint_dtype(hf_cfg, index)
+    extras = hf_extras(hf_cfg, index)  # DeepSeek-V3: MTP keys skipped (logged), FP8 weights + scales
+    check_hf_keys(fam, a, extras.weights(index))  # refuse unused / missing keys before building anything
+    dtype = hf_checkpoint_dtype(hf_cfg, extras.plain(index))
     hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
     clock.mark("checks_s")
     with parallel_layout(tp, pp, ep):
@@ -138,13 +153,18 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         clock.mark("build_s")
         stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and global_rank() == 0)
         clock.mark("read_map_copy_s")
+        root, out_dir = out_dir, container.iteration_dir(out_dir, 0)  # Megatron-LM's container
         if global_rank() == 0:
-            check_out_dir(out_dir)
+            check_out_dir(root)
             os.makedirs(out_dir, exist_ok=True)
         dist.barrier()
         sd = model.sharded_state_dict()
+        to_te_names(sd)  # the TE spec's key names on any machine
         whole_glu_tensors(sd)
-        dist_checkpointing.save({"model": sd}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
+        common = container.common_state(0, container.megatron_lm_args(
+            a, tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(vocab, tp, vocab_div), vocab_div=vocab_div,
+            params_dtype=dtype, world=world_size(), iteration=0, extra=container.family_config_args(fam, a)))
+        dist_checkpointing.save({"model": sd, **common}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
         clock.mark("torch_dist_save_s")
         t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)
         dist.all_reduce(t)
@@ -163,6 +183,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
                     if fsync:
                         f.flush()
                         os.fsync(f.fileno())
+            container.write_tracker(root, 0, fsync)  # last: the iteration dir is complete
         dist.barrier()
         world = world_size()
         clock.mark("finish_s")
@@ -196,6 +217,7 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     check_out_dir(out_dir)
     if not os.path.isdir(megatron_dir):
         raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} does not exist")
+    megatron_dir = container.resolve(megatron_dir)  # a Megatron-LM container root -> its iteration dir
     saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
     if os.path.exists(saved_cfg_p):
         saved = read_json_dict(saved_cfg_p, "the HF config this checkpoint was converted from")

@@ -448,9 +448,12 @@ def load_megatron_into_model(model, megatron_dir: str, metadata=None) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from moe_async.megatron.te_spec_names import is_te_extra_state, match_checkpoint
+
     if metadata is None:
         metadata = read_torch_dist_metadata(megatron_dir)
     sd = model.sharded_state_dict()
+    match_checkpoint(sd, metadata.state_dict_metadata)  # either spec's key names
     whole_glu_tensors(sd)
     md = metadata.state_dict_metadata
     for t in nested_values(sd):
@@ -471,7 +474,7 @@ def load_megatron_into_model(model, megatron_dir: str, metadata=None) -> None:
     repointed = _adopt_mapped(model, strategy)
     missing = sorted(absent)
     # optimizer state saved by MegatronTrainer.save_checkpoint is not a model tensor
-    unexpected = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
+    unexpected = sorted(k for k in in_ckpt_only if not is_optimizer_key(k) and not is_te_extra_state(k))
     if missing or unexpected:
         raise KeyError(
             "Megatron -> HF conversion: "

@@ -137,7 +137,8 @@ def hf_checkpoint_dtype(hf_cfg: dict, index: dict[str, str]) -> str:
     for fp in sorted(set(index.values())):
         with safe_open(fp, framework="pt") as h:
             for k in h.keys():
-                dtypes[k] = h.get_slice(k).get_dtype()
+                if k in index:  # the keys asked about (FP8 weights and their scales may be left out)
+                    dtypes[k] = h.get_slice(k).get_dtype()
     ref = dtypes.get("model.embed_tokens.weight")
     if ref not in names:
         raise ValueError(f"model.embed_tokens.weight has dtype {ref}; supported: F32, BF16")
@@ -207,6 +208,10 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     fam = get_family(hf_cfg.get("model_type"))
     a = fam.arch_args(hf_cfg)
     table = fam.table(a)
+    from moe_async.models.deepseek_v3.hf_extras import hf_extras
+
+    extras = hf_extras(hf_cfg, index, log_skipped=False)  # DeepSeek-V3 MTP / FP8 (hf_extras.py)
+    read_scale, index = extras.scale_reader(index), extras.weights(index)
     src = check_hf_keys(fam, a, index)
     pieces = local_pieces(model)
     tensors = dict(model.named_parameters())
@@ -240,7 +245,7 @@ def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: i
     for fp in sorted(files):
         with safe_open(fp, framework="pt") as h:
             for k in sorted(files[fp]):
-                t = h.get_tensor(k)
+                t = extras.get_tensor(k, h.get_tensor(k), read_scale)
                 prefault_read(t)  # a view of safetensors' map of the file: read by the copy / save below
                 nbytes += t.numel() * t.element_size()
                 if k in ("lm_head.weight", "model.embed_tokens.weight") and a.tie_word_embeddings:
@@ -385,6 +390,10 @@ def load_hf_weights(models: list, family: Any, hf_config: dict[str, Any], hf_pat
                 if k in where:
                     raise ValueError(f"tensor {k!r} appears in two safetensors files ({f})")
                 where[k] = f
+    from moe_async.models.deepseek_v3.hf_extras import hf_extras
+
+    extras = hf_extras(hf_config, where)  # DeepSeek-V3: MTP keys skipped (logged), FP8 dequantized
+    read_scale, where = extras.scale_reader(where), extras.weights(where)
     arch = family.arch_args(hf_config)
     table = family.table(arch)
     want = needed_names(models)  # 1-process local-spec names this rank slices from
@@ -397,11 +406,13 @@ def load_hf_weights(models: list, family: Any, hf_config: dict[str, Any], hf_pat
             handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
             for m in sorted(want):
                 rule, hs = table.by_megatron[m]
-                meg_local[m] = rule.fuse([handles[where[h]].get_tensor(h) for h in hs], arch)
+                meg_local[m] = rule.fuse([extras.get_tensor(h, handles[where[h]].get_tensor(h), read_scale)
+                                          for h in hs], arch)
     else:
         hf_state: dict[str, Tensor] = {}
         for f in files:
             hf_state.update(load_file(f))
+        hf_state = extras.apply(hf_state)
         meg = family.hf_to_megatron(hf_state, hf_config)
         del hf_state
         # TE-spec names (fused norms) -> the local-spec names of the mapping table

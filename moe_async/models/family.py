@@ -175,6 +175,9 @@ def moe_mlp_rules(router: str, experts: str, names: tuple[str, str, str]) -> lis
 _TE_SUFFIX_TO_LOCAL = {
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+    # MLA with q/kv norms: fused into the up projections (DeepSeek-V3 under TE)
+    ".self_attention.linear_q_up_proj.layer_norm_weight": ".self_attention.q_layernorm.weight",
+    ".self_attention.linear_kv_up_proj.layer_norm_weight": ".self_attention.kv_layernorm.weight",
 }
 
 

@@ -222,7 +222,9 @@ class TrainerActor:
 
     def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
         """Write ``<save_dir>/step_<step>`` (torch_dist model + optimizer, RNG, version and
-        ``extra``) and point ``<save_dir>/latest`` at it; returns the checkpoint path.
+        ``extra``) and point ``<save_dir>/latest`` at it, and Megatron-LM's
+        ``latest_checkpointed_iteration.txt`` at ``iter_<step:07d>``, a symlink to it
+        (:func:`moe_async.megatron.container.link_iteration`); returns the checkpoint path.
         Collective; ``save_dir`` must be one directory for every rank (a shared file system
         on a cluster).
 
@@ -252,6 +254,9 @@ class TrainerActor:
             with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
                 f.write(f"step_{step}\n")
             os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+            from moe_async.megatron.container import link_iteration
+
+            link_iteration(save_dir, f"step_{step}", step)  # Megatron-LM's --load: tracker + iter_<N:07d>
         if multi:
             dist.barrier()
         return final

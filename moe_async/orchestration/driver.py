@@ -392,6 +392,13 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
     if os.path.isfile(latest):
         with open(latest) as f:
             p = os.path.join(p, f.read().strip())
+    else:  # a Megatron-LM container root: its tracker names the iteration dir
+        from moe_async.megatron.container import resolve
+
+        try:
+            p = resolve(p)
+        except (OSError, ValueError) as e:
+            raise UserInputError(f"trainer.load={cfg.trainer.load!r}: {e}") from e
     ver_p, state_p = os.path.join(p, "moe_async_version.txt"), os.path.join(p, "moe_async_state.json")
     if not (os.path.isfile(ver_p) and os.path.isfile(os.path.join(p, "metadata.json"))):
         raise UserInputError(

@@ -59,7 +59,10 @@ class CheckpointMixin:
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # no rank writes before the old files are gone
         with cpu_device_scope():
+            from moe_async.megatron.container import trainer_common_state
+
             sd = {
+                **trainer_common_state(self),  # Megatron-LM's iteration / args / checkpoint_version (common.pt)
                 **self._model_sharded_state_dict(),
                 "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict(),
                                                                **self._optim_ckpt_kwargs()),
@@ -90,7 +93,8 @@ class CheckpointMixin:
         (``__<rank>_<i>.distcp``, ``.metadata``, ``metadata.json``, ``common.pt``, our
         ``moe_async_*`` files and ``moe_async_rng/``, and a converter-made checkpoint's
         ``hf_config.json`` and ``moe_async_convert.json``, which a load would otherwise check
-        the new weights against), with a WARNING log line, as Megatron-LM
+        the new weights against, and a Megatron-LM tracker, which a load would otherwise follow
+        to the old iteration dir), with a WARNING log line, as Megatron-LM
         overwrites. A save at fewer ranks would otherwise leave the old ranks' shards and RNG
         files beside the new ones (a later load at the old layout restored a stale rank's RNG
         state). Other files are left alone."""
@@ -100,7 +104,7 @@ class CheckpointMixin:
         old = [n for n in os.listdir(path)
                if re.fullmatch(r"__\d+_\d+\.distcp|\.metadata|metadata\.json|common\.pt|"
                                r"moe_async_version\.txt|moe_async_state\.json|moe_async_rng|"
-                               r"hf_config\.json|moe_async_convert\.json", n)]
+                               r"hf_config\.json|moe_async_convert\.json|latest_checkpointed_iteration\.txt", n)]
         if not old:
             return
         _LOG.warning("save_checkpoint: %s holds a checkpoint; overwriting it (%d old files "
@@ -109,14 +113,21 @@ class CheckpointMixin:
             f = os.path.join(path, n)
             shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
-    def _model_sharded_state_dict(self) -> dict[str, Any]:
+    def _model_sharded_state_dict(self, ckpt_keys=None) -> dict[str, Any]:
         """The model part of a torch_dist state dict, as Megatron-LM's ``generate_state_dict``:
         ``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": sd1, ...}`` for virtual
         pipeline chunks (in ``vp_stage`` order). The tensor keys inside are global (layer
-        numbers from each chunk's offset), so checkpoints load at any PP/VPP layout."""
+        numbers from each chunk's offset), so checkpoints load at any PP/VPP layout, and the
+        Transformer Engine spec's names on any machine (:mod:`moe_async.megatron.te_spec_names`);
+        ``ckpt_keys`` (loading): the checkpoint's keys, whose spec's names are then used."""
+        from moe_async.megatron.te_spec_names import match_checkpoint, to_te_names
+
         if len(self.models) == 1:
-            return {"model": self.model.sharded_state_dict()}
-        return {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
+            sd = {"model": self.model.sharded_state_dict()}
+        else:
+            sd = {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
+        to_te_names(sd) if ckpt_keys is None else match_checkpoint(sd, ckpt_keys)
+        return sd
 
     # Megatron's distributed optimizer saves its state in one of two of Megatron-Core's formats
     # (DistributedOptimizer.sharded_state_dict): 'dp_reshardable' (Megatron-LM's default),
@@ -326,7 +337,9 @@ class CheckpointMixin:
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
         reshards on load). Returns the ``extra`` dict given to :meth:`save_checkpoint` (``{}``
-        when the checkpoint has none).
+        when the checkpoint has none). ``path``: the torch_dist directory, or a Megatron-LM
+        container root (its ``latest_checkpointed_iteration.txt`` names the ``iter_*`` dir);
+        tensor keys under either layer spec's names (Transformer Engine or local).
 
         Two kinds are accepted:
 
@@ -384,6 +397,9 @@ class CheckpointMixin:
         from moe_async.errors import CheckpointReadError
 
         log = _LOG
+        from moe_async.megatron.container import resolve
+
+        path = resolve(path)  # a Megatron-LM container root -> its iteration dir (flat dirs as they are)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint dir {path} " + ("is a file, not a checkpoint directory"
                                                                  if os.path.exists(path) else "does not exist"))
@@ -403,6 +419,7 @@ class CheckpointMixin:
                 raise ValueError(f"checkpoint {path}: its hf_config.json differs from this trainer's HF config "
                                  f"in field {k} ({getattr(a_saved, k, None)!r} vs {getattr(a_now, k, None)!r})")
         from moe_async.megatron.dist_ckpt import check_torch_dist_files, is_optimizer_key, saved_vocab_rows
+        from moe_async.megatron.te_spec_names import is_te_extra_state
 
 
         # metadata, common.pt and every shard's length, each named, before any tensor is read
@@ -441,7 +458,8 @@ class CheckpointMixin:
                                           f"({type(e).__name__}: {cause})") from e
 
         with cpu_device_scope():
-            model_sd = self._model_sharded_state_dict()
+            ckpt_keys = metadata.state_dict_metadata  # the names (either layer spec's) the checkpoint uses
+            model_sd = self._model_sharded_state_dict(ckpt_keys)
             dict_list_map_inplace(_own_copy, model_sd)
             # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
             # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
@@ -452,7 +470,7 @@ class CheckpointMixin:
                 dist.all_gather_object(everyone, sorted(absent))
                 absent = set().union(*map(set, everyone))
             has_opt = any(is_optimizer_key(k) for k in in_ckpt_only)
-            unused = sorted(k for k in in_ckpt_only if not is_optimizer_key(k))
+            unused = sorted(k for k in in_ckpt_only if not is_optimizer_key(k) and not is_te_extra_state(k))
             if absent or unused:
                 raise KeyError(
                     f"checkpoint {path}: "
@@ -471,7 +489,7 @@ class CheckpointMixin:
                 fresh = [o for o in opts if len(o.optimizer.state) == 0]
                 try:
                     self._init_dist_opt_state()
-                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True,
+                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(ckpt_keys), is_loading=True,
                                                                **self._optim_ckpt_kwargs(fmt))
                     dict_list_map_inplace(_own_copy, opt_sd)
                     opt_loaded = _read({"optimizer": opt_sd}, "optimizer state")["optimizer"]

@@ -7,7 +7,8 @@ converters and the weight sync use) -> Megatron per-layer names and shapes -> th
 Megatron-Core's ``sharded_state_dict`` writes (layers stacked: ``decoder.layers.{i}.X`` ->
 ``decoder.layers.X`` of shape ``[L, ...]``; experts ``...local_experts.{e}.Y`` ->
 ``...experts.experts.Y`` of ``[L, E, ...]``; the input / pre-MLP norms under their
-``layer_norm_weight`` names; a model whose layers differ (DeepSeek-V3's first dense layers)
+``layer_norm_weight`` names, then every key under the Transformer Engine spec's name
+(:mod:`moe_async.megatron.te_spec_names`); a model whose layers differ (DeepSeek-V3's first dense layers)
 is saved per layer instead, ``decoder.layers.{i}.X`` and ``decoder.layers.{i}.mlp.experts.
 experts.Y`` of ``[E, ...]``, and both forms are expected; the embedding and output layer with
 Megatron's padded vocab rows) -> compared, in the mapping's order, with the shapes in the checkpoint's ``.metadata``
@@ -84,7 +85,11 @@ def torch_dist_shapes(per_layer: Mapping[str, tuple[int, ...]], vocab_rows: int 
         stacked = not _LAYER.match(key)
         lead = ((n_layers,) if stacked else ()) + ((len(experts[key]),) if key in experts else ())
         out[key] = (*lead, *shape)
-    return out
+    # the Transformer Engine spec's names, as the checkpoints have them (te_spec_names.py)
+    from moe_async.megatron.te_spec_names import layer_kinds, te_name
+
+    kinds = layer_kinds(out)
+    return {te_name(k, kinds): v for k, v in out.items()}
 
 
 def first_shape_difference(saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
@@ -103,9 +108,10 @@ def saved_tensor_shapes(ckpt_dir: str) -> dict[str, tuple[int, ...]]:
     ``.metadata``; the model keys as saved (a ``model.`` / ``model<v>.`` prefix, if any, dropped).
 
     Raises: FileNotFoundError / ValueError naming the file (:func:`read_torch_dist_metadata`)."""
+    from moe_async.megatron.container import resolve
     from moe_async.megatron.dist_ckpt import is_optimizer_key, read_torch_dist_metadata
 
-    md = read_torch_dist_metadata(ckpt_dir).state_dict_metadata
+    md = read_torch_dist_metadata(resolve(ckpt_dir)).state_dict_metadata
     out = {}
     for k, v in md.items():
         if is_optimizer_key(k) or not hasattr(v, "size"):

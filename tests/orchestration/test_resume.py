@@ -51,8 +51,12 @@ def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> Non
     ckpt = tmp_path.resolve() / "ckpt"  # given relative to the driver's cwd: resolved by the driver
     s1, steps1 = _train(tmp_path / "a", "num_steps=2", "trainer.save_interval=1", "trainer.save_dir=ckpt",
                         cwd=tmp_path)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_1", "step_2"]  # no *.tmp left
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "iter_0000002", "latest",
+                                                     "latest_checkpointed_iteration.txt", "step_1", "step_2"]  # no *.tmp
     assert (ckpt / "latest").read_text().strip() == "step_2"
+    # Megatron-LM's container (its --load reads the tracker, then iter_<N:07d>): links to the step dirs
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert [os.readlink(ckpt / f"iter_000000{n}") for n in (1, 2)] == ["step_1", "step_2"]
     for n in (1, 2):
         assert (ckpt / f"step_{n}" / "moe_async_version.txt").read_text() == str(n)
         state = json.loads((ckpt / f"step_{n}" / "moe_async_state.json").read_text())
@@ -74,7 +78,8 @@ def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> Non
     assert steps2[0]["train/weight_version"] == 3.0  # continues from version 2, not 0
     # every trained group was made by the engines at the loaded version 2 (buffer v0 = 2)
     assert steps2[0]["buffer/staleness_max"] == 0.0
-    assert sorted(p.name for p in ckpt2.iterdir()) == ["latest", "step_3"]
+    assert sorted(p.name for p in ckpt2.iterdir()) == ["iter_0000003", "latest", "latest_checkpointed_iteration.txt",
+                                                      "step_3"]
     pos3 = json.loads((ckpt2 / "step_3" / "moe_async_state.json").read_text())["extra"]["dataset"]
     # prompts continue after the saved position (plus at least the 2 trained in step 3)
     assert pos3["epoch"] * 200 + pos3["pos"] >= pos["epoch"] * 200 + pos["pos"] + 2

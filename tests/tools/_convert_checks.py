@@ -107,7 +107,10 @@ def megatron_logits(meg: str, hf_dir: str) -> torch.Tensor:
     from moe_async.models import hf_config_dict
     from moe_async.models.convert import build_model, load_megatron_into_model, parallel_layout
 
+    from moe_async.megatron.container import resolve
+
     cfg = hf_config_dict(hf_dir)
+    meg = resolve(meg)  # the converter's Megatron-LM container -> its iteration dir
     with parallel_layout(1, 1, 1):
         with open(p(meg, "moe_async_convert.json")) as f:
             div = json.load(f)["vocab_div"]
@@ -295,7 +298,9 @@ def compare_dirs(orig: str, back: str) -> dict:
 def experts_saved_once(meg: str) -> bool:
     from torch.distributed.checkpoint import FileSystemReader
 
-    md = FileSystemReader(meg).read_metadata().state_dict_metadata
+    from moe_async.megatron.container import resolve
+
+    md = FileSystemReader(resolve(meg)).read_metadata().state_dict_metadata
     keys = [k for k in md if k.startswith("decoder.layers.mlp.experts.") and k.endswith(".weight")]
     ok = bool(keys)
     for k in keys:

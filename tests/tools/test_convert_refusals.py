@@ -219,12 +219,13 @@ def test_truncated_checkpoint_file_is_named(mix, meg, tmp_path, name, needle):
 
     from moe_async.models.convert import megatron_to_hf_checkpoint
 
-    bad = tmp_path / "meg"
-    shutil.copytree(meg, bad)
+    root = tmp_path / "meg"
+    shutil.copytree(meg, root)
+    bad = root / "iter_0000000"  # Megatron-LM's container: the torch_dist files are in the iteration dir
     assert (bad / name).exists(), sorted(os.listdir(bad))
     _truncate(bad / name)
     with pytest.raises(ValueError) as ei:
-        megatron_to_hf_checkpoint(str(bad), mix, str(tmp_path / "out"), progress=False)
+        megatron_to_hf_checkpoint(str(root), mix, str(tmp_path / "out"), progress=False)
     msg = str(ei.value)
     assert f"{bad / name} {needle}" in msg, msg
     assert not (tmp_path / "out").exists()
@@ -239,7 +240,7 @@ def test_corrupt_distcp_item_is_named(mix, meg, tmp_path):
 
     bad = tmp_path / "meg"
     shutil.copytree(meg, bad)
-    p = bad / "__0_0.distcp"
+    p = bad / "iter_0000000" / "__0_0.distcp"
     n = os.path.getsize(p)
     with open(p, "wb") as f:
         f.write(b"\x07" * n)
@@ -253,11 +254,12 @@ def test_truncated_distcp_cli_one_line(mix, meg, tmp_path):
 
     bad = tmp_path / "meg"
     shutil.copytree(meg, bad)
-    _truncate(bad / "__0_0.distcp", 0.3)
+    shard = bad / "iter_0000000" / "__0_0.distcp"
+    _truncate(shard, 0.3)
     p = _cli("convert_megatron_to_hf.py", "--megatron", str(bad), "--hf-config", mix, "--out", str(tmp_path / "o"))
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
     assert "Traceback" not in p.stderr, p.stderr[-4000:]
-    assert f"convert_megatron_to_hf: error: {bad / '__0_0.distcp'} (torch_dist data) is truncated" in p.stderr
+    assert f"convert_megatron_to_hf: error: {shard} (torch_dist data) is truncated" in p.stderr
 
 
 def test_truncated_hf_safetensors_is_named(mix, tmp_path):

@@ -54,7 +54,10 @@ def main(tmp: str) -> None:
     res: dict = {}
     meg = os.path.join(tmp, "meg_tp2")
     h2m_cli.main(["--hf", orig, "--out", meg, "--tp", "2", "--no-progress"])
-    res["ckpt_files"] = sorted(os.listdir(meg))
+    from moe_async.megatron.container import resolve
+
+    res["ckpt_root_files"] = sorted(os.listdir(meg))
+    res["ckpt_files"] = sorted(os.listdir(resolve(meg)))
     ss, adv = samples(), [1.0, -0.5, 0.7, -1.2, 3.0]
     ref = hf_logprobs(orig, ss)
 

@@ -27,6 +27,7 @@ def res(tmp_path_factory):
 
 def test_converted_checkpoint_is_model_only(res):
     assert "moe_async_convert.json" in res["ckpt_files"] and "moe_async_version.txt" not in res["ckpt_files"]
+    assert res["ckpt_root_files"] == ["iter_0000000", "latest_checkpointed_iteration.txt"]  # Megatron-LM's container
 
 
 def test_logprobs_equal_hf_after_load(res):

@@ -30,8 +30,10 @@ other than default, e.g. YaRN), ``norm_topk_prob=False``,
 ``attention_bias``, ``hidden_act`` other than silu, ``pretraining_tp`` != 1, group settings
 Megatron cannot reproduce (see above). HF's ``q_a_layernorm``/``kv_a_layernorm`` use a fixed
 eps 1e-6 whatever ``rms_norm_eps`` is; the local spec builds Megatron's latent norms so too.
-``num_mtp_layers`` is ignored like transformers does (no MTP head is built; a checkpoint that
-holds MTP tensors fails the mapping's unused-key check).
+``num_mtp_layers`` is ignored like transformers does (no MTP head is built). A released
+checkpoint's MTP layer (``model.layers.{L}.*``, ``num_nextn_predict_layers``) and FP8
+``weight_scale_inv`` tensors are taken off before this mapping sees the keys (skipped with a
+logged list, resp. dequantized: :mod:`moe_async.models.deepseek_v3.hf_extras`).
 
 HF on-disk names (transformers 5.23 ``save_pretrained``) <-> Megatron (local spec). ``{i}``
 layer, ``{e}`` routed expert; ``A`` = ``model.layers.{i}.self_attn.``; ``n`` heads, ``dn``/``dr``/

@@ -1,0 +1,146 @@
+"""torch_dist key names of the Transformer Engine layer spec, whatever spec the model runs.
+
+Megatron-Core writes a layer's tensors under names that depend on its layer spec. The
+Transformer Engine (TE) spec (``get_gpt_layer_with_transformer_engine_spec``, megatron-core
+0.16.1 ``models/gpt/gpt_layer_specs.py``) fuses some norms into the following linear; the
+local spec (CPU, no TE) keeps them as modules and, for GQA layers only, renames two of them
+through its ``sharded_state_dict_keys_map``. The names that differ (``P`` = a layer's key
+prefix, ``decoder.layers.`` when the layers are stacked, ``decoder.layers.<i>.`` when they
+differ, e.g. DeepSeek-V3's first dense layers):
+
+==================  ==========================================  ===========================================
+layer               local spec writes                           TE spec writes
+==================  ==========================================  ===========================================
+GQA, MoE MLP        ``P mlp.linear_fc1.layer_norm_weight``      ``P pre_mlp_layernorm.weight``
+MLA, dense MLP      ``P pre_mlp_layernorm.weight``              ``P mlp.linear_fc1.layer_norm_weight``
+MLA (q_lora_rank)   ``P self_attention.q_layernorm.weight``     ``P self_attention.linear_q_up_proj.layer_norm_weight``
+MLA                 ``P self_attention.kv_layernorm.weight``    ``P self_attention.linear_kv_up_proj.layer_norm_weight``
+==================  ==========================================  ===========================================
+
+(and the ``bias`` / ``layer_norm_bias`` twins of each, for LayerNorm models). Everything else
+is the same under both specs: GQA input norm ``self_attention.linear_qkv.layer_norm_weight``
+(the local spec maps it), GQA dense pre-MLP norm ``mlp.linear_fc1.layer_norm_weight``, MLA
+``input_layernorm.weight``, MoE ``pre_mlp_layernorm.weight`` under MLA, q/k norms of GQA.
+A layer is MoE when its prefix has ``mlp.router.weight``, MLA when it has
+``self_attention.linear_kv_down_proj.weight`` (both specs name these alike).
+
+Use: at save, :func:`to_te_names` on the model's sharded state dict (the checkpoint then has
+the TE names on any machine); at load, :func:`match_checkpoint` (TE names, and for each key
+the checkpoint lacks, the other spec's name when the checkpoint has that one: checkpoints
+written under either spec, or by this project before the renaming, load under either spec).
+Only ``ShardedTensor`` / ``ShardedTensorFactory`` keys change; the state dict's own keys (the
+module's parameter names, which ``load_state_dict`` uses) do not.
+
+:func:`is_te_extra_state` tells the ``_extra_state`` objects (TE's FP8 metadata, no weights)
+a checkpoint may hold for modules the running spec does not have
+(``core_attention._extra_state``, a norm's): the loaders ignore them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+_PREFIX = re.compile(r"^((?:.*\.)?decoder\.layers\.(?:\d+\.)?)(.+)$")
+
+# (local name, TE name) per layer kind; suffixes after the layer prefix
+_GQA_MOE = (("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+            ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"))
+_MLA = (("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+        ("self_attention.q_layernorm.bias", "self_attention.linear_q_up_proj.layer_norm_bias"),
+        ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+        ("self_attention.kv_layernorm.bias", "self_attention.linear_kv_up_proj.layer_norm_bias"))
+_MLA_DENSE = (("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+              ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"))
+_MOE_MARK = "mlp.router.weight"
+_MLA_MARK = "self_attention.linear_kv_down_proj.weight"
+
+
+def layer_kinds(keys: Iterable[str]) -> dict[str, tuple[bool, bool]]:
+    """``{layer prefix: (is_moe, is_mla)}`` of the layers named in ``keys`` (torch_dist keys
+    of either spec)."""
+    rests: dict[str, set[str]] = {}
+    for k in keys:
+        m = _PREFIX.match(k)
+        if m:
+            rests.setdefault(m.group(1), set()).add(m.group(2))
+    return {p: (_MOE_MARK in r, _MLA_MARK in r) for p, r in rests.items()}
+
+
+def _pairs(kind: tuple[bool, bool]) -> tuple[tuple[str, str], ...]:
+    moe, mla = kind
+    if mla:
+        return _MLA + (() if moe else _MLA_DENSE)
+    return _GQA_MOE if moe else ()
+
+
+def te_name(key: str, kinds: dict[str, tuple[bool, bool]]) -> str:
+    """The TE-spec name of the torch_dist key ``key`` (either spec's; a TE name is returned
+    as is). ``kinds``: :func:`layer_kinds` of the whole state dict."""
+    m = _PREFIX.match(key)
+    if not m or m.group(1) not in kinds:
+        return key
+    for local, te in _pairs(kinds[m.group(1)]):
+        if m.group(2) == local:
+            return m.group(1) + te
+    return key
+
+
+def local_name(key: str, kinds: dict[str, tuple[bool, bool]]) -> str:
+    """The local-spec name (as Megatron-Core's local spec writes it, and as this project's
+    checkpoints had it before the TE names) of the torch_dist key ``key``."""
+    m = _PREFIX.match(key)
+    if not m or m.group(1) not in kinds:
+        return key
+    for local, te in _pairs(kinds[m.group(1)]):
+        if m.group(2) == te:
+            return m.group(1) + local
+    return key
+
+
+def _sharded_items(sd: Any) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return [v for v in nested_values(sd) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
+
+
+def to_te_names(sharded_state_dict: Any) -> dict[str, str]:
+    """Rename, in place, the ``ShardedTensor`` / ``ShardedTensorFactory`` keys of a model's
+    sharded state dict (one chunk's, or ``{"model0": ..., ...}``) to the TE spec's. Returns
+    ``{TE key: key before}`` of the renamed ones."""
+    items = _sharded_items(sharded_state_dict)
+    kinds = layer_kinds(t.key for t in items)
+    renamed: dict[str, str] = {}
+    for t in items:
+        new = te_name(t.key, kinds)
+        if new != t.key:
+            renamed[new] = t.key
+            t.key = new
+    return renamed
+
+
+def match_checkpoint(sharded_state_dict: Any, checkpoint_keys: Iterable[str]) -> dict[str, str]:
+    """Rename, in place, the keys of a model's sharded state dict to the names a checkpoint
+    holds: TE names (:func:`to_te_names`), and where the checkpoint lacks a TE name but has
+    the local spec's, that one. ``checkpoint_keys``: the checkpoint's tensor keys (its DCP
+    metadata's ``state_dict_metadata``). Keys the checkpoint has under neither name are left
+    at the TE name (the load then names them as missing). Returns ``{key now: spec name}``
+    of the keys that now carry the local spec's name."""
+    have = set(checkpoint_keys)
+    items = _sharded_items(sharded_state_dict)
+    kinds = layer_kinds(t.key for t in items)
+    old: dict[str, str] = {}
+    for t in items:
+        te = te_name(t.key, kinds)
+        loc = local_name(te, kinds)
+        t.key = loc if te not in have and loc in have else te
+        if t.key != te:
+            old[t.key] = te
+    return old
+
+
+def is_te_extra_state(key: str) -> bool:
+    """True for a torch_dist key of a module's ``_extra_state`` object (``..._extra_state`` or
+    ``..._extra_state/shard_<i>_<n>``): TE's FP8 metadata, no weights."""
+    return re.search(r"(^|\.)_extra_state(/shard_[\d_.]+)?$", key) is not None
