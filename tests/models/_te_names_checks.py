@@ -79,7 +79,7 @@ def bit_exact(named, ref: dict[str, torch.Tensor]) -> dict:
 
 
 def main(tmp: str) -> None:
-    import moe_async.models.convert as conv
+    import moe_async.megatron.convert as conv  # where hf_to_megatron_checkpoint looks its helpers up
     from moe_async.models.convert import hf_to_megatron_checkpoint, megatron_to_hf_checkpoint
 
     res: dict = {"keys": {}, "old_keys": {}, "trainer": {}}
