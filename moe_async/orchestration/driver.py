@@ -162,6 +162,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, trainer.version()
+        t_loop0 = t_start  # t_start moves by each held-out evaluation's seconds (the perf/* rates)
         synced_version = version
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
@@ -269,7 +270,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["engine_weights_match"] = [e["checksums"] == trainer_sums for e in engine_sums]
         summary["trainer_world_size"] = trainer.world_size
         summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
-        summary["startup_seconds"] = t_start - t_launch
+        summary["startup_seconds"] = t_loop0 - t_launch
         logger.summary(summary)
         trainer.shutdown()
         ray.get(rollout.close.remote())
