@@ -53,8 +53,8 @@ from moe_async.logging.console import RunConsole
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.orchestration.affinity import check_run_placement
-from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, report_eval, sigterm_to_checkpoint, sigterm_to_exit,
-                                               stop_requested)
+from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, report_eval, sigterm_to_checkpoint,
+                                               sigterm_to_exit, stop_requested)
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
