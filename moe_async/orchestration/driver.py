@@ -53,8 +53,8 @@ from moe_async.logging.console import RunConsole
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.affinity import check_run_placement
-from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, sigterm_to_checkpoint, sigterm_to_exit,
-                                               stop_requested)
+from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, report_eval, sigterm_to_checkpoint,
+                                               sigterm_to_exit, stop_requested)
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
@@ -148,11 +148,14 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
         if resumed.get("dataset"):
             ray.get(rollout.load_data_state.remote(resumed["dataset"]))
+        curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps, lambda: ray.get(rollout.evaluate_curve.remote()))
         if cfg.eval_before:
             timeline.phase("eval_before", label="held-out eval (before)")
-            evaluate(rollout, summary, "eval_before", "before")
-        curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps, lambda: ray.get(rollout.evaluate_curve.remote()))
+            if not curve.enabled:
+                evaluate(rollout, summary, "eval_before", "before")
         ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
+        if cfg.eval_before and curve.enabled:  # its greedy answers are eval_before's: not asked twice
+            report_eval(summary, "eval_before", "before", curve.last_greedy)
         if ev0:
             logger.log(ev0, start_step)
         rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
@@ -163,6 +166,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, trainer.version()
+        t_loop0 = t_start  # t_start moves by each held-out evaluation's seconds (the perf/* rates)
         synced_version = version
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
@@ -250,8 +254,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                              for k, v in ray.get(buffer.stats.remote()).items()}
         summary["rollout"] = ray.get(rollout.metrics.remote())
         if cfg.eval_after and "stopped_at_step" not in summary:
-            timeline.phase("eval_after", label="held-out eval (after)")
-            evaluate(rollout, summary, "eval_after", "after")
+            if curve.points and curve.points[-1]["step"] == step:  # the curve's last point, on these weights
+                report_eval(summary, "eval_after", "after", curve.last_greedy)
+            else:
+                timeline.phase("eval_after", label="held-out eval (after)")
+                evaluate(rollout, summary, "eval_after", "after")
         timeline.idle()
         if curve.points:
             summary["eval_curve"] = curve.points
@@ -267,7 +274,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["engine_weights_match"] = [e["checksums"] == trainer_sums for e in engine_sums]
         summary["trainer_world_size"] = trainer.world_size
         summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
-        summary["startup_seconds"] = t_start - t_launch
+        summary["startup_seconds"] = t_loop0 - t_launch
         logger.summary(summary)
         trainer.shutdown()
         ray.get(rollout.close.remote())

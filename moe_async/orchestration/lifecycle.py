@@ -76,9 +76,15 @@ def stop_requested() -> str | None:
 
 
 def evaluate(rollout, summary: dict, key: str, label: str) -> None:
+    """Greedy held-out eval (``RolloutManager.evaluate``) into ``summary[key]``, printed."""
     import ray
 
-    ev = ray.get(rollout.evaluate.remote())
+    report_eval(summary, key, label, ray.get(rollout.evaluate.remote()))
+
+
+def report_eval(summary: dict, key: str, label: str, ev: dict) -> None:
+    """Keep a greedy held-out eval dict (``accuracy``, ``reward_mean``, ``n``, ...) as
+    ``summary[key]`` and print its line (``label``: before/after)."""
     summary[key] = ev
     extra = ""
     if "task_accuracy" in ev and ev["task_accuracy"] != ev["accuracy"]:

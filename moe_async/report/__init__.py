@@ -24,6 +24,8 @@ ROWS = (
     ("reward_mean_avg", "reward, mean over steps"), ("accuracy_last", "accuracy, last step"),
     ("accuracy_avg", "accuracy, mean over steps"), ("reward_mean_generated", "reward per generated sample (run)"),
     ("heldout_accuracy_before", "held-out accuracy before"), ("heldout_accuracy_after", "held-out accuracy after"),
+    ("heldout_mean_at_k_first", "held-out mean@k, first point"), ("heldout_mean_at_k_last", "held-out mean@k, last point"),
+    ("heldout_mean_at_k_gain", "held-out mean@k gain (paired)"), ("heldout_mean_at_k_gain_se", "held-out mean@k gain se"),
     ("staleness_mean", "staleness mean (tokens)"), ("staleness_p50", "staleness p50"),
     ("staleness_p99", "staleness p99"), ("staleness_max", "staleness max"),
     ("samples_per_s", "samples/s (trained, loop)"), ("tokens_per_s", "tokens/s (trained, loop)"),

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moe_async.report.runs import Run  # noqa: E402
-from moe_async.report.stats import TIME_PARTS, held_out, staleness_hist  # noqa: E402
+from moe_async.report.stats import TIME_PARTS, held_out, held_out_curve, staleness_hist  # noqa: E402
 
 DPI = 110
 
@@ -35,7 +35,8 @@ def _label(run: Run, runs: list[Run]) -> str | None:
 def reward_plot(runs: list[Run], path: Path) -> Path:
     """Reward and accuracy over steps: the trained batch's mean reward, the mean reward of
     the samples generated in the step (``rollout/reward_mean_generated_step``), the batch
-    accuracy, and the held-out accuracy points (markers)."""
+    accuracy, and the held-out accuracy points (markers; with the held-out curve, greedy
+    accuracy and mean@k at the training temperature, +- one standard error)."""
     fig = Figure(figsize=(11, 4))
     ax_r, ax_a = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for i, run in enumerate(runs):
@@ -48,8 +49,13 @@ def reward_plot(runs: list[Run], path: Path) -> Path:
         ax_a.plot(*run.series("rollout/accuracy"), color=c, marker=".", label=f"{name}trained batch")
         pts = held_out(run)
         if pts:
-            ax_a.plot([p[0] for p in pts], [p[1] for p in pts], color=c, marker="D", ls=":", ms=7,
-                      label=f"{name}held-out (greedy)")
+            se = {s: e for s, _, e in held_out_curve(run, "greedy_accuracy")}
+            ax_a.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[se.get(p[0], 0.0) for p in pts], color=c,
+                          marker="D", ls=":", ms=7, capsize=3, label=f"{name}held-out (greedy)")
+        mk = held_out_curve(run, "mean_at_k")
+        if mk:
+            ax_a.errorbar([p[0] for p in mk], [p[1] for p in mk], yerr=[p[2] for p in mk], color=c, marker="s",
+                          ls="-.", ms=6, capsize=3, alpha=0.8, label=f"{name}held-out mean@k (sampled)")
     ax_r.set(title="reward", xlabel="step", ylabel="mean reward")
     ax_a.set(title="accuracy", xlabel="step", ylabel="fraction with reward >= 1", ylim=(-0.03, 1.03))
     for ax in (ax_r, ax_a):
@@ -80,20 +86,27 @@ def staleness_plot(runs: list[Run], path: Path) -> Path:
 def time_breakdown_plot(runs: list[Run], path: Path) -> Path:
     """Per step, stacked seconds: the wait for the batch (filling, straggler: C27), the
     train step, the weight sync, a checkpoint save, and the rest of ``perf/step_seconds``
-    (driver bookkeeping). One panel per run."""
+    (driver bookkeeping); on top, a held-out curve evaluation made after the step
+    (``eval/seconds``, outside ``perf/step_seconds``; step 0: the one before training). One
+    panel per run."""
     fig = Figure(figsize=(11, 3.6 * len(runs)))
     for i, run in enumerate(runs):
         ax = fig.add_subplot(len(runs), 1, i + 1)
-        steps = [int(r["step"]) for r in run.steps]
+        recs = [r for r in run.steps if "perf/step_seconds" in r or "eval/seconds" in r] or run.steps
+        steps = [int(r["step"]) for r in recs]
         bottom = [0.0] * len(steps)
         for j, (label, key) in enumerate(TIME_PARTS):
-            vals = [float(r.get(key, 0.0) or 0.0) for r in run.steps]
+            vals = [float(r.get(key, 0.0) or 0.0) for r in recs]
             if not any(vals):
                 continue
             ax.bar(steps, vals, bottom=bottom, color=f"C{j}", label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        other = [max(0.0, float(r.get("perf/step_seconds", 0.0)) - b) for r, b in zip(run.steps, bottom)]
+        other = [max(0.0, float(r.get("perf/step_seconds", 0.0)) - b) for r, b in zip(recs, bottom)]
         ax.bar(steps, other, bottom=bottom, color="0.75", label="other")
+        ev = [float(r.get("eval/seconds", 0.0) or 0.0) for r in recs]
+        if any(ev):
+            top = [b + o for b, o in zip(bottom, other)]
+            ax.bar(steps, ev, bottom=top, color="C9", alpha=0.6, label="held-out eval")
         ax.set(title=f"time per step{': ' + run.name if len(runs) > 1 else ''}", xlabel="step", ylabel="seconds")
         ax.legend(fontsize=8, ncol=3)
         ax.grid(alpha=0.3, axis="y")

@@ -53,11 +53,23 @@ def _last(run: Run, key: str) -> float | None:
     return ys[-1] if ys else None
 
 
+def trained_steps(run: Run) -> list[dict[str, Any]]:
+    """The records of trained steps (``perf/step_seconds`` logged): not the held-out curve's
+    step-0 record (``rollout.eval_interval``) written before the first step."""
+    return [r for r in run.steps if "perf/step_seconds" in r] or run.steps
+
+
 def held_out(run: Run) -> list[tuple[int, float]]:
-    """Held-out (greedy) accuracy points ``(step, accuracy)``: summary.json's ``eval_before``
-    at the run's first step - 1 and ``eval_after`` at its last step, plus any per-step
-    ``eval/accuracy`` records of metrics.jsonl."""
-    first, last = int(run.steps[0]["step"]), int(run.steps[-1]["step"])
+    """Held-out (greedy) accuracy points ``(step, accuracy)``: the held-out curve's
+    ``eval/greedy_accuracy`` records (``rollout.eval_interval``; its first point, step 0 or
+    the resumed step, is the accuracy before training) when the run logged them; else
+    summary.json's ``eval_before`` at the run's first step - 1 and ``eval_after`` at its last
+    step, plus any per-step ``eval/accuracy`` records of metrics.jsonl."""
+    xs, ys = run.series("eval/greedy_accuracy")
+    if xs:
+        return list(zip(xs, ys))
+    steps = trained_steps(run)
+    first, last = int(steps[0]["step"]), int(steps[-1]["step"])
     pts = []
     if isinstance(run.summary.get("eval_before"), dict) and "accuracy" in run.summary["eval_before"]:
         pts.append((first - 1, float(run.summary["eval_before"]["accuracy"])))
@@ -68,6 +80,24 @@ def held_out(run: Run) -> list[tuple[int, float]]:
     return pts
 
 
+def held_out_curve(run: Run, name: str) -> list[tuple[int, float, float]]:
+    """``(step, value, standard error)`` of the held-out curve's ``eval/<name>`` records
+    (``greedy_accuracy``, ``mean_at_k``, ...; se 0 where ``eval/<name>_se`` is absent)."""
+    return [(int(r["step"]), float(r[f"eval/{name}"]), float(r.get(f"eval/{name}_se", 0.0)))
+            for r in run.steps if isinstance(r.get(f"eval/{name}"), (int, float))]
+
+
+def _curve_numbers(run: Run) -> dict[str, Any]:
+    """mean@k at the curve's first and last points and the last point's paired gain +- se."""
+    pts = [r for r in run.steps if isinstance(r.get("eval/mean_at_k"), (int, float))]
+    if not pts:
+        return {k: None for k in ("heldout_mean_at_k_first", "heldout_mean_at_k_last",
+                                  "heldout_mean_at_k_gain", "heldout_mean_at_k_gain_se")}
+    return {"heldout_mean_at_k_first": pts[0]["eval/mean_at_k"], "heldout_mean_at_k_last": pts[-1]["eval/mean_at_k"],
+            "heldout_mean_at_k_gain": pts[-1].get("eval/mean_at_k_gain"),
+            "heldout_mean_at_k_gain_se": pts[-1].get("eval/mean_at_k_gain_se")}
+
+
 def run_numbers(run: Run) -> dict[str, Any]:
     """The summary row of one run (None where the run did not log the metric)."""
     hist = staleness_hist(run)
@@ -75,7 +105,7 @@ def run_numbers(run: Run) -> dict[str, Any]:
     ev = run.summary
     out: dict[str, Any] = {
         "run": run.name,
-        "steps": len(run.steps),
+        "steps": len(trained_steps(run)),
         "last_step": int(run.steps[-1]["step"]),
         "reward_mean_last": _last(run, "rollout/reward_mean"),
         "reward_mean_avg": _mean(run, "rollout/reward_mean"),
@@ -84,6 +114,7 @@ def run_numbers(run: Run) -> dict[str, Any]:
         "reward_mean_generated": _last(run, "rollout/reward_mean_generated"),
         "heldout_accuracy_before": (ev.get("eval_before") or {}).get("accuracy"),
         "heldout_accuracy_after": (ev.get("eval_after") or {}).get("accuracy"),
+        **_curve_numbers(run),
         "staleness_mean": sum(s * n for s, n in hist.items()) / tok if tok else None,
         "staleness_p50": hist_quantile(hist, 0.5),
         "staleness_p99": hist_quantile(hist, 0.99),

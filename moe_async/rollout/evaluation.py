@@ -99,18 +99,24 @@ def paired_gains(now: dict[str, list], base: dict[str, list]) -> dict[str, float
 async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens: int) -> dict[str, Any]:
     """One held-out evaluation (greedy + ``k`` samples per problem) with ``manager``'s engines
     and reward pool; returns :func:`summarize`'s dict plus ``eval/n_skipped`` (problems whose
-    prompt fills the context, or whose request was dropped) and ``eval/seconds``.
-    Requests run concurrently, at most ``max_concurrent_groups x n_samples_per_prompt`` at once."""
+    prompt fills the context, or whose request was dropped), ``eval/seconds`` and ``greedy``
+    (:func:`greedy_summary`: the greedy answers as an ``eval_before``/``eval_after`` dict; not
+    a metric). Requests run concurrently, at most ``max_concurrent_groups x
+    n_samples_per_prompt`` at once. Raises ``RewardFailureError`` as ``RolloutManager.evaluate``
+    when the greedy answers' rewards keep failing (``manager.reward_streak``)."""
     import time
 
     t0 = time.perf_counter()
     cfg = manager.cfg
     sem = asyncio.Semaphore(max(1, cfg.max_concurrent_groups * cfg.n_samples_per_prompt))
 
-    async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> float:
+    async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
         async with sem:
             s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy)
-        r = await manager.reward_pool.score(p, manager.dataset.decode(s.response_ids))
+        text = manager.dataset.decode(s.response_ids)
+        r = await manager.reward_pool.score(p, text)
+        if greedy:  # the greedy answer's details too, for the eval_before/eval_after dict
+            return float(r.reward), getattr(r, "error", None), float(manager.dataset.score(p, text)), len(s.response_ids)
         return float(r.reward)
 
     async def one(p: Any) -> tuple[float, list[float], int] | None:
@@ -127,10 +133,43 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
         return rs[0], list(rs[1:]), int(getattr(p, "index", id(p)))
 
     res = [r for r in await asyncio.gather(*(one(p) for p in problems)) if r is not None]
-    out = summarize([r[0] for r in res], [r[1] for r in res], [r[2] for r in res])
+    out = summarize([r[0][0] for r in res], [r[1] for r in res], [r[2] for r in res])
     out["eval/n_skipped"] = float(len(problems) - len(res))
     out["eval/seconds"] = time.perf_counter() - t0
+    out["greedy"] = greedy_summary([r[0] for r in res], len(problems) - len(res))
+    streak = getattr(manager, "reward_streak", None)
+    if streak is not None:  # as RolloutManager.evaluate: a reward failing on every problem stops the run
+        streak.update(r[0][1] for r in res)
     return out
+
+
+def greedy_summary(greedy: list[tuple[float, str | None, float, int]], n_skipped: int) -> dict[str, float]:
+    """The greedy half of an evaluation as the driver's ``eval_before`` / ``eval_after`` dict
+    (the keys of ``RolloutManager.evaluate``: ``reward_mean``, ``accuracy`` (reward >= 1),
+    ``task_accuracy``, ``reward_errors``, ``n``, ``n_skipped``, ``mean_response_len``), so a run
+    with the held-out curve does not answer the same greedy requests twice.
+
+    ``greedy``: ``(reward, reward error or None, task scorer's score, response tokens)`` of
+    each scored problem's greedy answer; ``n_skipped``: the problems left out (prompt too long
+    or a request dropped).
+    """
+    g = greedy
+    k = len(g)
+    return {
+        "reward_mean": sum(r[0] for r in g) / k if k else 0.0,
+        "accuracy": sum(r[0] >= 1.0 for r in g) / k if k else 0.0,
+        "task_accuracy": sum(r[2] for r in g) / k if k else 0.0,
+        "reward_errors": sum(r[1] is not None for r in g),
+        "n": k,
+        "n_skipped": n_skipped,
+        "mean_response_len": sum(r[3] for r in g) / k if k else 0.0,
+    }
+
+
+def _gain(p: dict[str, Any], name: str) -> str:
+    """``+g +- se [lo, hi]``: a paired gain, its standard error and 95% normal interval."""
+    g, se = p[f"eval/{name}_gain"], p[f"eval/{name}_gain_se"]
+    return f"{g:+.3f} +- {se:.3f} [{g - 1.96 * se:+.3f}, {g + 1.96 * se:+.3f}]"
 
 
 class EvalCurve:
@@ -148,6 +187,8 @@ class EvalCurve:
         self._evaluate = evaluate
         self.points: list[dict[str, Any]] = []
         self._base: dict[str, list[float]] | None = None
+        # the last point's greedy answers as an eval_before/eval_after dict (greedy_summary)
+        self.last_greedy: dict[str, float] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -163,6 +204,7 @@ class EvalCurve:
             return {}
         ev = self._evaluate()
         per = ev.pop("per_problem")
+        self.last_greedy = ev.pop("greedy", None)
         if self._base is None:
             self._base = per
         ev.update(paired_gains(per, self._base))
@@ -175,12 +217,13 @@ class EvalCurve:
         return (f"greedy {p['eval/greedy_accuracy']:.3f} +- {p['eval/greedy_accuracy_se']:.3f}"
                 f" | mean@{p['eval/k']:.0f} {p['eval/mean_at_k']:.3f} +- {p['eval/mean_at_k_se']:.3f}"
                 f" | pass@{p['eval/k']:.0f} {p['eval/pass_at_k']:.3f}"
-                f" | mean@k gain {p['eval/mean_at_k_gain']:+.3f} +- {p['eval/mean_at_k_gain_se']:.3f}"
+                f" | mean@k gain {_gain(p, 'mean_at_k')} | greedy gain {_gain(p, 'greedy_accuracy')}"
                 f" (n={p['eval/n']:.0f}, {p.get('eval/seconds', 0.0):.0f} s)")
 
     def format(self) -> str:
         """The curve as a table: one line per evaluation (values +- standard error)."""
         lines = ["[moe-async] held-out curve (k samples per problem at the training temperature; "
-                 "+- one standard error over problems; gains paired against the first point):"]
+                 "+- one standard error over problems; gains paired against the first point, "
+                 "[95% interval]):"]
         lines += [f"  step {p['step']:>4} | " + self._line(p) for p in self.points]
         return "\n".join(lines)

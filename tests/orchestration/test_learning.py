@@ -56,8 +56,9 @@ def learning_run(tmp_path: Path, mode: str, lr: float = LR, seed: int = 1234,
 
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
 def test_reward_per_generated_sample_rises(tmp_path, mode):
-    # sync also runs the held-out curve (rollout.eval_interval) through the driver
-    extra = ("rollout.eval_interval=20", "rollout.eval_k=2") if mode == "sync" else ()
+    # sync also runs the held-out curve (rollout.eval_interval) through the driver, with
+    # eval_before/eval_after taken from its first and last points (not asked twice)
+    extra = ("rollout.eval_interval=20", "rollout.eval_k=2", "eval_before=true", "eval_after=true") if mode == "sync" else ()
     r, summary, out = learning_run(tmp_path, mode, extra=extra)
     assert len(r) >= 10, r
     start, end = sum(r[:3]) / 3, sum(r[-5:]) / 5
@@ -71,3 +72,9 @@ def test_reward_per_generated_sample_rises(tmp_path, mode):
         # held-out prompts: the learned preference is the same on them
         assert curve[-1]["eval/sampled_reward"] > curve[0]["eval/sampled_reward"] + 0.1, curve
         assert "held-out curve" in out
+        for key, point in (("eval_before", curve[0]), ("eval_after", curve[-1])):
+            assert summary[key]["n"] == 8 and summary[key]["accuracy"] == point["eval/greedy_accuracy"], (key, summary[key])
+        assert f"held-out accuracy after: {summary['eval_after']['accuracy']:.3f}" in out
+        trace = json.loads((Path(summary["run_dir"]) / "trace.json").read_text())
+        phases = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "phase"]
+        assert phases.count("eval_before") == 1 and "eval_after" not in phases  # no second greedy eval after the loop

@@ -118,3 +118,29 @@ def test_half_written_last_record_is_left_out_and_named(tmp_path, capsys):
     m.write_text(whole + '{"step": 3, "train/lo\n')
     with pytest.raises(UserInputError, match=r"metrics.jsonl:3: not a metrics record"):
         make_report([tmp_path / "r"])
+
+
+def test_held_out_curve_points_and_numbers(tmp_path):
+    """With rollout.eval_interval the run logs a step-0 record (the curve's first point) and
+    eval/* on the last step: held-out points come from the curve, not counted as a step."""
+    from moe_async.report.runs import load_run
+    from moe_async.report.stats import held_out, held_out_curve
+
+    recs = _write_run(tmp_path / "c", [0.2, 0.4])
+    first = {"step": 0, "eval/greedy_accuracy": 0.5, "eval/greedy_accuracy_se": 0.1, "eval/mean_at_k": 0.4,
+             "eval/mean_at_k_se": 0.05, "eval/mean_at_k_gain": 0.0, "eval/mean_at_k_gain_se": 0.0, "eval/seconds": 30.0}
+    recs[-1].update({"eval/greedy_accuracy": 0.75, "eval/greedy_accuracy_se": 0.1, "eval/mean_at_k": 0.6,
+                     "eval/mean_at_k_se": 0.05, "eval/mean_at_k_gain": 0.2, "eval/mean_at_k_gain_se": 0.04,
+                     "eval/seconds": 31.0})
+    (tmp_path / "c" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [first, *recs]))
+    run = load_run(tmp_path / "c")
+    assert held_out(run) == [(0, 0.5), (2, 0.75)]
+    assert held_out_curve(run, "mean_at_k") == [(0, 0.4, 0.05), (2, 0.6, 0.05)]
+    r = make_report([tmp_path / "c"])
+    (n,) = json.loads((r["out"] / "report.json").read_text())["runs"]
+    assert n["steps"] == 2  # the step-0 evaluation is not a trained step
+    assert (n["heldout_mean_at_k_first"], n["heldout_mean_at_k_last"]) == (0.4, 0.6)
+    assert (n["heldout_mean_at_k_gain"], n["heldout_mean_at_k_gain_se"]) == (0.2, 0.04)
+    assert "| held-out mean@k gain (paired) | 0.2 |" in (r["out"] / "summary.md").read_text()
+    for p in ("reward.png", "time_breakdown.png"):
+        assert (r["out"] / p).read_bytes()[:8] == PNG

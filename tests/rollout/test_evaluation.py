@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from moe_async.rollout.evaluation import EvalCurve, evaluate_heldout, mean_se, paired_gains, summarize
+from moe_async.rollout.evaluation import EvalCurve, evaluate_heldout, greedy_summary, mean_se, paired_gains, summarize
 
 
 def test_mean_se_is_the_sample_std_over_sqrt_n():
@@ -64,7 +64,8 @@ def test_curve_schedule_and_gains_against_the_first_point():
     assert got[0]["eval/mean_at_k_gain"] == 0.0 and got[7]["eval/mean_at_k_gain"] == 1.0
     assert "per_problem" not in got[3]
     assert [p["step"] for p in c.points] == [0, 3, 6, 7]
-    assert "gain +1.000" in c.format().splitlines()[-1]
+    last = c.format().splitlines()[-1]
+    assert "mean@k gain +1.000 +- 0.000 [+1.000, +1.000]" in last and "greedy gain +1.000" in last
     off = EvalCurve(interval=0, num_steps=7, evaluate=ev)
     assert off.run(0) == {} and not off.points
 
@@ -84,6 +85,10 @@ class _FakeManager:
         @staticmethod
         def decode(ids):
             return "right" if ids == [7] else "wrong"
+
+        @staticmethod
+        def score(p, text):  # the task's own scorer: partial credit for a wrong answer
+            return 1.0 if text == "right" else 0.25
 
     class reward_pool:
         @staticmethod
@@ -109,3 +114,26 @@ def test_evaluate_heldout_counts_greedy_and_k_samples_per_problem():
     assert man.n == 2 * 5  # per kept problem: 1 greedy + k samples
     assert out["eval/greedy_accuracy"] == 1.0
     assert 0.0 < out["eval/mean_at_k"] < 1.0
+    # the greedy half as the driver's eval_before/eval_after dict (not asked a second time)
+    assert out["greedy"] == {"reward_mean": 1.0, "accuracy": 1.0, "task_accuracy": 1.0, "reward_errors": 0,
+                             "n": 2, "n_skipped": 1, "mean_response_len": 1.0}
+
+
+def test_greedy_summary_matches_the_manager_evaluate_keys():
+    g = greedy_summary([(1.0, None, 1.0, 4), (0.0, "timeout", 0.5, 8), (0.5, None, 0.0, 6)], n_skipped=2)
+    assert g == {"reward_mean": pytest.approx(0.5), "accuracy": pytest.approx(1 / 3),
+                 "task_accuracy": pytest.approx(0.5), "reward_errors": 1, "n": 3, "n_skipped": 2,
+                 "mean_response_len": pytest.approx(6.0)}
+    assert greedy_summary([], n_skipped=1)["accuracy"] == 0.0
+
+
+def test_curve_keeps_the_last_points_greedy_dict_out_of_the_metrics():
+    def ev():
+        out = summarize([1.0, 0.0], [[1.0], [0.0]])
+        out["greedy"] = {"accuracy": 0.5, "n": 2}
+        return out
+
+    c = EvalCurve(interval=1, num_steps=1, evaluate=ev)
+    m = c.run(0)
+    assert "greedy" not in m and "greedy" not in c.points[0]
+    assert c.last_greedy == {"accuracy": 0.5, "n": 2}
