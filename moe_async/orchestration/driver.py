@@ -53,9 +53,11 @@ from moe_async.logging.console import RunConsole
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.orchestration.affinity import check_run_placement
+from moe_async.orchestration.engine_recovery import EngineRecovery
 from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, sigterm_to_checkpoint, sigterm_to_exit,
                                                stop_requested)
-from moe_async.orchestration.metrics import batch_metrics, loop_metrics
+from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
+from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
 
@@ -142,6 +144,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                   f"(weight_version {trainer.version()})", flush=True)
         buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version (C6)
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
+        # C19-C21: dead engines restarted/retired between waits; the trainer's calls no longer
+        # fail on a dead engine except during a weight sync (an engine gone from the broadcast)
+        recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
+        syncing = {"on": False}
+        trainer.watch = lambda: engines.dead_engines() if syncing["on"] else []
         if resumed.get("dataset"):
             ray.get(rollout.load_data_state.remote(resumed["dataset"]))
         if cfg.eval_before:
@@ -165,11 +172,12 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
             groups = None
             while groups is None:
+                rec = recovery.check()  # a dead engine: restarted and re-synced, or retired (C19-C21)
+                synced_version = int(rec.get("engine/weight_version", synced_version))
                 # a bounded wait for the buffer's own 5 s wait: a lost reply (seen once in CI
-                # after an engine was killed) must fail the run, naming a dead engine if any,
-                # instead of hanging it
-                groups = _get_watching(buffer.get_batch.remote(version, 5.0), engines, _BUFFER_REPLY_S)
-                err = _get_watching(rollout.error.remote(), engines, _BUFFER_REPLY_S)
+                # after an engine was killed) must fail the run instead of hanging it
+                groups = _get_watching(buffer.get_batch.remote(version, 5.0), None, _BUFFER_REPLY_S)
+                err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
             t1 = time.perf_counter()
@@ -185,9 +193,12 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             data = ray.get(rollout.data_state.remote()) if saving else None
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
                 timeline.phase("sync", step, label=f"step {step}/{cfg.num_steps}: weight sync")
+                m.update(recovery.check())  # the group's members are the live engines
+                syncing["on"] = True
                 m.update(trainer.sync_weights())
                 if cfg.weight_sync.check:
-                    m.update(trainer.check_engines(urls))
+                    m.update(trainer.check_engines(recovery.live_urls()))
+                syncing["on"] = False
                 ray.get(buffer.set_engine_version.remote(version))
                 synced_version = version
             if saving:
@@ -216,6 +227,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
             m.update(wait_split_metrics(bstats, t1 - t0))  # C27: filling + straggler = wait
+            m.update(recovery.metrics())
             timeline.end_step(step, m["perf/wait_straggler_seconds"], ray.get(rollout.trace_spans.remote()))
             # reward per sample generated since the last step, filtered/dropped ones included
             rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
@@ -255,7 +267,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         from moe_async.engines.client import SyncEngineClient
 
         trainer_sums = trainer.checksums()
-        engine_sums = [SyncEngineClient(u).weights_checksum() for u in urls]
+        m_rec = recovery.check()  # an engine that died after the last sync: back, at this version
+        synced_version = int(m_rec.get("engine/weight_version", synced_version))
+        summary["engines"] = {**recovery.metrics(), "events": recovery.events}
+        summary["accounting"] = prompt_accounting(summary["buffer"])
+        engine_sums = [SyncEngineClient(u).weights_checksum() for u in recovery.live_urls()]
         summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
         summary["final_weight_version"] = version
         summary["final_weights_digest"] = weights_digest(trainer_sums)
@@ -269,7 +285,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         ray.get(rollout.close.remote())
     except Exception as e:
         dead = dead_engines(engines) if engines is not None else []
-        if dead:  # name the engine that died instead of the HTTP error it caused
+        if dead and not isinstance(e, EngineFleetError):  # name the engine that died, not the HTTP error
             raise RuntimeError("; ".join(dead)) from e
         raise
     finally:
@@ -338,7 +354,7 @@ _BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in 
 _ENGINE_POLL_S = 5.0  # s: how often a step-loop wait checks that the engine processes are alive
 
 
-def _get_watching(ref, engines, timeout_s: float | None = None):
+def _get_watching(ref, engines, timeout_s: float | None = None):  # engines None: no engine check
     """``ray.get(ref)`` that checks the engine processes every :data:`_ENGINE_POLL_S` seconds
     while it waits: a dead engine fails the step at once, named (index, URL, exit code, log),
     instead of leaving the driver waiting on a call blocked by it (a weight sync into a
@@ -355,7 +371,7 @@ def _get_watching(ref, engines, timeout_s: float | None = None):
         ready, _ = ray.wait([ref], timeout=_ENGINE_POLL_S)
         if ready:
             return ray.get(ref)
-        dead = dead_engines(engines)
+        dead = dead_engines(engines) if engines is not None else []
         if dead:
             raise RuntimeError("; ".join(dead))
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:

@@ -48,6 +48,15 @@ class EngineActor:
             return f"exited with code {proc.returncode}; log: {getattr(self.engine, 'log_path', None)}"
         return None
 
+    def restart(self) -> str:
+        """Stop what is left of the server and start it again on the same port; its URL once
+        ``/health`` answers (it holds the base weights: the caller sends the current ones).
+        Raises EngineLaunchError."""
+        if self.engine is None:
+            return self.launch()
+        self.engine.restart()
+        return self.engine.url
+
     def restart_if_unhealthy(self) -> bool:
         """Restart the server (same URL) when its process died or ``/health`` fails."""
         from moe_async.engines.base import ensure_healthy
@@ -111,6 +120,21 @@ class EnginePool:
             if why:
                 out.append(f"engine {i} at {self.urls[i]} {why}")
         return out
+
+    def restart(self, i: int, timeout_s: float) -> str:
+        """Restart engine ``i``'s server (same URL); its URL.
+
+        Raises: RuntimeError naming the engine when it did not come back within ``timeout_s``
+        (``ray.exceptions.GetTimeoutError``) or its start failed."""
+        try:
+            url = ray.get(self.actors[i].restart.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(f"engine {i} at {self.urls[i]}: restart not serving within {timeout_s:.0f} s") from e
+        except Exception as e:  # noqa: BLE001 - named
+            c = getattr(e, "cause", None) or e
+            raise RuntimeError(f"engine {i} at {self.urls[i]}: restart failed: {type(c).__name__}: {c}") from e
+        self.urls[i] = url
+        return url
 
     def check_and_restart(self) -> list[int]:
         """Restart engines whose process died or whose ``/health`` fails; their indices (see

@@ -50,3 +50,19 @@ def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> d
     if busy and elapsed > 0:
         m["perf/engine_idle_frac"] = max(0.0, 1.0 - sum(busy) / len(busy) / elapsed)
     return m
+
+
+def prompt_accounting(bstats: dict) -> dict:
+    """Where every train prompt drawn went, from the buffer's counters (one admission = one
+    prompt drawn): ``drawn`` = ``trained`` + ``dropped`` (summed over ``dropped_by_reason``:
+    ``stale``, ``engine_lost``, ``filtered_equal_rewards``, ``prompt_too_long``, ...) +
+    ``pending`` (buffered, in flight, or in flight when generation stopped). ``balanced``:
+    whether the sum holds (it always should; False means a prompt went unaccounted)."""
+    reasons = dict(bstats.get("drop_reasons", {}))
+    # groups_put: put into the buffer, then trained, dropped as stale (in reasons) or buffered
+    pending = int(bstats["buffered_groups"]) + int(bstats["in_flight"]) + int(bstats["in_flight_at_stop"])
+    dropped = sum(int(v) for v in reasons.values())
+    out = {"drawn": int(bstats["admitted"]), "trained": int(bstats["groups_trained"]), "dropped": dropped,
+           "dropped_by_reason": reasons, "pending": pending}
+    out["balanced"] = out["drawn"] == out["trained"] + dropped + pending
+    return out

@@ -18,7 +18,14 @@ Per admitted group (``run``):
    prompt of ``>= max_context_len`` tokens is dropped (reason ``prompt_too_long``, the
    admission is cancelled); otherwise ``max_new_tokens`` is clamped to
    ``max_context_len - prompt_len``. A prompt is never cut.
-2. ``G`` requests go out concurrently, round-robin over engines.
+2. ``G`` requests go out concurrently, round-robin over the *routable* engines. An engine
+   is taken out of routing by the driver (:meth:`RolloutManager.set_routable`: dead,
+   restarting, not yet at the current weight_version; C19) or by the manager itself when a
+   request to it fails at the transport level (connection refused/reset, HTTP 5xx: the
+   process died mid-request). Such a request is retried on another routable engine
+   (``rollout/engine_request_retries``); with none routable it waits up to
+   ``no_engine_wait_s`` seconds for one to come back (a restart), then the group is dropped,
+   reason ``engine_lost``. Only the driver puts an engine back into routing.
 3. An aborted request (weight update) is resubmitted: with ``partial_rollout`` as a
    continuation ``prompt + tokens_so_far`` for the remaining tokens, the segments
    concatenated and every token keeping the version its segment was generated under (C5);
@@ -124,6 +131,7 @@ class RolloutManager:
         reward_pool: Any,
         eos_token_ids: list[int] | None = None,
         max_context_len: int = 2048,
+        no_engine_wait_s: float = 600.0,
     ):
         if not engine_clients:
             raise ValueError("RolloutManager needs at least one engine client")
@@ -134,10 +142,12 @@ class RolloutManager:
         self.reward_pool = reward_pool
         self.eos_token_ids = [int(t) for t in (eos_token_ids or [])]
         self.max_context_len = int(max_context_len)
+        self.no_engine_wait_s = float(no_engine_wait_s)  # with no engine routable (a restart): then engine_lost
         self._rr = itertools.count()
         self._group_ids = itertools.count()
         self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
         self._busy = [_EngineBusy() for _ in self.engines]
+        self.routable = [True] * len(self.engines)  # C19: the driver's (and failures') routing mask
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
         self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
@@ -265,6 +275,13 @@ class RolloutManager:
         if hasattr(self.reward_pool, "metrics"):
             m.update(self.reward_pool.metrics())
         return m
+
+    def set_routable(self, i: int, ok: bool) -> None:
+        """Put engine ``i`` into routing (``ok``) or take it out; requests already sent to it
+        are not affected (a dead engine's fail and are retried elsewhere)."""
+        if not 0 <= i < len(self.engines):
+            raise ValueError(f"engine index {i} out of range 0..{len(self.engines) - 1}")
+        self.routable[i] = bool(ok)
 
     # ================================================================ internals
     def _check_length(self, prompt_len: int, max_new: int, count: bool = True) -> int | None:
@@ -499,8 +516,46 @@ class RolloutManager:
         joined = join_segments(routed, len(ids), seg, len(ids) + raw_n)
         return compact_routes(truncate_routes(joined, len(ids) + len(seg_ids)))
 
+    def _pick_engine(self) -> int | None:
+        """The next routable engine, round-robin; None when none is routable."""
+        n = len(self.engines)
+        for _ in range(n):
+            i = next(self._rr) % n
+            if self.routable[i]:
+                return i
+        return None
+
     async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
-        i = next(self._rr) % len(self.engines)
+        """One ``/generate`` on a routable engine; a transport failure (the engine died) takes
+        that engine out of routing and retries on another (module docstring, step 2). With no
+        engine routable it waits up to ``no_engine_wait_s`` seconds for the driver to put one
+        back (a restart), polling every 0.2 s.
+
+        Raises: DropGroup("engine_lost") when none came back in time, or after
+        ``2 * engines + 1`` failed attempts; EngineTimeoutError."""
+        attempts, waited_since = 0, None
+        while attempts <= 2 * len(self.engines):
+            i = self._pick_engine()
+            if i is None:
+                waited_since = waited_since if waited_since is not None else time.monotonic()
+                if time.monotonic() - waited_since > self.no_engine_wait_s:
+                    break
+                await asyncio.sleep(0.2)
+                continue
+            waited_since = None
+            attempts += 1
+            try:
+                return await self._call_one(i, ids, sp)
+            except Exception as exc:
+                if not _engine_lost(exc):
+                    raise
+                self.routable[i] = False
+                self.counters["engine_request_retries"] += 1
+                log.warning("engine %d (%s) failed a request (%s: %s): out of routing, retrying elsewhere", i,
+                            getattr(self.engines[i], "base_url", "?"), type(exc).__name__, str(exc)[:200])
+        raise DropGroup("engine_lost")
+
+    async def _call_one(self, i: int, ids: list[int], sp: dict[str, Any]) -> Any:
         busy = self._busy[i]
         busy.enter()
         self._gen_busy.enter()
@@ -523,3 +578,17 @@ class RolloutManager:
             self._gen_busy.exit()
             busy.exit()
             self.counters["requests"] += 1
+
+
+def _engine_lost(exc: BaseException) -> bool:
+    """A failure that says the engine process is gone (not a timeout, not a bad request):
+    connection refused/reset, a broken reply, HTTP 5xx."""
+    import httpx
+
+    from moe_async.engines.client import EngineRequestError
+
+    if isinstance(exc, httpx.TimeoutException):
+        return False
+    if isinstance(exc, (httpx.TransportError, ConnectionError)):
+        return True
+    return isinstance(exc, EngineRequestError) and exc.status_code >= 500
