@@ -54,6 +54,11 @@ class BufferActor:
     async def stats(self) -> dict[str, Any]:
         return self.abuf.buf.stats()
 
+    async def drain_stale_draws(self) -> list[int]:
+        """Draw numbers of the groups dropped as stale since the last call (run_state.DrawLedger)."""
+        out, self.abuf.buf.stale_draws = self.abuf.buf.stale_draws, []
+        return out
+
 
 class BufferProxy:
     """The async ``admit/put/cancel`` interface the RolloutManager expects, over a Ray
@@ -369,6 +374,16 @@ class RolloutActor:
 
     async def metrics(self) -> dict[str, Any]:
         return self.manager.metrics()
+
+    async def drain_settled(self) -> list[tuple[int, str]]:
+        """``(draw number, reason)`` of the train draws dropped since the last call."""
+        return self.manager.drain_settled()
+
+    async def resume_draws(self, frontier: int, settled: list[int]) -> None:
+        """A resumed run's prompts (before :meth:`start`): rewind to the trained ``frontier``
+        and pass over the ``settled`` draws beyond it (moe_async/orchestration/run_state.py)."""
+        self.dataset.seek(frontier)
+        self.manager.skip_draws(settled)
 
     async def set_routable(self, i: int, ok: bool) -> None:
         """Engine ``i`` into (``ok``) or out of request routing (C19: the driver's recovery)."""

@@ -57,6 +57,7 @@ from moe_async.orchestration.engine_recovery import EngineRecovery
 from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, sigterm_to_checkpoint, sigterm_to_exit,
                                                stop_requested)
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
+from moe_async.orchestration.run_state import DrawLedger, record_settled
 from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
@@ -149,7 +150,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
         syncing = {"on": False}
         trainer.watch = lambda: engines.dead_engines() if syncing["on"] else []
-        if resumed.get("dataset"):
+        ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
+        if resumed.get("run_state"):  # rewind to the frontier, pass over what was settled after it
+            ray.get(rollout.resume_draws.remote(ledger.frontier, list(ledger.settled)))
+        elif resumed.get("dataset"):  # a checkpoint without a ledger: the loader cursor
             ray.get(rollout.load_data_state.remote(resumed["dataset"]))
         if cfg.eval_before:
             timeline.phase("eval_before", label="held-out eval (before)")
@@ -167,6 +171,16 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, trainer.version()
         synced_version = version
+        m, elapsed = {}, 0.0
+
+        def save(at_step: int, data: dict | None = None) -> str:
+            """The whole-run checkpoint of step ``at_step``: the trainer's (model, optimizer,
+            RNG, version) with the data position and the draw ledger (run_state.py) in it."""
+            data = data if data is not None else ray.get(rollout.data_state.remote(), timeout=_BUFFER_REPLY_S)
+            record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
+            rs = ledger.state_dict(weight_version=trainer.version(), step=at_step, max_staleness=K)
+            return trainer.save_checkpoint(save_dir, at_step, {"dataset": data, "run_state": rs})
+
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
             timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
@@ -180,12 +194,24 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
+                if groups is None and stop_requested():  # C22 while waiting for a batch: stop now
+                    break
+            if groups is None:  # the last finished step's checkpoint (unless written), then out
+                done = step - 1
+                si = cfg.trainer.save_interval
+                if done > start_step and not (si and done % si == 0):
+                    summary["last_checkpoint"] = save(done)
+                summary["stopped_at_step"] = done
+                print(f"[moe-async] {stop_requested()} while waiting for the batch of step {step}: stopped "
+                      f"after step {done}, checkpoint {summary.get('last_checkpoint')}", flush=True)
+                break
             t1 = time.perf_counter()
             idle += t1 - t0
             timeline.phase("train", step, label=f"step {step}/{cfg.num_steps}: train step")
             m = batch_metrics(groups, version)
             m.update(trainer.train_step(groups))  # every rank; a dead engine or rank fails it, named
             version = trainer.version()
+            record_settled(ledger, groups, rollout, buffer, _BUFFER_REPLY_S)
             si = cfg.trainer.save_interval
             saving = bool(si) and (step % si == 0 or step == cfg.num_steps)
             # the prompt position before the sync opens admission for the next version: in sync
@@ -204,7 +230,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             if saving:
                 t_save = time.perf_counter()
                 timeline.phase("save", step, label=f"step {step}/{cfg.num_steps}: checkpoint")
-                summary["last_checkpoint"] = trainer.save_checkpoint(save_dir, step, {"dataset": data})
+                summary["last_checkpoint"] = save(step, data)
                 m["perf/save_seconds"] = time.perf_counter() - t_save
             tokens += m["train/response_tokens"]
             n_samples += m["train/samples"]
@@ -241,8 +267,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             logger.console_step(step, cfg.num_steps, m)
             if stop_requested() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
                 if not (si and step % si == 0):
-                    data = ray.get(rollout.data_state.remote())
-                    summary["last_checkpoint"] = trainer.save_checkpoint(save_dir, step, {"dataset": data})
+                    summary["last_checkpoint"] = save(step)
                 summary["stopped_at_step"] = step
                 print(f"[moe-async] {stop_requested()}: stopped after step {step}, checkpoint "
                       f"{summary['last_checkpoint']}", flush=True)
@@ -271,6 +296,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         synced_version = int(m_rec.get("engine/weight_version", synced_version))
         summary["engines"] = {**recovery.metrics(), "events": recovery.events}
         summary["accounting"] = prompt_accounting(summary["buffer"])
+        record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
+        summary["draws"] = ledger.state_dict()  # the trained frontier and what was settled beyond it
         engine_sums = [SyncEngineClient(u).weights_checksum() for u in recovery.live_urls()]
         summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
         summary["final_weight_version"] = version

@@ -148,6 +148,8 @@ class RolloutManager:
         self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
         self._busy = [_EngineBusy() for _ in self.engines]
         self.routable = [True] * len(self.engines)  # C19: the driver's (and failures') routing mask
+        self._skip: set[int] = set()  # draw numbers settled before a resumed run's checkpoint
+        self._settled: list[tuple[int, str]] = []  # (draw number, drop reason) since drain_settled
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
         self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
@@ -182,6 +184,7 @@ class RolloutManager:
                         await self._sleep_or_stop(stop_event, self.cfg.admit_poll_s)
                     continue
                 try:
+                    seq = self._next_draw()
                     problem = self.dataset.next_train()
                     draw = self._draw_key(problem)
                     prompt_ids = self.dataset.build_prompt_ids(problem)
@@ -190,12 +193,13 @@ class RolloutManager:
                     raise
                 max_new = self._check_length(len(prompt_ids), self.cfg.max_new_tokens)
                 if max_new is None:
+                    self._settle(seq, "prompt_too_long")
                     await self._cancel("prompt_too_long")
                     continue
                 gid = next(self._group_ids)
                 self._open_groups.add(gid)  # admitted, not yet put or cancelled
                 tasks.add(asyncio.create_task(
-                    self._produce_group(gid, problem, prompt_ids, max_new, int(version), seed_key=draw),
+                    self._produce_group(gid, problem, prompt_ids, max_new, int(version), seed_key=draw, seq=seq),
                     name=f"group-{gid}",
                 ))
         finally:
@@ -259,7 +263,9 @@ class RolloutManager:
         reason, ``rollout/gen_wall_seconds`` (wall-clock s with >= 1 request outstanding on
         any engine, never more than the elapsed time), ``rollout/request_seconds_sum`` (s
         summed over requests; overlapping requests add up), ``rollout/engine_busy_s/<i>``
-        (per engine), ``rollout/requests_in_flight`` (requests outstanding now, all engines)
+        (per engine), ``rollout/requests/<i>`` (requests sent to engine i),
+        ``rollout/engine_request_retries`` (requests retried after their engine failed them),
+        ``rollout/requests_in_flight`` (requests outstanding now, all engines)
         and the reward pool's metrics."""
         m: dict[str, float] = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
         for reason, n in self.dropped.items():
@@ -275,6 +281,32 @@ class RolloutManager:
         if hasattr(self.reward_pool, "metrics"):
             m.update(self.reward_pool.metrics())
         return m
+
+    def skip_draws(self, seqs) -> None:
+        """Draw numbers a resumed run must not draw again (settled before its checkpoint:
+        moe_async/orchestration/run_state.py); each is passed over once (``rollout/skipped_settled``)."""
+        self._skip.update(int(x) for x in seqs)
+
+    def drain_settled(self) -> list[tuple[int, str]]:
+        """``(draw number, reason)`` of the train draws dropped since the last call."""
+        out, self._settled = self._settled, []
+        return out
+
+    def _next_draw(self) -> int | None:
+        """Pass over the draws in :meth:`skip_draws`; the draw number of the next draw
+        (None when the dataset has no ``position``)."""
+        pos = getattr(self.dataset, "position", None)
+        if pos is None:
+            return None
+        while pos() in self._skip:
+            self._skip.discard(pos())
+            self.dataset.next_train()
+            self.counters["skipped_settled"] += 1
+        return pos()
+
+    def _settle(self, seq: int | None, reason: str) -> None:
+        if seq is not None:
+            self._settled.append((int(seq), reason))
 
     def set_routable(self, i: int, ok: bool) -> None:
         """Put engine ``i`` into routing (``ok``) or take it out; requests already sent to it
@@ -356,7 +388,7 @@ class RolloutManager:
                         else " (further distinct reward errors are only counted: rollout/reward_errors)")
 
     async def _produce_group(self, gid: int, problem: Any, prompt_ids: list[int], max_new: int,
-                             version: int, seed_key: int | None = None) -> None:
+                             version: int, seed_key: int | None = None, seq: int | None = None) -> None:
         """Generate, score and put (or cancel) one admitted group; settles ``gid``'s admission.
         ``seed_key`` (default ``gid``): what ``rollout.sampling_seed`` is mixed with."""
         seed_key = gid if seed_key is None else seed_key
@@ -377,7 +409,7 @@ class RolloutManager:
                 s.reward_error = r.error
                 s.answer = str(problem.answer)
                 s.metadata.update(task=self.cfg.task, problem_index=problem.index, group_id=gid,
-                                  sample_index=i)
+                                  sample_index=i, draw_seq=seq)
                 s.validate()
             group = Group(group_id=gid, samples=samples, start_version=version)
             self.counters["samples_generated"] += len(samples)
@@ -389,6 +421,7 @@ class RolloutManager:
             self.reward_streak.update(s.reward_error for s in samples)  # RewardFailureError
             if self._filter_out(group, version):
                 self.dropped["filtered_equal_rewards"] += 1
+                self._settle(seq, "filtered_equal_rewards")
                 self.counters["samples_filtered"] += len(samples)
                 self.counters["tokens_filtered"] += group.num_tokens
                 await self._cancel("filtered_equal_rewards")
@@ -398,10 +431,12 @@ class RolloutManager:
             self.counters["groups_produced"] += 1
         except DropGroup as exc:
             self.dropped[exc.reason] += 1
+            self._settle(seq, exc.reason)
             log.warning("group %d dropped: %s", gid, exc.reason)
             await self._cancel(exc.reason)
         except RewardFailureError:  # run() raises it next
             self.dropped["reward_failure"] += 1
+            self._settle(seq, "reward_failure")
             await self._cancel("reward_failure")
         except asyncio.CancelledError:
             if not put_attempted:  # the run ended while it generated: not a drop
@@ -412,9 +447,11 @@ class RolloutManager:
             if put_attempted:
                 log.exception("buffer.put failed for group %d", gid)
                 self.dropped["put_failed"] += 1
+                self._settle(seq, "put_failed")
             else:
                 log.exception("group %d failed", gid)
                 self.dropped[f"error:{type(exc).__name__}"] += 1
+                self._settle(seq, f"error:{type(exc).__name__}")
                 await self._cancel("error")
 
     def _filter_out(self, group: Group, version: int) -> bool:
@@ -578,6 +615,7 @@ class RolloutManager:
             self._gen_busy.exit()
             busy.exit()
             self.counters["requests"] += 1
+            self.counters[f"requests/{i}"] += 1  # per engine: a replacement's share after it rejoined
 
 
 def _engine_lost(exc: BaseException) -> bool:
