@@ -32,11 +32,19 @@ every ``save_interval`` steps and after the last one the trainer writes
 position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
 checkpoint before the buffer is made (its admission bound counts from the loaded version,
 case C6), the engines receive the loaded weights by a weight sync before any generation,
-the train prompts continue from the position read after the saving step's train step and
-before its sync (prompts drawn by then but not trained, i.e. buffered or in flight, are
-skipped, as slime's data-source offset does; in sync mode none are, so a resumed run draws
-what the uninterrupted run would), and the
-loop runs steps N+1..num_steps (num_steps counts in total, slime's convention).
+the train prompts continue from the checkpoint's trained frontier (the draw ledger,
+:mod:`moe_async.orchestration.run_state`: prompts pending at the save are drawn again, the
+ones settled beyond the frontier passed over; a checkpoint without a ledger continues after
+its loader position), and the loop runs steps N+1..num_steps (num_steps counts in total,
+slime's convention). With ``MOE_ASYNC_SIGTERM=checkpoint`` a SIGTERM while the loop waits for
+a batch stops at once with the last finished step's checkpoint (case C22).
+
+Engine failures (cases C19-C21): :class:`~moe_async.orchestration.engine_recovery.EngineRecovery`
+runs between the waits for a batch and before each weight sync: a dead engine is restarted
+or retired (``engine.max_restarts``, ``engine.min_healthy_engines``), re-joins the update
+group with the live engines, gets the current weights and is routed again only after
+acknowledging the trainer's weight_version. ``summary["accounting"]`` says where every train
+prompt drawn went (trained / dropped by reason / pending).
 """
 
 from __future__ import annotations
@@ -152,9 +160,9 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         trainer.watch = lambda: engines.dead_engines() if syncing["on"] else []
         ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
         if resumed.get("run_state"):  # rewind to the frontier, pass over what was settled after it
-            ray.get(rollout.resume_draws.remote(ledger.frontier, list(ledger.settled)))
+            _rget(rollout.resume_draws.remote(ledger.frontier, list(ledger.settled)), "rollout.resume_draws")
         elif resumed.get("dataset"):  # a checkpoint without a ledger: the loader cursor
-            ray.get(rollout.load_data_state.remote(resumed["dataset"]))
+            _rget(rollout.load_data_state.remote(resumed["dataset"]), "rollout.load_data_state")
         if cfg.eval_before:
             timeline.phase("eval_before", label="held-out eval (before)")
             evaluate(rollout, summary, "eval_before", "before")
@@ -162,11 +170,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
         if ev0:
             logger.log(ev0, start_step)
-        rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
+        rm0 = _rget(rollout.metrics.remote(), "rollout.metrics")  # after eval_before: its requests are not the loop's
         busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
         gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)
         reward_prev = (rm0.get("rollout/reward_sum", 0.0), rm0.get("rollout/samples_generated", 0.0))
-        ray.get(rollout.start.remote())
+        _rget(rollout.start.remote(), "rollout.start")
         busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, trainer.version()
@@ -176,7 +184,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         def save(at_step: int, data: dict | None = None) -> str:
             """The whole-run checkpoint of step ``at_step``: the trainer's (model, optimizer,
             RNG, version) with the data position and the draw ledger (run_state.py) in it."""
-            data = data if data is not None else ray.get(rollout.data_state.remote(), timeout=_BUFFER_REPLY_S)
+            data = data if data is not None else _rget(rollout.data_state.remote(), "rollout.data_state")
             record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
             rs = ledger.state_dict(weight_version=trainer.version(), step=at_step, max_staleness=K)
             return trainer.save_checkpoint(save_dir, at_step, {"dataset": data, "run_state": rs})
@@ -216,7 +224,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             saving = bool(si) and (step % si == 0 or step == cfg.num_steps)
             # the prompt position before the sync opens admission for the next version: in sync
             # mode it is exactly the prompts trained, so a resumed run draws what this one would
-            data = ray.get(rollout.data_state.remote()) if saving else None
+            data = _rget(rollout.data_state.remote(), "rollout.data_state") if saving else None
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
                 timeline.phase("sync", step, label=f"step {step}/{cfg.num_steps}: weight sync")
                 m.update(recovery.check())  # the group's members are the live engines
@@ -225,7 +233,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 if cfg.weight_sync.check:
                     m.update(trainer.check_engines(recovery.live_urls()))
                 syncing["on"] = False
-                ray.get(buffer.set_engine_version.remote(version))
+                _rget(buffer.set_engine_version.remote(version), "buffer.set_engine_version")
                 synced_version = version
             if saving:
                 t_save = time.perf_counter()
@@ -235,8 +243,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             tokens += m["train/response_tokens"]
             n_samples += m["train/samples"]
             elapsed = time.perf_counter() - t_start
-            bstats = ray.get(buffer.stats.remote())
-            rm = ray.get(rollout.metrics.remote())
+            bstats = _rget(buffer.stats.remote(), "buffer.stats")
+            rm = _rget(rollout.metrics.remote(), "rollout.metrics")
             m.update(loop_metrics(bstats, rm, busy0, elapsed))
             busy_now = _mean_engine_busy(rm)
             m.update({
@@ -254,7 +262,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             })
             m.update(wait_split_metrics(bstats, t1 - t0))  # C27: filling + straggler = wait
             m.update(recovery.metrics())
-            timeline.end_step(step, m["perf/wait_straggler_seconds"], ray.get(rollout.trace_spans.remote()))
+            timeline.end_step(step, m["perf/wait_straggler_seconds"], _rget(rollout.trace_spans.remote(), "rollout.trace_spans"))
             # reward per sample generated since the last step, filtered/dropped ones included
             rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
             if rg[1] > reward_prev[1]:
@@ -275,13 +283,13 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
                                                  "perf/trainer_idle_frac", "perf/engine_idle_frac")}
         summary["perf"]["loop_seconds"] = elapsed
-        ray.get(rollout.stop.remote())
+        _rget(rollout.stop.remote(), "rollout.stop")
         # the buffer's own "samples_generated" counts the samples put into it (after dynamic
         # filtering); named samples_put here so that "samples_generated" means one thing in the
         # summary: rollout/samples_generated, every sample generated and scored
         summary["buffer"] = {("samples_put" if k == "samples_generated" else k): v
-                             for k, v in ray.get(buffer.stats.remote()).items()}
-        summary["rollout"] = ray.get(rollout.metrics.remote())
+                             for k, v in _rget(buffer.stats.remote(), "buffer.stats").items()}
+        summary["rollout"] = _rget(rollout.metrics.remote(), "rollout.metrics")
         if cfg.eval_after and "stopped_at_step" not in summary:
             timeline.phase("eval_after", label="held-out eval (after)")
             evaluate(rollout, summary, "eval_after", "after")
@@ -309,7 +317,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["startup_seconds"] = t_start - t_launch
         logger.summary(summary)
         trainer.shutdown()
-        ray.get(rollout.close.remote())
+        _rget(rollout.close.remote(), "rollout.close")
     except Exception as e:
         dead = dead_engines(engines) if engines is not None else []
         if dead and not isinstance(e, EngineFleetError):  # name the engine that died, not the HTTP error
@@ -379,6 +387,17 @@ def check_save_dir(cfg: ExperimentConfig) -> None:
 
 _BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in the step loop
 _ENGINE_POLL_S = 5.0  # s: how often a step-loop wait checks that the engine processes are alive
+
+
+def _rget(ref, what: str, timeout_s: float = _BUFFER_REPLY_S):
+    """``ray.get(ref)`` bounded by ``timeout_s``; on expiry ``GetTimeoutError`` names ``what``
+    (the actor call) and the bound, instead of a run that hangs on a lost reply."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise ray.exceptions.GetTimeoutError(f"{what}: no reply within {timeout_s:.0f} s") from e
 
 
 def _get_watching(ref, engines, timeout_s: float | None = None):  # engines None: no engine check

@@ -86,6 +86,7 @@ class EnginePool:
         self.actors = [cls.options(**s.options()).remote(cfg.engine, model_path, i, s.node_ip if multi_node else None)
                        for i, s in enumerate(self.placement.slots)]
         self.urls: list[str | None] = [None] * len(self.actors)
+        self.startup_timeout_s = float(cfg.engine.startup_timeout_s)  # bounds launch()/restart() waits
 
     def launch(self) -> list[str]:
         """Start every engine at once; their URLs in engine-index order.
@@ -95,7 +96,8 @@ class EnginePool:
         errs = []
         for i, ref in enumerate(refs):
             try:
-                self.urls[i] = ray.get(ref)
+                # the server's own start is bounded by engine.startup_timeout_s; this bounds the actor too
+                self.urls[i] = ray.get(ref, timeout=self.startup_timeout_s + 120.0)
             except Exception as e:  # noqa: BLE001 - named below
                 c = getattr(e, "cause", None) or e
                 if isinstance(c, UserInputError):  # bad input (engine.cpu_affinity): the CLI's one line
@@ -139,7 +141,8 @@ class EnginePool:
     def check_and_restart(self) -> list[int]:
         """Restart engines whose process died or whose ``/health`` fails; their indices (see
         :func:`moe_async.engines.base.ensure_healthy`: they need the weights again)."""
-        return [i for i, ok in enumerate(ray.get([a.restart_if_unhealthy.remote() for a in self.actors])) if ok]
+        return [i for i, ok in enumerate(ray.get([a.restart_if_unhealthy.remote() for a in self.actors],
+                                                                timeout=self.startup_timeout_s + 120.0)) if ok]
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every server, then the actors and their placement group (idempotent)."""
