@@ -30,7 +30,7 @@ def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp
            "MOE_ASYNC_SIGTERM": "checkpoint", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), f"logging.output_dir={tmp_path / 'a'}",
            "eval_before=false", "eval_after=false", "logging.wandb_mode=disabled", "num_steps=20",
-           "async.mode=sync", f"trainer.save_dir={ckpt}",
+           "async.mode=sync", "async.max_staleness=0", f"trainer.save_dir={ckpt}",
            "rollout.max_new_tokens=128"]  # a long generation: the driver waits seconds for each batch
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watchdog = threading.Timer(600, proc.kill)
@@ -66,7 +66,8 @@ def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp
     losses1 = [json.loads(x)["train/loss"] for x in (run_a / "metrics.jsonl").read_text().splitlines()]
     assert len(losses1) == 2
 
-    s2, steps2 = _train(tmp_path / "b", "num_steps=4", "async.mode=sync", f"trainer.load={ckpt}",
+    s2, steps2 = _train(tmp_path / "b", "num_steps=4", "async.mode=sync", "async.max_staleness=0",
+                        f"trainer.load={ckpt}",
                         "rollout.max_new_tokens=128",
                         f"trainer.save_dir={tmp_path / 'ckpt2'}", "trainer.save_interval=10")
     assert s2["start_step"] == 2 and s2["loaded_weights_digest"] == s1["final_weights_digest"]
