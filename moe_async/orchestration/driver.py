@@ -196,9 +196,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             while groups is None:
                 rec = recovery.check()  # a dead engine: restarted and re-synced, or retired (C19-C21)
                 synced_version = int(rec.get("engine/weight_version", synced_version))
-                # a bounded wait for the buffer's own 5 s wait: a lost reply (seen once in CI
+                # a bounded wait for the buffer's own wait: a lost reply (seen once in CI
                 # after an engine was killed) must fail the run instead of hanging it
-                groups = _get_watching(buffer.get_batch.remote(version, 5.0), None, _BUFFER_REPLY_S)
+                # 1 s buffer waits: a SIGTERM or a dead engine is seen within about a second
+                groups = _get_watching(buffer.get_batch.remote(version, 1.0), None, _BUFFER_REPLY_S)
                 err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
