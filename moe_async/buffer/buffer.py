@@ -75,6 +75,7 @@ class RolloutBuffer:
         self.samples_dropped = 0
         self.drop_reasons: Counter[str] = Counter()
         self.in_flight_at_stop = 0
+        self.stale_draws: list[int] = []  # draw numbers of groups dropped as stale, until drained
         self.staleness_hist: Counter[int] = Counter()
         self._clock = clock
         self._put_at: dict[int, float] = {}  # id(group) -> when it was put (C27)
@@ -131,6 +132,9 @@ class RolloutBuffer:
                 self.samples_dropped += len(g.samples)
                 self.retired += 1
                 self.drop_reasons["stale"] += 1
+                seq = g.samples[0].metadata.get("draw_seq") if g.samples else None
+                if seq is not None:  # the run's draw ledger (orchestration/run_state.py)
+                    self.stale_draws.append(int(seq))
                 self._put_at.pop(id(g), None)
             else:
                 keep.append(g)

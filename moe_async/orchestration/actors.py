@@ -54,6 +54,11 @@ class BufferActor:
     async def stats(self) -> dict[str, Any]:
         return self.abuf.buf.stats()
 
+    async def drain_stale_draws(self) -> list[int]:
+        """Draw numbers of the groups dropped as stale since the last call (run_state.DrawLedger)."""
+        out, self.abuf.buf.stale_draws = self.abuf.buf.stale_draws, []
+        return out
+
 
 class BufferProxy:
     """The async ``admit/put/cancel`` interface the RolloutManager expects, over a Ray
@@ -189,6 +194,20 @@ class TrainerActor:
         samples = [s for g in groups for s in g.samples]
         flat_adv = [a for ga in adv for a in ga]
         return {f"train/{k}": v for k, v in self.trainer.train_step(samples, flat_adv).items()}
+
+    def reconnect_engines(self, urls: list[str]) -> None:
+        """Rank 0 re-forms the weight-update group with ``urls`` (the engines in it from now
+        on: the live ones, a restarted one at its URL; C20): every old member leaves first
+        (``/destroy_weights_update_group``; a dead one's failure is logged), then the group
+        is formed again with the same transport (its send buffer kept). Collective."""
+        self._enter("reconnect_engines")
+        if self.rank != 0:
+            return
+        from moe_async.engines.client import SyncEngineClient
+
+        assert self.transport is not None, "connect_engines() first"
+        clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
+        self.transport.reform(clients)
 
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version (rank 0 sends;
@@ -330,6 +349,7 @@ class RolloutActor:
             self.reward_pool,
             eos_token_ids=eos,
             max_context_len=int(hf_cfg.get("max_position_embeddings", 2048)),
+            no_engine_wait_s=cfg.engine.startup_timeout_s + 60.0,  # an engine restart (engine_recovery)
         )
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -372,6 +392,24 @@ class RolloutActor:
 
     async def metrics(self) -> dict[str, Any]:
         return self.manager.metrics()
+
+    async def drain_settled(self) -> list[tuple[int, str]]:
+        """``(draw number, reason)`` of the train draws dropped since the last call."""
+        return self.manager.drain_settled()
+
+    async def resume_draws(self, frontier: int, settled: list[int]) -> None:
+        """A resumed run's prompts (before :meth:`start`): rewind to the trained ``frontier``
+        and pass over the ``settled`` draws beyond it (moe_async/orchestration/run_state.py)."""
+        self.dataset.seek(frontier)
+        self.manager.skip_draws(settled)
+
+    async def set_routable(self, i: int, ok: bool) -> None:
+        """Engine ``i`` into (``ok``) or out of request routing (C19: the driver's recovery)."""
+        self.manager.set_routable(i, ok)
+
+    async def routable(self) -> list[bool]:
+        """The routing mask, one flag per engine (the manager drops an engine that failed a request)."""
+        return list(self.manager.routable)
 
     async def trace_spans(self) -> list[tuple]:
         """The timeline spans recorded since the last call (moe_async.logging.timeline)."""

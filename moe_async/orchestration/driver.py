@@ -32,11 +32,19 @@ every ``save_interval`` steps and after the last one the trainer writes
 position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
 checkpoint before the buffer is made (its admission bound counts from the loaded version,
 case C6), the engines receive the loaded weights by a weight sync before any generation,
-the train prompts continue from the position read after the saving step's train step and
-before its sync (prompts drawn by then but not trained, i.e. buffered or in flight, are
-skipped, as slime's data-source offset does; in sync mode none are, so a resumed run draws
-what the uninterrupted run would), and the
-loop runs steps N+1..num_steps (num_steps counts in total, slime's convention).
+the train prompts continue from the checkpoint's trained frontier (the draw ledger,
+:mod:`moe_async.orchestration.run_state`: prompts pending at the save are drawn again, the
+ones settled beyond the frontier passed over; a checkpoint without a ledger continues after
+its loader position), and the loop runs steps N+1..num_steps (num_steps counts in total,
+slime's convention). With ``MOE_ASYNC_SIGTERM=checkpoint`` a SIGTERM while the loop waits for
+a batch stops at once with the last finished step's checkpoint (case C22).
+
+Engine failures (cases C19-C21): :class:`~moe_async.orchestration.engine_recovery.EngineRecovery`
+runs between the waits for a batch and before each weight sync: a dead engine is restarted
+or retired (``engine.max_restarts``, ``engine.min_healthy_engines``), re-joins the update
+group with the live engines, gets the current weights and is routed again only after
+acknowledging the trainer's weight_version. ``summary["accounting"]`` says where every train
+prompt drawn went (trained / dropped by reason / pending).
 """
 
 from __future__ import annotations
@@ -53,9 +61,12 @@ from moe_async.logging.console import RunConsole
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.affinity import check_run_placement
+from moe_async.orchestration.engine_recovery import EngineRecovery
 from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, report_eval, sigterm_to_checkpoint,
                                                sigterm_to_exit, stop_requested)
-from moe_async.orchestration.metrics import batch_metrics, loop_metrics
+from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
+from moe_async.orchestration.run_state import DrawLedger, record_settled
+from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
 
@@ -146,8 +157,16 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                   f"(weight_version {trainer.version()})", flush=True)
         buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version (C6)
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
-        if resumed.get("dataset"):
-            ray.get(rollout.load_data_state.remote(resumed["dataset"]))
+        # C19-C21: dead engines restarted/retired between waits; the trainer's calls no longer
+        # fail on a dead engine except during a weight sync (an engine gone from the broadcast)
+        recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
+        syncing = {"on": False}
+        trainer.watch = lambda: engines.dead_engines() if syncing["on"] else []
+        ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
+        if resumed.get("run_state"):  # rewind to the frontier, pass over what was settled after it
+            _rget(rollout.resume_draws.remote(ledger.frontier, list(ledger.settled)), "rollout.resume_draws")
+        elif resumed.get("dataset"):  # a checkpoint without a ledger: the loader cursor
+            _rget(rollout.load_data_state.remote(resumed["dataset"]), "rollout.load_data_state")
         curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps, lambda: ray.get(rollout.evaluate_curve.remote()))
         if cfg.eval_before:
             timeline.phase("eval_before", label="held-out eval (before)")
@@ -158,56 +177,83 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             report_eval(summary, "eval_before", "before", curve.last_greedy)
         if ev0:
             logger.log(ev0, start_step)
-        rm0 = ray.get(rollout.metrics.remote())  # after eval_before: its requests are not the loop's
+        rm0 = _rget(rollout.metrics.remote(), "rollout.metrics")  # after eval_before: its requests are not the loop's
         busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
         gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)
         reward_prev = (rm0.get("rollout/reward_sum", 0.0), rm0.get("rollout/samples_generated", 0.0))
-        ray.get(rollout.start.remote())
+        _rget(rollout.start.remote(), "rollout.start")
         busy_prev = _mean_engine_busy(busy0)
         n_samples = 0.0
         t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, trainer.version()
         t_loop0 = t_start  # t_start moves by each held-out evaluation's seconds (the perf/* rates)
         synced_version = version
+        m, elapsed = {}, 0.0
+
+        def save(at_step: int, data: dict | None = None) -> str:
+            """The whole-run checkpoint of step ``at_step``: the trainer's (model, optimizer,
+            RNG, version) with the data position and the draw ledger (run_state.py) in it."""
+            data = data if data is not None else _rget(rollout.data_state.remote(), "rollout.data_state")
+            record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
+            rs = ledger.state_dict(weight_version=trainer.version(), step=at_step, max_staleness=K)
+            return trainer.save_checkpoint(save_dir, at_step, {"dataset": data, "run_state": rs})
+
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
             timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
             groups = None
             while groups is None:
-                # a bounded wait for the buffer's own 5 s wait: a lost reply (seen once in CI
-                # after an engine was killed) must fail the run, naming a dead engine if any,
-                # instead of hanging it
-                groups = _get_watching(buffer.get_batch.remote(version, 5.0), engines, _BUFFER_REPLY_S)
-                err = _get_watching(rollout.error.remote(), engines, _BUFFER_REPLY_S)
+                rec = recovery.check()  # a dead engine: restarted and re-synced, or retired (C19-C21)
+                synced_version = int(rec.get("engine/weight_version", synced_version))
+                # a bounded wait for the buffer's own wait: a lost reply (seen once in CI
+                # after an engine was killed) must fail the run instead of hanging it
+                # 1 s buffer waits: a SIGTERM or a dead engine is seen within about a second
+                groups = _get_watching(buffer.get_batch.remote(version, 1.0), None, _BUFFER_REPLY_S)
+                err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
+                if groups is None and stop_requested():  # C22 while waiting for a batch: stop now
+                    break
+            if groups is None:  # the last finished step's checkpoint (unless written), then out
+                done = step - 1
+                si = cfg.trainer.save_interval
+                if done > start_step and not (si and done % si == 0):
+                    summary["last_checkpoint"] = save(done)
+                summary["stopped_at_step"] = done
+                print(f"[moe-async] {stop_requested()} while waiting for the batch of step {step}: stopped "
+                      f"after step {done}, checkpoint {summary.get('last_checkpoint')}", flush=True)
+                break
             t1 = time.perf_counter()
             idle += t1 - t0
             timeline.phase("train", step, label=f"step {step}/{cfg.num_steps}: train step")
             m = batch_metrics(groups, version)
             m.update(trainer.train_step(groups))  # every rank; a dead engine or rank fails it, named
             version = trainer.version()
+            record_settled(ledger, groups, rollout, buffer, _BUFFER_REPLY_S)
             si = cfg.trainer.save_interval
             saving = bool(si) and (step % si == 0 or step == cfg.num_steps)
             # the prompt position before the sync opens admission for the next version: in sync
             # mode it is exactly the prompts trained, so a resumed run draws what this one would
-            data = ray.get(rollout.data_state.remote()) if saving else None
+            data = _rget(rollout.data_state.remote(), "rollout.data_state") if saving else None
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
                 timeline.phase("sync", step, label=f"step {step}/{cfg.num_steps}: weight sync")
+                m.update(recovery.check())  # the group's members are the live engines
+                syncing["on"] = True
                 m.update(trainer.sync_weights())
                 if cfg.weight_sync.check:
-                    m.update(trainer.check_engines(urls))
-                ray.get(buffer.set_engine_version.remote(version))
+                    m.update(trainer.check_engines(recovery.live_urls()))
+                syncing["on"] = False
+                _rget(buffer.set_engine_version.remote(version), "buffer.set_engine_version")
                 synced_version = version
             if saving:
                 t_save = time.perf_counter()
                 timeline.phase("save", step, label=f"step {step}/{cfg.num_steps}: checkpoint")
-                summary["last_checkpoint"] = trainer.save_checkpoint(save_dir, step, {"dataset": data})
+                summary["last_checkpoint"] = save(step, data)
                 m["perf/save_seconds"] = time.perf_counter() - t_save
             tokens += m["train/response_tokens"]
             n_samples += m["train/samples"]
             elapsed = time.perf_counter() - t_start
-            bstats = ray.get(buffer.stats.remote())
-            rm = ray.get(rollout.metrics.remote())
+            bstats = _rget(buffer.stats.remote(), "buffer.stats")
+            rm = _rget(rollout.metrics.remote(), "rollout.metrics")
             m.update(loop_metrics(bstats, rm, busy0, elapsed))
             busy_now = _mean_engine_busy(rm)
             m.update({
@@ -224,7 +270,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
             m.update(wait_split_metrics(bstats, t1 - t0))  # C27: filling + straggler = wait
-            timeline.end_step(step, m["perf/wait_straggler_seconds"], ray.get(rollout.trace_spans.remote()))
+            m.update(recovery.metrics())
+            timeline.end_step(step, m["perf/wait_straggler_seconds"], _rget(rollout.trace_spans.remote(), "rollout.trace_spans"))
             # reward per sample generated since the last step, filtered/dropped ones included
             rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
             if rg[1] > reward_prev[1]:
@@ -237,8 +284,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             logger.console_step(step, cfg.num_steps, m)
             if stop_requested() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
                 if not (si and step % si == 0):
-                    data = ray.get(rollout.data_state.remote())
-                    summary["last_checkpoint"] = trainer.save_checkpoint(save_dir, step, {"dataset": data})
+                    summary["last_checkpoint"] = save(step)
                 summary["stopped_at_step"] = step
                 print(f"[moe-async] {stop_requested()}: stopped after step {step}, checkpoint "
                       f"{summary['last_checkpoint']}", flush=True)
@@ -246,13 +292,13 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
                                                  "perf/trainer_idle_frac", "perf/engine_idle_frac")}
         summary["perf"]["loop_seconds"] = elapsed
-        ray.get(rollout.stop.remote())
+        _rget(rollout.stop.remote(), "rollout.stop")
         # the buffer's own "samples_generated" counts the samples put into it (after dynamic
         # filtering); named samples_put here so that "samples_generated" means one thing in the
         # summary: rollout/samples_generated, every sample generated and scored
         summary["buffer"] = {("samples_put" if k == "samples_generated" else k): v
-                             for k, v in ray.get(buffer.stats.remote()).items()}
-        summary["rollout"] = ray.get(rollout.metrics.remote())
+                             for k, v in _rget(buffer.stats.remote(), "buffer.stats").items()}
+        summary["rollout"] = _rget(rollout.metrics.remote(), "rollout.metrics")
         if cfg.eval_after and "stopped_at_step" not in summary:
             if curve.points and curve.points[-1]["step"] == step:  # the curve's last point, on these weights
                 report_eval(summary, "eval_after", "after", curve.last_greedy)
@@ -266,7 +312,13 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         from moe_async.engines.client import SyncEngineClient
 
         trainer_sums = trainer.checksums()
-        engine_sums = [SyncEngineClient(u).weights_checksum() for u in urls]
+        m_rec = recovery.check()  # an engine that died after the last sync: back, at this version
+        synced_version = int(m_rec.get("engine/weight_version", synced_version))
+        summary["engines"] = {**recovery.metrics(), "events": recovery.events}
+        summary["accounting"] = prompt_accounting(summary["buffer"])
+        record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
+        summary["draws"] = ledger.state_dict()  # the trained frontier and what was settled beyond it
+        engine_sums = [SyncEngineClient(u).weights_checksum() for u in recovery.live_urls()]
         summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
         summary["final_weight_version"] = version
         summary["final_weights_digest"] = weights_digest(trainer_sums)
@@ -277,10 +329,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["startup_seconds"] = t_loop0 - t_launch
         logger.summary(summary)
         trainer.shutdown()
-        ray.get(rollout.close.remote())
+        _rget(rollout.close.remote(), "rollout.close")
     except Exception as e:
         dead = dead_engines(engines) if engines is not None else []
-        if dead:  # name the engine that died instead of the HTTP error it caused
+        if dead and not isinstance(e, EngineFleetError):  # name the engine that died, not the HTTP error
             raise RuntimeError("; ".join(dead)) from e
         raise
     finally:
@@ -349,7 +401,18 @@ _BUFFER_REPLY_S = 120.0  # s: the most a buffer/rollout actor reply may take in 
 _ENGINE_POLL_S = 5.0  # s: how often a step-loop wait checks that the engine processes are alive
 
 
-def _get_watching(ref, engines, timeout_s: float | None = None):
+def _rget(ref, what: str, timeout_s: float = _BUFFER_REPLY_S):
+    """``ray.get(ref)`` bounded by ``timeout_s``; on expiry ``GetTimeoutError`` names ``what``
+    (the actor call) and the bound, instead of a run that hangs on a lost reply."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise ray.exceptions.GetTimeoutError(f"{what}: no reply within {timeout_s:.0f} s") from e
+
+
+def _get_watching(ref, engines, timeout_s: float | None = None):  # engines None: no engine check
     """``ray.get(ref)`` that checks the engine processes every :data:`_ENGINE_POLL_S` seconds
     while it waits: a dead engine fails the step at once, named (index, URL, exit code, log),
     instead of leaving the driver waiting on a call blocked by it (a weight sync into a
@@ -366,7 +429,7 @@ def _get_watching(ref, engines, timeout_s: float | None = None):
         ready, _ = ray.wait([ref], timeout=_ENGINE_POLL_S)
         if ready:
             return ray.get(ref)
-        dead = dead_engines(engines)
+        dead = dead_engines(engines) if engines is not None else []
         if dead:
             raise RuntimeError("; ".join(dead))
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:

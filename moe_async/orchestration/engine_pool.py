@@ -65,6 +65,15 @@ class EngineActor:
             return f"exited with code {proc.returncode}; log: {getattr(self.engine, 'log_path', None)}"
         return None
 
+    def restart(self) -> str:
+        """Stop what is left of the server and start it again on the same port; its URL once
+        ``/health`` answers (it holds the base weights: the caller sends the current ones).
+        Raises EngineLaunchError."""
+        if self.engine is None:
+            return self.launch()
+        self.engine.restart()
+        return self.engine.url
+
     def restart_if_unhealthy(self) -> bool:
         """Restart the server (same URL) when its process died or ``/health`` fails."""
         from moe_async.engines.base import ensure_healthy
@@ -100,6 +109,7 @@ class EnginePool:
         #: node rank 0 of each engine (the server the rollouts and the weight sync talk to)
         self.actors = self.all_actors[::n]
         self.urls: list[str | None] = [None] * len(self.actors)
+        self.startup_timeout_s = float(cfg.engine.startup_timeout_s)  # bounds launch()/restart() waits
 
     def _where(self, j: int) -> str:
         n = self.nodes_per_engine
@@ -119,7 +129,8 @@ class EnginePool:
         errs = []
         for j, ref in enumerate(refs):
             try:
-                url = ray.get(ref)
+                # the server's own start is bounded by engine.startup_timeout_s; this bounds the actor too
+                url = ray.get(ref, timeout=self.startup_timeout_s + 120.0)
             except Exception as e:  # noqa: BLE001 - named below
                 c = getattr(e, "cause", None) or e
                 if isinstance(c, UserInputError):  # bad input (engine.cpu_affinity): the CLI's one line
@@ -150,10 +161,26 @@ class EnginePool:
                 out.append(f"engine {i} at {self.urls[i]}{rank} {why}")
         return out
 
+    def restart(self, i: int, timeout_s: float) -> str:
+        """Restart engine ``i``'s server (same URL); its URL.
+
+        Raises: RuntimeError naming the engine when it did not come back within ``timeout_s``
+        (``ray.exceptions.GetTimeoutError``) or its start failed."""
+        try:
+            url = ray.get(self.actors[i].restart.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(f"engine {i} at {self.urls[i]}: restart not serving within {timeout_s:.0f} s") from e
+        except Exception as e:  # noqa: BLE001 - named
+            c = getattr(e, "cause", None) or e
+            raise RuntimeError(f"engine {i} at {self.urls[i]}: restart failed: {type(c).__name__}: {c}") from e
+        self.urls[i] = url
+        return url
+
     def check_and_restart(self) -> list[int]:
         """Restart engines whose process died or whose ``/health`` fails; their indices (see
         :func:`moe_async.engines.base.ensure_healthy`: they need the weights again)."""
-        return [i for i, ok in enumerate(ray.get([a.restart_if_unhealthy.remote() for a in self.actors])) if ok]
+        return [i for i, ok in enumerate(ray.get([a.restart_if_unhealthy.remote() for a in self.actors],
+                                                                timeout=self.startup_timeout_s + 120.0)) if ok]
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every server, then the actors and their placement group (idempotent)."""

@@ -40,7 +40,8 @@ def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> d
     # rollout manager's counters only appear once incremented, and a missing key would read as
     # "not measured" in metrics.jsonl / wandb rather than 0
     m.update({k: float(rmetrics.get(k, 0.0)) for k in LOOP_COUNT_KEYS})
-    m.update({k: v for k, v in rmetrics.items() if k.startswith("rollout/dropped/")})
+    m.update({k: v for k, v in rmetrics.items() if k.startswith(("rollout/dropped/", "rollout/requests/"))})
+    m["rollout/engine_request_retries"] = float(rmetrics.get("rollout/engine_request_retries", 0.0))
     m["rollout/requests_in_flight"] = float(rmetrics.get("rollout/requests_in_flight", 0.0))  # at this step's end
     # mean reward of every sample scored so far, trained or not (dynamic filtering and stale
     # drops bias rollout/reward_mean, the trained batch's mean, away from the policy's reward)
@@ -50,3 +51,19 @@ def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> d
     if busy and elapsed > 0:
         m["perf/engine_idle_frac"] = max(0.0, 1.0 - sum(busy) / len(busy) / elapsed)
     return m
+
+
+def prompt_accounting(bstats: dict) -> dict:
+    """Where every train prompt drawn went, from the buffer's counters (one admission = one
+    prompt drawn): ``drawn`` = ``trained`` + ``dropped`` (summed over ``dropped_by_reason``:
+    ``stale``, ``engine_lost``, ``filtered_equal_rewards``, ``prompt_too_long``, ...) +
+    ``pending`` (buffered, in flight, or in flight when generation stopped). ``balanced``:
+    whether the sum holds (it always should; False means a prompt went unaccounted)."""
+    reasons = dict(bstats.get("drop_reasons", {}))
+    # groups_put: put into the buffer, then trained, dropped as stale (in reasons) or buffered
+    pending = int(bstats["buffered_groups"]) + int(bstats["in_flight"]) + int(bstats["in_flight_at_stop"])
+    dropped = sum(int(v) for v in reasons.values())
+    out = {"drawn": int(bstats["admitted"]), "trained": int(bstats["groups_trained"]), "dropped": dropped,
+           "dropped_by_reason": reasons, "pending": pending}
+    out["balanced"] = out["drawn"] == out["trained"] + dropped + pending
+    return out

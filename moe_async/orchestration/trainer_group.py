@@ -157,6 +157,9 @@ class TrainerGroup:
     def connect_engines(self, urls: list[str]) -> None:
         self._call("connect_engines", urls)
 
+    def reconnect_engines(self, urls: list[str]) -> None:
+        self._call("reconnect_engines", urls)
+
     def train_step(self, groups: list) -> dict[str, float]:
         import ray
 

@@ -19,7 +19,14 @@ Per admitted group (``run``):
    prompt of ``>= max_context_len`` tokens is dropped (reason ``prompt_too_long``, the
    admission is cancelled); otherwise ``max_new_tokens`` is clamped to
    ``max_context_len - prompt_len``. A prompt is never cut.
-2. ``G`` requests go out concurrently, round-robin over engines.
+2. ``G`` requests go out concurrently, round-robin over the *routable* engines. An engine
+   is taken out of routing by the driver (:meth:`RolloutManager.set_routable`: dead,
+   restarting, not yet at the current weight_version; C19) or by the manager itself when a
+   request to it fails at the transport level (connection refused/reset, HTTP 5xx: the
+   process died mid-request). Such a request is retried on another routable engine
+   (``rollout/engine_request_retries``); with none routable it waits up to
+   ``no_engine_wait_s`` seconds for one to come back (a restart), then the group is dropped,
+   reason ``engine_lost``. Only the driver puts an engine back into routing.
 3. An aborted request (weight update) is resubmitted: with ``partial_rollout`` as a
    continuation ``prompt + tokens_so_far`` for the remaining tokens, the segments
    concatenated and every token keeping the version its segment was generated under (C5);
@@ -125,6 +132,7 @@ class RolloutManager:
         reward_pool: Any,
         eos_token_ids: list[int] | None = None,
         max_context_len: int = 2048,
+        no_engine_wait_s: float = 600.0,
     ):
         if not engine_clients:
             raise ValueError("RolloutManager needs at least one engine client")
@@ -135,10 +143,14 @@ class RolloutManager:
         self.reward_pool = reward_pool
         self.eos_token_ids = [int(t) for t in (eos_token_ids or [])]
         self.max_context_len = int(max_context_len)
+        self.no_engine_wait_s = float(no_engine_wait_s)  # with no engine routable (a restart): then engine_lost
         self._rr = itertools.count()
         self._group_ids = itertools.count()
         self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
         self._busy = [_EngineBusy() for _ in self.engines]
+        self.routable = [True] * len(self.engines)  # C19: the driver's (and failures') routing mask
+        self._skip: set[int] = set()  # draw numbers settled before a resumed run's checkpoint
+        self._settled: list[tuple[int, str]] = []  # (draw number, drop reason) since drain_settled
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
         self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
@@ -168,6 +180,7 @@ class RolloutManager:
                         await self._sleep_or_stop(stop_event, self.cfg.admit_poll_s)
                     continue
                 try:
+                    seq = self._next_draw()
                     problem = self.dataset.next_train()
                     draw = self._draw_key(problem)
                     prompt_ids = self.dataset.build_prompt_ids(problem)
@@ -176,12 +189,13 @@ class RolloutManager:
                     raise
                 max_new = self._check_length(len(prompt_ids), self.cfg.max_new_tokens)
                 if max_new is None:
+                    self._settle(seq, "prompt_too_long")
                     await self._cancel("prompt_too_long")
                     continue
                 gid = next(self._group_ids)
                 self._open_groups.add(gid)  # admitted, not yet put or cancelled
                 tasks.add(asyncio.create_task(
-                    self._produce_group(gid, problem, prompt_ids, max_new, int(version), seed_key=draw),
+                    self._produce_group(gid, problem, prompt_ids, max_new, int(version), seed_key=draw, seq=seq),
                     name=f"group-{gid}",
                 ))
         finally:
@@ -245,7 +259,9 @@ class RolloutManager:
         reason, ``rollout/gen_wall_seconds`` (wall-clock s with >= 1 request outstanding on
         any engine, never more than the elapsed time), ``rollout/request_seconds_sum`` (s
         summed over requests; overlapping requests add up), ``rollout/engine_busy_s/<i>``
-        (per engine), ``rollout/requests_in_flight`` (requests outstanding now, all engines)
+        (per engine), ``rollout/requests/<i>`` (requests sent to engine i),
+        ``rollout/engine_request_retries`` (requests retried after their engine failed them),
+        ``rollout/requests_in_flight`` (requests outstanding now, all engines)
         and the reward pool's metrics."""
         m: dict[str, float] = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
         for reason, n in self.dropped.items():
@@ -261,6 +277,39 @@ class RolloutManager:
         if hasattr(self.reward_pool, "metrics"):
             m.update(self.reward_pool.metrics())
         return m
+
+    def skip_draws(self, seqs) -> None:
+        """Draw numbers a resumed run must not draw again (settled before its checkpoint:
+        moe_async/orchestration/run_state.py); each is passed over once (``rollout/skipped_settled``)."""
+        self._skip.update(int(x) for x in seqs)
+
+    def drain_settled(self) -> list[tuple[int, str]]:
+        """``(draw number, reason)`` of the train draws dropped since the last call."""
+        out, self._settled = self._settled, []
+        return out
+
+    def _next_draw(self) -> int | None:
+        """Pass over the draws in :meth:`skip_draws`; the draw number of the next draw
+        (None when the dataset has no ``position``)."""
+        pos = getattr(self.dataset, "position", None)
+        if pos is None:
+            return None
+        while pos() in self._skip:
+            self._skip.discard(pos())
+            self.dataset.next_train()
+            self.counters["skipped_settled"] += 1
+        return pos()
+
+    def _settle(self, seq: int | None, reason: str) -> None:
+        if seq is not None:
+            self._settled.append((int(seq), reason))
+
+    def set_routable(self, i: int, ok: bool) -> None:
+        """Put engine ``i`` into routing (``ok``) or take it out; requests already sent to it
+        are not affected (a dead engine's fail and are retried elsewhere)."""
+        if not 0 <= i < len(self.engines):
+            raise ValueError(f"engine index {i} out of range 0..{len(self.engines) - 1}")
+        self.routable[i] = bool(ok)
 
     # ================================================================ internals
     def _check_length(self, prompt_len: int, max_new: int, count: bool = True) -> int | None:
@@ -332,7 +381,7 @@ class RolloutManager:
                         else " (further distinct reward errors are only counted: rollout/reward_errors)")
 
     async def _produce_group(self, gid: int, problem: Any, prompt_ids: list[int], max_new: int,
-                             version: int, seed_key: int | None = None) -> None:
+                             version: int, seed_key: int | None = None, seq: int | None = None) -> None:
         """Generate, score and put (or cancel) one admitted group; settles ``gid``'s admission.
         ``seed_key`` (default ``gid``): what ``rollout.sampling_seed`` is mixed with."""
         seed_key = gid if seed_key is None else seed_key
@@ -353,7 +402,7 @@ class RolloutManager:
                 s.reward_error = r.error
                 s.answer = str(problem.answer)
                 s.metadata.update(task=self.cfg.task, problem_index=problem.index, group_id=gid,
-                                  sample_index=i)
+                                  sample_index=i, draw_seq=seq)
                 s.validate()
             group = Group(group_id=gid, samples=samples, start_version=version)
             self.counters["samples_generated"] += len(samples)
@@ -365,6 +414,7 @@ class RolloutManager:
             self.reward_streak.update(s.reward_error for s in samples)  # RewardFailureError
             if self._filter_out(group, version):
                 self.dropped["filtered_equal_rewards"] += 1
+                self._settle(seq, "filtered_equal_rewards")
                 self.counters["samples_filtered"] += len(samples)
                 self.counters["tokens_filtered"] += group.num_tokens
                 await self._cancel("filtered_equal_rewards")
@@ -374,10 +424,12 @@ class RolloutManager:
             self.counters["groups_produced"] += 1
         except DropGroup as exc:
             self.dropped[exc.reason] += 1
+            self._settle(seq, exc.reason)
             log.warning("group %d dropped: %s", gid, exc.reason)
             await self._cancel(exc.reason)
         except RewardFailureError:  # run() raises it next
             self.dropped["reward_failure"] += 1
+            self._settle(seq, "reward_failure")
             await self._cancel("reward_failure")
         except asyncio.CancelledError:
             if not put_attempted:  # the run ended while it generated: not a drop
@@ -388,9 +440,11 @@ class RolloutManager:
             if put_attempted:
                 log.exception("buffer.put failed for group %d", gid)
                 self.dropped["put_failed"] += 1
+                self._settle(seq, "put_failed")
             else:
                 log.exception("group %d failed", gid)
                 self.dropped[f"error:{type(exc).__name__}"] += 1
+                self._settle(seq, f"error:{type(exc).__name__}")
                 await self._cancel("error")
 
     def _filter_out(self, group: Group, version: int) -> bool:
@@ -492,8 +546,46 @@ class RolloutManager:
         joined = join_segments(routed, len(ids), seg, len(ids) + raw_n)
         return compact_routes(truncate_routes(joined, len(ids) + len(seg_ids)))
 
+    def _pick_engine(self) -> int | None:
+        """The next routable engine, round-robin; None when none is routable."""
+        n = len(self.engines)
+        for _ in range(n):
+            i = next(self._rr) % n
+            if self.routable[i]:
+                return i
+        return None
+
     async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
-        i = next(self._rr) % len(self.engines)
+        """One ``/generate`` on a routable engine; a transport failure (the engine died) takes
+        that engine out of routing and retries on another (module docstring, step 2). With no
+        engine routable it waits up to ``no_engine_wait_s`` seconds for the driver to put one
+        back (a restart), polling every 0.2 s.
+
+        Raises: DropGroup("engine_lost") when none came back in time, or after
+        ``2 * engines + 1`` failed attempts; EngineTimeoutError."""
+        attempts, waited_since = 0, None
+        while attempts <= 2 * len(self.engines):
+            i = self._pick_engine()
+            if i is None:
+                waited_since = waited_since if waited_since is not None else time.monotonic()
+                if time.monotonic() - waited_since > self.no_engine_wait_s:
+                    break
+                await asyncio.sleep(0.2)
+                continue
+            waited_since = None
+            attempts += 1
+            try:
+                return await self._call_one(i, ids, sp)
+            except Exception as exc:
+                if not _engine_lost(exc):
+                    raise
+                self.routable[i] = False
+                self.counters["engine_request_retries"] += 1
+                log.warning("engine %d (%s) failed a request (%s: %s): out of routing, retrying elsewhere", i,
+                            getattr(self.engines[i], "base_url", "?"), type(exc).__name__, str(exc)[:200])
+        raise DropGroup("engine_lost")
+
+    async def _call_one(self, i: int, ids: list[int], sp: dict[str, Any]) -> Any:
         busy = self._busy[i]
         busy.enter()
         self._gen_busy.enter()
@@ -516,3 +608,18 @@ class RolloutManager:
             self._gen_busy.exit()
             busy.exit()
             self.counters["requests"] += 1
+            self.counters[f"requests/{i}"] += 1  # per engine: a replacement's share after it rejoined
+
+
+def _engine_lost(exc: BaseException) -> bool:
+    """A failure that says the engine process is gone (not a timeout, not a bad request):
+    connection refused/reset, a broken reply, HTTP 5xx."""
+    import httpx
+
+    from moe_async.engines.client import EngineRequestError
+
+    if isinstance(exc, httpx.TimeoutException):
+        return False
+    if isinstance(exc, (httpx.TransportError, ConnectionError)):
+        return True
+    return isinstance(exc, EngineRequestError) and exc.status_code >= 500

@@ -155,6 +155,18 @@ class TaskDataset:
         self._epoch, self._pos = int(state["epoch"]), int(state["pos"])
         self._order = self._epoch_order(self._epoch)
 
+    def position(self) -> int:
+        """The draw number of the next :meth:`next_train`: ``epoch * len(train) + pos`` (its
+        place in the seeded order over all epochs; moe_async/orchestration/run_state.py)."""
+        return self._epoch * len(self.train) + self._pos
+
+    def seek(self, seq: int) -> None:
+        """Make draw number ``seq`` the next one (a resumed run's trained frontier).
+        Raises ValueError for a negative ``seq``."""
+        if seq < 0:
+            raise ValueError(f"draw number must be >= 0, got {seq}")
+        self.load_state_dict({"epoch": seq // len(self.train), "pos": seq % len(self.train)})
+
     # ----------------------------------------------------------------- prompts
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": self.cfg.system_prompt}]

@@ -86,6 +86,13 @@ class WeightTransport(abc.ABC):
     #: :meth:`BroadcastTransport.destination` is one.
     destination: Callable[[str, Sequence[int], torch.dtype], torch.Tensor | None] | None = None
 
+    def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
+        """Leave the current engines and connect to ``clients`` instead (the live engines and
+        any restarted one: C20). Default: keep ``self.clients`` = ``clients`` and connect()."""
+        self.close()
+        self.clients = list(clients)
+        self.connect()
+
     def close(self) -> None:  # noqa: B027 - optional
         """Release per-connection resources (a later connect() may follow)."""
 
@@ -131,6 +138,8 @@ class BroadcastTransport(WeightTransport):
         self.master_address = master_address
         self.group_name = group_name
         self.backend = resolve_backend(cfg.backend)
+        self._ranks_per_engine = ranks_per_engine
+        self._world_size = world_size
         self.membership = GroupMembership(self.clients, engine_sizes=ranks_per_engine, group_name=group_name,
                                           backend=self.backend, master_address=master_address,
                                           timeout_s=cfg.timeout_s, world_size=world_size)
@@ -477,6 +486,36 @@ class BroadcastTransport(WeightTransport):
             "sync/oversize_buckets": float(oversize),
             "sync/weight_version": float(weight_version),
         }
+
+    def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
+        """Re-form the update group with ``clients`` (C20): every current member leaves first
+        (the engines' ``/destroy_weights_update_group``, then this side's group: a dead
+        engine's refusal is logged), then a new group is formed with ``clients`` (same group
+        name, a new store port) and their layout read again; the send buffer is kept when the
+        layout is the same. ``ranks_per_engine``: one int, or one per client (default: the
+        constructor's when it was one int).
+
+        Raises:
+            ValueError: per-engine sizes needed (the constructor had a list) but not given.
+            GroupFormationError: as :meth:`connect` (every partial group destroyed).
+        """
+        sizes = ranks_per_engine if ranks_per_engine is not None else self._ranks_per_engine
+        if not isinstance(sizes, int) and len(list(sizes)) != len(clients):
+            raise ValueError(f"reform: ranks_per_engine has {len(list(sizes))} entries for {len(clients)} engines")
+        if self.group is not None:
+            self.close()
+        for p in self._posters:
+            p.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.clients = list(clients)
+        self.membership = GroupMembership(self.clients, engine_sizes=sizes, group_name=self.group_name,
+                                          backend=self.backend, master_address=self.master_address,
+                                          timeout_s=self.cfg.timeout_s, world_size=None)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+        self._posters = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weight-sync-post{i}")
+                         for i in range(len(self.clients))]
+        self._sessionless = set()
+        self.connect()
 
     def close(self) -> None:
         """Leave the weight-update group on every engine (``/destroy_weights_update_group``)

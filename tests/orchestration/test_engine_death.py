@@ -1,5 +1,7 @@
-"""An engine that dies mid-run is named (index, URL, exit code, log) in the driver's error,
-the finished steps stay in metrics.jsonl, and nothing is left running."""
+"""An engine that dies mid-run with no restart allowed (``engine.max_restarts=0``: retired at
+once) leaves fewer than ``engine.min_healthy_engines`` healthy engines: the run stops with an
+error naming it (index, URL, exit code, log; C21), the finished steps stay in metrics.jsonl,
+and nothing is left running. The restart path: test_engine_recovery_e2e.py."""
 
 import json
 import os
@@ -38,7 +40,8 @@ def test_dead_engine_is_named(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
-           f"logging.output_dir={tmp_path}", "num_steps=40", "eval_before=false", "eval_after=false"]
+           f"logging.output_dir={tmp_path}", "num_steps=40", "eval_before=false", "eval_after=false",
+           "engine.max_restarts=0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # a hung run must fail this test, not the whole suite: kill it after 600 s
     watchdog = threading.Timer(600, proc.kill)
@@ -58,6 +61,7 @@ def test_dead_engine_is_named(tmp_path):
     assert len(killed) == 1, (killed, out[-3000:])  # cpu_smoke has one engine
     assert rc != 0, out[-3000:]
     assert "engine 0 at http://127.0.0.1:" in out and "exited with code -9" in out, out[-3000:]
+    assert "fewer than engine.min_healthy_engines=1" in out and "retired after 0 restart(s)" in out, out[-3000:]
     (run_dir,) = list(tmp_path.iterdir())
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2
     time.sleep(2)

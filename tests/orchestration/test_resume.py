@@ -80,9 +80,15 @@ def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> Non
     assert steps2[0]["buffer/staleness_max"] == 0.0
     assert sorted(p.name for p in ckpt2.iterdir()) == ["iter_0000003", "latest", "latest_checkpointed_iteration.txt",
                                                       "step_3"]
-    pos3 = json.loads((ckpt2 / "step_3" / "moe_async_state.json").read_text())["extra"]["dataset"]
-    # prompts continue after the saved position (plus at least the 2 trained in step 3)
-    assert pos3["epoch"] * 200 + pos3["pos"] >= pos["epoch"] * 200 + pos["pos"] + 2
+    extra3 = json.loads((ckpt2 / "step_3" / "moe_async_state.json").read_text())["extra"]
+    pos3, rs2, rs3 = extra3["dataset"], s1["draws"], extra3["run_state"]
+    # prompts continue from the saved trained frontier (run_state.py), not the loader cursor:
+    # at least the 2 trained in step 3 beyond it, and no draw trained twice (the ledger refuses)
+    saved = json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]["run_state"]
+    assert saved["step"] == 2 and saved["weight_version"] == 2 and saved["counts"]["trained"] == 2 * 2
+    assert pos3["epoch"] * 200 + pos3["pos"] >= saved["frontier"] + 2
+    assert rs3["counts"]["trained"] == 3 * 2 and rs3["frontier"] >= saved["frontier"]
+    assert rs2["counts"]["trained"] == 2 * 2
     assert s2["final_weight_version"] == 3 and s2["engine_weight_versions"] == [3]
     assert s2["final_weights_match"] is True
     assert s2["buffer"]["samples_trained"] == 1 * 2 * 4  # 1 step x 2 groups x G

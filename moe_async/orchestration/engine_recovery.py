@@ -1,0 +1,183 @@
+"""Engine failure handled live in the driver (cases C19, C20, C21).
+
+:class:`EngineRecovery` is called by the driver's step loop between its waits (while it
+waits for a batch, and before each weight sync). Each :meth:`EngineRecovery.check`:
+
+1. asks the :class:`~moe_async.orchestration.engine_pool.EnginePool` which engine processes
+   died (index, URL, exit code, log) and takes each one out of request routing at once
+   (:meth:`RolloutActor.set_routable`), so no new request reaches it;
+2. applies the :class:`~moe_async.orchestration.supervisor.RestartPolicy`
+   (``engine.max_restarts`` per engine, ``engine.min_healthy_engines``): restart (same URL)
+   or retire; a death that leaves too few healthy engines raises
+   :class:`~moe_async.orchestration.supervisor.EngineFleetError` naming every engine down;
+3. when the membership changed, every live engine and the replacement re-form the
+   weight-update group (:meth:`TrainerGroup.reconnect_engines`: old group torn down on every
+   member first, C20), the trainer sends its current weights to all of them, and each
+   engine's ``/get_weight_version`` must equal the trainer's version (its acknowledgement);
+   with ``weight_sync.check`` the per-tensor checksums are compared too;
+4. only then is the replacement put back into routing (C19: no request reaches it before it
+   acknowledged the current weight_version). An engine the rollout manager took out of
+   routing itself (a failed request) but whose process is alive goes back in after the same
+   acknowledgement check.
+
+Requests in flight on the dead engine fail at the transport level and are retried by the
+rollout manager on another routable engine (``rollout/engine_request_retries``), or, with
+none left, their group is dropped with reason ``engine_lost`` (``buffer`` drop reasons).
+
+Counters (:meth:`EngineRecovery.metrics`): the policy's ``engine/restarts``,
+``engine/retired``, ``engine/healthy``, ``engine/restarts/<i>``, plus
+``engine/recovery_syncs`` (weight syncs made for a replacement) and ``engine/readmitted``.
+
+Not handled here: an engine that dies *during* a weight sync fails that sync (the trainer
+group stops the run naming it; see the README's fault table).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from moe_async.orchestration.supervisor import RestartPolicy
+
+log = logging.getLogger(__name__)
+
+
+class EngineRecovery:
+    """See the module docstring.
+
+    Args:
+        cfg: the experiment config (``engine.max_restarts``, ``engine.min_healthy_engines``,
+            ``engine.startup_timeout_s``, ``weight_sync.check``).
+        pool: the :class:`EnginePool` (``dead_engines()``, ``restart(i, timeout_s)``, ``urls``).
+        trainer: the :class:`TrainerGroup` (``reconnect_engines``, ``sync_weights``,
+            ``check_engines``, ``version``).
+        rollout: the RolloutActor handle (``set_routable``, ``routable``).
+        buffer: the BufferActor handle (``set_engine_version``).
+        ray_timeout_s: bound on each Ray call to the rollout/buffer actors (named on expiry).
+    """
+
+    def __init__(self, cfg: Any, pool: Any, trainer: Any, rollout: Any, buffer: Any, ray_timeout_s: float = 120.0):
+        self.cfg = cfg
+        self.pool = pool
+        self.trainer = trainer
+        self.rollout = rollout
+        self.buffer = buffer
+        self.ray_timeout_s = ray_timeout_s
+        self.urls = list(pool.urls)
+        self.policy = RestartPolicy(self.urls, cfg.engine.max_restarts, cfg.engine.min_healthy_engines)
+        self.recovery_syncs = 0
+        self.readmitted = 0
+        self.events: list[str] = []  # one line per death/restart/retire, for the summary
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, ref: Any, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.ray_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(f"engine recovery: {what}: no reply within {self.ray_timeout_s:.0f} s") from e
+
+    def _dead(self) -> dict[int, str]:
+        """Engine index -> why, for the engines the pool reports dead and the policy counts healthy."""
+        out = {}
+        healthy = set(self.policy.healthy())
+        for line in self.pool.dead_engines():
+            i = int(line.split()[1])  # "engine <i> at <url> <why>"
+            if i in healthy:
+                out[i] = line
+        return out
+
+    def live_urls(self) -> list[str]:
+        """URLs of the healthy engines, in index order (the update group's members)."""
+        return [self.urls[i] for i in self.policy.healthy()]
+
+    # ------------------------------------------------------------------ the check
+    def check(self) -> dict[str, float]:
+        """One recovery pass (module docstring). Returns the counters; ``engine/weight_version``
+        when this pass synced the engines to the trainer's version (the caller records it).
+
+        Raises:
+            EngineFleetError: fewer than ``engine.min_healthy_engines`` healthy engines, naming them.
+            RuntimeError / WeightSyncError: a re-formed group or its sync failed (named).
+        """
+        dead = self._dead()
+        if not dead:
+            return self._readmit()
+        for i in dead:  # out of routing first: no new request reaches a dead engine
+            self._get(self.rollout.set_routable.remote(i, False), f"take engine {i} out of routing")
+        back: list[int] = []
+        for i, why in sorted(dead.items()):
+            reason = why
+            while True:
+                decision = self.policy.on_death(i, time.monotonic(), reason=reason)  # EngineFleetError
+                self.events.append(f"{reason} -> {decision}")
+                print(f"[moe-async] {reason}: {decision} (restart {self.policy.engines[i].restarts} of "
+                      f"engine.max_restarts={self.policy.max_restarts})", flush=True)
+                if decision == "retire":
+                    break
+                try:
+                    self.urls[i] = self.pool.restart(i, self.cfg.engine.startup_timeout_s + 60.0)
+                except Exception as e:  # noqa: BLE001 - another death, counted by the policy
+                    self.policy.on_restart_failed(i)
+                    reason = f"engine {i} at {self.urls[i]} {e}"[:400]
+                    continue
+                back.append(i)
+                break
+        # every live member and the replacements re-form the group, then get the current weights
+        m = self._resync()
+        for i in back:
+            self.policy.on_restarted(i)
+            self._get(self.rollout.set_routable.remote(i, True), f"put engine {i} back into routing")
+            self.events.append(f"engine {i} at {self.urls[i]} rejoined at weight_version {m['engine/weight_version']:.0f}")
+        m.update(self.metrics())
+        return m
+
+    def _resync(self, members: list[int] | None = None) -> dict[str, float]:
+        """Re-form the update group with the healthy engines (plus ``members`` about to be
+        readmitted), send the trainer's weights, check each engine acknowledged the version."""
+        from moe_async.engines.client import SyncEngineClient
+        from moe_async.weight_sync.group import WeightSyncError
+
+        idx = sorted(set(self.policy.healthy()) | {e.index for e in self.policy.engines if e.down} | set(members or []))
+        idx = [i for i in idx if not self.policy.engines[i].retired]
+        urls = [self.urls[i] for i in idx]
+        self.trainer.reconnect_engines(urls)
+        m = {f"recovery/{k}": v for k, v in self.trainer.sync_weights().items()}
+        version = self.trainer.version()
+        for i, u in zip(idx, urls):  # the acknowledgement: each engine reports the version it holds
+            held = SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s).get_weight_version()
+            if held != version:
+                raise WeightSyncError(f"engine {i} at {u} holds weight_version {held} after the recovery sync "
+                                      f"of version {version}: not put back into routing")
+        if self.cfg.weight_sync.check:
+            m.update({f"recovery/{k}": v for k, v in self.trainer.check_engines(urls).items()})
+        self._get(self.buffer.set_engine_version.remote(version), "buffer.set_engine_version")
+        self.recovery_syncs += 1
+        m["engine/weight_version"] = float(version)
+        return m
+
+    def _readmit(self) -> dict[str, float]:
+        """Engines the rollout manager took out of routing (a failed request) whose process is
+        alive: back in after a re-sync and acknowledgement (they may have missed an update)."""
+        from moe_async.engines.client import SyncEngineClient
+
+        mask = self._get(self.rollout.routable.remote(), "rollout.routable")
+        out = [i for i in self.policy.healthy() if not mask[i]]
+        # only those answering /health (a process that just died is the next check's death)
+        out = [i for i in out if SyncEngineClient(self.urls[i], timeout_s=5.0).health(timeout=5.0)]
+        if not out:
+            return {}
+        m = self._resync()
+        for i in out:
+            self._get(self.rollout.set_routable.remote(i, True), f"put engine {i} back into routing")
+            self.readmitted += 1
+        m.update(self.metrics())
+        return m
+
+    def metrics(self) -> dict[str, float]:
+        m = self.policy.metrics()
+        m["engine/recovery_syncs"] = float(self.recovery_syncs)
+        m["engine/readmitted"] = float(self.readmitted)
+        return m

@@ -1,0 +1,101 @@
+"""The data side of a whole-run checkpoint: which train prompts were settled (issue 19, C22).
+
+Every train prompt drawn has a *draw number* ``seq``: its place in the dataset's seeded order
+over all epochs (``epoch * len(train) + pos``, :meth:`TaskDataset.position`), the same in a
+resumed run. A drawn prompt is *settled* once it was trained, or dropped for a named reason
+(``stale`` in the buffer; ``engine_lost``, ``filtered_equal_rewards``, ``prompt_too_long``,
+``reward_failure``, ``error:*`` in the rollout); otherwise it is *pending* (buffered, in
+flight, or not generated yet).
+
+:class:`DrawLedger` (driver side) keeps the settled draws. Its state, saved with each
+checkpoint (inside the checkpoint's ``moe_async_state.json`` under ``run_state``, so it is
+written to the checkpoint's temporary directory and renamed with it: atomic), is
+
+    {"frontier": F,                    # every draw < F is settled
+     "settled": {seq: outcome},        # the settled draws >= F ("trained" or a drop reason)
+     "weight_version": v, "step": N, "max_staleness": K,
+     "counts": {"trained": .., "dropped": {reason: ..}}}   # cumulative over the whole run
+
+This is the *trained frontier*, not the loader cursor: a resumed run rewinds the prompts to
+``F`` and skips the draws in ``settled`` (:meth:`RolloutManager.skip_draws`), so a prompt that
+was pending at the save (buffered or in flight, trained by nobody) is drawn again, and none is
+trained twice. The buffer's contents are therefore not restored but regenerated (under the
+loaded weights, at the same staleness bound).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+TRAINED = "trained"
+
+
+class DrawLedger:
+    """Settled draws of a run (module docstring).
+
+    Args:
+        state: a saved :meth:`state_dict` to continue from (None: a new run).
+
+    Raises:
+        ValueError: a malformed ``state`` (named key) or a draw settled twice (the bug this
+            ledger exists to catch: a prompt trained twice).
+    """
+
+    def __init__(self, state: dict[str, Any] | None = None):
+        self.frontier = 0
+        self.settled: dict[int, str] = {}
+        self.counts: Counter = Counter()
+        if state:
+            try:
+                self.frontier = int(state["frontier"])
+                self.settled = {int(k): str(v) for k, v in state["settled"].items()}
+                self.counts = Counter({k: int(v) for k, v in state["counts"].items()})
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"run_state: malformed ledger ({type(e).__name__}: {e}); keys: frontier, settled, "
+                                 "counts") from e
+
+    def settle(self, seq: int, outcome: str) -> None:
+        """Record draw ``seq`` as trained (``outcome="trained"``) or dropped with ``outcome``."""
+        seq = int(seq)
+        if seq < self.frontier or seq in self.settled:
+            prev = self.settled.get(seq, "settled before the frontier")
+            raise ValueError(f"draw {seq} settled twice: {prev} then {outcome}")
+        self.settled[seq] = outcome
+        self.counts[outcome] += 1
+        while self.frontier in self.settled:  # advance over the settled prefix, keep the rest
+            del self.settled[self.frontier]
+            self.frontier += 1
+
+    def state_dict(self, **extra: Any) -> dict[str, Any]:
+        """``frontier``, ``settled`` (str keys: JSON), ``counts``, plus ``extra`` (version, step, K)."""
+        return {"frontier": self.frontier, "settled": {str(k): v for k, v in sorted(self.settled.items())},
+                "counts": dict(self.counts), **extra}
+
+
+def group_draw(group: Any) -> int | None:
+    """The draw number the rollout manager stamped on ``group``'s samples (None: not stamped)."""
+    seq = group.samples[0].metadata.get("draw_seq") if group.samples else None
+    return None if seq is None else int(seq)
+
+
+def record_settled(ledger: DrawLedger, trained_groups: list, rollout: Any, buffer: Any,
+                   timeout_s: float = 120.0) -> None:
+    """Settle the draws of ``trained_groups`` (just trained) and of every drop the rollout
+    actor and the buffer actor recorded since the last call (Ray handles; each reply bounded
+    by ``timeout_s``: ``ray.exceptions.GetTimeoutError`` names the call)."""
+    import ray
+
+    for g in trained_groups:
+        seq = group_draw(g)
+        if seq is not None:
+            ledger.settle(seq, TRAINED)
+    try:
+        drops = ray.get(rollout.drain_settled.remote(), timeout=timeout_s)
+        stale = ray.get(buffer.drain_stale_draws.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise ray.exceptions.GetTimeoutError(f"run_state: rollout/buffer drain: no reply within {timeout_s:.0f} s") from e
+    for seq, reason in drops:
+        ledger.settle(seq, reason)
+    for seq in stale:
+        ledger.settle(seq, "stale")

@@ -1,0 +1,80 @@
+"""Pre-emption while the driver waits for a batch (C22), then resume: with
+``MOE_ASYNC_SIGTERM=checkpoint`` a SIGTERM that reaches the driver while it waits for step 3's
+batch (sync mode: generation waits for each update, so the driver waits after every step)
+stops at once with the whole-run checkpoint of step 2 (weights, optimizer, version, data
+position, draw ledger), exits 0, and leaves nothing running; the resumed run continues at
+step 3 with version 3, and over both runs every train prompt drawn is trained once, dropped
+with a reason, or pending (the ledger refuses a draw settled twice)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from tests.orchestration.test_resume import SMOKE, _procs_with_tag, _train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp_path) -> None:
+    tag = uuid.uuid4().hex
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MOE_ASYNC_TEST_TAG": tag,
+           "MOE_ASYNC_SIGTERM": "checkpoint", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), f"logging.output_dir={tmp_path / 'a'}",
+           "eval_before=false", "eval_after=false", "logging.wandb_mode=disabled", "num_steps=20",
+           "async.mode=sync", "async.max_staleness=0", f"trainer.save_dir={ckpt}",
+           "rollout.max_new_tokens=128"]  # a long generation: the driver waits seconds for each batch
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.daemon = True
+    watchdog.start()
+    lines, t_sig = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if t_sig is None and line.startswith("step   2/"):  # printed at the step's end
+            time.sleep(1.0)  # past the after-step stop check: now it waits for step 3's batch
+            proc.send_signal(signal.SIGTERM)
+            t_sig = time.monotonic()
+    rc = proc.wait(timeout=120)
+    t_exit = time.monotonic()
+    watchdog.cancel()
+    out = "".join(lines)
+    assert rc == 0, out[-4000:]
+    assert "SIGTERM while waiting for the batch of step 3: stopped after step 2" in out, out[-3000:]
+    assert t_exit - t_sig < 60, t_exit - t_sig  # well within a pre-emption grace
+    assert not any(ln.startswith("step   3/") for ln in lines)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_2"]  # renamed from step_2.tmp
+    deadline = time.monotonic() + 30
+    while _procs_with_tag(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _procs_with_tag(tag) == []  # nothing of the job left running
+    (run_a,) = list((tmp_path / "a").iterdir())
+    s1 = json.loads((run_a / "summary.json").read_text())
+    assert s1["stopped_at_step"] == 2 and s1["last_checkpoint"] == str(ckpt / "step_2")
+    extra = json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]
+    rs = extra["run_state"]
+    assert extra["step"] == 2 and rs["step"] == 2 and rs["weight_version"] == 2 and rs["max_staleness"] == 0
+    assert rs["counts"]["trained"] == 2 * 2 and rs["frontier"] == 4 and rs["settled"] == {}  # sync: in order
+    losses1 = [json.loads(x)["train/loss"] for x in (run_a / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses1) == 2
+
+    s2, steps2 = _train(tmp_path / "b", "num_steps=4", "async.mode=sync", "async.max_staleness=0",
+                        f"trainer.load={ckpt}",
+                        "rollout.max_new_tokens=128",
+                        f"trainer.save_dir={tmp_path / 'ckpt2'}", "trainer.save_interval=10")
+    assert s2["start_step"] == 2 and s2["loaded_weights_digest"] == s1["final_weights_digest"]
+    assert [m["step"] for m in steps2] == [3, 4]
+    assert [m["train/weight_version"] for m in steps2] == [3.0, 4.0]
+    assert all(abs(m["train/loss"]) < 1.0 for m in steps2)  # finite, the same scale as before the stop
+    d = s2["draws"]  # the ledger over both runs: 4 steps x 2 prompts trained, each once
+    assert d["counts"]["trained"] == 4 * 2 and d["frontier"] >= 8
+    acc = s2["accounting"]
+    assert acc["balanced"] and acc["trained"] == 2 * 2, acc
