@@ -464,7 +464,7 @@ class CheckpointMixin:
             # Megatron's naming: "unexpected" = asked for by this rank's model but absent from
             # the checkpoint (local); "missing" = in the checkpoint, asked for by no rank (global)
             loaded, in_ckpt_only, absent = _read(model_sd, "model tensors", strict=StrictHandling.RETURN_ALL)
-            absent = set(absent)
+            absent = {k for k in absent if not is_te_extra_state(k)}  # TE's FP8 metadata: see below
             if dist.is_initialized() and dist.get_world_size() > 1:
                 everyone: list = [None] * dist.get_world_size()
                 dist.all_gather_object(everyone, sorted(absent))
@@ -501,7 +501,13 @@ class CheckpointMixin:
                 with torch.no_grad():  # fp32 + distributed optimizer: main params are views of the weights
                     self.optimizer.load_state_dict(opt_loaded)
             for key, m in zip(model_sd, self.models):
-                m.load_state_dict(loaded[key])
+                got = loaded[key]
+                # TE's FP8 metadata (a module's _extra_state) is absent from a checkpoint written
+                # without TE (any CPU-written one): the module keeps its own (no weights in it)
+                for k, v in m.state_dict().items():
+                    if k.endswith("._extra_state") and k not in got:
+                        got[k] = v
+                m.load_state_dict(got)
             if not has_opt:
                 for opt in opts:
                     opt.optimizer.state.clear()  # Adam moments and step: fresh
