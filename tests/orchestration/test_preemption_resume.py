@@ -51,7 +51,10 @@ def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp
     assert "SIGTERM while waiting for the batch of step 3: stopped after step 2" in out, out[-3000:]
     assert t_exit - t_sig < 60, t_exit - t_sig  # well within a pre-emption grace
     assert not any(ln.startswith("step   3/") for ln in lines)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_2"]  # renamed from step_2.tmp
+    # renamed from step_2.tmp; Megatron-LM's tracker and iter_0000002 (a symlink) name it too
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest", "latest_checkpointed_iteration.txt",
+                                                     "step_2"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     deadline = time.monotonic() + 30
     while _procs_with_tag(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
