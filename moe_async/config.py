@@ -68,7 +68,7 @@ class ExperimentConfig(BaseModel):
             )
         # C1: SGLang applies each bucket as it arrives; pausing only for the last bucket
         # would serve requests from half-updated weights (the embedded engine stages them)
-        if self.engine.backend == "sglang" and w.transport == "broadcast" and w.pause_scope == "last_bucket":
+        if self.engine.backend == "sglang" and w.transport in ("broadcast", "tensor") and w.pause_scope == "last_bucket":
             raise ValueError(
                 "weight_sync.pause_scope='last_bucket' needs an engine that stages buckets until the "
                 "versioned last one (engine.backend='embedded'); SGLang applies each bucket at once, so "

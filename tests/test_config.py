@@ -118,6 +118,10 @@ def test_last_bucket_pause_refused_with_sglang():
         load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["engine.backend=sglang", "weight_sync.pause_scope=last_bucket"])
     assert load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["engine.backend=sglang"]).weight_sync.pause_scope == "sync"
     assert load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml", ["weight_sync.pause_scope=last_bucket"])
+    # SGLang's /update_weights_from_tensor applies each call at once too (fresh-user finding)
+    with pytest.raises(ConfigError, match="weight_sync.pause_scope"):
+        load_config(Path(__file__).parent.parent / "configs" / "cpu_smoke.yaml",
+                    ["engine.backend=sglang", "weight_sync.transport=tensor", "weight_sync.pause_scope=last_bucket"])
 
 
 def test_yaml_merge_keys_still_work(tmp_path):

@@ -72,26 +72,27 @@ class EngineConfig(BaseModel):
         if self.min_healthy_engines > self.num_engines:
             raise ValueError(f"engine.min_healthy_engines={self.min_healthy_engines} is more than "
                              f"engine.num_engines={self.num_engines}: the run could never start")
+        given = {k.replace("-", "_"): k for k in self.sglang_args}  # the command line turns _ into -
         # the sizes reach SGLang as --tp-size / --ep-size from these fields, which the update group
         # also counts ranks by: a second spelling in sglang_args would let the two disagree
         for key, field in (("tp_size", "tensor_parallel_size"), ("tp", "tensor_parallel_size"),
                            ("tensor_parallel_size", "tensor_parallel_size"), ("ep_size", "expert_parallel_size"),
                            ("ep", "expert_parallel_size"), ("expert_parallel_size", "expert_parallel_size")):
-            if key in self.sglang_args:
-                raise ValueError(f"engine.sglang_args.{key}: set engine.{field} instead (it becomes SGLang's "
+            if key in given:
+                raise ValueError(f"engine.sglang_args.{given[key]}: set engine.{field} instead (it becomes SGLang's "
                                  f"--{key.replace('_', '-') if key.endswith('size') else key + '-size'} and sizes "
                                  "the weight-update group's ranks)")
         n, dev = self.nodes_per_engine, self.resolved_devices_per_engine
+        if self.backend == "embedded" and n > 1:
+            raise ValueError(f"engine.nodes_per_engine={n} with engine.backend='embedded': the embedded CPU engine "
+                             "is one process on one node; use backend='sglang'")
         if dev % n:
             raise ValueError(f"engine.nodes_per_engine={n} does not divide the engine's {dev} devices "
                              "(engine.devices_per_engine, else engine.tensor_parallel_size): every node holds "
                              "the same number of its ranks")
-        if self.backend == "embedded" and n > 1:
-            raise ValueError(f"engine.nodes_per_engine={n} with engine.backend='embedded': the embedded CPU engine "
-                             "is one process on one node; use backend='sglang'")
         for key in ("nnodes", "node_rank", "dist_init_addr"):
-            if key in self.sglang_args:
-                raise ValueError(f"engine.sglang_args.{key}: set engine.nodes_per_engine instead (node ranks and "
+            if key in given:
+                raise ValueError(f"engine.sglang_args.{given[key]}: set engine.nodes_per_engine instead (node ranks and "
                                  "rank 0's address come from the engine's placement)")
         if self.backend == "embedded" and tp > 1:
             raise ValueError(f"engine.tensor_parallel_size={tp} with engine.backend='embedded': the embedded CPU "

@@ -66,7 +66,8 @@ def resolve(path: str) -> str:
         return path
     d = iteration_dir(path, it)
     if not os.path.isdir(d):
-        raise FileNotFoundError(f"{os.path.join(path, TRACKER_NAME)} names iteration {it}, but {d} does not exist")
+        what = "is a file, not a directory" if os.path.exists(d) else "does not exist"
+        raise FileNotFoundError(f"{os.path.join(path, TRACKER_NAME)} names iteration {it}, but {d} {what}")
     return d
 
 

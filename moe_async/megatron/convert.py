@@ -216,7 +216,8 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     check_layout(hf_cfg, tp, pp, ep)
     check_out_dir(out_dir)
     if not os.path.isdir(megatron_dir):
-        raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} does not exist")
+        raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} "
+                                + ("is a file, not a directory" if os.path.exists(megatron_dir) else "does not exist"))
     megatron_dir = container.resolve(megatron_dir)  # a Megatron-LM container root -> its iteration dir
     saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
     if os.path.exists(saved_cfg_p):

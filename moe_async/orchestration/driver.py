@@ -473,7 +473,9 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
     if not (os.path.isfile(ver_p) and os.path.isfile(os.path.join(p, "metadata.json"))):
         raise UserInputError(
             f"trainer.load={cfg.trainer.load!r}: {p} is not a checkpoint of this trainer (needs the torch_dist "
-            "metadata.json and moe_async_version.txt written by trainer.save_interval)")
+            "metadata.json and moe_async_version.txt written by trainer.save_interval); a converter's "
+            "model-only checkpoint is not a run to resume: start from those weights with model.source=hf "
+            "model.hf_path=<the HF checkpoint>")
     f_p = ver_p
     try:
         with open(ver_p) as f:

@@ -221,11 +221,21 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = 
     dpe, npe = e.resolved_devices_per_engine, e.nodes_per_engine
     need(e.devices_per_engine_node <= c.gpus_per_node,
          f"engine.devices_per_engine={dpe} on engine.nodes_per_engine={npe} node(s) = {e.devices_per_engine_node} "
-         f"GPUs per node exceed cluster.gpus_per_node={c.gpus_per_node}: set engine.nodes_per_engine="
-         f"{-(-dpe // c.gpus_per_node)} (SGLang --nnodes; each node holds one bundle of the engine)")
+         f"GPUs per node exceed cluster.gpus_per_node={c.gpus_per_node}: "
+         + (f"set engine.nodes_per_engine={dpe // c.gpus_per_node} (SGLang --nnodes; each node holds one bundle of "
+            "the engine)" if dpe % c.gpus_per_node == 0 else
+            f"an engine larger than a node takes whole nodes, so its devices must be a multiple of "
+            f"{c.gpus_per_node} (or at most {c.gpus_per_node})"))
     need(npe == 1 or e.devices_per_engine_node == c.gpus_per_node,
          f"engine.nodes_per_engine={npe}: an engine spanning nodes takes them whole ({e.devices_per_engine_node} of "
          f"cluster.gpus_per_node={c.gpus_per_node} GPUs per node)")
+    if cfg.weight_sync.transport == "tensor":
+        want_one = lay.world_size + e.num_engines * dpe
+        need(npe == 1 and want_one <= c.gpus_per_node,
+             f"weight_sync.transport='tensor' hands the engines memory handles (CUDA IPC, shared memory) that "
+             f"only the trainer's host can open: trainer.world_size={lay.world_size} + engine.num_engines="
+             f"{e.num_engines} x devices_per_engine={dpe} = {want_one} GPUs must fit one node "
+             f"(cluster.gpus_per_node={c.gpus_per_node}); use weight_sync.transport='broadcast' across nodes")
     if c.nodes is not None:
         have = c.nodes * c.gpus_per_node
         want = lay.world_size + e.num_engines * dpe

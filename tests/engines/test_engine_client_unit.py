@@ -112,6 +112,10 @@ def test_sglang_command_lines_parse_with_sglangs_own_parser():
     (dict(nodes_per_engine=2, devices_per_engine=2), "nodes_per_engine=2 with engine.backend='embedded'"),
     (dict(backend="sglang", sglang_args={"nnodes": 2}), "sglang_args.nnodes: set engine.nodes_per_engine"),
     (dict(backend="sglang", sglang_args={"dist_init_addr": "h:1"}), "sglang_args.dist_init_addr: set engine.nodes"),
+    # the command line turns _ into -: the hyphenated spellings are the same flags (fresh-user finding)
+    (dict(backend="sglang", sglang_args={"node-rank": 1}), "sglang_args.node-rank: set engine.nodes_per_engine"),
+    (dict(backend="sglang", sglang_args={"tp-size": 8}), "sglang_args.tp-size: set engine.tensor_parallel_size"),
+    (dict(nodes_per_engine=2), "nodes_per_engine=2 with engine.backend='embedded'"),
 ])
 def test_nodes_per_engine_refusals(kw, match):
     from pydantic import ValidationError

@@ -86,8 +86,12 @@ def test_container_resolve_and_tracker(tmp_path):
     assert container.resolve(str(root)) == str(root / "iter_0000042")
     assert container.resolve(str(root / "iter_0000042")) == str(root / "iter_0000042")
     container.write_tracker(str(root), 7)  # names a missing dir
-    with pytest.raises(FileNotFoundError, match=r"latest_checkpointed_iteration\.txt names iteration 7, but .*iter_0000007"):
+    with pytest.raises(FileNotFoundError, match=r"latest_checkpointed_iteration\.txt names iteration 7, but .*iter_0000007 does not exist"):
         container.resolve(str(root))
+    (root / "iter_0000007").write_text("x")  # a file where the iteration dir should be
+    with pytest.raises(FileNotFoundError, match=r"iter_0000007 is a file, not a directory"):
+        container.resolve(str(root))
+    (root / "iter_0000007").unlink()
     (root / "latest_checkpointed_iteration.txt").write_text("seven")
     with pytest.raises(ValueError, match=r"latest_checkpointed_iteration\.txt \(Megatron-LM checkpoint tracker\) holds 'seven'"):
         container.resolve(str(root))
