@@ -237,9 +237,10 @@ class _Sample:
     keeps ``[version, tokens]`` for the token-weighted staleness histogram.
     """
 
-    __slots__ = ("weight_versions", "segments", "num_tokens")
+    __slots__ = ("weight_versions", "segments", "num_tokens", "metadata")
 
     def __init__(self, segments: list[list[int]]):
+        self.metadata: dict = {}  # Sample.metadata (the buffer reads its draw_seq on a stale drop)
         self.segments = [list(s) for s in segments]
         self.weight_versions = [v for v, _ in self.segments]
         self.num_tokens = sum(n for _, n in self.segments)
