@@ -51,6 +51,14 @@ Tensor = torch.Tensor
 Convert = Callable[[str, Tensor], list[tuple[str, Tensor]]]
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclass
 class _Source:
     rank: int
@@ -79,10 +87,7 @@ class _Part:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return _nbytes(self.shape, self.dtype)
 
 
 @dataclass
@@ -102,10 +107,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return _nbytes(self.shape, self.dtype)
 
 
 @dataclass
