@@ -167,6 +167,13 @@ def _json_or_text(r: httpx.Response) -> Any:
         return r.text
 
 
+def _with_version(body: dict[str, Any], weight_version: int | str | None) -> dict[str, Any]:
+    """``body`` with ``weight_version`` as SGLang types it (``Optional[str]``; absent when None)."""
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
 class _Base:
     def __init__(
         self,
@@ -221,16 +228,12 @@ class _Base:
             "abort_all_requests": abort_all_requests,
             "load_format": load_format,
         }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)  # SGLang types it Optional[str]
-        return body
+        return _with_version(body, weight_version)
 
     @staticmethod
     def _disk_body(model_path: str, weight_version: int | str | None, flush_cache: bool) -> dict:
         body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)  # SGLang types it Optional[str]
-        return body
+        return _with_version(body, weight_version)
 
     @staticmethod
     def _tensor_body(serialized_named_tensors, load_format, flush_cache, weight_version, abort_all_requests):
@@ -240,9 +243,7 @@ class _Base:
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)  # SGLang types it Optional[str]
-        return body
+        return _with_version(body, weight_version)
 
     @staticmethod
     def _checksums_of(info: dict) -> dict:

@@ -44,19 +44,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from moe_async.weight_sync.bucket import Bucket
+from moe_async.weight_sync.bucket import Bucket, nbytes_of
 
 Tensor = torch.Tensor
 #: ``convert(megatron_name, full_tensor) -> [(hf_name, hf_tensor), ...]`` (the family's split)
 Convert = Callable[[str, Tensor], list[tuple[str, Tensor]]]
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of a tensor of ``shape`` and ``dtype``."""
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass
@@ -87,7 +79,7 @@ class _Part:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.shape, self.dtype)
+        return nbytes_of(self.shape, self.dtype)
 
 
 @dataclass
@@ -107,7 +99,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.shape, self.dtype)
+        return nbytes_of(self.shape, self.dtype)
 
 
 @dataclass

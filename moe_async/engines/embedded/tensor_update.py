@@ -49,6 +49,7 @@ from moe_async.engines.embedded.weight_update import (
     apply_update_call,
     parse_version,
 )
+from moe_async.weight_sync.bucket import nbytes_of
 from moe_async.weight_sync.packing import contiguous_span
 
 #: SGLang 0.5.23's refusal outside a session (scheduler_components/weight_updater.py)
@@ -171,7 +172,7 @@ def decode_named_tensors(entry: str, load_format: str | None) -> list[tuple[str,
                 start, end = int(m.start_idx), int(m.end_idx)
             except (AttributeError, TypeError) as e:
                 raise ValueError(f"a flattened_bucket metadata entry lacks a field: {e}") from None
-            nb = shape.numel() * dtype.itemsize
+            nb = nbytes_of(shape, dtype)
             if not (0 <= start <= end <= flat.numel()) or end - start != nb:
                 raise ValueError(f"{name}: bytes [{start}, {end}) do not hold {tuple(shape)} {dtype} "
                                  f"in a flat tensor of {flat.numel()} bytes")
