@@ -48,13 +48,10 @@ class EngineActor:
         """Start the server; its URL once ``/health`` answers. Raises EngineLaunchError."""
         from moe_async.engines.base import make_engine
 
-        n = getattr(self.cfg, "nodes_per_engine", 1)
+        n = self.cfg.nodes_per_engine
         port = self.cfg.base_port + self.index * n + self.node_rank if self.cfg.base_port else 0
-        if n > 1:
-            self.engine = make_engine(self.cfg, self.model_path, port, node_rank=self.node_rank,
-                                      dist_init_addr=dist_init_addr)
-        else:
-            self.engine = make_engine(self.cfg, self.model_path, port)
+        self.engine = make_engine(self.cfg, self.model_path, port, node_rank=self.node_rank,
+                                  dist_init_addr=dist_init_addr)
         self.engine.launch()
         return self.engine.url
 
@@ -100,7 +97,7 @@ class EnginePool:
         self.placement = placement if placement is not None else place_engines(cfg)
         multi_node = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
         cls = actor_cls or EngineActor
-        self.nodes_per_engine = n = getattr(cfg.engine, "nodes_per_engine", 1)
+        self.nodes_per_engine = n = cfg.engine.nodes_per_engine
         #: every engine process's actor: engine i's node rank r at ``i * nodes_per_engine + r``
         self.all_actors = [cls.options(**s.options()).remote(cfg.engine, model_path, j // n,
                                                              s.node_ip if multi_node or n > 1 else None,
