@@ -70,6 +70,12 @@ class RolloutConfig(BaseModel):
         ),
     )
     eval_k: int = Field(4, ge=1, description="k: samples per held-out problem for eval/mean_at_k (eval_interval > 0).")
+    eval_concurrency: int | None = Field(
+        None, ge=1,
+        description="Held-out curve: problems evaluated at once; each sends its greedy and eval_k sampled requests "
+        "together, so an engine prefills their shared prompt once. None = max_concurrent_groups. Size it so that "
+        "eval_concurrency x (eval_k + 1) fills engine.max_running_requests x the engines.",
+    )
     max_concurrent_groups: int = Field(4, ge=1, description="Groups generating at once.")
     reward_timeout_s: float = Field(10.0, gt=0, description="Per-sample reward timeout.")
     partial_rollout: bool = Field(

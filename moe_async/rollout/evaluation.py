@@ -101,18 +101,18 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     and reward pool; returns :func:`summarize`'s dict plus ``eval/n_skipped`` (problems whose
     prompt fills the context, or whose request was dropped), ``eval/seconds`` and ``greedy``
     (:func:`greedy_summary`: the greedy answers as an ``eval_before``/``eval_after`` dict; not
-    a metric). Requests run concurrently, at most ``max_concurrent_groups x
-    n_samples_per_prompt`` at once. Raises ``RewardFailureError`` as ``RolloutManager.evaluate``
+    a metric). Problems run concurrently, at most ``eval_concurrency`` (default
+    ``max_concurrent_groups``) at once, each problem's ``k + 1`` requests sent together (the
+    engine prefills their shared prompt once). Raises ``RewardFailureError`` as ``RolloutManager.evaluate``
     when the greedy answers' rewards keep failing (``manager.reward_streak``)."""
     import time
 
     t0 = time.perf_counter()
     cfg = manager.cfg
-    sem = asyncio.Semaphore(max(1, cfg.max_concurrent_groups * cfg.n_samples_per_prompt))
+    sem = asyncio.Semaphore(cfg.eval_concurrency or cfg.max_concurrent_groups)
 
     async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
-        async with sem:
-            s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy)
+        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy)
         text = manager.dataset.decode(s.response_ids)
         r = await manager.reward_pool.score(p, text)
         if greedy:  # the greedy answer's details too, for the eval_before/eval_after dict
@@ -127,7 +127,8 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
         if max_new is None:
             return None
         try:
-            rs = await asyncio.gather(*(sample(p, prompt_ids, max_new, i == 0) for i in range(k + 1)))
+            async with sem:
+                rs = await asyncio.gather(*(sample(p, prompt_ids, max_new, i == 0) for i in range(k + 1)))
         except DropGroup:
             return None
         return rs[0], list(rs[1:]), int(getattr(p, "index", id(p)))

@@ -151,3 +151,43 @@ def test_prefill_token_budget_splits_batches(model):
             assert o["output_ids"] == _hf_greedy(model, p, 5)
     finally:
         sched.stop()
+
+
+def test_identical_prompts_share_one_prefill_row(model):
+    """A GRPO group (the same prompt several times) is prefilled as one row: 3 of the 5
+    requests below are the same prompt. Each still gets HF's batch-1 greedy tokens, input
+    logprobs and routed experts, and a sampled request samples its own tokens (two seeds on
+    one shared row differ from each other and equal their own unshared run)."""
+    p, q = _prompt(9, 31), _prompt(14, 32)
+    sampled = [SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, sampling_seed=s) for s in (1, 2)]
+    reqs = [Req(input_ids=p, params=_greedy(6), return_logprob=True, logprob_start_len=0,
+                return_routed_experts=True),
+            Req(input_ids=q, params=_greedy(6)),
+            Req(input_ids=p, params=_greedy(1), return_routed_experts=True),  # finishes at prefill
+            Req(input_ids=p, params=sampled[0]),
+            Req(input_ids=p, params=sampled[1])]
+    sched = Scheduler(model, context_length=128, max_running_requests=8, eos_token_ids={2})
+    futs = [sched.submit(r) for r in reqs]  # all waiting before the thread starts: one prefill
+    sched.start()
+    try:
+        outs = [f.result(timeout=120) for f in futs]
+        assert sched.stats["prefill_forwards"] == 1 and sched.stats["prefill_shared_reqs"] == 3
+        assert outs[0]["output_ids"] == _hf_greedy(model, p, 6)
+        assert outs[1]["output_ids"] == _hf_greedy(model, q, 6)
+        assert outs[2]["output_ids"] == _hf_greedy(model, p, 1)
+        lp, routing = _hf_logprobs_and_routing(model, p + outs[0]["output_ids"][:-1])
+        meta = outs[0]["meta_info"]
+        np.testing.assert_allclose([x[0] for x in meta["input_token_logprobs"][1:]],
+                                   [float(lp[j - 1, p[j]]) for j in range(1, len(p))], atol=1e-4, rtol=0)
+        for o, n_routed in ((outs[0], len(p) + 5), (outs[2], len(p))):
+            m = o["meta_info"]
+            arr = np.frombuffer(__import__("base64").b64decode(m["routed_experts"]), np.int32)
+            arr = arr.reshape(m["routed_experts_shape"])
+            assert arr.shape[0] == n_routed
+            np.testing.assert_array_equal(arr, routing[:n_routed])
+        assert outs[3]["output_ids"] != outs[4]["output_ids"]
+        alone = _run(sched, [Req(input_ids=p, params=sampled[0])])  # one request: nothing shared
+        assert sched.stats["prefill_shared_reqs"] == 3
+        assert alone[0]["output_ids"] == outs[3]["output_ids"]
+    finally:
+        sched.stop()

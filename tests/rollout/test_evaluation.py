@@ -75,7 +75,7 @@ class _FakeManager:
     request right every other time."""
 
     class cfg:
-        max_concurrent_groups, n_samples_per_prompt = 2, 2
+        max_concurrent_groups, n_samples_per_prompt, eval_concurrency = 2, 2, None
 
     class dataset:
         @staticmethod
@@ -97,6 +97,8 @@ class _FakeManager:
 
     def __init__(self):
         self.n = 0
+        self.in_flight = self.peak = 0
+        self.bursts: list[int] = []  # requests in flight when each request starts
 
     def _check_length(self, n, max_new, count=False):
         return None if n == 0 else max_new
@@ -104,6 +106,10 @@ class _FakeManager:
     async def _generate_sample(self, ids, max_new, greedy=False):
         self.n += 1
         ok = greedy or self.n % 2 == 0
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        await asyncio.sleep(0.01)
+        self.in_flight -= 1
         return type("S", (), {"response_ids": [7] if ok else [8]})()
 
 
@@ -117,6 +123,17 @@ def test_evaluate_heldout_counts_greedy_and_k_samples_per_problem():
     # the greedy half as the driver's eval_before/eval_after dict (not asked a second time)
     assert out["greedy"] == {"reward_mean": 1.0, "accuracy": 1.0, "task_accuracy": 1.0, "reward_errors": 0,
                              "n": 2, "n_skipped": 1, "mean_response_len": 1.0}
+
+
+@pytest.mark.parametrize("concurrency,peak", [(None, 2 * 5), (1, 5), (3, 3 * 5)])
+def test_evaluate_heldout_sends_each_problems_requests_together(concurrency, peak):
+    """rollout.eval_concurrency problems at once (None: max_concurrent_groups = 2), each with
+    its greedy + k requests in flight together (so the engine prefills the prompt once)."""
+    man = _FakeManager()
+    man.cfg = type("cfg", (), dict(max_concurrent_groups=2, n_samples_per_prompt=2, eval_concurrency=concurrency))
+    out = asyncio.run(evaluate_heldout(man, [1, 2, 3, 4], k=4, max_new_tokens=8))
+    assert out["eval/n"] == 4 and man.n == 4 * 5
+    assert man.peak == peak
 
 
 def test_greedy_summary_matches_the_manager_evaluate_keys():

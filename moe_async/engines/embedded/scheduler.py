@@ -218,7 +218,7 @@ class Scheduler:
         # (``*_cpu_s``: the scheduler thread's CPU time, steadier than wall time on a busy host)
         self.stats = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "decode_cpu_s": 0.0,
                       "prefill_forwards": 0, "prefill_reqs": 0, "prefill_s": 0.0,
-                      "prefill_cpu_s": 0.0}
+                      "prefill_cpu_s": 0.0, "prefill_shared_reqs": 0}
         self.forward_sleep_s = 0.0  # SGLang's /slow_down: sleep after each decode step
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -414,11 +414,24 @@ class Scheduler:
     @torch.inference_mode()
     def _prefill(self, reqs: list[Req]) -> None:
         """One forward over ``reqs`` (left-padded to the longest), first token of each, then
-        their KV joins the running batch. One request: no padding, no mask."""
-        seqs = [r.input_ids + r.output_ids for r in reqs]  # re-prefill after a retract includes outputs
-        n, S = len(reqs), max(len(x) for x in seqs)
+        their KV joins the running batch. One request: no padding, no mask.
+
+        Requests whose sequences are identical (a GRPO group's samples, an evaluation's greedy
+        and sampled requests of one prompt) share one row of the forward: the model runs over
+        the distinct sequences only and each request gets a copy of its row's KV, last logits,
+        input logits and routed experts (``prefill_shared_reqs`` counts the rows saved); each
+        request then samples its first token with its own parameters."""
+        seqs_all = [r.input_ids + r.output_ids for r in reqs]  # re-prefill after a retract includes outputs
+        row_of: dict[tuple[int, ...], int] = {}
+        inv = [row_of.setdefault(tuple(x), len(row_of)) for x in seqs_all]  # request -> distinct row
+        seqs = [list(x) for x in row_of]
+        self.stats["prefill_shared_reqs"] += len(reqs) - len(seqs)
+        n, S = len(seqs), max(len(x) for x in seqs)
         pads = [S - len(x) for x in seqs]
-        need_lp = [self._wants_input_logprobs(r) for r in reqs]
+        need_lp_req = [self._wants_input_logprobs(r) for r in reqs]
+        need_lp = [False] * n
+        for i, want in zip(inv, need_lp_req):
+            need_lp[i] = need_lp[i] or want
         routed = any(r.return_routed_experts for r in reqs)
         self.capture.enabled = routed
         cache = DynamicCache()
@@ -448,28 +461,30 @@ class Scheduler:
             routing = self.capture.take(n * S).reshape(n, S, self.capture.num_layers, -1)
         last_NV = last_NV.float()
         keep = []
-        for i, req in enumerate(reqs):
+        for j, req in enumerate(reqs):
+            i = inv[j]  # this request's row of the forward
             # [S, L, K] over prompt (+ outputs after a retract): recomputed on re-prefill
             req.routed = [routing[i, pads[i]:]] if req.return_routed_experts else []
-            if need_lp[i]:
+            if need_lp_req[j]:
                 self._input_logprobs(req, full[i].float())
             self._append(req, self._adjusted(req, last_NV[i]).unsqueeze(0))
             if req.finish is None:
-                keep.append(i)
+                keep.append(j)
         if not keep:
             return
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        if len(keep) != n:
-            idx = torch.tensor(keep, dtype=torch.long)
+        rows = [inv[j] for j in keep]
+        if rows != list(range(n)):  # finished requests leave; shared rows are copied per request
+            idx = torch.tensor(rows, dtype=torch.long)
             kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-            pads = [pads[i] for i in keep]
+        pads = [pads[i] for i in rows]
         for j, p in enumerate(pads):
             if p:  # padding columns: zeros, as _left_pad makes them (never NaN under a mask)
                 for k, v in kv:
                     k[j, :, :p] = 0
                     v[j, :, :p] = 0
         self._join(kv, pads)
-        self.running.extend(reqs[i] for i in keep)
+        self.running.extend(reqs[j] for j in keep)
 
     def _input_logprobs(self, req: Req, logits_SV: torch.Tensor) -> None:
         """``input_token_logprobs`` (and top / asked-id logprobs) of the prompt positions
