@@ -167,6 +167,21 @@ class RolloutBuffer:
         return batch
 
     # ---- state --------------------------------------------------------------------
+    def buffered_groups(self) -> list[Group]:
+        """The groups put and not handed out, oldest first (a checkpoint's buffer contents:
+        :mod:`moe_async.buffer.snapshot`)."""
+        return list(self._queue)
+
+    def restore_groups(self, groups: list[Group], trainer_version: int) -> None:
+        """A resumed run's buffer contents (saved by :func:`moe_async.buffer.snapshot.snapshot`):
+        each group counts as admitted and put in this buffer (so the admission bound and the
+        accounting invariant include it), in the given order; then the groups more than ``K``
+        versions behind ``trainer_version`` are dropped as stale (counted, draws reported)."""
+        for g in groups:
+            self.admitted += 1
+            self.put(g)
+        self._drop_stale(trainer_version)
+
     @property
     def num_buffered_groups(self) -> int:
         return len(self._queue)
@@ -199,8 +214,8 @@ class RolloutBuffer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the version and the bounds. Groups in flight or
-        buffered at a crash are not kept (they would be stale or unreproducible)."""
+        """The version and the bounds (the buffered groups and the counters are saved by
+        :mod:`moe_async.buffer.snapshot`; groups in flight are not kept: regenerated)."""
         return {"engine_version": self.engine_version, "B": self.B, "K": self.K}
 
     @classmethod

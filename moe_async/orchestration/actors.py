@@ -54,6 +54,19 @@ class BufferActor:
     async def stats(self) -> dict[str, Any]:
         return self.abuf.buf.stats()
 
+    async def snapshot(self) -> dict[str, Any]:
+        """The buffered groups and counters for a checkpoint (:func:`moe_async.buffer.snapshot.snapshot`)."""
+        from moe_async.buffer.snapshot import snapshot
+
+        return snapshot(self.abuf.buf)
+
+    async def restore(self, snap: dict[str, Any], trainer_version: int) -> dict[str, int]:
+        """Put a checkpoint's buffered groups back, stale ones at ``trainer_version`` dropped
+        (:func:`moe_async.buffer.snapshot.restore`); before generation starts."""
+        from moe_async.buffer.snapshot import restore
+
+        return restore(self.abuf.buf, snap, trainer_version)
+
     async def drain_stale_draws(self) -> list[int]:
         """Draw numbers of the groups dropped as stale since the last call (run_state.DrawLedger)."""
         out, self.abuf.buf.stale_draws = self.abuf.buf.stale_draws, []
@@ -264,6 +277,9 @@ class TrainerActor:
         if multi:
             dist.barrier()
         self.trainer.save_checkpoint(tmp, extra={**extra, "step": step})
+        from moe_async.orchestration.preemption import stall_if_due
+
+        stall_if_due(self.rank, self._calls["save_checkpoint"], tmp)  # test-only crash point (C22)
         if multi:
             dist.barrier()
         if self.rank == 0:
@@ -302,6 +318,20 @@ class TrainerActor:
         m = check_engines([SyncEngineClient(u) for u in urls], mine, self.trainer.version)
         m["sync/check_seconds"] = time.perf_counter() - t0  # including the trainer's checksums
         return m
+
+    def arm_preemption(self) -> bool:
+        """From now on this rank's first SIGTERM only records itself for the driver to read
+        (:meth:`stop_signal`; :mod:`moe_async.orchestration.preemption`, C22). False: not armed
+        (the call did not run on the process's main thread)."""
+        from moe_async.orchestration.preemption import arm_rank_sigterm
+
+        return arm_rank_sigterm(self.rank)
+
+    def stop_signal(self) -> str | None:
+        """The signal name this rank received since :meth:`arm_preemption`, else None."""
+        from moe_async.orchestration.preemption import rank_stop_signal
+
+        return rank_stop_signal()
 
     def shutdown(self) -> None:
         if self.transport is not None:
@@ -397,11 +427,13 @@ class RolloutActor:
         """``(draw number, reason)`` of the train draws dropped since the last call."""
         return self.manager.drain_settled()
 
-    async def resume_draws(self, frontier: int, settled: list[int]) -> None:
+    async def resume_draws(self, frontier: int, settled: list[int], restored: list[int] | None = None) -> None:
         """A resumed run's prompts (before :meth:`start`): rewind to the trained ``frontier``
-        and pass over the ``settled`` draws beyond it (moe_async/orchestration/run_state.py)."""
+        and pass over the ``settled`` draws beyond it and the ``restored`` ones (back in the
+        buffer from the checkpoint) (moe_async/orchestration/run_state.py)."""
         self.dataset.seek(frontier)
         self.manager.skip_draws(settled)
+        self.manager.skip_draws(restored or [], "skipped_restored")
 
     async def set_routable(self, i: int, ok: bool) -> None:
         """Engine ``i`` into (``ok``) or out of request routing (C19: the driver's recovery)."""

@@ -33,11 +33,14 @@ position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the train
 checkpoint before the buffer is made (its admission bound counts from the loaded version,
 case C6), the engines receive the loaded weights by a weight sync before any generation,
 the train prompts continue from the checkpoint's trained frontier (the draw ledger,
-:mod:`moe_async.orchestration.run_state`: prompts pending at the save are drawn again, the
-ones settled beyond the frontier passed over; a checkpoint without a ledger continues after
+:mod:`moe_async.orchestration.run_state`: prompts in flight at the save are drawn again, the
+buffered ones are put back into the buffer (:mod:`moe_async.buffer.snapshot`), the ones settled
+beyond the frontier passed over; a checkpoint without a ledger continues after
 its loader position), and the loop runs steps N+1..num_steps (num_steps counts in total,
 slime's convention). With ``MOE_ASYNC_SIGTERM=checkpoint`` a SIGTERM while the loop waits for
-a batch stops at once with the last finished step's checkpoint (case C22).
+a batch stops at once with the last finished step's checkpoint (case C22); one that reaches a
+single trainer rank is reported by that rank and stops every rank at the same step
+(:mod:`moe_async.orchestration.preemption`).
 
 Engine failures (cases C19-C21): :class:`~moe_async.orchestration.engine_recovery.EngineRecovery`
 runs between the waits for a batch and before each weight sync: a dead engine is restarted
@@ -62,10 +65,11 @@ from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.affinity import check_run_placement
 from moe_async.orchestration.engine_recovery import EngineRecovery
-from moe_async.orchestration.lifecycle import (dead_engines, evaluate, init_ray, report_eval, sigterm_to_checkpoint,
-                                               sigterm_to_exit, stop_requested)
+from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate, init_ray, report_eval,
+                                               sigterm_to_checkpoint, sigterm_to_exit)
+from moe_async.orchestration.preemption import stop_check
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
-from moe_async.orchestration.run_state import DrawLedger, record_settled
+from moe_async.orchestration.run_state import DrawLedger, record_settled, resume_data
 from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
@@ -163,15 +167,17 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         syncing = {"on": False}
         trainer.watch = lambda: engines.dead_engines() if syncing["on"] else []
         ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
-        if resumed.get("run_state"):  # rewind to the frontier, pass over what was settled after it
-            _rget(rollout.resume_draws.remote(ledger.frontier, list(ledger.settled)), "rollout.resume_draws")
-        elif resumed.get("dataset"):  # a checkpoint without a ledger: the loader cursor
-            _rget(rollout.load_data_state.remote(resumed["dataset"]), "rollout.load_data_state")
-        curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps, lambda: ray.get(rollout.evaluate_curve.remote()))
+        # C22: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
+        stop = stop_check(trainer, os.environ.get("MOE_ASYNC_SIGTERM") == "checkpoint")
+        if resumed:  # the saved buffer back (stale ones dropped); prompts from the frontier, none drawn twice
+            summary["buffer_restored"] = resume_data(ledger, resumed, buffer, rollout, trainer.version(), _BUFFER_REPLY_S)
+        eval_s = cfg.rollout.eval_timeout_s
+        curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps,
+                          lambda: eval_get(rollout.evaluate_curve.remote(), "held-out curve point", eval_s))
         if cfg.eval_before:
             timeline.phase("eval_before", label="held-out eval (before)")
             if not curve.enabled:
-                evaluate(rollout, summary, "eval_before", "before")
+                evaluate(rollout, summary, "eval_before", "before", eval_s)
         ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
         if cfg.eval_before and curve.enabled:  # its greedy answers are eval_before's: not asked twice
             report_eval(summary, "eval_before", "before", curve.last_greedy)
@@ -195,7 +201,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             data = data if data is not None else _rget(rollout.data_state.remote(), "rollout.data_state")
             record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
             rs = ledger.state_dict(weight_version=trainer.version(), step=at_step, max_staleness=K)
-            return trainer.save_checkpoint(save_dir, at_step, {"dataset": data, "run_state": rs})
+            snap = _rget(buffer.snapshot.remote(), "buffer.snapshot")  # the buffered groups (buffer/snapshot.py)
+            return trainer.save_checkpoint(save_dir, at_step, {"dataset": data, "run_state": rs, "buffer": snap})
 
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
@@ -211,7 +218,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
-                if groups is None and stop_requested():  # C22 while waiting for a batch: stop now
+                if groups is None and stop():  # C22 while waiting for a batch: stop now
                     break
             if groups is None:  # the last finished step's checkpoint (unless written), then out
                 done = step - 1
@@ -219,7 +226,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 if done > start_step and not (si and done % si == 0):
                     summary["last_checkpoint"] = save(done)
                 summary["stopped_at_step"] = done
-                print(f"[moe-async] {stop_requested()} while waiting for the batch of step {step}: stopped "
+                print(f"[moe-async] {stop()} while waiting for the batch of step {step}: stopped "
                       f"after step {done}, checkpoint {summary.get('last_checkpoint')}", flush=True)
                 break
             t1 = time.perf_counter()
@@ -282,11 +289,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             logger.log(m, step)
             console.report_hidden()  # one line, only when expected warnings were hidden since the last
             logger.console_step(step, cfg.num_steps, m)
-            if stop_requested() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
+            if stop() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
                 if not (si and step % si == 0):
                     summary["last_checkpoint"] = save(step)
                 summary["stopped_at_step"] = step
-                print(f"[moe-async] {stop_requested()}: stopped after step {step}, checkpoint "
+                print(f"[moe-async] {stop()}: stopped after step {step}, checkpoint "
                       f"{summary['last_checkpoint']}", flush=True)
                 break
         summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
@@ -304,7 +311,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 report_eval(summary, "eval_after", "after", curve.last_greedy)
             else:
                 timeline.phase("eval_after", label="held-out eval (after)")
-                evaluate(rollout, summary, "eval_after", "after")
+                evaluate(rollout, summary, "eval_after", "after", eval_s)
         timeline.idle()
         if curve.points:
             summary["eval_curve"] = curve.points

@@ -75,11 +75,24 @@ def stop_requested() -> str | None:
     return _STOP["signal"]
 
 
-def evaluate(rollout, summary: dict, key: str, label: str) -> None:
-    """Greedy held-out eval (``RolloutManager.evaluate``) into ``summary[key]``, printed."""
+def eval_get(ref, what: str, timeout_s: float) -> Any:
+    """A held-out evaluation's reply (``ray.get``) bounded by ``timeout_s`` seconds.
+
+    Raises: ``ray.exceptions.GetTimeoutError`` naming ``what``, the bound and
+    ``rollout.eval_timeout_s``."""
     import ray
 
-    report_eval(summary, key, label, ray.get(rollout.evaluate.remote()))
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise ray.exceptions.GetTimeoutError(
+            f"{what}: no reply within {timeout_s:.0f} s (rollout.eval_timeout_s)") from e
+
+
+def evaluate(rollout, summary: dict, key: str, label: str, timeout_s: float = 3600.0) -> None:
+    """Greedy held-out eval (``RolloutManager.evaluate``) into ``summary[key]``, printed; bounded
+    by ``timeout_s`` (:func:`eval_get`)."""
+    report_eval(summary, key, label, eval_get(rollout.evaluate.remote(), f"held-out eval ({label})", timeout_s))
 
 
 def report_eval(summary: dict, key: str, label: str, ev: dict) -> None:

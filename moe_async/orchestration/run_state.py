@@ -18,9 +18,14 @@ written to the checkpoint's temporary directory and renamed with it: atomic), is
 
 This is the *trained frontier*, not the loader cursor: a resumed run rewinds the prompts to
 ``F`` and skips the draws in ``settled`` (:meth:`RolloutManager.skip_draws`), so a prompt that
-was pending at the save (buffered or in flight, trained by nobody) is drawn again, and none is
-trained twice. The buffer's contents are therefore not restored but regenerated (under the
-loaded weights, at the same staleness bound).
+was in flight at the save (trained by nobody) is drawn again, and none is trained twice.
+
+The buffer's contents are saved with the checkpoint too (``extra["buffer"]``,
+:mod:`moe_async.buffer.snapshot`): a resumed run puts those groups back into its buffer before
+generation starts, drops the ones more than K versions behind the loaded version (reason
+``stale``, settled as such in the ledger), and passes over their draws (``rollout/
+skipped_restored``): they stay pending until trained or dropped, never drawn again
+(:func:`resume_data`). A checkpoint without a buffer snapshot (older) regenerates them.
 """
 
 from __future__ import annotations
@@ -99,3 +104,36 @@ def record_settled(ledger: DrawLedger, trained_groups: list, rollout: Any, buffe
         ledger.settle(seq, reason)
     for seq in stale:
         ledger.settle(seq, "stale")
+
+
+def resume_data(ledger: DrawLedger, resumed: dict[str, Any], buffer: Any, rollout: Any, trainer_version: int,
+                timeout_s: float = 120.0) -> dict[str, int]:
+    """A resumed run's data side, before generation starts (Ray handles; each reply bounded by
+    ``timeout_s``): the saved buffer's groups back into ``buffer`` (stale ones at
+    ``trainer_version`` dropped), then the prompts rewound to the ledger's frontier, passing
+    over the settled and the restored draws; a checkpoint without a ledger continues after its
+    loader position (``resumed["dataset"]``).
+
+    Returns ``{"restored": n, "dropped_stale": m}`` (groups of the buffer snapshot; zeros without
+    one). Raises: ``ray.exceptions.GetTimeoutError`` naming the call; ValueError naming the
+    field of a malformed snapshot."""
+    import ray
+
+    from moe_async.buffer.snapshot import snapshot_draws
+
+    def get(ref, what):
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise ray.exceptions.GetTimeoutError(f"run_state: {what}: no reply within {timeout_s:.0f} s") from e
+
+    out = {"restored": 0, "dropped_stale": 0}
+    snap = resumed.get("buffer")
+    if snap and resumed.get("run_state"):  # restored groups are pending draws of the ledger
+        out = get(buffer.restore.remote(snap, trainer_version), "buffer.restore")
+    if resumed.get("run_state"):
+        restored = snapshot_draws(snap) if out["restored"] else []
+        get(rollout.resume_draws.remote(ledger.frontier, list(ledger.settled), restored), "rollout.resume_draws")
+    elif resumed.get("dataset"):
+        get(rollout.load_data_state.remote(resumed["dataset"]), "rollout.load_data_state")
+    return out

@@ -15,6 +15,11 @@ Test-only fault hook: ``MOE_ASYNC_TRAINER_FAULT=RANK:METHOD:N`` in the driver's 
 (e.g. ``1:train_step:2``) makes trainer rank RANK raise RuntimeError at its N-th call of
 METHOD (:class:`~moe_async.orchestration.actors.TrainerActor` methods: ``setup``,
 ``train_step``, ``sync_weights``, ``save_checkpoint``, ...). Not a configuration knob.
+The second, ``MOE_ASYNC_CKPT_STALL=RANK:N`` (read in the rank's process, which inherits the
+driver's environment in a local run), makes rank RANK stop in its N-th ``save_checkpoint`` after
+its files are in ``step_<N>.tmp`` and before the rename, until it is killed
+(:func:`moe_async.orchestration.preemption.stall_if_due`: a crash in the middle of a
+checkpoint write, C22).
 """
 
 from __future__ import annotations
@@ -180,6 +185,21 @@ class TrainerGroup:
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         return self._call("load_checkpoint", path)
+
+    def arm_preemption(self) -> None:
+        """Arm every rank's SIGTERM flag (:mod:`moe_async.orchestration.preemption`, C22).
+
+        Raises: RuntimeError naming the ranks where it could not be armed."""
+        armed = self._gather([a.arm_preemption.remote() for a in self.actors], "arm_preemption")
+        if not all(armed):
+            raise RuntimeError("trainer ranks " + ", ".join(str(r) for r, ok in enumerate(armed) if not ok)
+                               + ": SIGTERM flag not armed (the call ran off the process's main thread)")
+
+    def stop_signals(self) -> list[tuple[int, str]]:
+        """``[(rank, signal name), ...]`` of the ranks that received a SIGTERM since
+        :meth:`arm_preemption` (every rank's own reply), rank order."""
+        got = self._gather([a.stop_signal.remote() for a in self.actors], "stop_signal")
+        return [(r, s) for r, s in enumerate(got) if s]
 
     # ---------------------------------------------------------------- teardown
     def shutdown(self) -> None:

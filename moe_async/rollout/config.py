@@ -76,6 +76,11 @@ class RolloutConfig(BaseModel):
         "together, so an engine prefills their shared prompt once. None = max_concurrent_groups. Size it so that "
         "eval_concurrency x (eval_k + 1) fills engine.max_running_requests x the engines.",
     )
+    eval_timeout_s: float = Field(
+        3600.0, gt=0,
+        description="The most seconds one held-out evaluation (eval_before/eval_after, a curve point) may take; "
+        "past it the run fails naming the evaluation and this field.",
+    )
     max_concurrent_groups: int = Field(4, ge=1, description="Groups generating at once.")
     reward_timeout_s: float = Field(10.0, gt=0, description="Per-sample reward timeout.")
     partial_rollout: bool = Field(

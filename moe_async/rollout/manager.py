@@ -149,7 +149,7 @@ class RolloutManager:
         self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
         self._busy = [_EngineBusy() for _ in self.engines]
         self.routable = [True] * len(self.engines)  # C19: the driver's (and failures') routing mask
-        self._skip: set[int] = set()  # draw numbers settled before a resumed run's checkpoint
+        self._skip: dict[int, str] = {}  # draw number -> counter: settled before a resume, or restored
         self._settled: list[tuple[int, str]] = []  # (draw number, drop reason) since drain_settled
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
@@ -278,10 +278,11 @@ class RolloutManager:
             m.update(self.reward_pool.metrics())
         return m
 
-    def skip_draws(self, seqs) -> None:
+    def skip_draws(self, seqs, counter: str = "skipped_settled") -> None:
         """Draw numbers a resumed run must not draw again (settled before its checkpoint:
-        moe_async/orchestration/run_state.py); each is passed over once (``rollout/skipped_settled``)."""
-        self._skip.update(int(x) for x in seqs)
+        moe_async/orchestration/run_state.py; or restored into the buffer from it, ``counter``
+        ``skipped_restored``); each is passed over once, counted in ``rollout/<counter>``."""
+        self._skip.update((int(x), counter) for x in seqs)
 
     def drain_settled(self) -> list[tuple[int, str]]:
         """``(draw number, reason)`` of the train draws dropped since the last call."""
@@ -295,9 +296,8 @@ class RolloutManager:
         if pos is None:
             return None
         while pos() in self._skip:
-            self._skip.discard(pos())
+            self.counters[self._skip.pop(pos())] += 1
             self.dataset.next_train()
-            self.counters["skipped_settled"] += 1
         return pos()
 
     def _settle(self, seq: int | None, reason: str) -> None:

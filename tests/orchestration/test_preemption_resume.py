@@ -9,33 +9,20 @@ with a reason, or pending (the ledger refuses a draw settled twice)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
-from pathlib import Path
 
-from tests.orchestration.test_resume import SMOKE, _procs_with_tag, _train
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.orchestration._train_proc import launch_train, left_running
+from tests.orchestration.test_resume import _train
 
 
 def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp_path) -> None:
     tag = uuid.uuid4().hex
     ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MOE_ASYNC_TEST_TAG": tag,
-           "MOE_ASYNC_SIGTERM": "checkpoint", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), f"logging.output_dir={tmp_path / 'a'}",
-           "eval_before=false", "eval_after=false", "logging.wandb_mode=disabled", "num_steps=20",
-           "async.mode=sync", "async.max_staleness=0", f"trainer.save_dir={ckpt}",
-           "rollout.max_new_tokens=128"]  # a long generation: the driver waits seconds for each batch
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watchdog = threading.Timer(600, proc.kill)
-    watchdog.daemon = True
-    watchdog.start()
+    proc, watchdog = launch_train(tmp_path / "a", tag, "num_steps=20", "async.mode=sync", "async.max_staleness=0",
+                                  f"trainer.save_dir={ckpt}", "rollout.max_new_tokens=128",  # the driver waits seconds per batch
+                                  MOE_ASYNC_SIGTERM="checkpoint")
     lines, t_sig = [], None
     for line in proc.stdout:
         lines.append(line)
@@ -55,10 +42,7 @@ def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest", "latest_checkpointed_iteration.txt",
                                                      "step_2"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    deadline = time.monotonic() + 30
-    while _procs_with_tag(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _procs_with_tag(tag) == []  # nothing of the job left running
+    assert left_running(tag) == []  # nothing of the job left running
     (run_a,) = list((tmp_path / "a").iterdir())
     s1 = json.loads((run_a / "summary.json").read_text())
     assert s1["stopped_at_step"] == 2 and s1["last_checkpoint"] == str(ckpt / "step_2")

@@ -76,8 +76,10 @@ def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> Non
     assert s2["resume_sync"]["sync/bytes"] > 0
     assert [m["step"] for m in steps2] == [3]
     assert steps2[0]["train/weight_version"] == 3.0  # continues from version 2, not 0
-    # every trained group was made by the engines at the loaded version 2 (buffer v0 = 2)
-    assert steps2[0]["buffer/staleness_max"] == 0.0
+    # every trained group was made by the engines at the loaded version 2 (buffer v0 = 2), except
+    # the groups restored from the checkpoint's buffer (made before the save, at most K=1 behind)
+    restored = s2["buffer_restored"]["restored"] - s2["buffer_restored"]["dropped_stale"]
+    assert steps2[0]["buffer/staleness_max"] <= (1.0 if restored else 0.0)
     assert sorted(p.name for p in ckpt2.iterdir()) == ["iter_0000003", "latest", "latest_checkpointed_iteration.txt",
                                                       "step_3"]
     extra3 = json.loads((ckpt2 / "step_3" / "moe_async_state.json").read_text())["extra"]

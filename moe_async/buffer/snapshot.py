@@ -1,0 +1,107 @@
+"""The buffer's part of a whole-run checkpoint (issue 19): its buffered groups and counters.
+
+:func:`snapshot` turns the groups buffered (put, not handed out) into a JSON-able dict that the
+driver saves in the checkpoint's ``moe_async_state.json`` (``extra["buffer"]``, written under the
+checkpoint's temporary name and renamed with it)::
+
+    {"format": 1,
+     "groups": [{"group_id": i, "start_version": v, "samples": [sample, ...]}, ...],   # FIFO order
+     "counters": {...}}    # the saving buffer's stats() (admitted, retired, drop_reasons, ...)
+
+A sample keeps every field of :class:`~moe_async.types.Sample`: token ids, rollout logprobs,
+per-token weight_versions, reward, reward_error, finish_reason, answer, response_text,
+loss_weight, metadata (``draw_seq`` included) and ``routed_experts`` (``{"dtype", "shape",
+"b64"}``: the array's bytes, base64). Floats go through JSON's shortest round-trip repr, so a
+restored sample equals the saved one exactly.
+
+:func:`restore` puts the saved groups back into a new buffer (:meth:`RolloutBuffer.restore_groups`:
+they count as admitted and put in the resumed run) and re-checks each against the resumed
+trainer version: a group more than ``K`` versions behind is dropped, reason ``stale``, counted,
+its draw reported for the ledger. The ``counters`` are kept for the record; the resumed
+buffer's admission counts restart from the loaded version (case C6).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from moe_async.types import Group, Sample
+
+FORMAT = 1
+
+
+def sample_to_dict(s: Sample) -> dict[str, Any]:
+    """Every field of ``s`` as JSON-able values (``routed_experts``: dtype, shape, base64 bytes)."""
+    d = {f.name: getattr(s, f.name) for f in fields(Sample) if f.name != "routed_experts"}
+    d["response_ids"], d["prompt_ids"] = [int(t) for t in s.response_ids], [int(t) for t in s.prompt_ids]
+    d["rollout_logprobs"] = [float(x) for x in s.rollout_logprobs]
+    d["weight_versions"] = [int(v) for v in s.weight_versions]
+    d["metadata"] = dict(s.metadata)
+    r = s.routed_experts
+    d["routed_experts"] = None if r is None else {
+        "dtype": str(r.dtype), "shape": list(r.shape), "b64": base64.b64encode(np.ascontiguousarray(r).tobytes()).decode()}
+    return d
+
+
+def sample_from_dict(d: dict[str, Any]) -> Sample:
+    """The inverse of :func:`sample_to_dict`.
+
+    Raises: ValueError naming the missing or unknown field, or the per-token lists that disagree."""
+    names = {f.name for f in fields(Sample)}
+    if set(d) != names:
+        raise ValueError(f"buffer snapshot: sample fields differ: missing {sorted(names - set(d))}, "
+                         f"unknown {sorted(set(d) - names)}")
+    kw = dict(d)
+    r = kw.pop("routed_experts")
+    if r is not None:
+        kw["routed_experts"] = np.frombuffer(base64.b64decode(r["b64"]), dtype=np.dtype(r["dtype"])).reshape(
+            r["shape"]).copy()
+    s = Sample(**kw)
+    s.validate()
+    return s
+
+
+def snapshot(buf: Any) -> dict[str, Any]:
+    """The buffered groups of ``buf`` (a :class:`~moe_async.buffer.buffer.RolloutBuffer`), oldest
+    first, and its counters (module docstring)."""
+    groups = [{"group_id": int(g.group_id), "start_version": int(g.start_version),
+               "samples": [sample_to_dict(s) for s in g.samples]} for g in buf.buffered_groups()]
+    return {"format": FORMAT, "groups": groups, "counters": buf.stats()}
+
+
+def groups_from_snapshot(snap: dict[str, Any]) -> list[Group]:
+    """The groups of a :func:`snapshot` dict, in their saved order.
+
+    Raises: ValueError naming the field when ``snap`` is not such a dict (or another format)."""
+    if not isinstance(snap, dict) or snap.get("format") != FORMAT or not isinstance(snap.get("groups"), list):
+        raise ValueError(f"buffer snapshot: expected a dict with format={FORMAT} and a groups list, got "
+                         f"{type(snap).__name__} with keys {sorted(snap) if isinstance(snap, dict) else []}")
+    return [Group(int(g["group_id"]), [sample_from_dict(s) for s in g["samples"]], int(g["start_version"]))
+            for g in snap["groups"]]
+
+
+def snapshot_draws(snap: dict[str, Any] | None) -> list[int]:
+    """The draw numbers (``metadata["draw_seq"]``) of a snapshot's groups (none: [])."""
+    if not snap:
+        return []
+    out = []
+    for g in snap.get("groups", []):
+        seq = g["samples"][0]["metadata"].get("draw_seq") if g["samples"] else None
+        if seq is not None:
+            out.append(int(seq))
+    return out
+
+
+def restore(buf: Any, snap: dict[str, Any], trainer_version: int) -> dict[str, int]:
+    """Put the groups of ``snap`` back into ``buf`` and drop those stale at ``trainer_version``
+    (reason ``stale``; their draws go to ``buf.stale_draws`` as any stale drop's).
+
+    Returns ``{"restored": n, "dropped_stale": m}`` (groups; ``n - m`` stay buffered)."""
+    groups = groups_from_snapshot(snap)
+    before = buf.drop_reasons.get("stale", 0)
+    buf.restore_groups(groups, trainer_version)
+    return {"restored": len(groups), "dropped_stale": buf.drop_reasons.get("stale", 0) - before}

@@ -1,0 +1,125 @@
+"""Pre-emption that reaches one trainer rank only (issue 19, case C22).
+
+Under ``MOE_ASYNC_SIGTERM=checkpoint`` (launch/slurm/train.sbatch) the driver's SIGTERM asks the
+step loop to checkpoint and stop (:func:`moe_async.orchestration.lifecycle.sigterm_to_checkpoint`).
+A SIGTERM can also reach a single trainer rank (a node's agent, an OOM guard, a user's ``kill``);
+Ray's own handler would make that rank exit, the others would be left in a collective and the
+run would fail as for a dead rank. With the same opt-in the driver arms every rank
+(:meth:`TrainerGroup.arm_preemption`): a rank's first SIGTERM only sets a flag
+(:func:`arm_rank_sigterm`), a second one goes to the handler it replaced (Ray: exit).
+
+Agreement on the stop step: the ranks never decide on their own. The driver asks every rank
+for its flag (:meth:`TrainerGroup.stop_signals`, one reply per rank) while it waits for a batch
+and after each step (:class:`StopCheck`); once any rank reports one, the driver stops the loop
+at that step boundary and issues the whole-run checkpoint of that step to every rank (a
+collective call), so every rank saves and stops at the same step by construction.
+
+Test-only: ``MOE_ASYNC_CKPT_STALL=RANK:N`` (:func:`stall_if_due`) stops a rank in the middle of
+a checkpoint write, so that a test can SIGKILL it there (the previous checkpoint stays valid).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+_RANK = {"signal": None, "prev": None}
+
+
+def arm_rank_sigterm(rank: int) -> bool:
+    """In a trainer rank's process (its actor's main thread): replace the SIGTERM handler by one
+    that records the signal (:func:`rank_stop_signal`) and prints one line naming ``rank``; a
+    second SIGTERM calls the handler it replaced (Ray's: the process exits). Idempotent.
+
+    Returns False (nothing armed) off the main thread, where handlers cannot be set."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _RANK["prev"] is not None:
+        return True
+    _RANK["signal"] = None
+
+    def _flag(signum, frame):
+        if _RANK["signal"] is not None:
+            prev = _RANK["prev"]
+            if callable(prev):
+                return prev(signum, frame)
+            raise SystemExit(128 + signum)
+        _RANK["signal"] = signal.Signals(signum).name
+        print(f"[moe-async] trainer rank {rank}: {_RANK['signal']}: the run checkpoints after the current "
+              "step and stops (a second one exits this rank at once)", flush=True)
+
+    _RANK["prev"] = signal.signal(signal.SIGTERM, _flag) or signal.SIG_DFL
+    return True
+
+
+def rank_stop_signal() -> str | None:
+    """The signal name this rank received since :func:`arm_rank_sigterm`, else None."""
+    return _RANK["signal"]
+
+
+class StopCheck:
+    """The step loop's question "stop now?" (C22): the driver's own pre-emption flag, else the
+    first trainer rank that reported one.
+
+    Args:
+        driver_flag: returns the driver's signal name or None (:func:`lifecycle.stop_requested`).
+        rank_signals: returns ``[(rank, signal name), ...]`` for the ranks that received one
+            (:meth:`TrainerGroup.stop_signals`); None: ranks are not asked (not armed).
+
+    Calling it returns the reason (``"SIGTERM"``, ``"SIGTERM on trainer rank 1"``) or None; once
+    a reason is found it is kept (a later call does not ask the ranks again).
+    """
+
+    def __init__(self, driver_flag: Callable[[], str | None],
+                 rank_signals: Callable[[], list[tuple[int, str]]] | None = None):
+        self.driver_flag = driver_flag
+        self.rank_signals = rank_signals
+        self.reason: str | None = None
+
+    def __call__(self) -> str | None:
+        if self.reason is None:
+            sig = self.driver_flag()
+            if sig is None and self.rank_signals is not None:
+                got = self.rank_signals()
+                if got:
+                    sig = f"{got[0][1]} on trainer rank " + ", ".join(str(r) for r, _ in got)
+            self.reason = sig
+        return self.reason
+
+
+def stop_check(trainer: Any, armed: bool) -> StopCheck:
+    """The driver's :class:`StopCheck`: with ``armed`` (``MOE_ASYNC_SIGTERM=checkpoint``) every
+    trainer rank is armed here (:meth:`TrainerGroup.arm_preemption`) and asked from then on."""
+    from moe_async.orchestration.lifecycle import stop_requested
+
+    if not armed:
+        return StopCheck(stop_requested)
+    trainer.arm_preemption()
+    return StopCheck(stop_requested, trainer.stop_signals)
+
+
+CKPT_STALL_ENV = "MOE_ASYNC_CKPT_STALL"
+
+
+def stall_if_due(rank: int, n: int, tmp: str) -> None:
+    """Test-only: when ``MOE_ASYNC_CKPT_STALL=RANK:N`` names this ``rank`` and its ``n``-th save,
+    print one line (the process id and the temporary checkpoint ``tmp``) and sleep until killed.
+
+    Raises: ValueError naming the variable when its value is not ``RANK:N``."""
+    value = os.environ.get(CKPT_STALL_ENV)
+    if not value:
+        return
+    parts = value.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{CKPT_STALL_ENV}={value!r}: expected RANK:N, e.g. 0:2")
+    if (int(parts[0]), int(parts[1])) != (rank, n):
+        return
+    print(f"[moe-async] test hook {CKPT_STALL_ENV}: trainer rank {rank} (pid {os.getpid()}) stalls in its "
+          f"save {n} before renaming {tmp}", flush=True)
+    while True:
+        time.sleep(3600)
