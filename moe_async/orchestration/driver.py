@@ -104,7 +104,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     from moe_async.models.prepare import prepare_hf_checkpoint
     from moe_async.orchestration.actors import BufferActor, RolloutActor
     from moe_async.orchestration.engine_pool import EnginePool
-    from moe_async.orchestration.placement import place_engines, place_trainer
+    from moe_async.orchestration.placement import check_tensor_transport_nodes, place_engines, place_trainer
     from moe_async.orchestration.trainer_group import TrainerGroup
 
     # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
@@ -138,6 +138,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         # both pools placed first (each its own devices or cores), so a cluster short of them
         # fails before anything starts; then the engines start (in parallel) and the ranks
         trainer_slots, engine_slots = place_trainer(cfg), place_engines(cfg)
+        check_tensor_transport_nodes(cfg, trainer_slots, engine_slots)  # memory handles stay on one host
         engines = EnginePool(cfg, model_path, placement=engine_slots)
         timeline.phase("start engines")
         urls = engines.launch()
