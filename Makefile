@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo smoke test
+.PHONY: setup demo smoke test test-slow
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -30,3 +30,7 @@ smoke: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+
+# the tests `make test` deselects (marked slow; the list is in the README's "Two commands")
+test-slow: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow $(ARGS)

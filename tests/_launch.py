@@ -81,3 +81,20 @@ def cpu_check_json(script: str, tmp: str, timeout: float, **env: str):
     if torch.cuda.is_available():
         pytest.skip("CPU/gloo checks")
     return run_json(script, tmp, timeout=timeout, **env)
+
+
+def selected_params(request, name: str) -> set:
+    """The values of the parameter ``name`` of this session's selected tests (after ``-m`` /
+    ``-k`` deselection) in the module of ``request`` (a module-scoped fixture's): a shared
+    launch runs only the cases some selected test reads, so ``pytest -m slow`` cases cost
+    nothing in the default run."""
+    return {item.callspec.params[name] for item in request.session.items
+            if item.path == request.path and name in getattr(getattr(item, "callspec", None), "params", {})}
+
+
+def slow_marked(values: list, slow: set) -> list:
+    """``values`` as pytest parameters, those in ``slow`` marked ``slow`` (the default run's
+    ``-m 'not slow'`` deselects them)."""
+    import pytest
+
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]

@@ -106,6 +106,44 @@ def test_train_refuses_a_layout_the_model_cannot_take_before_ray(tmp_path):
     assert "trainer.tensor_model_parallel_size=3 does not divide the 4 attention heads" in line
     assert "trainer.tensor_model_parallel_size=3 does not divide the 2 KV groups" in line
     assert "Traceback" not in r.stderr and "[moe-async] trainer:" not in r.stdout  # no rank was started
+    # refused on the config.json known from the config's sizes (issue 16): no run dir, no model made
+    assert "layout does not fit the model model.source=random_moe: " in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
+
+
+def test_layout_refused_after_preparation_removes_its_run_dir(tmp_path, monkeypatch):
+    """A model whose config.json is known only once made (smollm2_upcycled before its first
+    run): the refusal after preparation removes the run dir it made."""
+    from moe_async.models import prepare
+
+    hf = tmp_path / "model"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "mixtral"}')
+    monkeypatch.setattr(prepare, "configured_hf_config", lambda m: None)  # unknown before it is made
+    monkeypatch.setattr(prepare, "prepare_hf_checkpoint", lambda m: hf)
+    import moe_async.plan.report as report
+
+    monkeypatch.setattr(report, "model_layout_errors", lambda cfg, p: ["trainer.tensor_model_parallel_size=3 no"])
+    cfg = load_config(SMOKE, [f"logging.output_dir={tmp_path / 'runs'}"])
+    with pytest.raises(UserInputError, match=f"layout does not fit the model {hf}: trainer.tensor_model_parallel_size=3"):
+        driver.run_experiment(cfg)
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize("transport,override,value", [("tensor", "weight_sync.backend=gloo", "'gloo'"),
+                                                      ("tensor", "weight_sync.backend=nccl", "'nccl'"),
+                                                      ("tensor", "weight_sync.disk_dir=/tmp/x", "'/tmp/x'"),
+                                                      ("broadcast", "weight_sync.disk_dir=/tmp/x", "'/tmp/x'")])
+def test_fields_the_transport_does_not_read_refused(transport, override, value):
+    """weight_sync.backend does nothing with transport tensor (no process group), disk_dir with
+    any transport but disk (no files): a non-default value is refused naming the field, not
+    ignored (issue 16)."""
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{field}={value} is unused with weight_sync.transport='{transport}'"):
+        load_config(SMOKE, [f"weight_sync.transport={transport}", override])
+    assert load_config(SMOKE, ["weight_sync.transport=tensor", "weight_sync.backend=auto"]).weight_sync.backend == "auto"
+    assert load_config(SMOKE, ["weight_sync.transport=disk", "weight_sync.disk_dir=/tmp/x"]).weight_sync.disk_dir == "/tmp/x"
+    assert load_config(SMOKE, ["weight_sync.backend=gloo"]).weight_sync.backend == "gloo"  # broadcast reads it
 
 
 # ------------------------------------------------------------------ metrics and console

@@ -53,6 +53,7 @@ prompt drawn went (trained / dropped by reason / pending).
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     Raises: whatever a component raises (config/model/engine errors name their source);
     :class:`~moe_async.errors.UserInputError` at start-up, before Ray or any process starts,
     for a ``cpu_affinity`` core this host lacks, a bad ``trainer.load``, an unwritable
-    ``trainer.save_dir`` or a bad ``model.hf_path`` (no run dir is made); engines and Ray are
+    ``trainer.save_dir``, a bad ``model.hf_path`` or a layout the model cannot take (no run dir is
+    left); engines and Ray are
     shut down on every exit path.
 
     Summary timing: ``wall_seconds`` is the whole run from this call to the summary (start-up:
@@ -106,11 +108,13 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     from moe_async.models.prepare import prepare_hf_checkpoint
     from moe_async.orchestration.actors import BufferActor, RolloutActor
     from moe_async.orchestration.engine_pool import EnginePool
-    from moe_async.orchestration.placement import place_engines, place_trainer
+    from moe_async.orchestration.placement import check_tensor_transport_nodes, place_engines, place_trainer
     from moe_async.orchestration.trainer_group import TrainerGroup
 
     # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
     model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
+    # plan's model rules on the config.json known without making the model: before the run dir
+    layout_checked = refuse_layout_before_run_dir(cfg)
     run_dir = make_run_dir(cfg.logging, cfg.name)
     console = console or RunConsole(install=False)
     console.attach_log(run_dir)
@@ -124,7 +128,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     print(f"[moe-async] model: {model_path}", flush=True)
     from moe_async.plan.report import model_layout_errors
 
-    if errs := model_layout_errors(cfg, model_path):  # before any Ray process (plan's model rules)
+    if not layout_checked and (errs := model_layout_errors(cfg, model_path)):  # before any Ray process
+        shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no run dir
         raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
@@ -137,6 +142,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         # both pools placed first (each its own devices or cores), so a cluster short of them
         # fails before anything starts; then the engines start (in parallel) and the ranks
         trainer_slots, engine_slots = place_trainer(cfg), place_engines(cfg)
+        check_tensor_transport_nodes(cfg, trainer_slots, engine_slots)  # memory handles stay on one host
         engines = EnginePool(cfg, model_path, placement=engine_slots)
         timeline.phase("start engines")
         urls = engines.launch()
@@ -377,6 +383,25 @@ def wandb_command() -> str:
         return str(exe.relative_to(Path.cwd()))
     except ValueError:
         return str(exe)
+
+
+def refuse_layout_before_run_dir(cfg: ExperimentConfig) -> bool:
+    """Plan's model rules (heads, KV groups, experts, layers by the parallel sizes) on the
+    model's HF config as known before the model is made or the run dir exists
+    (:func:`~moe_async.models.prepare.configured_hf_config`: ``hf``'s ``config.json``, a made
+    source's cached one, ``random_moe``'s from its sizes). Returns True when they were checked,
+    False when the config cannot be known yet (``smollm2_upcycled`` not made: checked after
+    preparation). Raises UserInputError naming every broken rule."""
+    from moe_async.models.prepare import configured_hf_config
+    from moe_async.plan.report import hf_config_layout_errors
+
+    hf_config = configured_hf_config(cfg.model)
+    if hf_config is None:
+        return False
+    where = cfg.model.hf_path if cfg.model.source == "hf" else f"model.source={cfg.model.source}"
+    if errs := hf_config_layout_errors(cfg, hf_config, str(where)):
+        raise UserInputError(f"layout does not fit the model {where}: " + "; ".join(errs))
+    return True
 
 
 def check_save_dir(cfg: ExperimentConfig) -> None:

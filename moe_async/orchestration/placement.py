@@ -205,3 +205,27 @@ def place_engines(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement
         return place([bundles], "PACK", what, timeout_s)
     per_node = engine_bundles(n, e.devices_per_engine_node, e.num_threads, use_gpus, n_total + e.num_engines * (n - 1))
     return place([per_node] * e.num_engines, "STRICT_SPREAD", what, timeout_s)
+
+
+def check_tensor_transport_nodes(cfg: Any, trainer: Placement, engines: Placement) -> None:
+    """``weight_sync.transport: tensor`` hands each engine handles to the sending rank's memory
+    (CUDA IPC, CPU shared memory by name), which only processes on that rank's node can open.
+    The sending rank is trainer rank 0 (slot 0 of ``trainer``); ``engines`` is in engine-major
+    slot order (``engine.nodes_per_engine`` slots per engine). Nothing is checked for other
+    transports.
+
+    Raises: PlacementError naming the first engine (by index) placed on another node than rank
+    0, both nodes (id and address) and the fix; both placements are removed first, so nothing
+    stays held."""
+    if cfg.weight_sync.transport != "tensor" or not trainer.slots:
+        return
+    s0, per = trainer.slots[0], max(1, cfg.engine.nodes_per_engine)
+    for j, s in enumerate(engines.slots):
+        if s.node_id != s0.node_id:
+            trainer.remove()
+            engines.remove()
+            raise PlacementError(
+                f"weight_sync.transport='tensor': engine {j // per} was placed on node {s.node_id} ({s.node_ip}), "
+                f"trainer rank 0 (the sending rank) on node {s0.node_id} ({s0.node_ip}); its memory handles "
+                "open only on the sender's node: use weight_sync.transport='broadcast', or a cluster where the "
+                "trainer and every engine fit one node (moe-async plan checks this)")

@@ -151,10 +151,18 @@ def model_layout_errors(cfg, hf_dir: str) -> list[str]:
         d = read_json_object(path, "model", ValueError)
     except ValueError:
         return []
-    if d.get("model_type") not in SUPPORTED:
+    return hf_config_layout_errors(cfg, d, str(path))
+
+
+def hf_config_layout_errors(cfg, hf_config: dict, where: str) -> list[str]:
+    """:func:`model_layout_errors` for an HF config already read (a ``config.json``'s dict, e.g.
+    :func:`moe_async.models.prepare.configured_hf_config`'s before the model is made); ``where``
+    names its source in shape errors. Empty when the rules hold or plan does not know its
+    ``model_type``."""
+    if hf_config.get("model_type") not in SUPPORTED:
         return []
     try:
-        shape = model_shape(d, str(path))
+        shape = model_shape(hf_config, where)
     except ArchError:
         return []
     return check_layout(shape, cfg, cluster=False)

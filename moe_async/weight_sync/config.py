@@ -48,6 +48,24 @@ class WeightSyncConfig(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _refuse_unused_fields(self) -> "WeightSyncConfig":
+        """A field the chosen transport does not read is refused when set to anything but its
+        default, naming it (not silently ignored): ``disk_dir`` (only ``disk`` writes files),
+        ``backend`` with ``tensor`` (no process group: memory handles in
+        ``/update_weights_from_tensor``). Raises ValueError."""
+        unused = []
+        if self.disk_dir is not None and self.transport != "disk":
+            unused.append(("disk_dir", None, "only transport 'disk' writes files"))
+        if self.backend != "auto" and self.transport == "tensor":
+            unused.append(("backend", "auto", "it forms no process group: each bucket goes as memory handles "
+                                              "in /update_weights_from_tensor"))
+        for name, default, reason in unused:
+            raise ValueError(
+                f"weight_sync.{name}={getattr(self, name)!r} is unused with weight_sync.transport="
+                f"{self.transport!r} ({reason}): remove it (default {default!r}) or choose another transport")
+        return self
+
+    @model_validator(mode="after")
     def _warn_small_buckets(self) -> "WeightSyncConfig":
         if self.transport in ("broadcast", "tensor") and self.bucket_bytes < SMALL_BUCKET_BYTES:
             warnings.warn(

@@ -3,12 +3,13 @@ the loss, grad norm and entropy of two optimizer steps (fp32, relative differenc
 logprobs (and their parity with transformers), bit-exact HF export after loading.
 
 Layouts: deepseek_v3 and qwen3_moe at TP2+SP, EP2, PP2 (2 processes) and TP2+EP2, PP2+EP2,
-TP2+PP2+EP2, EP4 (4 processes); deepseek_v3 also at PP2+VPP2 (2 processes: each rank holds two
+TP2+PP2+EP2, EP4 (4 processes, `pytest -m slow`); deepseek_v3 also at PP2+VPP2 (2 processes: each rank holds two
 model chunks of one layer each, the first dense layer in rank 0's chunk 0, built from Megatron's
 decoder block spec with ``vp_stage``); glm4_moe at TP2+SP, EP2, PP2 (the dense layer on stage 0,
-the MoE layer on stage 1) and TP2+EP2; llama at TP2+SP, PP2, TP2+PP2. (Mixtral: tests/trainer/
+the MoE layer on stage 1) and TP2+EP2 (slow); llama at TP2+SP, PP2, TP2+PP2 (slow). (Mixtral: tests/trainer/
 test_layouts.py.) Three launches in all (see _family_layouts.py): the 1-process references
-(plain python), one 2-process and one 4-process torchrun, each looping over its cases.
+(plain python), one 2-process and one 4-process torchrun (only when a slow case is selected),
+each looping over its cases.
 
 Also the detector of the local MLA spec mend (moe_async/compat/mla_local_attention.py,
 ``local_mla_submodules``): with Megatron's own ColumnParallelLinear q/kv down projections,
@@ -22,7 +23,7 @@ import sys
 
 import pytest
 import torch
-from _launch import merged_json, torchrun
+from _launch import merged_json, selected_params, slow_marked, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -35,18 +36,25 @@ W2 = [f"{ck}-{lay}" for ck in ("ds3", "qwen3") for lay in MOE_W2] + ["llama-tp2p
 W4 = [f"{ck}-{lay}" for ck in ("ds3", "qwen3") for lay in MOE_W4] + ["llama-tp2pp2ep1", "glm-tp2pp1ep2"]
 REFS = ["ds3-tp1pp1ep1", "qwen3-tp1pp1ep1", "llama-tp1pp1ep1", "glm-tp1pp1ep1"]
 CASES = [c for c in W2 + W4 if not c.startswith("ds3cpl")]
+# the 4-process launch is `pytest -m slow` only: every family stays at TP2+SP, EP2 and PP2 (2
+# processes) in the default run, and Mixtral's 4-process combinations in tests/trainer/test_layouts.py
+SLOW = set(W4)
 REL = 1e-5
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
+def res(request, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("family_layouts"))
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], 300)}
-    for n, cases in ((2, W2), (4, W4)):
-        times[f"w{n}"] = torchrun(n, SCRIPT, "run", tmp, os.path.join(tmp, f"w{n}.json"), *cases, timeout=400)
-    out = merged_json(tmp, "ref", "w2", "w4")
+    want = selected_params(request, "case")
+    names = ["ref"]
+    for n, cases in ((2, W2), (4, [c for c in W4 if c in want])):
+        if cases:
+            times[f"w{n}"] = torchrun(n, SCRIPT, "run", tmp, os.path.join(tmp, f"w{n}.json"), *cases, timeout=400)
+            names.append(f"w{n}")
+    out = merged_json(tmp, *names)
     print("family layout wall times (s):", times)
     return out
 
@@ -64,7 +72,7 @@ def _ref(res, case: str) -> dict:
     return res[case.split("-")[0].replace("ds3cpl", "ds3") + "-tp1pp1ep1"]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", slow_marked(CASES, SLOW))
 def test_two_steps_equal_one_process(res, case):
     got, ref = res[case]["steps"], _ref(res, case)["steps"]
     assert len(got) == 2
@@ -75,7 +83,7 @@ def test_two_steps_equal_one_process(res, case):
     assert got[0]["loss"] != got[1]["loss"]  # the second step sees the first update
 
 
-@pytest.mark.parametrize("case", REFS + CASES)
+@pytest.mark.parametrize("case", slow_marked(REFS + CASES, SLOW))
 def test_logprobs_equal_one_process_and_hf(res, case):
     hf = res[case.split("-")[0] + "-hf"]["logp"]
     assert min(min(x) for x in hf) < -7.0  # far from uniform (log 256 = -5.55)
@@ -83,7 +91,7 @@ def test_logprobs_equal_one_process_and_hf(res, case):
     assert _maxdiff(res[case]["logp"], hf) < 1e-4
 
 
-@pytest.mark.parametrize("case", REFS + CASES)
+@pytest.mark.parametrize("case", slow_marked(REFS + CASES, SLOW))
 def test_export_bit_exact(res, case):
     assert res[case]["export_equals_disk"] is True
 

@@ -2,7 +2,8 @@
 environment (no trainer, no engine server is started).
 
     python _placement_checks.py gpus8     # ray.init(num_gpus=8): 4 trainer ranks + 2 engines of 2 GPUs
-    python _placement_checks.py two_nodes # ray.cluster_utils.Cluster, 2 nodes of 2 GPUs: 4 ranks, nodes=2
+    python _placement_checks.py two_nodes # ray.cluster_utils.Cluster, 2 nodes of 2 GPUs: 4 ranks, nodes=2;
+                                          # then transport tensor refused (the engine on the head node)
     python _placement_checks.py multinode_engines  # 3 nodes of 4 GPUs: 2 SGLang engines of 2 nodes x 2 GPUs
 
 Runs the real placement (moe_async.orchestration.placement), the real TrainerGroup start-up
@@ -153,9 +154,28 @@ def main(mode: str) -> None:
         cluster.add_node(num_cpus=2, num_gpus=2)
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
-        cfg = load_config(SMOKE, ["trainer.nodes=2", "trainer.devices_per_node=2", "engine.num_engines=1"])
+        over = ["trainer.nodes=2", "trainer.devices_per_node=2", "engine.num_engines=1"]
         try:
-            res = run(cfg)
+            res = run(load_config(SMOKE, over))
+            # the same placement with transport tensor: each node's 2 CPUs go to its 2 ranks' bundles
+            # (1 CPU each), so the engine's 1-CPU bundle lands on the head node, not rank 0's
+            from moe_async.orchestration.placement import check_tensor_transport_nodes
+
+            cfg = load_config(SMOKE, [*over, "weight_sync.transport=tensor"])
+            tp, ep = place_trainer(cfg), place_engines(cfg)
+            res["tensor"] = {"trainer_node": tp.slots[0].node_id, "trainer_ip": tp.slots[0].node_ip,
+                             "engine_node": ep.slots[0].node_id, "engine_ip": ep.slots[0].node_ip}
+            try:
+                check_tensor_transport_nodes(cfg, tp, ep)
+            except PlacementError as e:
+                res["tensor"]["refused"] = str(e)
+            import time
+
+            for _ in range(100):  # freed resources reach the GCS asynchronously
+                res["tensor"]["free_after"] = ray.available_resources().get("CPU", 0.0)
+                if res["tensor"]["free_after"] == 5.0:
+                    break
+                time.sleep(0.1)
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -56,12 +56,17 @@ def test_too_few_gpus_named_and_nothing_held(gpus8):
     assert gpus8["free_after"] == 8.0  # the killed group and pool gave their GPUs back
 
 
-def test_two_node_cluster_ranks_in_node_order():
+@pytest.fixture(scope="module")
+def two_nodes():
+    return _run("two_nodes")
+
+
+def test_two_node_cluster_ranks_in_node_order(two_nodes):
     """ray.cluster_utils.Cluster, 2 nodes of 2 GPUs, trainer.nodes=2: ranks 0-1 on one node,
     2-3 on the other, LOCAL_RANK per node, MASTER_ADDR = rank 0's node address; the engine
     served on its node's address (the cluster has several nodes). On one host every node has
     the host's address, so the node ids tell the nodes apart."""
-    res = _run("two_nodes")
+    res = two_nodes
     ranks = res["ranks"]
     nodes = [r["node_id"] for r in ranks]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
@@ -107,3 +112,43 @@ def test_multi_node_engines_one_process_per_node():
         assert (args.nnodes, args.node_rank, args.tp_size) == (2, p["node_rank"], 4)
         assert args.dist_init_addr == procs[2 * p["index"] + 1]["cmd"][cmd.index("--dist-init-addr") + 1]
         assert args.enable_return_routed_experts
+
+
+def test_tensor_transport_refused_when_an_engine_is_on_another_node(two_nodes):
+    """weight_sync.transport=tensor on the same Cluster, the engine's bundle on the head node,
+    trainer rank 0 on another: refused at placement naming the engine, both nodes and the fix
+    (issue 16: only `moe-async plan` refused it); both placements removed (all 5 CPUs free)."""
+    res = two_nodes["tensor"]
+    assert res["trainer_node"] != res["engine_node"]
+    assert res["refused"].startswith(
+        f"weight_sync.transport='tensor': engine 0 was placed on node {res['engine_node']} ({res['engine_ip']}), "
+        f"trainer rank 0 (the sending rank) on node {res['trainer_node']} ({res['trainer_ip']})")
+    assert "use weight_sync.transport='broadcast'" in res["refused"]
+    assert res["free_after"] == 5.0
+
+
+def _slot(node: str):
+    from moe_async.orchestration.placement import Slot
+
+    return Slot(pg=None, bundle_index=0, num_cpus=1.0, num_gpus=0.0, node_id=node, node_ip="10.0.0." + node[-1])
+
+
+@pytest.mark.parametrize("transport,engine_nodes,refused", [
+    ("tensor", ["n1", "n1"], None),  # every engine beside rank 0: accepted
+    ("tensor", ["n1", "n2"], "engine 1 was placed on node n2 (10.0.0.2), trainer rank 0 (the sending rank) on node "
+                             "n1 (10.0.0.1)"),
+    ("broadcast", ["n2", "n2"], None),  # a broadcast crosses nodes
+])
+def test_tensor_transport_node_check(transport, engine_nodes, refused):
+    from moe_async.config import load_config
+    from moe_async.orchestration.placement import Placement, PlacementError, check_tensor_transport_nodes
+
+    cfg = load_config(os.path.join(HERE, "..", "..", "configs", "cpu_smoke.yaml"),
+                      [f"weight_sync.transport={transport}", "engine.num_engines=2"])
+    trainer, engines = Placement([_slot("n1"), _slot("n2")]), Placement([_slot(n) for n in engine_nodes])
+    if refused is None:
+        check_tensor_transport_nodes(cfg, trainer, engines)
+        return
+    with pytest.raises(PlacementError, match="weight_sync.transport='tensor'") as e:
+        check_tensor_transport_nodes(cfg, trainer, engines)
+    assert refused in str(e.value)

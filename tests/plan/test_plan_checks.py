@@ -46,7 +46,8 @@ def _plan(*overrides):
          "16 GPUs per node exceed cluster.gpus_per_node=8: set engine.nodes_per_engine=2"),
         (["engine.tensor_parallel_size=8", "engine.expert_parallel_size=8", "engine.devices_per_engine=8",
           "engine.nodes_per_engine=2"], "engine.nodes_per_engine=2: an engine spanning nodes takes them whole"),
-        (["weight_sync.transport=tensor"], "weight_sync.transport='tensor' hands the engines memory handles"),
+        (["weight_sync.transport=tensor", "weight_sync.backend=auto"],
+         "weight_sync.transport='tensor' hands the engines memory handles"),
         (["engine.devices_per_engine=12"], "an engine larger than a node takes whole nodes, so its devices must be a "
                                            "multiple of 8"),
     ],

@@ -6,7 +6,8 @@ Four launches in all (see _layout_checks.py): the 1-process reference (plain pyt
 save + R3 at CP2, a 1-process load of that checkpoint, and one 4-process torchrun looping
 over {TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4, PP2+VPP2+EP2, TP2+CP2, EP2+CP2, PP2+CP2} + C4, plus Megatron's distributed
 optimizer at DP2 (2 processes), EP2 x DP2, TP2 x DP2 and PP2+VPP2 x DP2 (4 processes); Megatron's parallel
-state is destroyed and re-initialised between layouts inside a launch. Each layout: load the
+state is destroyed and re-initialised between layouts inside a launch. The 4-process layouts in
+SLOW are `pytest -m slow` only (the launch runs just the selected layouts). Each layout: load the
 same tiny Mixtral (2 layers, hidden 64, 4 experts top-2, vocab 256 padded to 96 x TP, fp32;
 4 layers for the virtual pipeline layouts: one layer per model chunk), export, two optimizer
 steps on the same 8 samples (aux coeff 0). Virtual pipeline checkpoints: a 1-process
@@ -31,7 +32,7 @@ import sys
 
 import pytest
 import torch
-from _launch import merged_json, torchrun
+from _launch import merged_json, selected_params, slow_marked, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -63,6 +64,12 @@ TH2 = [f"{lay}th-{ck}" for ck in TH_CKPTS for lay in ("tp2pp1ep1", "tp1pp1ep2", 
 REFS = ["tie0", "tie1", "qwen3", "qwen3n", "l4", "tie0L", "qwen3L", "ds3L", "llamaL", "tie0M",
         *[f"{ck}{k}" for ck in TH_CKPTS for k in "MT" if ck != "tie0" or k == "T"]]
 REL = 1e-5
+# `pytest -m slow` only (the 4-process launch runs just the selected ones): the default run keeps
+# at 4 processes TP2+PP2+EP2, TP2+CP2, EP2 x DP4 with the token budget, C4 (EP2 x DP2) and both
+# checkpoint loads (PP2+VPP2 -> EP4, DP2 -> DP4); these combinations of sizes proven one by one
+# at 2 processes are slow-only
+SLOW = {"tp2pp1ep2-tie0", "tp1pp2ep2-tie0", "tp1pp1ep4-tie1", "tp2pp2ep2-qwen3n", "tp1pp2vp2ep2-l4", *DO4,
+        "tp1pp1ep2cp2-qwen3", "tp1pp1ep2cp2-ds3", "tp1pp2ep1cp2-llama"}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
 
@@ -72,13 +79,15 @@ def _torchrun(n: int, tmp: str, out: str, layouts: list[str]) -> float:
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
+def res(request, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("layouts"))
+    want = selected_params(request, "layout")
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
     times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"),
                             [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2])
     times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=120)
-    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4])
+    w4 = [x for x in [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4] if x not in SLOW or x in want]
+    times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), w4)
     out = merged_json(tmp, "ref", "w2", "w4", "cpck_load")
     out["times"] = times
     print("layout check wall times (s):", times)
@@ -97,7 +106,7 @@ def _ref_key(layout: str) -> str:
                                    "L" if "cp" in lay else "")
 
 
-@pytest.mark.parametrize("layout", W2 + W4 + DO2 + DO4 + CP + MT + TH2)
+@pytest.mark.parametrize("layout", slow_marked(W2 + W4 + DO2 + DO4 + CP + MT + TH2, SLOW))
 def test_layout_equals_one_process(res, layout):
     ref = res[_ref_key(layout)]
     got = res[layout]
@@ -116,13 +125,13 @@ def test_layout_equals_one_process(res, layout):
         assert max(abs(a - b) for a, b in zip(x, y)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", REFS + W2 + W4 + DO2 + DO4 + CP + MT + TH2)
+@pytest.mark.parametrize("layout", slow_marked(REFS + W2 + W4 + DO2 + DO4 + CP + MT + TH2, SLOW))
 def test_export_bit_exact_after_load(res, layout):
     assert res[layout]["export_equals_disk"] is True
     assert res[layout]["checksums_agree_on_ranks"] is True
 
 
-@pytest.mark.parametrize("layout", [x for x in REFS + W2 + W4 if not x.endswith(("L", "M", "T"))])
+@pytest.mark.parametrize("layout", slow_marked([x for x in REFS + W2 + W4 if not x.endswith(("L", "M", "T"))], SLOW))
 def test_c10_aux_loss_on_every_layout(res, layout):
     """C10: loss - pg_loss == 0.01 x aux (and 0.02 x aux); with zero advantages only the aux
     loss drives the gradient, and doubling its coefficient doubles the gradient exactly."""
@@ -162,7 +171,7 @@ def test_c4_experts_saved_once_and_reloaded_at_other_ep(res):
     assert c4["reload_ep1_n"] == c4["reload_ep4_n"] == 41
 
 
-@pytest.mark.parametrize("layout", VPP)
+@pytest.mark.parametrize("layout", slow_marked(VPP, SLOW))
 def test_vpp_chunks_hold_interleaved_layers(res, layout):
     """Megatron's interleaved assignment: PP rank p, chunk v holds layer v*PP + p + 1 (4 layers,
     PP2 x VPP2); at EP2 the two EP ranks of a PP stage hold the same layers."""
@@ -222,7 +231,7 @@ def test_distributed_optimizer_checkpoint(res):
 
 
 # ------------------------------------------------------------------ context parallelism
-@pytest.mark.parametrize("layout", [x for x in CP if "llama" not in x])  # llama: dense
+@pytest.mark.parametrize("layout", slow_marked([x for x in CP if "llama" not in x], SLOW))  # llama: dense
 def test_cp_aux_loss_equals_one_process(res, layout):
     """The CP layouts train with aux coefficient 0.01: the MoE aux loss (each CP rank's router
     logs its tokens' share; summed over the TP x CP group) equals the 1-process value, and
@@ -233,7 +242,7 @@ def test_cp_aux_loss_equals_one_process(res, layout):
         assert _rel(s["moe_aux_loss"], r["moe_aux_loss"]) <= REL, (s["moe_aux_loss"], r["moe_aux_loss"])
 
 
-@pytest.mark.parametrize("layout", CP)
+@pytest.mark.parametrize("layout", slow_marked(CP, SLOW))
 def test_cp_logprobs_equal_one_process_per_token(res, layout):
     """compute_logprobs at CP (gathered back over CP into token order) = 1 process, every
     response token of the 8 long samples, equal on every rank. Tolerance: the TP layouts'
@@ -321,7 +330,7 @@ def test_thd_equals_padded_one_process(res, ck):
     assert max(abs(a - b) for x, y in zip(got["logp_all"], ref["logp_all"]) for a, b in zip(x, y)) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", TH2)
+@pytest.mark.parametrize("layout", slow_marked(TH2, SLOW))
 def test_thd_logprobs_equal_one_process_per_token(res, layout):
     """compute_logprobs with THD at TP2+SP / EP2 / PP2 = 1-process THD, every response token,
     equal on every rank (tolerance as for the CP layouts: 1e-4 with TP, 1e-6 without)."""
@@ -340,7 +349,7 @@ def test_thd_router_replay_r3(res):
     _assert_r3_as_reference(got, ref)
 
 
-@pytest.mark.parametrize("layout", [x for x in TH2 if "pp2" in x])
+@pytest.mark.parametrize("layout", slow_marked([x for x in TH2 if "pp2" in x], SLOW))
 def test_thd_pipeline_rows_keep_their_length(res, layout):
     """PP2 with THD: every packed row keeps its own length T (Megatron-Core's variable_seq_lengths
     exchanges each p2p tensor's shape) instead of all being padded to the longest: the rows of
