@@ -167,3 +167,51 @@ def test_mixed_dtypes_keep_their_metadata_at_any_offset():
     assert b.names == ["a", "w"] and b.dtypes == ["bfloat16", "float32"] and b.shapes == [[3], [2, 2]]
     got = dict(unflatten(flat, b.names, b.dtypes, b.shapes))
     assert torch.equal(got["a"], a) and torch.equal(got["w"], w)
+
+
+def test_gate_up_tensor_is_gathered_in_place_and_kept_in_one_bucket():
+    """A split that gives row blocks (gate;up, ``split_rows_2``) under ``direct``: both parts go
+    into one bucket end to end (greedy per part would put up into the next bucket) and the
+    shards are received straight into those bytes: no scratch (peak = the bucket buffer)."""
+    from moe_async.models.mapping import split_rows_2
+    from moe_async.weight_sync.alive_bytes import AliveBytes
+    from moe_async.weight_sync.stream_export import make_plan, streamed_buckets
+
+    class P:
+        def __init__(self, name, data, full, off):
+            self.name, self.data, self.full_shape, self.offset = name, data, full, off
+
+    def convert(name, t):
+        if name == "fc1":
+            g, u = split_rows_2(t, None)
+            return [("gate", g), ("up", u)]
+        return [(name, t)]
+
+    a = torch.randn(4, 8)  # 128 B
+    fc1 = torch.randn(6, 8)  # [gate; up], 3 rows each: 2 x 96 B; TP2 shards of 3 rows
+    pieces = [P("a", a.clone(), (4, 8), (0, 0)), P("fc1", fc1[:3].clone(), (6, 8), (0, 0)),
+              P("fc1", fc1[3:].clone(), (6, 8), (3, 0))]
+    meta = [[(p.name, p.full_shape, p.offset, tuple(p.data.shape), str(p.data.dtype)) for p in pieces]]
+    assert [[q.hf_name for q in b] for b in make_plan(meta, convert, 256).buckets] == [["a", "gate"], ["up"]]
+    plan = make_plan(meta, convert, 256, direct=lambda n: True)
+    assert [[q.hf_name for q in b] for b in plan.buckets] == [["a"], ["gate", "up"]]
+    assert plan.tensors[1].direct
+    with AliveBytes() as ab:
+        out = [(b.names, [t.clone() for t in b.tensors], last)
+               for b, _, last in streamed_buckets(pieces, convert, 256, direct=lambda n: True)]
+        peak = ab.peak
+    assert [(n, last) for n, _, last in out] == [(["a"], False), (["gate", "up"], True)]
+    assert torch.equal(out[0][1][0], a)
+    assert torch.equal(out[1][1][0], fc1[:3]) and torch.equal(out[1][1][1], fc1[3:])
+    clones = 128 + 192  # the test's own clones of the two buckets' tensors
+    assert peak == 192 + clones  # one buffer of the largest bucket, nothing else
+
+
+def test_overlapped_plan_ramps_its_first_buckets_up():
+    """With ``first_bucket_bytes`` the budgets double from it up to ``bucket_bytes``."""
+    from moe_async.weight_sync.stream_export import make_plan
+
+    meta = [[_meta(f"t{i:02d}", (4, 4), (0, 0), (4, 4)) for i in range(16)]]  # 64 B each
+    plan = make_plan(meta, _ident, 256, first_bucket_bytes=64)
+    assert plan.bucket_nbytes == [64, 128, 256, 256, 256, 64]
+    assert sum(plan.bucket_nbytes) == 16 * 64
