@@ -49,7 +49,7 @@ def main() -> None:
     from moe_async.weight_sync.alive_bytes import AliveBytes
     from moe_async.weight_sync.config import WeightSyncConfig
     from moe_async.weight_sync.group import group_broadcast
-    from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
+    from moe_async.weight_sync.stream_export import release_kept_buffers, trainer_buckets, trainer_export
     from moe_async.weight_sync.transport import BroadcastTransport, check_engines
 
     model_dir, urls, out, layout, bucket_mib, repeats = sys.argv[1:7]
@@ -118,6 +118,7 @@ def main() -> None:
                          "broadcast_s": m["sync/broadcast_seconds"], "export_s": m["sync/pack_seconds"],
                          "export_wait_s": m["sync/pack_wait_seconds"], "raw_s": (before + after) / 2,
                          "phases": phases(m)})
+    release_kept_buffers()  # the bucket buffer kept between syncs is allocated inside the count
     with AliveBytes() as ab:
         sync(overlap=False)
         peak = ab.peak

@@ -245,8 +245,36 @@ class _Buffers:
         if nbytes > self.capacity:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self.bufs[i] is None:
-            self.bufs[i] = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+            self.bufs[i] = _kept_buffer(i, self.capacity, self.device)
         return self.bufs[i][:nbytes]
+
+
+#: CPU bucket buffers kept between syncs, per slot: glibc hands blocks this large back to the
+#: OS when freed, so a fresh buffer per sync pays a page fault (and the kernel's zeroing) per
+#: 4 KiB page on its first write: ~2x the copy itself. CUDA's caching allocator keeps freed
+#: blocks already. Memory: the slots' buffers (one bucket each) stay allocated on rank ``dst``.
+_KEPT: dict[int, Tensor] = {}
+
+
+def _kept_buffer(slot: int, capacity: int, device: torch.device) -> Tensor:
+    if device.type != "cpu":
+        return torch.empty(capacity, dtype=torch.uint8, device=device)
+    buf = _KEPT.get(slot)
+    if buf is None or buf.numel() != capacity:
+        _KEPT.pop(slot, None)  # the old one freed before the new one exists
+        buf = _KEPT[slot] = torch.empty(capacity, dtype=torch.uint8)
+    return buf
+
+
+def kept_bucket_bytes() -> int:
+    """Bytes of the CPU bucket buffers kept between syncs in this process (rank ``dst``)."""
+    return sum(b.numel() for b in _KEPT.values())
+
+
+def release_kept_buffers() -> None:
+    """Free the kept bucket buffers (the next sync allocates them again; a memory count of that
+    sync, e.g. :class:`~moe_async.weight_sync.alive_bytes.AliveBytes`, then sees them)."""
+    _KEPT.clear()
 
 
 def _typed(flat: Tensor, p: _Part) -> Tensor:

@@ -136,7 +136,7 @@ def test_padded_vocab_rows_are_dropped_and_a_renamed_tensor_is_received_in_place
     """Vocab padding (rows >= the HF vocab) never reaches the bucket; a rename goes straight
     into the bucket's bytes (no scratch: peak = the bucket buffer alone)."""
     from moe_async.weight_sync.alive_bytes import AliveBytes
-    from moe_async.weight_sync.stream_export import streamed_buckets
+    from moe_async.weight_sync.stream_export import release_kept_buffers, streamed_buckets
 
     class P:
         def __init__(self, name, data, full, off):
@@ -144,6 +144,7 @@ def test_padded_vocab_rows_are_dropped_and_a_renamed_tensor_is_received_in_place
 
     emb = torch.randn(6, 4)  # 2 padded rows over a vocab of 4, two vocab-parallel shards
     pieces = [P("emb", emb[:3].clone(), (6, 4), (0, 0)), P("emb", emb[3:].clone(), (6, 4), (3, 0))]
+    release_kept_buffers()  # counted when allocated in the block (kept between syncs after)
     with AliveBytes() as ab:
         (b, flat, last), = streamed_buckets(pieces, _ident, 1024, vocab={"emb": 4}, direct=lambda n: True)
         peak = ab.peak
@@ -175,7 +176,7 @@ def test_gate_up_tensor_is_gathered_in_place_and_kept_in_one_bucket():
     shards are received straight into those bytes: no scratch (peak = the bucket buffer)."""
     from moe_async.models.mapping import split_rows_2
     from moe_async.weight_sync.alive_bytes import AliveBytes
-    from moe_async.weight_sync.stream_export import make_plan, streamed_buckets
+    from moe_async.weight_sync.stream_export import make_plan, release_kept_buffers, streamed_buckets
 
     class P:
         def __init__(self, name, data, full, off):
@@ -196,6 +197,7 @@ def test_gate_up_tensor_is_gathered_in_place_and_kept_in_one_bucket():
     plan = make_plan(meta, convert, 256, direct=lambda n: True)
     assert [[q.hf_name for q in b] for b in plan.buckets] == [["a"], ["gate", "up"]]
     assert plan.tensors[1].direct
+    release_kept_buffers()
     with AliveBytes() as ab:
         out = [(b.names, [t.clone() for t in b.tensors], last)
                for b, _, last in streamed_buckets(pieces, convert, 256, direct=lambda n: True)]
@@ -215,3 +217,20 @@ def test_overlapped_plan_ramps_its_first_buckets_up():
     plan = make_plan(meta, _ident, 256, first_bucket_bytes=64)
     assert plan.bucket_nbytes == [64, 128, 256, 256, 256, 64]
     assert sum(plan.bucket_nbytes) == 16 * 64
+
+
+def test_cpu_bucket_buffers_are_kept_between_syncs():
+    """The second export reuses the first one's bucket buffer (no fresh pages to fault in)."""
+    from moe_async.weight_sync.stream_export import kept_bucket_bytes, release_kept_buffers, streamed_buckets
+
+    class P:
+        def __init__(self, name, data):
+            self.name, self.data, self.full_shape, self.offset = name, data, tuple(data.shape), (0,) * data.dim()
+
+    release_kept_buffers()
+    w = torch.randn(8, 8)
+    ptrs = [flat.data_ptr() for _ in range(2) for _, flat, _ in streamed_buckets([P("w", w)], _ident, 1024,
+                                                                             direct=lambda n: True)]
+    assert ptrs[0] == ptrs[1] and kept_bucket_bytes() == 256
+    release_kept_buffers()
+    assert kept_bucket_bytes() == 0
