@@ -251,8 +251,10 @@ class _Buffers:
 
 #: CPU bucket buffers kept between syncs, per slot: glibc hands blocks this large back to the
 #: OS when freed, so a fresh buffer per sync pays a page fault (and the kernel's zeroing) per
-#: 4 KiB page on its first write: ~2x the copy itself. CUDA's caching allocator keeps freed
-#: blocks already. Memory: the slots' buffers (one bucket each) stay allocated on rank ``dst``.
+#: 4 KiB page on its first write (3-4x slower writes, docs/weight_sync.md). CUDA's caching
+#: allocator keeps freed blocks already. Memory: the slots' buffers (one bucket each) stay
+#: allocated on rank ``dst``. One export at a time per process (the transport's); an
+#: overlapped export closed before its end drops them (its thread may still write there).
 _KEPT: dict[int, Tensor] = {}
 
 
@@ -517,7 +519,7 @@ class _Ahead:
         self.q: queue.Queue = queue.Queue()
         self.stats = stats
         self.held = False
-        self.done = False
+        self.done = self.finished = False
         self.th = threading.Thread(target=self._run, args=(make(self.sem),), name="weight-sync-export", daemon=True)
         self.th.start()
 
@@ -548,7 +550,7 @@ class _Ahead:
         item = self.q.get()
         self.stats["wait_seconds"] += time.perf_counter() - t0
         if item is _END:
-            self.done = True
+            self.done = self.finished = True
             raise StopIteration
         if isinstance(item, BaseException):
             self.done = True
@@ -557,6 +559,8 @@ class _Ahead:
         return item
 
     def close(self) -> None:
+        if not self.finished:  # the producer may still write into its buffers: never reuse them
+            release_kept_buffers()
         self.done = True
         self.sem.release()  # a producer waiting for a buffer goes on and sees ``done``
         self.sem.release()

@@ -456,6 +456,11 @@ class BroadcastTransport(WeightTransport):
                 # abandoned before its last bucket (e.g. the exporter raised): closing the
                 # sessions makes the engines drop what they staged (embedded engine's atomic
                 # session), so the next update starts clean
+                for _, f in begins:  # each answered (or failed) before it is judged gone
+                    try:
+                        f.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except Exception:  # noqa: BLE001 - judged below
+                        pass
                 gone = {i for i, f in begins if f.done() and not f.cancelled() and f.exception() is not None}
                 for i, f in self._end_on_posters(skip=gone):
                     try:
