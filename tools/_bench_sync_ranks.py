@@ -24,6 +24,20 @@ import time
 MiB = 1024**2
 
 
+#: the sync's phases on rank 0 (seconds; the export's run in its thread, overlapping the broadcasts)
+PHASES = {"first_bucket": "first_bucket_seconds", "prepare_finite": "export_finite_seconds",
+          "prepare_pieces": "export_pieces_seconds", "plan": "export_plan_seconds",
+          "gather": "export_gather_seconds", "copy_own": "export_copy_seconds",
+          "convert": "export_convert_seconds", "export_buffer_wait": "export_buffer_wait_seconds",
+          "export_busy": "pack_seconds", "wait_for_export": "pack_wait_seconds",
+          "handshake_wait": "handshake_wait_seconds", "broadcast": "broadcast_seconds",
+          "ack_wait": "ack_wait_seconds", "resume_wait": "resume_wait_seconds", "total": "seconds"}
+
+
+def phases(m: dict) -> dict:
+    return {k: float(m.get(f"sync/{v}", 0.0)) for k, v in PHASES.items()}
+
+
 def main() -> None:
     import httpx
     import torch
@@ -35,7 +49,7 @@ def main() -> None:
     from moe_async.weight_sync.alive_bytes import AliveBytes
     from moe_async.weight_sync.config import WeightSyncConfig
     from moe_async.weight_sync.group import group_broadcast
-    from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
+    from moe_async.weight_sync.stream_export import release_kept_buffers, trainer_buckets, trainer_export
     from moe_async.weight_sync.transport import BroadcastTransport, check_engines
 
     model_dir, urls, out, layout, bucket_mib, repeats = sys.argv[1:7]
@@ -102,7 +116,9 @@ def main() -> None:
             rows.append({"ratio": m["sync/gbps"] / raw, "sync_gbps": m["sync/gbps"], "raw_gbps": raw,
                          "seconds": m["sync/seconds"], "buckets": m["sync/buckets"], "stall_s": m["sync/pause_seconds"],
                          "broadcast_s": m["sync/broadcast_seconds"], "export_s": m["sync/pack_seconds"],
-                         "export_wait_s": m["sync/pack_wait_seconds"], "raw_s": (before + after) / 2})
+                         "export_wait_s": m["sync/pack_wait_seconds"], "raw_s": (before + after) / 2,
+                         "phases": phases(m)})
+    release_kept_buffers()  # the bucket buffer kept between syncs is allocated inside the count
     with AliveBytes() as ab:
         sync(overlap=False)
         peak = ab.peak
@@ -114,6 +130,7 @@ def main() -> None:
         chk = check_engines(clients, sums, version)
         rows.sort(key=lambda r: r["ratio"])
         res = {"layout": layout, "engines": len(urls), "bucket_bytes": bucket, "total_bytes": total,
+               "phases_median": {k: sorted(r["phases"][k] for r in rows)[len(rows) // 2] for k in rows[0]["phases"]},
                "largest_bytes": largest, "fused_bytes": fused, "build_s": build_s, "peaks": peaks,
                "bound": bucket + largest + fused, "median": rows[len(rows) // 2], "best": rows[-1], "rows": rows,
                "check_tensors": chk["sync/check_tensors"]}

@@ -374,6 +374,8 @@ def multi_rank(args, path: str, total: int) -> None:
                       f"{r['bound'] / MiB:.2f} MiB (bucket {r['bucket_bytes'] / MiB:g} + largest "
                       f"{r['largest_bytes'] / MiB:.2f} + fused QKV {r['fused_bytes'] / MiB:.2f}); model "
                       f"{total / MiB:.1f} MiB; check mode: {r['check_tensors']:.0f} tensors equal", flush=True)
+                print("    phases of the median sync, rank 0, s (the export runs in its thread beside the "
+                      "broadcasts): " + ", ".join(f"{k} {v:.3f}" for k, v in md["phases"].items()), flush=True)
     finally:
         for e in engines:
             e.shutdown()

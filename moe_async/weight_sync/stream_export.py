@@ -39,6 +39,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -143,11 +144,18 @@ def _check_tiling(name: str, full: tuple[int, ...], sources: Sequence[_Source]) 
 def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_bytes: int, *,
               dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
               direct: Callable[[str], bool] = lambda name: False,
-              vocab: dict[str, int] | None = None, expected: set[str] | None = None) -> ExportPlan:
+              vocab: dict[str, int] | None = None, expected: set[str] | None = None,
+              first_bucket_bytes: int | None = None) -> ExportPlan:
     """The common plan from every rank's piece metadata ``all_meta[rank] = [(name, full_shape,
     offset, shape, dtype_str), ...]``. ``order``: HF names in the engines' buffer order (Megatron
     tensors follow their first HF part's position; names not in it last, sorted). ``direct(name)``:
-    the tensor's split is the identity (a rename). ``vocab``: ``{name: rows kept}`` for padded
+    the tensor's split gives row blocks that, concatenated in order, are the tensor itself
+    (the identity, a rename; or ``split_rows_2``, gate;up): checked on the parts' shapes,
+    such a tensor's parts are placed end to end in one bucket (a bucket is closed before it
+    when they would not fit) and it is gathered straight into those bytes.
+    ``first_bucket_bytes`` (optional, <= ``bucket_bytes``): the first bucket's budget, each
+    next one's twice the previous up to ``bucket_bytes`` (a pipeline's fill: the broadcast
+    starts after a small first bucket). ``vocab``: ``{name: rows kept}`` for padded
     vocab tensors. ``expected``: every Megatron name the conversion needs (KeyError naming the
     missing ones). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
     if bucket_bytes <= 0:
@@ -172,8 +180,9 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
         _check_tiling(t.name, t.full_shape, t.sources)
         for hf, p in convert(t.name, torch.empty(t.shape, dtype=t.dtype, device="meta")):
             t.parts.append(_Part(hf, tuple(p.shape), dtype or p.dtype))
-        t.direct = (direct(t.name) and len(t.parts) == 1
-                    and t.parts[0].dtype == t.dtype and t.parts[0].shape == t.shape)
+        t.direct = (direct(t.name) and len(t.parts) >= 1 and all(p.dtype == t.dtype for p in t.parts)
+                    and all(len(p.shape) == len(t.shape) and p.shape[1:] == t.shape[1:] for p in t.parts)
+                    and sum(p.shape[0] for p in t.parts) == t.shape[0])
     names = sorted(by_name)
     if order is not None:
         pos = {n: i for i, n in enumerate(order)}
@@ -184,12 +193,15 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
     sizes: list[int] = []
     cur: list[_Part] = []
     cur_n = 0
+    budget = min(bucket_bytes, first_bucket_bytes or bucket_bytes)
     for t in tensors:
-        for p in t.parts:
-            if cur and cur_n + p.nbytes > bucket_bytes:
+        for j, p in enumerate(t.parts):
+            need = t.nbytes if t.direct else p.nbytes  # a direct tensor's parts stay together
+            if cur and (not t.direct or j == 0) and cur_n + need > budget:
                 buckets.append(cur)
                 sizes.append(cur_n)
                 cur, cur_n = [], 0
+                budget = min(bucket_bytes, 2 * budget)
             p.bucket, p.offset = len(buckets), cur_n
             cur.append(p)
             cur_n += p.nbytes
@@ -209,31 +221,72 @@ class _Buffers:
     ``BroadcastTransport.send`` does); ``acquire`` blocks on ``sem`` until the consumer
     released a slot."""
 
-    def __init__(self, capacity: int, slots: int, device: torch.device, sem: threading.Semaphore | None):
-        self.capacity, self.device, self.sem = capacity, device, sem
+    def __init__(self, capacity: int, slots: int, device: torch.device, sem: threading.Semaphore | None,
+                 stats: dict[str, float]):
+        self.capacity, self.device, self.sem, self.stats = capacity, device, sem, stats
         self.bufs: list[Tensor | None] = [None] * slots
         self.k = 0
 
+    def _wait(self) -> None:
+        if self.sem is not None:
+            t0 = time.perf_counter()
+            self.sem.acquire()
+            self.stats["buffer_wait_seconds"] += time.perf_counter() - t0
+
     def token(self) -> None:
         """A bucket that needs no buffer (sent from its own tensor's bytes) still takes a turn."""
-        if self.sem is not None:
-            self.sem.acquire()
+        self._wait()
         self.k += 1
 
     def acquire(self, nbytes: int) -> Tensor:
-        if self.sem is not None:
-            self.sem.acquire()
+        self._wait()
         i = self.k % len(self.bufs)
         self.k += 1
         if nbytes > self.capacity:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self.bufs[i] is None:
-            self.bufs[i] = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+            self.bufs[i] = _kept_buffer(i, self.capacity, self.device)
         return self.bufs[i][:nbytes]
+
+
+#: CPU bucket buffers kept between syncs, per slot: glibc hands blocks this large back to the
+#: OS when freed, so a fresh buffer per sync pays a page fault (and the kernel's zeroing) per
+#: 4 KiB page on its first write (3-4x slower writes, docs/weight_sync.md). CUDA's caching
+#: allocator keeps freed blocks already. Memory: the slots' buffers (one bucket each) stay
+#: allocated on rank ``dst``. One export at a time per process (the transport's); an
+#: overlapped export closed before its end drops them (its thread may still write there).
+_KEPT: dict[int, Tensor] = {}
+
+
+def _kept_buffer(slot: int, capacity: int, device: torch.device) -> Tensor:
+    if device.type != "cpu":
+        return torch.empty(capacity, dtype=torch.uint8, device=device)
+    buf = _KEPT.get(slot)
+    if buf is None or buf.numel() != capacity:
+        _KEPT.pop(slot, None)  # the old one freed before the new one exists
+        buf = _KEPT[slot] = torch.empty(capacity, dtype=torch.uint8)
+    return buf
+
+
+def kept_bucket_bytes() -> int:
+    """Bytes of the CPU bucket buffers kept between syncs in this process (rank ``dst``)."""
+    return sum(b.numel() for b in _KEPT.values())
+
+
+def release_kept_buffers() -> None:
+    """Free the kept bucket buffers (the next sync allocates them again; a memory count of that
+    sync, e.g. :class:`~moe_async.weight_sync.alive_bytes.AliveBytes`, then sees them)."""
+    _KEPT.clear()
 
 
 def _typed(flat: Tensor, p: _Part) -> Tensor:
     return flat[p.offset: p.offset + p.nbytes].view(p.dtype).view(p.shape)
+
+
+def _whole(flat: Tensor, t: _Tensor) -> Tensor:
+    """A direct tensor's view of its parts' bytes (end to end in one bucket)."""
+    off = t.parts[0].offset
+    return flat[off: off + t.nbytes].view(t.dtype).view(t.shape)
 
 
 def _write(flat: Tensor, p: _Part, t: Tensor) -> None:
@@ -244,15 +297,24 @@ def _write(flat: Tensor, p: _Part, t: Tensor) -> None:
 
 
 def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, device: torch.device,
-             slots: int = 1, group=None, dst: int = 0,
-             sem: threading.Semaphore | None = None) -> Iterator[tuple[Bucket, Tensor, bool]]:
+             slots: int = 1, group=None, dst: int = 0, sem: threading.Semaphore | None = None,
+             stats: dict[str, float] | None = None) -> Iterator[tuple[Bucket, Tensor, bool]]:
     """Execute ``plan``: collective over ``group`` (every rank exhausts the iterator, in the
     same plan); rank ``dst`` yields ``(bucket, flat, is_last)``, ``flat`` valid until the next
     item is asked for (with ``sem``: until the consumer releases the semaphore once more); the
     consumer drops both before asking (the memory bound counts on it).
-    ``pieces``: this rank's primary pieces (``.data`` views), indexed as in the metadata."""
+    ``pieces``: this rank's primary pieces (``.data`` views), indexed as in the metadata.
+    ``stats`` (optional; rank ``dst``) accumulates seconds per phase: ``gather_seconds``
+    (receiving the other ranks' shards), ``copy_seconds`` (this rank's own shards and
+    non-contiguous received shards copied into place), ``convert_seconds`` (a fused tensor's
+    split / cast and its parts' copies into the bucket), ``buffer_wait_seconds`` (waiting
+    for the consumer to free a bucket buffer)."""
     import torch.distributed as dist
 
+    st = stats if stats is not None else {}
+    for k in ("gather_seconds", "copy_seconds", "convert_seconds", "buffer_wait_seconds"):
+        st.setdefault(k, 0.0)
+    clock = time.perf_counter
     multi = dist.is_initialized() and dist.get_world_size(group) > 1
     me = dist.get_rank(group) if multi else 0
     gdst = dst if group is None or not multi else dist.get_global_rank(group, dst)
@@ -266,7 +328,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
     # per slot one reused buffer of the largest bucket within bucket_bytes; a lone tensor over
     # it (C2) gets its own
     cap = max((n for n in plan.bucket_nbytes if n <= plan.bucket_bytes), default=0)
-    bufs = _Buffers(cap, max(1, slots), device, sem)
+    bufs = _Buffers(cap, max(1, slots), device, sem, st)
     nb = len(plan.buckets)
     cur = -1
     flat: Tensor | None = None
@@ -286,20 +348,28 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
             if not n:
                 continue
             region = into[s.region(t.keep_rows)]
+            t0 = clock()
             if s.rank == me:
                 region.copy_(pieces[s.index].data[:n])
+                st["copy_seconds"] += clock() - t0
             elif region.is_contiguous():
                 dist.recv(region, src=_glob(s.rank, group, multi), group=group)
+                st["gather_seconds"] += clock() - t0
             else:  # e.g. a dim-1 TP shard: one buffer of the shard's size
                 tmp = torch.empty((n, *s.shape[1:]), dtype=t.dtype, device=device)
                 dist.recv(tmp, src=_glob(s.rank, group, multi), group=group)
+                t1 = clock()
                 region.copy_(tmp)
                 del tmp
+                st["gather_seconds"] += t1 - t0
+                st["copy_seconds"] += clock() - t1
 
     def split(t: _Tensor) -> list[Tensor | None]:
         scratch = torch.empty(t.shape, dtype=t.dtype, device=device)
         receive(t, scratch)
+        t0 = clock()
         got = convert(t.name, scratch)
+        st["convert_seconds"] += clock() - t0
         if [h for h, _ in got] != [p.hf_name for p in t.parts]:
             raise KeyError(f"{t.name}: the split gave {[h for h, _ in got]}, planned {[p.hf_name for p in t.parts]}")
         return [v for _, v in got]
@@ -313,7 +383,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                     flat = None
                 cur += 1
                 flat = bufs.acquire(plan.bucket_nbytes[cur])
-            receive(t, _typed(flat, t.parts[0]))
+            receive(t, _whole(flat, t))
             continue
         if flat is not None and cur < first:  # hand the finished bucket over before the scratch exists
             yield bucket_of(cur, flat), flat, False
@@ -334,7 +404,9 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                 else:
                     flat = bufs.acquire(plan.bucket_nbytes[cur])
             if not own:
+                t0 = clock()
                 _write(flat, p, v)
+                st["convert_seconds"] += clock() - t0
             got[i] = v = None  # a part once written is dropped (the rule's copies go one by one)
         del got
     if flat is not None:
@@ -352,9 +424,11 @@ def _glob(rank: int, group, multi: bool) -> int:
 def gather_plan(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *, dtype: torch.dtype | None = None,
                 order: Sequence[str] | None = None, direct: Callable[[str], bool] = lambda n: False,
                 vocab: dict[str, int] | None = None, expected: set[str] | None = None,
-                group=None, dst: int = 0) -> ExportPlan:
+                group=None, dst: int = 0, first_bucket_bytes: int | None = None) -> ExportPlan:
     """Collective: exchange ``pieces``' metadata (one ``all_gather_object``) and ``dst``'s
-    ``order`` (one ``broadcast_object_list``), then :func:`make_plan` on every rank."""
+    ``order`` and ``first_bucket_bytes`` (one ``broadcast_object_list``: the other ranks'
+    are ignored), then :func:`make_plan` on every rank (kept for the next call with the same
+    metadata, order, sizes and functions)."""
     import torch.distributed as dist
 
     meta = [(pc.name, pc.full_shape, pc.offset, tuple(pc.data.shape), str(pc.data.dtype)) for pc in pieces]
@@ -362,13 +436,30 @@ def gather_plan(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *, d
         world = dist.get_world_size(group)
         all_meta: list = [None] * world
         dist.all_gather_object(all_meta, meta, group=group)
-        box = [list(order) if order is not None else None]
+        box = [(list(order) if order is not None else None, first_bucket_bytes)]  # rank dst's, for all
         dist.broadcast_object_list(box, src=_glob(dst, group, True), group=group)
-        order = box[0]
+        order, first_bucket_bytes = box[0]
     else:
         all_meta = [meta]
-    return make_plan(all_meta, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
-                     expected=expected)
+    # the same metadata, order and sizes give the same plan: made once (the rules' meta splits)
+    key = (repr(all_meta), None if order is None else tuple(order), bucket_bytes, dtype, first_bucket_bytes,
+           convert, direct, None if vocab is None else tuple(sorted(vocab.items())),
+           None if expected is None else frozenset(expected))
+    hit = _PLANS.get(key)
+    if hit is None:
+        hit = make_plan(all_meta, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
+                        expected=expected, first_bucket_bytes=first_bucket_bytes)
+        _PLANS.clear()  # one plan kept (the current sync's)
+        _PLANS[key] = hit
+    return hit
+
+
+_PLANS: dict[tuple, ExportPlan] = {}
+
+
+#: with overlap, the first bucket's budget is bucket_bytes / RAMP (then doubling): the
+#: pipeline's fill (the first gather, with nothing to overlap it) is that much shorter
+RAMP = 8
 
 
 def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *,
@@ -381,20 +472,26 @@ def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int,
 
     Serial (``overlap=False``): one bucket buffer; each ``flat`` valid until the next item
     is asked for. ``overlap=True``: a thread runs the export (and its gather) one bucket ahead
-    with two buffers; the returned iterator's ``close()`` stops it (the other ranks' sends
+    with two buffers, the buckets ramping up from ``bucket_bytes / RAMP`` (doubling) so the
+    first broadcast starts after a small first bucket; the returned iterator's ``close()`` stops it (the other ranks' sends
     then fail: only for a sync that is failing anyway). ``stats`` gets ``pack_seconds``
     (export busy time) and ``wait_seconds`` (consumer waiting), like
-    :func:`~moe_async.weight_sync.packing.packed_buckets`."""
+    :func:`~moe_async.weight_sync.packing.packed_buckets`, plus ``plan_seconds`` (the
+    collective plan) and :func:`run_plan`'s per-phase seconds."""
     stats = stats if stats is not None else {}
     stats.setdefault("pack_seconds", 0.0)
     stats.setdefault("wait_seconds", 0.0)
     device = torch.device(device)
+    t0 = time.perf_counter()
     plan = gather_plan(pieces, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
-                       expected=expected, group=group, dst=dst)
+                       expected=expected, group=group, dst=dst,
+                       first_bucket_bytes=max(1, bucket_bytes // RAMP) if overlap else None)
+    stats["plan_seconds"] = stats.get("plan_seconds", 0.0) + time.perf_counter() - t0
     if not overlap:
-        return _timed(run_plan(plan, pieces, convert, device=device, slots=1, group=group, dst=dst), stats)
+        return _timed(run_plan(plan, pieces, convert, device=device, slots=1, group=group, dst=dst, stats=stats),
+                      stats)
     return _Ahead(lambda sem: run_plan(plan, pieces, convert, device=device, slots=2, group=group, dst=dst,
-                                       sem=sem), stats)
+                                       sem=sem, stats=stats), stats)
 
 
 def _timed(it: Iterator, stats: dict[str, float]) -> Iterator:
@@ -422,7 +519,7 @@ class _Ahead:
         self.q: queue.Queue = queue.Queue()
         self.stats = stats
         self.held = False
-        self.done = False
+        self.done = self.finished = False
         self.th = threading.Thread(target=self._run, args=(make(self.sem),), name="weight-sync-export", daemon=True)
         self.th.start()
 
@@ -453,7 +550,7 @@ class _Ahead:
         item = self.q.get()
         self.stats["wait_seconds"] += time.perf_counter() - t0
         if item is _END:
-            self.done = True
+            self.done = self.finished = True
             raise StopIteration
         if isinstance(item, BaseException):
             self.done = True
@@ -462,6 +559,8 @@ class _Ahead:
         return item
 
     def close(self) -> None:
+        if not self.finished:  # the producer may still write into its buffers: never reuse them
+            release_kept_buffers()
         self.done = True
         self.sem.release()  # a producer waiting for a buffer goes on and sees ``done``
         self.sem.release()
@@ -474,34 +573,53 @@ def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | s
     """:func:`streamed_buckets` of a ``MegatronTrainer`` (its ``models``, ``family``,
     ``hf_config``, ``vocab_size``, ``version``) over the whole world, global rank 0 yielding.
     Refuses non-finite weights first (C28, collective). Collective: every rank exhausts it.
+    ``stats`` also gets ``finite_seconds`` (that check) and ``pieces_seconds`` (the shards'
+    metadata from Megatron's sharded state dict).
     KeyError if a parameter has no HF name (every rank, before anything is sent)."""
     from moe_async.compat import cpu_device_scope
     from moe_async.models.family import local_spec_name
-    from moe_async.models.mapping import _identity_out
+    from moe_async.models.mapping import _identity_out, split_rows_2
     from moe_async.trainer.finite import check_weights_finite
     from moe_async.trainer.sharding import VOCAB_PARAMS, local_pieces
 
+    stats = stats if stats is not None else {}
+    t0 = time.perf_counter()
     check_weights_finite(trainer.models, trainer.version)
-    a = trainer.family.arch_args(trainer.hf_config)
-    table = trainer.family.table(a)
-    with cpu_device_scope():  # Megatron's sharded_state_dict
-        pieces = [pc for pc in local_pieces(trainer.models) if pc.primary]
+    t1 = time.perf_counter()
+    # the shards' metadata (Megatron's sharded_state_dict: ms per parameter) and the conversion
+    # functions are kept while every parameter keeps its storage, shape and dtype (the pieces'
+    # views stay valid); the same functions let gather_plan reuse its plan
+    key = tuple((n, p.data_ptr(), tuple(p.shape), p.dtype) for m in trainer.models for n, p in m.named_parameters())
+    cached = _PIECES.get(trainer)
+    if cached is None or cached[0] != key:
+        a = trainer.family.arch_args(trainer.hf_config)
+        table = trainer.family.table(a)
 
-    def rule(name: str):
-        key = local_spec_name(name)
-        if key not in table.by_megatron:
-            raise KeyError(f"Megatron -> HF conversion: unknown/unused Megatron tensor {name!r}")
-        return table.by_megatron[key]
+        def rule(name: str):
+            k = local_spec_name(name)
+            if k not in table.by_megatron:
+                raise KeyError(f"Megatron -> HF conversion: unknown/unused Megatron tensor {name!r}")
+            return table.by_megatron[k]
 
-    def convert(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
-        r, hs = rule(name)
-        return list(zip(hs, r.split(t, a)))
+        def convert(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+            r, hs = rule(name)
+            return list(zip(hs, r.split(t, a)))
 
-    it = streamed_buckets(pieces, convert, bucket_bytes, device=device, dtype=dtype, order=order,
-                          direct=lambda n: rule(n)[0].split is _identity_out,
-                          vocab={n: trainer.vocab_size for n in VOCAB_PARAMS}, expected=set(table.by_megatron),
-                          overlap=overlap, stats=stats)
-    return it
+        def direct(name: str) -> bool:  # the parts, concatenated, are the tensor (make_plan)
+            return rule(name)[0].split in (_identity_out, split_rows_2)
+
+        with cpu_device_scope():  # Megatron's sharded_state_dict
+            pieces = [pc for pc in local_pieces(trainer.models) if pc.primary]
+        cached = _PIECES[trainer] = (key, pieces, convert, direct, set(table.by_megatron))
+    _, pieces, convert, direct, expected = cached
+    stats["finite_seconds"] = stats.get("finite_seconds", 0.0) + t1 - t0
+    stats["pieces_seconds"] = stats.get("pieces_seconds", 0.0) + time.perf_counter() - t1
+    return streamed_buckets(pieces, convert, bucket_bytes, device=device, dtype=dtype, order=order, direct=direct,
+                            vocab={n: trainer.vocab_size for n in VOCAB_PARAMS}, expected=expected,
+                            overlap=overlap, stats=stats)
+
+
+_PIECES: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 class PackedExport:

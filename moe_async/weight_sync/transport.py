@@ -377,6 +377,7 @@ class BroadcastTransport(WeightTransport):
         paused_ok = False
         t_paused = t_resumed = t0
         nbytes, nbuckets, bcast_s, oversize, ack_s = 0, 0, 0.0, 0, 0.0
+        first_s = hand_s = resume_s = 0.0
         pending: list[tuple[int, Any]] = []
         begins: list[tuple[int, Any]] = []
         ends: list[tuple[int, Any]] = []
@@ -400,12 +401,16 @@ class BroadcastTransport(WeightTransport):
                 if last and not pauses:  # pause_scope=last_bucket: engines stage until here
                     t_paused = time.perf_counter()
                     pauses = self._on_posters(lambda c: c.pause_generation(mode=self.pause_mode))
+                th = time.perf_counter()
+                if nbuckets == 0:
+                    first_s = th - t0
                 if pauses and not paused_ok:  # every engine paused before this bucket's POST
                     self._replies(pauses, "pause_generation")
                     paused_ok = True
                 if not sessions_ok:  # every session open before the first bucket's POST
                     self._replies(begins, "begin_weight_update")
                     sessions_ok = True
+                hand_s += time.perf_counter() - th
                 if bucket.nbytes > self.cfg.bucket_bytes:
                     oversize += 1
                     if bucket.names[0] not in self._warned:
@@ -451,6 +456,11 @@ class BroadcastTransport(WeightTransport):
                 # abandoned before its last bucket (e.g. the exporter raised): closing the
                 # sessions makes the engines drop what they staged (embedded engine's atomic
                 # session), so the next update starts clean
+                for _, f in begins:  # each answered (or failed) before it is judged gone
+                    try:
+                        f.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except Exception:  # noqa: BLE001 - judged below
+                        pass
                 gone = {i for i, f in begins if f.done() and not f.cancelled() and f.exception() is not None}
                 for i, f in self._end_on_posters(skip=gone):
                     try:
@@ -466,7 +476,9 @@ class BroadcastTransport(WeightTransport):
                     gone = {i for i, f in pauses if f.done() and not f.cancelled() and f.exception() is not None}
                     resumes = self._on_posters(lambda c: c.continue_generation(), skip=gone)
                 try:
+                    tr = time.perf_counter()
                     t_resumed = self._replies(resumes, "continue_generation")
+                    resume_s = time.perf_counter() - tr
                 except Exception as e:  # noqa: BLE001
                     if not failed:
                         raise
@@ -485,6 +497,11 @@ class BroadcastTransport(WeightTransport):
             "sync/pack_wait_seconds": stats["wait_seconds"],
             "sync/oversize_buckets": float(oversize),
             "sync/weight_version": float(weight_version),
+            "sync/first_bucket_seconds": first_s,
+            "sync/handshake_wait_seconds": hand_s,
+            "sync/resume_wait_seconds": resume_s,
+            # a streamed export's phases (stream_export.run_plan): export_gather_seconds, ...
+            **{f"sync/export_{k}": v for k, v in stats.items() if k not in ("pack_seconds", "wait_seconds")},
         }
 
     def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 from moe_async.weight_sync.alive_bytes import AliveBytes  # noqa: E402
+from moe_async.weight_sync.stream_export import release_kept_buffers  # noqa: E402
 from _checks import finish  # noqa: E402
 
 KIB = 1024
@@ -89,6 +90,7 @@ def run_synthetic() -> dict:
     res: dict = {"bucket_bytes": bucket, "largest_bytes": 64 * KIB,
                  "model_bytes": sum(t.numel() * 4 for t in full.values())}
     direct = lambda n: not n.endswith(".t3")  # noqa: E731
+    release_kept_buffers()  # allocated inside the count (kept between syncs otherwise)
     with AliveBytes() as ab:  # rank 0: yields; rank 1: sends
         it = streamed_buckets(pieces, synthetic_convert, bucket, direct=direct)
         names, raw, sizes = [], [], []
@@ -108,6 +110,7 @@ def run_synthetic() -> dict:
     res["expert_block_whole"] = "model.experts.block" in names
     # control (what C14 forbids): the same stream, but rank 0 keeps every bucket (the whole
     # state dict alive at the end): the tracker must see it
+    release_kept_buffers()  # allocated inside the count (kept between syncs otherwise)
     with AliveBytes() as ab:
         kept = [flat.clone() for _, flat, _ in streamed_buckets(pieces, synthetic_convert, bucket, direct=direct)]
         res["materialised_peak"] = ab.peak
@@ -153,6 +156,7 @@ def run_trainer(model_dir: str, layout: str) -> dict:
         qkv = [t for n, t in ref if n.endswith("q_proj.weight")]
         res["largest_fused_bytes"] = max(2 * t.numel() * t.element_size() for t in qkv)  # q + k + v = 2 q (GQA 2:1)
     for label, order in (("export_order", None), ("reversed", [n for n, _ in reversed(ref)] if rank == 0 else None)):
+        release_kept_buffers()  # allocated inside the count (kept between syncs otherwise)
         with AliveBytes() as ab:
             names, raw, sizes = _flat_of(trainer_buckets(tr, bucket, order=order))
             peak = ab.peak

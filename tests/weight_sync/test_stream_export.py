@@ -136,7 +136,7 @@ def test_padded_vocab_rows_are_dropped_and_a_renamed_tensor_is_received_in_place
     """Vocab padding (rows >= the HF vocab) never reaches the bucket; a rename goes straight
     into the bucket's bytes (no scratch: peak = the bucket buffer alone)."""
     from moe_async.weight_sync.alive_bytes import AliveBytes
-    from moe_async.weight_sync.stream_export import streamed_buckets
+    from moe_async.weight_sync.stream_export import release_kept_buffers, streamed_buckets
 
     class P:
         def __init__(self, name, data, full, off):
@@ -144,6 +144,7 @@ def test_padded_vocab_rows_are_dropped_and_a_renamed_tensor_is_received_in_place
 
     emb = torch.randn(6, 4)  # 2 padded rows over a vocab of 4, two vocab-parallel shards
     pieces = [P("emb", emb[:3].clone(), (6, 4), (0, 0)), P("emb", emb[3:].clone(), (6, 4), (3, 0))]
+    release_kept_buffers()  # counted when allocated in the block (kept between syncs after)
     with AliveBytes() as ab:
         (b, flat, last), = streamed_buckets(pieces, _ident, 1024, vocab={"emb": 4}, direct=lambda n: True)
         peak = ab.peak
@@ -167,3 +168,69 @@ def test_mixed_dtypes_keep_their_metadata_at_any_offset():
     assert b.names == ["a", "w"] and b.dtypes == ["bfloat16", "float32"] and b.shapes == [[3], [2, 2]]
     got = dict(unflatten(flat, b.names, b.dtypes, b.shapes))
     assert torch.equal(got["a"], a) and torch.equal(got["w"], w)
+
+
+def test_gate_up_tensor_is_gathered_in_place_and_kept_in_one_bucket():
+    """A split that gives row blocks (gate;up, ``split_rows_2``) under ``direct``: both parts go
+    into one bucket end to end (greedy per part would put up into the next bucket) and the
+    shards are received straight into those bytes: no scratch (peak = the bucket buffer)."""
+    from moe_async.models.mapping import split_rows_2
+    from moe_async.weight_sync.alive_bytes import AliveBytes
+    from moe_async.weight_sync.stream_export import make_plan, release_kept_buffers, streamed_buckets
+
+    class P:
+        def __init__(self, name, data, full, off):
+            self.name, self.data, self.full_shape, self.offset = name, data, full, off
+
+    def convert(name, t):
+        if name == "fc1":
+            g, u = split_rows_2(t, None)
+            return [("gate", g), ("up", u)]
+        return [(name, t)]
+
+    a = torch.randn(4, 8)  # 128 B
+    fc1 = torch.randn(6, 8)  # [gate; up], 3 rows each: 2 x 96 B; TP2 shards of 3 rows
+    pieces = [P("a", a.clone(), (4, 8), (0, 0)), P("fc1", fc1[:3].clone(), (6, 8), (0, 0)),
+              P("fc1", fc1[3:].clone(), (6, 8), (3, 0))]
+    meta = [[(p.name, p.full_shape, p.offset, tuple(p.data.shape), str(p.data.dtype)) for p in pieces]]
+    assert [[q.hf_name for q in b] for b in make_plan(meta, convert, 256).buckets] == [["a", "gate"], ["up"]]
+    plan = make_plan(meta, convert, 256, direct=lambda n: True)
+    assert [[q.hf_name for q in b] for b in plan.buckets] == [["a"], ["gate", "up"]]
+    assert plan.tensors[1].direct
+    release_kept_buffers()
+    with AliveBytes() as ab:
+        out = [(b.names, [t.clone() for t in b.tensors], last)
+               for b, _, last in streamed_buckets(pieces, convert, 256, direct=lambda n: True)]
+        peak = ab.peak
+    assert [(n, last) for n, _, last in out] == [(["a"], False), (["gate", "up"], True)]
+    assert torch.equal(out[0][1][0], a)
+    assert torch.equal(out[1][1][0], fc1[:3]) and torch.equal(out[1][1][1], fc1[3:])
+    clones = 128 + 192  # the test's own clones of the two buckets' tensors
+    assert peak == 192 + clones  # one buffer of the largest bucket, nothing else
+
+
+def test_overlapped_plan_ramps_its_first_buckets_up():
+    """With ``first_bucket_bytes`` the budgets double from it up to ``bucket_bytes``."""
+    from moe_async.weight_sync.stream_export import make_plan
+
+    meta = [[_meta(f"t{i:02d}", (4, 4), (0, 0), (4, 4)) for i in range(16)]]  # 64 B each
+    plan = make_plan(meta, _ident, 256, first_bucket_bytes=64)
+    assert plan.bucket_nbytes == [64, 128, 256, 256, 256, 64]
+    assert sum(plan.bucket_nbytes) == 16 * 64
+
+
+def test_cpu_bucket_buffers_are_kept_between_syncs():
+    """The second export reuses the first one's bucket buffer (no fresh pages to fault in)."""
+    from moe_async.weight_sync.stream_export import kept_bucket_bytes, release_kept_buffers, streamed_buckets
+
+    class P:
+        def __init__(self, name, data):
+            self.name, self.data, self.full_shape, self.offset = name, data, tuple(data.shape), (0,) * data.dim()
+
+    release_kept_buffers()
+    w = torch.randn(8, 8)
+    ptrs = [flat.data_ptr() for _ in range(2) for _, flat, _ in streamed_buckets([P("w", w)], _ident, 1024,
+                                                                             direct=lambda n: True)]
+    assert ptrs[0] == ptrs[1] and kept_bucket_bytes() == 256
+    release_kept_buffers()
+    assert kept_bucket_bytes() == 0
