@@ -62,7 +62,8 @@ import torch
 from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
 from moe_async.megatron.build import model_chunks
 from moe_async.megatron.hf_io import load_hf_weights
-from moe_async.megatron.parallel import MegatronLayout, check_model_parallel, init_distributed, init_model_parallel
+from moe_async.layout import ParallelLayout
+from moe_async.megatron.parallel import check_model_parallel, init_distributed, init_model_parallel
 from moe_async.megatron.sharding import gather_full_state, padded_vocab_size
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
@@ -136,11 +137,11 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         self._owns_dist = False
         self._init_distributed(master_addr, master_port)
         self._check_expert_tensor_parallel()  # ETP x EP vs the world, naming the fields
-        layout = MegatronLayout.from_trainer_config(cfg)
+        self._layout = ParallelLayout.from_trainer_config(cfg)
         if ps.model_parallel_is_initialized():
-            check_model_parallel(layout)  # RuntimeError when another trainer's sizes differ
+            check_model_parallel(self._layout)  # RuntimeError when another trainer's sizes differ
         else:
-            init_model_parallel(layout)
+            init_model_parallel(self._layout)
             self._owns_mp = True
         self._cpu = apply_cpu_compat()
         with cpu_device_scope():
@@ -167,11 +168,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             self.hf_config,
             params_dtype=cfg.params_dtype,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-            expert_model_parallel_size=cfg.expert_model_parallel_size,
-            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
-            virtual_pipeline_model_parallel_size=self._vpp,
+            **self._layout.megatron_kwargs(),  # TP/PP/CP/EP/ETP/VPP
             **self._layout_overrides(),
             **replay_overrides(cfg.router_replay),  # router replay
             **self._expert_bias_overrides(),
