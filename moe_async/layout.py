@@ -25,16 +25,80 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A checked layout. Every size >= 1; ``world == tp*cp*dp*pp == etp*ep*edp*pp``."""
+    """The Megatron-Core parallel sizes of one model, the one layout type of the package: TP, PP,
+    EP, ETP (expert tensor parallel), CP (context parallel), VPP (virtual pipeline stages per PP
+    rank; None = one model chunk, Megatron's "off"), each an int >= 1, and optionally the world
+    (ranks) they were resolved against.
 
-    world_size: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    dp: int
-    edp: int
+    Two ways to make one: :func:`resolve_layout` (the config-time layout, checked against a
+    planned world; ``world_size`` set, so :attr:`dp` / :attr:`edp` are defined) and
+    :meth:`from_trainer_config` (what the trainer initialises; the world is the process
+    group's, checked with :meth:`check_world`). ``world == tp*cp*dp*pp == etp*ep*edp*pp``.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    vpp: int | None = None
+    world_size: int | None = None
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size ``world / (TP x CP x PP)``; LayoutError without ``world_size``."""
+        return self._world("dp") // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size ``world / (ETP x EP x PP)``; LayoutError without ``world_size``."""
+        return self._world("edp") // (self.etp * self.ep * self.pp)
+
+    def _world(self, what: str) -> int:
+        if self.world_size is None:
+            raise LayoutError(f"ParallelLayout.{what}: the layout has no world_size (use resolve_layout)")
+        return self.world_size
+
+    @classmethod
+    def from_trainer_config(cls, cfg) -> "ParallelLayout":
+        """The layout of a ``TrainerConfig`` (``virtual_pipeline_model_parallel_size`` <= 1 -> None);
+        no world (the runtime's is the process group's: :meth:`check_world`)."""
+        vpp = cfg.virtual_pipeline_model_parallel_size
+        return cls(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
+                   ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size,
+                   cp=cfg.context_parallel_size, vpp=vpp if vpp is not None and vpp > 1 else None)
+
+    def megatron_kwargs(self) -> dict[str, int | None]:
+        """The sizes under Megatron-Core's names, as both ``parallel_state.initialize_model_parallel``
+        and ``TransformerConfig`` (``ModelParallelConfig``) take them: ``tensor_model_parallel_size``,
+        ``pipeline_model_parallel_size``, ``context_parallel_size``, ``expert_model_parallel_size``,
+        ``expert_tensor_parallel_size``, ``virtual_pipeline_model_parallel_size``."""
+        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                    context_parallel_size=self.cp, expert_model_parallel_size=self.ep,
+                    expert_tensor_parallel_size=self.etp, virtual_pipeline_model_parallel_size=self.vpp)
+
+    def check_world(self, world: int) -> None:
+        """Megatron-Core's rules (``parallel_state.initialize_model_parallel``) against the
+        runtime's ``world`` (ranks), checked before it runs so the error names the fields:
+        TP x PP x CP divides the world size, and ETP x EP x PP divides it (expert data
+        parallelism gets the rest).
+
+        Raises:
+            ValueError: naming ``trainer.tensor_model_parallel_size`` / ``pipeline_model_parallel_size``
+                / ``context_parallel_size``, or ``trainer.expert_tensor_parallel_size`` and
+                ``trainer.expert_model_parallel_size``.
+        """
+        tp, pp, cp, etp, ep = self.tp, self.pp, self.cp, self.etp, self.ep
+        if world % (tp * pp * cp):
+            raise ValueError(
+                f"trainer.tensor_model_parallel_size={tp} x trainer.pipeline_model_parallel_size={pp} x "
+                f"trainer.context_parallel_size={cp} = {tp * pp * cp} must divide the world size {world} "
+                "(Megatron-Core: DP = world / (TP x PP x CP))")
+        if world % (etp * ep * pp):
+            raise ValueError(
+                f"trainer.expert_tensor_parallel_size={etp} x trainer.expert_model_parallel_size={ep} must divide "
+                f"TP x CP x DP = world size {world} / trainer.pipeline_model_parallel_size={pp} "
+                f"(Megatron-Core: world size divisible by ETP x EP x PP = {etp * ep * pp})")
 
 
 def resolve_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -47,7 +111,7 @@ def resolve_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
         etp: expert tensor parallel size; None = Megatron's default (= ``tp``).
         prefix: what the field names in messages start with (``trainer.``).
 
-    Returns: the :class:`ParallelLayout` with ``dp`` and ``edp``.
+    Returns: the :class:`ParallelLayout` with ``world_size`` set (``dp`` and ``edp`` defined).
 
     Raises:
         LayoutError: a size < 1, ``world_size`` not divisible by ``TP x CP x PP`` (dense rule)
@@ -76,5 +140,4 @@ def resolve_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
             f"{prefix}world_size={world_size} is not divisible by {etp_txt} x {prefix}expert_model_parallel_size={ep} "
             f"x {prefix}pipeline_model_parallel_size={pp} = {expert} (Megatron's expert rule: world = ETP x EP x "
             f"EDP x PP){hint}")
-    return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp_eff,
-                          dp=world_size // dense, edp=world_size // expert)
+    return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp_eff)

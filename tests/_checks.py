@@ -31,9 +31,9 @@ ADAM_EPS = 1e-5
 LENS = [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]
 
 
-def samples(seed: int = 0, lens: list[tuple[int, int]] = LENS, zero_at: int | None = 4) -> list:
+def samples(seed: int = 0, lens: list[tuple[int, int]] = LENS, zero_at: int | None = 4, vocab: int = 256) -> list:
     """One ``moe_async.types.Sample`` per ``(prompt, response)`` length in ``lens``: token ids
-    drawn uniformly from [3, 256) and rollout logprobs from (-6, 0] by a ``torch.Generator``
+    drawn uniformly from [3, vocab) and rollout logprobs from (-6, 0] by a ``torch.Generator``
     seeded ``seed`` (ids, then logprobs, sample after sample), weight version 0, loss weight 1
     except 0 for sample ``zero_at`` (None: none)."""
     from moe_async.types import Sample
@@ -41,10 +41,23 @@ def samples(seed: int = 0, lens: list[tuple[int, int]] = LENS, zero_at: int | No
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, (p, r) in enumerate(lens):
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
+        ids = torch.randint(3, vocab, (p + r,), generator=g).tolist()
         rl = (-torch.rand(r, generator=g) * 6).tolist()
         out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
                           weight_versions=[0] * r, loss_weight=0.0 if i == zero_at else 1.0))
+    return out
+
+
+def hf_response_logprobs(m, ss: list) -> list[list[float]]:
+    """The logprob (fp32 log-softmax) an HF causal LM ``m`` gives each response token of each
+    sample in ``ss``, one unbatched forward per sample (the parity reference)."""
+    out = []
+    with torch.no_grad():
+        for s in ss:
+            ids = s.prompt_ids + s.response_ids
+            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            P = len(s.prompt_ids)
+            out.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
     return out
 
 

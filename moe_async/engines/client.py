@@ -1,8 +1,10 @@
 """HTTP client for an engine speaking SGLang's protocol (SGLang itself or the embedded one).
 
 :class:`EngineClient` is async (``httpx.AsyncClient``); :class:`SyncEngineClient` has the
-same methods, blocking, for callers without an event loop. Both build requests and parse
-responses with the same helpers, so they cannot drift apart.
+same methods, blocking, for callers without an event loop. Each endpoint is written once, as
+a :class:`_Calls` method returning a :class:`_Call` (method, path, body, retry predicate,
+status check, decode, recovery); the two clients differ only in how they send it (``_run``),
+under the one retry policy (``_Base._retry_kw``), so they cannot drift apart.
 
 Retries (tenacity, exponential backoff): connection errors and 5xx on idempotent calls
 (health, versions, model info, checksums, pause/continue, flush, abort); ``generate`` is
@@ -14,8 +16,9 @@ server's message.
 from __future__ import annotations
 
 import base64
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import numpy as np
@@ -160,11 +163,14 @@ def _check(path: str, r: httpx.Response) -> httpx.Response:
     return r
 
 
-def _json_or_text(r: httpx.Response) -> Any:
-    try:
-        return r.json()
-    except ValueError:
-        return r.text
+def _json_body(r: httpx.Response) -> Any:
+    """A response's JSON body (the decode of most calls)."""
+    return r.json()
+
+
+def _version_of(r: httpx.Response) -> int:
+    """The ``weight_version`` of a response's JSON body as an int (see :func:`_version`)."""
+    return _version(r.json().get("weight_version"))
 
 
 def _with_version(body: dict[str, Any], weight_version: int | str | None) -> dict[str, Any]:
@@ -174,7 +180,233 @@ def _with_version(body: dict[str, Any], weight_version: int | str | None) -> dic
     return body
 
 
-class _Base:
+@dataclass(frozen=True)
+class _Call:
+    """One engine call, described once for both clients (the sans-IO half of the client).
+
+    ``retry``: the tenacity predicate of the errors worth another attempt (:func:`_transient`
+    for idempotent calls, :func:`_connect_only` for ``generate``), None = one attempt (the
+    weight-group collectives). ``check``: a status >= 400 raises :class:`EngineRequestError`
+    (the server's message) before ``decode`` sees the response. ``recover``: called with the
+    error of the (last) attempt; returns the call's result, or another :class:`_Call` to run
+    in its place, or raises (re-raising the error when it does not apply).
+    """
+
+    method: str
+    path: str
+    json: Any = None
+    retry: Callable[[BaseException], bool] | None = _transient
+    decode: Callable[[httpx.Response], Any] = _json_body
+    check: bool = True
+    timeout: float | None = None
+    recover: Callable[[BaseException], Any] | None = None
+
+    def request_kwargs(self) -> dict[str, Any]:
+        """``httpx`` ``request`` keyword arguments (``json``, ``timeout`` when set)."""
+        kw: dict[str, Any] = {} if self.json is None else {"json": self.json}
+        if self.timeout is not None:
+            kw["timeout"] = self.timeout
+        return kw
+
+    def response(self, r: httpx.Response) -> httpx.Response:
+        """``r``, or :class:`EngineRequestError` when ``check`` and its status is >= 400."""
+        return _check(self.path, r) if self.check else r
+
+
+def _not_found_then(call: _Call) -> Callable[[BaseException], _Call]:
+    """``recover``: a 404 runs ``call`` instead (real SGLang lacks some of our endpoints)."""
+
+    def recover(e: BaseException) -> _Call:
+        if isinstance(e, EngineRequestError) and e.status_code == 404:
+            return call
+        raise e
+
+    return recover
+
+
+def _refused_is_false(e: BaseException) -> bool:
+    """``recover`` of ``/flush_cache``: a 400 (requests in flight) is the answer False."""
+    if isinstance(e, EngineRequestError) and e.status_code == 400:
+        return False
+    raise e
+
+
+def _unreachable_is_false(e: BaseException) -> bool:
+    """``recover`` of ``/health``: no answer (any transport error) is the answer False."""
+    if isinstance(e, httpx.HTTPError):
+        return False
+    raise e
+
+
+class _Calls:
+    """The engine API, one method per endpoint returning its :class:`_Call`; the clients
+    (:func:`_endpoints`) turn each into a blocking or an async method of the same name,
+    arguments and docstring that runs the call and returns its decoded result."""
+
+    moe_shape: tuple[int, int] | None
+
+    def generate(self, input_ids: list[int], sampling_params: dict | None = None,
+                 return_logprob: bool = True, return_routed_experts: bool = False,
+                 rid: str | None = None, return_sampling_mask: bool = False,
+                 sampling_logprobs_mode: str | None = None) -> _Call:
+        """SGLang's ``/generate`` of one prompt (token ids) -> :class:`GenerateOutput`; retried
+        only when the connection could not be made (nothing ran)."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+            "return_routed_experts": return_routed_experts,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        if return_sampling_mask:
+            body["return_sampling_mask"] = True
+            if sampling_logprobs_mode is not None:
+                body["sampling_logprobs_mode"] = sampling_logprobs_mode
+        moe_shape = self.moe_shape
+        return _Call("POST", "/generate", body, retry=_connect_only,
+                     decode=lambda r: parse_generate(r.json(), moe_shape))
+
+    def health(self, timeout: float = 5.0) -> _Call:
+        """True when ``/health`` answers 200 within ``timeout`` s; False otherwise (no retry)."""
+        return _Call("GET", "/health", retry=None, check=False, timeout=timeout,
+                     decode=lambda r: r.status_code == 200, recover=_unreachable_is_false)
+
+    def get_model_info(self) -> _Call:
+        """``/get_model_info``'s dict."""
+        return _Call("GET", "/get_model_info")
+
+    def get_weight_version(self) -> _Call:
+        """The served weight version as an int (-1: SGLang's non-numeric default); from
+        ``/get_weight_version``, or ``/model_info`` where that is 404 (real SGLang)."""
+        return _Call("GET", "/get_weight_version", decode=_version_of,
+                     recover=_not_found_then(_Call("GET", "/model_info", decode=_version_of)))
+
+    def pause_generation(self, mode: str = "abort") -> _Call:
+        """``/pause_generation`` in ``mode`` (``abort`` | ``retract`` | ``in_place``)."""
+        return _Call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> _Call:
+        """``/continue_generation``."""
+        return _Call("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> _Call:
+        """True when flushed; False when the engine refused (requests in flight)."""
+        return _Call("POST", "/flush_cache", decode=lambda r: True, recover=_refused_is_false)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> _Call:
+        """Abort request ``rid`` (or every request with ``abort_all``); returns None."""
+        return _Call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, decode=lambda r: None)
+
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group",
+                                  backend: str = "gloo") -> _Call:
+        """Join the weight-update process group (a collective: never retried)."""
+        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                    world_size=world_size, group_name=group_name, backend=backend)
+        return _Call("POST", "/init_weights_update_group", body, retry=None)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes,
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        weight_version: int | str | None = None,
+                                        load_format: str | None = "flattened_bucket",
+                                        abort_all_requests: bool = False) -> _Call:
+        """Receive one bucket of ``names`` (``dtypes``, ``shapes``) over the group's broadcast
+        (a collective: never retried); ``weight_version`` sent as a string."""
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "load_format": load_format,
+        }
+        return _Call("POST", "/update_weights_from_distributed", _with_version(body, weight_version), retry=None)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
+                                 flush_cache: bool = True) -> _Call:
+        """Load the HF checkpoint directory ``model_path`` (SGLang's ``/update_weights_from_disk``)
+        and serve it as ``weight_version``."""
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
+        return _Call("POST", "/update_weights_from_disk", _with_version(body, weight_version), retry=None)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str],
+                                   load_format: str | None = "flattened_bucket", flush_cache: bool = True,
+                                   weight_version: int | str | None = None,
+                                   abort_all_requests: bool = False) -> _Call:
+        """SGLang's colocated update: ``serialized_named_tensors`` one base64 entry per engine
+        TP rank (:mod:`moe_async.weight_sync.tensor_ipc`); ``weight_version`` sent as a string."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        return _Call("POST", "/update_weights_from_tensor", _with_version(body, weight_version), retry=None)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> _Call:
+        """Leave the weight-update group ``group_name`` (SGLang's call)."""
+        return _Call("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=None)
+
+    def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> _Call:
+        """Open SGLang 0.5.23's weight-update session (required around
+        ``update_weights_from_distributed``); ``atomic`` (ours, SGLang ignores it): the
+        embedded engine stages the session's calls until the versioned one."""
+        body: dict[str, Any] = {"selector": selector}
+        if atomic:
+            body["atomic"] = True
+        return _Call("POST", "/begin_weight_update", body, retry=None)
+
+    def end_weight_update(self) -> _Call:
+        """Close the weight-update session."""
+        return _Call("POST", "/end_weight_update", {}, retry=None)
+
+    def weights_checksum(self) -> _Call:
+        """``{"weight_version": int, "checksums": {hf_name: sha256 hex}, ...}`` (embedded engine only;
+        the wire's string version parsed to the trainer's int)."""
+        return _Call("GET", "/weights_checksum",
+                     decode=lambda r: {**(info := r.json()), "weight_version": _version(info.get("weight_version"))})
+
+    def weights_layout(self) -> _Call:
+        """``{"names", "shapes", "dtypes"}``: the HF tensors in the order the engine receives
+        without a copy (embedded engine's ``GET /weights_layout``); None when the engine has
+        no such endpoint (SGLang)."""
+        return _Call("GET", "/weights_layout", retry=None, check=False,
+                     decode=lambda r: r.json() if r.status_code == 200 else None)
+
+
+def _endpoints(wrap: Callable[[Callable[..., _Call]], Callable]):
+    """Class decorator: every public method of :class:`_Calls` as ``wrap(method)`` on the class."""
+
+    def deco(cls):
+        for name, spec in vars(_Calls).items():
+            if not name.startswith("_") and callable(spec):
+                setattr(cls, name, wrap(spec))
+        return cls
+
+    return deco
+
+
+def _blocking(spec: Callable[..., _Call]) -> Callable:
+    @functools.wraps(spec)
+    def method(self, *args, **kw):
+        return self._run(spec(self, *args, **kw))
+
+    return method
+
+
+def _awaitable(spec: Callable[..., _Call]) -> Callable:
+    @functools.wraps(spec)
+    async def method(self, *args, **kw):
+        return await self._run(spec(self, *args, **kw))
+
+    return method
+
+
+class _Base(_Calls):
     def __init__(
         self,
         base_url: str,
@@ -191,7 +423,10 @@ class _Base:
         self.backoff_s = backoff_s
         self.moe_shape = (moe_layers, top_k) if moe_layers is not None and top_k is not None else None
 
-    def _retry_kw(self, predicate):
+    def _retry_kw(self, predicate) -> dict[str, Any]:
+        """The one retry policy (tenacity ``Retrying`` / ``AsyncRetrying`` arguments): up to
+        ``retries`` attempts of the errors ``predicate`` accepts, exponential backoff from
+        ``backoff_s`` (at most 5 s apart), the last error re-raised."""
         return dict(
             retry=retry_if_exception(predicate),
             stop=stop_after_attempt(self.retries),
@@ -199,70 +434,15 @@ class _Base:
             reraise=True,
         )
 
-    @staticmethod
-    def _generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid,
-                       return_sampling_mask=False, sampling_logprobs_mode=None):
-        body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": dict(sampling_params or {}),
-            "return_logprob": return_logprob,
-            "return_routed_experts": return_routed_experts,
-        }
-        if rid is not None:
-            body["rid"] = rid
-        if return_sampling_mask:
-            body["return_sampling_mask"] = True
-            if sampling_logprobs_mode is not None:
-                body["sampling_logprobs_mode"] = sampling_logprobs_mode
-        return body
-
-    @staticmethod
-    def _update_body(names, dtypes, shapes, group_name, flush_cache, weight_version, load_format,
-                     abort_all_requests):
-        body: dict[str, Any] = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-            "load_format": load_format,
-        }
-        return _with_version(body, weight_version)
-
-    @staticmethod
-    def _disk_body(model_path: str, weight_version: int | str | None, flush_cache: bool) -> dict:
-        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
-        return _with_version(body, weight_version)
-
-    @staticmethod
-    def _tensor_body(serialized_named_tensors, load_format, flush_cache, weight_version, abort_all_requests):
-        body: dict[str, Any] = {
-            "serialized_named_tensors": list(serialized_named_tensors),
-            "load_format": load_format,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        return _with_version(body, weight_version)
-
-    @staticmethod
-    def _checksums_of(info: dict) -> dict:
-        return {**info, "weight_version": _version(info.get("weight_version"))}
-
-    @staticmethod
-    def _begin_body(atomic: bool, selector: str) -> dict:
-        body: dict[str, Any] = {"selector": selector}
-        if atomic:
-            body["atomic"] = True
-        return body
-
-    @staticmethod
-    def _weight_version_of(info: dict) -> int:
-        return _version(info.get("weight_version"))
+    def _call(self, method: str, path: str, json: Any = None, retry=_transient,
+              timeout: float | None = None) -> _Call:
+        return _Call(method, path, json, retry=retry, decode=lambda r: r, timeout=timeout)
 
 
+@_endpoints(_awaitable)
 class EngineClient(_Base):
-    """Async client (one instance per event loop); ``await client.aclose()`` when done."""
+    """Async client (one instance per event loop); ``await client.aclose()`` when done. Its
+    methods are :class:`_Calls`'s, awaitable."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, **kw):
         super().__init__(base_url, timeout_s, **kw)
@@ -277,134 +457,31 @@ class EngineClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
+    async def _run(self, call: _Call) -> Any:
+        """Run ``call`` (its retries, check, decode and recovery) and return its result."""
+
+        async def once() -> httpx.Response:
+            return call.response(await self._http.request(call.method, call.path, **call.request_kwargs()))
+
+        try:
+            r = await (once() if call.retry is None else AsyncRetrying(**self._retry_kw(call.retry))(once))
+        except Exception as e:
+            if call.recover is None:
+                raise
+            out = call.recover(e)
+            return await self._run(out) if isinstance(out, _Call) else out
+        return call.decode(r)
+
     async def _request(self, method: str, path: str, json: Any = None, retry=_transient,
                        timeout: float | None = None) -> httpx.Response:
-        async def once():
-            kw = {"json": json} if json is not None else {}
-            if timeout is not None:
-                kw["timeout"] = timeout
-            return _check(path, await self._http.request(method, path, **kw))
-
-        if retry is None:
-            return await once()
-        async for attempt in AsyncRetrying(**self._retry_kw(retry)):
-            with attempt:
-                return await once()
-        raise AssertionError("unreachable")
-
-    async def generate(self, input_ids: list[int], sampling_params: dict | None = None,
-                       return_logprob: bool = True, return_routed_experts: bool = False,
-                       rid: str | None = None, return_sampling_mask: bool = False,
-                       sampling_logprobs_mode: str | None = None) -> GenerateOutput:
-        body = self._generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid,
-                                   return_sampling_mask, sampling_logprobs_mode)
-        r = await self._request("POST", "/generate", body, retry=_connect_only)
-        return parse_generate(r.json(), self.moe_shape)
-
-    async def health(self, timeout: float = 5.0) -> bool:
-        try:
-            r = await self._http.get("/health", timeout=timeout)
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
-
-    async def get_model_info(self) -> dict:
-        return (await self._request("GET", "/get_model_info")).json()
-
-    async def get_weight_version(self) -> int:
-        try:
-            r = await self._request("GET", "/get_weight_version")
-        except EngineRequestError as e:  # real SGLang: the version is in /model_info
-            if e.status_code != 404:
-                raise
-            r = await self._request("GET", "/model_info")
-        return self._weight_version_of(r.json())
-
-    async def pause_generation(self, mode: str = "abort") -> dict:
-        return (await self._request("POST", "/pause_generation", {"mode": mode})).json()
-
-    async def continue_generation(self) -> dict:
-        return (await self._request("POST", "/continue_generation", {})).json()
-
-    async def flush_cache(self) -> bool:
-        """True when flushed; False when the engine refused (requests in flight)."""
-        try:
-            await self._request("POST", "/flush_cache")
-        except EngineRequestError as e:
-            if e.status_code == 400:
-                return False
-            raise
-        return True
-
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
-
-    async def init_weights_update_group(self, master_address: str, master_port: int,
-                                        rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group",
-                                        backend: str = "gloo") -> dict:
-        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                    world_size=world_size, group_name=group_name, backend=backend)
-        return (await self._request("POST", "/init_weights_update_group", body, retry=None)).json()
-
-    async def update_weights_from_distributed(self, names, dtypes, shapes,
-                                              group_name: str = "weight_update_group",
-                                              flush_cache: bool = True,
-                                              weight_version: int | str | None = None,
-                                              load_format: str | None = "flattened_bucket",
-                                              abort_all_requests: bool = False) -> dict:
-        body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,
-                                 load_format, abort_all_requests)
-        return (await self._request("POST", "/update_weights_from_distributed", body, retry=None)).json()
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
-                                       flush_cache: bool = True) -> dict:
-        """Load the HF checkpoint directory ``model_path`` (SGLang's ``/update_weights_from_disk``)
-        and serve it as ``weight_version``."""
-        body = self._disk_body(model_path, weight_version, flush_cache)
-        return (await self._request("POST", "/update_weights_from_disk", body, retry=None)).json()
-
-    async def update_weights_from_tensor(self, serialized_named_tensors: list[str],
-                                         load_format: str | None = "flattened_bucket", flush_cache: bool = True,
-                                         weight_version: int | str | None = None,
-                                         abort_all_requests: bool = False) -> dict:
-        """SGLang's colocated update: ``serialized_named_tensors`` one base64 entry per engine
-        TP rank (:mod:`moe_async.weight_sync.tensor_ipc`); ``weight_version`` sent as a string."""
-        body = self._tensor_body(serialized_named_tensors, load_format, flush_cache, weight_version,
-                                 abort_all_requests)
-        return (await self._request("POST", "/update_weights_from_tensor", body, retry=None)).json()
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        """Leave the weight-update group ``group_name`` (SGLang's call)."""
-        body = {"group_name": group_name}
-        return (await self._request("POST", "/destroy_weights_update_group", body, retry=None)).json()
-
-    async def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> dict:
-        """Open SGLang 0.5.23's weight-update session (required around
-        ``update_weights_from_distributed``); ``atomic`` (ours, SGLang ignores it): the
-        embedded engine stages the session's calls until the versioned one."""
-        body = self._begin_body(atomic, selector)
-        return (await self._request("POST", "/begin_weight_update", body, retry=None)).json()
-
-    async def end_weight_update(self) -> dict:
-        """Close the weight-update session."""
-        return (await self._request("POST", "/end_weight_update", {}, retry=None)).json()
-
-    async def weights_checksum(self) -> dict:
-        """``{"weight_version": int, "checksums": {hf_name: sha256 hex}, ...}`` (embedded engine only;
-        the wire's string version parsed to the trainer's int)."""
-        return self._checksums_of((await self._request("GET", "/weights_checksum")).json())
-
-    async def weights_layout(self) -> dict | None:
-        """``{"names", "shapes", "dtypes"}``: the HF tensors in the order the engine receives
-        without a copy (embedded engine's ``GET /weights_layout``); None when the engine has
-        no such endpoint (SGLang)."""
-        r = await self._http.get("/weights_layout")
-        return r.json() if r.status_code == 200 else None
+        """Any endpoint: the checked ``httpx.Response`` (``retry`` as :class:`_Call`'s)."""
+        return await self._run(self._call(method, path, json, retry, timeout))
 
 
+@_endpoints(_blocking)
 class SyncEngineClient(_Base):
-    """Blocking twin of :class:`EngineClient` (``httpx.Client``)."""
+    """Blocking twin of :class:`EngineClient` (``httpx.Client``): the same :class:`_Calls`
+    methods, run by the same policy."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, **kw):
         super().__init__(base_url, timeout_s, **kw)
@@ -419,116 +496,25 @@ class SyncEngineClient(_Base):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _run(self, call: _Call) -> Any:
+        """Run ``call`` (its retries, check, decode and recovery) and return its result."""
+
+        def once() -> httpx.Response:
+            return call.response(self._http.request(call.method, call.path, **call.request_kwargs()))
+
+        try:
+            r = once() if call.retry is None else Retrying(**self._retry_kw(call.retry))(once)
+        except Exception as e:
+            if call.recover is None:
+                raise
+            out = call.recover(e)
+            return self._run(out) if isinstance(out, _Call) else out
+        return call.decode(r)
+
     def _request(self, method: str, path: str, json: Any = None, retry=_transient,
                  timeout: float | None = None) -> httpx.Response:
-        def once():
-            kw = {"json": json} if json is not None else {}
-            if timeout is not None:
-                kw["timeout"] = timeout
-            return _check(path, self._http.request(method, path, **kw))
-
-        if retry is None:
-            return once()
-        for attempt in Retrying(**self._retry_kw(retry)):
-            with attempt:
-                return once()
-        raise AssertionError("unreachable")
-
-    def generate(self, input_ids: list[int], sampling_params: dict | None = None,
-                 return_logprob: bool = True, return_routed_experts: bool = False,
-                 rid: str | None = None, return_sampling_mask: bool = False,
-                 sampling_logprobs_mode: str | None = None) -> GenerateOutput:
-        body = self._generate_body(input_ids, sampling_params, return_logprob, return_routed_experts, rid,
-                                   return_sampling_mask, sampling_logprobs_mode)
-        r = self._request("POST", "/generate", body, retry=_connect_only)
-        return parse_generate(r.json(), self.moe_shape)
-
-    def health(self, timeout: float = 5.0) -> bool:
-        try:
-            r = self._http.get("/health", timeout=timeout)
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
-
-    def get_model_info(self) -> dict:
-        return self._request("GET", "/get_model_info").json()
-
-    def get_weight_version(self) -> int:
-        try:
-            r = self._request("GET", "/get_weight_version")
-        except EngineRequestError as e:
-            if e.status_code != 404:
-                raise
-            r = self._request("GET", "/model_info")
-        return self._weight_version_of(r.json())
-
-    def pause_generation(self, mode: str = "abort") -> dict:
-        return self._request("POST", "/pause_generation", {"mode": mode}).json()
-
-    def continue_generation(self) -> dict:
-        return self._request("POST", "/continue_generation", {}).json()
-
-    def flush_cache(self) -> bool:
-        try:
-            self._request("POST", "/flush_cache")
-        except EngineRequestError as e:
-            if e.status_code == 400:
-                return False
-            raise
-        return True
-
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "gloo") -> dict:
-        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                    world_size=world_size, group_name=group_name, backend=backend)
-        return self._request("POST", "/init_weights_update_group", body, retry=None).json()
-
-    def update_weights_from_distributed(self, names, dtypes, shapes,
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True, weight_version: int | str | None = None,
-                                        load_format: str | None = "flattened_bucket",
-                                        abort_all_requests: bool = False) -> dict:
-        body = self._update_body(names, dtypes, shapes, group_name, flush_cache, weight_version,
-                                 load_format, abort_all_requests)
-        return self._request("POST", "/update_weights_from_distributed", body, retry=None).json()
-
-    def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
-                                 flush_cache: bool = True) -> dict:
-        """See :meth:`EngineClient.update_weights_from_disk`."""
-        body = self._disk_body(model_path, weight_version, flush_cache)
-        return self._request("POST", "/update_weights_from_disk", body, retry=None).json()
-
-    def update_weights_from_tensor(self, serialized_named_tensors: list[str],
-                                   load_format: str | None = "flattened_bucket", flush_cache: bool = True,
-                                   weight_version: int | str | None = None, abort_all_requests: bool = False) -> dict:
-        """See :meth:`EngineClient.update_weights_from_tensor`."""
-        body = self._tensor_body(serialized_named_tensors, load_format, flush_cache, weight_version,
-                                 abort_all_requests)
-        return self._request("POST", "/update_weights_from_tensor", body, retry=None).json()
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        """See :meth:`EngineClient.destroy_weights_update_group`."""
-        return self._request("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=None).json()
-
-    def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> dict:
-        """See :meth:`EngineClient.begin_weight_update`."""
-        return self._request("POST", "/begin_weight_update", self._begin_body(atomic, selector), retry=None).json()
-
-    def end_weight_update(self) -> dict:
-        """See :meth:`EngineClient.end_weight_update`."""
-        return self._request("POST", "/end_weight_update", {}, retry=None).json()
-
-    def weights_checksum(self) -> dict:
-        return self._checksums_of(self._request("GET", "/weights_checksum").json())
-
-    def weights_layout(self) -> dict | None:
-        """See :meth:`EngineClient.weights_layout`."""
-        r = self._http.get("/weights_layout")
-        return r.json() if r.status_code == 200 else None
+        """Any endpoint: the checked ``httpx.Response`` (``retry`` as :class:`_Call`'s)."""
+        return self._run(self._call(method, path, json, retry, timeout))
 
 
 class MultiEngineClient:

@@ -1,9 +1,10 @@
 """Megatron-Core parallel runtime shared by the trainer and the converters.
 
-- :class:`MegatronLayout`: the frozen TP/PP/EP/ETP/CP/VPP sizes of one run and Megatron-Core's
-  world-size rules for them (:meth:`MegatronLayout.check_world`, ``ValueError`` naming the
-  ``trainer.*`` fields); :func:`check_layout`: the converters' layout refusal (naming the
-  ``--tp/--pp/--ep`` flags and the HF config field) before any process group exists.
+- Layout: :class:`~moe_async.layout.ParallelLayout` (the one frozen TP/PP/EP/ETP/CP/VPP type,
+  with Megatron-Core's world-size rules, :meth:`~moe_async.layout.ParallelLayout.check_world`)
+  is initialised by :func:`init_model_parallel` / compared by :func:`check_model_parallel`;
+  :func:`check_layout`: the converters' layout refusal (naming the ``--tp/--pp/--ep`` flags and
+  the HF config field) before any process group exists.
 - Process groups: :func:`init_distributed` (the trainer's rendezvous: TCP store,
   ``WORLD_SIZE``/``RANK``/``MASTER_PORT`` from torchrun), :func:`parallel_layout` (the
   converters' context: process group + Megatron parallel state, torn down on exit),
@@ -19,11 +20,12 @@ Importing this module imports neither torch nor Megatron-Core (functions import 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
 import socket
+
+from moe_async.layout import ParallelLayout
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,69 +54,16 @@ def have_te() -> bool:
     return True
 
 
-@dataclasses.dataclass(frozen=True)
-class MegatronLayout:
-    """Megatron-Core parallel sizes of one model: TP, PP, EP, ETP (expert tensor parallel),
-    CP (context parallel) and VPP (virtual pipeline stages per PP rank; None = one model
-    chunk, Megatron's "off"). DP is what the world size leaves: ``world / (TP x PP x CP)``.
-    (:class:`moe_async.layout.ParallelLayout` is the config-time layout resolved against a
-    planned world, with DP/EDP derived; this one is what the runtime initialises.)"""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
-    vpp: int | None = None
-
-    @classmethod
-    def from_trainer_config(cls, cfg) -> "MegatronLayout":
-        """The layout of a ``TrainerConfig`` (``virtual_pipeline_model_parallel_size`` <= 1 -> None)."""
-        vpp = cfg.virtual_pipeline_model_parallel_size
-        return cls(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
-                   ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size,
-                   cp=cfg.context_parallel_size, vpp=vpp if vpp is not None and vpp > 1 else None)
-
-    def check_world(self, world: int) -> None:
-        """Megatron-Core's rules (``parallel_state.initialize_model_parallel``), checked before
-        it runs so the error names the fields: TP x PP x CP divides the world size, and
-        ETP x EP x PP divides it (expert data parallelism gets the rest).
-
-        Raises:
-            ValueError: naming ``trainer.tensor_model_parallel_size`` / ``pipeline_model_parallel_size``
-                / ``context_parallel_size``, or ``trainer.expert_tensor_parallel_size`` and
-                ``trainer.expert_model_parallel_size``.
-        """
-        tp, pp, cp, etp, ep = self.tp, self.pp, self.cp, self.etp, self.ep
-        if world % (tp * pp * cp):
-            raise ValueError(
-                f"trainer.tensor_model_parallel_size={tp} x trainer.pipeline_model_parallel_size={pp} x "
-                f"trainer.context_parallel_size={cp} = {tp * pp * cp} must divide the world size {world} "
-                "(Megatron-Core: DP = world / (TP x PP x CP))")
-        if world % (etp * ep * pp):
-            raise ValueError(
-                f"trainer.expert_tensor_parallel_size={etp} x trainer.expert_model_parallel_size={ep} must divide "
-                f"TP x CP x DP = world size {world} / trainer.pipeline_model_parallel_size={pp} "
-                f"(Megatron-Core: world size divisible by ETP x EP x PP = {etp * ep * pp})")
-
-
-def init_model_parallel(layout: MegatronLayout) -> None:
+def init_model_parallel(layout: ParallelLayout) -> None:
     """Megatron-Core's parallel state (``parallel_state.initialize_model_parallel``) at ``layout``;
     the process group must exist. Its errors are Megatron-Core's (check
-    :meth:`MegatronLayout.check_world` first for ones that name the fields)."""
+    :meth:`ParallelLayout.check_world` first for ones that name the fields)."""
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-    )
+    ps.initialize_model_parallel(**layout.megatron_kwargs())
 
 
-def check_model_parallel(layout: MegatronLayout) -> None:
+def check_model_parallel(layout: ParallelLayout) -> None:
     """The Megatron-Core parallel state already initialised in this process (another trainer)
     has ``layout``'s sizes.
 
@@ -226,7 +175,7 @@ def parallel_layout(tp: int, pp: int, ep: int):
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp={tp * pp}")
-    init_model_parallel(MegatronLayout(tp=tp, pp=pp, ep=ep))
+    init_model_parallel(ParallelLayout(tp=tp, pp=pp, ep=ep))
     try:
         apply_cpu_compat()
         with cpu_device_scope():

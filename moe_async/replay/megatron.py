@@ -41,6 +41,7 @@ import torch
 
 from moe_async.replay.metrics import MismatchMeter
 from moe_async.replay.routes import PAD, batch_routes, fill_padding, num_pad_rows, pack_rows
+from moe_async.trainer.micro_batches import MicroBatch
 
 MODES = ("off", "R3", "R2")
 
@@ -133,7 +134,7 @@ class RouterReplayHook:
 
     Use (trainer)::
 
-        extras = hook.pack(samples_of_mb, S)            # tensors added to the micro-batch
+        extras = hook.pack(samples_of_mb, S)            # MicroBatch fields (routes, masks)
         with hook.step(mbs, forward_fn) as h:            # forward_fn(mb) -> logits (R2 record)
             ... h.before_forward(mb, model); model(...)  # in forward_step (model: the chunk)
             ... h.add_logprobs(logp, mb)                 # in loss_func
@@ -208,7 +209,7 @@ class RouterReplayHook:
 
     # ------------------------------------------------------------------ batching
     def pack(self, samples: Sequence[Any], S: int, packed_len: int | None = None) -> dict[str, torch.Tensor]:
-        """Extra micro-batch tensors: ``routes_BSLK`` long (-1 = none), ``routes_real_BS``
+        """This hook's :class:`~moe_async.trainer.micro_batches.MicroBatch` fields, by name: ``routes_BSLK`` long (-1 = none), ``routes_real_BS``
         bool (when any sample has routes), ``routes_missing_B`` bool (loss-bearing samples
         without routes: an error in an R3 train step) and ``rollout_lp_mask [B, S-1]``
         (response tokens with rollout logprobs and loss_weight > 0, for the mismatch
@@ -262,7 +263,7 @@ class RouterReplayHook:
 
     @contextmanager
     def step(
-        self, mbs: Sequence[dict[str, torch.Tensor]], forward_fn: Callable[[dict], Any] | None = None
+        self, mbs: Sequence[MicroBatch], forward_fn: Callable[[MicroBatch], Any] | None = None
     ) -> Iterator["RouterReplayHook"]:
         """One pass of Megatron's schedule over ``mbs``. R2 with ``forward_fn``: first a
         no-grad ``forward_fn(mb)`` per micro-batch with ``RECORD``, replayed in the pass; R2
@@ -299,7 +300,7 @@ class RouterReplayHook:
             for r in self.routers:
                 r.reset()
 
-    def before_forward(self, mb: dict[str, torch.Tensor], model: Any = None) -> None:
+    def before_forward(self, mb: MicroBatch, model: Any = None) -> None:
         """Set this micro-batch's replay targets (R3/R2) and agreement references on the
         routers of ``model`` (the chunk about to run; may be DDP-wrapped; optional with one
         chunk). Raises ValueError for an unknown chunk, or (R3 train step) a loss-bearing
@@ -310,10 +311,10 @@ class RouterReplayHook:
         if not self.enabled:
             return
         routers = self._chunk_routers[c]  # (none: a dense-only chunk; the checks below still run)
-        routes = mb.get("routes_BSLK")
+        routes = mb.routes_BSLK
         if routes is not None:
             rows = self._token_rows(routes)  # [N, L, K]
-            real = self._token_rows(mb["routes_real_BS"])  # [N]
+            real = self._token_rows(mb.routes_real_BS)  # [N]
             for r in routers:
                 r.reference = rows[:, r.moe_index]
                 r.reference_real = real
@@ -321,7 +322,7 @@ class RouterReplayHook:
             for r in routers:
                 r.reference = r.reference_real = None
         if self.mode == "R3":
-            missing = mb.get("routes_missing_B")
+            missing = mb.routes_missing_B
             if missing is not None and bool(missing.any()):
                 if self._strict or routes is not None:
                     raise ValueError(
@@ -335,7 +336,7 @@ class RouterReplayHook:
             for r in routers:
                 r.router_replay_action = self._Action.REPLAY_FORWARD
             if routes is None:  # only route-less, loss-free samples: all rows are padding
-                B, S = mb["tokens"].shape
+                B, S = mb.tokens.shape
                 routes = torch.full((B, S, self.num_moe_layers, self.top_k), -1, dtype=torch.long)
             rows = self._token_rows(routes)
             filled = fill_padding(rows, self.num_experts, self._pad_offset[c])
@@ -347,9 +348,9 @@ class RouterReplayHook:
                 if any(r is x for x in routers):
                     r.set_target_indices(self._r2[j][i])
 
-    def add_logprobs(self, logp_BS1: torch.Tensor, mb: dict[str, torch.Tensor]) -> None:
+    def add_logprobs(self, logp_BS1: torch.Tensor, mb: MicroBatch) -> None:
         """Accumulate the train/rollout mismatch of one micro-batch (in ``loss_func``)."""
-        self._meter.add_logprobs(logp_BS1.detach(), mb["rollout_logp"], mb["rollout_lp_mask"])
+        self._meter.add_logprobs(logp_BS1.detach(), mb.rollout_logp, mb.rollout_lp_mask)
 
     def metrics(self) -> dict[str, float]:
         """Mismatch metrics of the last step (see :class:`MismatchMeter`), over the whole

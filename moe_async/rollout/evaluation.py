@@ -36,6 +36,8 @@ import asyncio
 import math
 from typing import Any, Callable
 
+from moe_async.rollout.manager import DropGroup, greedy_summary  # noqa: F401 (greedy_summary: re-exported)
+
 # the per-problem series an evaluation keeps (for paired gains) and reports
 SERIES = ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_reward", "sampled_reward")
 GAIN_SERIES = ("greedy_accuracy", "mean_at_k")
@@ -120,7 +122,6 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
         return float(r.reward)
 
     async def one(p: Any) -> tuple[float, list[float], int] | None:
-        from moe_async.rollout.manager import DropGroup
 
         prompt_ids = manager.dataset.build_prompt_ids(p)
         max_new = manager._check_length(len(prompt_ids), max_new_tokens, count=False)
@@ -142,29 +143,6 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     if streak is not None:  # as RolloutManager.evaluate: a reward failing on every problem stops the run
         streak.update(r[0][1] for r in res)
     return out
-
-
-def greedy_summary(greedy: list[tuple[float, str | None, float, int]], n_skipped: int) -> dict[str, float]:
-    """The greedy half of an evaluation as the driver's ``eval_before`` / ``eval_after`` dict
-    (the keys of ``RolloutManager.evaluate``: ``reward_mean``, ``accuracy`` (reward >= 1),
-    ``task_accuracy``, ``reward_errors``, ``n``, ``n_skipped``, ``mean_response_len``), so a run
-    with the held-out curve does not answer the same greedy requests twice.
-
-    ``greedy``: ``(reward, reward error or None, task scorer's score, response tokens)`` of
-    each scored problem's greedy answer; ``n_skipped``: the problems left out (prompt too long
-    or a request dropped).
-    """
-    g = greedy
-    k = len(g)
-    return {
-        "reward_mean": sum(r[0] for r in g) / k if k else 0.0,
-        "accuracy": sum(r[0] >= 1.0 for r in g) / k if k else 0.0,
-        "task_accuracy": sum(r[2] for r in g) / k if k else 0.0,
-        "reward_errors": sum(r[1] is not None for r in g),
-        "n": k,
-        "n_skipped": n_skipped,
-        "mean_response_len": sum(r[3] for r in g) / k if k else 0.0,
-    }
 
 
 def _gain(p: dict[str, Any], name: str) -> str:

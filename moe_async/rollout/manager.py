@@ -120,6 +120,29 @@ class _EngineBusy:
         return self.busy_s + (time.monotonic() - self.since if self.outstanding else 0.0)
 
 
+def greedy_summary(greedy: list[tuple[float, str | None, float, int]], n_skipped: int) -> dict[str, float]:
+    """The greedy half of an evaluation as the driver's ``eval_before`` / ``eval_after`` dict
+    (and what :meth:`RolloutManager.evaluate` returns: ``reward_mean``, ``accuracy`` (reward >= 1),
+    ``task_accuracy``, ``reward_errors``, ``n``, ``n_skipped``, ``mean_response_len``), so a run
+    with the held-out curve does not answer the same greedy requests twice.
+
+    ``greedy``: ``(reward, reward error or None, task scorer's score, response tokens)`` of
+    each scored problem's greedy answer; ``n_skipped``: the problems left out (prompt too long
+    or a request dropped).
+    """
+    g = greedy
+    k = len(g)
+    return {
+        "reward_mean": sum(r[0] for r in g) / k if k else 0.0,
+        "accuracy": sum(r[0] >= 1.0 for r in g) / k if k else 0.0,
+        "task_accuracy": sum(r[2] for r in g) / k if k else 0.0,
+        "reward_errors": sum(r[1] is not None for r in g),
+        "n": k,
+        "n_skipped": n_skipped,
+        "mean_response_len": sum(r[3] for r in g) / k if k else 0.0,
+    }
+
+
 class RolloutManager:
     """Keeps up to ``cfg.max_concurrent_groups`` groups generating; see the module docstring."""
 
@@ -243,16 +266,7 @@ class RolloutManager:
         res = await asyncio.gather(*(one(p) for p in problems))
         done = [r for r in res if r is not None]
         self.reward_streak.update(r[1] for r in done)  # RewardFailureError: stop before training
-        n = len(done)
-        return {
-            "reward_mean": sum(r[0] for r in done) / n if n else 0.0,
-            "accuracy": sum(r[0] >= 1.0 for r in done) / n if n else 0.0,
-            "task_accuracy": sum(r[2] for r in done) / n if n else 0.0,
-            "reward_errors": sum(r[1] is not None for r in done),
-            "n": n,
-            "n_skipped": len(problems) - n,
-            "mean_response_len": sum(r[3] for r in done) / n if n else 0.0,
-        }
+        return greedy_summary(done, len(problems) - len(done))
 
     def metrics(self) -> dict[str, float]:
         """Cumulative since this manager was made: counters (``rollout/<name>``), drops by

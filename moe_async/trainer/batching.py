@@ -1,7 +1,8 @@
 """Micro-batches of :class:`~moe_async.trainer.megatron_trainer.MegatronTrainer`: packing and the DP/PP/CP data path.
 
 :class:`BatchingMixin` (a base of the trainer): ``list[Sample]`` -> right-padded or packed-THD
-micro-batch dicts of tensors (:meth:`_pack`; keys and shapes in its docstring), this DP rank's
+:class:`~moe_async.trainer.micro_batches.MicroBatch` es (:meth:`_pack`; fields and shapes in
+its docstring), this DP rank's
 slice of the global batch (:meth:`_dp_local`, :meth:`_pad_for_pp`), the CP rank's sequence
 chunks (:meth:`_cp_split`), what the model is given (:meth:`_model_view`) and Megatron's data
 iterators (:meth:`_data_iterators`).
@@ -15,7 +16,14 @@ from typing import Any
 import torch
 
 from moe_async.megatron.sharding import cp_positions
-from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
+from moe_async.trainer.micro_batches import (
+    CpShard,
+    MicroBatch,
+    PackedRow,
+    micro_batch_ranges,
+    padded_len,
+    split_to_count,
+)
 from moe_async.types import Sample
 
 Tensor = torch.Tensor
@@ -24,12 +32,41 @@ Tensor = torch.Tensor
 MIN_SEQ_LEN = 64
 
 
+def packed_row(tokens: Tensor, logit_b: Tensor, logit_s: Tensor, lens: list[int], T: int) -> PackedRow:
+    """The packed THD row (:class:`PackedRow`, fields in its docstring) of a micro-batch whose
+    loss-side ``tokens [B,S]`` (long) hold sequences of ``lens`` tokens, packed into ``T >=
+    sum(lens)`` positions; ``logit_b``/``logit_s`` ``[N]`` long: its response-predicting rows
+    (sequence, position). ValueError (:func:`~moe_async.replay.routes.pack_rows`) when the
+    sequences do not fit."""
+    from moe_async.replay.routes import pack_rows
+
+    B = len(lens)
+    total = int(sum(lens))
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    cu_pad = cu.clone()
+    cu_pad[-1] = T
+    pos = torch.arange(T).unsqueeze(0).expand(B, T).contiguous()  # [B, T]: row b's own positions
+    last = lens[-1]
+    position_ids = pack_rows(pos, lens, T, 0)
+    position_ids[0, total:] = torch.arange(last, last + T - total)
+    return PackedRow(
+        tokens=pack_rows(tokens, lens, T, 0),
+        position_ids=position_ids,
+        padding_mask=torch.arange(T).unsqueeze(0) >= total,
+        cu_seqlens=cu,
+        cu_seqlens_padded=cu_pad,
+        max_seqlen=int((cu_pad[1:] - cu_pad[:-1]).max()),
+        logit_s=cu[logit_b].long() + logit_s,
+    )
+
+
 class BatchingMixin:
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     # ------------------------------------------------------------------ batching
     def _pack(self, samples: list[Sample], advantages: list[float] | None,
-              equalize_dp: bool = False) -> list[dict[str, Tensor]]:
+              equalize_dp: bool = False) -> list[MicroBatch]:
         """Right-padded micro-batches of at most ``cfg.micro_batch_size`` sequences and, with
         ``cfg.max_tokens_per_micro_batch``, at most that many padded positions ``B x S``
         (contiguous runs of ``samples``, :func:`micro_batches.micro_batch_ranges`; a sequence
@@ -47,19 +84,18 @@ class BatchingMixin:
         ``padding_mask`` keeps them out of Megatron's MoE load-balancing statistics (aux loss,
         z-loss), except with a router expert bias (see :meth:`_stage_padding_mask`).
 
-        Each dict: ``tokens [B,S]`` long, ``position_ids [B,S]``, ``attention_mask
-        [B,1,S,S]`` bool (True = masked, causal), ``padding_mask [B,S]`` bool (True = padding
-        position, Megatron-Core's GPTModel ``padding_mask``), and over the S-1 predicted positions:
-        ``loss_mask [B,S-1]`` float (response tokens x loss_weight), ``advantages [B,S-1]``,
-        ``rollout_logp [B,S-1]``, ``resp_len [B]``, ``prompt_len [B]``; ``logit_b [N]``,
-        ``logit_s [N]`` the (sequence, position) of the N response-predicting positions.
+        Each :class:`MicroBatch` (fields and shapes in its docstring): ``tokens [B,S]``, the
+        padded model input (``position_ids``, causal ``attention_mask``, ``padding_mask``), the
+        loss side over the S-1 predicted positions, the response-predicting rows
+        ``logit_b``/``logit_s``, router replay's fields, and at CP > 1 this rank's ``cp`` shard
+        (:meth:`_cp_split`).
 
         Packed THD micro-batches (``trainer.sequence_packing`` resolved to thd): the model sees
-        ONE row of the micro-batch's sequences back to back (:meth:`_thd_entries`); the loss
-        side above stays per sequence (``tokens [B,S]`` with ``S`` the longest sequence, no
+        ONE row of the micro-batch's sequences back to back (``thd``: :func:`packed_row`); the
+        loss side stays per sequence (``tokens [B,S]`` with ``S`` the longest sequence, no
         floor; ``loss_mask``, ``advantages``, ``rollout_logp``, ``logit_b``/``logit_s``), so
         the loss, its sequence-level off-policy corrections and the per-sample logprobs are
-        the padded path's; no ``attention_mask``/``position_ids``/``padding_mask [B,S]``. The
+        the padded path's; ``position_ids``/``attention_mask``/``padding_mask`` are None. The
         token budget counts the packed row's ``T`` (real tokens). With PP > 1 each row keeps
         its own ``T`` through Megatron-Core's ``variable_seq_lengths`` (every p2p exchange
         sends its shape first; see :meth:`_layout_overrides`); with virtual pipeline stages
@@ -112,82 +148,47 @@ class BatchingMixin:
                     if s.rollout_logprobs:
                         rlp[b, P - 1 : P - 1 + R] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
                 plen[b], rlen[b] = P, R
-            mb = dict(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logp=rlp,
-                      prompt_len=plen, resp_len=rlen)
-            if not thd:
-                causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
-                mb.update(position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
-                          attention_mask=causal.expand(B, 1, S, S).contiguous(),
-                          padding_mask=torch.arange(S).unsqueeze(0) >= (plen + rlen).unsqueeze(1))
-            out.append(mb)
             # response positions (b, t): the only rows whose logits the loss and logprobs use
             rows = [(b, t) for b in range(B) for t in range(int(plen[b]) - 1, int(plen[b] + rlen[b]) - 1)]
-            out[-1]["logit_b"] = torch.tensor([b for b, _ in rows], dtype=torch.long)
-            out[-1]["logit_s"] = torch.tensor([t for _, t in rows], dtype=torch.long)
-            # router replay: routes (thd: in the packed row's order), masks
-            out[-1].update(self.router_replay.pack(chunk, S, packed_len=T_rows[i] if thd else None))
+            fields: dict[str, Any] = dict(
+                tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logp=rlp, prompt_len=plen,
+                resp_len=rlen, first=start, logit_b=torch.tensor([b for b, _ in rows], dtype=torch.long),
+                logit_s=torch.tensor([t for _, t in rows], dtype=torch.long))
             if thd:
-                out[-1].update(self._thd_entries(out[-1], lens[start:end], T_rows[i]))
+                fields["thd"] = packed_row(tokens, fields["logit_b"], fields["logit_s"], lens[start:end], T_rows[i])
+            else:
+                causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
+                fields.update(position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
+                              attention_mask=causal.expand(B, 1, S, S).contiguous(),
+                              padding_mask=torch.arange(S).unsqueeze(0) >= (plen + rlen).unsqueeze(1))
+            # router replay: routes (thd: in the packed row's order), masks
+            mb = MicroBatch(**fields, **self.router_replay.pack(chunk, S, packed_len=T_rows[i] if thd else None))
             if self.cfg.context_parallel_size > 1:
-                out[-1].update(self._cp_split(out[-1]))
+                mb = dataclasses.replace(mb, cp=self._cp_split(mb))
+            out.append(mb)
         return out
 
-    def _thd_entries(self, mb: dict[str, Any], lens: list[int], T: int) -> dict[str, Any]:
-        """The packed THD row of a micro-batch whose loss-side ``tokens [B,S]`` hold sequences of
-        ``lens`` tokens, as extra entries (Megatron-Core's packed sequences, as TE's THD
-        attention takes them; Megatron-LM's ``get_packed_seq_params``):
-
-        ``thd_tokens [1,T]`` long: the sequences back to back (sequence ``b`` at offsets
-        ``cu[b] .. cu[b+1]-1``), then tail padding (token 0) up to ``T``; ``thd_position_ids
-        [1,T]``: 0..l-1 per sequence (the tail continues the last one's); ``thd_padding_mask
-        [1,T]`` bool, True on the tail; ``cu_seqlens [B+1]`` int32 (real lengths, Megatron's
-        ``cu_seqlens_q/kv``), ``cu_seqlens_padded [B+1]`` int32 (the same with the last one
-        ending at ``T``: ``cu_seqlens_q/kv_padded``; RoPE's ``_apply_rotary_pos_emb_thd``
-        splits all ``T`` tokens by it); ``thd_max_seqlen`` int (longest padded segment: the
-        RoPE table length); ``thd_logit_s [N]``: the packed offset of each response-predicting
-        row ``(logit_b, logit_s)`` (``cu[logit_b] + logit_s``)."""
-        from moe_async.replay.routes import pack_rows
-
-        B = len(lens)
-        total = int(sum(lens))
-        cu = torch.zeros(B + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-        cu_pad = cu.clone()
-        cu_pad[-1] = T
-        pos = torch.arange(T).unsqueeze(0).expand(B, T).contiguous()  # [B, T]: row b's own positions
-        last = lens[-1]
-        position_ids = pack_rows(pos, lens, T, 0)
-        position_ids[0, total:] = torch.arange(last, last + T - total)
-        return dict(
-            thd_tokens=pack_rows(mb["tokens"], lens, T, 0),
-            thd_position_ids=position_ids,
-            thd_padding_mask=torch.arange(T).unsqueeze(0) >= total,
-            cu_seqlens=cu,
-            cu_seqlens_padded=cu_pad,
-            thd_max_seqlen=int((cu_pad[1:] - cu_pad[:-1]).max()),
-            thd_logit_s=cu[mb["logit_b"]].long() + mb["logit_s"],
-        )
-
     @staticmethod
-    def _packed_seq_params(mb: dict[str, Any]) -> Any:
+    def _packed_seq_params(mb: MicroBatch) -> Any:
         """Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``) of a packed micro-batch
-        (see :meth:`_thd_entries`); self-attention, so q and kv share the cu_seqlens."""
+        (its :class:`PackedRow` ``mb.thd``); self-attention, so q and kv share the cu_seqlens."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        row = mb.thd
         return PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
-            cu_seqlens_q_padded=mb["cu_seqlens_padded"], cu_seqlens_kv_padded=mb["cu_seqlens_padded"],
-            max_seqlen_q=mb["thd_max_seqlen"], max_seqlen_kv=mb["thd_max_seqlen"],
+            cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
+            cu_seqlens_q_padded=row.cu_seqlens_padded, cu_seqlens_kv_padded=row.cu_seqlens_padded,
+            max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen,
         )
 
-    def _schedule_shape(self, mbs_list: list[dict[str, Any]]) -> tuple[int, int]:
+    def _schedule_shape(self, mbs_list: list[MicroBatch]) -> tuple[int, int]:
         """``(seq_length, micro_batch_size)`` for Megatron's schedule (its p2p buffers with
         PP > 1: ``[seq_length/TP, micro_batch_size, hidden]``): the padded micro-batches'
         ``(S, cfg.micro_batch_size)``, packed ones' ``(T, 1)``."""
         if self._thd:
-            return max(mb["thd_tokens"].shape[1] for mb in mbs_list), 1
-        return max(mb["tokens"].shape[1] for mb in mbs_list), self.cfg.micro_batch_size
+            return max(mb.thd.tokens.shape[1] for mb in mbs_list), 1
+        return max(mb.tokens.shape[1] for mb in mbs_list), self.cfg.micro_batch_size
 
     def _seq_multiple(self) -> int:
         """Padded sequence lengths are multiples of this: TP (sequence parallelism splits S
@@ -201,56 +202,46 @@ class BatchingMixin:
 
     _CP_SEQ_KEYS = ("tokens", "position_ids", "padding_mask", "routes_BSLK", "routes_real_BS")
 
-    def _cp_split(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
-        """CP > 1: this context-parallel rank's part of a packed micro-batch (which keeps its
-        whole-sequence tensors for the loss), as extra entries. Sequence-dim tensors are split
-        by Megatron-Core's ``get_batch_on_this_cp_rank`` (chunks ``r`` and ``2*CP-1-r`` of
-        ``2*CP``): ``cp_tokens``, ``cp_position_ids`` (global positions), ``cp_padding_mask``,
-        ``cp_labels`` (token ``t+1`` at position ``t``, 0 at the last), and with router replay
-        ``cp_routes_BSLK``, ``cp_routes_real_BS``; all ``[B, S/CP, ...]``.
-        ``cp_logit_b``/``cp_logit_s``: the response-predicting rows of ``logit_b``/``logit_s``
-        this rank holds, as (sequence, local position). The loss side (loss mask, advantages,
-        rollout/old logprobs) stays whole: logprobs are gathered over CP before the loss
-        (:meth:`_cp_token_logp`)."""
+    def _cp_split(self, mb: MicroBatch) -> CpShard:
+        """CP > 1: this context-parallel rank's part of a padded micro-batch (which keeps its
+        whole-sequence tensors for the loss; fields in :class:`CpShard`'s docstring): tokens,
+        positions, padding mask, labels and (router replay) routes split by Megatron-Core's
+        ``get_batch_on_this_cp_rank``, and the response-predicting rows this rank holds. The
+        loss side (loss mask, advantages, rollout/old logprobs) stays whole: logprobs are
+        gathered over CP before the loss (:meth:`_cp_token_logp`)."""
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_batch_on_this_cp_rank
 
-        tokens = mb["tokens"]
+        tokens = mb.tokens
         B, S = tokens.shape
         labels = torch.zeros_like(tokens)
         labels[:, :-1] = tokens[:, 1:]
-        seq = {k: mb[k].contiguous() for k in self._CP_SEQ_KEYS if mb.get(k) is not None}
+        seq = {k: getattr(mb, k).contiguous() for k in self._CP_SEQ_KEYS if getattr(mb, k) is not None}
         seq["labels"] = labels
         local = get_batch_on_this_cp_rank(seq, ps.get_context_parallel_group())
         cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         inv = torch.full((S,), -1, dtype=torch.long)
         inv[cp_positions(S, cp, r)] = torch.arange(S // cp)
-        s_local = inv[mb["logit_s"]]
+        s_local = inv[mb.logit_s]
         keep = s_local >= 0
-        out = {f"cp_{k}": v for k, v in local.items()}
-        out.update(cp_logit_b=mb["logit_b"][keep], cp_logit_s=s_local[keep])
-        return out
+        return CpShard(**local, logit_b=mb.logit_b[keep], logit_s=s_local[keep])
 
-    def _model_view(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _model_view(self, mb: MicroBatch) -> MicroBatch:
         """The micro-batch as the model (and the router replay hook) sees it on this rank:
-        with CP the ``cp_*`` entries (this rank's sequence chunks) in place of the whole
-        sequence's tokens, positions, padding mask and routes; packed (thd) the ``thd_*``
-        entries (the packed row ``[1,T]``; its routes are already packed); ``mb`` itself
-        otherwise."""
-        if "thd_tokens" in mb:
-            return {**mb, "tokens": mb["thd_tokens"], "position_ids": mb["thd_position_ids"],
-                    "padding_mask": mb["thd_padding_mask"]}
-        if "cp_tokens" not in mb:
+        with CP the ``cp`` shard's tensors (this rank's sequence chunks) in place of the whole
+        sequence's tokens, positions, padding mask and routes; packed (thd) the packed row's
+        (``[1,T]``; its routes are already packed); ``mb`` itself otherwise."""
+        if mb.thd is not None:
+            return dataclasses.replace(mb, tokens=mb.thd.tokens, position_ids=mb.thd.position_ids,
+                                       padding_mask=mb.thd.padding_mask)
+        if mb.cp is None:
             return mb
-        view = dict(mb)
-        for k in self._CP_SEQ_KEYS:
-            if f"cp_{k}" in mb:
-                view[k] = mb[f"cp_{k}"]
-        return view
+        return dataclasses.replace(mb, **{k: getattr(mb.cp, k) for k in self._CP_SEQ_KEYS})
 
-    def _to_device(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _to_device(self, mb: MicroBatch) -> MicroBatch:
+        """``mb`` with every tensor on this rank's CUDA device (``mb`` itself on CPU)."""
         if torch.cuda.is_available():
-            return {k: v.cuda(non_blocking=True) if isinstance(v, Tensor) else v for k, v in mb.items()}
+            return mb.map_tensors(lambda v: v.cuda(non_blocking=True))
         return mb
     # --- end off-policy correction ---
 
@@ -294,7 +285,7 @@ class BatchingMixin:
         pad = [dataclasses.replace(samples[0], loss_weight=0.0)] * (unit - len(samples) % unit)
         return list(samples) + pad
 
-    def _data_iterators(self, mbs_list: list[dict[str, Tensor]]):
+    def _data_iterators(self, mbs_list: list[MicroBatch]):
         """Megatron's ``data_iterator`` argument: one iterator over the micro-batches, or with
         virtual pipeline stages one per model chunk (each chunk runs every micro-batch, in
         order; the interleaved schedule calls ``forward_step`` with the chunk's iterator)."""

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import torch
 
+from moe_async.trainer.micro_batches import MicroBatch
+
 Tensor = torch.Tensor
 
 
@@ -138,27 +140,25 @@ class StepGuard:
         self.local_index: list[int] = []
         self._records: list[tuple[int, Tensor, Tensor]] = []  # (first row, nonfinite_rows, loss finite)
 
-    def bind(self, mbs_list: list[dict[str, Any]]) -> None:
-        """Note where each micro-batch's rows start in this rank's sample list (``mb
-        ["guard_first"]``, an int; micro-batches are contiguous runs of it, in order) and the
-        global batch index of each local sample (:func:`dp_sample_indices`; DP size and rank
-        from Megatron's parallel state)."""
+    def bind(self, mbs_list: list[MicroBatch]) -> None:
+        """Note the global batch index of each sample of this rank's micro-batches (their
+        rows start at ``mb.first`` in this rank's sample list: contiguous runs of it, in
+        order; :func:`dp_sample_indices`; DP size and rank from Megatron's parallel state)."""
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
         r = ps.get_data_parallel_rank() if dp > 1 else 0
         o = 0
         for mb in mbs_list:
-            mb["guard_first"] = o
-            o += int(mb["tokens"].shape[0])
+            o += int(mb.tokens.shape[0])
         self.local_index = dp_sample_indices(len(self.batch), dp, r, o)
 
-    def record(self, mb: dict[str, Any], nonfinite_rows: Tensor, loss_sum: Tensor) -> None:
+    def record(self, mb: MicroBatch, nonfinite_rows: Tensor, loss_sum: Tensor) -> None:
         """Mark the samples of micro-batch ``mb`` whose loss is non-finite
         (``nonfinite_rows`` ``[B]`` bool), and the unattributed slot when the micro-batch's
         loss is non-finite with no row flagged."""
         # kept on the device: read once in check() (no host sync per micro-batch)
-        self._records.append((int(mb.get("guard_first", 0)), nonfinite_rows.detach().reshape(-1),
+        self._records.append((mb.first, nonfinite_rows.detach().reshape(-1),
                               torch.isfinite(loss_sum.detach())))
 
     def _local_flags(self) -> Tensor:

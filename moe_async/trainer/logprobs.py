@@ -16,6 +16,7 @@ import torch
 
 from moe_async.compat import cpu_device_scope
 from moe_async.megatron.sharding import gather_over_cp
+from moe_async.trainer.micro_batches import MicroBatch
 from moe_async.types import Sample
 
 Tensor = torch.Tensor
@@ -24,29 +25,29 @@ Tensor = torch.Tensor
 class LogprobsMixin:
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
-    def _forward(self, model, mb: dict[str, Tensor]) -> tuple[Tensor, bool]:
+    def _forward(self, model, mb: MicroBatch) -> tuple[Tensor, bool]:
         """Forward of one micro-batch: ``(output, rows_only)``. On the last PP stage the
         output is the logits: ``[1,N,V_padded]`` for the N response positions of
-        ``mb["logit_b"/"logit_s"]`` when ``rows_only`` (the output layer is applied to those
+        ``mb.logit_b/logit_s`` when ``rows_only`` (the output layer is applied to those
         hidden states only: prompt positions carry no loss), else ``[B,S,V_padded]``. Rows
         are selected when the output layer is not sequence parallel (TP == 1); under
         sequence parallelism its input is this rank's sequence shard and all rows go."""
         rows_only = self._rows_hook is not None
         extra: dict[str, Any] = {}
-        if "cp_tokens" in mb:  # CP: this rank's chunks; causal attention over CP (no dense mask)
-            self._logit_rows = (mb["cp_logit_s"], mb["cp_logit_b"]) if rows_only else None
-            inputs = (mb["cp_tokens"], mb["cp_position_ids"], None)
-            padding_mask = mb.get("cp_padding_mask")
-        elif "thd_tokens" in mb:  # packed: one row [1,T], attention per cu_seqlens segment
-            s = mb["thd_logit_s"]
+        if mb.cp is not None:  # CP: this rank's chunks; causal attention over CP (no dense mask)
+            self._logit_rows = (mb.cp.logit_s, mb.cp.logit_b) if rows_only else None
+            inputs = (mb.cp.tokens, mb.cp.position_ids, None)
+            padding_mask = mb.cp.padding_mask
+        elif mb.thd is not None:  # packed: one row [1,T], attention per cu_seqlens segment
+            s = mb.thd.logit_s
             self._logit_rows = (s, torch.zeros_like(s)) if rows_only else None
-            inputs = (mb["thd_tokens"], mb["thd_position_ids"], None)
-            padding_mask = mb["thd_padding_mask"]
+            inputs = (mb.thd.tokens, mb.thd.position_ids, None)
+            padding_mask = mb.thd.padding_mask
             extra["packed_seq_params"] = self._packed_seq_params(mb)
         else:
-            self._logit_rows = (mb["logit_s"], mb["logit_b"]) if rows_only else None
-            inputs = (mb["tokens"], mb["position_ids"], mb["attention_mask"])
-            padding_mask = mb.get("padding_mask")
+            self._logit_rows = (mb.logit_s, mb.logit_b) if rows_only else None
+            inputs = (mb.tokens, mb.position_ids, mb.attention_mask)
+            padding_mask = mb.padding_mask
         if self._bias_hooks and padding_mask is not None:  # see _uncount_padding
             pm = self._sp_shard(padding_mask) if self.tf_config.sequence_parallel else padding_mask
             self._router_pad = pm.transpose(0, 1).reshape(-1)  # router token order: [S, B] flattened
@@ -113,21 +114,21 @@ class LogprobsMixin:
         s, b = self._logit_rows
         return (args[0][s, b].unsqueeze(1), *args[1:]), kwargs
 
-    def _token_logp(self, logits: Tensor, mb: dict[str, Tensor], rows_only: bool,
+    def _token_logp(self, logits: Tensor, mb: MicroBatch, rows_only: bool,
                     entropy: bool = False) -> tuple[Tensor | None, Tensor]:
         """``(entropy [B,S-1] or None, logp [B,S-1])``: fp32 (fp64 for fp64 logits) log-softmax over the HF vocab V
         (the padded vocab rows are dropped first); ``logp[b,t]`` = log-prob of token t+1,
         ``entropy[b,t]`` of the predicted distribution (no grad). With ``rows_only``
         (``logits [1,N,V_padded]``) positions other than the response rows hold 0."""
-        if "cp_tokens" in mb:
+        if mb.cp is not None:
             return self._cp_token_logp(logits, mb, rows_only, entropy)
-        if "thd_tokens" in mb and not rows_only:  # packed [1,T,V]: the response rows, in logit_b/s order
-            logits, rows_only = logits[:, mb["thd_logit_s"]], True
-        tokens = mb["tokens"]
+        if mb.thd is not None and not rows_only:  # packed [1,T,V]: the response rows, in logit_b/s order
+            logits, rows_only = logits[:, mb.thd.logit_s], True
+        tokens = mb.tokens
         B, S = tokens.shape
         wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
         if rows_only:
-            b, s = mb["logit_b"], mb["logit_s"]
+            b, s = mb.logit_b, mb.logit_s
             logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
             lp = logp_NV.gather(-1, tokens[b, s + 1].unsqueeze(-1)).squeeze(-1)
             logp = torch.zeros(B, S - 1, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
@@ -145,22 +146,22 @@ class LogprobsMixin:
                 ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
         return ent, logp
 
-    def _cp_token_logp(self, logits: Tensor, mb: dict[str, Tensor], rows_only: bool,
+    def _cp_token_logp(self, logits: Tensor, mb: MicroBatch, rows_only: bool,
                        entropy: bool = False) -> tuple[Tensor | None, Tensor]:
         """:meth:`_token_logp` with CP > 1: logits of this rank's positions (``[1,N_local,V_padded]``
-        rows ``cp_logit_b/s`` when ``rows_only``, else ``[B,S/CP,V_padded]``) -> this rank's
-        ``[B,S/CP]`` logprobs of ``cp_labels`` -> all-gathered over the CP group into global
+        rows ``mb.cp.logit_b/logit_s`` when ``rows_only``, else ``[B,S/CP,V_padded]``) -> this rank's
+        ``[B,S/CP]`` logprobs of ``mb.cp.labels`` -> all-gathered over the CP group into global
         order ``[B,S]`` (differentiable; each rank back-propagates its own positions, see
         :func:`sharding.gather_over_cp`) -> ``[B,S-1]``, equal on every CP rank."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
-        labels = mb["cp_labels"]
+        labels = mb.cp.labels
         B, S_loc = labels.shape
         wide = torch.promote_types(logits.dtype, torch.float32)
         ent_loc = None
         if rows_only:
-            b, s = mb["cp_logit_b"], mb["cp_logit_s"]
+            b, s = mb.cp.logit_b, mb.cp.logit_s
             logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
             lp = logp_NV.gather(-1, labels[b, s].unsqueeze(-1)).squeeze(-1)
             logp_loc = torch.zeros(B, S_loc, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
@@ -231,8 +232,8 @@ class LogprobsMixin:
         out: list[list[float]] = []
         if ps.is_pipeline_last_stage():
             for mb, d in zip(mbs_list, reduced):
-                for b in range(mb["tokens"].shape[0]):
-                    P, R = int(mb["prompt_len"][b]), int(mb["resp_len"][b])
+                for b in range(mb.tokens.shape[0]):
+                    P, R = int(mb.prompt_len[b]), int(mb.resp_len[b])
                     out.append(d["logp"][b, P - 1 : P - 1 + R].tolist())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             import torch.distributed as dist

@@ -53,6 +53,7 @@ test_megatron_trainer.py). Refused: THD with CP > 1.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from typing import Callable, Iterator
@@ -60,9 +61,10 @@ from typing import Callable, Iterator
 import torch
 
 from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
+from moe_async.layout import ParallelLayout
 from moe_async.megatron.build import model_chunks
 from moe_async.megatron.hf_io import load_hf_weights
-from moe_async.megatron.parallel import MegatronLayout, check_model_parallel, init_distributed, init_model_parallel
+from moe_async.megatron.parallel import check_model_parallel, init_distributed, init_model_parallel
 from moe_async.megatron.sharding import gather_full_state, padded_vocab_size
 from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
@@ -72,6 +74,7 @@ from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing
 from moe_async.trainer.finite import StepGuard, check_weights_finite
 from moe_async.trainer.logprobs import LogprobsMixin
 from moe_async.trainer.loss import grpo_token_loss
+from moe_async.trainer.micro_batches import MicroBatch
 from moe_async.trainer.model_setup import ModelSetupMixin
 from moe_async.types import Sample
 
@@ -136,11 +139,11 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         self._owns_dist = False
         self._init_distributed(master_addr, master_port)
         self._check_expert_tensor_parallel()  # ETP x EP vs the world, naming the fields
-        layout = MegatronLayout.from_trainer_config(cfg)
+        self._layout = ParallelLayout.from_trainer_config(cfg)
         if ps.model_parallel_is_initialized():
-            check_model_parallel(layout)  # RuntimeError when another trainer's sizes differ
+            check_model_parallel(self._layout)  # RuntimeError when another trainer's sizes differ
         else:
-            init_model_parallel(layout)
+            init_model_parallel(self._layout)
             self._owns_mp = True
         self._cpu = apply_cpu_compat()
         with cpu_device_scope():
@@ -167,11 +170,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             self.hf_config,
             params_dtype=cfg.params_dtype,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-            expert_model_parallel_size=cfg.expert_model_parallel_size,
-            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
-            virtual_pipeline_model_parallel_size=self._vpp,
+            **self._layout.megatron_kwargs(),  # TP/PP/CP/EP/ETP/VPP
             **self._layout_overrides(),
             **replay_overrides(cfg.router_replay),  # router replay
             **self._expert_bias_overrides(),
@@ -306,28 +305,28 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         guard.bind(mbs_list)
         # --- off-policy correction (issue 7): decoupled PPO's proximal policy ---
         if cfg.off_policy_correction == "decoupled_ppo":
-            self._attach_proximal_logp(batch, mbs_list)
+            mbs_list = self._with_proximal_logp(batch, mbs_list)
         # --- end off-policy correction ---
-        n_total = self._dp_sum(float(sum((mb["loss_mask"] > 0).sum().item() for mb in mbs_list)))
+        n_total = self._dp_sum(float(sum((mb.loss_mask > 0).sum().item() for mb in mbs_list)))
         dp = self._dp_size()
         if n_total == 0:
             raise ValueError("train_step: batch has no loss-bearing response token")
         num_mb = len(mbs_list)
         seq_length, mb_size = self._schedule_shape(mbs_list)
 
-        def loss_func(mb: dict[str, Tensor], rows_only: bool, logits: Tensor):
+        def loss_func(mb: MicroBatch, rows_only: bool, logits: Tensor):
             ent, logp = self._token_logp(logits, mb, rows_only, entropy=True)
-            mask = mb["loss_mask"]
+            mask = mb.loss_mask
             loss_sum, m = grpo_token_loss(
                 logp,
-                mb["advantages"],
+                mb.advantages,
                 mask,
-                rollout_logp=mb["rollout_logp"],
+                rollout_logp=mb.rollout_logp,
                 eps_clip=cfg.eps_clip,
                 eps_clip_high=cfg.eps_clip_high,
                 off_policy_correction=cfg.off_policy_correction,
                 tis_cap=cfg.tis_cap,
-                logp_old=mb.get("logp_old"),  # off-policy correction: decoupled PPO only
+                logp_old=mb.logp_old,  # off-policy correction: decoupled PPO only
                 mis_low=cfg.mis_low,
                 mis_high=cfg.mis_high,
                 icepop_beta=cfg.icepop_beta,
@@ -353,10 +352,10 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
 
         def record_forward(mb):  # router replay (R2): the old policy's own routes
             mb = self._to_device(mb)
-            if "thd_tokens" in mb:
-                return self.ddp_model(mb["thd_tokens"], mb["thd_position_ids"], None,
+            if mb.thd is not None:
+                return self.ddp_model(mb.thd.tokens, mb.thd.position_ids, None,
                                       packed_seq_params=self._packed_seq_params(mb))
-            return self.ddp_model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
+            return self.ddp_model(mb.tokens, mb.position_ids, mb.attention_mask)
 
         for d in self.ddp_models:
             d.zero_grad_buffer()
@@ -404,22 +403,25 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         return out
 
     # --- off-policy correction (issue 7) ---
-    def _attach_proximal_logp(self, batch: list[Sample], mbs_list: list[dict[str, Tensor]]) -> None:
-        """Decoupled PPO (Hilton et al., 2022; AReaL): ``mb["logp_old"] [B,S-1]`` float32 =
-        logprobs of the response tokens under the weights BEFORE this update (recomputed with
-        :meth:`compute_logprobs`, same packing), 0 elsewhere. Only the last PP stage uses it."""
+    def _with_proximal_logp(self, batch: list[Sample], mbs_list: list[MicroBatch]) -> list[MicroBatch]:
+        """Decoupled PPO (Hilton et al., 2022; AReaL): ``mbs_list`` with ``logp_old [B,S-1]``
+        float32 = logprobs of the response tokens under the weights BEFORE this update
+        (recomputed with :meth:`compute_logprobs`, same packing), 0 elsewhere. Only the last PP
+        stage uses it (``mbs_list`` unchanged on the others)."""
         prox = self.compute_logprobs(batch, equalize_dp=True)  # DP-local batches: cut to one count
         if not prox:  # not the last pipeline stage: the loss is not computed here
-            return
+            return mbs_list
         i = 0
+        out = []
         for mb in mbs_list:
-            lo = torch.zeros_like(mb["rollout_logp"])
-            for b in range(mb["tokens"].shape[0]):
-                P, R = int(mb["prompt_len"][b]), int(mb["resp_len"][b])
+            lo = torch.zeros_like(mb.rollout_logp)
+            for b in range(mb.tokens.shape[0]):
+                P, R = int(mb.prompt_len[b]), int(mb.resp_len[b])
                 if R:
                     lo[b, P - 1 : P - 1 + R] = torch.tensor(prox[i], dtype=lo.dtype)
                 i += 1
-            mb["logp_old"] = lo
+            out.append(dataclasses.replace(mb, logp_old=lo))
+        return out
 
     def _dp_max(self, x: float) -> float:
         """Max of a per-DP-rank scalar over the DP group."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moe_async.megatron.parallel import MegatronLayout
+from moe_async.layout import ParallelLayout
 from moe_async.trainer.config import unsupported_combination
 
 Tensor = torch.Tensor
@@ -35,8 +35,6 @@ class ModelSetupMixin:
         out: dict[str, Any] = {}
         if self._cpu and enable_cpu_wgrad_accumulation_fusion():
             out["gradient_accumulation_fusion"] = True
-        if self.cfg.context_parallel_size > 1:
-            out["context_parallel_size"] = self.cfg.context_parallel_size
         if self._thd and self.cfg.pipeline_model_parallel_size > 1 and not self._vpp:
             # packed rows of different T: each p2p exchange sends its shape first (Megatron-Core's
             # p2p_communication._communicate_shapes; on gloo too: PP2 rows of 119/91/136/110 tokens
@@ -68,7 +66,7 @@ class ModelSetupMixin:
         """
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         try:
-            MegatronLayout.from_trainer_config(self.cfg).check_world(world)
+            ParallelLayout.from_trainer_config(self.cfg).check_world(world)
         except ValueError:
             self.close()  # the process group this trainer created (the caller gets no trainer to close)
             raise

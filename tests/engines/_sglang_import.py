@@ -117,3 +117,22 @@ def load_io_struct():
                 del sys.modules[name]
     _CACHE["io"] = io
     return io
+
+
+def io_struct_or_skip(*also: str, what: str = "sglang io_struct"):
+    """For a test module that needs SGLang: ``(io, modules, pytestmark)``.
+
+    ``io``: SGLang's ``io_struct`` (:func:`load_io_struct`), or None when it (or any module
+    named in ``also``, imported after it) cannot be imported; ``modules``: ``also``'s modules
+    by name (empty on failure); ``pytestmark``: a ``skipif`` that skips the module then, its
+    reason ``"<what> unavailable: <the import error>"``.
+    """
+    import pytest
+
+    try:
+        io = load_io_struct()
+        modules = {name: importlib.import_module(name) for name in also}
+        error = None
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        io, modules, error = None, {}, str(e)
+    return io, modules, pytest.mark.skipif(io is None, reason=f"{what} unavailable: {error}")

@@ -122,3 +122,63 @@ def test_nodes_per_engine_refusals(kw, match):
 
     with pytest.raises(ValidationError, match=match):
         EngineConfig(**kw)
+
+
+# path -> statuses answered in order (the last one repeats); bodies of the 200s and errors
+_SCRIPT = {"/get_model_info": [503, 503, 200], "/continue_generation": [503], "/generate": [500],
+           "/flush_cache": [400], "/get_weight_version": [404], "/model_info": [200],
+           "/init_weights_update_group": [503], "/weights_layout": [404], "/weights_checksum": [200]}
+_BODY = {"/get_model_info": {"model_path": "m"}, "/model_info": {"weight_version": "7"},
+         "/generate": {"error": {"message": "boom"}}, "/weights_checksum": {"weight_version": "3", "checksums": {}}}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_both_clients_run_one_retry_and_recovery_policy(kind):
+    """The async and the blocking client make the same requests and give the same answers:
+    idempotent calls retried on 5xx up to ``retries`` attempts, ``generate`` and the
+    weight-group collectives never on a 5xx, 400 from /flush_cache = False, 404 from
+    /get_weight_version -> /model_info, /weights_layout 404 = None, /health unreachable = False."""
+    import asyncio
+    import inspect
+
+    import httpx
+
+    from moe_async.engines.client import EngineClient, EngineRequestError, SyncEngineClient
+
+    calls: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        path = req.url.path
+        calls.append(path)
+        if path == "/health":
+            raise httpx.ConnectError("refused", request=req)
+        statuses = _SCRIPT[path]
+        status = statuses[min(calls.count(path), len(statuses)) - 1]
+        return httpx.Response(status, json=_BODY.get(path, {}))
+
+    cls, http = (SyncEngineClient, httpx.Client) if kind == "sync" else (EngineClient, httpx.AsyncClient)
+    c = cls("http://engine", retries=3, backoff_s=0.0)
+    c._http = http(base_url=c.base_url, transport=httpx.MockTransport(handler))
+
+    def run(fn, *a, **kw):
+        out = fn(*a, **kw)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+    def error(fn, *a):
+        with pytest.raises(EngineRequestError) as e:
+            run(fn, *a)
+        return e.value.status_code, e.value.message
+
+    assert run(c.get_model_info) == {"model_path": "m"}
+    assert error(c.continue_generation) == (503, "{}")
+    assert error(c.generate, [1, 2]) == (500, "boom")
+    assert run(c.flush_cache) is False
+    assert run(c.get_weight_version) == 7
+    assert error(c.init_weights_update_group, "h", 1, 1, 2) == (503, "{}")
+    assert run(c.weights_layout) is None
+    assert run(c.weights_checksum) == {"weight_version": 3, "checksums": {}}
+    assert run(c.health) is False
+    assert calls == ["/get_model_info"] * 3 + ["/continue_generation"] * 3 + [
+        "/generate", "/flush_cache", "/get_weight_version", "/model_info", "/init_weights_update_group",
+        "/weights_layout", "/weights_checksum", "/health"]
+    assert inspect.signature(c.generate) == inspect.signature(getattr(EngineClient, "generate").__get__(c))

@@ -21,17 +21,13 @@ import httpx
 import pytest
 import torch
 
-from _sglang_import import load_io_struct
+from _sglang_import import io_struct_or_skip
 
-try:
-    io = load_io_struct()
-    from sglang.api.v1 import api_types
-    from sglang.srt.sampling.sampling_params import SamplingParams as SglSamplingParams
-    IMPORT_ERROR = None
-except ImportError as e:  # pragma: no cover - depends on the environment
-    io, IMPORT_ERROR = None, str(e)
-
-pytestmark = pytest.mark.skipif(io is None, reason=f"sglang unavailable: {IMPORT_ERROR}")
+io, _mods, pytestmark = io_struct_or_skip("sglang.api.v1.api_types", "sglang.srt.sampling.sampling_params",
+                                         what="sglang")
+if io is not None:
+    api_types = _mods["sglang.api.v1.api_types"]
+    SglSamplingParams = _mods["sglang.srt.sampling.sampling_params"].SamplingParams
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)

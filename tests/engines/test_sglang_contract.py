@@ -19,16 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-from _sglang_import import load_io_struct
+from _sglang_import import io_struct_or_skip
 from moe_async.engines.client import SyncEngineClient, parse_generate
 
-try:
-    io = load_io_struct()
-    IMPORT_ERROR = None
-except ImportError as e:  # pragma: no cover - depends on the environment
-    io, IMPORT_ERROR = None, str(e)
-
-pytestmark = pytest.mark.skipif(io is None, reason=f"sglang io_struct unavailable: {IMPORT_ERROR}")
+io, _, pytestmark = io_struct_or_skip()
 
 # endpoint -> the io_struct class SGLang's http_server binds its body to (None: no body)
 ENDPOINT_CLASS = {

@@ -24,16 +24,10 @@ import httpx
 import pytest
 import torch
 
-from _sglang_import import load_io_struct
+from _sglang_import import io_struct_or_skip
 from moe_async.engines.client import SyncEngineClient
 
-try:
-    io = load_io_struct()
-    IMPORT_ERROR = None
-except ImportError as e:  # pragma: no cover - depends on the environment
-    io, IMPORT_ERROR = None, str(e)
-
-pytestmark = pytest.mark.skipif(io is None, reason=f"sglang io_struct unavailable: {IMPORT_ERROR}")
+io, _, pytestmark = io_struct_or_skip()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-from _checks import ADAM_EPS, ADV, main, samples, trainer_cfg  # noqa: E402
+from _checks import ADAM_EPS, ADV, hf_response_logprobs, main, samples, trainer_cfg  # noqa: E402
 
 CKPTS = ("ds3", "qwen3", "llama", "glm")
 
@@ -108,15 +108,7 @@ def run(path: str, tp: int, pp: int, ep: int, vpp: int | None = None) -> dict:
 def hf_logprobs(path: str) -> list[list[float]]:
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path).eval()
-    out = []
-    with torch.no_grad():
-        for s in samples():
-            ids = s.prompt_ids + s.response_ids
-            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-            P = len(s.prompt_ids)
-            out.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
-    return out
+    return hf_response_logprobs(AutoModelForCausalLM.from_pretrained(path).eval(), samples())
 
 
 def main_ref(tmp: str) -> None:

@@ -15,7 +15,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import _checks  # noqa: E402
 import torch  # noqa: E402
 from _routes import hf_logprobs_and_routes, megatron_logprobs_and_routes  # noqa: E402
 from _tiny_glm4_moe import make_tiny_glm4_moe  # noqa: E402
@@ -29,14 +31,7 @@ ADV = [1.0, -0.5, 0.7, -1.2, 3.0]
 
 def samples(seed: int = 0) -> list[Sample]:
     """5 samples (57 tokens, 31 response tokens of which 26 weighted), ids in [3, 128)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5)]):
-        ids = torch.randint(3, 128, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
-    return out
+    return _checks.samples(seed, [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5)], vocab=128)
 
 
 def hf_run(m, ss):

@@ -5,12 +5,12 @@ and the MLA local-attention mend."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from _tiny_deepseek_v3 import make_tiny_deepseek_v3
+from _mapping_checks import check_expert_bias_required, check_in_memory_fused_layout, disk
 from moe_async.models import get_family, hf_config_dict, hf_to_megatron, megatron_to_hf
 
 
@@ -20,14 +20,8 @@ def ckpt(request, tmp_path_factory):
     return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("ds3")), q_lora_rank=q, tie=tie)
 
 
-def _disk(ckpt):
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(ckpt, "model.safetensors"))
-
-
 def test_round_trip_bit_exact(ckpt):
-    hf = _disk(ckpt)
+    hf = disk(ckpt)
     meg = hf_to_megatron(hf, ckpt)
     d = hf_config_dict(ckpt)
     assert meg["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 96, 64)  # dense layer
@@ -47,20 +41,13 @@ def test_round_trip_bit_exact(ckpt):
 
 
 def test_loud_on_unused_and_unset(ckpt):
-    hf = _disk(ckpt)
+    hf = disk(ckpt)
     with pytest.raises(KeyError, match="unused HF tensors.*model.layers.3.mlp"):  # e.g. an MTP layer
         hf_to_megatron({**hf, "model.layers.3.mlp.gate.weight": torch.zeros(8, 64)}, ckpt)
     dense_bias = "model.layers.0.mlp.gate.e_score_correction_bias"  # no router in a dense layer
     with pytest.raises(KeyError, match="unused"):
         hf_to_megatron({**hf, dense_bias: torch.zeros(8)}, ckpt)
-    miss = dict(hf)
-    del miss["model.layers.1.mlp.gate.e_score_correction_bias"]
-    with pytest.raises(KeyError, match="missing HF tensors.*e_score_correction_bias"):
-        hf_to_megatron(miss, ckpt)
-    meg = hf_to_megatron(hf, ckpt)
-    meg.pop("decoder.layers.2.mlp.router.expert_bias")
-    with pytest.raises(KeyError, match="not set.*e_score_correction_bias"):
-        list(megatron_to_hf(meg.items(), ckpt))
+    check_expert_bias_required(hf, ckpt, hf_layer=1, megatron_layer=2)
     with pytest.raises(KeyError, match="unknown"):
         list(megatron_to_hf([("decoder.layers.0.mlp.router.weight", torch.zeros(8, 64))], ckpt))
 
@@ -68,11 +55,7 @@ def test_loud_on_unused_and_unset(ckpt):
 def test_in_memory_fused_layout(ckpt):
     from transformers import DeepseekV3ForCausalLM
 
-    m = DeepseekV3ForCausalLM.from_pretrained(ckpt)
-    sd = {k: v.detach() for k, v in m.state_dict().items()}
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in sd)
-    a, b = hf_to_megatron(sd, ckpt), hf_to_megatron(_disk(ckpt), ckpt)
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    check_in_memory_fused_layout(DeepseekV3ForCausalLM, ckpt)
 
 
 @pytest.mark.parametrize(

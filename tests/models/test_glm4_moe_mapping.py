@@ -6,12 +6,12 @@ config rejection naming the field (n_routed_experts vs num_experts), the Megatro
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 
 from _tiny_glm4_moe import make_tiny_glm4_moe
+from _mapping_checks import check_expert_bias_required, check_in_memory_fused_layout, disk
 from moe_async.models import get_family, hf_config_dict, hf_to_megatron, megatron_to_hf
 
 FAM = "glm4_moe"
@@ -23,19 +23,13 @@ def ckpt(request, tmp_path_factory):
     return make_tiny_glm4_moe(str(tmp_path_factory.mktemp("glm")), **kw)
 
 
-def _disk(ckpt):
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(ckpt, "model.safetensors"))
-
-
 def _mtp(ckpt):
     fam = get_family(FAM)
     return set(fam.mtp_hf_keys(fam.arch_args(ckpt)))
 
 
 def test_round_trip_bit_exact(ckpt, caplog):
-    hf = _disk(ckpt)
+    hf = disk(ckpt)
     d = hf_config_dict(ckpt)
     mtp = _mtp(ckpt)
     assert len(mtp & set(hf)) == (32 if d["attention_bias"] else 27) and all(k.startswith("model.layers.2.") for k in mtp)
@@ -67,7 +61,7 @@ def test_round_trip_bit_exact(ckpt, caplog):
 
 
 def test_mtp_list_is_exact(ckpt):
-    hf = _disk(ckpt)
+    hf = disk(ckpt)
     with pytest.raises(KeyError, match="unused HF tensors.*model.layers.2.mlp.gate.stray"):
         hf_to_megatron({**hf, "model.layers.2.mlp.gate.stray": torch.zeros(4)}, ckpt)
     with pytest.raises(KeyError, match="unused HF tensors.*model.layers.3.enorm"):  # past the MTP layers
@@ -80,27 +74,16 @@ def test_mtp_list_is_exact(ckpt):
 
 
 def test_loud_on_unused_and_unset(ckpt):
-    hf = _disk(ckpt)
+    hf = disk(ckpt)
     with pytest.raises(KeyError, match="unused"):
         hf_to_megatron({**hf, "model.layers.0.mlp.gate.e_score_correction_bias": torch.zeros(4)}, ckpt)
-    miss = dict(hf)
-    del miss["model.layers.1.mlp.gate.e_score_correction_bias"]
-    with pytest.raises(KeyError, match="missing HF tensors.*e_score_correction_bias"):
-        hf_to_megatron(miss, ckpt)
-    meg = hf_to_megatron(hf, ckpt)
-    meg.pop("decoder.layers.1.mlp.router.expert_bias")
-    with pytest.raises(KeyError, match="not set.*e_score_correction_bias"):
-        list(megatron_to_hf(meg.items(), ckpt))
+    check_expert_bias_required(hf, ckpt, hf_layer=1, megatron_layer=1)
 
 
 def test_in_memory_fused_layout(ckpt):
     from transformers import Glm4MoeForCausalLM
 
-    m = Glm4MoeForCausalLM.from_pretrained(ckpt)
-    sd = {k: v.detach() for k, v in m.state_dict().items()}
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in sd)
-    a, b = hf_to_megatron(sd, ckpt), hf_to_megatron(_disk(ckpt), ckpt)
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    check_in_memory_fused_layout(Glm4MoeForCausalLM, ckpt)
 
 
 def test_experts_from_n_routed_experts_never_num_experts(ckpt):

@@ -286,11 +286,14 @@ def test_gen_wall_seconds_counts_overlapping_requests_once(monkeypatch) -> None:
     assert at12["rollout/requests"] == 3.0
 
 
-def test_stop_cancels_in_flight_groups() -> None:
-    class Hanging(FakeEngine):
-        async def generate(self, *a, **k):
-            await asyncio.sleep(3600)
+class Hanging(FakeEngine):
+    """An engine whose requests never finish (in flight until cancelled)."""
 
+    async def generate(self, *a, **k):
+        await asyncio.sleep(3600)
+
+
+def test_stop_cancels_in_flight_groups() -> None:
     cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=2)
     buf = FakeBuffer(capacity=10)
     m = _manager(cfg, FakeDataset([10]), [Hanging()], buf)
@@ -321,10 +324,6 @@ def test_stop_during_admit_settles_the_admission() -> None:
             if v is not None and self.admitted == 2:
                 self.stop.set()  # the run ends while this admission is being granted
             return v
-
-    class Hanging(FakeEngine):
-        async def generate(self, *a, **k):
-            await asyncio.sleep(3600)
 
     cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=4)
     buf = StopOnAdmit(capacity=10)

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 # ~1e-9 gradients into the second step)
 from _checks import ADAM_EPS as L4_ADAM_EPS  # noqa: E402
 from _checks import ADV as L4_ADV  # noqa: E402
-from _checks import gather, main, rank, same_on_all_ranks, samples, trainer_cfg  # noqa: E402
+from _checks import gather, hf_response_logprobs, main, rank, same_on_all_ranks, samples, trainer_cfg  # noqa: E402
 
 ADV = [1.0, -0.5, 0.7, -1.2, 3.0, 0.4, -0.9, 1.5]
 MBS = 2
@@ -146,7 +146,7 @@ def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = F
                          path)
     res["build_s"] = time.perf_counter() - t0
     if th:  # packed row length T per micro-batch (PP > 1: each its own, Megatron's variable_seq_lengths)
-        res["thd_rows"] = [mb["thd_tokens"].shape[1] for mb in tr._pack(long_samples(), None)]
+        res["thd_rows"] = [mb.thd.tokens.shape[1] for mb in tr._pack(long_samples(), None)]
     if vpp > 1:  # global layer numbers of each chunk, per rank (Megatron's interleaved assignment)
         res["chunk_layers"] = gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
     res["export_equals_disk"] = export_equals_disk(tr, path)
@@ -351,14 +351,7 @@ def hf_parity(path: str) -> dict:
     tr = MegatronTrainer(cfg(), path)
     mine = tr.compute_logprobs(ss)
     tr.close()
-    m = AutoModelForCausalLM.from_pretrained(path).eval()
-    ref = []
-    with torch.no_grad():
-        for s in ss:
-            ids = s.prompt_ids + s.response_ids
-            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-            P = len(s.prompt_ids)
-            ref.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
+    ref = hf_response_logprobs(AutoModelForCausalLM.from_pretrained(path).eval(), ss)
     return {"maxdiff": max(abs(a - b) for x, y in zip(mine, ref) for a, b in zip(x, y)),
             "lens_ok": [len(x) for x in mine] == [len(s.response_ids) for s in ss],
             "ref_min": min(min(x) for x in ref)}

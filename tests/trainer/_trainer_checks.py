@@ -9,7 +9,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import _checks  # noqa: E402
 import torch  # noqa: E402
 from _tiny import make_tiny_mixtral  # noqa: E402
 
@@ -18,29 +20,17 @@ from moe_async.trainer.megatron_trainer import MegatronTrainer  # noqa: E402
 from moe_async.types import Sample  # noqa: E402
 
 
+FIVE = [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5)]  # (prompt, response) lengths of samples()
+
+
 def samples(seed: int = 0) -> list[Sample]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (p, r) in enumerate([(5, 7), (3, 6), (8, 4), (4, 9), (6, 5)]):
-        ids = torch.randint(3, 256, (p + r,), generator=g).tolist()
-        rl = (-torch.rand(r, generator=g) * 6).tolist()
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], rollout_logprobs=rl,
-                          weight_versions=[0] * r, loss_weight=0.0 if i == 4 else 1.0))
-    return out
+    return _checks.samples(seed, FIVE)
 
 
 def hf_logprobs(path: str, ss: list[Sample]) -> list[list[float]]:
     from transformers import MixtralForCausalLM
 
-    m = MixtralForCausalLM.from_pretrained(path).eval()
-    out = []
-    with torch.no_grad():
-        for s in ss:
-            ids = s.prompt_ids + s.response_ids
-            lp = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-            P = len(s.prompt_ids)
-            out.append([lp[P - 1 + j, ids[P + j]].item() for j in range(len(s.response_ids))])
-    return out
+    return _checks.hf_response_logprobs(MixtralForCausalLM.from_pretrained(path).eval(), ss)
 
 
 def main(tmp: str) -> None:

@@ -27,18 +27,18 @@ def test_thd_entries_layout():
     """Sequences of 3 and 4 tokens packed into T = 8: tokens back to back, positions restart,
     the tail continues the last sequence's positions and is marked padding; cu_seqlens int32
     (real) and padded (last one ending at T); each response-predicting row's packed offset."""
-    from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.trainer.batching import packed_row
 
     tokens = torch.tensor([[11, 12, 13, 0], [21, 22, 23, 24]])
     # response-predicting rows (sequence, position): seq 0 predicts at 1, seq 1 at 1, 2
-    mb = {"tokens": tokens, "logit_b": torch.tensor([0, 1, 1]), "logit_s": torch.tensor([1, 1, 2])}
-    e = MegatronTrainer._thd_entries(None, mb, [3, 4], 8)
-    assert e["thd_tokens"].tolist() == [[11, 12, 13, 21, 22, 23, 24, 0]]
-    assert e["thd_position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
-    assert e["thd_padding_mask"].tolist() == [[False] * 7 + [True]]
-    assert e["cu_seqlens"].dtype == torch.int32 and e["cu_seqlens"].tolist() == [0, 3, 7]
-    assert e["cu_seqlens_padded"].tolist() == [0, 3, 8]
-    assert e["thd_max_seqlen"] == 5
-    assert e["thd_logit_s"].tolist() == [1, 4, 5]
+    logit_b, logit_s = torch.tensor([0, 1, 1]), torch.tensor([1, 1, 2])
+    e = packed_row(tokens, logit_b, logit_s, [3, 4], 8)
+    assert e.tokens.tolist() == [[11, 12, 13, 21, 22, 23, 24, 0]]
+    assert e.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert e.padding_mask.tolist() == [[False] * 7 + [True]]
+    assert e.cu_seqlens.dtype == torch.int32 and e.cu_seqlens.tolist() == [0, 3, 7]
+    assert e.cu_seqlens_padded.tolist() == [0, 3, 8]
+    assert e.max_seqlen == 5
+    assert e.logit_s.tolist() == [1, 4, 5]
     # the packed offset holds the row's token: the label (next token) is the same as unpacked
-    assert e["thd_tokens"][0, e["thd_logit_s"] + 1].tolist() == tokens[mb["logit_b"], mb["logit_s"] + 1].tolist()
+    assert e.tokens[0, e.logit_s + 1].tolist() == tokens[logit_b, logit_s + 1].tolist()

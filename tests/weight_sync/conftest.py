@@ -62,3 +62,17 @@ def broadcast(tiny_engine):
     for client, tr in made:
         tr.shutdown()
         client.close()
+
+
+@pytest.fixture
+def dies_at():
+    """``dies_at(items, k)``: a generator of ``items`` that raises ``RuntimeError("exporter
+    died")`` in place of item ``k`` (an exporter failing after ``k`` tensors)."""
+
+    def gen(items, k):
+        for i, it in enumerate(items):
+            if i == k:
+                raise RuntimeError("exporter died")
+            yield it
+
+    return gen

@@ -14,14 +14,7 @@ from moe_async.engines.checksum import tensor_checksum
 pytestmark = pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 
 
-def _dies_at(items, k):
-    for i, it in enumerate(items):
-        if i == k:
-            raise RuntimeError("exporter died")
-        yield it
-
-
-def test_abandoned_update_leaves_nothing_staged(broadcast, tiny_shapes):
+def test_abandoned_update_leaves_nothing_staged(broadcast, tiny_shapes, dies_at):
     shapes = tiny_shapes
     client, tr = broadcast()
     layout = tr.layout
@@ -37,7 +30,7 @@ def test_abandoned_update_leaves_nothing_staged(broadcast, tiny_shapes):
     v0, sums0 = state()
     # 1) good buckets staged, then the exporter dies: nothing applied, nothing kept staged
     with pytest.raises(RuntimeError, match="exporter died"):
-        tr.send(_dies_at(list(rand(layout).items()), 20), v0 + 1)
+        tr.send(dies_at(list(rand(layout).items()), 20), v0 + 1)
     if tr.group is None:  # the transport may drop the group of an abandoned update
         tr.connect()
     assert state() == (v0, sums0)
@@ -52,7 +45,7 @@ def test_abandoned_update_leaves_nothing_staged(broadcast, tiny_shapes):
     bad = list(rand(names[:3]).items()) + [("model.layers.0.block_sparse_moe.experts.9.w1.weight",
                                              torch.zeros(4))] + list(rand(names[3:]).items())
     with pytest.raises(RuntimeError, match="exporter died"):
-        tr.send(_dies_at(bad, len(bad) - 2), v1 + 1)
+        tr.send(dies_at(bad, len(bad) - 2), v1 + 1)
     tr.layout = layout
     if tr.group is None:
         tr.connect()

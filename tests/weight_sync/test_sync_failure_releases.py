@@ -13,16 +13,9 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 
 
-def _dies_at(items, k):
-    for i, it in enumerate(items):
-        if i == k:
-            raise RuntimeError("exporter died")
-        yield it
-
-
 @pytest.mark.parametrize("pause_scope", ["sync", "last_bucket"])
 @pytest.mark.parametrize("fail_at", [0, 20])
-def test_failed_sync_keeps_version_and_releases_pause_session_and_posters(broadcast, tiny_shapes, pause_scope,
+def test_failed_sync_keeps_version_and_releases_pause_session_and_posters(broadcast, tiny_shapes, dies_at, pause_scope,
                                                                            fail_at):
     client, tr = broadcast(pause_mode="abort", pause_scope=pause_scope)
     layout = tr.layout
@@ -30,7 +23,7 @@ def test_failed_sync_keeps_version_and_releases_pause_session_and_posters(broadc
     full = {n: torch.randn(tiny_shapes[n], generator=g) * 0.05 for n in layout}
     before = client.weights_checksum()
     with pytest.raises(RuntimeError, match="exporter died"):
-        tr.send(_dies_at(list(full.items()), fail_at), before["weight_version"] + 1)
+        tr.send(dies_at(list(full.items()), fail_at), before["weight_version"] + 1)
     after = client.weights_checksum()
     assert (after["weight_version"], after["checksums"]) == (before["weight_version"], before["checksums"])
     info = httpx.get(f"{client.base_url}/server_info", timeout=10).json()
