@@ -468,10 +468,10 @@ class BroadcastTransport(WeightTransport):
             if broadcasting:  # the group itself failed (a peer gone): it cannot be reused
                 log.warning("weight sync: a broadcast failed; leaving the update group (connect() again)")
                 self.close()
-            elif begins and not ends:
-                # abandoned before its last bucket (e.g. the exporter raised): closing the
-                # sessions makes the engines drop what they staged (embedded engine's atomic
-                # session), so the next update starts clean
+            if begins and not ends:
+                # abandoned before its last bucket (e.g. the exporter raised, an engine died):
+                # closing the sessions makes the engines drop what they staged (embedded
+                # engine's atomic session), so the next update starts clean
                 gone = {i for i, f in begins if f.done() and not f.cancelled() and f.exception() is not None}
                 for i, f in self._end_on_posters(skip=gone):
                     try:
