@@ -55,7 +55,7 @@ class EngineRecovery:
             ``engine.startup_timeout_s``, ``weight_sync.check``).
         pool: the :class:`EnginePool` (``dead_engines()``, ``restart(i, timeout_s)``, ``urls``).
         trainer: the :class:`TrainerGroup` (``reconnect_engines``, ``sync_weights``,
-            ``check_engines``, ``version``).
+            ``sync_weights_outcome``, ``check_engines``, ``version``).
         rollout: the RolloutActor handle (``set_routable``, ``routable``).
         buffer: the BufferActor handle (``set_engine_version``).
         ray_timeout_s: bound on each Ray call to the rollout/buffer actors (named on expiry).
