@@ -229,6 +229,23 @@ class TrainerActor:
         each tensor is gathered into the bucket that is sent, so rank 0 never holds the model.
         Returns rank 0's sync metrics."""
         self._enter("sync_weights")
+        return self._sync(lambda export, v: self.transport.send(export, v))
+
+    def sync_weights_outcome(self) -> Any:
+        """:meth:`sync_weights` (counted as it for the test-only fault hook) as a
+        :class:`~moe_async.weight_sync.outcome.SyncOutcome`: an engine whose process died during
+        the sync is named in ``lost`` instead of raised, once every rank has finished the
+        export (:func:`~moe_async.weight_sync.outcome.send_or_lost`). Other ranks: an empty one.
+
+        Raises: as :meth:`sync_weights` when every engine still answers ``/health``."""
+        from moe_async.weight_sync.outcome import SyncOutcome, send_or_lost
+
+        self._enter("sync_weights")
+        out = self._sync(lambda export, v: send_or_lost(self.transport, export, v))
+        return out if isinstance(out, SyncOutcome) else SyncOutcome(out)
+
+    def _sync(self, send: Any) -> Any:
+        """The export of :meth:`sync_weights`; rank 0 hands it to ``send(export, version)``."""
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
             # C14: each tensor gathered straight into the bucket that is sent (stream_export.py)
             from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
@@ -238,7 +255,7 @@ class TrainerActor:
                     pass
                 return {}
             assert self.transport is not None, "connect_engines() first"
-            return self.transport.send(trainer_export(self.trainer), self.trainer.version)
+            return send(trainer_export(self.trainer), self.trainer.version)
         if self.rank != 0:
             for _ in self.trainer.export_hf_weights():
                 pass
@@ -246,8 +263,7 @@ class TrainerActor:
         assert self.transport is not None, "connect_engines() first"
         # The exporter writes each tensor straight into the transport's send buffer when the
         # engines publish their layout (embedded engines), so buckets go out without packing.
-        return self.transport.send(self.trainer.export_hf_weights(out=self.transport.destination),
-                                   self.trainer.version)
+        return send(self.trainer.export_hf_weights(out=self.transport.destination), self.trainer.version)
 
     def checksums(self) -> dict[str, str]:
         return self.trainer.hf_checksums()

@@ -46,7 +46,9 @@ Engine failures (cases C19-C21): :class:`~moe_async.orchestration.engine_recover
 runs between the waits for a batch and before each weight sync: a dead engine is restarted
 or retired (``engine.max_restarts``, ``engine.min_healthy_engines``), re-joins the update
 group with the live engines, gets the current weights and is routed again only after
-acknowledging the trainer's weight_version. ``summary["accounting"]`` says where every train
+acknowledging the trainer's weight_version; an engine lost *during* a step's weight sync is
+reported by the sync (not fatal) and recovered the same way (``EngineRecovery.sync``).
+``summary["accounting"]`` says where every train
 prompt drawn went (trained / dropped by reason / pending).
 """
 
@@ -167,11 +169,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                   f"(weight_version {trainer.version()})", flush=True)
         buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version (C6)
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
-        # C19-C21: dead engines restarted/retired between waits; the trainer's calls no longer
-        # fail on a dead engine except during a weight sync (an engine gone from the broadcast)
+        # C19-C21: dead engines restarted/retired between waits, and one lost during a weight
+        # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
         recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
-        syncing = {"on": False}
-        trainer.watch = lambda: engines.dead_engines() if syncing["on"] else []
+        trainer.watch = None
         ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
         # C22: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
         stop = stop_check(trainer, os.environ.get("MOE_ASYNC_SIGTERM") == "checkpoint")
@@ -250,13 +251,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
                 timeline.phase("sync", step, label=f"step {step}/{cfg.num_steps}: weight sync")
                 m.update(recovery.check())  # the group's members are the live engines
-                syncing["on"] = True
-                m.update(trainer.sync_weights())
-                if cfg.weight_sync.check:
-                    m.update(trainer.check_engines(recovery.live_urls()))
-                syncing["on"] = False
-                _rget(buffer.set_engine_version.remote(version), "buffer.set_engine_version")
-                synced_version = version
+                m.update(recovery.sync())  # an engine lost during it: restarted/retired, all re-synced
+                synced_version = int(m["engine/weight_version"])
             if saving:
                 t_save = time.perf_counter()
                 timeline.phase("save", step, label=f"step {step}/{cfg.num_steps}: checkpoint")

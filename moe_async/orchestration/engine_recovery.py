@@ -28,8 +28,12 @@ Counters (:meth:`EngineRecovery.metrics`): the policy's ``engine/restarts``,
 ``engine/retired``, ``engine/healthy``, ``engine/restarts/<i>``, plus
 ``engine/recovery_syncs`` (weight syncs made for a replacement) and ``engine/readmitted``.
 
-Not handled here: an engine that dies *during* a weight sync fails that sync (the trainer
-group stops the run naming it; see the README's fault table).
+The step's weight sync goes through :meth:`EngineRecovery.sync`: an engine that dies *during*
+it does not fail the run. The sync returns the lost engine(s) once every trainer rank has
+finished the export (:mod:`moe_async.weight_sync.outcome`); the live engines that did not
+advance to the trainer's version leave routing; the next :meth:`check` restarts or retires the
+lost ones and re-syncs every member (their acknowledgement of the version included); then the
+engines taken out are routed again. ``engine/sync_failures`` counts such syncs.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class EngineRecovery:
             ``engine.startup_timeout_s``, ``weight_sync.check``).
         pool: the :class:`EnginePool` (``dead_engines()``, ``restart(i, timeout_s)``, ``urls``).
         trainer: the :class:`TrainerGroup` (``reconnect_engines``, ``sync_weights``,
-            ``check_engines``, ``version``).
+            ``sync_weights_outcome``, ``check_engines``, ``version``).
         rollout: the RolloutActor handle (``set_routable``, ``routable``).
         buffer: the BufferActor handle (``set_engine_version``).
         ray_timeout_s: bound on each Ray call to the rollout/buffer actors (named on expiry).
@@ -68,6 +72,7 @@ class EngineRecovery:
         self.policy = RestartPolicy(self.urls, cfg.engine.max_restarts, cfg.engine.min_healthy_engines)
         self.recovery_syncs = 0
         self.readmitted = 0
+        self.sync_failures = 0  # step syncs that lost an engine (then recovered here)
         self.events: list[str] = []  # one line per death/restart/retire, for the summary
 
     # ------------------------------------------------------------------ helpers
@@ -176,8 +181,62 @@ class EngineRecovery:
         m.update(self.metrics())
         return m
 
+    # ------------------------------------------------------------------ the step's sync
+    def sync(self, dead_wait_s: float = 30.0) -> dict[str, float]:
+        """The step's weight sync to the live engines, then ``weight_sync.check`` and the
+        buffer's engine version; ``engine/weight_version`` in the returned metrics.
+
+        An engine lost during it (module docstring): the engines still answering but not at
+        the trainer's version leave routing, the pool is given up to ``dead_wait_s`` seconds to
+        report the lost ones dead, :meth:`check` restarts/retires them and re-syncs every
+        member (a re-sync is made here when it did not: a lost engine whose process is alive),
+        and the engines taken out are routed again.
+
+        Raises: as :meth:`check` (too few healthy engines, a failed re-sync or
+        acknowledgement); the sync's own error when no engine was lost.
+        """
+        from moe_async.engines.client import SyncEngineClient
+
+        out = self.trainer.sync_weights_outcome()
+        version = self.trainer.version()
+        m = dict(out.metrics)
+        if out.ok:
+            if self.cfg.weight_sync.check:
+                m.update(self.trainer.check_engines(self.live_urls()))
+            self._get(self.buffer.set_engine_version.remote(version), "buffer.set_engine_version")
+            m["engine/weight_version"] = float(version)
+            return m
+        self.sync_failures += 1
+        lost = [self.urls.index(u) for u in out.lost if u in self.urls]
+        line = f"weight sync of version {version} lost engine(s) {', '.join(out.lost)}: {out.error}"[:500]
+        self.events.append(line)
+        print(f"[moe-async] {line}; recovering", flush=True)
+        behind = []
+        for i in self.policy.healthy():
+            if i in lost:
+                continue
+            try:
+                held = SyncEngineClient(self.urls[i], timeout_s=10.0).get_weight_version()
+            except Exception:  # noqa: BLE001 - died too: the check below sees it
+                held = None
+            if held != version:
+                behind.append(i)
+                self._get(self.rollout.set_routable.remote(i, False), f"take engine {i} out of routing")
+        t0 = time.monotonic()
+        while not set(lost) <= set(self._dead()) and time.monotonic() - t0 < dead_wait_s:
+            time.sleep(0.5)
+        rec = self.check()
+        if "engine/weight_version" not in rec:
+            rec.update(self._resync())
+        for i in behind:
+            if not self.policy.engines[i].retired:
+                self._get(self.rollout.set_routable.remote(i, True), f"put engine {i} back into routing")
+        m.update(rec)
+        return m
+
     def metrics(self) -> dict[str, float]:
         m = self.policy.metrics()
         m["engine/recovery_syncs"] = float(self.recovery_syncs)
         m["engine/readmitted"] = float(self.readmitted)
+        m["engine/sync_failures"] = float(self.sync_failures)
         return m

@@ -9,7 +9,9 @@ Failure: a call waits on every rank's reply; when one rank raises or its process
 others are left blocked in a collective that will never complete, so the group kills every
 rank (and removes the placement groups) and raises :class:`TrainerRankError` naming the rank
 and the call, within ``_ERROR_GRACE_S`` seconds of the first failing reply. The same happens
-when ``watch()`` (the driver: dead engines) reports a problem while a call waits.
+when ``watch()`` reports a problem while a call waits (the driver sets none after start-up: an
+engine lost during a weight sync is reported by :meth:`TrainerGroup.sync_weights_outcome`, not
+fatal).
 
 Test-only fault hook: ``MOE_ASYNC_TRAINER_FAULT=RANK:METHOD:N`` in the driver's environment
 (e.g. ``1:train_step:2``) makes trainer rank RANK raise RuntimeError at its N-th call of
@@ -173,6 +175,11 @@ class TrainerGroup:
 
     def sync_weights(self) -> dict[str, float]:
         return self._call("sync_weights")
+
+    def sync_weights_outcome(self) -> Any:
+        """:meth:`sync_weights` that names an engine lost during it instead of failing
+        (:class:`~moe_async.weight_sync.outcome.SyncOutcome`, rank 0's; ``TrainerActor.sync_weights_outcome``)."""
+        return self._call("sync_weights_outcome")
 
     def checksums(self) -> dict[str, str]:
         return self._call("checksums")

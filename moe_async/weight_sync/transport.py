@@ -101,6 +101,19 @@ class WeightTransport(abc.ABC):
         self.close()
 
 
+def _drain(buckets: Iterable[Any]) -> None:
+    """Take the rest of a streamed export without sending it (its collectives run on every
+    rank); an error of the exporter itself is logged (the sync's first error propagates)."""
+    n = 0
+    try:
+        for _ in buckets:
+            n += 1
+    except Exception as e:  # noqa: BLE001
+        log.warning("weight sync: draining the export after a failure stopped: %s", e)
+    if n:
+        log.warning("weight sync failed midway: the remaining %d bucket(s) of the export were drained unsent", n)
+
+
 class BroadcastTransport(WeightTransport):
     """Bucketed broadcast from the trainer (group rank 0) into engines (ranks 1..N).
 
@@ -360,6 +373,10 @@ class BroadcastTransport(WeightTransport):
         from the first pause request to the last continue reply (an upper bound of the
         time any engine was paused).
 
+        A failure (an engine refused or died, a broadcast failed) while a streamed export is
+        still running drains that export to its end before raising (nothing more is sent): the
+        other trainer ranks finish their part of it instead of waiting in a collective.
+
         Raises:
             WeightSyncError: before connect(), or naming the engine that answered
                 ``success: false`` (first failure).
@@ -383,6 +400,7 @@ class BroadcastTransport(WeightTransport):
         ends: list[tuple[int, Any]] = []
         last_posted = False
         buckets = None
+        exported = False  # every bucket taken from the exporter
         failed = False
         broadcasting = False
         try:
@@ -434,6 +452,7 @@ class BroadcastTransport(WeightTransport):
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
                 bucket = flat = None  # a streamed export frees or reuses its buffer (C14)
+            exported = True
             ta = time.perf_counter()
             deadline = time.monotonic() + self.cfg.timeout_s
             for i, f in pending:
@@ -443,6 +462,8 @@ class BroadcastTransport(WeightTransport):
             ack_s = time.perf_counter() - ta
         except BaseException:
             failed = True
+            if streamed and buckets is not None and not exported:
+                _drain(buckets)  # the other ranks' gathers complete: no rank left in a collective
             deadline = time.monotonic() + self.cfg.timeout_s  # one bound for all replies
             for _, f in pending + ends:
                 try:
@@ -452,10 +473,10 @@ class BroadcastTransport(WeightTransport):
             if broadcasting:  # the group itself failed (a peer gone): it cannot be reused
                 log.warning("weight sync: a broadcast failed; leaving the update group (connect() again)")
                 self.close()
-            elif begins and not ends:
-                # abandoned before its last bucket (e.g. the exporter raised): closing the
-                # sessions makes the engines drop what they staged (embedded engine's atomic
-                # session), so the next update starts clean
+            if begins and not ends:
+                # abandoned before its last bucket (e.g. the exporter raised, an engine died):
+                # closing the sessions makes the engines drop what they staged (embedded
+                # engine's atomic session), so the next update starts clean
                 for _, f in begins:  # each answered (or failed) before it is judged gone
                     try:
                         f.result(timeout=max(0.0, deadline - time.monotonic()))

@@ -155,3 +155,48 @@ def test_engine_taken_out_by_a_failed_request_readmitted_after_a_resync(monkeypa
     assert w.log == [("reconnect", ("http://e0", "http://e1")), ("sync", 3), ("buffer_version", 3),
                      ("routable", 1, True)]
     assert m["engine/readmitted"] == 1.0 and m["engine/restarts"] == 0.0
+
+
+def _lost_in_sync(w: World, lost: list[int]):
+    """The trainer's step sync loses ``lost`` (their processes die during it)."""
+    from moe_async.weight_sync.outcome import SyncOutcome
+
+    def sync_weights_outcome():
+        w.log.append(("step_sync", w.version))
+        w.dead.update(lost)
+        return SyncOutcome({"sync/engines_lost": float(len(lost))}, [w.urls[i] for i in lost], "RuntimeError: x")
+
+    w.trainer.sync_weights_outcome = sync_weights_outcome
+
+
+@pytest.mark.parametrize("live_advanced", [False, True])
+def test_engine_lost_during_the_step_sync_recovered_without_failing(monkeypatch, live_advanced) -> None:
+    """Issue 19 (sync failure): the live engine, when it stayed on the previous version, leaves
+    routing; the lost one is restarted; every member re-forms the group and gets the current
+    weights; then the live one is routed again. Counted in engine/sync_failures."""
+    w = World(2, trainer_version=5)
+    w.held = {"http://e0": 5 if live_advanced else 4, "http://e1": 4}
+    rec = _recovery(w, monkeypatch)
+    _lost_in_sync(w, [1])
+    m = rec.sync()
+    out0 = [("routable", 0, False)] if not live_advanced else []
+    back0 = [("routable", 0, True)] if not live_advanced else []
+    assert w.log == [("step_sync", 5), *out0, ("routable", 1, False), ("restart", 1),
+                     ("reconnect", ("http://e0", "http://e1")), ("sync", 5), ("buffer_version", 5),
+                     ("routable", 1, True), *back0]
+    assert w.held == {"http://e0": 5, "http://e1": 5} and w.mask == [True, True]
+    assert m["engine/weight_version"] == 5.0 and m["engine/sync_failures"] == 1.0 and m["engine/restarts"] == 1.0
+    assert m["sync/engines_lost"] == 1.0
+    assert rec.events[0] == "weight sync of version 5 lost engine(s) http://e1: RuntimeError: x"
+
+
+def test_step_sync_without_loss_sets_the_buffer_version(monkeypatch) -> None:
+    from moe_async.weight_sync.outcome import SyncOutcome
+
+    w = World(2, trainer_version=3)
+    rec = _recovery(w, monkeypatch)
+    w.trainer.sync_weights_outcome = lambda: SyncOutcome({"sync/seconds": 0.1})
+    m = rec.sync()
+    assert w.log == [("buffer_version", 3)]
+    assert m == {"sync/seconds": 0.1, "engine/weight_version": 3.0}
+    assert rec.metrics()["engine/sync_failures"] == 0.0

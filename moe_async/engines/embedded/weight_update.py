@@ -63,6 +63,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from moe_async.engines.embedded.fault_hooks import SyncStall
 from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
 from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
 from moe_async.weight_sync.group import (
@@ -192,6 +193,7 @@ class WeightUpdater:
         self.bench_buf: torch.Tensor | None = None
         self.update_lock = asyncio.Lock()
         self.join_lock = asyncio.Lock()  # one join at a time, as SGLang's scheduler
+        self.stall = SyncStall()  # test-only MOE_ASYNC_ENGINE_SYNC_STALL (a kill mid-sync)
 
     # ---- receiving ----
     def receive(self, body: UpdateWeightsFromDistributedReqInput, refuse: str | None = None) -> list[str]:
@@ -428,6 +430,7 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
             version = parse_version(body.weight_version)
         except ValueError as e:
             return _fail(str(e))
+        await wu.stall.maybe_stall(sched.weight_version)  # test-only (fault_hooks.py)
         return await apply_update_call(
             wu, lambda refuse: wu.receive(body, refuse=refuse), version, body.abort_all_requests)
 
