@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from moe_async.config_base import ConfigModel
 
 from moe_async.buffer.config import AsyncConfig
 from moe_async.engines.config import EngineConfig
@@ -26,7 +28,7 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and field."""
 
 
-class ExperimentConfig(BaseModel):
+class ExperimentConfig(ConfigModel):
     """One experiment. Unknown keys anywhere are errors."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

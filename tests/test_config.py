@@ -153,3 +153,22 @@ def test_cpu_affinity_takes_integers_only(field):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, [f"{field}={bad}"])
     assert getattr(load_config(None, [f"{field}=[0]"]), field.split(".")[0]).cpu_affinity == [0]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("trainer.lr=true", "lr"), ("num_steps=true", "num_steps"), ("rollout.max_new_tokens=true", "max_new_tokens"),
+    ("rollout.eval_concurrency=true", "eval_concurrency"), ("rollout.eval_timeout_s=false", "eval_timeout_s"),
+    ("weight_sync.bucket_bytes=true", "bucket_bytes"), ("async.max_staleness=false", "max_staleness"),
+    ("engine.num_engines=true", "num_engines"),
+])
+def test_a_boolean_for_a_number_is_refused_naming_the_field(override, field):
+    """YAML's true/false would otherwise become 1/0 in pydantic's lax mode (trainer.lr=true: lr 1.0)."""
+    with pytest.raises(ConfigError, match=rf"{field}=(True|False) is a boolean; {field} takes a number"):
+        load_config(CONFIGS / "cpu_smoke.yaml", [override])
+
+
+def test_booleans_still_set_boolean_fields_and_numbers_numbers():
+    cfg = load_config(CONFIGS / "cpu_smoke.yaml", ["eval_before=false", "weight_sync.check=true", "trainer.lr=1",
+                                                    "rollout.eval_concurrency=3"])
+    assert cfg.eval_before is False and cfg.weight_sync.check is True
+    assert cfg.trainer.lr == 1.0 and cfg.rollout.eval_concurrency == 3

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from moe_async.config_base import ConfigModel
 
 
-class AsyncConfig(BaseModel):
+class AsyncConfig(ConfigModel):
     """How far generation may run ahead of training.
 
     ``mode='sync'`` is on-policy (``max_staleness`` forced to 0: generate, then train);

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictInt, field_validator, model_validator
+
+from moe_async.config_base import ConfigModel
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(ConfigModel):
     """Inference engines that generate rollouts.
 
     ``backend='embedded'`` starts our CPU server (transformers-backed, SGLang's HTTP

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from moe_async.config_base import ConfigModel
 
 
-class LoggingConfig(BaseModel):
+class LoggingConfig(ConfigModel):
     """wandb (offline by default; ``online`` when configured), optionally TensorBoard, plus a
     console line per step and a metrics.jsonl file; all get the same metric names."""
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from moe_async.config_base import ConfigModel
 
 
 RANDOM_ONLY_FIELDS = frozenset({"num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                                 "num_key_value_heads", "max_position_embeddings"})
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(ConfigModel):
     """Which policy model to train and how it is made.
 
     ``source`` selects how the Hugging Face checkpoint that both the engine and the

@@ -70,7 +70,7 @@ from moe_async.affinity import check_run_placement
 from moe_async.orchestration.engine_recovery import EngineRecovery
 from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate, init_ray, report_eval,
                                                sigterm_to_checkpoint, sigterm_to_exit)
-from moe_async.orchestration.preemption import stop_check
+from moe_async.orchestration.preemption import sigterm_mode, stop_check
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
 from moe_async.orchestration.run_state import DrawLedger, record_settled, resume_data
 from moe_async.orchestration.supervisor import EngineFleetError
@@ -104,6 +104,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
         check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
     load_path, start_step = resolve_checkpoint(cfg)  # refused here, before Ray or any process starts
+    try:
+        on_sigterm = sigterm_mode()  # MOE_ASYNC_SIGTERM: refused before any process starts
+    except ValueError as e:
+        raise UserInputError(str(e)) from None
     check_save_dir(cfg)  # an explicit trainer.save_dir: refused now, not at the first save after training
     import ray
 
@@ -136,7 +140,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     init_ray()
-    prev_sigterm = sigterm_to_checkpoint() if os.environ.get("MOE_ASYNC_SIGTERM") == "checkpoint" else sigterm_to_exit()
+    prev_sigterm = sigterm_to_checkpoint() if on_sigterm == "checkpoint" else sigterm_to_exit()
     engines = trainer = None
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
@@ -175,7 +179,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         trainer.watch = None
         ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
         # C22: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
-        stop = stop_check(trainer, os.environ.get("MOE_ASYNC_SIGTERM") == "checkpoint")
+        stop = stop_check(trainer, on_sigterm == "checkpoint")
         if resumed:  # the saved buffer back (stale ones dropped); prompts from the frontier, none drawn twice
             summary["buffer_restored"] = resume_data(ledger, resumed, buffer, rollout, trainer.version(), _BUFFER_REPLY_S)
         eval_s = cfg.rollout.eval_timeout_s

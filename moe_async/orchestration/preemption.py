@@ -123,3 +123,18 @@ def stall_if_due(rank: int, n: int, tmp: str) -> None:
           f"save {n} before renaming {tmp}", flush=True)
     while True:
         time.sleep(3600)
+
+
+SIGTERM_MODES = ("checkpoint", "exit")
+
+
+def sigterm_mode(environ: Any = os.environ) -> str:
+    """What a SIGTERM does to this run, from ``MOE_ASYNC_SIGTERM``: ``"checkpoint"`` (write the
+    whole-run checkpoint at the step boundary and stop, exit 0) or ``"exit"`` (unset or empty:
+    stop now, cleaning up, exit 1). Raises ``ValueError`` naming the variable for any other value
+    (``1``, ``true``, ``Checkpoint``): a pre-empted run must not silently skip its checkpoint."""
+    value = environ.get("MOE_ASYNC_SIGTERM", "") or "exit"
+    if value not in SIGTERM_MODES:
+        raise ValueError(f"MOE_ASYNC_SIGTERM={value!r} is not one of {SIGTERM_MODES}: set it to 'checkpoint' "
+                         "(a SIGTERM writes the step's checkpoint and stops the run) or unset it")
+    return value

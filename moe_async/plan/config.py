@@ -7,10 +7,12 @@ this section says what the machines have. Units: GiB = 2**30 bytes, GB/s = 10**9
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import ConfigDict, Field, StrictInt
+
+from moe_async.config_base import ConfigModel
 
 
-class ClusterConfig(BaseModel):
+class ClusterConfig(ConfigModel):
     """The machines a run is planned for (``moe-async plan``); defaults: nodes of 8 H100 80GB."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from moe_async.config_base import ConfigModel
 
 # reasoning-gym settings with GRPO signal for the CPU demo model (see shared/notes/demo.md):
 # two terms, +/- only, 1 digit, no parentheses and no negated terms (reasoning-gym's defaults
@@ -25,7 +27,7 @@ DEMO_TASK_KWARGS: dict[str, dict[str, Any]] = {
 }
 
 
-class RolloutConfig(BaseModel):
+class RolloutConfig(ConfigModel):
     """Prompts, sampling and rewards.
 
     A step trains on ``prompts_per_step`` GRPO groups of ``n_samples_per_prompt`` samples.

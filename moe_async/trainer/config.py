@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictInt, field_validator, model_validator
+
+from moe_async.config_base import ConfigModel
 
 if TYPE_CHECKING:
     from moe_async.layout import ParallelLayout
@@ -13,7 +15,7 @@ if TYPE_CHECKING:
 OffPolicyCorrection = Literal["none", "tis", "tis_seq", "mis", "mis_seq", "icepop", "opsm", "decoupled_ppo"]
 
 
-class TrainerConfig(BaseModel):
+class TrainerConfig(ConfigModel):
     """Megatron-Core trainer: parallel layout, optimizer, GRPO loss.
 
     The policy loss is GRPO's clipped surrogate (Shao et al., 2024, DeepSeekMath) with

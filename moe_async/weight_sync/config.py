@@ -6,13 +6,15 @@ from typing import Literal
 
 import warnings
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from moe_async.config_base import ConfigModel
 
 #: Below this budget most real tensors exceed a bucket (case C2): warn when the config loads.
 SMALL_BUCKET_BYTES = 1024**2
 
 
-class WeightSyncConfig(BaseModel):
+class WeightSyncConfig(ConfigModel):
     """How trained weights reach the engines.
 
     Data path (``transport: broadcast``): Megatron params -> HF names (models mapping table)

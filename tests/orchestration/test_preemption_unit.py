@@ -6,6 +6,7 @@ the test-only checkpoint stall hook refuses a malformed value."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -90,3 +91,32 @@ def test_eval_get_passes_its_bound_and_names_it_on_expiry(monkeypatch) -> None:
     with pytest.raises(ray.exceptions.GetTimeoutError,
                        match=r"held-out curve point: no reply within 7 s \(rollout.eval_timeout_s\)"):
         eval_get("slow", "held-out curve point", 7.0)
+
+
+@pytest.mark.parametrize("value,mode", [(None, "exit"), ("", "exit"), ("exit", "exit"), ("checkpoint", "checkpoint")])
+def test_sigterm_mode_reads_moe_async_sigterm(value, mode):
+    from moe_async.orchestration.preemption import sigterm_mode
+
+    assert sigterm_mode({} if value is None else {"MOE_ASYNC_SIGTERM": value}) == mode
+
+
+@pytest.mark.parametrize("value", ["1", "true", "Checkpoint", "ckpt"])
+def test_an_unknown_moe_async_sigterm_is_refused_naming_it(value):
+    """A pre-empted run must not silently fall back to exiting without its checkpoint."""
+    from moe_async.orchestration.preemption import sigterm_mode
+
+    with pytest.raises(ValueError, match=rf"MOE_ASYNC_SIGTERM='{value}' is not one of"):
+        sigterm_mode({"MOE_ASYNC_SIGTERM": value})
+
+
+def test_run_experiment_refuses_an_unknown_moe_async_sigterm_before_any_process(monkeypatch, tmp_path):
+    from moe_async.config import load_config
+    from moe_async.errors import UserInputError
+    from moe_async.orchestration.driver import run_experiment
+
+    monkeypatch.setenv("MOE_ASYNC_SIGTERM", "1")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_smoke.yaml",
+                      [f"logging.output_dir={tmp_path}/runs"])
+    with pytest.raises(UserInputError, match="MOE_ASYNC_SIGTERM='1'"):
+        run_experiment(cfg)
+    assert not (tmp_path / "runs").exists()  # no run dir, no model, no Ray
