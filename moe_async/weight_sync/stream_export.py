@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -609,7 +609,11 @@ def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | s
             return rule(name)[0].split in (_identity_out, split_rows_2)
 
         with cpu_device_scope():  # Megatron's sharded_state_dict
-            pieces = [pc for pc in local_pieces(trainer.models) if pc.primary]
+            # detached: a view that autograd made (e.g. under no_grad) would be refused once the
+            # optimizer has written its base in place; a detached view shares the storage, so it
+            # reads each sync's weights
+            pieces = [replace(pc, data=pc.data.detach())
+                      for pc in local_pieces(trainer.models) if pc.primary]
         cached = _PIECES[trainer] = (key, pieces, convert, direct, set(table.by_megatron))
     _, pieces, convert, direct, expected = cached
     stats["finite_seconds"] = stats.get("finite_seconds", 0.0) + t1 - t0
