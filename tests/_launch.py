@@ -50,9 +50,12 @@ def run(cmd: list[str], timeout: float, **env: str) -> float:
 
 def run_json(script: str, *args: str, timeout: float, **env: str):
     """``python script args`` (this interpreter) run as :func:`run`; returns the JSON document
-    on the last line of its stdout (json.JSONDecodeError when that line is not JSON)."""
+    on the last line of its stdout that starts with ``{`` or ``[`` (Ray's driver log lines, e.g.
+    the autoscaler's "No available node types ..." for a deliberately unfillable request, may
+    come after it); json.JSONDecodeError when there is none or it is not JSON."""
     p = _completed([sys.executable, script, *args], timeout, env)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    lines = [ln for ln in p.stdout.strip().splitlines() if ln.lstrip()[:1] in ("{", "[")]
+    return json.loads(lines[-1] if lines else "")
 
 
 def torchrun(n: int, script: str, *args: str, timeout: float = 400, **env: str) -> float:
