@@ -13,15 +13,16 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Strict, model_validator
 
 
 def _numeric(annotation: Any) -> bool:
     """True when ``annotation`` is ``int``/``float`` (or a Union/Optional of them) and admits no
-    ``bool``; ``Annotated``/``StrictInt`` forms are unwrapped."""
+    ``bool``; ``Annotated`` forms are unwrapped, strict ones (``StrictInt``) left to pydantic."""
     origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _numeric(typing.get_args(annotation)[0])
+    if origin is typing.Annotated:  # StrictInt & co: pydantic's own error names the field
+        base, *meta = typing.get_args(annotation)
+        return not any(isinstance(m, Strict) for m in meta) and _numeric(base)
     if origin is typing.Union or origin is types.UnionType:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         return any(_numeric(a) for a in args) and bool not in args
@@ -38,6 +39,8 @@ class ConfigModel(BaseModel):
     def _refuse_bool_numbers(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, field in cls.model_fields.items():
+                if any(isinstance(m, Strict) for m in field.metadata):
+                    continue  # StrictInt & co: pydantic's own error names the field
                 for key in {name, field.alias} - {None}:
                     if isinstance(data.get(key), bool) and _numeric(field.annotation):
                         raise ValueError(f"{key}={data[key]!r} is a boolean; {key} takes a number")
