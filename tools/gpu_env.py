@@ -1,0 +1,137 @@
+"""Resolve the GPU environment (pyproject's ``gpu`` extra) for Linux x86_64 without installing it.
+
+    python tools/gpu_env.py lock                 # (re)write constraints/gpu-py311.txt, gpu-py312.txt
+    python tools/gpu_env.py check                # both Pythons: resolves, and the locks agree
+    python tools/gpu_env.py check --python 3.12 --pin transformers==5.23.0   # a conflicting pin
+
+``uv pip compile`` (the ``uv`` wheel of the test extra) resolves ``pyproject.toml`` with its ``gpu``
+extra (sglang 0.5.23 with all its dependencies, Transformer Engine, megatron-core and the product's
+own pins) against the package index for ``x86_64-manylinux_2_34`` at each Python version; nothing is
+downloaded but metadata (transformer-engine-torch is an sdist: uv builds only its metadata).
+``check`` resolves with the committed lock as constraints and fails when there is no solution (a
+conflict: uv's own explanation is printed) or when the resolution is not exactly the lock (a pin
+changed in pyproject.toml without ``make gpu-lock``). Exit code 0: every Python resolved and agrees;
+1: a conflict or drift, each named. Importing this module runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHONS = ("3.11", "3.12")
+#: many CUDA wheels (TE, flashinfer, nccl) are manylinux_2_31 / 2_34 only
+PLATFORM = "x86_64-manylinux_2_34"
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
+
+
+def lock_path(python: str) -> Path:
+    """``constraints/gpu-py312.txt`` for ``"3.12"``."""
+    return ROOT / "constraints" / f"gpu-py{python.replace('.', '')}.txt"
+
+
+def parse_pins(text: str) -> dict[str, str]:
+    """``{normalized name: version}`` of every ``name==version`` line of a requirements text
+    (comments, annotations and blank lines ignored; names lower-cased, ``_``/``.`` -> ``-``)."""
+    pins = {}
+    for line in text.splitlines():
+        m = _PIN.match(line.strip())
+        if m:
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
+
+
+class Resolution(NamedTuple):
+    """One ``uv pip compile`` outcome; ``pins`` empty when it found no solution."""
+
+    python: str
+    ok: bool
+    pins: dict[str, str]
+    output: str  # uv's stderr (the explanation when there is no solution)
+
+
+def uv_bin() -> str:
+    """The ``uv`` executable of the installed ``uv`` wheel (pinned in the test extra)."""
+    from uv import find_uv_bin
+
+    return find_uv_bin()
+
+
+def resolve(python: str, constraints: list[Path] = (), pins: list[str] = (), out: Path | None = None,
+            project: Path = ROOT / "pyproject.toml", timeout_s: float = 600.0) -> Resolution:
+    """Resolve ``project`` (a pyproject.toml) with its ``gpu`` extra for ``python`` on
+    :data:`PLATFORM` with ``constraints`` files and extra ``pins`` (``name==version`` lines, given
+    as constraints); ``out``: also write the annotated result there (a lock). Raises
+    ``subprocess.TimeoutExpired`` past ``timeout_s``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [uv_bin(), "pip", "compile", str(project), "--extra", "gpu", "--no-config",
+               "--python-version", python, "--python-platform", PLATFORM, "--quiet",
+               "--custom-compile-command", "make gpu-lock"]
+        for c in constraints:
+            cmd += ["-c", str(c)]
+        if pins:
+            extra = Path(tmp) / "pins.txt"
+            extra.write_text("\n".join(pins) + "\n")
+            cmd += ["-c", str(extra)]
+        target = out if out is not None else Path(tmp) / "resolved.txt"
+        cmd += ["-o", str(target)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+                           env={**os.environ, "UV_NO_PROGRESS": "1"})
+        resolved = parse_pins(target.read_text()) if p.returncode == 0 else {}
+    return Resolution(python, p.returncode == 0, resolved, p.stderr.strip())
+
+
+def lock_problems(res: Resolution, lock: dict[str, str]) -> list[str]:
+    """Why ``res`` is not exactly ``lock``: one line per missing, extra or differing package."""
+    if not res.ok:
+        return [f"Python {res.python}: no GPU environment resolves:\n{res.output}"]
+    out = []
+    for name in sorted(set(res.pins) | set(lock)):
+        have, want = res.pins.get(name), lock.get(name)
+        if have != want:
+            out.append(f"Python {res.python}: {name} resolves to {have or 'nothing'}, the lock "
+                       f"{lock_path(res.python).name} has {want or 'nothing'}")
+    return out
+
+
+def check(python: str, pins: list[str] = ()) -> list[str]:
+    """Problems of the GPU environment at ``python``: resolved against the index with the lock
+    (and ``pins``) as constraints; ``[]`` when it resolves to exactly the lock."""
+    path = lock_path(python)
+    if not path.is_file():
+        return [f"Python {python}: no lock {path.relative_to(ROOT)} (run `make gpu-lock`)"]
+    return lock_problems(resolve(python, [path], pins), parse_pins(path.read_text()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("action", choices=("lock", "check"))
+    ap.add_argument("--python", action="append", choices=PYTHONS,
+                    help="a Python version (repeatable; default: all of " + ", ".join(PYTHONS) + ")")
+    ap.add_argument("--pin", action="append", default=[], help="an extra constraint, e.g. transformers==5.23.0")
+    args = ap.parse_args(argv)
+    bad = 0
+    for py in args.python or PYTHONS:
+        if args.action == "lock":
+            res = resolve(py, [], args.pin, out=lock_path(py))
+            print(f"Python {py}: {'wrote ' + lock_path(py).name if res.ok else 'FAILED'} "
+                  f"({len(res.pins)} packages)", flush=True)
+            problems = [] if res.ok else [res.output]
+        else:
+            problems = check(py, args.pin)
+            print(f"Python {py} x86_64: {'resolves to the lock' if not problems else 'FAILED'}", flush=True)
+        for p in problems:
+            print(p, file=sys.stderr, flush=True)
+        bad += bool(problems)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
