@@ -1,4 +1,4 @@
-"""tools/gpu_check.py without a GPU: importing it starts nothing, its arguments parse (bad
+"""tools/sglang_server_check.py without a GPU: importing it starts nothing, its arguments parse (bad
 ones refused naming the flag), the transport follows the visible GPUs (NCCL never with two
 ranks on one device), the read-back comparison is exact, and the summary is one JSON line."""
 
@@ -15,7 +15,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
+    spec = importlib.util.spec_from_file_location("sglang_server_check", os.path.join(ROOT, "tools", "sglang_server_check.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
