@@ -123,20 +123,21 @@ def load_tensor_bucket(path: str | Path | None = None):
 
 
 def bucket_round_trip(bucket_cls, named: list, bucket_bytes: int) -> int:
-    """Pack ``named`` ``(name, tensor)`` in order into ``bucket_cls`` buckets of at most
-    ``bucket_bytes`` (a larger tensor alone), rebuild each from its flat uint8 tensor and
-    metadata, and check every tensor equal (name, dtype, shape, values). Returns the bucket
+    """Pack ``named`` ``(name, tensor)`` into ``bucket_cls`` buckets of one dtype each (SGLang
+    views each tensor out of the flat bytes at its offset, so a bucket keeps its offsets
+    aligned by holding one dtype, as SGLang's senders group them) of at most ``bucket_bytes``
+    (a larger tensor alone), in order within a dtype; rebuild each from its flat uint8 tensor
+    and metadata, and check every tensor equal (name, dtype, shape, values). Returns the bucket
     count. Raises AssertionError naming the first tensor that differs."""
-    groups, cur, size = [], [], 0
+    groups, open_ = [], {}
     for n, t in named:
         nb = t.numel() * t.element_size()
-        if cur and size + nb > bucket_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append((n, t))
-        size += nb
-    if cur:
-        groups.append(cur)
+        cur = open_.get(t.dtype)
+        if cur is None or (cur[0] and cur[1] + nb > bucket_bytes):
+            cur = open_[t.dtype] = [[], 0]
+            groups.append(cur[0])
+        cur[0].append((n, t))
+        cur[1] += nb
     for group in groups:
         packed = bucket_cls(named_tensors=group)
         flat = packed.get_flattened_tensor().clone()  # what a receiver holds: bytes + metadata only
