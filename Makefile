@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo smoke test test-slow gpu-lock
+.PHONY: setup demo smoke test test-slow gpu-lock gpu-check-wheels
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile constraints/cpu.txt
@@ -35,6 +35,11 @@ test: setup
 # after a pin in pyproject.toml changed; tests/env/test_gpu_env.py checks they still agree.
 gpu-lock: setup
 	$(PY) tools/gpu_env.py lock
+
+# tools/gpu_check.py's wheels (cp312, < 30 MB) and SGLang's tensor_bucket.py, for a GPU machine
+# without a package index: there, pip install --no-index --no-deps shared/wheels/*.whl
+gpu-check-wheels: setup
+	$(PY) tools/gpu_env.py wheels --dest shared/wheels
 
 # the tests `make test` deselects (marked slow; the list is in the README's "Two commands")
 test-slow: setup

@@ -3,6 +3,7 @@
     python tools/gpu_env.py lock                 # (re)write constraints/gpu-py311.txt, gpu-py312.txt
     python tools/gpu_env.py check                # both Pythons: resolves, and the locks agree
     python tools/gpu_env.py check --python 3.12 --pin transformers==5.23.0   # a conflicting pin
+    python tools/gpu_env.py wheels --dest shared/wheels   # tools/gpu_check.py's wheels (make gpu-check-wheels)
 
 ``uv pip compile`` (the ``uv`` wheel of the test extra) resolves ``pyproject.toml`` with its ``gpu``
 extra (sglang 0.5.23 with all its dependencies, Transformer Engine, megatron-core and the product's
@@ -11,7 +12,11 @@ downloaded but metadata (transformer-engine-torch is an sdist: uv builds only it
 ``check`` resolves with the committed lock as constraints and fails when there is no solution (a
 conflict: uv's own explanation is printed) or when the resolution is not exactly the lock (a pin
 changed in pyproject.toml without ``make gpu-lock``). Exit code 0: every Python resolved and agrees;
-1: a conflict or drift, each named. Importing this module runs nothing.
+1: a conflict or drift, each named. ``wheels`` downloads (``pip download --no-deps``, cp312
+manylinux x86_64, the lock's versions) what ``tools/gpu_check.py`` imports beyond a CUDA torch
+install (torch, numpy and torch's own dependencies are assumed there), and takes
+``tensor_bucket.py`` out of the sglang wheel (the wheel itself is not kept: 39 MB); it fails when
+the folder would exceed :data:`WHEELS_MAX_BYTES`. Importing this module runs nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHONS = ("3.11", "3.12")
 #: many CUDA wheels (TE, flashinfer, nccl) are manylinux_2_31 / 2_34 only
 PLATFORM = "x86_64-manylinux_2_34"
+#: tools/gpu_check.py's imports beyond torch/numpy (moe_async's trainer, engine server, weight sync)
+CHECK_WHEELS = ("megatron-core", "transformers", "tokenizers", "huggingface-hub", "safetensors", "pyyaml",
+                "regex", "tqdm", "packaging", "pydantic", "pydantic-core", "annotated-types",
+                "typing-inspection", "httpx", "httpcore", "h11", "anyio", "idna", "certifi", "fastapi",
+                "starlette", "annotated-doc", "uvicorn", "click", "tenacity", "einops", "psutil", "rich",
+                "markdown-it-py", "mdurl", "pygments")
+WHEELS_MAX_BYTES = 30 * 1000 * 1000
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 
 
@@ -110,13 +122,50 @@ def check(python: str, pins: list[str] = ()) -> list[str]:
     return lock_problems(resolve(python, [path], pins), parse_pins(path.read_text()))
 
 
+def download_check_wheels(dest: Path, python: str = "3.12") -> int:
+    """:data:`CHECK_WHEELS` at the lock's versions and SGLang's ``tensor_bucket.py`` into
+    ``dest``; returns the folder's bytes. Raises RuntimeError naming a failed download or the
+    size over :data:`WHEELS_MAX_BYTES`."""
+    import zipfile
+
+    pins = parse_pins(lock_path(python).read_text())
+    want = [f"{n}=={pins[n]}" for n in CHECK_WHEELS] + [f"sglang=={pins['sglang']}"]
+    tag = python.replace(".", "")
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+               "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}", "--abi", "abi3",
+               "--abi", "none", "-d", tmp]
+        for plat in ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "any"):
+            cmd += ["--platform", plat]
+        p = subprocess.run(cmd + want, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"pip download failed:\n{p.stderr[-3000:]}")
+        for whl in Path(tmp).glob("*.whl"):
+            if whl.name.startswith("sglang-"):
+                with zipfile.ZipFile(whl) as z:
+                    (dest / "tensor_bucket.py").write_bytes(z.read("sglang/srt/weight_sync/tensor_bucket.py"))
+            else:
+                (dest / whl.name).write_bytes(whl.read_bytes())
+    total = sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
+    if total > WHEELS_MAX_BYTES:
+        raise RuntimeError(f"{dest}: {total / 1e6:.1f} MB of wheels, over {WHEELS_MAX_BYTES / 1e6:.0f} MB")
+    return total
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("action", choices=("lock", "check"))
+    ap.add_argument("action", choices=("lock", "check", "wheels"))
+    ap.add_argument("--dest", default=str(ROOT / "shared" / "wheels"), help="wheels: the folder")
     ap.add_argument("--python", action="append", choices=PYTHONS,
                     help="a Python version (repeatable; default: all of " + ", ".join(PYTHONS) + ")")
     ap.add_argument("--pin", action="append", default=[], help="an extra constraint, e.g. transformers==5.23.0")
     args = ap.parse_args(argv)
+    if args.action == "wheels":
+        total = download_check_wheels(Path(args.dest))
+        print(f"{args.dest}: {total / 1e6:.1f} MB; on the GPU machine: "
+              f"pip install --no-index --no-deps {args.dest}/*.whl", flush=True)
+        return 0
     bad = 0
     for py in args.python or PYTHONS:
         if args.action == "lock":
