@@ -51,6 +51,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # moe_async from this checkout where it is not installed (the GPU machine)
+    sys.path.insert(0, str(ROOT))
 #: bf16 against fp32 on the same samples: relative loss tolerance (bf16 keeps 8 mantissa bits)
 LOSS_RTOL = 0.02
 #: bytes per FlattenedTensorBucket (small, so the tiny model needs several)
