@@ -69,20 +69,22 @@ def test_parse_sglang_response_with_spans():
 
 
 def test_tools_import_safe_and_help():
-    """tools/gpu_check.py and tools/bench_engine.py import without side effects and parse --help."""
+    """tools/gpu_check.py, tools/sglang_server_check.py and tools/bench_engine.py import without
+    side effects and parse --help."""
     import importlib.util
     import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    for name in ("gpu_check", "bench_engine"):
+    for name in ("gpu_check", "sglang_server_check", "bench_engine"):
         spec = importlib.util.spec_from_file_location(f"_tool_{name}", root / "tools" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         assert callable(mod.main)
-    r = subprocess.run([sys.executable, str(root / "tools" / "gpu_check.py"), "--help"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--port" in r.stdout
+    for name, flag in (("gpu_check", "--device"), ("sglang_server_check", "--port")):
+        r = subprocess.run([sys.executable, str(root / "tools" / f"{name}.py"), "--help"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and flag in r.stdout, (name, r.stdout, r.stderr)
 
 
 def test_sglang_command_lines_parse_with_sglangs_own_parser():
