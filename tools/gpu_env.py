@@ -22,6 +22,7 @@ the folder would exceed :data:`WHEELS_MAX_BYTES`. Importing this module runs not
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -69,8 +70,10 @@ class Resolution(NamedTuple):
     output: str  # uv's stderr (the explanation when there is no solution)
 
 
+@functools.lru_cache(maxsize=1)
 def uv_bin() -> str:
-    """The ``uv`` executable of the installed ``uv`` wheel (pinned in the test extra)."""
+    """The ``uv`` executable of the installed ``uv`` wheel (pinned in the test extra). Call it
+    once before threads: its first lookup reads ``sysconfig``, which is not thread-safe."""
     from uv import find_uv_bin
 
     return find_uv_bin()
@@ -153,6 +156,15 @@ def download_check_wheels(dest: Path, python: str = "3.12") -> int:
     return total
 
 
+def check_all(pythons=PYTHONS, pins: list[str] = ()) -> dict[str, list[str]]:
+    """:func:`check` for each of ``pythons`` at once (threads; uv does the work)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    uv_bin()
+    with ThreadPoolExecutor(len(pythons)) as ex:
+        return dict(zip(pythons, ex.map(lambda py: check(py, pins), pythons)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("action", choices=("lock", "check", "wheels"))
@@ -167,14 +179,16 @@ def main(argv=None) -> int:
               f"pip install --no-index --no-deps {args.dest}/*.whl", flush=True)
         return 0
     bad = 0
-    for py in args.python or PYTHONS:
+    pythons = tuple(args.python or PYTHONS)
+    checked = check_all(pythons, args.pin) if args.action == "check" else {}
+    for py in pythons:
         if args.action == "lock":
             res = resolve(py, [], args.pin, out=lock_path(py))
             print(f"Python {py}: {'wrote ' + lock_path(py).name if res.ok else 'FAILED'} "
                   f"({len(res.pins)} packages)", flush=True)
             problems = [] if res.ok else [res.output]
         else:
-            problems = check(py, args.pin)
+            problems = checked[py]
             print(f"Python {py} x86_64: {'resolves to the lock' if not problems else 'FAILED'}", flush=True)
         for p in problems:
             print(p, file=sys.stderr, flush=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
@@ -28,8 +27,7 @@ G = _tool()
 
 
 def test_gpu_environment_resolves_to_the_lock_on_python_311_and_312():
-    with ThreadPoolExecutor(len(G.PYTHONS)) as ex:
-        problems = dict(zip(G.PYTHONS, ex.map(G.check, G.PYTHONS)))
+    problems = G.check_all(G.PYTHONS)
     assert problems == {py: [] for py in G.PYTHONS}, "\n".join(sum(problems.values(), []))
 
 
