@@ -40,7 +40,7 @@ CHECK_WHEELS = ("megatron-core", "transformers", "tokenizers", "huggingface-hub"
                 "regex", "tqdm", "packaging", "pydantic", "pydantic-core", "annotated-types",
                 "typing-inspection", "httpx", "httpcore", "h11", "anyio", "idna", "certifi", "fastapi",
                 "starlette", "annotated-doc", "uvicorn", "click", "tenacity", "einops", "psutil", "rich",
-                "markdown-it-py", "mdurl", "pygments")
+                "markdown-it-py", "mdurl", "pygments", "opentelemetry-api", "importlib-metadata", "zipp")
 WHEELS_MAX_BYTES = 30 * 1000 * 1000
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 
