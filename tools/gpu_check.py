@@ -7,7 +7,8 @@ Where it runs: Python 3.12 with a CUDA torch (2.11 or newer) already installed a
 index; the rest comes from at most 30 MB of wheels carried beside the repository, made here by
 ``make gpu-check-wheels`` (``shared/wheels``: megatron-core 0.16.1, transformers, ... for cp312,
 and ``tensor_bucket.py`` taken out of the sglang 0.5.23 wheel) and installed there with
-``pip install --no-index --no-deps shared/wheels/*.whl``. ``--device cpu`` is the same code on
+``pip install --no-index --no-deps shared/wheels/*.whl`` (torch, numpy and torch's own
+dependencies are taken as installed; checked here in a venv holding only those and the wheels). ``--device cpu`` is the same code on
 the CPU (the suite's dry run: tests/tools/test_gpu_check.py); CUDA is then hidden from it.
 
 Steps (each printed PASS/FAIL with its time; the first failure ends the run):
