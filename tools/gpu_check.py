@@ -339,7 +339,7 @@ def _run(args, facts: dict, work: Path) -> int:
             out = c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
             want = hf_greedy(model_dir, state["trained"], prompt, 12, work / "trained_hf")
             assert list(out.output_ids) == want, f"engine greedy {list(out.output_ids)} != HF greedy {want}"
-            return f"{m['sync/buckets']} buckets over {tr.device}, greedy {want}"
+            return f"{int(m['sync/buckets'])} buckets over {tr.device}, greedy {want}"
         finally:
             tr.shutdown()
             c.close()
