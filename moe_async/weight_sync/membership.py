@@ -180,10 +180,10 @@ class GroupMembership:
         if "error" in box:
             e = box["error"]
             silent = [self._engine(i) for i, f in enumerate(futs) if not f.done()]
-            if silent:
-                return None, (f"{', '.join(silent)}: no reply to init_weights_update_group within "
-                              f"{self.timeout_s:.0f} s (rank 0 gave up: {type(e).__name__}: {str(e)[:200]})")
-            return None, f"the sender (rank 0) could not form the group: {type(e).__name__}: {str(e)[:300]}"
+            why = f"the sender (rank 0) could not form the group: {type(e).__name__}: {str(e)[:300]}"
+            if silent:  # (an engine waiting for a missing peer is silent too)
+                why += f"; no reply to init_weights_update_group yet from {', '.join(silent)}"
+            return None, why
         for i, f in enumerate(futs):  # the group is formed: every join's reply (one deadline)
             try:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
