@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from moe_async.errors import one_line
 from moe_async.weight_sync.group import (
     WeightSyncError,
     bind_master_store,
@@ -202,10 +203,10 @@ class GroupMembership:
         """Why a finished join future failed (one line), or None when the engine said yes."""
         e = fut.exception()
         if e is not None:
-            return " | ".join(x.strip() for x in f"{type(e).__name__}: {e}".splitlines() if x.strip())[:500]
+            return one_line(f"{type(e).__name__}: {e}", 500)
         r = fut.result()
         if isinstance(r, dict) and r.get("success") is False:
-            return str(r.get("message"))[:500]
+            return one_line(str(r.get("message")), 500)
         return None
 
     def _destroy_on_engines(self, quiet: bool, skip: set[int] = frozenset()) -> None:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from moe_async.errors import one_line
 from moe_async.protocols import WeightReceiver
 from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
@@ -104,12 +105,6 @@ class WeightTransport(abc.ABC):
 def _url(client: Any) -> str:
     """An engine client's base URL (``?`` for a receiver without one)."""
     return str(getattr(client, "base_url", "?"))
-
-
-def _one_line(msg: str, limit: int = 600) -> str:
-    """``msg`` on one line (a server's multi-line text folded), cut at ``limit`` characters."""
-    msg = " | ".join(x.strip() for x in msg.splitlines() if x.strip())
-    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
 def _drain(buckets: Iterable[Any]) -> None:
@@ -350,7 +345,7 @@ class BroadcastTransport(WeightTransport):
         except Exception as e:  # noqa: BLE001 - named: which engine, which call
             why = f"no reply within {self.cfg.timeout_s:.0f} s" if isinstance(e, TimeoutError) and not str(e) \
                 else f"{type(e).__name__}: {e}"
-            raise WeightSyncError(_one_line(f"engine {i} at {_url(self.clients[i])}: {what} failed: {why}")) from e
+            raise WeightSyncError(one_line(f"engine {i} at {_url(self.clients[i])}: {what} failed: {why}")) from e
         self._check(i, r[0] if isinstance(r, tuple) else r, what, _url(self.clients[i]))
         return r
 
@@ -358,7 +353,7 @@ class BroadcastTransport(WeightTransport):
     def _check(i: int, resp: Any, what: str, url: str | None = None) -> None:
         if isinstance(resp, dict) and resp.get("success") is False:
             at = f" at {url}" if url else ""
-            raise WeightSyncError(_one_line(f"engine {i}{at}: {what} failed: {resp.get('message')}"))
+            raise WeightSyncError(one_line(f"engine {i}{at}: {what} failed: {resp.get('message')}"))
 
     def _connected(self) -> bool:
         return self.group is not None
