@@ -36,6 +36,13 @@ class CheckpointReadError(UserInputError, RuntimeError):
     """
 
 
+def one_line(msg: str, limit: int = 600) -> str:
+    """``msg`` on one line (its non-empty lines joined by `` | ``), cut at ``limit`` characters
+    (``...`` marks a cut): for errors that carry a server's or a peer's multi-line text."""
+    msg = " | ".join(x.strip() for x in msg.splitlines() if x.strip())
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
 def check_safetensors_file(path: str) -> None:
     """Read a ``.safetensors`` file's header (8-byte little-endian length + JSON) and check that
     the file holds every byte its tensors' ``data_offsets`` name, so a truncated or corrupt

@@ -38,6 +38,9 @@ class EngineRequestError(RuntimeError):
         super().__init__(f"{path} -> HTTP {status_code}: {message}")
         self.path, self.status_code, self.message = path, status_code, message
 
+    def __reduce__(self):  # pickle (Ray) rebuilds it from the three fields, not from str(self)
+        return type(self), (self.path, self.status_code, self.message)
+
 
 @dataclass
 class GenerateOutput:

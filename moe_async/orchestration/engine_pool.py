@@ -14,11 +14,15 @@ rollout actor and the trainer's rank 0 reach it from other nodes.
 Multi-node engines (``engine.nodes_per_engine`` = N > 1, SGLang only): N actors per engine,
 one per node of its ``STRICT_SPREAD`` group; node rank 0's actor picks a free port on its
 node for SGLang's ``--dist-init-addr``, all N processes start at once, and only node rank
-0's URL is routed to (the others serve SGLang's health-only endpoint).
+0's URL is routed to (the others serve SGLang's health-only endpoint). Restarting such an
+engine restarts all N: every process is stopped first, then all start at once with a new
+``--dist-init-addr`` port, so they form a new group (a restarted node rank 0 alone would wait
+for a node-rank-1 peer that is dead or holds the old group).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -27,9 +31,9 @@ from moe_async.errors import UserInputError
 from moe_async.orchestration.placement import Placement, place_engines
 
 
-@ray.remote(num_cpus=0)
-class EngineActor:
-    """One engine server on this actor's node (placed on its bundle)."""
+class EngineHost:
+    """One engine server process on this actor's node (placed on its bundle); the body of
+    :data:`EngineActor`. Engine ``index``, node rank ``node_rank`` of ``cfg.nodes_per_engine``."""
 
     def __init__(self, cfg: Any, model_path: str, index: int, host: str | None = None, node_rank: int = 0):
         self.cfg = cfg if host is None else cfg.model_copy(update={"host": host})
@@ -37,6 +41,11 @@ class EngineActor:
         self.index = index
         self.node_rank = node_rank
         self.engine = None
+
+    def _make_engine(self, port: int, dist_init_addr: str | None) -> Any:
+        from moe_async.engines.base import make_engine
+
+        return make_engine(self.cfg, self.model_path, port, node_rank=self.node_rank, dist_init_addr=dist_init_addr)
 
     def pick_port(self) -> int:
         """A TCP port free on this actor's node (node rank 0's ``--dist-init-addr`` port)."""
@@ -46,12 +55,9 @@ class EngineActor:
 
     def launch(self, dist_init_addr: str | None = None) -> str:
         """Start the server; its URL once ``/health`` answers. Raises EngineLaunchError."""
-        from moe_async.engines.base import make_engine
-
         n = self.cfg.nodes_per_engine
         port = self.cfg.base_port + self.index * n + self.node_rank if self.cfg.base_port else 0
-        self.engine = make_engine(self.cfg, self.model_path, port, node_rank=self.node_rank,
-                                  dist_init_addr=dist_init_addr)
+        self.engine = self._make_engine(port, dist_init_addr)
         self.engine.launch()
         return self.engine.url
 
@@ -62,12 +68,20 @@ class EngineActor:
             return f"exited with code {proc.returncode}; log: {getattr(self.engine, 'log_path', None)}"
         return None
 
-    def restart(self) -> str:
+    def stop(self) -> None:
+        """Stop the server (idempotent); its port and command are kept for :meth:`restart`."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def restart(self, dist_init_addr: str | None = None) -> str:
         """Stop what is left of the server and start it again on the same port; its URL once
         ``/health`` answers (it holds the base weights: the caller sends the current ones).
-        Raises EngineLaunchError."""
+        ``dist_init_addr``: a multi-node engine's new ``--dist-init-addr`` (every node of the
+        engine restarts with the same one). Raises EngineLaunchError."""
         if self.engine is None:
-            return self.launch()
+            return self.launch(dist_init_addr)
+        if dist_init_addr is not None:
+            self.engine.dist_init_addr = dist_init_addr
         self.engine.restart()
         return self.engine.url
 
@@ -81,6 +95,10 @@ class EngineActor:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+#: the Ray actor of one engine process (:class:`EngineHost`)
+EngineActor = ray.remote(num_cpus=0)(EngineHost)
 
 
 class EnginePool:
@@ -106,6 +124,8 @@ class EnginePool:
         #: node rank 0 of each engine (the server the rollouts and the weight sync talk to)
         self.actors = self.all_actors[::n]
         self.urls: list[str | None] = [None] * len(self.actors)
+        #: each multi-node engine's ``--dist-init-addr`` (node rank 0's ``HOST:PORT``; None: one node)
+        self.dist_init_addrs: list[str | None] = [None] * len(self.actors)
         self.startup_timeout_s = float(cfg.engine.startup_timeout_s)  # bounds launch()/restart() waits
 
     def _where(self, j: int) -> str:
@@ -122,6 +142,7 @@ class EnginePool:
         if n > 1:
             ports = ray.get([a.pick_port.remote() for a in self.actors], timeout=60)
             addrs = [f"{self.placement.slots[i * n].node_ip}:{p}" for i, p in enumerate(ports)]
+        self.dist_init_addrs = addrs
         refs = [a.launch.remote(addrs[j // n]) if n > 1 else a.launch.remote() for j, a in enumerate(self.all_actors)]
         errs = []
         for j, ref in enumerate(refs):
@@ -159,10 +180,13 @@ class EnginePool:
         return out
 
     def restart(self, i: int, timeout_s: float) -> str:
-        """Restart engine ``i``'s server (same URL); its URL.
+        """Restart engine ``i`` (same URL); its URL. A multi-node engine restarts on every
+        node (:meth:`_restart_nodes`).
 
         Raises: RuntimeError naming the engine when it did not come back within ``timeout_s``
         (``ray.exceptions.GetTimeoutError``) or its start failed."""
+        if self.nodes_per_engine > 1:
+            return self._restart_nodes(i, timeout_s)
         try:
             url = ray.get(self.actors[i].restart.remote(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -173,9 +197,69 @@ class EnginePool:
         self.urls[i] = url
         return url
 
+    def _restart_nodes(self, i: int, timeout_s: float) -> str:
+        """Restart every node of multi-node engine ``i``: first stop all its processes (a
+        survivor would hold the engine's old torch.distributed group and GPUs), then start
+        them all at once with a new ``--dist-init-addr`` (node rank 0's address, a port newly
+        picked there, never the old one: the old group's rendezvous may still hold it), so
+        they form a new group. Its URL (node rank 0's, unchanged).
+
+        Raises: RuntimeError naming the engine and node rank that did not stop or start (every
+        process of the engine is stopped again first, so none is left waiting for a peer)."""
+        n = self.nodes_per_engine
+        actors = self.all_actors[i * n:(i + 1) * n]
+        t_end = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(1.0, t_end - time.monotonic())
+
+        self._on_nodes(i, [a.stop.remote() for a in actors], "stop", left())
+        old = self.dist_init_addrs[i]
+        old_port = int(old.rsplit(":", 1)[1]) if old else None
+        port = old_port
+        for _ in range(10):
+            port = ray.get(actors[0].pick_port.remote(), timeout=left())
+            if port != old_port:
+                break
+        addr = f"{self.placement.slots[i * n].node_ip}:{port}"
+        try:
+            urls = self._on_nodes(i, [a.restart.remote(addr) for a in actors], "restart", left())
+        except RuntimeError:
+            try:
+                ray.get([a.stop.remote() for a in actors], timeout=60)
+            except Exception:  # noqa: BLE001 - the error below is what matters
+                pass
+            raise
+        self.dist_init_addrs[i] = addr
+        self.urls[i] = urls[0]
+        return urls[0]
+
+    def _on_nodes(self, i: int, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+        """Every node's reply to ``what`` on engine ``i`` (node rank order); RuntimeError naming
+        each node rank that failed or did not answer within ``timeout_s``."""
+        n, out, errs = self.nodes_per_engine, [], []
+        t_end = time.monotonic() + timeout_s
+        for r, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=max(0.0, t_end - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                errs.append(f"{self._where(i * n + r)}: {what} not done within {timeout_s:.0f} s")
+            except Exception as e:  # noqa: BLE001 - named
+                c = getattr(e, "cause", None) or e
+                errs.append(f"{self._where(i * n + r)}: {what} failed: {type(c).__name__}: {c}")
+        if errs:
+            raise RuntimeError(f"engine {i} at {self.urls[i]}: restart of all {n} nodes failed: " + "; ".join(errs))
+        return out
+
     def check_and_restart(self) -> list[int]:
         """Restart engines whose process died or whose ``/health`` fails; their indices (see
-        :func:`moe_async.engines.base.ensure_healthy`: they need the weights again)."""
+        :func:`moe_async.engines.base.ensure_healthy`: they need the weights again). A
+        multi-node engine with a node whose process exited restarts on every node."""
+        if self.nodes_per_engine > 1:
+            bad = sorted({int(line.split()[1]) for line in self.dead_engines()})
+            for i in bad:
+                self.restart(i, self.startup_timeout_s + 120.0)
+            return bad
         return [i for i, ok in enumerate(ray.get([a.restart_if_unhealthy.remote() for a in self.actors],
                                                                 timeout=self.startup_timeout_s + 120.0)) if ok]
 

@@ -5,9 +5,11 @@ placement groups, so Ray gives each bundle its own GPUs (``CUDA_VISIBLE_DEVICES`
 actor from its bundle's GPU ids) and no device is shared between the pools.
 
 Trainer: ``trainer.nodes`` placement groups of ``world_size / nodes`` bundles each, every
-group ``STRICT_PACK`` (all its bundles on one node). Ranks are numbered group by group,
-bundle by bundle, so a node's ranks are contiguous and Megatron's TP groups (contiguous
-ranks, TP innermost) stay inside a node whenever TP divides the ranks per node. One bundle
+group ``STRICT_PACK`` (all its bundles on one node). Ranks are numbered node by node, nodes
+in numeric address order (``10.0.0.9`` before ``10.0.0.66``), bundle by bundle within a node
+(:func:`placed_slots`), so the order does not depend on which group Ray put on which node, a
+node's ranks are contiguous, and Megatron's TP groups (contiguous ranks, TP innermost) stay
+inside a node whenever TP divides the ranks per node. One bundle
 per rank: ``{"GPU": 1, "CPU": c}`` on a cluster with GPUs, ``{"CPU": c}`` on CPU.
 
 Engines: one ``PACK`` placement group, one bundle per engine (a bundle lives on one node):
@@ -138,10 +140,47 @@ def _wait_ready(pg: Any, what: str, bundles: list[dict[str, float]], strategy: s
             f"{ {k: v for k, v in ray.cluster_resources().items() if k in need} } after {timeout_s:.0f} s") from None
 
 
+def node_order_key(node_ip: str, node_id: str) -> tuple:
+    """Sort key of a node: its address as a number (``10.0.0.9`` before ``10.0.0.66``; IPv4
+    before IPv6), then its id (nodes sharing one address, e.g. a one-host test cluster); a
+    name that is no IP address sorts after every address, by name."""
+    import ipaddress
+
+    try:
+        a = ipaddress.ip_address(node_ip)
+    except ValueError:
+        return (1, 0, 0, node_ip, node_id)
+    return (0, a.version, int(a), "", node_id)
+
+
+def placed_slots(groups: list[tuple[Any, list[dict[str, float]], dict[int, str]]], node_ips: dict[str, str],
+                 by_node: bool = False) -> list[Slot]:
+    """The slots of placed groups, from what Ray reports of them (nothing is contacted).
+
+    Args:
+        groups: per placement group ``(pg, bundles, bundles_to_node_id)`` (Ray's
+            ``placement_group_table(pg)["bundles_to_node_id"]``), in creation order.
+        node_ips: node id -> address (``ray.nodes()``' ``NodeManagerAddress``), any order.
+        by_node: order the slots by their node (:func:`node_order_key`), keeping group and
+            bundle order within a node; otherwise group order, then bundle order.
+
+    With ``by_node`` the rank order is the same whichever group Ray put on which node and in
+    whatever order it lists the nodes: node k's ranks are contiguous and come after those of
+    every node with a lower address.
+    """
+    slots = [Slot(pg=pg, bundle_index=i, num_cpus=b.get("CPU", 0.0), num_gpus=b.get("GPU", 0.0),
+                  node_id=where[i], node_ip=node_ips.get(where[i], "127.0.0.1"))
+             for pg, bundles, where in groups for i, b in enumerate(bundles)]
+    if by_node:
+        slots.sort(key=lambda s: node_order_key(s.node_ip, s.node_id))  # stable: group, bundle order kept
+    return slots
+
+
 def place(bundle_groups: list[list[dict[str, float]]], strategy: str, what: str,
-          timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
+          timeout_s: float = PLACEMENT_TIMEOUT_S, by_node: bool = False) -> Placement:
     """One placement group per entry of ``bundle_groups`` (``strategy``: ``STRICT_PACK``,
-    ``PACK``, ...), each waited for; slots in group order, then bundle order.
+    ``PACK``, ...), each waited for; slots in group order, then bundle order, or with
+    ``by_node`` in node order (:func:`placed_slots`).
 
     Raises: PlacementError (every group made so far removed) when one cannot be placed in
     ``timeout_s`` seconds.
@@ -149,17 +188,14 @@ def place(bundle_groups: list[list[dict[str, float]]], strategy: str, what: str,
     from ray.util.placement_group import placement_group, placement_group_table
 
     out = Placement(slots=[])
+    placed = []
     try:
         for bundles in bundle_groups:
             pg = placement_group(bundles, strategy=strategy)
             _wait_ready(pg, what, bundles, strategy, timeout_s)
             out.groups.append(pg)
-            where = placement_group_table(pg)["bundles_to_node_id"]
-            ips = _node_ips()
-            for i, b in enumerate(bundles):
-                nid = where[i]
-                out.slots.append(Slot(pg=pg, bundle_index=i, num_cpus=b.get("CPU", 0.0),
-                                      num_gpus=b.get("GPU", 0.0), node_id=nid, node_ip=ips.get(nid, "127.0.0.1")))
+            placed.append((pg, bundles, placement_group_table(pg)["bundles_to_node_id"]))
+        out.slots = placed_slots(placed, _node_ips(), by_node=by_node)
     except BaseException:
         out.remove()
         raise
@@ -189,7 +225,7 @@ def place_trainer(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement
     n_total = t.resolved_world_size + e.num_engines
     bundles = trainer_bundles(t.resolved_world_size, t.nodes, t.num_threads, cluster_gpus() > 0, n_total)
     return place(bundles, "STRICT_PACK", f"trainer (trainer.world_size={t.resolved_world_size}, "
-                 f"trainer.nodes={t.nodes})", timeout_s)
+                 f"trainer.nodes={t.nodes})", timeout_s, by_node=True)
 
 
 def place_engines(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:

@@ -7,8 +7,11 @@ engine. Forming it (:meth:`GroupMembership.form`):
     -> check_world(declared)            a declared world that differs fails now, naming it
     -> bind_master_store                rank 0's TCPStore on a port the OS picked
     -> POST /init_weights_update_group  to every engine at once (one thread each)
-    -> create_update_group(rank 0)      SGLang's way (group.py), bounded by timeout_s
-    -> every join's reply read          (one deadline for all)
+    -> create_update_group(rank 0)      SGLang's way (group.py), bounded by timeout_s, in a
+                                        thread, through a client of the store
+    -> every join's reply read          (one deadline for all); an engine that answers no
+                                        while rank 0 waits ends the wait at once (its store
+                                        is closed): the error names that engine (index, URL)
 
 If anything fails or times out, the partial group is destroyed everywhere: the sender's own
 group, ``/destroy_weights_update_group`` on every engine, and the sender's store is closed,
@@ -34,6 +37,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from moe_async.errors import one_line
 from moe_async.weight_sync.group import (
     WeightSyncError,
     bind_master_store,
@@ -92,39 +96,25 @@ class GroupMembership:
                                       f"(another transport?): leave it first, or use another group name")
         own_pool = pool is None
         pool = pool or ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
-        store = bind_master_store(self.master_address, self.world_size, self.timeout_s)
+        # the only reference to rank 0's store is in ``held``: dropping it closes the store
+        held = [bind_master_store(self.master_address, self.world_size, self.timeout_s)]
         futs = [
-            pool.submit(c.init_weights_update_group, master_address=self.master_address, master_port=store.port,
+            pool.submit(c.init_weights_update_group, master_address=self.master_address, master_port=held[0].port,
                         rank_offset=self.offsets[i], world_size=self.world_size, group_name=self.group_name,
                         backend=self.backend)
             for i, c in enumerate(self.clients)
         ]
-        group, err = None, None
         refused: set[int] = set()  # engines that answered no: they hold nothing of this group
-        try:
-            group, _ = create_update_group(backend=self.backend, world_size=self.world_size, rank=0,
-                                           group_name=self.group_name, timeout_s=self.timeout_s, store=store)
-        except Exception as e:  # noqa: BLE001 - reported below with the engines' replies
-            err = f"the sender (rank 0) could not form the group: {type(e).__name__}: {str(e)[:300]}"
+        group, err = self._join_as_sender(held, futs, refused)
         if err is None:
-            deadline = time.monotonic() + self.timeout_s
-            for i, f in enumerate(futs):
-                try:
-                    r = f.result(timeout=max(0.0, deadline - time.monotonic()))
-                    if isinstance(r, dict) and r.get("success") is False:
-                        raise RuntimeError(r.get("message"))
-                except Exception as e:  # noqa: BLE001
-                    refused.add(i)
-                    err = f"engine {i}: init_weights_update_group failed: {str(e)[:500]}"
-                    break
-        if err is None:
-            self.group, self._store = group, store
+            self.group, self._store = group, held[0]
             if own_pool:
                 pool.shutdown(wait=False)
             return group
         # tear every part down: ours, the store (a join still waiting on it fails at once), theirs
         destroy_update_group(group)
-        del group, store
+        del group
+        held.clear()
         gc.collect()
         grace = time.monotonic() + 5.0  # the joins that still run end now (their store is gone)
         for i, f in enumerate(futs):
@@ -146,6 +136,78 @@ class GroupMembership:
         raise GroupFormationError(f"weight-update group {self.group_name!r} (world {self.world_size}, "
                                   f"engine rank offsets {self.offsets}) not formed: {err}; every partial "
                                   f"group was destroyed")
+
+    def _engine(self, i: int) -> str:
+        return f"engine {i} at {getattr(self.clients[i], 'base_url', '?')}"
+
+    def _join_as_sender(self, held: list[dist.TCPStore], futs: list[Any],
+                        refused: set[int]) -> tuple[dist.ProcessGroup | None, str | None]:
+        """Rank 0's side of the join while the engines' joins (``futs``) run: ``(group, None)``
+        once the group is formed and every engine answered yes, else ``(group or None, why)``.
+
+        Rank 0 waits in the rendezvous through a client of ``store`` in a thread; the first
+        engine that answers no (or whose call raises) ends the wait at once: the store
+        (``held[0]``, its only reference) is closed, which makes rank 0's wait fail, instead of
+        rank 0 waiting ``timeout_s`` for a member that will never come. Engines that answered no
+        are added to ``refused``."""
+        client = dist.TCPStore(self.master_address, held[0].port, self.world_size, is_master=False,
+                               timeout=datetime.timedelta(seconds=self.timeout_s))
+        box: dict[str, Any] = {}
+
+        def sender() -> None:
+            try:
+                box["group"] = create_update_group(backend=self.backend, world_size=self.world_size, rank=0,
+                                                   group_name=self.group_name, timeout_s=self.timeout_s,
+                                                   store=client)[0]
+            except Exception as e:  # noqa: BLE001 - reported by the caller
+                box["error"] = e
+
+        th = threading.Thread(target=sender, name=f"weight-sync-join-{self.group_name}", daemon=True)
+        th.start()
+        err = None
+        deadline = time.monotonic() + self.timeout_s
+        while th.is_alive() and err is None:
+            th.join(0.05)
+            for i, f in enumerate(futs):
+                if f.done() and (why := self._join_failed(f)) is not None:
+                    refused.add(i)
+                    err = f"{self._engine(i)}: init_weights_update_group failed: {why}"
+                    break
+        if err is not None:  # rank 0 still waits for that engine: end its wait now
+            held.clear()
+            gc.collect()
+            th.join(10.0)
+            return box.get("group"), err
+        if "error" in box:
+            e = box["error"]
+            silent = [self._engine(i) for i, f in enumerate(futs) if not f.done()]
+            why = f"the sender (rank 0) could not form the group: {type(e).__name__}: {str(e)[:300]}"
+            if silent:  # (an engine waiting for a missing peer is silent too)
+                why += f"; no reply to init_weights_update_group yet from {', '.join(silent)}"
+            return None, why
+        for i, f in enumerate(futs):  # the group is formed: every join's reply (one deadline)
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return box["group"], f"{self._engine(i)}: no reply to init_weights_update_group within " \
+                                     f"{self.timeout_s:.0f} s"
+            except Exception:  # noqa: BLE001 - named below
+                pass
+            if (why := self._join_failed(f)) is not None:
+                refused.add(i)
+                return box["group"], f"{self._engine(i)}: init_weights_update_group failed: {why}"
+        return box["group"], None
+
+    @staticmethod
+    def _join_failed(fut: Any) -> str | None:
+        """Why a finished join future failed (one line), or None when the engine said yes."""
+        e = fut.exception()
+        if e is not None:
+            return one_line(f"{type(e).__name__}: {e}", 500)
+        r = fut.result()
+        if isinstance(r, dict) and r.get("success") is False:
+            return one_line(str(r.get("message")), 500)
+        return None
 
     def _destroy_on_engines(self, quiet: bool, skip: set[int] = frozenset()) -> None:
         for i, c in enumerate(self.clients):

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from moe_async.errors import one_line
 from moe_async.protocols import WeightReceiver
 from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
@@ -101,6 +102,11 @@ class WeightTransport(abc.ABC):
         self.close()
 
 
+def _url(client: Any) -> str:
+    """An engine client's base URL (``?`` for a receiver without one)."""
+    return str(getattr(client, "base_url", "?"))
+
+
 def _drain(buckets: Iterable[Any]) -> None:
     """Take the rest of a streamed export without sending it (its collectives run on every
     rank); an error of the exporter itself is logged (the sync's first error propagates)."""
@@ -133,6 +139,9 @@ class BroadcastTransport(WeightTransport):
     Raises:
         WeightSyncError: an engine answered ``success: false`` or an HTTP error.
     """
+
+    #: the engines' per-bucket update call (named in errors)
+    update_call = "update_weights_from_distributed"
 
     def __init__(
         self,
@@ -317,15 +326,34 @@ class BroadcastTransport(WeightTransport):
         deadline = time.monotonic() + self.cfg.timeout_s
         last = 0.0
         for i, f in futs:
-            r, t = f.result(timeout=max(0.0, deadline - time.monotonic()))
-            self._check(i, r, what)
+            r, t = self._reply(i, f, deadline, what)
             last = max(last, t)
         return last
 
+    def _reply(self, i: int, fut: Any, deadline: float, what: str) -> Any:
+        """Engine ``i``'s reply to ``what`` from ``fut`` by ``deadline`` (``time.monotonic``).
+
+        Raises:
+            WeightSyncError: one line ``engine <i> at <url>: <what> failed: <Type>: <message>``
+                for a refusal (``success: false``), an HTTP error, a connection error or no reply
+                by the deadline; the original exception is its ``__cause__``.
+        """
+        try:
+            r = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - named: which engine, which call
+            why = f"no reply within {self.cfg.timeout_s:.0f} s" if isinstance(e, TimeoutError) and not str(e) \
+                else f"{type(e).__name__}: {e}"
+            raise WeightSyncError(one_line(f"engine {i} at {_url(self.clients[i])}: {what} failed: {why}")) from e
+        self._check(i, r[0] if isinstance(r, tuple) else r, what, _url(self.clients[i]))
+        return r
+
     @staticmethod
-    def _check(i: int, resp: Any, what: str) -> None:
+    def _check(i: int, resp: Any, what: str, url: str | None = None) -> None:
         if isinstance(resp, dict) and resp.get("success") is False:
-            raise WeightSyncError(f"engine {i}: {what} failed: {resp.get('message')}")
+            at = f" at {url}" if url else ""
+            raise WeightSyncError(one_line(f"engine {i}{at}: {what} failed: {resp.get('message')}"))
 
     def _connected(self) -> bool:
         return self.group is not None
@@ -456,8 +484,7 @@ class BroadcastTransport(WeightTransport):
             ta = time.perf_counter()
             deadline = time.monotonic() + self.cfg.timeout_s
             for i, f in pending:
-                self._check(i, f.result(timeout=max(0.0, deadline - time.monotonic())),
-                            "update_weights_from_distributed")
+                self._reply(i, f, deadline, self.update_call)
             self._replies(ends, "end_weight_update")
             ack_s = time.perf_counter() - ta
         except BaseException:
@@ -609,6 +636,8 @@ class TensorTransport(BroadcastTransport):
 
     def _connected(self) -> bool:
         return self._ready
+
+    update_call = "update_weights_from_tensor"
 
     def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
         from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket

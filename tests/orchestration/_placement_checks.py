@@ -4,7 +4,8 @@ environment (no trainer, no engine server is started).
     python _placement_checks.py gpus8     # ray.init(num_gpus=8): 4 trainer ranks + 2 engines of 2 GPUs
     python _placement_checks.py two_nodes # ray.cluster_utils.Cluster, 2 nodes of 2 GPUs: 4 ranks, nodes=2;
                                           # then transport tensor refused (the engine on the head node)
-    python _placement_checks.py multinode_engines  # 3 nodes of 4 GPUs: 2 SGLang engines of 2 nodes x 2 GPUs
+    python _placement_checks.py multinode_engines  # 3 nodes of 4 GPUs: 2 SGLang engines of 2 nodes x 2 GPUs;
+                                                   # then engine 0 restarted (every node)
 
 Runs the real placement (moe_async.orchestration.placement), the real TrainerGroup start-up
 (rank 0's rendezvous, every rank's environment) and the real EnginePool, with the actor
@@ -17,13 +18,15 @@ import json
 import os
 import socket
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import ray  # noqa: E402
 
 from moe_async.config import load_config  # noqa: E402
-from moe_async.orchestration.engine_pool import EnginePool  # noqa: E402
+from moe_async.engines.base import SGLangEngine  # noqa: E402
+from moe_async.orchestration.engine_pool import EngineHost, EnginePool  # noqa: E402
 from moe_async.orchestration.placement import PlacementError, place_engines, place_trainer  # noqa: E402
 from moe_async.orchestration.trainer_group import TrainerGroup  # noqa: E402
 
@@ -79,39 +82,46 @@ class EnvEngine:
                 "node_ip": _node_ip(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
-@ray.remote(num_cpus=0)
-class CmdEngine:
-    """EngineActor's protocol for a multi-node engine: builds the real SGLang command line
-    (moe_async.engines.base.make_engine) for its node rank instead of running it."""
+class _RecordedSGLang(SGLangEngine):
+    """The real SGLang engine (its command line, port, node rank, --dist-init-addr) whose
+    process start and stop are recorded (time, command) instead of run."""
 
-    def __init__(self, cfg, model_path, index, host=None, node_rank=0):
-        self.cfg, self.model_path, self.index, self.host, self.node_rank = cfg, model_path, index, host, node_rank
-        self.cmd = None
+    def __init__(self, *a, events: list, **kw):
+        super().__init__(*a, **kw)
+        self.events = events
 
-    def pick_port(self):
-        from moe_async.engines.base import free_port
+    def launch(self):
+        self.events.append({"what": "start", "t": time.time(), "cmd": self.command()})
+        return self
 
-        return free_port("0.0.0.0")
+    def shutdown(self, grace_s: float = 10.0):
+        self.events.append({"what": "stop", "t": time.time()})
 
-    def launch(self, dist_init_addr=None):
-        from moe_async.engines.base import make_engine
+    @property
+    def alive(self):
+        return True
 
-        cfg = self.cfg if self.host is None else self.cfg.model_copy(update={"host": self.host})
-        eng = make_engine(cfg, self.model_path, 31000 + 10 * self.index + self.node_rank, node_rank=self.node_rank,
-                          dist_init_addr=dist_init_addr)
-        self.cmd = eng.command()
-        return eng.url
 
-    def dead(self):
-        return None
+class _CmdHost(EngineHost):
+    """EngineActor's own code (launch, stop, restart) for a multi-node engine, its SGLang
+    process recorded (:class:`_RecordedSGLang`) instead of run."""
 
-    def shutdown(self):
-        pass
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.events: list = []
+
+    def _make_engine(self, port, dist_init_addr):
+        return _RecordedSGLang(self.cfg, self.model_path, 31000 + 10 * self.index + self.node_rank,
+                               node_rank=self.node_rank, dist_init_addr=dist_init_addr, events=self.events)
 
     def report(self):
-        return {"index": self.index, "node_rank": self.node_rank, "host": self.host, "cmd": self.cmd,
-                "node_id": ray.get_runtime_context().get_node_id(), "node_ip": _node_ip(),
+        return {"index": self.index, "node_rank": self.node_rank, "host": self.cfg.host,
+                "cmd": next((e["cmd"] for e in reversed(self.events) if e["what"] == "start"), None),
+                "events": self.events, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": _node_ip(),
                 "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+CmdEngine = ray.remote(num_cpus=0)(_CmdHost)
 
 
 def run(cfg) -> dict:
@@ -169,7 +179,6 @@ def main(mode: str) -> None:
                 check_tensor_transport_nodes(cfg, tp, ep)
             except PlacementError as e:
                 res["tensor"]["refused"] = str(e)
-            import time
 
             for _ in range(100):  # freed resources reach the GCS asynchronously
                 res["tensor"]["free_after"] = ray.available_resources().get("CPU", 0.0)
@@ -195,8 +204,10 @@ def main(mode: str) -> None:
             res = {"urls": pool.launch(), "procs": ray.get([a.report.remote() for a in pool.all_actors]),
                    "leaders": ray.get([a.report.remote() for a in pool.actors]),
                    "slots": [{"node_id": s.node_id, "gpus": s.num_gpus} for s in ep.slots]}
+            # engine 0 dies (its node rank 1): restart it (every node, a new group)
+            res["restart_url"] = pool.restart(0, 60.0)
+            res["after_restart"] = ray.get([a.report.remote() for a in pool.all_actors])
             pool.shutdown()
-            import time
 
             for _ in range(100):  # the nodes report freed resources to the GCS asynchronously
                 res["free_after"] = ray.available_resources().get("GPU", 0.0)

@@ -79,18 +79,31 @@ def test_two_node_cluster_ranks_in_node_order(two_nodes):
     assert eng["host"] == eng["node_ip"] and res["urls"] == [f"http://{eng['node_ip']}:30000"]
 
 
-def test_multi_node_engines_one_process_per_node():
-    """engine.nodes_per_engine=2 on a 3-node Cluster of 4 GPUs: 2 SGLang engines of TP4, each
-    split over 2 nodes (STRICT_SPREAD, 2 GPUs per node); every process's SGLang command line
-    has --nnodes 2, its --node-rank, and --dist-init-addr at node rank 0's address; only node
-    rank 0 is routed to; SGLang 0.5.23's own argument parser reads every command line the same."""
+@pytest.fixture(scope="module")
+def multinode():
+    tmp = tempfile.mkdtemp(prefix="mray", dir="/tmp")
+    return run_json(os.path.join(HERE, "_placement_checks.py"), "multinode_engines", timeout=600, TMPDIR=tmp)
+
+
+def _sglang_args(cmd: list[str]):
+    """SGLang 0.5.23's own parse of one of our command lines (after ``python -m sglang.launch_server``)."""
     import sys
 
     sys.path.insert(0, os.path.join(HERE, "..", "engines"))
     from _sglang_import import load_io_struct
 
-    tmp = tempfile.mkdtemp(prefix="mray", dir="/tmp")
-    res = run_json(os.path.join(HERE, "_placement_checks.py"), "multinode_engines", timeout=300, TMPDIR=tmp)
+    load_io_struct()  # SGLang's stubs for triton/torchvision (tests/engines/_sglang_import.py)
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(cmd[3:])
+
+
+def test_multi_node_engines_one_process_per_node(multinode):
+    """engine.nodes_per_engine=2 on a 3-node Cluster of 4 GPUs: 2 SGLang engines of TP4, each
+    split over 2 nodes (STRICT_SPREAD, 2 GPUs per node); every process's SGLang command line
+    has --nnodes 2, its --node-rank, and --dist-init-addr at node rank 0's address; only node
+    rank 0 is routed to; SGLang 0.5.23's own argument parser reads every command line the same."""
+    res = multinode
     procs = res["procs"]
     assert [(p["index"], p["node_rank"]) for p in procs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(s["gpus"] == 2.0 for s in res["slots"])
@@ -102,16 +115,43 @@ def test_multi_node_engines_one_process_per_node():
     assert len(set(used)) == 8  # no GPU of a node given twice
     assert res["urls"] == [f"http://{p['host']}:{31000 + 10 * p['index']}" for p in res["leaders"]]
     assert res["free_after"] == 12.0
-    load_io_struct()  # SGLang's stubs for triton/torchvision (tests/engines/_sglang_import.py)
-    from sglang.srt.server_args import prepare_server_args
-
     for p in procs:
         cmd = p["cmd"]
         assert cmd[cmd.index("--dist-init-addr") + 1].split(":")[0] == procs[2 * p["index"]]["node_ip"]
-        args = prepare_server_args(cmd[3:])  # after `python -m sglang.launch_server`
+        args = _sglang_args(cmd)
         assert (args.nnodes, args.node_rank, args.tp_size) == (2, p["node_rank"], 4)
         assert args.dist_init_addr == procs[2 * p["index"] + 1]["cmd"][cmd.index("--dist-init-addr") + 1]
         assert args.enable_return_routed_experts
+
+
+def test_multi_node_engine_restart_restarts_every_node_with_a_new_group(multinode):
+    """Engine 0 (2 nodes) restarted on the same Cluster: BOTH its processes are stopped, and only
+    then both started again, with the same --nnodes/--node-rank as before and one new
+    --dist-init-addr (node rank 0's address, a port other than the old group's), as SGLang's
+    own parser reads them; engine 0 keeps its URL; engine 1's processes are not touched.
+    (A restart of node rank 0 alone waited for a node-rank-1 peer that was dead or held the
+    old group.)"""
+    before, after = multinode["procs"], multinode["after_restart"]
+    assert multinode["restart_url"] == multinode["urls"][0]
+    e0 = [p for p in after if p["index"] == 0]
+    assert [p["node_rank"] for p in e0] == [0, 1]
+    for p in e0:  # (a stop of a stopped process is a no-op: consecutive stops are one)
+        whats = [e["what"] for k, e in enumerate(p["events"]) if k == 0 or e["what"] != p["events"][k - 1]["what"]]
+        assert whats == ["start", "stop", "start"], p["events"]
+    stops = [next(e["t"] for e in p["events"] if e["what"] == "stop") for p in e0]
+    starts = [p["events"][-1]["t"] for p in e0]
+    assert max(stops) <= min(starts)  # every node stopped before any started
+    old_addr = {_sglang_args(p["cmd"]).dist_init_addr for p in before if p["index"] == 0}
+    new_args = [_sglang_args(p["events"][-1]["cmd"]) for p in e0]
+    (new_addr,) = {a.dist_init_addr for a in new_args}  # one group: the same address on every node
+    (old_addr,) = old_addr
+    assert new_addr.split(":")[0] == old_addr.split(":")[0] == e0[0]["node_ip"]
+    assert new_addr.split(":")[1] != old_addr.split(":")[1]  # a new rendezvous port
+    assert [(a.nnodes, a.node_rank, a.tp_size) for a in new_args] == [(2, 0, 4), (2, 1, 4)]
+    assert [a.port for a in new_args] == [_sglang_args(p["cmd"]).port for p in before if p["index"] == 0]
+    for p in after:
+        if p["index"] == 1:
+            assert [e["what"] for e in p["events"]] == ["start"]
 
 
 def test_tensor_transport_refused_when_an_engine_is_on_another_node(two_nodes):

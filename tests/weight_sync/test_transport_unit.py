@@ -252,7 +252,7 @@ def test_send_refused_pause_posts_no_bucket_and_resumes(monkeypatch):
     """An engine that refuses the pause: no bucket is posted to any engine or broadcast, every
     engine's session (opened behind the pause) is closed, every engine gets its continue, and
     the error names the engine."""
-    log = _send_after_failed_pause(monkeypatch, WeightSyncError, "engine 1: pause_generation failed: cannot pause",
+    log = _send_after_failed_pause(monkeypatch, WeightSyncError, "engine 1 at .*: pause_generation failed: cannot pause",
                                    fail_pause=True)
     for e in (0, 1):
         assert [x[1:] for x in log if x[0] == e] == [("pause",), ("begin", True), ("end",), ("continue",)]
@@ -260,9 +260,12 @@ def test_send_refused_pause_posts_no_bucket_and_resumes(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 def test_send_pause_to_a_gone_engine_raises_its_error(monkeypatch):
-    """An engine whose pause request raises (gone): its error propagates (not masked by the
-    continue), the others are resumed (their session closed), the gone one gets no further call."""
-    log = _send_after_failed_pause(monkeypatch, ConnectionError, "engine 1 is gone", gone=True)
+    """An engine whose pause request raises (gone): its error propagates, named by engine and
+    call (not masked by the continue), the others are resumed (their session closed), the gone
+    one gets no further call."""
+    log = _send_after_failed_pause(monkeypatch, WeightSyncError,
+                                   "^engine 1 at .*: pause_generation failed: ConnectionError: engine 1 is gone$",
+                                   gone=True)
     assert log == [(0, "pause"), (0, "begin", True), (0, "end"), (0, "continue")]
 
 
