@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from moe_async.models.mapping import ExpandedTable, Rule, expand, fuse_all, gated_mlp_rules, split_all
+from moe_async.models.rope import Rope, read_rope
 
 Tensor = torch.Tensor
 
@@ -73,25 +74,11 @@ class ArchArgs:
     tie_word_embeddings: bool
     num_experts: int | None = None  # None for dense
     top_k: int | None = None
+    rope: Rope | None = None  # the RoPE (type and scaling) read from the HF config; None: plain, rope_theta
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
-
-
-def read_rope_theta(d: Mapping[str, Any]) -> float:
-    """RoPE base: ``rope_parameters["rope_theta"]`` (transformers 5) or ``rope_theta`` (4.x);
-    ValueError for scaled RoPE types (not supported)."""
-    rp = d.get("rope_parameters") or d.get("rope_scaling")
-    if rp:
-        rtype = rp.get("rope_type", rp.get("type", "default"))
-        if rtype not in ("default", None):
-            raise ValueError(f"unsupported HF config field rope_parameters.rope_type={rtype!r}")
-        if "rope_theta" in rp:
-            return float(rp["rope_theta"])
-    if d.get("rope_theta") is not None:
-        return float(d["rope_theta"])
-    raise ValueError("HF config has neither rope_parameters.rope_theta nor rope_theta")
 
 
 def qkv_fuse(ts, a: ArchArgs) -> Tensor:
@@ -206,15 +193,19 @@ def gqa_heads(d: Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 def decoder_fields(d: Mapping[str, Any], *, num_key_value_heads: int, head_dim: int, rms_norm_eps: float,
-                   max_position_embeddings: int) -> dict[str, Any]:
+                   max_position_embeddings: int, rope_types: tuple[str, ...] = ("default",)) -> dict[str, Any]:
     """The :class:`ArchArgs` fields every decoder family reads the same way from its HF config
     dict ``d`` (``rms_norm_eps`` and ``max_position_embeddings``: the family's defaults when
     ``d`` lacks them; ``num_key_value_heads``, ``head_dim``: as the family derives them).
 
+    ``rope_types``: the RoPE types the family implements (:func:`rope.read_rope`).
+
     Raises:
         KeyError: ``model_type``, ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` or
             ``num_attention_heads`` missing.
+        ValueError: a RoPE the family does not implement, naming the field.
     """
+    rope = read_rope(d, rope_types)
     return dict(
         model_type=d["model_type"],
         vocab_size=d["vocab_size"],
@@ -224,7 +215,8 @@ def decoder_fields(d: Mapping[str, Any], *, num_key_value_heads: int, head_dim: 
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", rms_norm_eps)),
-        rope_theta=read_rope_theta(d),
+        rope_theta=rope.theta,
+        rope=rope,
         max_position_embeddings=d.get("max_position_embeddings", max_position_embeddings),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
     )
