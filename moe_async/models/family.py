@@ -247,6 +247,8 @@ class ModelFamily(ABC):
     fused_expert_names: tuple[str, str, str] | None = None
     #: other in-memory -> on-disk names under ``model.layers.{i}.``
     in_memory_renames: Mapping[str, str] = {}
+    #: the attention builds its own RoPE from the config (MLA); else GPTModel's rotary embedding
+    rope_in_attention: bool = False
 
     def read_hf_config(self, hf_config: Any) -> dict[str, Any]:
         """The HF config as a dict (:func:`hf_config_dict`), checked.
@@ -281,7 +283,7 @@ class ModelFamily(ABC):
         moe = self.moe_args(d)
         return ArchArgs(
             **decoder_fields(d, num_key_value_heads=ng, head_dim=d.get("head_dim") or h // nh,
-                             rms_norm_eps=self.default_rms_norm_eps,
+                             rms_norm_eps=self.default_rms_norm_eps, rope_types=("default", "yarn"),
                              max_position_embeddings=self.default_max_position_embeddings),
             intermediate_size=d[self.intermediate_size_field],
             **moe,
@@ -416,7 +418,13 @@ class ModelFamily(ABC):
         )
         kw.update(self.model_config_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff))
         kw.update(overrides)
-        return self.config_class()(**kw)
+        cfg = self.config_class()(**kw)
+        if a.rope is not None and a.rope.is_yarn and not getattr(cfg, "multi_latent_attention", False):
+            # GPTModel's position_embedding_type="yarn" reads these attributes (TransformerConfig
+            # declares none of them; getattr in gpt_model.py / attention.py)
+            for k, v in a.rope.gpt_yarn_config().items():
+                setattr(cfg, k, v)
+        return cfg
 
     def config_class(self) -> type:
         """Megatron's config class of this family (``TransformerConfig``)."""
@@ -469,11 +477,12 @@ class ModelFamily(ABC):
     def gpt_model_kwargs(self, hf_config: Any) -> dict[str, Any]:
         """Keyword arguments of ``GPTModel`` besides config/spec/pre/post-process."""
         a = self.arch_args(hf_config)
+        yarn = a.rope is not None and a.rope.is_yarn and not self.rope_in_attention
         return dict(
             vocab_size=a.vocab_size,
             max_sequence_length=a.max_position_embeddings,
             share_embeddings_and_output_weights=a.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if yarn else "rope",  # YaRN's fields: transformer_config
             rotary_percent=1.0,
             rotary_base=a.rope_theta,
         )

@@ -101,6 +101,16 @@ class Rope:
             beta_fast=self.beta_fast, beta_slow=self.beta_slow,
         )
 
+    def gpt_yarn_config(self) -> dict[str, Any]:
+        """The ``yarn_*`` attributes ``GPTModel(position_embedding_type="yarn")`` reads from its
+        config (GQA attention; Megatron's cos/sin factor and the attention's ``mscale`` come
+        from the same fields as :meth:`megatron_yarn`'s)."""
+        m = self.megatron_yarn()
+        return dict(yarn_rotary_scaling_factor=m["rotary_scaling_factor"],
+                    yarn_original_max_position_embeddings=m["original_max_position_embeddings"],
+                    yarn_beta_fast=m["beta_fast"], yarn_beta_slow=m["beta_slow"], yarn_mscale=m["mscale"],
+                    yarn_mscale_all_dim=m["mscale_all_dim"], yarn_correction_range_round_to_int=True)
+
     def describe(self) -> str:
         """One line: ``rope (theta 10000)`` or ``yarn (factor 40, ..., softmax x1.874)``."""
         if not self.is_yarn:

@@ -10,7 +10,8 @@ top-level ``rope_theta``, ``max_position_embeddings`` 163840, no ``rope_paramete
         writes the checkpoint; transformers' logprobs of the 8 samples (and of the same weights
         with plain RoPE, with plain RoPE frequencies but YaRN's softmax scale, and with the
         softmax mscale taken out, to show each matters); the 1-process trainer's logprobs, its
-        MLA softmax scale and rope type, and its logprobs with the softmax mscale dropped; HF -> Megatron -> HF conversion (tools/) at 1 process
+        MLA softmax scale and rope type, and its logprobs with the softmax mscale dropped; a
+        qwen3_moe with YaRN (GQA: GPTModel's rotary embedding) against transformers; HF -> Megatron -> HF conversion (tools/) at 1 process
         -> TMP/ref.json
     torchrun --nproc_per_node 2 _deepseek_v3_yarn_checks.py run TMP OUT.json tp2
         the trainer at TP2 (+SP): logprobs; HF -> Megatron at TP2 and back read at TP2
@@ -110,6 +111,18 @@ def convert_round_trip(src: str, meg: str, back: str, tp: int = 1) -> dict:
                 **RELEASED_ROPE, "rope_type": "yarn"}}
 
 
+QWEN3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def make_qwen3_yarn(path: str) -> tuple[list, list]:
+    """The tiny qwen3_moe with YaRN rope_parameters (factor 4 over 8 positions: the samples'
+    9..13 tokens run past it); transformers' logprobs with it and with plain RoPE."""
+    from _tiny import make_tiny_qwen3_moe
+
+    make_tiny_qwen3_moe(path, rope_parameters=dict(QWEN3_YARN))
+    return hf_logprobs(path), hf_logprobs(path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
 def main_ref(tmp: str) -> None:
     path = make_yarn_checkpoint(os.path.join(tmp, "yarn"))
     res: dict = {"hf": hf_logprobs(path),
@@ -131,6 +144,13 @@ def main_ref(tmp: str) -> None:
     res["tp1_no_softmax_mscale"] = tr.compute_logprobs(samples())
     tr.close()
     res["convert_tp1"] = convert_round_trip(path, os.path.join(tmp, "meg1"), os.path.join(tmp, "back1"))
+    # a GQA family with YaRN (GPTModel's YarnRotaryEmbedding): qwen3_moe, factor 4 over 8 positions
+    q = os.path.join(tmp, "qwen3_yarn")
+    res["qwen3_hf"], res["qwen3_hf_plain"] = make_qwen3_yarn(q)
+    tr = MegatronTrainer(trainer_cfg(), q)
+    res["qwen3_pos_emb"] = type(tr.model.rotary_pos_emb).__name__
+    res["qwen3_tp1"] = tr.compute_logprobs(samples())
+    tr.close()
     with open(os.path.join(tmp, "ref.json"), "w") as f:
         json.dump(res, f)
 

@@ -70,3 +70,12 @@ def test_dropping_the_softmax_mscale_fails_parity(res):
 def test_conversion_round_trip_bit_exact(res, layout):
     r = res[layout] if layout == "convert_tp1" else res["tp2"][layout]
     assert r == {"bit_exact": True, "n_tensors": 91, "rope_kept": True}
+
+
+def test_gqa_family_yarn_equals_transformers(res):
+    """qwen3_moe with YaRN rope_parameters (factor 4; cos/sin x get_mscale(4) = 1.139 in both):
+    Megatron's GPTModel YarnRotaryEmbedding, logprobs equal transformers' within 1e-5, far
+    from plain RoPE's."""
+    assert res["qwen3_pos_emb"] == "YarnRotaryEmbedding"
+    assert _maxdiff(res["qwen3_tp1"], res["qwen3_hf"]) < 1e-5
+    assert _maxdiff(res["qwen3_hf_plain"], res["qwen3_hf"]) > 1e-2

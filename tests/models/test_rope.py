@@ -98,9 +98,9 @@ def test_refused_naming_the_field(change, needle):
     assert needle in str(e.value)
 
 
-def test_families_without_yarn_refuse_it():
-    """A GQA family (no YaRN in its Megatron build here) refuses it naming the field; DeepSeek-V3
-    reads it."""
+def test_yarn_refused_unless_the_caller_supports_it():
+    """read_rope refuses YaRN where the caller's family does not list it (naming the field);
+    DeepSeek-V3 reads it into MLA's YaRN fields."""
     from moe_async.models import get_family
 
     with pytest.raises(ValueError) as e:
@@ -117,3 +117,15 @@ def test_families_without_yarn_refuse_it():
     kw = get_family("deepseek_v3").model_config_kwargs(a, moe_aux_loss_coeff=0.0)
     assert (kw["rope_type"], kw["rotary_scaling_factor"], kw["mscale"], kw["mscale_all_dim"],
             kw["original_max_position_embeddings"]) == ("yarn", 40.0, 1.0, 1.0, 4096)
+
+
+def test_glm4_moe_refuses_yarn_naming_the_field():
+    """glm4_moe (partial rotary) does not take YaRN: refused with the field named."""
+    from moe_async.models import get_family
+
+    d = {"model_type": "glm4_moe", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 8},
+         "rope_theta": 1e4}
+    with pytest.raises(ValueError) as e:
+        get_family("glm4_moe").arch_args(d)
+    assert "rope_scaling.rope_type='yarn'" in str(e.value)

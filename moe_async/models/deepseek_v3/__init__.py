@@ -184,6 +184,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
 
     model_types = ("deepseek_v3",)
     display_name = "DeepSeek-V3"
+    rope_in_attention = True  # MLA builds its (YaRN) rotary embedding from the config
     unsupported_fields = {
         "hidden_act": "silu",
         "attention_bias": False,
