@@ -23,11 +23,28 @@ directory this project wrote before (the torch_dist files directly in it).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any, Mapping
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
+
+#: The Megatron-LM arguments (besides ``--load ROOT --ckpt-format torch_dist`` and the model's own)
+#: that its ``load_checkpoint`` needs to resume a checkpoint of this project: neither the
+#: converter's (model only) nor the trainer's hold Megatron-LM's ``opt_param_scheduler`` (the
+#: trainer's LR is a function of the iteration, with no OptimizerParamScheduler state) or its
+#: ``rng_state`` object (the trainer keeps its RNG states in ``moe_async_rng/``), and without
+#: these flags Megatron-LM exits with "Unable to load optimizer / rng state from checkpoint".
+#: The weights, the iteration and the args load as saved; ``--finetune`` instead also restarts
+#: the iteration count at 0.
+MEGATRON_LM_LOAD_FLAGS = ("--no-load-optim", "--no-load-rng")
+
+
+def megatron_lm_load_command(root: str) -> str:
+    """The Megatron-LM arguments that load the checkpoint root ``root`` (tracker + iteration
+    dirs): ``--load ROOT --ckpt-format torch_dist`` and :data:`MEGATRON_LM_LOAD_FLAGS`."""
+    return " ".join(["--load", root, "--ckpt-format", "torch_dist", *MEGATRON_LM_LOAD_FLAGS])
 
 
 def iteration_dir(root: str, iteration: int | str) -> str:
@@ -189,7 +206,8 @@ def trainer_common_state(trainer: Any) -> dict[str, Any]:
 def link_iteration(root: str, ckpt_name: str, iteration: int) -> None:
     """Make the checkpoint directory ``<root>/<ckpt_name>`` (e.g. the driver's ``step_<N>``)
     findable by Megatron-LM's ``--load <root>``: a relative symlink ``<root>/iter_<N:07d>``
-    -> ``<ckpt_name>`` (replaced atomically), then the tracker (:func:`write_tracker`)."""
+    -> ``<ckpt_name>`` (replaced atomically), then the tracker (:func:`write_tracker`); logs
+    (INFO) the Megatron-LM arguments that resume it (:func:`megatron_lm_load_command`)."""
     link = iteration_dir(root, iteration)
     tmp = link + ".tmp"
     if os.path.lexists(tmp):
@@ -197,3 +215,5 @@ def link_iteration(root: str, ckpt_name: str, iteration: int) -> None:
     os.symlink(ckpt_name, tmp)
     os.replace(tmp, link)
     write_tracker(root, iteration)
+    logging.getLogger(__name__).info("checkpoint %s: Megatron-LM resumes it with %s", link,
+                                     megatron_lm_load_command(root))

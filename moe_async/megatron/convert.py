@@ -87,7 +87,7 @@ from moe_async.megatron.hf_io import (
     read_json_dict,
 )
 from moe_async.megatron.parallel import check_layout, global_rank, parallel_layout, world_size
-from moe_async.megatron.te_spec_names import to_te_names
+from moe_async.megatron.te_spec_names import add_te_extra_state, to_te_names
 from moe_async.models import get_family
 from moe_async.models.deepseek_v3.hf_extras import hf_extras
 
@@ -160,6 +160,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         dist.barrier()
         sd = model.sharded_state_dict()
         to_te_names(sd)  # the TE spec's key names on any machine
+        add_te_extra_state(sd)  # and the TE modules' _extra_state objects (strict TE-spec loads)
         whole_glu_tensors(sd)
         common = container.common_state(0, container.megatron_lm_args(
             a, tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(vocab, tp, vocab_div), vocab_div=vocab_div,
@@ -191,7 +192,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         clock.mark("free_s")
     clock.mark("teardown_s")
     return {"seconds": clock.total(), "phases": clock.phases, "bytes_read": float(t.item()), "hf_bytes": hf_bytes,
-            "world": world}
+            "world": world, "megatron_lm_args": container.megatron_lm_load_command(root)}
 
 
 def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: str,

@@ -32,8 +32,23 @@ Only ``ShardedTensor`` / ``ShardedTensorFactory`` keys change; the state dict's 
 module's parameter names, which ``load_state_dict`` uses) do not.
 
 :func:`is_te_extra_state` tells the ``_extra_state`` objects (TE's FP8 metadata, no weights)
-a checkpoint may hold for modules the running spec does not have
-(``core_attention._extra_state``, a norm's): the loaders ignore them.
+a checkpoint may hold for modules the running spec does not have: the loaders ignore them.
+
+:func:`add_te_extra_state` (at save, after :func:`to_te_names`) adds the ``_extra_state``
+objects the TE spec's modules carry, so that Megatron-Core's strict ``dist_checkpointing.load``
+of a TE-spec model finds every key. Which modules (megatron-core 0.16.1, TE spec, TE 2.x):
+the TE linears (``TELayerNormColumnParallelLinear`` / ``TEColumnParallelLinear`` /
+``TERowParallelLinear`` / duplicated ``TELinear``: ``linear_qkv``, ``linear_proj``, MLA's
+``linear_q_proj``, ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
+``linear_kv_up_proj``, ``mlp.linear_fc1``/``linear_fc2`` of dense MLPs, shared experts and
+each routed expert) and the ``TENorm`` modules (MLA's ``input_layernorm``, an MoE layer's
+``pre_mlp_layernorm``, GQA ``q_layernorm``/``k_layernorm``, ``decoder.final_layernorm``), each
+through ``make_sharded_tensors_for_checkpoint`` (a ``ShardedObject`` whose global shape/offset
+are the layer / expert axes prepended to the module's tensors, replica id ``(0, TP rank, DP
+rank)``, expert DP rank for experts). ``TEDotProductAttention`` writes none in 0.16.1 (its
+``sharded_state_dict`` drops it unless ``softmax_type="learnable"``). The value is what TE's
+``get_extra_state`` returns without FP8: an empty ``uint8`` tensor (TE's linears; its norms'
+``set_extra_state`` takes it too).
 """
 
 from __future__ import annotations
@@ -144,3 +159,83 @@ def is_te_extra_state(key: str) -> bool:
     """True for a torch_dist key of a module's ``_extra_state`` object (``..._extra_state`` or
     ``..._extra_state/shard_<i>_<n>``): TE's FP8 metadata, no weights."""
     return re.search(r"(^|\.)_extra_state(/shard_[\d_.]+)?$", key) is not None
+
+
+# TE-named suffixes (after the layer prefix) of the modules that carry ``_extra_state`` under the
+# TE spec, by a tensor every such module has (``weight``; LN-fused linears also ``layer_norm_weight``)
+_EXTRA_STATE_MODULES = (
+    "self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.linear_q_proj",
+    "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj", "self_attention.q_layernorm", "self_attention.k_layernorm",
+    "input_layernorm", "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2", "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.linear_fc2", "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2",
+)
+_FINAL_NORM = re.compile(r"^((?:.*\.)?decoder\.)final_layernorm\.weight$")
+
+
+def _extra_state_module(key: str) -> str | None:
+    """The module (TE-named torch_dist prefix) whose ``_extra_state`` the TE spec writes beside
+    the tensor ``key`` (a TE-named key), or None."""
+    if _FINAL_NORM.match(key):
+        return key[: -len(".weight")]
+    m = _PREFIX.match(key)
+    if not m:
+        return None
+    rest = m.group(2)
+    for mod in _EXTRA_STATE_MODULES:
+        if rest.startswith(mod + ".") and "." not in rest[len(mod) + 1:]:
+            return m.group(1) + mod
+    return None
+
+
+def add_te_extra_state(sharded_state_dict: Any) -> list[str]:
+    """Add, in place, the ``_extra_state`` ``ShardedObject`` of every module that carries one
+    under the TE spec (module docstring) to a model's sharded state dict whose keys are TE
+    names (:func:`to_te_names` first; one chunk's dict or ``{"model0": ..., ...}``). Each is
+    built as Megatron-Core's ``make_sharded_object_for_checkpoint`` builds it: global shape /
+    offset = the prepended (layer, expert) axes of a ``ShardedTensor`` of the same layer (of
+    the same expert for routed experts), or ``(1,)`` / ``(0,)`` without; replica id ``(0, TP
+    rank, DP rank of that tensor)`` (expert TP rank for routed experts); value an empty
+    ``uint8`` tensor (TE's non-FP8 extra state). Keys the state dict already holds as objects
+    (a model built with the TE spec) are left as they are. Returns the added keys."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    added: list[str] = []
+    for chunk in _chunks(sharded_state_dict):
+        have = {v.key for v in chunk.values() if isinstance(v, ShardedObject)}
+        wanted: dict[tuple[str, str], str] = {}  # (unit, object key) -> dict key
+        axes: dict[str, ShardedTensor] = {}  # unit -> a ShardedTensor of it
+        for dict_key, t in chunk.items():
+            if not isinstance(t, (ShardedTensor, ShardedTensorFactory)):
+                continue
+            unit = _unit(dict_key)
+            if isinstance(t, ShardedTensor):
+                axes.setdefault(unit, t)
+            mod = _extra_state_module(t.key)
+            if mod and f"{mod}._extra_state" not in have:
+                wanted.setdefault((unit, f"{mod}._extra_state"), f"{unit}te_extra_state:{mod}")
+        for (unit, key), dict_key in wanted.items():
+            t = axes[unit]
+            n = t.prepend_axis_num
+            shape, offset = (tuple(t.global_shape[:n]), tuple(t.global_offset[:n])) if n else ((1,), (0,))
+            tp = ps.get_expert_tensor_parallel_rank() if ".mlp.experts." in key else ps.get_tensor_model_parallel_rank()
+            chunk[dict_key] = ShardedObject(key, torch.empty(0, dtype=torch.uint8), shape, offset, (0, tp, t.replica_id[2]))
+            added.append(key)
+    return added
+
+
+def _unit(dict_key: str) -> str:
+    """The state-dict key prefix a tensor shares with the other tensors of its layer (``...
+    layers.<i>.``), of its routed expert (``...local_experts.<e>.``), or ``""`` outside layers."""
+    m = re.match(r"^(.*?layers\.\d+\.(?:.*?local_experts\.\d+\.)?)", dict_key)
+    return m.group(1) if m else ""
+
+
+def _chunks(sd: Any) -> list[dict]:
+    """The model chunk dicts of a sharded state dict: ``sd`` itself, or its dict values
+    (``{"model": ...}`` / ``{"model0": ..., "model1": ...}``)."""
+    if any(isinstance(v, dict) for v in sd.values()):
+        return [v for v in sd.values() if isinstance(v, dict)]
+    return [sd]

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from moe_async.models.mapping import ExpandedTable, Rule, expand, fuse_all, gated_mlp_rules, split_all
+from moe_async.models.rope import Rope, read_rope
 
 Tensor = torch.Tensor
 
@@ -73,25 +74,11 @@ class ArchArgs:
     tie_word_embeddings: bool
     num_experts: int | None = None  # None for dense
     top_k: int | None = None
+    rope: Rope | None = None  # the RoPE (type and scaling) read from the HF config; None: plain, rope_theta
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
-
-
-def read_rope_theta(d: Mapping[str, Any]) -> float:
-    """RoPE base: ``rope_parameters["rope_theta"]`` (transformers 5) or ``rope_theta`` (4.x);
-    ValueError for scaled RoPE types (not supported)."""
-    rp = d.get("rope_parameters") or d.get("rope_scaling")
-    if rp:
-        rtype = rp.get("rope_type", rp.get("type", "default"))
-        if rtype not in ("default", None):
-            raise ValueError(f"unsupported HF config field rope_parameters.rope_type={rtype!r}")
-        if "rope_theta" in rp:
-            return float(rp["rope_theta"])
-    if d.get("rope_theta") is not None:
-        return float(d["rope_theta"])
-    raise ValueError("HF config has neither rope_parameters.rope_theta nor rope_theta")
 
 
 def qkv_fuse(ts, a: ArchArgs) -> Tensor:
@@ -206,15 +193,19 @@ def gqa_heads(d: Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 def decoder_fields(d: Mapping[str, Any], *, num_key_value_heads: int, head_dim: int, rms_norm_eps: float,
-                   max_position_embeddings: int) -> dict[str, Any]:
+                   max_position_embeddings: int, rope_types: tuple[str, ...] = ("default",)) -> dict[str, Any]:
     """The :class:`ArchArgs` fields every decoder family reads the same way from its HF config
     dict ``d`` (``rms_norm_eps`` and ``max_position_embeddings``: the family's defaults when
     ``d`` lacks them; ``num_key_value_heads``, ``head_dim``: as the family derives them).
 
+    ``rope_types``: the RoPE types the family implements (:func:`rope.read_rope`).
+
     Raises:
         KeyError: ``model_type``, ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` or
             ``num_attention_heads`` missing.
+        ValueError: a RoPE the family does not implement, naming the field.
     """
+    rope = read_rope(d, rope_types)
     return dict(
         model_type=d["model_type"],
         vocab_size=d["vocab_size"],
@@ -224,7 +215,8 @@ def decoder_fields(d: Mapping[str, Any], *, num_key_value_heads: int, head_dim: 
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", rms_norm_eps)),
-        rope_theta=read_rope_theta(d),
+        rope_theta=rope.theta,
+        rope=rope,
         max_position_embeddings=d.get("max_position_embeddings", max_position_embeddings),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
     )
@@ -255,6 +247,8 @@ class ModelFamily(ABC):
     fused_expert_names: tuple[str, str, str] | None = None
     #: other in-memory -> on-disk names under ``model.layers.{i}.``
     in_memory_renames: Mapping[str, str] = {}
+    #: the attention builds its own RoPE from the config (MLA); else GPTModel's rotary embedding
+    rope_in_attention: bool = False
 
     def read_hf_config(self, hf_config: Any) -> dict[str, Any]:
         """The HF config as a dict (:func:`hf_config_dict`), checked.
@@ -289,7 +283,7 @@ class ModelFamily(ABC):
         moe = self.moe_args(d)
         return ArchArgs(
             **decoder_fields(d, num_key_value_heads=ng, head_dim=d.get("head_dim") or h // nh,
-                             rms_norm_eps=self.default_rms_norm_eps,
+                             rms_norm_eps=self.default_rms_norm_eps, rope_types=("default", "yarn"),
                              max_position_embeddings=self.default_max_position_embeddings),
             intermediate_size=d[self.intermediate_size_field],
             **moe,
@@ -424,7 +418,13 @@ class ModelFamily(ABC):
         )
         kw.update(self.model_config_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff))
         kw.update(overrides)
-        return self.config_class()(**kw)
+        cfg = self.config_class()(**kw)
+        if a.rope is not None and a.rope.is_yarn and not getattr(cfg, "multi_latent_attention", False):
+            # GPTModel's position_embedding_type="yarn" reads these attributes (TransformerConfig
+            # declares none of them; getattr in gpt_model.py / attention.py)
+            for k, v in a.rope.gpt_yarn_config().items():
+                setattr(cfg, k, v)
+        return cfg
 
     def config_class(self) -> type:
         """Megatron's config class of this family (``TransformerConfig``)."""
@@ -477,11 +477,12 @@ class ModelFamily(ABC):
     def gpt_model_kwargs(self, hf_config: Any) -> dict[str, Any]:
         """Keyword arguments of ``GPTModel`` besides config/spec/pre/post-process."""
         a = self.arch_args(hf_config)
+        yarn = a.rope is not None and a.rope.is_yarn and not self.rope_in_attention
         return dict(
             vocab_size=a.vocab_size,
             max_sequence_length=a.max_position_embeddings,
             share_embeddings_and_output_weights=a.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if yarn else "rope",  # YaRN's fields: transformer_config
             rotary_percent=1.0,
             rotary_base=a.rope_theta,
         )

@@ -1,4 +1,4 @@
-"""Parameter counts of an MoE decoder from its HF config fields (no weights, no torch).
+"""Parameter counts of an MoE decoder from its HF config fields (no weights), and its RoPE row.
 
 Every count is in elements (parameters), read from the HF ``config.json`` field names, per
 family (``model_type``):
@@ -88,6 +88,7 @@ class ModelShape:
     act_attn: int  # per-token widths stored by attention, split over TP heads: q + k + v + its output
     kv_cache_per_token_layer: int
     act_attn_whole: int = 0  # per-token widths every TP rank computes whole (MLA's latents)
+    rope: str = ""  # the RoPE read from the config (type and YaRN scaling), one line
     not_counted: tuple[str, ...] = field(default=())
 
     @property
@@ -253,4 +254,20 @@ def model_shape(d: Mapping[str, Any], source: str) -> ModelShape:
         moe_intermediate_size=i_moe, dense_intermediate_size=dense_i,
         shared_intermediate_size=shared_i, layers=layers, embedding=vocab * h, output=0 if tied else vocab * h,
         final_norm=h, tied=tied, act_attn=act, act_attn_whole=act_whole, kv_cache_per_token_layer=kv_cache,
-        not_counted=tuple(not_counted))
+        not_counted=tuple(not_counted), rope=rope_row(d))
+
+
+def rope_row(d: Mapping[str, Any]) -> str:
+    """The RoPE of HF config fields ``d`` in one line (:meth:`moe_async.models.rope.Rope.describe`:
+    ``rope (theta ...)`` or ``yarn (factor ..., softmax x...)``); ``rope_theta not given`` when
+    the fields leave it out; the reader's message for a RoPE no family implements."""
+    from moe_async.models.rope import ROPE_TYPES, read_rope, rope_fields  # imports torch (the package)
+
+    where, rp = rope_fields(d)
+    if "rope_theta" not in rp and d.get("rope_theta") is None:
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        return f"{'rope' if rtype == 'default' else rtype} (rope_theta not given)"
+    try:
+        return read_rope(d, ROPE_TYPES).describe()
+    except ValueError as e:
+        return f"not supported: {e}"

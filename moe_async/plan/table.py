@@ -24,6 +24,7 @@ def format_plan(plan, cfg, config_name: str) -> str:
         f"moe-async plan: {config_name}",
         f"model    {s.model_type} ({s.source}): {_b(s.total)} parameters, {_b(s.expert_total)} in routed experts "
         f"({s.num_experts} x {moe_layers} MoE layers, top-{s.top_k}), {_b(s.active)} active per token",
+        f"rope     {s.rope}",
         f"cluster  {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB per node; the roles use "
         f"{lay.world_size + e.num_engines * e.devices} GPUs = {plan.nodes_needed} node(s)"
         + (f" of cluster.nodes={c.nodes}" if c.nodes else ""),

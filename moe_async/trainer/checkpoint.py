@@ -61,9 +61,13 @@ class CheckpointMixin:
         with cpu_device_scope():
             from moe_async.megatron.container import trainer_common_state
 
+            from moe_async.megatron.te_spec_names import add_te_extra_state
+
+            model_sd = self._model_sharded_state_dict()
+            add_te_extra_state(model_sd)  # the TE modules' _extra_state: a TE-spec model loads it strictly
             sd = {
                 **trainer_common_state(self),  # Megatron-LM's iteration / args / checkpoint_version (common.pt)
-                **self._model_sharded_state_dict(),
+                **model_sd,
                 "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict(),
                                                                **self._optim_ckpt_kwargs()),
             }

@@ -61,7 +61,7 @@ def test_in_memory_fused_layout(ckpt):
 @pytest.mark.parametrize(
     "field,bad",
     [
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 40.0}),
         ("norm_topk_prob", False),
         ("attention_bias", True),
         ("hidden_act", "gelu"),

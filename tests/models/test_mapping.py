@@ -92,7 +92,9 @@ def test_unsupported_fields_rejected(ckpt):
     fam = get_family("mixtral")
     with pytest.raises(ValueError, match="sliding_window"):
         fam.arch_args(dict(cfg, sliding_window=4096))
-    with pytest.raises(ValueError, match="rope_type"):
+    with pytest.raises(ValueError, match="rope_parameters.rope_type='dynamic'"):
+        fam.arch_args(dict(cfg, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4}))
+    with pytest.raises(ValueError, match="rope_parameters.original_max_position_embeddings"):  # YaRN needs it
         fam.arch_args(dict(cfg, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4}))
     with pytest.raises(ValueError, match="qwen9"):
         get_family("qwen9")

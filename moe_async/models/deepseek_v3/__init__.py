@@ -25,8 +25,17 @@ Architecture -> Megatron-Core 0.16.1:
   of its top 2. They agree iff ``num_experts_per_tok // topk_group == 2`` (DeepSeek-V3: 8 // 4)
   or every group is selected (``topk_group >= n_group``: no group limit, mapped to none).
 
-Rejected with the field named (never approximated): scaled RoPE (``rope_parameters.rope_type``
-other than default, e.g. YaRN), ``norm_topk_prob=False``,
+* RoPE: plain, or YaRN as released (``rope_scaling`` type ``yarn``, factor 40, ``mscale`` =
+  ``mscale_all_dim`` = 1) -> MLA's ``rope_type="yarn"`` (Megatron's ``YarnRotaryEmbedding``: the
+  same blended frequencies and cos/sin factor as transformers) with ``rotary_scaling_factor``,
+  ``mscale``, ``mscale_all_dim``, ``original_max_position_embeddings``, ``beta_fast/slow``
+  (:meth:`moe_async.models.rope.Rope.megatron_yarn`). Both sides also scale the attention
+  softmax by ``get_mscale(factor, mscale_all_dim)^2`` (about 1.87 for the release):
+  transformers in ``yarn_apply_mscale``, Megatron in ``MultiLatentAttention.softmax_scale``.
+
+Rejected with the field named (never approximated): RoPE types other than default and yarn,
+YaRN settings Megatron-Core cannot reproduce (:func:`moe_async.models.rope.read_rope`),
+``norm_topk_prob=False``,
 ``attention_bias``, ``hidden_act`` other than silu, ``pretraining_tp`` != 1, group settings
 Megatron cannot reproduce (see above). HF's ``q_a_layernorm``/``kv_a_layernorm`` use a fixed
 eps 1e-6 whatever ``rms_norm_eps`` is; the local spec builds Megatron's latent norms so too.
@@ -175,6 +184,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
 
     model_types = ("deepseek_v3",)
     display_name = "DeepSeek-V3"
+    rope_in_attention = True  # MLA builds its (YaRN) rotary embedding from the config
     unsupported_fields = {
         "hidden_act": "silu",
         "attention_bias": False,
@@ -195,7 +205,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
         return DeepseekV3Args(
             **decoder_fields(d, num_key_value_heads=d["num_attention_heads"],  # MLA: no query groups
                              head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"], rms_norm_eps=1e-6,
-                             max_position_embeddings=4096),
+                             max_position_embeddings=4096, rope_types=("default", "yarn")),
             q_lora_rank=d.get("q_lora_rank"),
             kv_lora_rank=d["kv_lora_rank"],
             qk_nope_head_dim=d["qk_nope_head_dim"],
@@ -237,12 +247,9 @@ class DeepseekV3Family(SigmoidMoeFamily):
             qk_pos_emb_head_dim=a.qk_rope_head_dim,
             v_head_dim=a.v_head_dim,
             qk_layernorm=True,  # builds the q_a / kv_a RMSNorms of the local MLA spec
-            rope_type="rope",
-            rotary_base=a.rope_theta,
             rotary_percent=1.0,
-            rotary_scaling_factor=1.0,
-            mscale=1.0,
-            mscale_all_dim=0.0,
+            # rope_type, rotary_base, rotary_scaling_factor, mscale, mscale_all_dim (+ YaRN's range)
+            **a.rope.megatron_yarn(),
             **sigmoid_moe_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff),
         )
 
