@@ -2,6 +2,7 @@
 
     python -m moe_async.orchestration.cluster --address HOST:PORT --nodes N [--gpus-per-node G]
         [--tag RESOURCE] [--head-only] [--timeout S] [--watch-pid PID] CONFIG.yaml [key=value ...]
+    python -m moe_async.orchestration.cluster --preflight --gpus-per-node G CONFIG.yaml [key=value ...]
 
 The nodes a launcher starts carry a custom resource ``--tag`` (1 per node, e.g.
 ``slurm_job_<id>``), so the nodes counted are that job's own, not a foreign cluster that
@@ -12,7 +13,10 @@ happens to answer on the port. The wait polls (no fixed sleeps) until
   devices per engine`` GPUs are *available* (a leftover actor of another job that holds GPUs
   is not counted),
 
-then prints one line and exits 0. After ``--timeout`` seconds it exits 1 with
+then prints one line and exits 0. A config whose engines need GPUs (``engine.backend:
+sglang``) on nodes without any (``--gpus-per-node 0``) is refused at once naming the field
+(exit 2), as is a bad config; ``--preflight`` only does these checks (no Ray), for the
+launcher to run before it starts anything. After ``--timeout`` seconds it exits 1 with
 ``need 2 nodes, 16 GPU; have 1 node, 8 GPU (...)``; when the process ``--watch-pid`` (the
 launcher's head step) exits first it exits 3 (the launcher may retry on another port).
 """
@@ -45,6 +49,37 @@ def required_resources(cfg: Any, nodes: int, gpus_per_node: float = 0.0) -> dict
         need["GPU"] = float(cfg.trainer.resolved_world_size
                             + cfg.engine.num_engines * cfg.engine.resolved_devices_per_engine)
     return need
+
+
+def gpu_need(cfg: Any) -> str | None:
+    """The config field that needs GPUs (``engine.backend='sglang'``: SGLang engines run on GPUs
+    only), else None."""
+    return "engine.backend='sglang'" if cfg.engine.backend == "sglang" else None
+
+
+def refuse_without_gpus(cfg: Any, gpus: float | None = None, where: str = "this host") -> None:
+    """Refuse a config that needs GPUs (:func:`gpu_need`) where there are none, instead of
+    placing its engines on CPU-only bundles. ``gpus`` None: this host's CUDA devices for a local
+    run; skipped when attached to a cluster (``RAY_ADDRESS``; the driver counts its GPUs after
+    connecting).
+
+    Raises:
+        UserInputError: naming the field, ``where`` and its 0 GPU.
+    """
+    from moe_async.errors import UserInputError
+
+    need = gpu_need(cfg)
+    if need is None:
+        return
+    if gpus is None:
+        if os.environ.get("RAY_ADDRESS"):
+            return
+        import torch
+
+        gpus = float(torch.cuda.device_count())
+    if gpus <= 0:
+        raise UserInputError(f"{need} needs GPUs and {where} has 0 GPU (on Slurm: sbatch --gpus-per-node=N; "
+                             "on CPU: engine.backend=embedded)")
 
 
 def cluster_has(tag: str | None) -> dict[str, float]:
@@ -136,23 +171,30 @@ def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_async.orchestration.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", required=True, help="HOST:PORT of the Ray head (GCS)")
+    p.add_argument("--address", default=None, help="HOST:PORT of the Ray head (GCS); required unless --preflight")
     p.add_argument("--nodes", type=int, default=1, help="nodes the launcher started")
     p.add_argument("--gpus-per-node", type=float, default=0.0, help="GPUs each node registers (0: CPU)")
     p.add_argument("--tag", default=None, help="custom resource each of the launcher's nodes carries (1 each)")
     p.add_argument("--head-only", action="store_true", help="wait for the head node alone (1 tagged node)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
     p.add_argument("--watch-pid", type=int, default=None, help="fail at once when this process exits")
+    p.add_argument("--preflight", action="store_true", help="only check the config and its GPU need, no Ray")
     p.add_argument("config", help="YAML experiment file")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     a = p.parse_args(argv)
     from moe_async.config import ConfigError, load_config
+    from moe_async.errors import UserInputError
 
     try:
         cfg = load_config(a.config, a.overrides)
-    except ConfigError as e:
+        refuse_without_gpus(cfg, a.gpus_per_node, "the allocation (--gpus-per-node)")
+    except (ConfigError, UserInputError) as e:
         print(f"moe-async: {e}", file=sys.stderr)
         return 2
+    if a.preflight:
+        return 0
+    if a.address is None:
+        p.error("--address is required")
     need = {"nodes": 1.0} if a.head_only else required_resources(cfg, a.nodes, a.gpus_per_node)
     t0 = time.monotonic()
     try:
