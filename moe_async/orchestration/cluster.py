@@ -18,7 +18,8 @@ sglang``) on nodes without any (``--gpus-per-node 0``) is refused at once naming
 (exit 2), as is a bad config; ``--preflight`` only does these checks (no Ray), for the
 launcher to run before it starts anything. After ``--timeout`` seconds it exits 1 with
 ``need 2 nodes, 16 GPU; have 1 node, 8 GPU (...)``; when the process ``--watch-pid`` (the
-launcher's head step) exits first it exits 3 (the launcher may retry on another port).
+launcher's head step) or a ``--watch-worker-pid`` (a worker node's step) exits first it exits 3
+(the launcher may retry the head on another port).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 EXIT_TIMEOUT, EXIT_HEAD_GONE = 1, 3
 
@@ -117,13 +118,15 @@ def _alive(pid: int | None) -> bool:
 
 
 def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag: str | None = None,
-                     watch_pid: int | None = None, poll_s: float = 0.5) -> dict[str, float]:
+                     watch_pid: int | None = None, poll_s: float = 0.5,
+                     watch_workers: Sequence[int] = ()) -> dict[str, float]:
     """Connect to ``address`` once its port answers, then poll until :func:`cluster_has` meets
     ``need``; returns what the cluster has. Leaves the connection closed (``ray.shutdown``).
 
     Raises:
         ClusterTimeout: after ``timeout_s``: ``need ... ; have ...`` (what is missing).
-        HeadGone: ``watch_pid`` exited before the cluster was ready.
+        HeadGone: ``watch_pid`` (the head's launcher step) or one of ``watch_workers`` (the
+            worker nodes' steps) exited before the cluster was ready.
     """
     import ray
 
@@ -135,6 +138,10 @@ def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag
     def check_head() -> None:
         if not _alive(watch_pid):
             raise HeadGone(f"the Ray head process {watch_pid} exited before the cluster at {address} was ready")
+        gone = [p for p in watch_workers if not _alive(p)]
+        if gone:
+            raise HeadGone(f"the Ray worker step(s) {', '.join(map(str, gone))} exited before the cluster at "
+                           f"{address} was ready (their log: the launcher's log directory)")
 
     while True:  # the head's port
         check_head()
@@ -178,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-only", action="store_true", help="wait for the head node alone (1 tagged node)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
     p.add_argument("--watch-pid", type=int, default=None, help="fail at once when this process exits")
+    p.add_argument("--watch-worker-pid", type=int, action="append", default=[],
+                   help="a worker node's launcher step: fail at once when it exits (repeatable)")
     p.add_argument("--preflight", action="store_true", help="only check the config and its GPU need, no Ray")
     p.add_argument("config", help="YAML experiment file")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -198,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     need = {"nodes": 1.0} if a.head_only else required_resources(cfg, a.nodes, a.gpus_per_node)
     t0 = time.monotonic()
     try:
-        have = wait_for_cluster(a.address, need, a.timeout, a.tag, a.watch_pid)
+        have = wait_for_cluster(a.address, need, a.timeout, a.tag, a.watch_pid, watch_workers=a.watch_worker_pid)
     except ClusterTimeout as e:
         print(f"moe-async: the Ray cluster is not ready: {e}", file=sys.stderr)
         return EXIT_TIMEOUT
