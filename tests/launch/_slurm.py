@@ -131,7 +131,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
     def wait_job(self, job_id: str, timeout_s: float, poll=None) -> dict[str, str]:
-        """Poll until the job leaves PENDING/RUNNING/COMPLETING (a requeued job: until its next life ends); ``poll()`` runs each time."""
+        """Poll until the job leaves PENDING/RUNNING/COMPLETING (a requeued job: until its next
+        life ends); ``poll()`` runs each time."""
         deadline = time.monotonic() + timeout_s
         while True:
             info = self.job(job_id)
