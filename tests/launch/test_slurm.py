@@ -188,7 +188,7 @@ def test_preemption_signal_checkpoints_requeues_and_continues(slurm, tmp_path) -
             slurm.run("scancel", "--batch", "--signal=TERM", job)
             signalled.append(time.monotonic())
 
-    info = slurm.wait_job(job, 2 * JOB_TIMEOUT_S, poll=poll)
+    info = slurm.wait_job(job, 3 * JOB_TIMEOUT_S, poll=poll)  # two lives, and Slurm holds a requeued job a while
     text = log.read_text()
     assert signalled, text[-4000:]
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
