@@ -79,7 +79,8 @@ def _submit(slurm, tmp: Path, *overrides: str, **extra_env: str) -> tuple[str, s
            # short (unix socket paths), and not the default /tmp/ray-<id>: job ids restart at 1 here
            "MOE_ASYNC_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"), "MOE_ASYNC_LOG_DIR": str(tmp / "logs"),
            **extra_env}
-    env.pop("MOE_ASYNC_PYTHON", None)
+    if "MOE_ASYNC_PYTHON" not in extra_env:
+        env.pop("MOE_ASYNC_PYTHON", None)
     if not _DEFAULT_PY.is_file():  # a checkout without its own .venv (a git worktree): name this python
         env["MOE_ASYNC_PYTHON"] = sys.executable
     log = tmp / "job.out"
