@@ -208,7 +208,8 @@ class _SubprocessEngine(Engine):
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        if clean_stop and self.log_path and os.path.exists(self.log_path):
+        # a clean stop removes a temporary log; one in the run's log dir stays with the run
+        if clean_stop and self.log_path and os.path.exists(self.log_path) and not _log_dir():
             os.remove(self.log_path)
 
 
