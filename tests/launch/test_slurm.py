@@ -205,7 +205,9 @@ def test_preemption_signal_checkpoints_requeues_and_continues(slurm, tmp_path) -
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4], steps  # continuous: each step once
     assert summary["final_weight_version"] == 4 and summary["final_weights_match"] is True
-    assert (ckpt / "latest").read_text().strip() == "step_4" and not list(ckpt.glob("*.tmp"))
+    # the signal's checkpoint, the one resumed (no periodic saves: trainer.save_interval=0)
+    assert (ckpt / "latest").read_text().strip() == f"step_{n}" and not list(ckpt.glob("*.tmp"))
+    assert json.loads((ckpt / f"step_{n}" / "moe_async_state.json").read_text())["extra"]["step"] == n
     assert json.loads((ckpt / "moe_async_owner.json").read_text())["run_id"] == f"slurm-{slurm.cluster_name}-{job}"
     _assert_nothing_left(tag, watch, log)
 
