@@ -33,7 +33,7 @@ SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
 _DEFAULT_PY = ROOT / ".venv" / "bin" / "python"  # what the script runs unless MOE_ASYNC_PYTHON says
 JOB_TIMEOUT_S = 420  # each job's wait; its Slurm time limit is 30 minutes (above the script's 600 s --signal lead)
 
-# not marked slow: pyproject deselects slow tests, and this one is part of `make test` (about 2.5 min)
+# not marked slow: pyproject deselects slow tests, and this one is part of `make test` (about 2.5 min before the requeue job was added)
 
 _missing = _slurm.missing_binaries()
 if _missing:
