@@ -6,8 +6,8 @@ Both run a server process speaking SGLang's HTTP protocol on ``host:port``:
 * :class:`SGLangEngine`: ``python -m sglang.launch_server`` (GPU).
 
 Lifecycle: ``launch()`` spawns the process in its own session (process group), logs its
-output to a file, and waits for ``GET /health`` up to ``cfg.startup_timeout_s``; if the
-process dies first, the error carries the tail of its log. ``shutdown()`` sends SIGTERM to
+output to a file (under ``MOE_ASYNC_ENGINE_LOG_DIR`` when set), and waits for ``GET /health``
+(never through a proxy) up to ``cfg.startup_timeout_s``; if the process dies first, the error carries the tail of its log. ``shutdown()`` sends SIGTERM to
 the group, then SIGKILL after a grace period; an ``atexit`` hook does the same for engines
 still running when the interpreter exits, and the embedded server also exits by itself
 when its parent is gone (``--parent-pid``; SGLang: ``PR_SET_PDEATHSIG`` = SIGTERM on the
@@ -82,7 +82,7 @@ class Engine(abc.ABC):
         if not self.alive:
             return False
         try:
-            return httpx.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+            return httpx.get(f"{self.url}/health", timeout=timeout_s, trust_env=False).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -141,7 +141,8 @@ class _SubprocessEngine(Engine):
         from moe_async.affinity import check_cpu_affinity
 
         cores = check_cpu_affinity(self.cfg.cpu_affinity, "engine.cpu_affinity")  # raises in the parent
-        fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log")
+        fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log",
+                                             dir=_log_dir())
         self._log_file = os.fdopen(fd, "wb")
         self.proc = subprocess.Popen(
             self.command(),
@@ -162,7 +163,7 @@ class _SubprocessEngine(Engine):
                     f"{self.name} server exited with code {rc} during startup; log tail:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -207,7 +208,8 @@ class _SubprocessEngine(Engine):
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        if clean_stop and self.log_path and os.path.exists(self.log_path):
+        # a clean stop removes a temporary log; one in the run's log dir stays with the run
+        if clean_stop and self.log_path and os.path.exists(self.log_path) and not _log_dir():
             os.remove(self.log_path)
 
 
@@ -284,6 +286,15 @@ class SGLangEngine(_SubprocessEngine):
             else:
                 cmd += [flag, str(val)]
         return cmd
+
+
+def _log_dir() -> str | None:
+    """Where engine logs go: ``MOE_ASYNC_ENGINE_LOG_DIR`` (the run dir's ``logs/``, set by the
+    driver for its workers; created here), else the temporary directory."""
+    d = os.environ.get("MOE_ASYNC_ENGINE_LOG_DIR")
+    if d:
+        os.makedirs(d, exist_ok=True)
+    return d or None
 
 
 def _set_pdeathsig(sig: int) -> None:

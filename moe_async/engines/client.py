@@ -11,6 +11,9 @@ Retries (tenacity, exponential backoff): connection errors and 5xx on idempotent
 retried only when the connection could not be made (nothing ran). Weight-group calls are
 collectives and are never retried. A 4xx raises :class:`EngineRequestError` carrying the
 server's message.
+
+Engines are cluster traffic: both clients ignore ``http_proxy``/``HTTP_PROXY`` and the other
+proxy variables (``trust_env=False``), which Slurm hands down to every process.
 """
 
 from __future__ import annotations
@@ -449,7 +452,7 @@ class EngineClient(_Base):
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, **kw):
         super().__init__(base_url, timeout_s, **kw)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -488,7 +491,7 @@ class SyncEngineClient(_Base):
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, **kw):
         super().__init__(base_url, timeout_s, **kw)
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, trust_env=False)
 
     def close(self) -> None:
         self._http.close()

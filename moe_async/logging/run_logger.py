@@ -19,8 +19,9 @@ from typing import Any
 from moe_async.logging.config import LoggingConfig
 
 
-def make_run_dir(cfg: LoggingConfig, name: str) -> Path:
-    """Create ``<output_dir>/<name>-<YYYYmmdd-HHMMSS>[-n]`` and return it (absolute).
+def make_run_dir(cfg: LoggingConfig, name: str, path: Path | None = None) -> Path:
+    """Create ``<output_dir>/<name>-<YYYYmmdd-HHMMSS>[-n]`` and return it (absolute); with
+    ``path`` (a run id's fixed directory under ``output_dir``) create or reuse that one.
 
     Raises:
         UserInputError naming ``logging.output_dir`` when it cannot be created or written
@@ -36,6 +37,9 @@ def make_run_dir(cfg: LoggingConfig, name: str) -> Path:
     except OSError as e:  # FileExistsError/NotADirectoryError (a file there), PermissionError, EROFS
         raise UserInputError(f"logging.output_dir={cfg.output_dir!r}: cannot create a run directory "
                              f"there ({type(e).__name__}: {e})") from e
+    if path is not None:
+        path.mkdir(exist_ok=True)
+        return path
     stamp = time.strftime("%Y%m%d-%H%M%S")
     d = base / f"{name}-{stamp}"
     n = 1

@@ -2,6 +2,7 @@
 
     python -m moe_async.orchestration.cluster --address HOST:PORT --nodes N [--gpus-per-node G]
         [--tag RESOURCE] [--head-only] [--timeout S] [--watch-pid PID] CONFIG.yaml [key=value ...]
+    python -m moe_async.orchestration.cluster --preflight --gpus-per-node G CONFIG.yaml [key=value ...]
 
 The nodes a launcher starts carry a custom resource ``--tag`` (1 per node, e.g.
 ``slurm_job_<id>``), so the nodes counted are that job's own, not a foreign cluster that
@@ -12,9 +13,13 @@ happens to answer on the port. The wait polls (no fixed sleeps) until
   devices per engine`` GPUs are *available* (a leftover actor of another job that holds GPUs
   is not counted),
 
-then prints one line and exits 0. After ``--timeout`` seconds it exits 1 with
+then prints one line and exits 0. A config whose engines need GPUs (``engine.backend:
+sglang``) on nodes without any (``--gpus-per-node 0``) is refused at once naming the field
+(exit 2), as is a bad config; ``--preflight`` only does these checks (no Ray), for the
+launcher to run before it starts anything. After ``--timeout`` seconds it exits 1 with
 ``need 2 nodes, 16 GPU; have 1 node, 8 GPU (...)``; when the process ``--watch-pid`` (the
-launcher's head step) exits first it exits 3 (the launcher may retry on another port).
+launcher's head step) or a ``--watch-worker-pid`` (a worker node's step) exits first it exits 3
+(the launcher may retry the head on another port).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 EXIT_TIMEOUT, EXIT_HEAD_GONE = 1, 3
 
@@ -45,6 +50,37 @@ def required_resources(cfg: Any, nodes: int, gpus_per_node: float = 0.0) -> dict
         need["GPU"] = float(cfg.trainer.resolved_world_size
                             + cfg.engine.num_engines * cfg.engine.resolved_devices_per_engine)
     return need
+
+
+def gpu_need(cfg: Any) -> str | None:
+    """The config field that needs GPUs (``engine.backend='sglang'``: SGLang engines run on GPUs
+    only), else None."""
+    return "engine.backend='sglang'" if cfg.engine.backend == "sglang" else None
+
+
+def refuse_without_gpus(cfg: Any, gpus: float | None = None, where: str = "this host") -> None:
+    """Refuse a config that needs GPUs (:func:`gpu_need`) where there are none, instead of
+    placing its engines on CPU-only bundles. ``gpus`` None: this host's CUDA devices for a local
+    run; skipped when attached to a cluster (``RAY_ADDRESS``; the driver counts its GPUs after
+    connecting).
+
+    Raises:
+        UserInputError: naming the field, ``where`` and its 0 GPU.
+    """
+    from moe_async.errors import UserInputError
+
+    need = gpu_need(cfg)
+    if need is None:
+        return
+    if gpus is None:
+        if os.environ.get("RAY_ADDRESS"):
+            return
+        import torch
+
+        gpus = float(torch.cuda.device_count())
+    if gpus <= 0:
+        raise UserInputError(f"{need} needs GPUs and {where} has 0 GPU (on Slurm: sbatch --gpus-per-node=N; "
+                             "on CPU: engine.backend=embedded)")
 
 
 def cluster_has(tag: str | None) -> dict[str, float]:
@@ -82,13 +118,15 @@ def _alive(pid: int | None) -> bool:
 
 
 def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag: str | None = None,
-                     watch_pid: int | None = None, poll_s: float = 0.5) -> dict[str, float]:
+                     watch_pid: int | None = None, poll_s: float = 0.5,
+                     watch_workers: Sequence[int] = ()) -> dict[str, float]:
     """Connect to ``address`` once its port answers, then poll until :func:`cluster_has` meets
     ``need``; returns what the cluster has. Leaves the connection closed (``ray.shutdown``).
 
     Raises:
         ClusterTimeout: after ``timeout_s``: ``need ... ; have ...`` (what is missing).
-        HeadGone: ``watch_pid`` exited before the cluster was ready.
+        HeadGone: ``watch_pid`` (the head's launcher step) or one of ``watch_workers`` (the
+            worker nodes' steps) exited before the cluster was ready.
     """
     import ray
 
@@ -100,6 +138,10 @@ def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag
     def check_head() -> None:
         if not _alive(watch_pid):
             raise HeadGone(f"the Ray head process {watch_pid} exited before the cluster at {address} was ready")
+        gone = [p for p in watch_workers if not _alive(p)]
+        if gone:
+            raise HeadGone(f"the Ray worker step(s) {', '.join(map(str, gone))} exited before the cluster at "
+                           f"{address} was ready (their log: the launcher's log directory)")
 
     while True:  # the head's port
         check_head()
@@ -136,27 +178,36 @@ def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_async.orchestration.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", required=True, help="HOST:PORT of the Ray head (GCS)")
+    p.add_argument("--address", default=None, help="HOST:PORT of the Ray head (GCS); required unless --preflight")
     p.add_argument("--nodes", type=int, default=1, help="nodes the launcher started")
     p.add_argument("--gpus-per-node", type=float, default=0.0, help="GPUs each node registers (0: CPU)")
     p.add_argument("--tag", default=None, help="custom resource each of the launcher's nodes carries (1 each)")
     p.add_argument("--head-only", action="store_true", help="wait for the head node alone (1 tagged node)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
     p.add_argument("--watch-pid", type=int, default=None, help="fail at once when this process exits")
+    p.add_argument("--watch-worker-pid", type=int, action="append", default=[],
+                   help="a worker node's launcher step: fail at once when it exits (repeatable)")
+    p.add_argument("--preflight", action="store_true", help="only check the config and its GPU need, no Ray")
     p.add_argument("config", help="YAML experiment file")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     a = p.parse_args(argv)
     from moe_async.config import ConfigError, load_config
+    from moe_async.errors import UserInputError
 
     try:
         cfg = load_config(a.config, a.overrides)
-    except ConfigError as e:
+        refuse_without_gpus(cfg, a.gpus_per_node, "the allocation (--gpus-per-node)")
+    except (ConfigError, UserInputError) as e:
         print(f"moe-async: {e}", file=sys.stderr)
         return 2
+    if a.preflight:
+        return 0
+    if a.address is None:
+        p.error("--address is required")
     need = {"nodes": 1.0} if a.head_only else required_resources(cfg, a.nodes, a.gpus_per_node)
     t0 = time.monotonic()
     try:
-        have = wait_for_cluster(a.address, need, a.timeout, a.tag, a.watch_pid)
+        have = wait_for_cluster(a.address, need, a.timeout, a.tag, a.watch_pid, watch_workers=a.watch_worker_pid)
     except ClusterTimeout as e:
         print(f"moe-async: the Ray cluster is not ready: {e}", file=sys.stderr)
         return EXIT_TIMEOUT

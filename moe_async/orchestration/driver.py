@@ -72,6 +72,8 @@ from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate,
                                                sigterm_to_checkpoint, sigterm_to_exit)
 from moe_async.orchestration.preemption import sigterm_mode, stop_check
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
+from moe_async.orchestration.cluster import refuse_without_gpus
+from moe_async.orchestration.run_identity import claim, plan_start, trim_metrics
 from moe_async.orchestration.run_state import DrawLedger, record_settled, resume_data
 from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.rollout.evaluation import EvalCurve
@@ -103,7 +105,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     t_launch = time.perf_counter()
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
         check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
-    load_path, start_step = resolve_checkpoint(cfg)  # refused here, before Ray or any process starts
+    # the run's id, run dir and save_dir's owner, trainer.resume=auto, trainer.load: refused here,
+    # before Ray or any process starts
+    plan = plan_start(cfg, resolve_checkpoint)
+    load_path, start_step = plan.load_path, plan.start_step
+    refuse_without_gpus(cfg)  # engine.backend=sglang on a host without GPUs (a local run)
     try:
         on_sigterm = sigterm_mode()  # MOE_ASYNC_SIGTERM: refused before any process starts
     except ValueError as e:
@@ -114,20 +120,29 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     from moe_async.models.prepare import prepare_hf_checkpoint
     from moe_async.orchestration.actors import BufferActor, RolloutActor
     from moe_async.orchestration.engine_pool import EnginePool
-    from moe_async.orchestration.placement import check_tensor_transport_nodes, place_engines, place_trainer
+    from moe_async.orchestration.placement import (check_tensor_transport_nodes, cluster_gpus, place_engines,
+                                                   place_trainer)
     from moe_async.orchestration.trainer_group import TrainerGroup
 
     # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
     model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
     # plan's model rules on the config.json known without making the model: before the run dir
     layout_checked = refuse_layout_before_run_dir(cfg)
-    run_dir = make_run_dir(cfg.logging, cfg.name)
+    fresh_run_dir = plan.run_dir is None or not plan.run_dir.exists()
+    run_dir = make_run_dir(cfg.logging, cfg.name, plan.run_dir)
     console = console or RunConsole(install=False)
     console.attach_log(run_dir)
     timeline = Timeline(run_dir / "trace.json", on_phase=console.status)
     timeline.phase("prepare model")
     # absolute: the trainer actor's working directory need not be the driver's
-    save_dir = str(Path(cfg.trainer.save_dir).expanduser().resolve()) if cfg.trainer.save_dir else str(run_dir / "checkpoints")
+    save_dir = str(plan.save_dir or run_dir / "checkpoints")
+    if cfg.trainer.save_interval or on_sigterm == "checkpoint":  # this run's checkpoints: no other run writes there
+        claim(Path(save_dir), plan.run_id or run_dir.name, run_dir)
+    if plan.auto_resumed:
+        moved = trim_metrics(run_dir, start_step)  # steps after the checkpoint run again: kept aside
+        print(f"[moe-async] trainer.resume=auto: run {plan.run_id} continues from {load_path} (step {start_step}"
+              + (f"; {moved} later metrics line(s) moved to metrics.superseded.jsonl" if moved else "") + ")",
+              flush=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"[moe-async] run dir: {run_dir}", flush=True)
     model_path = model_path or str(prepare_hf_checkpoint(cfg.model))  # other sources: made (and cached) here
@@ -135,11 +150,12 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     from moe_async.plan.report import model_layout_errors
 
     if not layout_checked and (errs := model_layout_errors(cfg, model_path)):  # before any Ray process
-        shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no run dir
+        if fresh_run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
         raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
-    init_ray()
+    init_ray(engine_log_dir=str(run_dir / "logs"))
     prev_sigterm = sigterm_to_checkpoint() if on_sigterm == "checkpoint" else sigterm_to_exit()
     engines = trainer = None
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
@@ -147,6 +163,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     try:
         # both pools placed first (each its own devices or cores), so a cluster short of them
         # fails before anything starts; then the engines start (in parallel) and the ranks
+        refuse_without_gpus(cfg, cluster_gpus(), "the Ray cluster")  # before any bundle is placed
         trainer_slots, engine_slots = place_trainer(cfg), place_engines(cfg)
         check_tensor_transport_nodes(cfg, trainer_slots, engine_slots)  # memory handles stay on one host
         engines = EnginePool(cfg, model_path, placement=engine_slots)

@@ -7,13 +7,20 @@ import os
 from typing import Any
 
 
-def init_ray() -> None:
+def init_ray(engine_log_dir: str | None = None) -> None:
     """Attach to the cluster in ``RAY_ADDRESS`` (launch/slurm/train.sbatch), else start a new
-    local Ray bound to loopback (never another job's cluster found on this host)."""
+    local Ray bound to loopback (never another job's cluster found on this host). Every process
+    of the run gets :func:`~moe_async.orchestration.cluster_env.worker_env` (``no_proxy`` for
+    loopback and the head, NCCL settings; engine logs under ``engine_log_dir``), the driver's
+    own environment the same ``no_proxy``."""
     import ray
 
+    from moe_async.orchestration.cluster_env import head_host, worker_env
+
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    env_vars = worker_env(hosts=head_host(os.environ.get("RAY_ADDRESS")), engine_log_dir=engine_log_dir)
+    os.environ["no_proxy"] = os.environ["NO_PROXY"] = env_vars["no_proxy"]
+    runtime_env = {"env_vars": env_vars}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
     else:

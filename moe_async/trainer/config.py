@@ -233,6 +233,15 @@ class TrainerConfig(ConfigModel):
             "any process starts."
         ),
     )
+    resume: Literal["never", "auto"] = Field(
+        "never",
+        description=(
+            "'auto': resume from the run's own latest checkpoint when one exists (a requeued job: "
+            "same MOE_ASYNC_RUN_ID, set by launch/slurm/train.sbatch), else from trainer.load, else "
+            "start; 'never': only trainer.load. A save_dir holding another run's checkpoints is "
+            "refused either way."
+        ),
+    )
 
     @field_validator("cpu_affinity")
     @classmethod

@@ -63,8 +63,9 @@ class SlurmCluster:
                                f"--seed-file={r / 'munge' / 'munged.seed'}"])
         self._wait(lambda: self.munge_socket.exists(), timeout_s, "munged's socket")
         cpus = os.cpu_count() or 1
+        self.cluster_name = f"moeasync{os.getpid()}"
         self.conf.write_text(f"""\
-ClusterName=moeasync{os.getpid()}
+ClusterName={self.cluster_name}
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
@@ -130,11 +131,12 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
     def wait_job(self, job_id: str, timeout_s: float, poll=None) -> dict[str, str]:
-        """Poll until the job leaves PENDING/RUNNING/COMPLETING; ``poll()`` runs each time."""
+        """Poll until the job leaves PENDING/RUNNING/COMPLETING (a requeued job: until its next
+        life ends); ``poll()`` runs each time."""
         deadline = time.monotonic() + timeout_s
         while True:
             info = self.job(job_id)
-            if info["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            if info["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "REQUEUE_FED"):
                 return info
             if time.monotonic() > deadline:
                 subprocess.run(["scancel", job_id], env=self.env)

@@ -98,3 +98,16 @@ def test_wait_fails_at_once_when_the_head_process_exits(ray_env) -> None:
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and f"the Ray head process {dead.pid} exited" in p.stderr, p.stderr[-3000:]
     assert time.monotonic() - t0 < 30
+
+
+def test_wait_fails_at_once_when_a_worker_step_exits(ray_env) -> None:
+    """``--watch-worker-pid``: a worker node's step exited during the wait (the head still runs):
+    exit 3 at once naming that step, not after the timeout."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    t0 = time.monotonic()
+    p = subprocess.run([*_wait_cmd("127.0.0.1:9", 600), "--watch-pid", str(os.getpid()), "--watch-worker-pid",
+                        str(os.getpid()), "--watch-worker-pid", str(dead.pid)], env=ray_env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 3 and f"the Ray worker step(s) {dead.pid} exited" in p.stderr, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 300  # not the 600 s timeout (start-up alone is slow on a loaded host)
