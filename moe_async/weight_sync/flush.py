@@ -41,9 +41,12 @@ class DeferredFlushes:
         self.pending: list[tuple[int, Future, int]] = []
 
     def start(self, clients: Sequence[Any], weight_version: int, timeout_s: float) -> None:
-        """``client.flush_cache(timeout_s=timeout_s)`` on every engine, not waited for."""
+        """``client.flush_cache(timeout_s=timeout_s)`` on every engine, not waited for; not
+        on an engine whose previous deferred flush is still waiting (SGLang refuses a second
+        one, and the waiting one drops this update's stale prefixes too)."""
+        waiting = {i for i, f, _ in self.pending if not f.done()}
         self.pending += [(i, in_daemon_thread(c.flush_cache, timeout_s=timeout_s), weight_version)
-                         for i, c in enumerate(clients)]
+                         for i, c in enumerate(clients) if i not in waiting]
 
     def report(self) -> list[tuple[int, int, str]]:
         """Log (and return as ``(engine, weight_version, why)``) every finished flush that did
