@@ -66,7 +66,10 @@ def test_requests_in_flight_during_sync(tiny_engine, broadcast, mode, scope):
         ths = [threading.Thread(target=gen, args=(i,)) for i in range(N_REQ)]
         for t in ths:
             t.start()
-        time.sleep(0.6)  # a few tokens decoded at the old version
+        end = time.monotonic() + 60  # every request admitted (a loaded machine starts threads late) ...
+        while httpx.get(f"{eng.url}/get_server_info").json()["num_requests"] < N_REQ and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(0.3)  # ... and a few tokens decoded at the old version
         m = tr.send(list(weights.items()), new)
         for t in ths:
             t.join(120)
@@ -82,7 +85,7 @@ def test_requests_in_flight_during_sync(tiny_engine, broadcast, mode, scope):
         v = o.output_token_weight_versions
         assert len(v) == len(o.output_ids), i
         if mode == "abort":
-            assert o.finish_reason == "abort", (i, o.finish_reason)
+            assert o.finish_reason == "abort", (i, o.finish_reason, v)
             assert 0 < len(o.output_ids) < MAX_NEW and set(v) == {old}
         else:
             assert o.finish_reason == "length" and len(o.output_ids) == MAX_NEW, (i, o.finish_reason)
