@@ -319,3 +319,51 @@ def test_update_without_pause_waits_for_requests_in_flight(tiny_engine, tiny_sha
         _post(url, "/slow_down", {"forward_sleep_time": None})
         _post(url, "/destroy_weights_update_group", {"group_name": name})
         destroy_update_group(pg)
+
+
+def test_flush_refused_while_requests_are_paused_in_place(tiny_engine, tiny_shapes):
+    """SGLang's flush rule: while a request paused ``in_place`` holds its KV, ``/flush_cache``
+    is refused and an update call with ``flush_cache: true`` fails after applying (SGLang's
+    message; the version is served); after a ``retract`` pause (no running request) both
+    succeed; the paused request finishes with each token's version recorded."""
+    from moe_async.engines.embedded.weight_update import FLUSH_REFUSED
+    from moe_async.weight_sync.group import destroy_update_group
+
+    url = tiny_engine[0].url
+    name = "flush_rule"
+    pg = _join_pair(url, name)
+    sp = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
+    res: dict[str, dict] = {}
+    v0 = httpx.get(url + "/get_weight_version").json()["weight_version"]
+    _post(url, "/slow_down", {"forward_sleep_time": 0.05})
+    try:
+        for mode, version in (("in_place", "flush-1"), ("retract", v0)):
+            th = threading.Thread(target=lambda m=mode: res.setdefault(m, _post(url, "/generate", {
+                "input_ids": [3, 4, 5], "sampling_params": sp}).json()))
+            th.start()
+            end = time.monotonic() + 60
+            while httpx.get(url + "/get_server_info").json()["num_requests"] < 1 and time.monotonic() < end:
+                time.sleep(0.02)
+            time.sleep(0.3)
+            _post(url, "/pause_generation", {"mode": mode})
+            flushed = httpx.post(url + "/flush_cache", timeout=30)
+            assert _post(url, "/begin_weight_update", {}).json()["success"]
+            r = _call(url, pg, name, _rand(tiny_shapes, 41), version=version)  # flush_cache: true (default)
+            assert _post(url, "/end_weight_update", {}).json()["success"]
+            served = httpx.get(url + "/get_weight_version").json()["weight_version"]
+            _post(url, "/continue_generation", {})
+            th.join(120)
+            assert served == version  # applied either way, as SGLang
+            if mode == "in_place":
+                assert flushed.status_code == 400
+                assert r.status_code == 400 and r.json()["message"] == FLUSH_REFUSED, r.text
+            else:
+                assert flushed.status_code == 200 and r.status_code == 200 and r.json()["success"], r.text
+            v = res[mode]["meta_info"]["output_token_weight_versions"]
+            prev = v0 if mode == "in_place" else "flush-1"
+            k = v.index(version)
+            assert 0 < k and v == [prev] * k + [version] * (30 - k), v
+    finally:
+        _post(url, "/slow_down", {"forward_sleep_time": None})
+        _post(url, "/destroy_weights_update_group", {"group_name": name})
+        destroy_update_group(pg)
