@@ -367,3 +367,35 @@ def test_flush_refused_while_requests_are_paused_in_place(tiny_engine, tiny_shap
         _post(url, "/slow_down", {"forward_sleep_time": None})
         _post(url, "/destroy_weights_update_group", {"group_name": name})
         destroy_update_group(pg)
+
+
+def test_atomic_session_with_every_call_versioned(tiny_engine, tiny_shapes):
+    """An atomic session whose sender versions every call (as slime does): each call is
+    applied when it returns (its own bytes copied, nothing else), the served tensors equal the
+    sent ones bit for bit after every call, and the version is each call's."""
+    from moe_async.weight_sync.group import destroy_update_group
+
+    url = tiny_engine[0].url
+    name = "atomic_every_call"
+    pg = _join_pair(url, name)
+    try:
+        v0 = httpx.get(url + "/get_weight_version").json()["weight_version"]
+        before = httpx.get(url + "/weights_checksum").json()["checksums"]
+        new = _rand(tiny_shapes, 51)
+        names = sorted(new)
+        want = dict(before)
+        assert _post(url, "/begin_weight_update", {"atomic": True}).json()["success"]
+        for k in range(0, len(names), 5):
+            chunk = {n: new[n] for n in names[k:k + 5]}
+            r = _call(url, pg, name, chunk, version=f"c{k}")
+            assert r.status_code == 200 and "at once" in r.json()["message"], r.text
+            want.update(_sums(chunk))
+            got = httpx.get(url + "/weights_checksum").json()
+            assert got["weight_version"] == f"c{k}" and got["checksums"] == want
+        assert _post(url, "/end_weight_update", {}).json()["success"]
+        assert _post(url, "/begin_weight_update", {}).json()["success"]  # the next tests count from v0
+        assert _call(url, pg, name, {names[0]: new[names[0]]}, version=v0).json()["success"]
+        assert _post(url, "/end_weight_update", {}).json()["success"]
+    finally:
+        _post(url, "/destroy_weights_update_group", {"group_name": name})
+        destroy_update_group(pg)

@@ -329,10 +329,14 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
     if not wu.arena.bound:
         await asyncio.wrap_future(sched.call(wu.arena.bind))
     atomic = session is not None and session.atomic
+    # an atomic update of one versioned call (a sender that versions every call): applied by
+    # copying that call's bytes into the live parameters, as a plain session does (no fill of
+    # the standby copy, no swap of every parameter)
+    whole = atomic and version is not None and not wu.arena.fresh
 
     def run() -> list[str]:
         names = receive(outside_session if session is None else None)
-        if atomic and version is not None:
+        if atomic and version is not None and not whole:
             # names this update did not carry keep their live values (off the scheduler
             # thread: the live buffer is only read there; update_lock keeps writers out)
             wu.arena.fill_stale()
@@ -356,7 +360,7 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
     staged = len(wu.arena.fresh)
 
     def apply():
-        if atomic:
+        if atomic and not whole:
             wu.arena.swap()  # pointers only: between two forward passes
         else:
             wu.arena.commit(names)  # this call's bytes only
@@ -365,7 +369,7 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
 
     await asyncio.wrap_future(sched.call(apply))
     dt = time.perf_counter() - t0
-    what = f"applied {staged} tensors" if atomic else f"applied {len(names)} tensors at once"
+    what = f"applied {staged} tensors" if atomic and not whole else f"applied {len(names)} tensors at once"
     return {"success": True, "message": f"{what}; weight_version={sched.weight_version} ({dt:.3f}s)"}
 
 
