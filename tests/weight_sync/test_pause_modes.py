@@ -92,6 +92,11 @@ def test_requests_in_flight_during_sync(tiny_engine, broadcast, mode, scope):
             k = v.index(new)  # the update landed mid-request ...
             assert 0 < k and v == [old] * k + [new] * (MAX_NEW - k), v  # ... once, atomically
             assert o.weight_version == new
+    # in_place: no flush went with the update (refused while paused requests hold KV); the
+    # deferred flush asked for after the continue ran once the requests had finished
+    flushes = tr._flushes.pending
+    assert len(flushes) == (1 if mode == "in_place" else 0)
+    assert all(f.result(timeout=60) is True for _, f, _ in flushes)
     # after the update a new request runs on the new weights only
     o = client.generate(_prompt(6, 7), {"temperature": 0.0, "max_new_tokens": 3})
     assert set(o.output_token_weight_versions) == {new}

@@ -37,11 +37,12 @@ class SyncStall:
         self.spec = parse_stall(os.environ.get(STALL_ENV) if value is None else value)
         self.calls: dict[str, int] = {}
 
-    async def maybe_stall(self, version: str) -> bool:
+    async def maybe_stall(self, version: str | int) -> bool:
         """Count one update call at ``version``; wait when it is the configured one and this
         engine is the first to claim the stall. Returns whether it stalled."""
         if self.spec is None:
             return False
+        version = str(version)  # the served weight_version (a string; an int is taken as its digits)
         n = self.calls[version] = self.calls.get(version, 0) + 1
         v, k, d = self.spec
         if (version, n) != (str(v), k):
