@@ -7,7 +7,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
 ``managers/io_struct.py``):
 
 * ``GET /health``, ``GET /get_model_info`` (also ``/model_info``), ``GET /get_weight_version``
-  -> ``{"weight_version": str}`` (any string, as SGLang; ``--weight-version``, default ``"default"``, until an update names one).
+  -> ``{"weight_version": str}`` (any string, as SGLang; ``--weight-version``, default
+  ``"default"``, until an update names one).
 * ``POST /generate`` (``GenerateReqInput``; every field of SGLang 0.5.23's request and
   sampling schemas is honoured or refused with a 400 naming it, an unknown field too: see
   :mod:`.request` and :mod:`.sampling`; ``n`` > 1 answers a list; response layout in
@@ -41,7 +42,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   one or two tokens below ``C`` there; not modelled). Prompts are never cut.
 * ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI
   compatible, non-streaming, as SGLang serves them; :mod:`.openai_api`).
-* ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (new requests wait while paused; :mod:`.admission`),
+* ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (new requests wait
+  while paused: :mod:`.admission`),
   ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
   ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
 * Weight updates (``/init_weights_update_group``, ``/destroy_weights_update_group``,
