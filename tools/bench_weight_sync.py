@@ -27,6 +27,11 @@ For each bucket size, interleaved and repeated:
         bucket when its call returns (SGLang's semantics) instead of staging them; its cost
         must stay proportional to the bytes (each bucket's bytes copied once into the live
         parameters), not buckets x model size: the summary prints its time over ``pack``'s;
+      - ``atomic_versioned``: every bucket versioned as ``versioned``, but inside the atomic
+        session our transport opens: each call fills the standby copy only where it is
+        stale (the previous call's tensors) and swaps by pointer; the summary prints its time
+        over ``pack``'s (version on the last bucket only); goal <= 1.3 at 100 buckets
+        (``--bucket-count 100``), where a copy of the model per call would be ~100x;
       - ``trainer``: the real sender, a 1-process ``MegatronTrainer`` built from the same
         checkpoint, ``send(trainer.export_hf_weights(out=transport.destination))`` as the
         trainer actor does (its own transport and weight-update group with the same engine;
@@ -65,26 +70,27 @@ import time
 
 MiB = 1024**2
 LABEL = {"on": "pack", "off": "serial", "last": "last", "flat": "flat", "export": "export", "trainer": "trainer",
-         "versioned": "versioned"}
+         "versioned": "versioned", "atomic_versioned": "atomic_v"}
 WHAT = {"on": "separate source tensors, packed, overlapped", "off": "packed, not overlapped",
         "last": "packed, engines paused before the last bucket only",
         "flat": "flat source, no copy on the sender", "export": "exporter copies into the send buffer",
         "trainer": "1-process MegatronTrainer, parameters moved into the send buffer",
-        "versioned": "slime's protocol: every bucket versioned, each applied at once"}
+        "versioned": "slime's protocol: every bucket versioned, each applied at once",
+        "atomic_versioned": "every bucket versioned inside an atomic session, each applied by pointer swap"}
 
 
 class VersionEveryBucket:
     """A client as slime's sender drives it: a plain session (SGLang's semantics: each call is
     applied when it returns) and ``weight_version`` on every bucket, not only the last."""
 
-    def __init__(self, client):
-        self.client, self.version = client, None
+    def __init__(self, client, atomic: bool = False):
+        self.client, self.version, self.atomic = client, None, atomic
 
     def __getattr__(self, name):
         return getattr(self.client, name)
 
     def begin_weight_update(self, atomic=False, selector="all"):
-        return self.client.begin_weight_update(atomic=False, selector=selector)
+        return self.client.begin_weight_update(atomic=self.atomic, selector=selector)
 
     def update_weights_from_distributed(self, **kw):
         return self.client.update_weights_from_distributed(**{**kw, "weight_version": self.version})
@@ -114,8 +120,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--bucket-count", type=int, nargs="+", default=None,
+                    help="bucket sizes as the model's bytes / N (instead of --bucket-mib)")
     ap.add_argument("--modes", nargs="+", default=["on", "off", "last", "flat", "export", "trainer", "versioned"],
-                    choices=["on", "off", "last", "flat", "export", "trainer", "versioned"],
+                    choices=["on", "off", "last", "flat", "export", "trainer", "versioned", "atomic_versioned"],
                     help="sender paths to measure (on = pack, off = serial pack)")
     ap.add_argument("--trainer-layouts", nargs="+", choices=["tp2", "ep2"], default=None,
                     help="a 2-rank trainer at these layouts into --engines engines (streamed export); "
@@ -158,6 +166,8 @@ def main(argv=None) -> None:
     total = sum(t.numel() * t.element_size() for _, t in named)
     largest = max(t.numel() * t.element_size() for _, t in named)
     print(f"model: {path}  {len(named)} tensors, {total / 1e6:.1f} MB, largest {largest / 1e6:.1f} MB", flush=True)
+    if args.bucket_count:  # about N buckets each (greedy packing at tensor boundaries)
+        args.bucket_mib = [total / n / MiB for n in args.bucket_count]
 
     if args.trainer_layouts:
         try:
@@ -209,16 +219,27 @@ def main(argv=None) -> None:
         variants = {"on": dict(overlap=True, pause_scope="sync"), "off": dict(overlap=False, pause_scope="sync"),
                     "last": dict(overlap=True, pause_scope="last_bucket"),
                     "flat": dict(overlap=True, pause_scope="sync"), "export": dict(overlap=True, pause_scope="sync"),
-                    "trainer": dict(overlap=True, pause_scope="sync"), "versioned": dict(overlap=True, pause_scope="sync")}
+                    "trainer": dict(overlap=True, pause_scope="sync"), "versioned": dict(overlap=True, pause_scope="sync"),
+                    "atomic_versioned": dict(overlap=True, pause_scope="sync")}
         variants = {k: v for k, v in variants.items() if k in args.modes}
         transports = {k: tr for k in variants}
         versioned = None
+        taggers: list[VersionEveryBucket] = []  # the clients that version every bucket
         if "versioned" in variants:  # slime's protocol: its own group with the same engine
             versioned = VersionEveryBucket(client)
+            taggers.append(versioned)
             tr_v = BroadcastTransport([versioned], tr.cfg, pause_mode="in_place", group_name="bench_weight_sync_versioned")
             tr_v.connect()
             transports["versioned"] = tr_v
             raw_once(tr_v)  # warm-up
+        if "atomic_versioned" in variants:  # every bucket versioned into an atomic session
+            versioned_a = VersionEveryBucket(client, atomic=True)
+            tr_a = BroadcastTransport([versioned_a], tr.cfg, pause_mode="in_place",
+                                      group_name="bench_weight_sync_atomic_versioned")
+            tr_a.connect()
+            transports["atomic_versioned"] = tr_a
+            raw_once(tr_a)  # warm-up
+            taggers.append(versioned_a)
         trainer = None
         if "trainer" in variants:  # the real sender: a 1-process Megatron trainer, its own group
             from moe_async.trainer.config import TrainerConfig
@@ -250,8 +271,8 @@ def main(argv=None) -> None:
             t = transports[key]
             t.cfg = t.cfg.model_copy(update={"bucket_bytes": int(args.bucket_mib[0] * MiB), **upd})
             version += 1
-            if versioned is not None:
-                versioned.version = str(version)
+            for tg in taggers:
+                tg.version = str(version)
             cold[key] = t.send(sources.get(key, lambda: named)(), version)["sync/seconds"]
         print("first (cold) sync, not in the ratios: " + ", ".join(f"{LABEL[k]} {v:.2f}s" for k, v in cold.items()),
               flush=True)
@@ -264,8 +285,8 @@ def main(argv=None) -> None:
                     t.cfg = t.cfg.model_copy(update={"bucket_bytes": int(mib * MiB), **upd})
                     before = total / raw_once(t)[0] / 1e9
                     version += 1
-                    if versioned is not None:
-                        versioned.version = str(version)
+                    for tg in taggers:
+                        tg.version = str(version)
                     m = t.send(sources.get(key, lambda: named)(), version)
                     after = total / raw_once(t)[0] / 1e9
                     assert m["sync/bytes"] == total
@@ -298,8 +319,9 @@ def main(argv=None) -> None:
         if trainer is not None:
             transports["trainer"].shutdown()
             trainer.close()
-        if versioned is not None:
-            transports["versioned"].shutdown()
+        for key in ("versioned", "atomic_versioned"):
+            if key in variants:
+                transports[key].shutdown()
         tr.shutdown()
         client.close()
     finally:
@@ -328,6 +350,13 @@ def main(argv=None) -> None:
         for r in rows:
             v, o = r["detail_versioned"]["sync/seconds"], r["detail_on"]["sync/seconds"]
             print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_versioned']} buckets): {v:.3f}s / {o:.3f}s = {v / o:.3f}")
+    if "atomic_versioned" in variants and "on" in variants:
+        print("every bucket versioned into an atomic session vs version on the last bucket only, same packed "
+              "source: sync seconds atomic_v / pack, median (goal <= 1.3 at 100 buckets)")
+        for r in rows:
+            v, o = r["detail_atomic_versioned"]["sync/seconds"], r["detail_on"]["sync/seconds"]
+            print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_atomic_versioned']} buckets): {v:.3f}s / {o:.3f}s "
+                  f"= {v / o:.3f}")
     print(f"engine buckets copied through scratch (not in layout order): {sums.get('recv_copies')}")
     if args.json:
         with open(args.json, "w") as f:

@@ -227,6 +227,7 @@ class EmbeddedEngine(_SubprocessEngine):
             "--max-running-requests", str(self.cfg.max_running_requests),
             "--num-threads", str(self.cfg.num_threads),
             "--dtype", self.cfg.dtype,
+            "--weight-version", "0",  # the checkpoint is the trainer's version 0 (SGLang's default: "default")
             "--parent-pid", str(os.getpid()),
         ]
 
@@ -270,6 +271,7 @@ class SGLangEngine(_SubprocessEngine):
             "--tp-size", str(self.cfg.tensor_parallel_size),
             "--ep-size", str(self.cfg.expert_parallel_size),
             "--enable-return-routed-experts",
+            "--weight-version", "0",  # the checkpoint is the trainer's version 0 (default: "default")
         ]
         if self.cfg.nodes_per_engine > 1:
             if not self.dist_init_addr:

@@ -101,7 +101,7 @@ def parse_generate(
     lps = [x[0] for x in meta.get("output_token_logprobs") or []]
     version = _version(meta.get("weight_version"))
     if "output_token_weight_versions" in meta:
-        versions = [int(v) for v in meta["output_token_weight_versions"]]
+        versions = [_version(v) for v in meta["output_token_weight_versions"]]
     elif meta.get("weight_versions"):
         versions = [version] * len(ids)
         for span in meta["weight_versions"]:
@@ -296,8 +296,13 @@ class _Calls:
         """``/continue_generation``."""
         return _Call("POST", "/continue_generation", {})
 
-    def flush_cache(self) -> _Call:
-        """True when flushed; False when the engine refused (requests in flight)."""
+    def flush_cache(self, timeout_s: float = 0.0) -> _Call:
+        """True when flushed; False when the engine refused (requests in flight). ``timeout_s``
+        > 0: SGLang's deferred flush (``?timeout=``), performed as soon as the engine is idle,
+        False when it is not idle within ``timeout_s``."""
+        if timeout_s > 0:
+            return _Call("POST", f"/flush_cache?timeout={timeout_s:g}", decode=lambda r: True,
+                         recover=_refused_is_false, timeout=timeout_s + 30.0)
         return _Call("POST", "/flush_cache", decode=lambda r: True, recover=_refused_is_false)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> _Call:

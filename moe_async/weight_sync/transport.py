@@ -21,6 +21,18 @@ SGLang's ``update_weights_from_distributed``):
       -> POST /continue_generation             (queued behind them: each engine's poster
                                                 sends it on that engine's reply)
 
+Flushing per pause mode (SGLang 0.5.23 fails an update call with ``flush_cache: true`` while
+any request still holds KV, after applying it: ``Weights were updated, but the cache was not
+flushed``): ``abort`` / ``retract`` leave no running request, so the versioned call carries
+``flush_cache: true`` (the prefix cache of the old weights is dropped before any request is
+admitted again). ``in_place`` keeps the paused requests' KV: every call carries ``flush_cache:
+false``, and after the continue each engine gets SGLang's deferred flush (``POST
+/flush_cache?timeout=timeout_s``, on a thread of its own: the sync does not wait for it),
+which drops the old weights' prefix cache as soon as the engine is idle; its outcome is
+logged at the next sync. Until then a request admitted after the update can still match a
+prefix cached under the old weights (SGLang's flush is all or nothing and refused while a
+request holds KV); use ``retract`` where no token may come from KV of older weights.
+
 The HTTP call and the broadcast must overlap (the engine's handler blocks in the
 receiving broadcast): each bucket's POST is queued on that engine's poster thread (one
 per engine, so the engine sees the calls in broadcast order) and this thread broadcasts
@@ -53,6 +65,7 @@ from moe_async.errors import one_line
 from moe_async.protocols import WeightReceiver
 from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
+from moe_async.weight_sync.flush import DeferredFlushes
 from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
 from moe_async.weight_sync.membership import GroupMembership
 from moe_async.weight_sync.stream_export import PackedExport
@@ -173,6 +186,7 @@ class BroadcastTransport(WeightTransport):
                          for i in range(len(self.clients))]
         self._warned: set[str] = set()
         self._sessionless: set[int] = set()  # engines without /begin_weight_update (404)
+        self._flushes = DeferredFlushes()  # after in_place syncs
         self._pack_pool = PackPool(3)  # reused flat buffers: up to 3 x bucket_bytes
         #: the engines' common ``/weights_layout`` names (their buffer order), read at connect
         self.layout: list[str] | None = None
@@ -358,6 +372,12 @@ class BroadcastTransport(WeightTransport):
     def _connected(self) -> bool:
         return self.group is not None
 
+    @property
+    def flush_with_update(self) -> bool:
+        """Whether the versioned call carries ``flush_cache: true`` (not under ``in_place``:
+        SGLang refuses a flush while paused requests hold KV, failing the call)."""
+        return self.pause_mode != "in_place"
+
     def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
         """Queue one bucket's update call on every engine's poster (``weight_version`` on the
         last bucket only, as a string: SGLang's ``Optional[str]``); returns the futures."""
@@ -370,7 +390,7 @@ class BroadcastTransport(WeightTransport):
                 shapes=bucket.shapes,
                 group_name=self.group_name,
                 weight_version=str(weight_version) if last else None,
-                flush_cache=last,
+                flush_cache=last and self.flush_with_update,
                 load_format="flattened_bucket",
             ))
             for i, c in enumerate(self.clients)
@@ -411,6 +431,7 @@ class BroadcastTransport(WeightTransport):
         """
         if not self._connected():
             raise WeightSyncError(f"{type(self).__name__}.send before connect()")
+        self._flushes.report()
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
         streamed = isinstance(named_tensors, PackedExport)  # ready buckets (C14: world size > 1)
@@ -531,6 +552,8 @@ class BroadcastTransport(WeightTransport):
                     if not failed:
                         raise
                     log.warning("weight sync: continue_generation after a failed sync failed too: %s", e)
+        if pauses and not self.flush_with_update:
+            self._flushes.start(self.clients, weight_version, self.cfg.timeout_s)
         t1 = time.perf_counter()
         secs = t1 - t0
         return {
@@ -650,7 +673,7 @@ class TensorTransport(BroadcastTransport):
         return [
             (i, self._posters[i].submit(
                 c.update_weights_from_tensor, serialized_named_tensors=payloads[self.tp_sizes[i]],
-                load_format="flattened_bucket", flush_cache=last,
+                load_format="flattened_bucket", flush_cache=last and self.flush_with_update,
                 weight_version=str(weight_version) if last else None))  # SGLang: Optional[str]
             for i, c in enumerate(self.clients)
         ]
@@ -713,8 +736,9 @@ class DiskTransport(WeightTransport):
             c.pause_generation(mode=self.pause_mode)
         t_paused = time.perf_counter()
         try:
+            # in_place: no flush while paused requests hold KV (SGLang would fail the call)
             futs = [self._pool.submit(c.update_weights_from_disk, model_path=path, weight_version=str(weight_version),
-                                      flush_cache=True) for c in self.clients]
+                                      flush_cache=self.pause_mode != "in_place") for c in self.clients]
             for i, f in enumerate(futs):
                 BroadcastTransport._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_disk")
         finally:

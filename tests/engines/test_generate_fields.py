@@ -387,6 +387,18 @@ def g_rid(served):
 def g_text(served):
     out = post(served, {"text": "Hello there, how", "sampling_params": GREEDY})
     assert out["meta_info"]["prompt_tokens"] == len(served.tokenizer("Hello there, how")["input_ids"])
+    # text together with input_ids: SGLang accepts it and generates from input_ids (its
+    # tokenizer manager takes input_ids first; text only sizes the batch)
+    for body in ({"text": "Hello there, how", "input_ids": PROMPT},
+                 {"text": ["Hello", "there"], "input_ids": [PROMPT, PROMPT]}):
+        ref = io.GenerateReqInput(**body, sampling_params=GREEDY)
+        ref.normalize_batch_and_arguments()  # SGLang's own decoding of the request
+        out = post(served, {**body, "sampling_params": GREEDY})
+        outs = out if isinstance(out, list) else [out]
+        assert isinstance(out, list) == (not ref.is_single) and len(outs) == ref.batch_size
+        for o in outs:
+            assert o["meta_info"]["prompt_tokens"] == len(PROMPT) and o["output_ids"] == hf_greedy(served, 12)
+    post(served, {"text": ["a", "b"], "input_ids": PROMPT, "sampling_params": GREEDY}, 400)
 
 
 def g_input_ids(served):

@@ -263,3 +263,20 @@ def test_embedded_weight_bodies_have_sglang_fields():
     with pytest.raises(ValidationError, match="weight_version"):
         wu.UpdateWeightsFromDistributedReqInput.model_validate(
             {"names": [], "dtypes": [], "shapes": [], "weight_version": 3})
+
+
+def test_weight_version_is_any_string_as_in_sglang():
+    """SGLang 0.5.23 takes any ``weight_version`` string (its server starts at ``"default"``):
+    the embedded engine's bodies accept what SGLang's dataclasses accept, and the client
+    reads a non-numeric version (SGLang's default) as -1, never failing on it."""
+    from moe_async.engines.client import parse_generate
+    from moe_async.engines.embedded import weight_update as wu
+    from moe_async.engines.embedded.server import parse_args
+
+    body = {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "weight_version": "rl-step-9"}
+    assert io.UpdateWeightsFromDistributedReqInput(**body).weight_version == "rl-step-9"
+    assert wu.UpdateWeightsFromDistributedReqInput.model_validate(body).weight_version == "rl-step-9"
+    assert parse_args(["--model-path", "m"]).weight_version == "default"  # SGLang's default
+    out = parse_generate({"text": "", "output_ids": [5, 6], "meta_info": {
+        "weight_version": "default", "output_token_weight_versions": ["default", "3"]}})
+    assert out.weight_version == -1 and out.output_token_weight_versions == [-1, 3]

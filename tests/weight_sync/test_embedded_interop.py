@@ -260,3 +260,142 @@ def test_rejoin_after_the_trainer_was_killed(tiny_engine, tiny_shapes):
     finally:
         tr.shutdown()
         c.close()
+
+
+def test_update_without_pause_waits_for_requests_in_flight(tiny_engine, tiny_shapes):
+    """SGLang's model-update lock: an update call made without a pause waits until every
+    request in flight has finished (they keep the old weights for all their tokens, never a
+    switch mid-sequence), and a request arriving meanwhile waits behind it (it runs on the
+    new weights only). The version is any string (SGLang's ``weight_version: Optional[str]``);
+    its ``flush_cache: true`` succeeds then (the engine is idle when the call applies)."""
+    from moe_async.weight_sync.group import destroy_update_group
+
+    url = tiny_engine[0].url
+    name = "unpaused"
+    pg = _join_pair(url, name)
+    sp = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
+    res: dict[str, object] = {}
+    times: dict[str, float] = {}
+
+    def gen(key, prompt):
+        res[key] = _post(url, "/generate", {"input_ids": prompt, "sampling_params": sp}).json()
+        times[key] = time.monotonic()
+
+    _post(url, "/slow_down", {"forward_sleep_time": 0.05})
+    try:
+        v0 = httpx.get(url + "/get_weight_version").json()["weight_version"]
+        first = threading.Thread(target=gen, args=("first", [3, 4, 5, 6]))
+        first.start()
+        end = time.monotonic() + 60
+        while httpx.get(url + "/get_server_info").json()["num_requests"] < 1 and time.monotonic() < end:
+            time.sleep(0.02)
+        time.sleep(0.3)  # a few tokens at the old weights
+        assert _post(url, "/begin_weight_update", {}).json()["success"]  # a plain session, no pause
+        upd: dict[str, object] = {}
+
+        def update():
+            upd["r"] = _call(url, pg, name, _rand(tiny_shapes, 31), version="rl-step-9")
+            times["update"] = time.monotonic()
+
+        th = threading.Thread(target=update)
+        th.start()
+        time.sleep(0.3)
+        second = threading.Thread(target=gen, args=("second", [7, 8, 9]))  # arrives while the update waits
+        second.start()
+        for t in (first, th, second):
+            t.join(120)
+        assert upd["r"].status_code == 200 and upd["r"].json()["success"], upd["r"].text
+        assert _post(url, "/end_weight_update", {}).json()["success"]
+        a, b = res["first"]["meta_info"], res["second"]["meta_info"]
+        assert a["output_token_weight_versions"] == [v0] * 30 and a["weight_version"] == v0
+        assert b["output_token_weight_versions"] == ["rl-step-9"] * 30 and b["weight_version"] == "rl-step-9"
+        assert times["first"] <= times["update"] <= times["second"]
+        assert httpx.get(url + "/get_weight_version").json() == {"weight_version": "rl-step-9"}
+        assert _post(url, "/begin_weight_update", {}).json()["success"]  # the next tests count from v0
+        one = sorted(tiny_shapes)[0]
+        assert _call(url, pg, name, {one: _rand(tiny_shapes, 31)[one]}, version=v0).json()["success"]
+        assert _post(url, "/end_weight_update", {}).json()["success"]
+    finally:
+        _post(url, "/slow_down", {"forward_sleep_time": None})
+        _post(url, "/destroy_weights_update_group", {"group_name": name})
+        destroy_update_group(pg)
+
+
+def test_flush_refused_while_requests_are_paused_in_place(tiny_engine, tiny_shapes):
+    """SGLang's flush rule: while a request paused ``in_place`` holds its KV, ``/flush_cache``
+    is refused and an update call with ``flush_cache: true`` fails after applying (SGLang's
+    message; the version is served); after a ``retract`` pause (no running request) both
+    succeed; the paused request finishes with each token's version recorded."""
+    from moe_async.engines.embedded.weight_update import FLUSH_REFUSED
+    from moe_async.weight_sync.group import destroy_update_group
+
+    url = tiny_engine[0].url
+    name = "flush_rule"
+    pg = _join_pair(url, name)
+    sp = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
+    res: dict[str, dict] = {}
+    v0 = httpx.get(url + "/get_weight_version").json()["weight_version"]
+    _post(url, "/slow_down", {"forward_sleep_time": 0.05})
+    try:
+        for mode, version in (("in_place", "flush-1"), ("retract", v0)):
+            th = threading.Thread(target=lambda m=mode: res.setdefault(m, _post(url, "/generate", {
+                "input_ids": [3, 4, 5], "sampling_params": sp}).json()))
+            th.start()
+            end = time.monotonic() + 60
+            while httpx.get(url + "/get_server_info").json()["num_requests"] < 1 and time.monotonic() < end:
+                time.sleep(0.02)
+            time.sleep(0.3)
+            _post(url, "/pause_generation", {"mode": mode})
+            flushed = httpx.post(url + "/flush_cache", timeout=30)
+            assert _post(url, "/begin_weight_update", {}).json()["success"]
+            r = _call(url, pg, name, _rand(tiny_shapes, 41), version=version)  # flush_cache: true (default)
+            assert _post(url, "/end_weight_update", {}).json()["success"]
+            served = httpx.get(url + "/get_weight_version").json()["weight_version"]
+            _post(url, "/continue_generation", {})
+            th.join(120)
+            assert served == version  # applied either way, as SGLang
+            if mode == "in_place":
+                assert flushed.status_code == 400
+                assert r.status_code == 400 and r.json()["message"] == FLUSH_REFUSED, r.text
+            else:
+                assert flushed.status_code == 200 and r.status_code == 200 and r.json()["success"], r.text
+            v = res[mode]["meta_info"]["output_token_weight_versions"]
+            prev = v0 if mode == "in_place" else "flush-1"
+            k = v.index(version)
+            assert 0 < k and v == [prev] * k + [version] * (30 - k), v
+    finally:
+        _post(url, "/slow_down", {"forward_sleep_time": None})
+        _post(url, "/destroy_weights_update_group", {"group_name": name})
+        destroy_update_group(pg)
+
+
+def test_atomic_session_with_every_call_versioned(tiny_engine, tiny_shapes):
+    """An atomic session whose sender versions every call (as slime does): each call is
+    applied when it returns (its own bytes copied, nothing else), the served tensors equal the
+    sent ones bit for bit after every call, and the version is each call's."""
+    from moe_async.weight_sync.group import destroy_update_group
+
+    url = tiny_engine[0].url
+    name = "atomic_every_call"
+    pg = _join_pair(url, name)
+    try:
+        v0 = httpx.get(url + "/get_weight_version").json()["weight_version"]
+        before = httpx.get(url + "/weights_checksum").json()["checksums"]
+        new = _rand(tiny_shapes, 51)
+        names = sorted(new)
+        want = dict(before)
+        assert _post(url, "/begin_weight_update", {"atomic": True}).json()["success"]
+        for k in range(0, len(names), 5):
+            chunk = {n: new[n] for n in names[k:k + 5]}
+            r = _call(url, pg, name, chunk, version=f"c{k}")
+            assert r.status_code == 200 and "at once" in r.json()["message"], r.text
+            want.update(_sums(chunk))
+            got = httpx.get(url + "/weights_checksum").json()
+            assert got["weight_version"] == f"c{k}" and got["checksums"] == want
+        assert _post(url, "/end_weight_update", {}).json()["success"]
+        assert _post(url, "/begin_weight_update", {}).json()["success"]  # the next tests count from v0
+        assert _call(url, pg, name, {names[0]: new[names[0]]}, version=v0).json()["success"]
+        assert _post(url, "/end_weight_update", {}).json()["success"]
+    finally:
+        _post(url, "/destroy_weights_update_group", {"group_name": name})
+        destroy_update_group(pg)

@@ -90,3 +90,34 @@ def test_standby_swap_partial_update_and_spans(model):
     arena.fill_stale()
     arena.swap()
     assert torch.equal(wm.view(names[0]), before[names[0]])
+
+
+def test_versioned_call_by_call_copies_what_changed_not_the_model(model):
+    """An atomic update applied call by call (every call versioned, as slime's sender does)
+    fills the standby from the live buffer only where they differ (the previous call's
+    tensors), never the whole model; the served values are right after every call."""
+    wm, arena = _fresh(model)
+    arena.bind()
+    names = arena.names()
+    want = {n: wm.view(n).clone() for n in names}
+    assert arena.fill_stale() == len(names)  # the first fill after bind: the standby is empty
+    arena.swap()
+    g = torch.Generator().manual_seed(11)
+    calls = [names[i:i + 4] for i in range(0, len(names), 4)]
+    prev: list[str] = []
+    for call in calls:
+        for n in call:
+            want[n] = torch.randn(wm.shape(n), generator=g)
+            arena.standby(n).copy_(want[n])
+        arena.mark(call)
+        assert arena.fill_stale() == len(set(prev) - set(call))  # the previous call's tensors only
+        arena.swap()
+        assert all(torch.equal(wm.view(n), want[n]) for n in names)
+        prev = call
+    # a disk update writes the live parameters directly: their standby bytes are refilled
+    wm.view(names[0]).fill_(7.0)
+    arena.live_written([names[0]])
+    arena.mark([])
+    assert arena.fill_stale() == len(set(prev) | {names[0]})
+    arena.swap()
+    assert torch.equal(wm.view(names[0]), torch.full_like(want[names[0]], 7.0))

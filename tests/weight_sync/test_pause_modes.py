@@ -66,7 +66,10 @@ def test_requests_in_flight_during_sync(tiny_engine, broadcast, mode, scope):
         ths = [threading.Thread(target=gen, args=(i,)) for i in range(N_REQ)]
         for t in ths:
             t.start()
-        time.sleep(0.6)  # a few tokens decoded at the old version
+        end = time.monotonic() + 60  # every request admitted (a loaded machine starts threads late) ...
+        while httpx.get(f"{eng.url}/get_server_info").json()["num_requests"] < N_REQ and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(0.3)  # ... and a few tokens decoded at the old version
         m = tr.send(list(weights.items()), new)
         for t in ths:
             t.join(120)
@@ -82,13 +85,18 @@ def test_requests_in_flight_during_sync(tiny_engine, broadcast, mode, scope):
         v = o.output_token_weight_versions
         assert len(v) == len(o.output_ids), i
         if mode == "abort":
-            assert o.finish_reason == "abort", (i, o.finish_reason)
+            assert o.finish_reason == "abort", (i, o.finish_reason, v)
             assert 0 < len(o.output_ids) < MAX_NEW and set(v) == {old}
         else:
             assert o.finish_reason == "length" and len(o.output_ids) == MAX_NEW, (i, o.finish_reason)
             k = v.index(new)  # the update landed mid-request ...
             assert 0 < k and v == [old] * k + [new] * (MAX_NEW - k), v  # ... once, atomically
             assert o.weight_version == new
+    # in_place: no flush went with the update (refused while paused requests hold KV); the
+    # deferred flush asked for after the continue ran once the requests had finished
+    flushes = tr._flushes.pending
+    assert len(flushes) == (1 if mode == "in_place" else 0)
+    assert all(f.result(timeout=60) is True for _, f, _ in flushes)
     # after the update a new request runs on the new weights only
     o = client.generate(_prompt(6, 7), {"temperature": 0.0, "max_new_tokens": 3})
     assert set(o.output_token_weight_versions) == {new}

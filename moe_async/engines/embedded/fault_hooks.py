@@ -35,16 +35,17 @@ class SyncStall:
 
     def __init__(self, value: str | None = None):
         self.spec = parse_stall(os.environ.get(STALL_ENV) if value is None else value)
-        self.calls: dict[int, int] = {}
+        self.calls: dict[str, int] = {}
 
-    async def maybe_stall(self, version: int) -> bool:
+    async def maybe_stall(self, version: str | int) -> bool:
         """Count one update call at ``version``; wait when it is the configured one and this
         engine is the first to claim the stall. Returns whether it stalled."""
         if self.spec is None:
             return False
+        version = str(version)  # the served weight_version (a string; an int is taken as its digits)
         n = self.calls[version] = self.calls.get(version, 0) + 1
         v, k, d = self.spec
-        if (version, n) != (v, k):
+        if (version, n) != (str(v), k):
             return False
         os.makedirs(d, exist_ok=True)
         try:

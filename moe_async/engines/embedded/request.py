@@ -8,7 +8,8 @@ cannot silently change a rollout). A refused field is accepted only at its SGLan
 ``<field> is not supported by the embedded engine (...)``.
 
 Honoured (SGLang's meaning): ``rid`` (a string prefix for a batch: ``{rid}_{i}``),
-``text`` / ``input_ids`` (one or a batch), ``sampling_params`` (one or per item; see
+``text`` / ``input_ids`` (one or a batch; both given: ``input_ids`` are generated from and
+``text`` sets single vs batch, as SGLang's tokenizer manager), ``sampling_params`` (one or per item; see
 :mod:`.sampling`; ``n`` > 1 expands every item into ``n`` consecutive samples with fresh
 rids, and a single prompt then answers a list), ``return_logprob``, ``logprob_start_len``
 (``-1``: no input logprobs; otherwise ``input_token_logprobs`` from that position, the first
@@ -140,23 +141,29 @@ def decode_generate(body: Any, *, tokenizer: Any, vocab_size: int) -> tuple[list
     if body.get("stream"):
         raise RequestError("stream=true is not supported by the embedded engine")
     text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise RequestError("exactly one of text or input_ids is required")
+    if text is None and input_ids is None:
+        raise RequestError("text or input_ids is required")
     if text is not None:
-        if tokenizer is None:
-            raise RequestError("text input needs a tokenizer; none found at the model path")
         single = isinstance(text, str)
         texts = [text] if single else text
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise RequestError("text: expected a string or a list of strings")
-        batch = [tokenizer(t)["input_ids"] for t in texts]
-    else:
+    if input_ids is not None:  # SGLang: input_ids are what is generated from, text only sizes the batch
         if not isinstance(input_ids, list):
             raise RequestError("input_ids: expected a list of token ids or a list of lists")
-        single = len(input_ids) == 0 or not isinstance(input_ids[0], list)
-        batch = [input_ids] if single else input_ids
+        ids_single = len(input_ids) == 0 or not isinstance(input_ids[0], list)
+        batch = [input_ids] if ids_single else input_ids
+        if text is None:
+            single = ids_single
+        elif len(batch) != len(texts):
+            raise RequestError(f"text ({len(texts)} prompt(s)) and input_ids ({len(batch)} prompt(s)) differ in "
+                               f"batch size; input_ids are used when both are given")
         for i, ids in enumerate(batch):
             _ids("input_ids" if single else f"input_ids[{i}]", ids)
+    else:
+        if tokenizer is None:
+            raise RequestError("text input needs a tokenizer; none found at the model path")
+        batch = [tokenizer(t)["input_ids"] for t in texts]
     B = len(batch)
     if B == 0:
         raise RequestError("the batch is empty")

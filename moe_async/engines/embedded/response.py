@@ -35,7 +35,7 @@ def _top(rows: list, tokenizer: Any, with_text: bool) -> list:
     return [None if r is None else _entries(r[0], r[1], tokenizer, with_text) for r in rows]
 
 
-def build_response(req: Any, *, weight_version: int, num_layers: int, top_k: int, tokenizer: Any) -> dict:
+def build_response(req: Any, *, weight_version: str, num_layers: int, top_k: int, tokenizer: Any) -> dict:
     """The response dict of ``req`` (a finished :class:`~.scheduler.Req`)."""
     C = len(req.output_ids)
     version = req.output_versions[-1] if req.output_versions else weight_version
@@ -45,8 +45,8 @@ def build_response(req: Any, *, weight_version: int, num_layers: int, top_k: int
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": C,
         "cached_tokens": 0,
-        "weight_version": str(version),  # SGLang types it str (the engine counts in ints)
-        # our extension: the weight_version that produced each output token
+        "weight_version": str(version),  # any string, as SGLang's
+        # our extension: the weight_version (string) that produced each output token
         "output_token_weight_versions": list(req.output_versions),
         # SGLang 0.5.23's span form of the same information
         "weight_versions": _spans(req.output_versions, version),
@@ -92,7 +92,7 @@ def build_response(req: Any, *, weight_version: int, num_layers: int, top_k: int
     return out
 
 
-def _spans(versions: list[int], current: int) -> list[dict]:
+def _spans(versions: list[str], current: str) -> list[dict]:
     spans: list[dict] = []
     for i, v in enumerate(versions):
         if spans and spans[-1]["version"] == str(v):

@@ -63,7 +63,7 @@ class Req:
     max_new_tokens: int = 0  # after clamping to the context
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
     input_token_logprobs: list[list] | None = None
     input_top: list = field(default_factory=list)  # per input position: None | (vals, ids)
     input_ids_lp: list = field(default_factory=list)  # per input position: None | (vals, ids)
@@ -211,7 +211,7 @@ class Scheduler:
         self.capture = RoutingCapture(model, self.top_k)
         self.head = LogitsHead(model)
         self.max_prefill_tokens = max_prefill_tokens
-        self.weight_version = 0
+        self.weight_version = "default"  # any string, as SGLang's (its --weight-version default)
         self.paused = False
         self.max_decode_batch = 0  # largest decode batch seen (server info)
         # counters (server info; tools/bench_engine.py): forward passes, rows, seconds
@@ -313,6 +313,13 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = False
+
+    def idle(self) -> bool:
+        """SGLang's ``Scheduler.is_fully_idle(ignore_waiting=paused)``, the condition for a
+        cache flush: nothing running (a request paused in place still is), and nothing
+        waiting unless the engine is paused (retracted requests wait for the continue)."""
+        with self._lock:
+            return not self.running and (self.paused or not self.waiting)
 
     def num_requests(self) -> int:
         with self._lock:

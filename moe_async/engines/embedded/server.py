@@ -7,7 +7,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
 ``managers/io_struct.py``):
 
 * ``GET /health``, ``GET /get_model_info`` (also ``/model_info``), ``GET /get_weight_version``
-  -> ``{"weight_version": str}`` (a string, as SGLang types it; the engine counts in ints).
+  -> ``{"weight_version": str}`` (any string, as SGLang; ``--weight-version``, default
+  ``"default"``, until an update names one).
 * ``POST /generate`` (``GenerateReqInput``; every field of SGLang 0.5.23's request and
   sampling schemas is honoured or refused with a 400 naming it, an unknown field too: see
   :mod:`.request` and :mod:`.sampling`; ``n`` > 1 answers a list; response layout in
@@ -41,7 +42,8 @@ Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.p
   one or two tokens below ``C`` there; not modelled). Prompts are never cut.
 * ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI
   compatible, non-streaming, as SGLang serves them; :mod:`.openai_api`).
-* ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``,
+* ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (new requests wait
+  while paused: :mod:`.admission`),
   ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
   ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
 * Weight updates (``/init_weights_update_group``, ``/destroy_weights_update_group``,
@@ -62,10 +64,11 @@ from typing import Any, Literal
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from moe_async.engines.embedded.admission import Admission
 from moe_async.engines.embedded.openai_api import register_openai_routes
 from moe_async.engines.embedded.request import decode_generate
 from moe_async.engines.embedded.sampling import RequestError
@@ -154,8 +157,10 @@ class EngineState:
             tokenizer=self.tokenizer,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         )
-        self.weights = WeightUpdater(self.model, self.scheduler, self.dtype, args.weight_update_timeout_s)
-        self.pause_lock = asyncio.Lock()
+        self.scheduler.weight_version = args.weight_version
+        self.admission = Admission()
+        self.weights = WeightUpdater(self.model, self.scheduler, self.dtype, args.weight_update_timeout_s,
+                                     admission=self.admission)
 
 
 def create_app(state: EngineState) -> FastAPI:
@@ -225,8 +230,9 @@ def create_app(state: EngineState) -> FastAPI:
                     sampling_logprobs_mode=it.sampling_logprobs_mode,
                     return_prompt_token_ids=it.return_prompt_token_ids)
                 for it in items]
-        futs = [sched.submit(r) for r in reqs]
-        results = [await asyncio.wrap_future(f) for f in futs]
+        async with state.admission.request():  # waits while paused; updates wait for it
+            futs = [sched.submit(r) for r in reqs]
+            results = [await asyncio.wrap_future(f) for f in futs]
         return results[0] if single else results
 
     @app.post("/generate")
@@ -245,23 +251,27 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationReqInput):
-        async with state.pause_lock:
-            await on_sched(lambda: sched.pause(body.mode))
+        await state.admission.pause(lambda: on_sched(lambda: sched.pause(body.mode)))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation():
-        async with state.pause_lock:
-            await on_sched(sched.resume)
+        await state.admission.resume(lambda: on_sched(sched.resume))
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        # No prefix cache here; like SGLang, refuse while requests are in flight.
-        n = await on_sched(sched.num_requests)
-        if n:
-            return Response(f"Flush cache failed: {n} requests in flight.\n", status_code=400)
-        return Response("Cache flushed.\n", status_code=200)
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)):
+        # No prefix cache here; SGLang's rule for when a flush may run (Scheduler.is_fully_idle
+        # with ignore_waiting while paused) and its deferred form (?timeout=s: performed as soon
+        # as the engine is idle, refused when it is not idle by then)
+        deadline = time.monotonic() + timeout
+        while True:  # deferred: polled off the scheduler thread, confirmed on it
+            if (not timeout or sched.idle()) and await on_sched(sched.idle):
+                return Response("Cache flushed.\n", status_code=200)
+            if time.monotonic() >= deadline:
+                return Response("Timed out waiting for idle state." if timeout else "Flush cache failed.\n",
+                                status_code=400)
+            await asyncio.sleep(0.05)
 
     @app.post("/abort_request")
     async def abort_request(body: AbortReq):
@@ -312,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="accepted for SGLang parity; routing is always captured here")
     p.add_argument("--weight-update-timeout-s", type=float, default=600.0,
                    help="bound on joining a weight-update group and on each of its broadcasts")
+    p.add_argument("--weight-version", default="default",
+                   help="version string served before the first update (SGLang's flag and default)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone")
     p.add_argument("--log-level", default="warning")

@@ -3,7 +3,7 @@
 Body: SGLang's ``UpdateWeightsFromTensorReqInput`` fields and nothing else (an unknown field
 is a 422 naming it, as the other weight endpoints): ``serialized_named_tensors`` (one base64
 string per engine TP rank: this engine is one rank and reads entry 0), ``load_format``,
-``flush_cache``, ``abort_all_requests``, ``weight_version`` (a decimal integer string or
+``flush_cache``, ``abort_all_requests``, ``weight_version`` (any string or
 null), ``selector``, ``torch_empty_cache``.
 
 Each entry is the base64 of torch ``ForkingPickler`` bytes (SGLang's
@@ -47,7 +47,6 @@ from moe_async.engines.embedded.weight_update import (
     _fail,
     _Req,
     apply_update_call,
-    parse_version,
 )
 from moe_async.weight_sync.bucket import nbytes_of
 from moe_async.weight_sync.packing import contiguous_span
@@ -212,10 +211,6 @@ def tensor_update_router(wu: WeightUpdater) -> APIRouter:
 
     @r.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorReqInput):
-        try:
-            version = parse_version(body.weight_version)
-        except ValueError as e:
-            return _fail(str(e))
         if not body.serialized_named_tensors:
             return _fail("serialized_named_tensors is empty: one entry per engine TP rank is needed (this engine: 1)")
 
@@ -224,7 +219,7 @@ def tensor_update_router(wu: WeightUpdater) -> APIRouter:
                 raise ValueError(refuse)
             return write_standby(wu, decode_named_tensors(body.serialized_named_tensors[0], body.load_format))
 
-        return await apply_update_call(wu, receive, version, body.abort_all_requests,
-                                       outside_session=OUTSIDE_SESSION_TENSOR)
+        return await apply_update_call(wu, receive, body.weight_version, body.abort_all_requests,
+                                       outside_session=OUTSIDE_SESSION_TENSOR, flush_cache=body.flush_cache)
 
     return r

@@ -2,8 +2,17 @@
 
 Mounted by :mod:`moe_async.engines.embedded.server` (``app.include_router``). Request
 bodies carry SGLang's fields (``managers/io_struct.py``) and nothing else: an unknown field
-is a 422 naming it. ``weight_version`` is a string on the wire, as SGLang types it
-(``Optional[str]``); the engine numbers versions, so it must be a decimal integer string.
+is a 422 naming it. ``weight_version`` is any string, as SGLang types it (``Optional[str]``;
+the engine serves ``--weight-version``, default ``"default"``, until an update names one).
+
+Pause, locking and flushing as SGLang 0.5.23 (:mod:`.admission`; ``SchedulerWeightUpdaterManager.
+flush_cache_after_weight_update``): an update call, ``begin`` or ``end`` made without a pause
+waits for every in-flight request to finish (requests arriving meanwhile wait behind it);
+a call with ``flush_cache: true`` that applied weights then needs the engine idle (nothing
+running; nothing waiting unless paused): a request paused ``in_place`` still holds its KV, so
+the call fails with SGLang's ``Weights were updated, but the cache was not flushed ...``
+(the weights and ``weight_version`` stay applied, as in SGLang). Calls of an atomic session
+that only stage bytes (ours) take no lock and apply nothing.
 
 * ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset,
   world_size, group_name, backend}``: joins the group as rank ``rank_offset`` (one rank: the
@@ -63,6 +72,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from moe_async.engines.embedded.admission import Admission
 from moe_async.engines.embedded.fault_hooks import SyncStall
 from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
 from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
@@ -74,6 +84,10 @@ from moe_async.weight_sync.group import (
 )
 
 log = logging.getLogger("moe_async.engines.embedded")
+
+#: SGLang 0.5.23's failure of an update call whose cache flush was refused (same scheduler file)
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                 "queued. Retract or finish them, then call /flush_cache.")
 
 #: SGLang 0.5.23's refusal of an update outside a session (scheduler weight_updater.py)
 OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
@@ -147,17 +161,6 @@ def _fail(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"success": False, "message": message}, status_code=status)
 
 
-def parse_version(v: str | None) -> int | None:
-    """The engine's int version of a wire ``weight_version`` (a string, as SGLang's)."""
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"weight_version must be a decimal integer string (the embedded engine numbers "
-                         f"its versions), got {v!r}") from None
-
-
 @dataclass
 class Membership:
     """One weight-update group this engine is a member of."""
@@ -178,7 +181,9 @@ class Session:
 class WeightUpdater:
     """The engine's side of weight updates: groups, the session, the double-buffered params."""
 
-    def __init__(self, model: torch.nn.Module, scheduler: Any, dtype: torch.dtype, timeout_s: float = 600.0):
+    def __init__(self, model: torch.nn.Module, scheduler: Any, dtype: torch.dtype, timeout_s: float = 600.0,
+                 admission: Admission | None = None):
+        self.admission = admission or Admission()  # the server's pause flag and update lock
         self.weight_map = HFWeightMap(model)
         self.arena = ParamArena(self.weight_map)
         self.sched = scheduler
@@ -290,64 +295,82 @@ def join_refusal(body: InitWeightsUpdateGroupReqInput, ranks: int = 1) -> str | 
 
 
 async def apply_update_call(wu: WeightUpdater, receive: Callable[[str | None], list[str]],
-                            version: int | None, abort_all_requests: bool,
-                            outside_session: str = OUTSIDE_SESSION) -> dict | JSONResponse:
+                            version: str | None, abort_all_requests: bool,
+                            outside_session: str = OUTSIDE_SESSION, flush_cache: bool = False) -> dict | JSONResponse:
     """One update call of any transport (``/update_weights_from_distributed``,
-    ``/update_weights_from_tensor``), with SGLang's session semantics (module docstring).
+    ``/update_weights_from_tensor``), with SGLang's session, lock and flush semantics
+    (module docstring).
 
     ``receive(refuse)`` runs in a worker thread: it writes the call's tensors into the standby
     parameters (``wu.arena``, marked) and returns their names, or raises ``KeyError`` /
     ``ValueError`` / ``RuntimeError`` (a 400 naming the tensor); given a ``refuse`` message
     (no session open: ``outside_session``) it must raise ``ValueError(refuse)`` after
-    draining whatever the transport needs drained. Returns the JSON reply or a 400.
+    draining whatever the transport needs drained. ``version``: the call's ``weight_version``
+    (any string) or None. ``flush_cache``: after applying, fail with :data:`FLUSH_REFUSED`
+    unless the engine is idle (SGLang's rule). Returns the JSON reply or a 400.
     """
     sched = wu.sched
-    async with wu.update_lock:
-        session = wu.session
-        if abort_all_requests:
-            await asyncio.wrap_future(sched.call(lambda: sched.abort(None, "aborted for a weight update")))
-        t0 = time.perf_counter()
-        if not wu.arena.bound:
-            await asyncio.wrap_future(sched.call(wu.arena.bind))
-        atomic = session is not None and session.atomic
+    if abort_all_requests:  # before the lock, as SGLang's tokenizer manager does
+        await asyncio.wrap_future(sched.call(lambda: sched.abort(None, "aborted for a weight update")))
+    staging = wu.session is not None and wu.session.atomic and version is None
+    async with wu.admission.update(exclusive=not staging):
+        async with wu.update_lock:
+            reply = await _apply_locked(wu, receive, version, outside_session)
+        if flush_cache and isinstance(reply, dict) and not await asyncio.wrap_future(sched.call(sched.idle)):
+            return _fail(FLUSH_REFUSED)
+    return reply
 
-        def run() -> list[str]:
-            names = receive(outside_session if session is None else None)
-            if atomic and version is not None:
-                # names this update did not carry keep their live values (off the scheduler
-                # thread: the live buffer is only read there; update_lock keeps writers out)
-                wu.arena.fill_stale()
-            return names
 
-        try:
-            names = await asyncio.to_thread(run)
-        except (KeyError, ValueError, RuntimeError) as e:
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            if session is None:
-                return _fail(msg)
-            dropped = len(wu.arena.fresh)
-            wu.arena.discard()
-            # later calls of an atomic update are received and refused until its versioned
-            # call, which fails and clears this (the first failure is the one named)
-            wu.update_error = (wu.update_error or msg) if atomic and version is None else None
-            return _fail(f"{msg} (staged update of {dropped} tensors discarded)" if atomic else msg)
-        session.calls += 1
-        if atomic and version is None:
-            return {"success": True, "message": f"staged {len(names)} tensors ({len(wu.arena.fresh)} in total)"}
-        staged = len(wu.arena.fresh)
+async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[str]],
+                        version: str | None, outside_session: str) -> dict | JSONResponse:
+    sched = wu.sched
+    session = wu.session
+    t0 = time.perf_counter()
+    if not wu.arena.bound:
+        await asyncio.wrap_future(sched.call(wu.arena.bind))
+    atomic = session is not None and session.atomic
+    # an atomic update of one versioned call (a sender that versions every call): applied by
+    # copying that call's bytes into the live parameters, as a plain session does (no fill of
+    # the standby copy, no swap of every parameter)
+    whole = atomic and version is not None and not wu.arena.fresh
 
-        def apply():
-            if atomic:
-                wu.arena.swap()  # pointers only: between two forward passes
-            else:
-                wu.arena.commit(names)  # this call's bytes only
-            if version is not None:
-                sched.weight_version = version
+    def run() -> list[str]:
+        names = receive(outside_session if session is None else None)
+        if atomic and version is not None and not whole:
+            # names this update did not carry keep their live values (off the scheduler
+            # thread: the live buffer is only read there; update_lock keeps writers out)
+            wu.arena.fill_stale()
+        return names
 
-        await asyncio.wrap_future(sched.call(apply))
-        dt = time.perf_counter() - t0
-        what = f"applied {staged} tensors" if atomic else f"applied {len(names)} tensors at once"
-        return {"success": True, "message": f"{what}; weight_version={sched.weight_version} ({dt:.3f}s)"}
+    try:
+        names = await asyncio.to_thread(run)
+    except (KeyError, ValueError, RuntimeError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        if session is None:
+            return _fail(msg)
+        dropped = len(wu.arena.fresh)
+        wu.arena.discard()
+        # later calls of an atomic update are received and refused until its versioned
+        # call, which fails and clears this (the first failure is the one named)
+        wu.update_error = (wu.update_error or msg) if atomic and version is None else None
+        return _fail(f"{msg} (staged update of {dropped} tensors discarded)" if atomic else msg)
+    session.calls += 1
+    if atomic and version is None:
+        return {"success": True, "message": f"staged {len(names)} tensors ({len(wu.arena.fresh)} in total)"}
+    staged = len(wu.arena.fresh)
+
+    def apply():
+        if atomic and not whole:
+            wu.arena.swap()  # pointers only: between two forward passes
+        else:
+            wu.arena.commit(names)  # this call's bytes only
+        if version is not None:
+            sched.weight_version = version
+
+    await asyncio.wrap_future(sched.call(apply))
+    dt = time.perf_counter() - t0
+    what = f"applied {staged} tensors" if atomic and not whole else f"applied {len(names)} tensors at once"
+    return {"success": True, "message": f"{what}; weight_version={sched.weight_version} ({dt:.3f}s)"}
 
 
 def weight_update_router(wu: WeightUpdater) -> APIRouter:
@@ -403,7 +426,7 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
 
     @r.post("/begin_weight_update")
     async def begin_weight_update(body: BeginWeightUpdateReqInput):
-        async with wu.update_lock:
+        async with wu.admission.update(exclusive=not body.atomic), wu.update_lock:
             if wu.session is not None:
                 return _fail("a weight-update session is already open; call end_weight_update() first")
             wu.drop_staged()
@@ -412,7 +435,8 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
 
     @r.post("/end_weight_update")
     async def end_weight_update(body: EndWeightUpdateReqInput):
-        async with wu.update_lock:
+        atomic = wu.session is not None and wu.session.atomic  # an atomic end applies nothing
+        async with wu.admission.update(exclusive=not atomic), wu.update_lock:
             if wu.session is None:
                 return _fail("no weight-update session is open; call begin_weight_update() first")
             dropped = len(wu.arena.fresh)
@@ -426,23 +450,17 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
         if body.group_name not in wu.groups:
             return _fail(f"Group {body.group_name} not in {list(wu.groups)}. "
                          f"Please call `init_weights_update_group` first.")
-        try:
-            version = parse_version(body.weight_version)
-        except ValueError as e:
-            return _fail(str(e))
         await wu.stall.maybe_stall(sched.weight_version)  # test-only (fault_hooks.py)
         return await apply_update_call(
-            wu, lambda refuse: wu.receive(body, refuse=refuse), version, body.abort_all_requests)
+            wu, lambda refuse: wu.receive(body, refuse=refuse), body.weight_version, body.abort_all_requests,
+            flush_cache=body.flush_cache)
 
     @r.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput):
-        try:
-            version = parse_version(body.weight_version)
-        except ValueError as e:
-            return _fail(str(e))
-        async with wu.update_lock:
-            if body.abort_all_requests:
-                await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
+        version = body.weight_version
+        if body.abort_all_requests:
+            await on_sched(lambda: sched.abort(None, "aborted for a weight update"))
+        async with wu.admission.update(), wu.update_lock:
             try:
                 new = await asyncio.to_thread(wu.read_disk, body.model_path)
             except (KeyError, ValueError, OSError) as e:
@@ -451,10 +469,13 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
 
             def apply():
                 wu.weight_map.apply(new)
+                wu.arena.live_written(new)
                 if version is not None:
                     sched.weight_version = version
 
             await on_sched(apply)
+            if body.flush_cache and not await on_sched(sched.idle):
+                return _fail(FLUSH_REFUSED)
             return {"success": True, "message": f"applied {len(new)} tensors from {body.model_path}",
                     "num_paused_requests": 0}
 

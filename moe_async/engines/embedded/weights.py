@@ -149,8 +149,10 @@ class ParamArena:
       * :meth:`bind` (once; scheduler thread): the live parameters become views of buffer A;
       * each bucket is written into the standby buffer B (:meth:`span` for a received span,
         :meth:`standby` for one tensor) and its names marked with :meth:`mark`;
-      * :meth:`fill_stale` (any thread): names not written in this update are copied live ->
-        standby, so a partial update keeps the current values of the rest;
+      * :meth:`fill_stale` (any thread): names not written in this update whose standby
+        bytes are stale (:attr:`dirty`: after a swap, the names the swapped update carried)
+        are copied live -> standby, so a partial update keeps the current values of the rest
+        at the cost of what changed since, not of the model;
       * :meth:`swap` (scheduler thread, between two forward passes): every parameter's
         ``.data`` now points into B; A becomes the standby. No tensor is copied here, and no
         forward pass ever reads B while it is being written (atomic apply, case C1).
@@ -181,7 +183,8 @@ class ParamArena:
             self.slot[name] = (self.param_off[s.param_name] + start, v.numel() * v.element_size())
         self._order = sorted(self.slot, key=lambda n: self.slot[n][0])
         self.bufs: list[torch.Tensor] | None = None  # [live, standby]
-        self.fresh: set[str] = set()
+        self.fresh: set[str] = set()  # written into standby by the update under way
+        self.dirty: set[str] = set(self.slot)  # standby bytes not known equal to live (all until filled)
 
     @property
     def bound(self) -> bool:
@@ -240,18 +243,27 @@ class ParamArena:
         self.fresh.update(names)
 
     def discard(self) -> None:
+        self.dirty |= self.fresh  # their standby bytes hold the dropped update
         self.fresh.clear()
 
     @torch.no_grad()
     def fill_stale(self) -> int:
-        """Copy live -> standby every name not written in this update; returns how many."""
+        """Copy live -> standby every name not written in this update whose standby bytes
+        differ from the live ones (:attr:`dirty`); returns how many. Right after a swap the
+        standby differs only at the names that update carried, so an update applied call by
+        call (every call versioned) copies each call's bytes once more, never the model."""
         live, standby = self.bufs
-        n = 0
-        for name, (o, nb) in self.slot.items():
-            if name not in self.fresh:
-                standby[o: o + nb].copy_(live[o: o + nb])
-                n += 1
-        return n
+        todo = self.dirty - self.fresh
+        for name in todo:
+            o, nb = self.slot[name]
+            standby[o: o + nb].copy_(live[o: o + nb])
+        self.dirty -= todo
+        return len(todo)
+
+    def live_written(self, names) -> None:
+        """``names`` were written into the live parameters directly (a disk update): their
+        standby bytes are stale now."""
+        self.dirty.update(names)
 
     @torch.no_grad()
     def commit(self, names) -> int:
@@ -266,6 +278,7 @@ class ParamArena:
             live[o: o + nb].copy_(standby[o: o + nb])
             n += nb
         self.fresh.difference_update(names)
+        self.dirty.difference_update(names)  # equal on both sides now
         return n
 
     def swap(self) -> None:
@@ -274,4 +287,5 @@ class ParamArena:
         for pname, p in self.params.items():
             p.data = self._param_view(standby, pname)
         self.bufs = [standby, live]
+        self.dirty = set(self.fresh)  # the new standby (the old live) differs exactly there
         self.fresh.clear()

@@ -1,0 +1,110 @@
+"""Who may run while weights change: SGLang 0.5.23's tokenizer-side pause and update lock.
+
+Mirrors ``TokenizerManager`` (``managers/tokenizer_manager.py``,
+``tokenizer_control_mixin.py``) and its ``RWLock`` (``utils/aio_rwlock.py``):
+
+* every ``/generate`` request first waits while the engine is paused (``is_pause``), then
+  holds the *reader* side of the model-update lock until its response is ready;
+* ``/pause_generation`` sets ``is_pause`` (new requests wait before admission);
+  ``/continue_generation`` clears it and wakes them;
+* an update call (``/update_weights_from_*``, ``/begin_weight_update``,
+  ``/end_weight_update``) made while paused runs under the pause condition (a continue
+  waits for it); made without a pause it takes the *writer* side: it waits until every
+  in-flight request has finished, and requests arriving meanwhile wait behind it (a waiting
+  writer blocks new readers, as SGLang's lock does). So an update never switches a running
+  request's weights mid-sequence unless the sender paused the engine first.
+
+Ours: calls of an atomic session that only stage bytes (``atomic: true``) change no served
+weight and take neither side (see :mod:`.weight_update`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+
+class RWLock:
+    """Writer-preferring asyncio reader/writer lock (the semantics of SGLang's ``RWLock``)."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self.readers = 0
+        self.writer = False
+        self.waiting_writers = 0
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.writer and self.waiting_writers == 0)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.readers -= 1
+                if self.readers == 0:
+                    self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writer_lock(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self.waiting_writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self.writer and self.readers == 0)
+                self.writer = True
+            finally:
+                self.waiting_writers -= 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.writer = False
+                self._cond.notify_all()
+
+
+class Admission:
+    """The engine's pause flag and model-update lock (module docstring)."""
+
+    def __init__(self) -> None:
+        self.is_pause = False
+        self.pause_cond = asyncio.Condition()
+        self.lock = RWLock()
+
+    @contextlib.asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        """Around one ``/generate`` request: wait while paused, then hold a reader."""
+        async with self.pause_cond:
+            await self.pause_cond.wait_for(lambda: not self.is_pause)
+        async with self.lock.reader():
+            yield
+
+    @contextlib.asynccontextmanager
+    async def update(self, exclusive: bool = True) -> AsyncIterator[bool]:
+        """Around one update call. Paused: under the pause condition (a continue waits);
+        else, when ``exclusive``, the writer side (waits for in-flight requests). Yields
+        whether the engine was paused."""
+        async with self.pause_cond:
+            if self.is_pause:
+                yield True
+                return
+        if not exclusive:
+            yield False
+            return
+        async with self.lock.writer_lock():
+            yield False
+
+    async def pause(self, dispatch: Callable[[], Awaitable[Any]]) -> None:
+        """Set ``is_pause`` (new requests wait), then ``dispatch`` (the scheduler's pause)."""
+        async with self.pause_cond:
+            self.is_pause = True
+            await dispatch()
+
+    async def resume(self, dispatch: Callable[[], Awaitable[Any]]) -> None:
+        """Clear ``is_pause``, ``dispatch`` (the scheduler's continue), wake waiting requests;
+        waits for an update running under the pause to finish first."""
+        async with self.pause_cond:
+            self.is_pause = False
+            await dispatch()
+            self.pause_cond.notify_all()
