@@ -123,8 +123,9 @@ class TrainerConfig(ConfigModel):
             "within this many tokens, at most micro_batch_size of them; a longer sequence goes alone. "
             "None: micro_batch_size sequences each. The loss is a per-token mean over the global "
             "batch, so the cut does not change it. With sequence_packing='thd' the budget counts the packed "
-            "row's T (real tokens) instead of B x S. Needs pipeline_model_parallel_size == 1 unless "
-            "sequence_packing='thd'."
+            "row's T (real tokens) instead of B x S. At PP > 1 padded micro-batches share one shape per "
+            "step (S the batch's longest, B the step's largest cut; the rows past a micro-batch's own "
+            "sequences are zero-weight fillers); with virtual pipeline stages only with sequence_packing='thd'."
         ),
     )
     sequence_packing: Literal["auto", "thd", "padded"] = Field(
@@ -390,14 +391,13 @@ class TrainerConfig(ConfigModel):
                 "'Packed sequence is not supported by DotProductAttention'; use sequence_packing='padded' "
                 "or 'auto'"
             )
-        if (self.max_tokens_per_micro_batch is not None and self.pipeline_model_parallel_size > 1
+        if (self.max_tokens_per_micro_batch is not None and (self.virtual_pipeline_model_parallel_size or 1) > 1
                 and self.sequence_packing != "thd"):
             raise ValueError(
-                f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} needs "
-                f"trainer.pipeline_model_parallel_size == 1 (got {self.pipeline_model_parallel_size}): "
-                "Megatron-Core's pipeline schedules exchange activations of one shape "
-                "[S, micro_batch_size, hidden] for every micro-batch (with sequence_packing='thd' the packed "
-                "rows' shapes are exchanged or padded to one, and the budget runs at any PP)"
+                f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} with "
+                f"trainer.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
+                "sequence_packing='thd' (padded micro-batches cut by a budget are not run with virtual pipeline "
+                "stages; at PP > 1 without them every micro-batch of a step gets one padded [B, S] shape)"
             )
         if (why := memory_feature_refusal(self)) is not None:
             raise ValueError(why)
