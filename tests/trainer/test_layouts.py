@@ -85,7 +85,7 @@ def res(request, tmp_path_factory):
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
     times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"),
                             [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2, "unpp"])
-    times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=120)
+    times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=300)  # + the uneven-PP load
     w4 = [x for x in [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4] if x not in SLOW or x in want]
     times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), w4)
     out = merged_json(tmp, "ref", "w2", "w4", "cpck_load")
