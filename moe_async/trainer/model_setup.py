@@ -80,6 +80,14 @@ class ModelSetupMixin:
                 out[k] = getattr(cfg, k)
         if not self.family.arch_args(self.hf_config).num_experts:
             return out
+        if cfg.moe_grouped_gemm:
+            from moe_async.trainer.moe_kernels import grouped_gemm_available
+
+            if not grouped_gemm_available():  # refused before the model is built, naming the field
+                raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
+                                 "TEGroupedMLP; the legacy GroupedMLP needs the grouped_gemm CUDA package); set "
+                                 "it false here (the sequential expert MLP: same checkpoints and HF export)")
+            out["moe_grouped_gemm"] = True
         if cfg.moe_token_dispatcher_type == "flex":
             from moe_async.trainer.moe_kernels import check_flex_dispatcher
 
@@ -179,6 +187,10 @@ class ModelSetupMixin:
         CPU path: the local core attention (which asserts ``packed_seq_params is None``) is
         replaced by the compat THD core attention (:mod:`moe_async.compat.thd_attention`);
         with CUDA + TE the TE spec's THD attention runs."""
+        if self.cfg.moe_grouped_gemm and self.family.arch_args(self.hf_config).num_experts:
+            from moe_async.megatron.build import grouped_experts_spec
+
+            spec, _ = grouped_experts_spec(spec)  # GPU + TE only (refused before otherwise)
         if self._thd and self._cpu:
             from moe_async.compat.thd_attention import thd_layer_spec
 

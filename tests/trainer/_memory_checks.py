@@ -54,6 +54,29 @@ def recompute(path: str, ss) -> dict:
     return out
 
 
+def dispatch(path: str, ss) -> dict:
+    """Token dispatcher and expert capacity: every parameter's gradient relative to the default
+    (alltoall, no capacity)."""
+    out, ref = {}, None
+    for name, kw in {"alltoall": {}, "allgather": dict(moe_token_dispatcher_type="allgather"),
+                     "capacity_no_drop": dict(moe_expert_capacity_factor=2.0),
+                     "capacity_padded": dict(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True),
+                     "capacity_drop": dict(moe_expert_capacity_factor=0.5),
+                     "capacity_drop_position": dict(moe_expert_capacity_factor=0.5,
+                                                    moe_token_drop_policy="position")}.items():
+        tr = MegatronTrainer(TrainerConfig(micro_batch_size=4, moe_aux_loss_coeff=0.0, lr=1e-3, clip_grad=1e9,
+                                           **kw), path)
+        m = tr.train_step(ss, ADV)
+        g = _grads(tr)
+        if ref is None:
+            ref = g
+        out[name] = {"loss": m["loss"], "grad_rel": float((g - ref).norm() / ref.norm()),
+                     "tf": [tr.tf_config.moe_token_dispatcher_type, tr.tf_config.moe_expert_capacity_factor,
+                            tr.tf_config.moe_token_drop_policy]}
+        tr.close()
+    return out
+
+
 def offload(path: str, ss) -> dict:
     out, ref = {}, None
     for name, kw in {"device": {}, "offload": dict(optimizer_cpu_offload=True),
@@ -82,7 +105,7 @@ def offload(path: str, ss) -> dict:
 def main(tmp: str) -> None:
     path = make_tiny_mixtral(os.path.join(tmp, "tie1"), tie=True)
     ss = _checks.samples(0, LENS, zero_at=None)
-    print(json.dumps({"recompute": recompute(path, ss), "offload": offload(path, ss)}))
+    print(json.dumps({"recompute": recompute(path, ss), "offload": offload(path, ss), "dispatch": dispatch(path, ss)}))
 
 
 if __name__ == "__main__":

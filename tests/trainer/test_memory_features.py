@@ -82,3 +82,33 @@ def test_memory_settings_are_checked():
         TrainerConfig(recompute_granularity="selective", recompute_modules=["attention"])
     with pytest.raises(ValidationError, match="router_replay"):
         TrainerConfig(moe_expert_capacity_factor=1.0, router_replay="R3")
+
+
+def test_unavailable_kernels_are_refused_naming_the_field(tmp_path):
+    """Where CUDA / Transformer Engine / DeepEP are absent (this machine): the flex dispatcher and
+    the grouped expert MLP are refused before any model is built, naming the field."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("refusals of the CPU host")
+    from moe_async.megatron.build import grouped_experts_spec
+    from moe_async.trainer.moe_kernels import check_flex_dispatcher, grouped_gemm_available
+
+    with pytest.raises(ValueError, match="trainer.moe_token_dispatcher_type='flex' needs CUDA"):
+        check_flex_dispatcher()
+    assert grouped_gemm_available() is False
+    with pytest.raises(ValueError, match="trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine"):
+        grouped_experts_spec(None)
+
+
+def test_dispatcher_and_expert_capacity(res):
+    """allgather gives alltoall's gradient; a capacity of 2x the balanced share (4 experts, top-2:
+    every token at most once per expert, so no expert can get more) drops nothing, padded to capacity or not; a capacity of 0.5x drops
+    tokens (by probability or by position), which changes the gradient."""
+    d = res["dispatch"]
+    assert d["allgather"]["tf"][0] == "allgather" and d["allgather"]["grad_rel"] <= 1e-6
+    for k in ("capacity_no_drop", "capacity_padded"):
+        assert d[k]["tf"][1] == 2.0 and d[k]["grad_rel"] <= 1e-6, k
+    for k, policy in (("capacity_drop", "probs"), ("capacity_drop_position", "position")):
+        assert d[k]["tf"][1:] == [0.5, policy] and d[k]["grad_rel"] > 1e-3, k
+    assert d["capacity_drop"]["grad_rel"] != d["capacity_drop_position"]["grad_rel"]
