@@ -263,10 +263,10 @@ class TrainerConfig(ConfigModel):
         False,
         description=(
             "Grouped expert MLP (Megatron-Core's moe_grouped_gemm): the local experts of a rank run as one "
-            "grouped GEMM (Transformer Engine's TEGroupedMLP with CUDA + TE; elsewhere Megatron-Core's "
-            "TEGroupedMLP is unavailable and the sequential layout is used, see docs/trainer.md). "
-            "Checkpoints and HF export are the same either way (the sharded state dict names experts "
-            "alike)."
+            "grouped GEMM (Transformer Engine's TEGroupedMLP, CUDA + TE only; refused elsewhere, naming this "
+            "field: Megatron-Core 0.16.1's legacy GroupedMLP needs the grouped_gemm CUDA package). False: "
+            "the sequential expert MLP. Not tested here (no GPU): checkpoint interchange with the "
+            "sequential layout rests on Megatron-Core's sharded state dict."
         ),
     )
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = Field(
