@@ -472,6 +472,10 @@ def memory_feature_refusal(cfg: TrainerConfig) -> str | None:
                 f"(got recompute_granularity={g!r})")
     if cfg.recompute_modules is not None and g != "selective":
         return f"trainer.recompute_modules needs trainer.recompute_granularity='selective' (got {g!r})"
+    if "moe_act" in (cfg.recompute_modules or ()) and not cfg.moe_grouped_gemm:
+        return ("trainer.recompute_modules with 'moe_act' needs trainer.moe_grouped_gemm=true (Megatron-Core "
+                "recomputes the experts' activation only in the grouped expert MLP); use 'moe' to recompute the "
+                "whole MoE layer")
     if cfg.optimizer_cpu_offload and not cfg.use_distributed_optimizer:
         return ("trainer.optimizer_cpu_offload=true needs trainer.use_distributed_optimizer=true "
                 "(Megatron-Core's HybridDeviceOptimizer runs inside the distributed optimizer)")

@@ -80,6 +80,8 @@ def test_memory_settings_are_checked():
         TrainerConfig(optimizer_cpu_offload=True)
     with pytest.raises(ValidationError, match="recompute_modules"):
         TrainerConfig(recompute_granularity="selective", recompute_modules=["attention"])
+    with pytest.raises(ValidationError, match="'moe_act' needs trainer.moe_grouped_gemm=true"):
+        TrainerConfig(recompute_granularity="selective", recompute_modules=["moe_act"])
     with pytest.raises(ValidationError, match="router_replay"):
         TrainerConfig(moe_expert_capacity_factor=1.0, router_replay="R3")
 
