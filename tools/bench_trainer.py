@@ -332,7 +332,7 @@ def main(argv=None) -> None:
             len(s.prompt_ids) + len(s.response_ids) for s in samples[i : i + args.micro_batch_size])
             for i in range(0, len(samples), args.micro_batch_size)),
         "threads": args.threads, "dtype": "fp32", "sequence_packing": cfg.sequence_packing,
-        "sequence_packing_run": kinds[0] if len(kinds) == 1 else "both",
+        "sequence_packing_run": "both" if args.packing == "both" else kinds[0],
         "transformers_tok_s": tokens / statistics.median(t_hf),
     }
     for k in kinds:
