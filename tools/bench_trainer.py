@@ -31,6 +31,13 @@ batch (16 samples = 4 prompts x 4, the chat-templated one-shot basic_arithmetic 
     python tools/bench_trainer.py --packing thd                # packed THD micro-batches
     python tools/bench_trainer.py --packing thd --min-new-tokens 4   # variable response lengths
 
+    python tools/bench_trainer.py --recompute                  # with and without full recompute
+
+``--recompute``: the Megatron step also runs with Megatron-Core's full activation recompute
+(``recompute_granularity='full'``, uniform, 1 layer; switched on the same trainer between steps,
+the same weights) and prints its tokens/s, the ratio recompute / no recompute (same run,
+interleaved) and the peak saved activations of each (:class:`SavedActivationMeter`).
+
 ``--packing`` sets the Megatron trainer's ``trainer.sequence_packing`` (padded / thd / auto); the
 transformers step always right-pads each micro-batch to its longest sequence, as ``generate``
 batches are. Tokens/s counts real tokens either way.
@@ -201,6 +208,8 @@ def main(argv=None) -> None:
                          "'both': one trainer built for thd runs padded and thd steps in turn (same run, "
                          "same model), each timed against the transformers step; the transformers step "
                          "always right-pads")
+    ap.add_argument("--recompute", action="store_true",
+                    help="also time the Megatron step with full activation recompute (uniform, 1 layer)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra TrainerConfig fields for the Megatron trainer (repeatable)")
     args = ap.parse_args(argv)
@@ -249,11 +258,24 @@ def main(argv=None) -> None:
     # attention is the local one without packed_seq_params; TE's takes both); _thd selects _pack's
     # layout per step
     kinds = ["padded", "thd"] if args.packing == "both" else ["thd" if meg._thd else "padded"]
+    if args.recompute:
+        if len(kinds) > 1:
+            ap.error("--recompute runs with one packing (not --packing both)")
+        kinds.append(kinds[0] + "+recompute")
 
-    def run_meg(kind=kinds[0]):
-        meg._thd = kind == "thd"
+    def run_meg(kind=kinds[0], meter=None):
+        meg._thd = kind.startswith("thd")
+        # Megatron's TransformerBlock reads the full-recompute setting at each forward
+        full = kind.endswith("+recompute")
+        meg.tf_config.recompute_granularity = "full" if full else None
+        meg.tf_config.recompute_method = "uniform" if full else None
+        meg.tf_config.recompute_num_layers = 1 if full else None
         t0 = time.perf_counter()
-        m = meg.train_step(samples, adv)
+        if meter is not None:
+            with meter:
+                m = meg.train_step(samples, adv)
+        else:
+            m = meg.train_step(samples, adv)
         return time.perf_counter() - t0, m
 
     def run_hf():
@@ -261,10 +283,15 @@ def main(argv=None) -> None:
         m = hf.step(samples, adv)
         return time.perf_counter() - t0, m
 
+    from moe_async.trainer.activation_meter import SavedActivationMeter
+
+    peaks = {}
     for kind in kinds:
-        w_meg, m0 = run_meg(kind)
-        print(f"warm-up: megatron ({kind}) {w_meg:.2f} s (loss {m0['loss']:.5f}, grad_norm {m0['grad_norm']:.4f})",
-              flush=True)
+        meter = SavedActivationMeter([p for m in meg.models for p in m.parameters()])
+        w_meg, m0 = run_meg(kind, meter)
+        peaks[kind] = meter.peak_bytes
+        print(f"warm-up: megatron ({kind}) {w_meg:.2f} s (loss {m0['loss']:.5f}, grad_norm {m0['grad_norm']:.4f}, "
+              f"peak saved activations {meter.peak_bytes / 2**20:.1f} MiB)", flush=True)
     w_hf, h0 = run_hf()
     print(f"warm-up: transformers {w_hf:.2f} s (loss {h0['loss']:.5f}, grad_norm {h0['grad_norm']:.4f})", flush=True)
     if args.profile:
@@ -305,7 +332,7 @@ def main(argv=None) -> None:
             len(s.prompt_ids) + len(s.response_ids) for s in samples[i : i + args.micro_batch_size])
             for i in range(0, len(samples), args.micro_batch_size)),
         "threads": args.threads, "dtype": "fp32", "sequence_packing": cfg.sequence_packing,
-        "sequence_packing_run": kinds[0] if len(kinds) == 1 else "both",
+        "sequence_packing_run": "both" if args.packing == "both" else kinds[0],
         "transformers_tok_s": tokens / statistics.median(t_hf),
     }
     for k in kinds:
@@ -313,14 +340,22 @@ def main(argv=None) -> None:
         res[f"megatron_tok_s{sfx}"] = tokens / statistics.median(t_meg[k])
         res[f"ratio_median{sfx}"] = statistics.median(ratios[k])
         res[f"ratios{sfx}"] = ratios[k]
-    if len(kinds) > 1:
+    if args.packing == "both":
         res["thd_over_padded_median"] = statistics.median(p / t for p, t in zip(t_meg["padded"], t_meg["thd"]))
+    if args.recompute:
+        base, rc = kinds
+        res["recompute_over_none_tok_s_median"] = statistics.median(b / r for b, r in zip(t_meg[base], t_meg[rc]))
+        res["peak_saved_activations_bytes"] = peaks
     print(json.dumps(res))
     for k in kinds:
         sfx = "" if len(kinds) == 1 else f"_{k}"
         print(f"megatron ({k}) / transformers tokens/s (median of {args.repeats}): {res['ratio_median' + sfx]:.3f}")
-    if len(kinds) > 1:
+    if args.packing == "both":
         print(f"megatron thd / padded tokens/s (median of {args.repeats}): {res['thd_over_padded_median']:.3f}")
+    if args.recompute:
+        print(f"megatron full recompute / no recompute tokens/s (median of {args.repeats}): "
+              f"{res['recompute_over_none_tok_s_median']:.3f}; peak saved activations "
+              f"{peaks[kinds[1]] / 2**20:.1f} MiB vs {peaks[kinds[0]] / 2**20:.1f} MiB")
     meg.close()
     if tmp is not None:
         tmp.cleanup()

@@ -21,6 +21,10 @@ Public API:
     applied_mends() -> list[str]           names of the mends applied in this process
     enable_cpu_wgrad_accumulation_fusion() opt-in: Megatron's gradient_accumulation_fusion on CPU
 
+Patch modules applied by :func:`apply_cpu_compat`:
+    dist_opt_step         the distributed optimizer with torch's Adam (per-parameter step)
+    hybrid_offload        Megatron-Core's optimizer CPU offload (HybridDeviceOptimizer) without CUDA
+
 Modules with spec-level mends (used by the model builder on the CPU path, not patches):
     mla_local_attention   MLA's local core attention and q/kv down projections (deepseek_v3)
     cp_attention          context-parallel core attention for the local spec (CP > 1; the
@@ -426,6 +430,26 @@ def enable_cpu_wgrad_accumulation_fusion() -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------------------
+# Mend 15: activation recompute (full, and the selective modules that use Megatron's
+# CheckpointFunction). Answers tensor_parallel/random.py (_get_all_rng_states /
+# _set_all_rng_states read and restore torch.cuda's RNG state around the recomputed forward).
+# Without CUDA there is no CUDA generator: the CPU generator and the tracker's (CPU) states are
+# what the recompute must restore, and random.py saves and restores both itself.
+# ---------------------------------------------------------------------------------------
+def _patch_recompute_rng_state() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)  # no CUDA generator to save
+
+    def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        return None  # nothing to restore: the CPU state is restored by torch.set_rng_state
+
+    mrandom._get_cuda_rng_state = _get_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+
+
 def apply_cpu_compat() -> bool:
     """Apply every CPU mend once (idempotent). Returns True when the mends are active,
     False (and changes nothing) when CUDA is available.
@@ -452,6 +476,12 @@ def apply_cpu_compat() -> bool:
             _APPLIED.append("torch_norm_sequence_parallel")  # transformer/torch_norm.py
             _patch_uneven_first_dim_gather()
             _APPLIED.append("uneven_first_dim_gather")  # tensor_parallel/mappings.py (ETP > 1)
+            _patch_recompute_rng_state()
+            _APPLIED.append("recompute_rng_state")  # tensor_parallel/random.py (activation recompute)
+            from moe_async.compat.hybrid_offload import patch_hybrid_device_optimizer
+
+            if patch_hybrid_device_optimizer():  # optimizer/cpu_offloading/hybrid_optimizer.py
+                _APPLIED.append("hybrid_device_optimizer")
             from moe_async.compat.dist_opt_step import patch_dist_opt_torch_adam_step
 
             if patch_dist_opt_torch_adam_step():  # optimizer/distrib_optimizer.py (torch Adam's step)

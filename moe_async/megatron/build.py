@@ -99,3 +99,55 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model, vocab
+
+
+def grouped_experts_spec(spec: Any) -> tuple[Any, int]:
+    """A copy of the layer spec (or decoder block spec) ``spec`` whose routed experts are
+    Megatron-Core's grouped expert MLP (``TEGroupedMLP`` from ``TESpecProvider.grouped_mlp_modules``,
+    as ``get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=True)`` builds it); shared
+    experts are left as they are. Returns ``(copy, number of MoE layers changed)``.
+
+    Raises:
+        ValueError: Transformer Engine with CUDA is not available (naming
+            ``trainer.moe_grouped_gemm``): Megatron-Core 0.16.1's other grouped MLP (the legacy
+            ``GroupedMLP``) needs the ``grouped_gemm`` CUDA package.
+    """
+    import copy
+
+    if not have_te():
+        raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
+                         "TEGroupedMLP; its legacy GroupedMLP needs the grouped_gemm CUDA package): not available "
+                         "on this host; set trainer.moe_grouped_gemm=false (the sequential expert MLP, same "
+                         "checkpoints and HF export)")
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    module, submodules = TESpecProvider().grouped_mlp_modules(True, False)
+    spec = copy.deepcopy(spec)
+    n = 0
+    seen: set[int] = set()
+
+    def walk(x: Any) -> None:
+        nonlocal n
+        if x is None or id(x) in seen or isinstance(x, (str, int, float, bool, type)):
+            return
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+            return
+        if isinstance(x, ModuleSpec) and x.module is MoELayer and getattr(x.submodules, "experts", None) is not None:
+            old = x.submodules.experts
+            act = getattr(getattr(old, "submodules", None), "activation_func", None)
+            sub = copy.deepcopy(submodules)
+            if sub is not None and act is not None:
+                sub.activation_func = act
+            x.submodules.experts = ModuleSpec(module=module, submodules=sub)
+            n += 1
+            return
+        for name in ("submodules", "layer_specs", "mlp"):
+            walk(getattr(x, name, None))
+
+    walk(spec)
+    return spec, n

@@ -38,6 +38,12 @@ class ClusterConfig(ConfigModel):
         description="Host memory per node in GiB, checked against an offloaded optimizer's state; None: "
         "not checked."
     )
+    moe_imbalance: float = Field(
+        2.0, ge=1.0,
+        description="Routing imbalance the plan assumes: the routed experts' activations on a GPU are this "
+        "many times their balanced share (early in RL hot experts take 2-4x the mean tokens). The plan warns "
+        "when a run fits only at 1 (balanced routing)."
+    )
     link_bandwidth_gb_s: float = Field(
         50.0, gt=0,
         description="GB/s (10**9 bytes/s) of the slowest link a weight sync crosses from the sending "

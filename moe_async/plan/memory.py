@@ -91,6 +91,13 @@ class TrainerEstimate:
     host_optimizer_per_node: int  # the offloaded (distributed) optimizer state of one node's ranks
     ranks_per_node: int
     usable: int
+    offload_fraction: float = 0.0  # trainer.optimizer_offload_fraction when optimizer_cpu_offload, else 0
+    recompute: str = "no recompute"  # how the activations were counted (trainer.recompute_*)
+    activations_no_recompute: int = 0  # the same stage without recompute
+    activations_balanced: int = 0  # the activations at moe_imbalance 1 (balanced routing)
+    moe_imbalance: float = 1.0
+    sync_buckets: int = 0  # weight-sync bucket buffers on a sending rank
+    stage_layers: tuple[int, ...] = ()  # layers per pipeline stage
 
     @property
     def params(self) -> int:
@@ -98,8 +105,9 @@ class TrainerEstimate:
 
     @property
     def optimizer(self) -> int:
-        """The configured optimizer's GPU bytes (distributed or not, not offloaded)."""
-        return self.optimizer_distributed if self.distributed else self.optimizer_plain
+        """The configured optimizer's GPU bytes (distributed or not; the share not offloaded)."""
+        opt = self.optimizer_distributed if self.distributed else self.optimizer_plain
+        return int(opt * (1 - self.offload_fraction))
 
     @property
     def static(self) -> int:
@@ -107,12 +115,17 @@ class TrainerEstimate:
 
     @property
     def total(self) -> int:
-        return self.static + self.activations
+        return self.static + self.activations + self.sync_buckets
 
     @property
     def total_offloaded(self) -> int:
-        """Weights + grads + activations: the optimizer in host memory."""
-        return self.weights + self.grads + self.activations
+        """Weights + grads + activations + sync buckets: the whole optimizer in host memory."""
+        return self.weights + self.grads + self.activations + self.sync_buckets
+
+    @property
+    def total_balanced(self) -> int:
+        """:attr:`total` with balanced routing (moe_imbalance 1)."""
+        return self.total - self.activations + self.activations_balanced
 
 
 @dataclass(frozen=True)
@@ -199,10 +212,20 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = 
             need(width % lay.tp == 0, f"trainer.tensor_model_parallel_size={lay.tp} does not divide {what} "
                                       f"{width} ({src})")
     vpp = t.virtual_pipeline_model_parallel_size or 1
-    need(shape.num_layers % (lay.pp * vpp) == 0,
-         f"{shape.num_layers} layers ({src}: num_hidden_layers) are not divisible by trainer."
-         f"pipeline_model_parallel_size={lay.pp} x virtual_pipeline_model_parallel_size={vpp} = {lay.pp * vpp} "
-         "(each pipeline chunk holds the same number of layers)")
+    first, last = t.num_layers_in_first_pipeline_stage, t.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None:
+        rest = shape.num_layers - (first or 0) - (last or 0)
+        others = lay.pp - (first is not None) - (last is not None)
+        need(rest >= 0 and (rest % others == 0 if others else rest == 0),
+             f"{shape.num_layers} layers ({src}: num_hidden_layers) less trainer.num_layers_in_first_pipeline_stage="
+             f"{first} and num_layers_in_last_pipeline_stage={last} leave {rest} layers for {others} other "
+             f"stage(s) of trainer.pipeline_model_parallel_size={lay.pp}: they must split evenly "
+             "(Megatron-Core's TransformerConfig)")
+    else:
+        need(shape.num_layers % (lay.pp * vpp) == 0,
+             f"{shape.num_layers} layers ({src}: num_hidden_layers) are not divisible by trainer."
+             f"pipeline_model_parallel_size={lay.pp} x virtual_pipeline_model_parallel_size={vpp} = {lay.pp * vpp} "
+             "(each pipeline chunk holds the same number of layers)")
     per_node = lay.world_size // t.nodes
     need(not cluster or per_node <= c.gpus_per_node,
          f"trainer: {per_node} ranks per node (trainer.world_size={lay.world_size} / trainer.nodes={t.nodes}) exceed "
@@ -245,15 +268,42 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = 
     return errs
 
 
-def _stage_params(shape: ModelShape, lay: ParallelLayout, vpp: int, vocab_pad: int, stage: int) -> tuple[int, int]:
-    """(dense, expert) parameters one GPU of pipeline ``stage`` holds."""
+def stage_layer_counts(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
+    """Layers per pipeline stage (no virtual stages): ``first`` / ``last`` on the first / last
+    stage when set, the rest split evenly over the others (Megatron-Core's
+    ``num_layers_in_first/last_pipeline_stage``); ``num_layers / pp`` each otherwise."""
+    if pp == 1:
+        return [num_layers]
+    if first is None and last is None:
+        return [num_layers // pp] * pp
+    rest = num_layers - (first or 0) - (last or 0)
+    others = pp - (first is not None) - (last is not None)
+    mid = rest // others if others else 0
+    counts = [mid] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def _stage_layers(shape: ModelShape, lay: ParallelLayout, vpp: int, stage: int, counts: list[int] | None) -> list:
+    """The layer shapes pipeline ``stage`` holds: its chunks ``v*PP + stage`` of ``L/(PP x VPP)``
+    layers, or with uneven stages (``counts``, no VPP) its own run of layers."""
+    if counts is not None:
+        start = sum(counts[:stage])
+        return list(shape.layers[start:start + counts[stage]])
     n = shape.num_layers // (lay.pp * vpp)
+    return [lp for v in range(vpp) for lp in shape.layers[(v * lay.pp + stage) * n:(v * lay.pp + stage + 1) * n]]
+
+
+def _stage_params(shape: ModelShape, lay: ParallelLayout, vpp: int, vocab_pad: int, stage: int,
+                  counts: list[int] | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters one GPU of pipeline ``stage`` holds."""
     dense = expert = 0
-    for v in range(vpp):
-        c = v * lay.pp + stage
-        for lp in shape.layers[c * n:(c + 1) * n]:
-            dense += _ceil_div(lp.attn_tp + lp.attn_kv + lp.mlp_tp, lay.tp) + lp.replicated
-            expert += _ceil_div(lp.expert, lay.ep * lay.etp)
+    for lp in _stage_layers(shape, lay, vpp, stage, counts):
+        dense += _ceil_div(lp.attn_tp + lp.attn_kv + lp.mlp_tp, lay.tp) + lp.replicated
+        expert += _ceil_div(lp.expert, lay.ep * lay.etp)
     emb = vocab_pad * shape.hidden_size // lay.tp
     if stage == 0:
         dense += emb
@@ -262,19 +312,79 @@ def _stage_params(shape: ModelShape, lay: ParallelLayout, vpp: int, vocab_pad: i
     return dense, expert
 
 
-def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float) -> float:
-    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring)."""
+def _layer_activation_parts(shape: ModelShape, lp, lay: ParallelLayout, t: float,
+                            imbalance: float = 1.0) -> dict[str, float]:
+    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring), by the
+    part Megatron's selective recompute names: ``layernorm`` (the two norm outputs), ``attn``
+    (QKV input side and q/k/v/output; ``core_attn`` recompute drops the S x S scores, which flash
+    attention never keeps: nothing here), ``mla_up_proj`` (MLA's latents), ``moe`` (router
+    input and scores), ``experts`` (the routed copies' inputs and gate/up outputs, times
+    ``imbalance``), ``moe_act`` (their SwiGLU outputs, times ``imbalance``), ``shared_experts``,
+    ``mlp`` (a dense layer's MLP)."""
     h = shape.hidden_size
-    b = 2 * t * (2 * h + shape.act_attn / lay.tp)  # act_attn widths are split over TP heads
-    b += 2 * t * lay.tp * shape.act_attn_whole  # MLA latents: every TP rank, all its TP group's tokens
+    parts = {"layernorm": 2 * t * h * (2 if lp.moe or shape.dense_intermediate_size else 1),
+             "attn": 2 * t * (h + shape.act_attn / lay.tp),  # act_attn widths are split over TP heads
+             "mla_up_proj": 2 * t * lay.tp * shape.act_attn_whole}  # every TP rank, its group's tokens
+    k, i = shape.top_k, shape.moe_intermediate_size
     if lp.moe:
-        b += 2 * t * 2 * h + 4 * t * shape.num_experts
-        b += 2 * t * shape.top_k * (lay.etp * h + 3 * shape.moe_intermediate_size)
+        parts["moe"] = 2 * t * h + 4 * t * shape.num_experts
+        parts["experts"] = 2 * t * k * (lay.etp * h + 2 * i) * imbalance
+        parts["moe_act"] = 2 * t * k * i * imbalance
         if shape.shared_intermediate_size:
-            b += 2 * t * (h + 3 * shape.shared_intermediate_size / lay.tp)
+            parts["shared_experts"] = 2 * t * (h + 3 * shape.shared_intermediate_size / lay.tp)
     else:
-        b += 2 * t * (2 * h + 3 * (shape.dense_intermediate_size or 0) / lay.tp)
-    return b
+        parts["mlp"] = 2 * t * (h + 3 * (shape.dense_intermediate_size or 0) / lay.tp)
+    return parts
+
+
+def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float, imbalance: float = 1.0,
+                            recompute_modules: tuple[str, ...] = ()) -> float:
+    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring), less
+    the parts in ``recompute_modules`` (selective recompute; ``moe`` drops the experts' too)."""
+    parts = _layer_activation_parts(shape, lp, lay, t, imbalance)
+    drop = set(recompute_modules)
+    if "moe" in drop:
+        drop |= {"experts", "moe_act", "shared_experts"}
+    return sum(v for k, v in parts.items() if k not in drop)
+
+
+def stage_activation_bytes(shape: ModelShape, layers: list, lay: ParallelLayout, t: float, in_flight: float,
+                           cfg_trainer, imbalance: float) -> float:
+    """Activation bytes of one pipeline stage holding ``layers``, ``in_flight`` micro-batches
+    (1F1B), at ``t`` tokens per rank, under the trainer's recompute setting:
+
+    * none: every layer's :func:`_layer_activation_bytes`, times ``in_flight``;
+    * selective: the same without ``recompute_modules``' parts (default ``core_attn``);
+    * full: a recomputed layer keeps only its bf16 input ``2 t H``: 'uniform' keeps the input of
+      each group of ``recompute_num_layers`` layers, 'block' the inputs of the first
+      ``recompute_num_layers`` layers and everything of the others; plus, once, the largest
+      group's activations while it is recomputed in the backward.
+    """
+    g = cfg_trainer.recompute_granularity
+    h = shape.hidden_size
+    full = [_layer_activation_bytes(shape, lp, lay, t, imbalance) for lp in layers]
+    if g is None:
+        return sum(full) * in_flight
+    if g == "selective":
+        mods = tuple(cfg_trainer.recompute_modules or ("core_attn",))
+        return sum(_layer_activation_bytes(shape, lp, lay, t, imbalance, mods) for lp in layers) * in_flight
+    n = cfg_trainer.recompute_num_layers
+    if cfg_trainer.recompute_method == "uniform":
+        groups = [full[i:i + n] for i in range(0, len(full), n)]
+        return len(groups) * 2 * t * h * in_flight + max((sum(gr) for gr in groups), default=0)
+    kept = sum(full[n:])
+    return (min(n, len(full)) * 2 * t * h + kept) * in_flight + max(full[:n], default=0)
+
+
+def recompute_note(cfg_trainer) -> str:
+    """How the activations are counted, in the trainer's own field names."""
+    g = cfg_trainer.recompute_granularity
+    if g is None:
+        return "no recompute"
+    if g == "selective":
+        return f"selective recompute of {','.join(cfg_trainer.recompute_modules or ('core_attn',))}"
+    return (f"full recompute, {cfg_trainer.recompute_method} {cfg_trainer.recompute_num_layers} "
+            "layer(s): layer inputs kept")
 
 
 def tokens_per_micro_batch(cfg: "ExperimentConfig") -> tuple[int, str]:
@@ -300,17 +410,25 @@ def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstim
     opt_bytes = 12 if t.params_dtype == "bf16" else 8
     T, note = tokens_per_micro_batch(cfg)
     tok = T / (lay.cp * lay.tp)
-    n = shape.num_layers // (lay.pp * vpp)
+    uneven = t.num_layers_in_first_pipeline_stage is not None or t.num_layers_in_last_pipeline_stage is not None
+    counts = stage_layer_counts(shape.num_layers, lay.pp, t.num_layers_in_first_pipeline_stage,
+                                t.num_layers_in_last_pipeline_stage) if uneven else None
+    imb = c.moe_imbalance
+    # weight sync: the bucket being sent and, with overlap, the next one being packed, on a sender
+    sync = cfg.weight_sync.bucket_bytes * (2 if cfg.weight_sync.overlap else 1)
+    offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
     best = None
     for stage in range(lay.pp):
-        dense, expert = _stage_params(shape, lay, vpp, vocab_pad, stage)
-        layers = [lp for v in range(vpp) for lp in shape.layers[(v * lay.pp + stage) * n:(v * lay.pp + stage + 1) * n]]
-        per_mb = sum(_layer_activation_bytes(shape, lp, lay, tok) for lp in layers)
+        dense, expert = _stage_params(shape, lay, vpp, vocab_pad, stage, counts)
+        layers = _stage_layers(shape, lay, vpp, stage, counts)
         in_flight = lay.pp - stage  # 1F1B: stage p warms up PP - p micro-batches
         factor = 1 + (lay.pp - 1) / (lay.pp * vpp) if vpp > 1 and stage == 0 else 1
-        act = per_mb * in_flight * factor
+        act = stage_activation_bytes(shape, layers, lay, tok, in_flight * factor, t, imb)
+        act1 = stage_activation_bytes(shape, layers, lay, tok, in_flight * factor, t, 1.0)
+        act0 = sum(_layer_activation_bytes(shape, lp, lay, tok, imb) for lp in layers) * in_flight * factor
         if stage == lay.pp - 1:
-            act += 10 * (T / lay.cp) * (vocab_pad / lay.tp)
+            logits = 10 * (T / lay.cp) * (vocab_pad / lay.tp)
+            act, act1, act0 = act + logits, act1 + logits, act0 + logits
         dist = dense * opt_bytes / (lay.dp * lay.cp) + expert * opt_bytes / lay.edp
         est = TrainerEstimate(
             layout=lay, vpp=vpp, stage=stage, dense_params=dense, expert_params=expert,
@@ -318,10 +436,14 @@ def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstim
             optimizer_plain=(dense + expert) * opt_bytes, optimizer_distributed=int(dist),
             distributed=t.use_distributed_optimizer, activations=int(act), tokens_per_micro_batch=T,
             tokens_note=note, host_optimizer_per_node=0, ranks_per_node=lay.world_size // t.nodes,
-            usable=int((c.gpu_memory_gib - c.reserved_gib) * GiB))
+            usable=int((c.gpu_memory_gib - c.reserved_gib) * GiB), offload_fraction=offload,
+            recompute=recompute_note(t), activations_no_recompute=int(act0), activations_balanced=int(act1),
+            moe_imbalance=imb, sync_buckets=sync,
+            stage_layers=tuple(counts or [len(_stage_layers(shape, lay, vpp, p, None)) for p in range(lay.pp)]))
         if best is None or est.total > best.total:
             best = est
-    host = best.optimizer_distributed * best.ranks_per_node  # the largest stage's share, on every rank of a node
+    # the offloaded share of the largest stage's distributed optimizer, on every rank of a node
+    host = int(best.optimizer_distributed * (offload or 1.0)) * best.ranks_per_node
     return replace(best, host_optimizer_per_node=host)
 
 

@@ -102,16 +102,27 @@ def make_plan(cfg, *, family_check: bool = True) -> Plan:
     for note in shape.not_counted:
         plan.warnings.append(f"not counted: {note}")
     budget = "cluster.gpu_memory_gib - cluster.reserved_gib"
-    if tr.total > tr.usable:
-        options = [("the optimizer offloaded to CPU (Megatron's optimizer_cpu_offload, as slime runs; not a "
-                    "moe-async trainer option yet)", tr.total_offloaded)]
+    if tr.total > tr.usable and tr.total_balanced <= tr.usable:
+        plan.warnings.append(
+            f"trainer: {tr.total / GiB:.1f} GiB per GPU at cluster.moe_imbalance={tr.moe_imbalance:g} exceed the "
+            f"{tr.usable / GiB:.1f} GiB usable ({budget}); it fits ({tr.total_balanced / GiB:.1f} GiB) only with "
+            "balanced routing (moe_imbalance 1): hot experts early in RL would run out of memory")
+    elif tr.total > tr.usable:
+        options = []
         if not tr.distributed:
-            options.insert(0, ("trainer.use_distributed_optimizer=true",
-                               tr.weights + tr.grads + tr.optimizer_distributed + tr.activations))
-        fits = [name for name, b in options if b <= tr.usable]
+            options.append(("trainer.use_distributed_optimizer=true",
+                            tr.total - tr.optimizer + tr.optimizer_distributed))
+        if tr.offload_fraction < 1:
+            options.append(("trainer.use_distributed_optimizer=true trainer.optimizer_cpu_offload=true (Megatron-Core's "
+                            "HybridDeviceOptimizer, as slime's --optimizer-cpu-offload)", tr.total_offloaded))
+        if tr.activations_no_recompute == tr.activations:
+            options.append(("trainer.recompute_granularity=full (recompute_method=uniform, recompute_num_layers=1)",
+                            None))
+        fits = [name for name, b in options if b is not None and b <= tr.usable]
         plan.refusals.append(
             f"trainer: {tr.total / GiB:.1f} GiB per GPU exceed the {tr.usable / GiB:.1f} GiB usable ({budget})"
             + (f"; it would fit with {' or '.join(fits)}" if fits else "")
+            + ("; try trainer.recompute_granularity=full" if tr.activations_no_recompute == tr.activations else "")
             + "; or lower the tokens per micro-batch, or spread the model over more GPUs (EP, PP, TP, or more "
             "data-parallel ranks to shard the distributed optimizer)")
     elif tr.total > WARN_SHARE * tr.usable:

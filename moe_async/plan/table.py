@@ -33,23 +33,33 @@ def format_plan(plan, cfg, config_name: str) -> str:
         f"{f' VPP{t.vpp}' if t.vpp > 1 else ''} EP{lay.ep} ETP{lay.etp} -> DP{lay.dp} EDP{lay.edp}; "
         f"per GPU of pipeline stage {t.stage}: {_b(t.params)} parameters ({_b(t.dense_params)} dense, "
         f"{_b(t.expert_params)} expert)",
-        f"  activations at T = {t.tokens_per_micro_batch} tokens per micro-batch ({t.tokens_note}), no recompute",
+        f"  activations at T = {t.tokens_per_micro_batch} tokens per micro-batch ({t.tokens_note}), {t.recompute}",
+        f"  recompute: activations {_g(t.activations).strip()} GiB ({_g(t.activations_no_recompute).strip()} GiB "
+        f"without recompute); routed experts' activations x{t.moe_imbalance:g} (cluster.moe_imbalance; balanced: "
+        f"{_g(t.activations_balanced).strip()} GiB)",
+        f"  pipeline stages: {'+'.join(str(n) for n in t.stage_layers)} layers"
+        + (" (uneven: trainer.num_layers_in_first/last_pipeline_stage)" if len(set(t.stage_layers)) > 1 else ""),
+        f"  sync buckets on a sending rank: {_g(t.sync_buckets).strip()} GiB (weight_sync.bucket_bytes"
+        f"{' x 2 with overlap' if cfg.weight_sync.overlap else ''})",
         f"  {'GiB per GPU':<34}{'weights':>9}{'grads':>9}{'optim':>9}{'static':>9}{'activ':>9}{'total':>9}",
     ]
     wd = "bf16" if cfg.trainer.params_dtype == "bf16" else "fp32"
+    f = t.offload_fraction
     rows = [
         ("optimizer on every rank", t.optimizer_plain, not t.distributed),
-        (f"distributed (dense /{lay.dp * lay.cp}, expert /{lay.edp})", t.optimizer_distributed, t.distributed),
-        ("distributed, offloaded to CPU", 0, False),
+        (f"distributed (dense /{lay.dp * lay.cp}, expert /{lay.edp})", t.optimizer_distributed, t.distributed and not f),
+        (f"distributed, {f:.0%} offloaded to CPU" if f else "distributed, offloaded to CPU",
+         int(t.optimizer_distributed * (1 - f)) if f else 0, bool(f)),
     ]
     for name, opt, configured in rows:
         static = t.weights + t.grads + opt
-        mark = " <- configured" if configured else ""
+        total = static + t.activations + t.sync_buckets
+        mark = (f" <- configured, headroom {100 * (1 - total / t.usable):.0f}%" if configured else "")
         out.append(f"  {name:<34}{_g(t.weights)} {_g(t.grads)} {_g(opt)} {_g(static)} {_g(t.activations)} "
-                   f"{_g(static + t.activations)}{mark}")
-    out.append(f"  ({wd} weights, fp32 grads, fp32 master + Adam moments; usable {t.usable / GiB:.1f} GiB = "
-               f"cluster.gpu_memory_gib - reserved_gib; offloaded optimizer: {t.host_optimizer_per_node / GiB:.0f} GiB "
-               f"host memory per node)")
+                   f"{_g(total)}{mark}")
+    out.append(f"  ({wd} weights, fp32 grads, fp32 master + Adam moments; total includes the sync buckets; usable "
+               f"{t.usable / GiB:.1f} GiB = cluster.gpu_memory_gib - reserved_gib; offloaded optimizer: "
+               f"{t.host_optimizer_per_node / GiB:.0f} GiB host memory per node)")
     kv_hint = f"{e.kv_tokens / max(cfg.rollout.max_new_tokens, 1):.0f} responses of rollout.max_new_tokens"
     out += [
         "",

@@ -125,9 +125,16 @@ class BatchingMixin:
                   for a, b in ranges] if thd else []
         if thd and pp > 1 and not getattr(self.tf_config, "variable_seq_lengths", False):
             T_rows = [max(T_rows)] * len(ranges)
+        # padded micro-batches at PP > 1 cut by the token budget: Megatron's schedule exchanges one
+        # [S, B, hidden] shape per step, so every micro-batch gets the step's largest B (rows after
+        # its own sequences: zero-weight copies of its first one, left out of logprobs)
+        b_step = max(b - a for a, b in ranges) if pp > 1 and not thd and budget is not None and ranges else None
         out = []
         for i, (start, end) in enumerate(ranges):
             chunk = samples[start:end]
+            n_real = len(chunk)
+            if b_step is not None and n_real < b_step:
+                chunk = chunk + [dataclasses.replace(chunk[0], loss_weight=0.0)] * (b_step - n_real)
             S = max(lens[start:end]) if thd else padded_len(lens[start:end], **pad)
             B = len(chunk)
             tokens = torch.zeros(B, S, dtype=torch.long)
@@ -143,7 +150,7 @@ class BatchingMixin:
                     tokens[b, P : P + R] = torch.tensor(s.response_ids, dtype=torch.long)
                     # position t predicts token t+1: response token j is predicted at P-1+j
                     loss_mask[b, P - 1 : P - 1 + R] = float(s.loss_weight)
-                    if advantages is not None:
+                    if advantages is not None and b < n_real:
                         adv[b, P - 1 : P - 1 + R] = float(advantages[start + b])
                     if s.rollout_logprobs:
                         rlp[b, P - 1 : P - 1 + R] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
@@ -152,7 +159,7 @@ class BatchingMixin:
             rows = [(b, t) for b in range(B) for t in range(int(plen[b]) - 1, int(plen[b] + rlen[b]) - 1)]
             fields: dict[str, Any] = dict(
                 tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logp=rlp, prompt_len=plen,
-                resp_len=rlen, first=start, logit_b=torch.tensor([b for b, _ in rows], dtype=torch.long),
+                resp_len=rlen, first=start, n_real=n_real if len(chunk) > n_real else None, logit_b=torch.tensor([b for b, _ in rows], dtype=torch.long),
                 logit_s=torch.tensor([t for _, t in rows], dtype=torch.long))
             if thd:
                 fields["thd"] = packed_row(tokens, fields["logit_b"], fields["logit_s"], lens[start:end], T_rows[i])
@@ -185,9 +192,13 @@ class BatchingMixin:
     def _schedule_shape(self, mbs_list: list[MicroBatch]) -> tuple[int, int]:
         """``(seq_length, micro_batch_size)`` for Megatron's schedule (its p2p buffers with
         PP > 1: ``[seq_length/TP, micro_batch_size, hidden]``): the padded micro-batches'
-        ``(S, cfg.micro_batch_size)``, packed ones' ``(T, 1)``."""
+        ``(S, cfg.micro_batch_size)`` (cut by the token budget: the step's largest ``B``, which
+        every micro-batch has at PP > 1, :attr:`MicroBatch.n_real`),
+        packed ones' ``(T, 1)``."""
         if self._thd:
             return max(mb.thd.tokens.shape[1] for mb in mbs_list), 1
+        if self.cfg.max_tokens_per_micro_batch is not None:  # cut by the budget: the step's one B at PP > 1
+            return max(mb.tokens.shape[1] for mb in mbs_list), max(mb.tokens.shape[0] for mb in mbs_list)
         return max(mb.tokens.shape[1] for mb in mbs_list), self.cfg.micro_batch_size
 
     def _seq_multiple(self) -> int:

@@ -123,8 +123,9 @@ class TrainerConfig(ConfigModel):
             "within this many tokens, at most micro_batch_size of them; a longer sequence goes alone. "
             "None: micro_batch_size sequences each. The loss is a per-token mean over the global "
             "batch, so the cut does not change it. With sequence_packing='thd' the budget counts the packed "
-            "row's T (real tokens) instead of B x S. Needs pipeline_model_parallel_size == 1 unless "
-            "sequence_packing='thd'."
+            "row's T (real tokens) instead of B x S. At PP > 1 padded micro-batches share one shape per "
+            "step (S the batch's longest, B the step's largest cut; the rows past a micro-batch's own "
+            "sequences are zero-weight fillers); with virtual pipeline stages only with sequence_packing='thd'."
         ),
     )
     sequence_packing: Literal["auto", "thd", "padded"] = Field(
@@ -208,6 +209,107 @@ class TrainerConfig(ConfigModel):
             "routed experts (rollout.return_routed_experts) on the trainer's routers, 'R2' the "
             "routes of the trainer's own old-policy forward; gate weights always come from the "
             "trainer's router scores. Agreement/mismatch metrics are reported in every mode."
+        ),
+    )
+    # --- memory and MoE-kernel features: Megatron-Core's own, under Megatron's names ---
+    recompute_granularity: Literal["full", "selective"] | None = Field(
+        None,
+        description=(
+            "Activation recompute (Megatron-Core's TransformerConfig.recompute_granularity): 'full' "
+            "keeps only each recomputed layer's input and runs its forward again in the backward "
+            "(recompute_method / recompute_num_layers choose the layers); 'selective' recomputes only "
+            "the submodules in recompute_modules. None: no recompute. Gradients are unchanged."
+        ),
+    )
+    recompute_method: Literal["uniform", "block"] | None = Field(
+        None,
+        description=(
+            "With recompute_granularity='full' (required there): 'uniform' splits each pipeline stage's "
+            "layers into groups of recompute_num_layers and keeps only each group's input; 'block' "
+            "recomputes the first recompute_num_layers layers of each stage and keeps the rest."
+        ),
+    )
+    recompute_num_layers: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="Layers per recompute group ('uniform') or recomputed layers per stage ('block'); "
+                    "required with recompute_granularity='full'.",
+    )
+    recompute_modules: list[Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                                    "shared_experts"]] | None = Field(
+        None,
+        description=(
+            "With recompute_granularity='selective': the submodules recomputed (Megatron-Core's names: "
+            "core_attn, moe_act, layernorm, mla_up_proj (MLA models), mlp, moe, shared_experts). None: "
+            "Megatron's default ['core_attn']."
+        ),
+    )
+    optimizer_cpu_offload: bool = Field(
+        False,
+        description=(
+            "Megatron-Core's HybridDeviceOptimizer (slime's --optimizer-cpu-offload): the fp32 main "
+            "params and Adam state of optimizer_offload_fraction of the parameters live in host memory "
+            "and are stepped there by torch's CPU Adam; the gradients go to the host and the updated "
+            "params come back each step. Needs use_distributed_optimizer (Megatron-Core's rule)."
+        ),
+    )
+    optimizer_offload_fraction: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the optimizer state (by parameter count) offloaded with optimizer_cpu_offload.",
+    )
+    moe_grouped_gemm: bool = Field(
+        False,
+        description=(
+            "Grouped expert MLP (Megatron-Core's moe_grouped_gemm): the local experts of a rank run as one "
+            "grouped GEMM (Transformer Engine's TEGroupedMLP, CUDA + TE only; refused elsewhere, naming this "
+            "field: Megatron-Core 0.16.1's legacy GroupedMLP needs the grouped_gemm CUDA package). False: "
+            "the sequential expert MLP. Not tested here (no GPU): checkpoint interchange with the "
+            "sequential layout rests on Megatron-Core's sharded state dict."
+        ),
+    )
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = Field(
+        "alltoall",
+        description=(
+            "Megatron-Core's MoE token dispatcher: 'alltoall' (tokens sent to their experts' EP ranks), "
+            "'allgather' (every EP rank gathers all tokens), 'flex' (DeepEP's fused dispatch/combine; "
+            "needs CUDA and the deep_ep package, refused with a clear error otherwise)."
+        ),
+    )
+    moe_expert_capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Expert capacity = factor x tokens x top_k / experts per micro-batch (Megatron-Core's "
+            "token-drop mode; tokens over capacity are dropped by moe_token_drop_policy). None: no "
+            "capacity, no token dropped. Not with router_replay (the replayed routes would be cut)."
+        ),
+    )
+    moe_pad_expert_input_to_capacity: bool = Field(
+        False,
+        description="With moe_expert_capacity_factor: pad every expert's input to its capacity (static shapes).",
+    )
+    moe_token_drop_policy: Literal["probs", "position"] = Field(
+        "probs",
+        description="With moe_expert_capacity_factor: drop the tokens of lowest router probability ('probs') "
+                    "or the latest in the sequence ('position').",
+    )
+    num_layers_in_first_pipeline_stage: StrictInt | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Uneven pipeline stages (Megatron-Core's field; slime's --decoder-first-pipeline-num-layers): "
+            "layers on the first PP stage; the other stages share the rest evenly. None: even split. "
+            "Needs pipeline_model_parallel_size > 1, no virtual pipeline stages."
+        ),
+    )
+    num_layers_in_last_pipeline_stage: StrictInt | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Layers on the last PP stage (slime's --decoder-last-pipeline-num-layers); the middle stages "
+            "share the rest evenly. None: even split."
         ),
     )
     seed: int = 1234
@@ -298,15 +400,16 @@ class TrainerConfig(ConfigModel):
                 "'Packed sequence is not supported by DotProductAttention'; use sequence_packing='padded' "
                 "or 'auto'"
             )
-        if (self.max_tokens_per_micro_batch is not None and self.pipeline_model_parallel_size > 1
+        if (self.max_tokens_per_micro_batch is not None and (self.virtual_pipeline_model_parallel_size or 1) > 1
                 and self.sequence_packing != "thd"):
             raise ValueError(
-                f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} needs "
-                f"trainer.pipeline_model_parallel_size == 1 (got {self.pipeline_model_parallel_size}): "
-                "Megatron-Core's pipeline schedules exchange activations of one shape "
-                "[S, micro_batch_size, hidden] for every micro-batch (with sequence_packing='thd' the packed "
-                "rows' shapes are exchanged or padded to one, and the budget runs at any PP)"
+                f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} with "
+                f"trainer.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
+                "sequence_packing='thd' (padded micro-batches cut by a budget are not run with virtual pipeline "
+                "stages; at PP > 1 without them every micro-batch of a step gets one padded [B, S] shape)"
             )
+        if (why := memory_feature_refusal(self)) is not None:
+            raise ValueError(why)
         if self.context_parallel_size > 1 and _cuda_available() and not _have_transformer_engine():
             raise ValueError(
                 f"trainer.context_parallel_size={self.context_parallel_size} with CUDA needs Transformer Engine "
@@ -362,6 +465,42 @@ def unsupported_combination(cfg: TrainerConfig) -> str | None:
     if vpp > 1 and cfg.router_replay == "R2":
         return (f"trainer.router_replay='R2' with trainer.virtual_pipeline_model_parallel_size={vpp}: R2's "
                 "recording forward is not implemented with pipeline parallelism (which VPP needs)")
+    return None
+
+
+def memory_feature_refusal(cfg: TrainerConfig) -> str | None:
+    """The refusal, naming the fields, of a recompute / optimizer-offload / expert-capacity /
+    uneven-pipeline setting Megatron-Core would refuse (its TransformerConfig and
+    OptimizerConfig rules, checked here so that the message names ``trainer.*``), or None."""
+    g, m, n = cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
+    if g == "full" and (m is None or n is None):
+        return ("trainer.recompute_granularity='full' needs trainer.recompute_method ('uniform' or 'block') and "
+                "trainer.recompute_num_layers (Megatron-Core's TransformerConfig)")
+    if g != "full" and (m is not None or n is not None):
+        return (f"trainer.recompute_method / trainer.recompute_num_layers are for recompute_granularity='full' "
+                f"(got recompute_granularity={g!r})")
+    if cfg.recompute_modules is not None and g != "selective":
+        return f"trainer.recompute_modules needs trainer.recompute_granularity='selective' (got {g!r})"
+    if "moe_act" in (cfg.recompute_modules or ()) and not cfg.moe_grouped_gemm:
+        return ("trainer.recompute_modules with 'moe_act' needs trainer.moe_grouped_gemm=true (Megatron-Core "
+                "recomputes the experts' activation only in the grouped expert MLP); use 'moe' to recompute the "
+                "whole MoE layer")
+    if cfg.optimizer_cpu_offload and not cfg.use_distributed_optimizer:
+        return ("trainer.optimizer_cpu_offload=true needs trainer.use_distributed_optimizer=true "
+                "(Megatron-Core's HybridDeviceOptimizer runs inside the distributed optimizer)")
+    if cfg.moe_expert_capacity_factor is None and cfg.moe_pad_expert_input_to_capacity:
+        return "trainer.moe_pad_expert_input_to_capacity=true needs trainer.moe_expert_capacity_factor"
+    if cfg.moe_expert_capacity_factor is not None and cfg.router_replay != "off":
+        return (f"trainer.moe_expert_capacity_factor with trainer.router_replay={cfg.router_replay!r}: dropping "
+                "tokens over capacity would cut the replayed routes (set one of them off)")
+    first, last = cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None:
+        if cfg.pipeline_model_parallel_size < 2:
+            return ("trainer.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage need "
+                    f"trainer.pipeline_model_parallel_size > 1 (got {cfg.pipeline_model_parallel_size})")
+        if (cfg.virtual_pipeline_model_parallel_size or 1) > 1:
+            return ("trainer.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage with "
+                    "trainer.virtual_pipeline_model_parallel_size: not supported here")
     return None
 
 

@@ -232,7 +232,7 @@ class LogprobsMixin:
         out: list[list[float]] = []
         if ps.is_pipeline_last_stage():
             for mb, d in zip(mbs_list, reduced):
-                for b in range(mb.tokens.shape[0]):
+                for b in range(mb.tokens.shape[0] if mb.n_real is None else mb.n_real):  # not the fillers
                     P, R = int(mb.prompt_len[b]), int(mb.resp_len[b])
                     out.append(d["logp"][b, P - 1 : P - 1 + R].tolist())
         if ps.get_pipeline_model_parallel_world_size() > 1:

@@ -82,7 +82,7 @@ Tensor = torch.Tensor
 
 # trainer.* fields that Megatron-Core's OptimizerConfig takes under the same names
 _OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
-                     "use_distributed_optimizer")
+                     "use_distributed_optimizer", "optimizer_cpu_offload", "optimizer_offload_fraction")
 _METRIC_KEYS = ("pg_loss", "clipfrac", "tis_mean", "is_masked_frac", "logp_diff_mean", "kl_k3", "entropy")
 
 
@@ -171,7 +171,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             params_dtype=cfg.params_dtype,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
             **self._layout.megatron_kwargs(),  # TP/PP/CP/EP/ETP/VPP
-            **self._layout_overrides(),
+            **{**self._memory_overrides(), **self._layout_overrides()},  # recompute, dispatcher, uneven PP
             **replay_overrides(cfg.router_replay),  # router replay
             **self._expert_bias_overrides(),
         )

@@ -118,6 +118,9 @@ class MicroBatch:
         thd: the packed model input (:class:`PackedRow`), or None (padded).
         cp: this CP rank's shard (:class:`CpShard`) at CP > 1, else None.
         logp_old: ``[B,S-1]`` float32, the proximal policy's logprobs (decoupled PPO), or None.
+        n_real: the sequences of the packed list in this micro-batch (rows ``[0, n_real)``); the
+            rows after them are zero-weight fillers (padded micro-batches at PP > 1 with a token
+            budget: one ``[B,S]`` shape per step). None: every row is real.
     """
 
     tokens: Tensor
@@ -139,6 +142,7 @@ class MicroBatch:
     thd: PackedRow | None = None
     cp: CpShard | None = None
     logp_old: Tensor | None = None
+    n_real: int | None = None
 
     def map_tensors(self, fn: Callable[["Tensor"], "Tensor"]) -> "MicroBatch":
         """A copy with ``fn`` applied to every tensor (those of ``thd`` and ``cp`` too)."""

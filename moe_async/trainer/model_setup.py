@@ -55,6 +55,50 @@ class ModelSetupMixin:
             out.update(overlap_p2p_comm=True, batch_p2p_comm=False)
         return out
 
+    def _memory_overrides(self) -> dict[str, Any]:
+        """TransformerConfig fields of the memory and MoE-kernel options, under Megatron's names
+        (``trainer.recompute_*``, ``moe_token_dispatcher_type``, ``moe_expert_capacity_factor``,
+        ``moe_pad_expert_input_to_capacity``, ``moe_token_drop_policy``, ``moe_grouped_gemm``,
+        ``num_layers_in_first/last_pipeline_stage``); only those set away from the default, the
+        MoE ones only for a model with experts. Megatron-Core's own modules then do the work
+        (transformer_block's full recompute, each layer's selective recompute, the dispatchers).
+
+        Raises:
+            ValueError: ``moe_token_dispatcher_type='flex'`` where DeepEP cannot run (no CUDA or
+                no ``deep_ep``), naming the field.
+        """
+        cfg = self.cfg
+        out: dict[str, Any] = {}
+        if cfg.recompute_granularity is not None:
+            out["recompute_granularity"] = cfg.recompute_granularity
+            if cfg.recompute_granularity == "full":
+                out.update(recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers)
+            elif cfg.recompute_modules is not None:
+                out["recompute_modules"] = list(cfg.recompute_modules)
+        for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            if getattr(cfg, k) is not None:
+                out[k] = getattr(cfg, k)
+        if not self.family.arch_args(self.hf_config).num_experts:
+            return out
+        if cfg.moe_grouped_gemm:
+            from moe_async.trainer.moe_kernels import grouped_gemm_available
+
+            if not grouped_gemm_available():  # refused before the model is built, naming the field
+                raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
+                                 "TEGroupedMLP; the legacy GroupedMLP needs the grouped_gemm CUDA package); set "
+                                 "it false here (the sequential expert MLP: same checkpoints and HF export)")
+            out["moe_grouped_gemm"] = True
+        if cfg.moe_token_dispatcher_type == "flex":
+            from moe_async.trainer.moe_kernels import check_flex_dispatcher
+
+            out.update(check_flex_dispatcher())
+        out["moe_token_dispatcher_type"] = cfg.moe_token_dispatcher_type
+        if cfg.moe_expert_capacity_factor is not None:
+            out.update(moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+                       moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+                       moe_token_drop_policy=cfg.moe_token_drop_policy)
+        return out
+
     def _check_expert_tensor_parallel(self) -> None:
         """Megatron-Core's expert-layout rule (parallel_state.initialize_model_parallel), checked
         before it runs so that the error names the fields: ETP x EP x PP divides the world size,
@@ -143,6 +187,10 @@ class ModelSetupMixin:
         CPU path: the local core attention (which asserts ``packed_seq_params is None``) is
         replaced by the compat THD core attention (:mod:`moe_async.compat.thd_attention`);
         with CUDA + TE the TE spec's THD attention runs."""
+        if self.cfg.moe_grouped_gemm and self.family.arch_args(self.hf_config).num_experts:
+            from moe_async.megatron.build import grouped_experts_spec
+
+            spec, _ = grouped_experts_spec(spec)  # GPU + TE only (refused before otherwise)
         if self._thd and self._cpu:
             from moe_async.compat.thd_attention import thd_layer_spec
 

@@ -27,6 +27,7 @@ def main() -> None:
     r["before_current_device"] = raises(lambda: torch.cuda.current_device())
     r["before_zeros_cuda"] = raises(lambda: torch.zeros(1, device="cuda"))
     r["before_seed"] = raises(lambda: mrandom.model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0))
+    r["before_recompute_rng"] = raises(lambda: mrandom._get_all_rng_states())  # activation recompute
     r["before_move_numpy"] = type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
     # mend 8: torch norm under sequence parallel (transformer/torch_norm.py asserts)
     from megatron.core.transformer import TransformerConfig

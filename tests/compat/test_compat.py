@@ -22,6 +22,7 @@ def test_mends_still_needed(r):
     assert r["before_current_device"] is not None  # rotary/router/utils current_device()
     assert r["before_zeros_cuda"] is not None  # schedules/optimizer device="cuda"
     assert r["before_seed"] is not None  # tensor_parallel/random.py
+    assert r["before_recompute_rng"] is not None  # random.py: recompute saves torch.cuda's RNG state
     assert r["before_move_numpy"] == "Tensor"  # moe_utils.maybe_move_tensor_to_cpu on CPU
     assert r["before_norm_sp"] == "AssertionError"  # torch_norm.py: no sequence parallel
 
@@ -30,7 +31,7 @@ def test_applied_and_idempotent(r):
     assert r["apply1"] is True and r["apply2"] is True
     assert r["mends"] == ["rng_tracker", "cuda_streams", "current_device", "te_general_gemm",
                           "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "uneven_first_dim_gather",
-                          "dist_opt_torch_adam_step", "cuda_to_cpu_mode"]
+                          "recompute_rng_state", "hybrid_device_optimizer", "dist_opt_torch_adam_step", "cuda_to_cpu_mode"]
     assert r["modes_on_stack"] == 1
 
 

@@ -3,11 +3,14 @@ and how pipeline stages and engines split them."""
 
 from pathlib import Path
 
+import pytest
+
 from moe_async.config import load_config
 from moe_async.plan.memory import _stage_params, estimate_engine, padded_vocab
 from moe_async.plan.report import make_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+NO_RECOMPUTE = ["trainer.recompute_granularity=null", "trainer.recompute_method=null", "trainer.recompute_num_layers=null"]
 
 
 def test_deepseek_v3_mla_dense_first_layers_shared_expert_router_bias():
@@ -38,8 +41,9 @@ def test_mixtral_and_glm_hand_counts():
 
 
 def test_pipeline_stages_hold_interleaved_chunks_and_the_ends():
-    cfg = load_config(CONFIGS / "qwen3_30b_a3b.yaml", ["trainer.pipeline_model_parallel_size=2",
-                                                       "trainer.virtual_pipeline_model_parallel_size=2"])
+    cfg = load_config(CONFIGS / "qwen3_30b_a3b.yaml", ["trainer.nodes=2", "trainer.pipeline_model_parallel_size=2",
+                                                       "trainer.virtual_pipeline_model_parallel_size=2",
+                                                       *NO_RECOMPUTE])
     p = make_plan(cfg, family_check=False)
     lay, s = p.trainer.layout, p.shape
     vp = padded_vocab(s.vocab_size, 128, lay.tp)
@@ -50,6 +54,30 @@ def test_pipeline_stages_hold_interleaved_chunks_and_the_ends():
     assert d0 == 24 * per_layer_dense + vp * 2048 // 4
     assert d1 == 24 * per_layer_dense + vp * 2048 // 4 + 2048
     assert p.trainer.stage == 0  # more micro-batches in flight on the first stage
+
+
+def test_uneven_pipeline_stages():
+    """slime's Qwen3-235B layout: PP4 with 22 layers on the last stage -> 24+24+24+22; the first
+    stage holds 24 layers and the embedding, the last 22 and the output layer; a split that does
+    not divide is refused naming the fields."""
+    from moe_async.plan.memory import PlanError, stage_layer_counts
+
+    assert stage_layer_counts(94, 4, None, 22) == [24, 24, 24, 22]
+    assert stage_layer_counts(61, 4, None, 13) == [16, 16, 16, 13]
+    assert stage_layer_counts(4, 2, 3, None) == [3, 1]
+    cfg = load_config(CONFIGS / "qwen3_235b_a22b.yaml")
+    p = make_plan(cfg, family_check=False)
+    lay, s = p.trainer.layout, p.shape
+    assert p.trainer.stage_layers == (24, 24, 24, 22)
+    vp = padded_vocab(s.vocab_size, 128, lay.tp)
+    counts = [24, 24, 24, 22]
+    d0, e0 = _stage_params(s, lay, 1, vp, 0, counts)
+    d3, e3 = _stage_params(s, lay, 1, vp, 3, counts)
+    assert e0 * 22 == e3 * 24 and e0 == 24 * s.layers[0].expert // 16
+    assert d0 - vp * s.hidden_size // 4 > d3 - vp * s.hidden_size // 4 - s.final_norm
+    with pytest.raises(PlanError, match="num_layers_in_last_pipeline_stage=21 leave 73 layers for 3"):
+        make_plan(load_config(CONFIGS / "qwen3_235b_a22b.yaml", ["trainer.num_layers_in_last_pipeline_stage=21"]),
+                  family_check=False)
 
 
 def test_engine_replicates_kv_heads_beyond_its_tp():

@@ -35,7 +35,10 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3_30b_a3b.yaml"
 C25 = ["trainer.nodes=1", "trainer.devices_per_node=8", "trainer.tensor_model_parallel_size=4",
        "trainer.expert_model_parallel_size=8", "trainer.expert_tensor_parallel_size=1",
        "trainer.pipeline_model_parallel_size=1", "trainer.use_distributed_optimizer=true",
-       "trainer.params_dtype=bf16", "cluster.nodes=null"]
+       "trainer.params_dtype=bf16", "cluster.nodes=null",
+       # C25 was measured without the shipped config's recompute and offload, at balanced routing
+       "trainer.optimizer_cpu_offload=false", "trainer.recompute_granularity=null", "trainer.recompute_method=null",
+       "trainer.recompute_num_layers=null", "cluster.moe_imbalance=1"]
 
 TOTAL, EXPERT = 30_532_122_624, 28_991_029_248
 DENSE_GPU, EXPERT_GPU = 394_999_808, 3_623_878_656
@@ -100,12 +103,49 @@ def test_engine_and_weight_sync():
 
 
 def test_plan_refuses_what_exceeds_the_device(capsys):
-    # 8 H100: 65 GiB static + 22.5 GiB of activations at 16384 tokens > 75.6 GiB usable
+    # 8 H100: 65 GiB static + 22.5 GiB of activations at 16384 tokens + 2 GiB of sync buckets
+    # (1 GiB, overlapped) > 75.6 GiB usable
     assert main(["plan", str(CONFIG), *C25]) == 3
     cap = capsys.readouterr()
     assert "<- configured" in cap.out and "DOES NOT FIT" in cap.out
-    assert "moe-async: does not fit: trainer: 87.7 GiB per GPU exceed the 75.6 GiB usable" in cap.err
-    assert "cluster.gpu_memory_gib - cluster.reserved_gib" in cap.err and "offloaded to CPU" in cap.err
-    # the same on H200s fits (exit 0), and the shipped 16-GPU layout fits an H100
+    assert "moe-async: does not fit: trainer: 89.7 GiB per GPU exceed the 75.6 GiB usable" in cap.err
+    assert "cluster.gpu_memory_gib - cluster.reserved_gib" in cap.err and "optimizer_cpu_offload=true" in cap.err
+    # the same on H200s fits (exit 0), and the shipped 8-GPU layout (slime's: offload + recompute) fits an H100
     assert main(["plan", str(CONFIG), *C25, "cluster.gpu_memory_gib=140.4"]) == 0
     assert main(["plan", str(CONFIG)]) == 0
+
+
+def test_shipped_layout_is_slimes_and_recompute_offload_imbalance_are_counted(capsys):
+    """The shipped Qwen3-30B-A3B plan: 8 trainer GPUs at TP4 EP8 with the optimizer offloaded and
+    full recompute (slime's run-qwen3-30B-A3B.sh). Full uniform-1 recompute keeps each layer's
+    bf16 input 2 t H per micro-batch plus one layer's activations during its recompute; the
+    offloaded optimizer leaves the GPU (its state per node in host memory); the routed experts'
+    activations double at moe_imbalance 2."""
+    p = make_plan(load_config(CONFIG), family_check=False)
+    t = p.trainer
+    assert (t.layout.world_size, t.layout.tp, t.layout.ep, t.layout.edp) == (8, 4, 8, 1)
+    assert t.offload_fraction == 1.0 and t.optimizer == 0
+    assert t.host_optimizer_per_node == t.optimizer_distributed * 8
+    tok, h = 16384 / 4, 2048
+    layer2 = (2 * tok * (2 * h + 9216 / 4) + 2 * tok * 2 * h + 4 * tok * 128
+              + 2 * tok * 8 * (h + 2 * 768) * 2 + 2 * tok * 8 * 768 * 2)  # experts' part x2
+    logits = 10 * 16384 * 152_064 / 4
+    assert t.activations == int(48 * 2 * tok * h + layer2 + logits)
+    assert t.activations_no_recompute == int(48 * layer2 + logits)
+    assert t.sync_buckets == 2 * 2**30
+    assert t.total <= 0.85 * t.usable  # headroom >= 15% at moe_imbalance 2
+    assert main(["plan", str(CONFIG)]) == 0
+    out = capsys.readouterr().out
+    for row in ("full recompute, uniform 1 layer(s)", "x2 (cluster.moe_imbalance", "100% offloaded to CPU",
+                "<- configured, headroom", "sync buckets on a sending rank", "pipeline stages: 48 layers"):
+        assert row in out, row
+
+
+def test_fits_only_balanced_is_a_warning(capsys):
+    """Without recompute at 8192 tokens the 16-GPU layout fits at balanced routing but not at 2x
+    hot experts: a warning naming cluster.moe_imbalance, not a refusal."""
+    args = ["plan", str(CONFIG), "trainer.nodes=2", "trainer.optimizer_cpu_offload=false",
+            "trainer.recompute_granularity=null", "trainer.recompute_method=null", "trainer.recompute_num_layers=null"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "warning: trainer:" in out and "only with balanced routing (moe_imbalance 1)" in out

@@ -84,8 +84,9 @@ MT_BUDGET = 128
 
 
 def cfg(tp=1, pp=1, ep=1, aux=0.0, mbs=MBS, dist_opt=False, vpp=1, tie="", cp=1, long=False, replay="off",
-        max_tokens=None, packing="padded"):
+        max_tokens=None, packing="padded", **fields):
     extra = {"adam_eps": L4_ADAM_EPS} if tie == "l4" or long else {}
+    extra.update(fields)
     return trainer_cfg(tp, pp, ep, cp=cp, vpp=vpp, dist_opt=dist_opt, mbs=mbs, aux=aux, vocab_div=VOCAB_DIV,
                        router_replay=replay, max_tokens_per_micro_batch=max_tokens, sequence_packing=packing, **extra)
 
@@ -271,6 +272,44 @@ def vpp_ckpt_load(tmp: str) -> dict:
 
     tr = MegatronTrainer(cfg(ep=4, tie="l4"), os.path.join(tmp, "l4"))
     tr.load_checkpoint(os.path.join(tmp, "l4_ckpt_vpp"))
+    res = {"loaded": tr.hf_checksums(), "version": tr.version}
+    tr.close()
+    return res
+
+
+def uneven_pp(tmp: str) -> dict:
+    """PP2 with uneven stages (trainer.num_layers_in_last_pipeline_stage=1: layers 0-2 on the
+    first stage, 3 on the last) on the 4-layer l4: the layer numbers per rank; from the HF
+    weights, the export and 2 steps (equal to the 1-process "l4" reference); then the 1-process
+    checkpoint ``l4_ckpt1`` loaded (checksums) and one step (equal to the 1-process second step),
+    saved as ``l4_ckpt_unpp`` (loaded at 1 process by :func:`uneven_pp_load`)."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    path = os.path.join(tmp, "l4")
+    res: dict = {}
+    tr = MegatronTrainer(cfg(pp=2, tie="l4", num_layers_in_last_pipeline_stage=1), path)
+    res["stage_layers"] = gather([lay.layer_number for lay in tr.model.decoder.layers])
+    res["export_equals_disk"] = export_equals_disk(tr, path)
+    res["steps"] = [{k: m[k] for k in ("loss", "grad_norm", "num_tokens", "entropy")}
+                    for m in (tr.train_step(samples(), L4_ADV) for _ in range(2))]
+    tr.close()
+    tr = MegatronTrainer(cfg(pp=2, tie="l4", num_layers_in_first_pipeline_stage=3), path)
+    tr.load_checkpoint(os.path.join(tmp, "l4_ckpt1"))
+    res["loaded"] = tr.hf_checksums()
+    m = tr.train_step(samples(), L4_ADV)
+    res["next"] = {k: m[k] for k in ("loss", "grad_norm")}
+    tr.save_checkpoint(os.path.join(tmp, "l4_ckpt_unpp"))
+    res["saved"] = tr.hf_checksums()
+    tr.close()
+    return res
+
+
+def uneven_pp_load(tmp: str) -> dict:
+    """1 process: the uneven PP2 checkpoint ``l4_ckpt_unpp`` loaded; its checksums."""
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg(tie="l4"), os.path.join(tmp, "l4"))
+    tr.load_checkpoint(os.path.join(tmp, "l4_ckpt_unpp"))
     res = {"loaded": tr.hf_checksums(), "version": tr.version}
     tr.close()
     return res
@@ -546,14 +585,15 @@ def main_ref(tmp: str) -> None:
 
 def run_case(tmp: str, lay: str) -> dict:
     named = {"c4": c4, "vppck": vpp_ckpt, "vppck_load": vpp_ckpt_load, "dock": dist_opt_ckpt,
-             "dock_load": dist_opt_ckpt_load, "cpck": cp_ckpt, "r3cp": lambda t: r3_run(t, cp=2)}
+             "dock_load": dist_opt_ckpt_load, "cpck": cp_ckpt, "r3cp": lambda t: r3_run(t, cp=2),
+             "unpp": uneven_pp}
     return named[lay](tmp) if lay in named else run_layout(tmp, *parse(lay))
 
 
 def main_cpck_load(tmp: str) -> None:
     """1 process, after the 2-process launch: TMP/cpck_load.json."""
     with open(os.path.join(tmp, "cpck_load.json"), "w") as f:
-        json.dump({"cpck_load": cp_ckpt_load(tmp)}, f)
+        json.dump({"cpck_load": cp_ckpt_load(tmp), "unpp_load": uneven_pp_load(tmp)}, f)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ CP = CP2 + CP4
 # dynamic micro-batch size (trainer.max_tokens_per_micro_batch = 128 padded positions) on the long
 # samples, aux 0; reference "tie0M" (1 process, micro_batch_size 2): DP2 (2 processes), EP2 x DP4 (4).
 # The DP ranks' slices cut into different counts (e.g. 2 and 3 at DP2) and are equalised
-MT2 = ["tp1pp1ep1mt-tie0"]
+MT2 = ["tp1pp1ep1mt-tie0", "tp1pp2ep1mt-tie0"]  # PP2: padded micro-batches of one [B, S] shape per step
 MT4 = ["tp1pp1ep2mt-tie0"]
 MT = MT2 + MT4
 # packed THD micro-batches (trainer.sequence_packing='thd', "th"), every family (tie0 mixtral, qwen3
@@ -84,8 +84,8 @@ def res(request, tmp_path_factory):
     want = selected_params(request, "layout")
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
     times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"),
-                            [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2])
-    times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=120)
+                            [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2, "unpp"])
+    times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=300)  # + the uneven-PP load
     w4 = [x for x in [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4] if x not in SLOW or x in want]
     times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), w4)
     out = merged_json(tmp, "ref", "w2", "w4", "cpck_load")
@@ -301,14 +301,16 @@ def test_cp_checkpoint_loads_at_one_process(res):
         assert _rel(l1["next"][k], c["next"][k]) <= REL, (k, l1["next"][k], c["next"][k])
 
 
-@pytest.mark.parametrize("layout,want", [("tie0M", 4), ("tp1pp1ep1mt-tie0", 3), ("tp1pp1ep2mt-tie0", 2)])
+@pytest.mark.parametrize("layout,want", [("tie0M", 4), ("tp1pp1ep1mt-tie0", 3), ("tp1pp1ep2mt-tie0", 2),
+                                         ("tp1pp2ep1mt-tie0", 8)])
 def test_token_budget_micro_batches(res, layout, want):
     """Micro-batch counts on rank 0 (long samples of 31..72 tokens, 128-position budget, >= 64
     positions each): 1 process, count cut (8 samples / micro_batch_size 2) = 4; DP2: rank 0's
     slice (60, 59, 60, 31 tokens) cuts into 2, rank 1's (72, 64, 62, 48) into 3: equalised to 3;
     EP2 x DP4: rank 0's (60, 59) fits one micro-batch, rank 2's (72, 64) needs two: equalised
-    to 2 (unequal counts would leave EP's all-to-all unmatched). The losses equal 1 process
-    (test_layout_equals_one_process)."""
+    to 2 (unequal counts would leave EP's all-to-all unmatched). PP2, padded: one [B, S] shape
+    per step, S = the batch's longest (72 positions), so 128 positions hold one sequence: 8
+    micro-batches of [1, 72]. The losses equal 1 process (test_layout_equals_one_process)."""
     assert [s["num_microbatches"] for s in res[layout]["steps"]] == [want, want]
 
 
@@ -356,3 +358,21 @@ def test_thd_pipeline_rows_keep_their_length(res, layout):
     the 1-process run (micro-batches of 2 long samples: 119, 91, 136, 110 tokens)."""
     rows, ref = res[layout]["thd_rows"], res[_ref_key(layout)]["thd_rows"]
     assert rows == ref == [119, 91, 136, 110]
+
+
+def test_uneven_pipeline_stages(res):
+    """PP2 with trainer.num_layers_in_last_pipeline_stage=1 on the 4-layer l4 (3 + 1 layers):
+    from the HF weights export is bit-exact and 2 steps equal 1 process within 1e-5; the
+    1-process checkpoint loads at 3 + 1 (checksums equal) and the next step equals the
+    1-process one; its own checkpoint loads at 1 process with equal checksums (the layers keep
+    their global numbers in the sharded state dict)."""
+    u, ref = res["unpp"], res["l4"]
+    assert u["stage_layers"] == [[1, 2, 3], [4]]  # global layer numbers per PP rank
+    assert u["export_equals_disk"] is True
+    for s, r in zip(u["steps"], ref["steps"]):
+        assert _rel(s["loss"], r["loss"]) <= REL and _rel(s["grad_norm"], r["grad_norm"]) <= REL
+    nxt = res["vpp_ckpt_ref"]["next"]
+    assert u["loaded"] == res["vpp_ckpt_ref"]["saved"]
+    assert _rel(u["next"]["loss"], nxt["loss"]) <= REL and _rel(u["next"]["grad_norm"], nxt["grad_norm"]) <= REL
+    back = res["unpp_load"]
+    assert back["loaded"] == u["saved"] and back["version"] == 2

@@ -37,15 +37,19 @@ def test_distributed_optimizer_switch():
     assert TrainerConfig(use_distributed_optimizer=True).use_distributed_optimizer is True
 
 
-def test_token_budget_needs_pp1():
+def test_token_budget_padded_pp_allowed_not_with_vpp():
     import pytest as _pt
     from pydantic import ValidationError
 
     from moe_async.trainer.config import TrainerConfig
 
     assert TrainerConfig(max_tokens_per_micro_batch=4096).max_tokens_per_micro_batch == 4096
-    with _pt.raises(ValidationError, match="trainer.max_tokens_per_micro_batch=4096 needs"):
-        TrainerConfig(max_tokens_per_micro_batch=4096, pipeline_model_parallel_size=2)
+    # padded at PP > 1: one [B, S] shape per step (parity in tests/trainer/test_layouts.py)
+    assert TrainerConfig(max_tokens_per_micro_batch=4096, pipeline_model_parallel_size=2,
+                         sequence_packing="padded").max_tokens_per_micro_batch == 4096
+    with _pt.raises(ValidationError, match="trainer.max_tokens_per_micro_batch=4096 with"):
+        TrainerConfig(max_tokens_per_micro_batch=4096, pipeline_model_parallel_size=2, sequence_packing="padded",
+                      virtual_pipeline_model_parallel_size=2)
     with _pt.raises(ValidationError, match="max_tokens_per_micro_batch"):
         TrainerConfig(max_tokens_per_micro_batch=0)
 

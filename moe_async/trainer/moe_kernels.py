@@ -1,0 +1,39 @@
+"""MoE kernel choices of the trainer that depend on what the host has: the token dispatcher
+('flex' needs DeepEP and CUDA) and the grouped expert MLP (Transformer Engine's grouped GEMM).
+
+:func:`check_flex_dispatcher` returns the extra ``TransformerConfig`` fields of Megatron-Core's
+flex dispatcher or refuses, naming ``trainer.moe_token_dispatcher_type``;
+:func:`grouped_gemm_available` says whether the grouped expert MLP can be built here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+
+def check_flex_dispatcher() -> dict[str, Any]:
+    """``TransformerConfig`` fields for Megatron-Core's flex dispatcher with DeepEP
+    (``moe_flex_dispatcher_backend='deepep'``: fused dispatch/combine over NVSHMEM/NVLink).
+
+    Raises:
+        ValueError: no CUDA, or the ``deep_ep`` package does not import (Megatron-Core's
+            ``fused_a2a`` would fail at the first forward instead), naming the field.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("trainer.moe_token_dispatcher_type='flex' needs CUDA (DeepEP's fused dispatch/combine "
+                         "kernels); use 'alltoall' or 'allgather' on this host")
+    if importlib.util.find_spec("deep_ep") is None:
+        raise ValueError("trainer.moe_token_dispatcher_type='flex' needs the deep_ep package (DeepEP), which is not "
+                         "installed here; install DeepEP or use 'alltoall'")
+    return {"moe_flex_dispatcher_backend": "deepep"}
+
+
+def grouped_gemm_available() -> bool:
+    """True when the grouped expert MLP can be built: CUDA and Transformer Engine (Megatron-Core
+    0.16.1's ``TEGroupedMLP``; its legacy ``GroupedMLP`` needs the ``grouped_gemm`` CUDA package)."""
+    from moe_async.megatron.parallel import have_te
+
+    return have_te()
