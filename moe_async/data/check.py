@@ -50,14 +50,14 @@ def check_data(data: DataConfig) -> dict[str, Any]:
         check_spec(spec, f"data.rewards[{src!r}]")
     if data.default_reward is not None:
         check_spec(data.default_reward, "data.default_reward")
-    tables = [("data.train", data.train_paths(), data.format)]
+    tables = [("data.train", [p], data.format) for p in data.train_paths()]
     tables += [(f"data.eval.{n}", [e.path] if isinstance(e.path, str) else list(e.path), e.format or data.format)
                for n, e in data.eval.items()]
     out: dict[str, Any] = {"train_rows": 0, "eval_rows": {}, "data_sources": {}}
     for what, paths, fmt in tables:
         ds, spans, keys = open_table(paths, fmt, data, what, check=True)
         if what == "data.train":
-            out["train_rows"] = len(ds)
+            out["train_rows"] += len(ds)
         else:
             out["eval_rows"][what.split(".", 2)[2]] = len(ds)
         for src, first in data_sources(ds, keys.format, keys.metadata_key).items():

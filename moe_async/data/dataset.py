@@ -48,8 +48,10 @@ class FileDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = data.max_prompt_length  # the rollout manager skips longer prompts
         self.system_prompt = data.system_prompt if data.system_prompt is not None else system_prompt
-        self._train, self._spans, self._keys = open_table(data.train_paths(), data.format, data, "data.train", check)
-        self.n = len(self._train)
+        # one table per train path (each its own format: a verl Parquet and a slime JSONL mix)
+        self._parts = [open_table([p], data.format, data, "data.train", check) for p in data.train_paths()]
+        self._starts = np.cumsum([0] + [len(t[0]) for t in self._parts])
+        self.n = int(self._starts[-1])
         self.eval_sets: dict[str, list[Row]] = {}
         self.eval_cfgs: dict[str, EvalSetConfig] = dict(data.eval)
         for name, ec in data.eval.items():
@@ -69,7 +71,10 @@ class FileDataset:
 
     def row(self, index: int) -> Row:
         """Train row ``index`` (its place in the concatenated train files)."""
-        return to_row(self._train[int(index)], self._keys, int(index), "train")
+        index = int(index)
+        k = int(np.searchsorted(self._starts, index, side="right")) - 1
+        ds, _, keys = self._parts[k]
+        return to_row(ds[index - int(self._starts[k])], keys, index, "train")
 
     def next_train(self) -> Row:
         if self._pos >= self.n:

@@ -116,7 +116,8 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     sem = asyncio.Semaphore(cfg.eval_concurrency or cfg.max_concurrent_groups)
 
     async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
-        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy, temperature=temperature)
+        kw = {} if temperature is None or greedy else {"temperature": temperature}
+        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy, **kw)
         text = manager.dataset.decode(s.response_ids)
         r = await manager.reward_pool.score(p, text)
         if greedy:  # the greedy answer's details too, for the eval_before/eval_after dict

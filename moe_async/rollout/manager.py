@@ -437,6 +437,8 @@ class RolloutManager:
             self.counters["reward_sum"] += sum(s.reward for s in samples)
             if hasattr(problem, "data_source"):  # prompt files: the reward per data source
                 ds = str(problem.data_source)
+                for s in samples:
+                    s.metadata["data_source"] = ds
                 self.counters[f"reward_sum/{ds}"] += sum(s.reward for s in samples)
                 self.counters[f"samples/{ds}"] += len(samples)
             self.counters["tokens_generated"] += group.num_tokens
