@@ -7,8 +7,9 @@ training and evaluation alike; a sample that scores resets the count. At
 ``rollout.max_consecutive_reward_errors`` in a row it raises :class:`RewardFailureError`
 naming the reward setting (``rollout.reward_function=...``, ``rollout.reward_url=...`` or
 ``rollout.reward=...``) and the last error; 0 turns the limit off. Until the first sample scores, the limit is ``first_limit`` (one
-training step's samples) when smaller: a reward that has never returned a number stops the run
-before its first step trains on zeros, however short the run. The per-sample error count
+training step's samples) when smaller and that many of the failures were not timeouts: a
+reward that has never returned a number stops the run before its first step trains on zeros,
+however short the run. The per-sample error count
 (``rollout/reward_errors``, ``reward/errors``, ``reward/timeouts``) is kept either way.
 """
 
@@ -45,6 +46,8 @@ class RewardErrorStreak:
         self.failure: RewardFailureError | None = None
         self.first_limit = int(first_limit or 0)
         self.ever_scored = False
+        self.first_error: str | None = None
+        self.never_count = 0  # failures other than timeouts before the first scored sample
 
     def update(self, errors: Iterable[str | None]) -> None:
         """Add the results of some samples (their ``reward_error``, None when scored).
@@ -60,9 +63,11 @@ class RewardErrorStreak:
                 continue
             self.count += 1
             self.last_error = err
-            self.first_error = getattr(self, "first_error", None) or err
+            self.first_error = self.first_error or err
             limit = self.limit
-            if limit and self.first_limit and not self.ever_scored:
+            # a timeout is not proof the reward never returns a number (a loaded machine)
+            self.never_count += err != "timeout"
+            if limit and self.first_limit and not self.ever_scored and self.never_count >= self.first_limit:
                 limit = min(limit, self.first_limit)
             if limit and self.count >= limit and self.failure is None:
                 if err == "timeout" and self.timeout_s is not None:

@@ -17,11 +17,27 @@ from pathlib import Path
 
 from tests.data._fixtures import slime_rows, verl_rows, write_jsonl, write_parquet
 from tests.orchestration._train_proc import launch_train, left_running
-from tests.orchestration.test_resume import _procs_with_tag, _train
+from tests.orchestration.test_resume import SMOKE, _procs_with_tag
 
 ROOT = Path(__file__).resolve().parents[2]
 VERL_FILE = ROOT / "tests/rollout/_verl_reward.py"
 SYSTEM = "Reply with the number only."
+
+
+def _train(out: Path, *overrides: str) -> tuple[dict, list[dict]]:
+    """One smoke run to completion: (summary.json, metrics.jsonl records); none of its processes
+    left running (waited for up to 30 s: a loaded machine takes a while to reap them)."""
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MOE_ASYNC_TEST_TAG": tag,
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), f"logging.output_dir={out}",
+           "eval_before=false", "eval_after=false", "logging.wandb_mode=disabled", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert left_running(tag) == []
+    (run_dir,) = list(out.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _lines(run_dir: Path) -> list[dict]:
@@ -58,12 +74,14 @@ def test_verl_parquet_and_slime_jsonl_train_with_rewards_per_data_source(tmp_pat
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": slime[i - len(verl)]["prompt"]}]
         assert r["prompt_ids"] == _template(tok, msgs), i
         assert r["data_source"] == (verl[i]["data_source"] if i < len(verl) else "const_three_quarters")
-    for m in steps:  # the verl file's compute_score for its sources; gsm8k's built-in scores 0 or 1
+    trained = [m for m in steps if "rollout/reward_mean" in m]  # not the step-0 held-out record
+    assert [m["step"] for m in trained] == [1, 2, 3]
+    for m in trained:  # the verl file's compute_score for its sources; gsm8k's built-in scores 0 or 1
         assert m.get("rollout/reward_mean/const_quarter", 0.25) == 0.25
         assert m.get("rollout/reward_mean/const_three_quarters", 0.75) == 0.75
         assert m.get("rollout/reward_mean/openai/gsm8k", 0.0) in (0.0, 0.5, 1.0)
         assert m["rollout/reward_errors"] == 0.0
-    assert {k for m in steps for k in m if k.startswith("rollout/reward_mean/")} >= {
+    assert {k for m in trained for k in m if k.startswith("rollout/reward_mean/")} >= {
         "rollout/reward_mean/const_quarter", "rollout/reward_mean/const_three_quarters"}
     last = steps[-1]
     assert last["eval/held/n"] == 3.0 and last["eval/held/k"] == 2.0 and "eval/held/mean_at_k" in last
@@ -72,7 +90,8 @@ def test_verl_parquet_and_slime_jsonl_train_with_rewards_per_data_source(tmp_pat
 def test_resume_mid_epoch_trains_every_row_of_the_file_exactly_once(tmp_path) -> None:
     data = write_jsonl(tmp_path / "forty.jsonl", slime_rows(40, source="exact"))
     common = [f"data.train={data}", "data.default_reward=exact_match", "rollout.prompts_per_step=4",
-              "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4", "num_steps=10"]
+              "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4", "num_steps=10",
+              "rollout.reward_timeout_s=120"]  # a loaded machine: no timeouts (a lost row's reward)
     ckpt = tmp_path / "ckpt"
     tag = uuid.uuid4().hex
     proc, watchdog = launch_train(tmp_path / "a", tag, *common, "trainer.save_interval=2",

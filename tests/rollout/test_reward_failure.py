@@ -51,6 +51,9 @@ def test_reward_that_never_scored_stops_within_one_step_of_samples():
     with pytest.raises(RewardFailureError, match=r"failed on 8 samples in a row, every sample of the run so far.*"
                        r"last error: RewardValueError: returned 'high'; first error: ValueError: first"):
         s.update(["RewardValueError: returned 'high'"])
+    slow = RewardErrorStreak(100, "r", first_limit=8)
+    slow.update(["timeout"] * 20)  # timeouts (a loaded machine) are left to the configured limit
+    assert slow.failure is None
     ok = RewardErrorStreak(100, "r", first_limit=8)
     ok.update([None] + ["e"] * 50)  # scored once: only the configured 100 in a row stop it
     assert ok.failure is None
