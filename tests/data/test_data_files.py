@@ -169,3 +169,18 @@ def test_relative_paths_resolved_at_config_load(tmp_path, monkeypatch) -> None:
     d = DataConfig(train="a.jsonl", eval={"e": {"path": "b.parquet"}}, rewards={"s": "verl:r.py:f"})
     assert d.train == str(tmp_path / "a.jsonl") and d.eval["e"].path == str(tmp_path / "b.parquet")
     assert d.rewards["s"] == f"verl:{tmp_path / 'r.py'}:f"
+
+
+def test_folder_of_files_and_save_to_disk_folder(tmp_path) -> None:
+    import datasets
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", slime_rows(3))
+    write_jsonl(folder / "b.jsonl", slime_rows(2))
+    disk = tmp_path / "saved"
+    datasets.Dataset.from_list(verl_rows(4)).save_to_disk(str(disk))
+    data = DataConfig(train=[str(folder), str(disk)], default_reward="exact_match")
+    assert check_data(data)["train_rows"] == 5 + 4
+    ds = FileDataset(data)
+    assert ds.row(4).answer == "3" and ds.row(5 + 3).answer == "6" and ds.row(5 + 3).data_source == "src_a"
