@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from moe_async.config_base import ConfigModel
 
 from moe_async.buffer.config import AsyncConfig
+from moe_async.data.config import DataConfig
 from moe_async.engines.config import EngineConfig
 from moe_async.logging.config import LoggingConfig
 from moe_async.models.config import ModelConfig
@@ -43,6 +44,7 @@ class ExperimentConfig(ConfigModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt files (moe_async/data); unset: rollout.task.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines, for `moe-async plan`.")

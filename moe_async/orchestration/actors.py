@@ -371,7 +371,12 @@ class RolloutActor:
 
         self.cfg = cfg
         tok = load_tokenizer(model_path)
-        self.dataset = TaskDataset(cfg.rollout, tok)
+        if cfg.data.enabled:  # prompt files (moe_async/data), rewards per data_source
+            from moe_async.data.dataset import FileDataset
+
+            self.dataset = FileDataset(cfg.data, tok, system_prompt=cfg.rollout.system_prompt)
+        else:
+            self.dataset = TaskDataset(cfg.rollout, tok)
         hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
         from moe_async.models import get_family  # router replay: SGLang sends routes without a shape
 
@@ -380,8 +385,14 @@ class RolloutActor:
         self.clients = [EngineClient(u, timeout_s=cfg.engine.request_timeout_s, **moe) for u in urls]
         from moe_async.rollout.rewards import build_reward_fn
 
+        if cfg.data.enabled:
+            from moe_async.rollout.row_rewards import RowReward
+
+            reward_fn: Any = RowReward(cfg.data.rewards, cfg.data.default_reward, cfg.rollout.reward_timeout_s)
+        else:
+            reward_fn = build_reward_fn(cfg.rollout, self.dataset)  # rollout.reward
         self.reward_pool = RewardPool(
-            build_reward_fn(cfg.rollout, self.dataset),  # rollout.reward
+            reward_fn,
             timeout_s=cfg.rollout.reward_timeout_s,
             max_workers=cfg.rollout.reward_workers,
             use_processes=cfg.rollout.reward_use_processes,
@@ -409,6 +420,11 @@ class RolloutActor:
         from moe_async.rollout.evaluation import evaluate_heldout
 
         r = self.cfg.rollout
+        sets = getattr(self.dataset, "eval_sets", None)
+        if sets:  # named eval sets (data.eval): each with its k, max new tokens and temperature
+            from moe_async.rollout.evaluation import evaluate_sets
+
+            return await evaluate_sets(self.manager, sets, self.dataset.eval_cfgs, r)
         return await evaluate_heldout(self.manager, self.dataset.eval_problems(), r.eval_k, r.eval_max_new_tokens)
 
     async def start(self) -> None:

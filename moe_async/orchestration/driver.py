@@ -75,6 +75,7 @@ from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_
 from moe_async.orchestration.cluster import refuse_without_gpus
 from moe_async.orchestration.run_identity import claim, plan_start, trim_metrics
 from moe_async.orchestration.run_state import DrawLedger, record_settled, resume_data
+from moe_async.data.record import record_trained
 from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
@@ -115,6 +116,14 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     except ValueError as e:
         raise UserInputError(str(e)) from None
     check_save_dir(cfg)  # an explicit trainer.save_dir: refused now, not at the first save after training
+    data_checked = None
+    if cfg.data.enabled:  # prompt files: every table, key and data_source reward checked before any process
+        from moe_async.data.check import check_data
+
+        try:
+            data_checked = check_data(cfg.data)
+        except ValueError as e:
+            raise UserInputError(str(e)) from None
     import ray
 
     from moe_async.models.prepare import prepare_hf_checkpoint
@@ -160,6 +169,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     engines = trainer = None
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
+    if data_checked is not None:
+        summary["data"] = data_checked
     try:
         # both pools placed first (each its own devices or cores), so a cluster short of them
         # fails before anything starts; then the engines start (in parallel) and the ranks
@@ -264,6 +275,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             m.update(trainer.train_step(groups))  # every rank; a dead engine or rank fails it, named
             version = trainer.version()
             record_settled(ledger, groups, rollout, buffer, _BUFFER_REPLY_S)
+            if cfg.data.enabled:  # trained_rows.jsonl: file row and prompt ids of each trained group
+                record_trained(run_dir, step, groups)
             si = cfg.trainer.save_interval
             saving = bool(si) and (step % si == 0 or step == cfg.num_steps)
             # the prompt position before the sync opens admission for the next version: in sync

@@ -22,7 +22,19 @@ def batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
         "train/samples": float(len(samples)),
         # this batch's tokens per staleness (trainer version - token version)
         **{f"buffer/staleness_hist/{k}": float(c) for k, c in sorted(Counter(stale).items())},
+        **_per_source(samples),
     }
+
+
+def _per_source(samples: list) -> dict[str, float]:
+    """``rollout/reward_mean/<data_source>``: the batch's mean reward per data source (prompt
+    files only: samples whose metadata has ``data_source``)."""
+    by: dict[str, list[float]] = {}
+    for s in samples:
+        src = getattr(s, "metadata", {}).get("data_source")
+        if src is not None:
+            by.setdefault(str(src), []).append(s.reward)
+    return {f"rollout/reward_mean/{k}": sum(v) / len(v) for k, v in sorted(by.items())}
 
 
 # cumulative rollout counts reported every step (0.0 before their first event)

@@ -51,6 +51,10 @@ def summary_markdown(numbers: list[dict[str, Any]], plots: list[str]) -> str:
     lines = ["# moe-async report", "", head, "|---" * (len(numbers) + 1) + "|"]
     for key, label in ROWS:
         lines.append(f"| {label} | " + " | ".join(fmt(n.get(key)) for n in numbers) + " |")
+    for key in sorted({k for n in numbers for k in n if k.startswith("eval_set/")}):  # named eval sets
+        _, name, metric = key.split("/")
+        label = f"held-out {name}: {metric.rsplit('_', 1)[0].replace('_', ' ')}, {metric.rsplit('_', 1)[1]} point"
+        lines.append(f"| {label} | " + " | ".join(fmt(n.get(key)) for n in numbers) + " |")
     lines += ["", "Sources: last-step values and means over steps from metrics.jsonl; staleness over every "
               "trained token (buffer/staleness_hist); held-out accuracy from summary.json.", "", "## Plots", ""]
     lines += [f"![{p}]({p})" for p in plots]

@@ -98,6 +98,23 @@ def _curve_numbers(run: Run) -> dict[str, Any]:
             "heldout_mean_at_k_gain_se": pts[-1].get("eval/mean_at_k_gain_se")}
 
 
+SET_FIELDS = (("greedy_accuracy", "first"), ("greedy_accuracy", "last"), ("mean_at_k", "first"),
+              ("mean_at_k", "last"), ("pass_at_k", "last"), ("mean_at_k_gain", "last"), ("mean_at_k_gain_se", "last"))
+
+
+def eval_set_numbers(run: Run) -> dict[str, Any]:
+    """Named eval sets (``data.eval``; metrics ``eval/<name>/<metric>``): ``eval_set/<name>/
+    <metric>_<first|last>`` for :data:`SET_FIELDS`, from the curve's first and last points."""
+    names = sorted({k.split("/")[1] for r in run.steps for k in r
+                    if k.startswith("eval/") and k.count("/") == 2 and k.endswith("/mean_at_k")})
+    out: dict[str, Any] = {}
+    for name in names:
+        pts = [r for r in run.steps if isinstance(r.get(f"eval/{name}/mean_at_k"), (int, float))]
+        for metric, which in SET_FIELDS:
+            out[f"eval_set/{name}/{metric}_{which}"] = (pts[0] if which == "first" else pts[-1]).get(f"eval/{name}/{metric}")
+    return out
+
+
 def run_numbers(run: Run) -> dict[str, Any]:
     """The summary row of one run (None where the run did not log the metric)."""
     hist = staleness_hist(run)
@@ -130,4 +147,5 @@ def run_numbers(run: Run) -> dict[str, Any]:
     }
     for label, key in TIME_PARTS:
         out[f"{key.split('/')[1]}_avg"] = _mean(run, key)
+    out.update(eval_set_numbers(run))
     return out

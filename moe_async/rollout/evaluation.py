@@ -98,14 +98,16 @@ def paired_gains(now: dict[str, list], base: dict[str, list]) -> dict[str, float
     return out
 
 
-async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens: int) -> dict[str, Any]:
+async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens: int,
+                           temperature: float | None = None) -> dict[str, Any]:
     """One held-out evaluation (greedy + ``k`` samples per problem) with ``manager``'s engines
     and reward pool; returns :func:`summarize`'s dict plus ``eval/n_skipped`` (problems whose
     prompt fills the context, or whose request was dropped), ``eval/seconds`` and ``greedy``
     (:func:`greedy_summary`: the greedy answers as an ``eval_before``/``eval_after`` dict; not
     a metric). Problems run concurrently, at most ``eval_concurrency`` (default
     ``max_concurrent_groups``) at once, each problem's ``k + 1`` requests sent together (the
-    engine prefills their shared prompt once). Raises ``RewardFailureError`` as ``RolloutManager.evaluate``
+    engine prefills their shared prompt once); ``temperature``: the sampled answers' (None:
+    ``rollout.temperature``). Raises ``RewardFailureError`` as ``RolloutManager.evaluate``
     when the greedy answers' rewards keep failing (``manager.reward_streak``)."""
     import time
 
@@ -114,7 +116,8 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     sem = asyncio.Semaphore(cfg.eval_concurrency or cfg.max_concurrent_groups)
 
     async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
-        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy)
+        kw = {} if temperature is None or greedy else {"temperature": temperature}
+        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy, **kw)
         text = manager.dataset.decode(s.response_ids)
         r = await manager.reward_pool.score(p, text)
         if greedy:  # the greedy answer's details too, for the eval_before/eval_after dict
@@ -142,6 +145,35 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     streak = getattr(manager, "reward_streak", None)
     if streak is not None:  # as RolloutManager.evaluate: a reward failing on every problem stops the run
         streak.update(r[0][1] for r in res)
+    return out
+
+
+async def evaluate_sets(manager: Any, sets: dict[str, list], cfgs: dict[str, Any], rollout: Any) -> dict[str, Any]:
+    """Every named eval set (``data.eval``) evaluated in turn with :func:`evaluate_heldout` and
+    its own ``n_samples`` (k), ``max_new_tokens`` and ``temperature`` (defaults:
+    ``rollout.eval_max_new_tokens``, ``rollout.temperature``). Returns ``{"sets": {name: dict},
+    "greedy": the greedy answers of all sets (greedy_summary, weighted by problems),
+    "eval/seconds": total}``; :class:`EvalCurve` names each set's metrics ``eval/<name>/...``."""
+    out: dict[str, Any] = {"sets": {}}
+    greedy_parts = []
+    for name, rows in sets.items():
+        c = cfgs[name]
+        ev = await evaluate_heldout(manager, rows, c.n_samples, c.max_new_tokens or rollout.eval_max_new_tokens,
+                                    c.temperature)
+        greedy_parts.append(ev.pop("greedy"))
+        out["sets"][name] = ev
+    out["eval/seconds"] = sum(ev["eval/seconds"] for ev in out["sets"].values())
+    out["greedy"] = _merge_greedy(greedy_parts)
+    return out
+
+
+def _merge_greedy(parts: list[dict[str, float]]) -> dict[str, float]:
+    """:func:`greedy_summary` dicts of several sets as one (means weighted by ``n``)."""
+    n = sum(p["n"] for p in parts)
+    out = {"n": n, "n_skipped": sum(p["n_skipped"] for p in parts),
+           "reward_errors": sum(p["reward_errors"] for p in parts)}
+    for key in ("reward_mean", "accuracy", "task_accuracy", "mean_response_len"):
+        out[key] = sum(p[key] * p["n"] for p in parts) / n if n else 0.0
     return out
 
 
@@ -182,8 +214,19 @@ class EvalCurve:
         if not self.due(step):
             return {}
         ev = self._evaluate()
-        per = ev.pop("per_problem")
         self.last_greedy = ev.pop("greedy", None)
+        if "sets" in ev:  # named eval sets: eval/<name>/<metric>, paired gains per set
+            out: dict[str, float] = {"eval/seconds": float(ev["eval/seconds"])}
+            bases = self.__dict__.setdefault("_set_bases", {})
+            for name, sev in ev["sets"].items():
+                per = sev.pop("per_problem")
+                bases.setdefault(name, per)
+                sev.update(paired_gains(per, bases[name]))
+                print(f"[moe-async] held-out {name} at step {step}: " + self._line(sev), flush=True)
+                out.update({f"eval/{name}/{k[len('eval/'):]}": float(v) for k, v in sev.items()})
+            self.points.append({"step": step, **out})
+            return out
+        per = ev.pop("per_problem")
         if self._base is None:
             self._base = per
         ev.update(paired_gains(per, self._base))
@@ -204,5 +247,12 @@ class EvalCurve:
         lines = ["[moe-async] held-out curve (k samples per problem at the training temperature; "
                  "+- one standard error over problems; gains paired against the first point, "
                  "[95% interval]):"]
-        lines += [f"  step {p['step']:>4} | " + self._line(p) for p in self.points]
+        for p in self.points:
+            if "eval/greedy_accuracy" in p:
+                lines.append(f"  step {p['step']:>4} | " + self._line(p))
+                continue
+            names = sorted({k.split("/")[1] for k in p if k.count("/") == 2})
+            for name in names:  # named eval sets: one line per set
+                sub = {"eval/" + k.split("/", 2)[2]: v for k, v in p.items() if k.startswith(f"eval/{name}/")}
+                lines.append(f"  step {p['step']:>4} | {name}: " + self._line(sub))
         return "\n".join(lines)

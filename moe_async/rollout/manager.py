@@ -181,7 +181,8 @@ class RolloutManager:
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
         self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source(),
-                                               cfg.reward_timeout_s)
+                                               cfg.reward_timeout_s,
+                                               first_limit=cfg.prompts_per_step * cfg.n_samples_per_prompt)
 
     # ================================================================== public
     async def run(self, stop_event: asyncio.Event) -> None:
@@ -210,6 +211,12 @@ class RolloutManager:
                 except BaseException:
                     await self._cancel("error")
                     raise
+                cap = getattr(self.dataset, "max_prompt_length", None)  # data.max_prompt_length
+                if cap is not None and len(prompt_ids) > cap:
+                    self.dropped["prompt_over_max_length"] += 1
+                    self._settle(seq, "prompt_over_max_length")
+                    await self._cancel("prompt_over_max_length")
+                    continue
                 max_new = self._check_length(len(prompt_ids), self.cfg.max_new_tokens)
                 if max_new is None:
                     self._settle(seq, "prompt_too_long")
@@ -360,14 +367,16 @@ class RolloutManager:
         finally:
             stop.cancel()
 
-    def _sampling_params(self, max_new: int, greedy: bool, seed: int | None = None) -> dict[str, Any]:
+    def _sampling_params(self, max_new: int, greedy: bool, seed: int | None = None,
+                         temperature: float | None = None) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": int(max_new)}
         if seed is not None and not greedy:
             sp["sampling_seed"] = int(seed)
         if greedy:
             sp.update(temperature=0.0, top_p=1.0, top_k=1)
         else:
-            sp.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k)
+            sp.update(temperature=self.cfg.temperature if temperature is None else float(temperature),
+                      top_p=self.cfg.top_p, top_k=self.cfg.top_k)
         if self.eos_token_ids:
             sp["stop_token_ids"] = list(self.eos_token_ids)
         return sp
@@ -376,6 +385,9 @@ class RolloutManager:
 
     def _reward_source(self) -> str:
         """The reward setting, as errors name it."""
+        rw = getattr(self.reward_pool, "fn", None)
+        if hasattr(rw, "rewards") and hasattr(rw, "default_reward"):  # prompt files: per data_source
+            return f"data.rewards={rw.rewards!r}, data.default_reward={rw.default_reward!r}"
         return {"function": f"rollout.reward_function={self.cfg.reward_function!r}",
                 "remote": f"rollout.reward_url={self.cfg.reward_url!r}"}.get(
                     self.cfg.reward, f"rollout.reward={self.cfg.reward!r}")
@@ -415,13 +427,20 @@ class RolloutManager:
                 s.reward = float(r.reward)
                 s.reward_error = r.error
                 s.answer = str(problem.answer)
-                s.metadata.update(task=self.cfg.task, problem_index=problem.index, group_id=gid,
+                s.metadata.update(task=getattr(problem, "data_source", None) or self.cfg.task,
+                                  problem_index=problem.index, group_id=gid,
                                   sample_index=i, draw_seq=seq)
                 s.validate()
             group = Group(group_id=gid, samples=samples, start_version=version)
             self.counters["samples_generated"] += len(samples)
             # every scored sample, filtered or not: the reward per generated sample
             self.counters["reward_sum"] += sum(s.reward for s in samples)
+            if hasattr(problem, "data_source"):  # prompt files: the reward per data source
+                ds = str(problem.data_source)
+                for s in samples:
+                    s.metadata["data_source"] = ds
+                self.counters[f"reward_sum/{ds}"] += sum(s.reward for s in samples)
+                self.counters[f"samples/{ds}"] += len(samples)
             self.counters["tokens_generated"] += group.num_tokens
             self.counters["reward_errors"] += sum(s.reward_error is not None for s in samples)
             self._report_reward_errors(samples)
@@ -489,9 +508,10 @@ class RolloutManager:
         return (self.cfg.sampling_seed * 1_000_003 + key * 1_009 + index) % (2**31 - 1)
 
     async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False,
-                               seed: int | None = None) -> Sample:
+                               seed: int | None = None, temperature: float | None = None) -> Sample:
         """One response, resubmitting aborted segments (C5); see the module docstring.
-        ``seed``: the request's ``sampling_seed`` (a resumed segment's: plus its tokens so far)."""
+        ``seed``: the request's ``sampling_seed`` (a resumed segment's: plus its tokens so far);
+        ``temperature``: a sampled request's (None: ``rollout.temperature``; an eval set's own)."""
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -505,7 +525,7 @@ class RolloutManager:
                 break
             ids = list(prompt_ids) + tokens
             seg_seed = None if seed is None else (seed + 7_919 * len(tokens)) % (2**31 - 1)
-            out = await self._call_engine(ids, self._sampling_params(remaining, greedy, seg_seed))
+            out = await self._call_engine(ids, self._sampling_params(remaining, greedy, seg_seed, temperature))
             raw_n = len(out.output_ids or [])  # router replay: routes cover ids + raw_n tokens
             seg_ids = [int(t) for t in (out.output_ids or [])]
             seg_lp = [float(x) for x in (out.output_logprobs or [])]

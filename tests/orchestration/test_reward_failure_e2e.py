@@ -1,6 +1,6 @@
 """A reward function that never returns a number fails the whole run (exit status != 0) naming
 the function and its last error, instead of training on zero rewards and exiting 0 (CPU smoke pipeline,
-rollout.max_consecutive_reward_errors=12)."""
+rollout.max_consecutive_reward_errors=12; a reward that never scored stops at one step's samples)."""
 
 import os
 import subprocess
@@ -19,9 +19,11 @@ def test_reward_that_never_returns_a_number_fails_the_run(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
-    assert "RewardFailureError" in out and "failed on 12 samples in a row" in out, out[-3000:]
+    # it never scored: stopped at one step's samples (2 prompts x 4), below the configured 12
+    assert "RewardFailureError" in out and "failed on 8 samples in a row, every sample of the run so far" in out, \
+        out[-3000:]
     assert "rollout.reward_function='tests.rollout._user_rewards:returns_text'" in out, out[-3000:]
     assert "returned 'high'" in out, out[-3000:]
     run_dir = next(tmp_path.glob("cpu_smoke-*"))
     steps = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-    assert len(steps) <= 1, steps  # at most one step trained on the failed rewards (12 samples < 2 steps of 8)
+    assert steps == [], steps  # no step trained on the failed rewards

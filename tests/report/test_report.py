@@ -144,3 +144,21 @@ def test_held_out_curve_points_and_numbers(tmp_path):
     assert "| held-out mean@k gain (paired) | 0.2 |" in (r["out"] / "summary.md").read_text()
     for p in ("reward.png", "time_breakdown.png"):
         assert (r["out"] / p).read_bytes()[:8] == PNG
+
+
+def test_named_eval_sets_each_get_their_rows(tmp_path):
+    """data.eval sets (eval/<name>/... records): first/last points and the paired gain per set."""
+    recs = _write_run(tmp_path / "run_s", [0.2, 0.4])
+    recs[0].update({"eval/gsm/mean_at_k": 0.25, "eval/gsm/greedy_accuracy": 0.5, "eval/gsm/pass_at_k": 0.5,
+                    "eval/math/mean_at_k": 0.1, "eval/math/greedy_accuracy": 0.0, "eval/math/pass_at_k": 0.2})
+    recs[1].update({"eval/gsm/mean_at_k": 0.5, "eval/gsm/greedy_accuracy": 0.75, "eval/gsm/pass_at_k": 1.0,
+                    "eval/gsm/mean_at_k_gain": 0.25, "eval/gsm/mean_at_k_gain_se": 0.05,
+                    "eval/math/mean_at_k": 0.3, "eval/math/greedy_accuracy": 0.1, "eval/math/pass_at_k": 0.4})
+    (tmp_path / "run_s" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in recs))
+    n = make_report([tmp_path / "run_s"])["numbers"][0]
+    assert (n["eval_set/gsm/mean_at_k_first"], n["eval_set/gsm/mean_at_k_last"]) == (0.25, 0.5)
+    assert (n["eval_set/gsm/mean_at_k_gain_last"], n["eval_set/math/pass_at_k_last"]) == (0.25, 0.4)
+    assert n["eval_set/math/mean_at_k_gain_last"] is None
+    md = (tmp_path / "run_s" / "report" / "summary.md").read_text()
+    assert "| held-out gsm: mean at k, last point | 0.5 |" in md
+    assert "| held-out math: greedy accuracy, first point | 0 |" in md

@@ -154,3 +154,38 @@ def test_curve_keeps_the_last_points_greedy_dict_out_of_the_metrics():
     m = c.run(0)
     assert "greedy" not in m and "greedy" not in c.points[0]
     assert c.last_greedy == {"accuracy": 0.5, "n": 2}
+
+
+def test_named_eval_sets_each_with_own_k_temperature_and_metrics():
+    """data.eval: each set evaluated with its own n_samples (k), max_new_tokens, temperature;
+    the curve names its metrics eval/<name>/... with paired gains per set."""
+    from moe_async.data.config import EvalSetConfig
+    from moe_async.rollout.evaluation import evaluate_sets
+
+    man = _FakeManager()
+    seen = []
+
+    async def gen(ids, max_new, greedy=False, temperature=None):
+        seen.append((max_new, greedy, temperature))
+        return type("S", (), {"response_ids": [7] if greedy else [8]})()
+
+    man._generate_sample = gen
+    cfgs = {"a": EvalSetConfig(path="a.jsonl", n_samples=2), "b": EvalSetConfig(path="b.jsonl", n_samples=3,
+                                                                                   max_new_tokens=5, temperature=0.5)}
+    rollout = type("R", (), {"eval_max_new_tokens": 9})
+    calls = []
+
+    def ev():
+        calls.append(1)
+        return asyncio.run(evaluate_sets(man, {"a": [1, 2], "b": [1, 2, 3, 4]}, cfgs, rollout))
+
+    c = EvalCurve(interval=1, num_steps=1, evaluate=ev)
+    m = c.run(0)
+    assert sorted(seen) == sorted([(9, True, None)] * 2 + [(9, False, None)] * 4 + [(5, True, None)] * 4
+                                  + [(5, False, 0.5)] * 12)
+    assert (m["eval/a/n"], m["eval/a/k"], m["eval/b/n"], m["eval/b/k"]) == (2.0, 2.0, 4.0, 3.0)
+    assert m["eval/a/greedy_accuracy"] == 1.0 and m["eval/b/mean_at_k"] == 0.0
+    assert m["eval/a/mean_at_k_gain"] == 0.0 and "eval/greedy_accuracy" not in m
+    assert c.last_greedy["n"] == 6 and c.last_greedy["accuracy"] == 1.0
+    table = c.format().splitlines()
+    assert any("| a: greedy 1.000" in ln for ln in table) and any("| b: greedy 1.000" in ln for ln in table)

@@ -41,6 +41,24 @@ def test_streak_off_and_interleaved_failures_never_stop():
     assert s.failure is None
 
 
+def test_reward_that_never_scored_stops_within_one_step_of_samples():
+    """A short run's reward that fails on every sample stops before its first step trains on
+    zeros (one step's samples, first_limit), naming the first and the last error; once a sample
+    has scored, the configured limit applies."""
+    s = RewardErrorStreak(100, "rollout.reward_function='m:f'", first_limit=8)
+    s.update(["ValueError: first"] + ["RewardValueError: returned 'high'"] * 6)
+    assert s.failure is None
+    with pytest.raises(RewardFailureError, match=r"failed on 8 samples in a row, every sample of the run so far.*"
+                       r"last error: RewardValueError: returned 'high'; first error: ValueError: first"):
+        s.update(["RewardValueError: returned 'high'"])
+    slow = RewardErrorStreak(100, "r", first_limit=8)
+    slow.update(["timeout"] * 20)  # timeouts (a loaded machine) are left to the configured limit
+    assert slow.failure is None
+    ok = RewardErrorStreak(100, "r", first_limit=8)
+    ok.update([None] + ["e"] * 50)  # scored once: only the configured 100 in a row stop it
+    assert ok.failure is None
+
+
 def _manager(cfg, reward_fn, buf):
     ds = FakeDataset([10])
     pool = RewardPool(reward_fn, timeout_s=5.0, max_workers=1, use_processes=False)

@@ -1,0 +1,1 @@
+"""Train and eval prompts from the user's own files (JSONL, Parquet, ``datasets`` folders)."""

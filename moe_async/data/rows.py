@@ -1,0 +1,196 @@
+"""Format adapters: a table row of slime JSONL, verl Parquet or a ``messages`` chat file as one
+:class:`Row`, and the start-up check of a whole table (:func:`check_table`).
+
+A :class:`Row` is what the rollout side needs of a prompt: ``prompt`` (a string, or a list of
+``{"role", "content"}`` messages), ``answer`` (the label / ground truth as a string),
+``data_source`` (selects the reward; None: the default reward), ``extra_info`` and ``metadata``
+(dicts, passed to reward functions), ``index`` (the row in its table) and ``split``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_async.data.source import DataError, locate
+
+
+@dataclass
+class Row:
+    """One prompt row (module docstring). Picklable: it travels to reward workers."""
+
+    prompt: str | list[dict[str, str]]
+    answer: str
+    data_source: str | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    index: int = 0
+    split: str = "train"
+
+    @property
+    def question(self) -> str:
+        """The prompt's text: the string, or the last user message's content."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        users = [m.get("content", "") for m in self.prompt if m.get("role") == "user"]
+        return str(users[-1] if users else self.prompt[-1].get("content", ""))
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Column names and format of one table."""
+
+    format: str  # slime | verl | messages (resolved, never auto)
+    input_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str = "metadata"
+
+
+def resolve_format(fmt: str, columns: list[str], input_key: str) -> str:
+    """``auto`` -> ``verl`` (a ``reward_model`` column), ``messages`` (a ``messages`` column and
+    no ``input_key`` column) or ``slime``; any other value as given."""
+    if fmt != "auto":
+        return fmt
+    if "reward_model" in columns:
+        return "verl"
+    if "messages" in columns and input_key not in columns:
+        return "messages"
+    return "slime"
+
+
+def _as_dict(v: Any) -> dict[str, Any]:
+    if v is None:
+        return {}
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError:
+            return {"text": v}
+    return dict(v) if isinstance(v, dict) else {"value": v}
+
+
+def _messages_ok(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+
+
+def to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
+    """The :class:`Row` of table row ``raw`` (already checked by :func:`check_table`)."""
+    if keys.format == "verl":
+        rm = raw.get("reward_model") or {}
+        return Row(prompt=[dict(m) for m in raw["prompt"]], answer=_label(rm.get("ground_truth")),
+                   data_source=raw.get("data_source"), extra_info=_as_dict(raw.get("extra_info")),
+                   index=index, split=split)
+    if keys.format == "messages":
+        msgs = [dict(m) for m in raw["messages"]]
+        label = raw.get(keys.label_key)
+        if label is None and msgs and msgs[-1]["role"] == "assistant":
+            label = msgs.pop()["content"]
+        meta = _as_dict(raw.get(keys.metadata_key))
+        return Row(prompt=msgs, answer=_label(label), data_source=raw.get("data_source") or meta.get("data_source"),
+                   extra_info=_as_dict(raw.get("extra_info")), metadata=meta, index=index, split=split)
+    p = raw[keys.input_key]
+    meta = _as_dict(raw.get(keys.metadata_key))
+    return Row(prompt=p if isinstance(p, str) else [dict(m) for m in p], answer=_label(raw[keys.label_key]),
+               data_source=raw.get("data_source") or meta.get("data_source"),
+               extra_info=_as_dict(raw.get("extra_info")) or meta, metadata=meta, index=index, split=split)
+
+
+def _label(v: Any) -> str:
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return "" if v is None else str(v)
+
+
+def _where(spans: list[tuple[str, int]], i: int) -> str:
+    path, r = locate(spans, i)
+    line = f" (line {r + 1})" if path.endswith((".jsonl", ".json")) else ""
+    return f"{path!r} row {r}{line}"
+
+
+def _first_null(table: Any, col: str) -> int | None:
+    import pyarrow.compute as pc
+
+    c = table.column(col)
+    if c.null_count == 0:
+        return None
+    return int(pc.indices_nonzero(pc.is_null(c))[0].as_py())
+
+
+def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, need_label: bool = True,
+                chat_template: bool = True) -> None:
+    """Refuse a table the format cannot read, naming ``what`` (the config field), the file, the
+    row (the line of a JSONL file) and the key: a missing column, a row without the prompt or
+    label, a prompt that is neither a string nor a list of ``{"role", "content"}`` messages.
+    Column-wise on the Arrow table; row by row only for a column of mixed JSON types.
+
+    Raises: :class:`DataError`.
+    """
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    cols = list(ds.column_names)
+    if keys.format == "verl":
+        prompt_col, label_col = "prompt", "reward_model"
+        for c in ("prompt", "reward_model"):
+            if c not in cols:
+                raise DataError(f"{what}: {spans[0][0]!r}: verl format needs column {c!r}; columns: {cols}")
+    elif keys.format == "messages":
+        prompt_col, label_col = "messages", (keys.label_key if keys.label_key in cols else None)
+        if prompt_col not in cols:
+            raise DataError(f"{what}: {spans[0][0]!r}: messages format needs column 'messages'; columns: {cols}")
+    else:
+        prompt_col, label_col = keys.input_key, keys.label_key
+        for c, field_ in ((keys.input_key, "data.input_key"), (keys.label_key, "data.label_key")):
+            if c not in cols and (c == keys.input_key or need_label):
+                raise DataError(f"{what}: {_where(spans, 0)}: missing key {c!r} ({field_}); columns: {cols}")
+    bad = _first_null(table, prompt_col)
+    if bad is not None:
+        raise DataError(f"{what}: {_where(spans, bad)}: missing key {prompt_col!r}")
+    if need_label and label_col is not None:
+        bad = _first_null(table, label_col)
+        if bad is None and keys.format == "verl":
+            import pyarrow.compute as pc
+
+            gt = pc.struct_field(table.column("reward_model").combine_chunks(), "ground_truth") \
+                if "ground_truth" in [f.name for f in table.schema.field("reward_model").type] else None
+            if gt is None:
+                raise DataError(f"{what}: {_where(spans, 0)}: missing key 'reward_model.ground_truth'")
+            if gt.null_count:
+                bad = int(pc.indices_nonzero(pc.is_null(gt))[0].as_py())
+                raise DataError(f"{what}: {_where(spans, bad)}: missing key 'reward_model.ground_truth'")
+        if bad is not None:
+            raise DataError(f"{what}: {_where(spans, bad)}: missing key {label_col!r}")
+    _check_prompt_types(ds, table, prompt_col, spans, what, keys, chat_template)
+
+
+def _check_prompt_types(ds: Any, table: Any, col: str, spans: list, what: str, keys: Keys, chat: bool) -> None:
+    import pyarrow as pa
+
+    t = table.schema.field(col).type
+    want = "a string or a list of {'role', 'content'} messages" if keys.format == "slime" else \
+        "a list of {'role', 'content'} messages"
+    if type(ds.features.get(col)).__name__ == "Json":  # mixed JSON values: checked row by row below
+        pass
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        if keys.format != "slime":
+            raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} is a string; expected {want}")
+        return
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        v = t.value_type
+        if pa.types.is_struct(v) and {"role", "content"} <= {f.name for f in v}:
+            if not chat:
+                raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} is a message list but "
+                                "data.apply_chat_template=false needs a string prompt")
+            return
+        raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} has type {t}; expected {want}")
+    else:
+        raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} has type {t}; expected {want}")
+    # a column of mixed JSON values (datasets' Json feature): each row
+    i = 0
+    for batch in ds.select_columns([col]).iter(batch_size=10_000):
+        for v in batch[col]:
+            ok = _messages_ok(v) and chat or (isinstance(v, str) and keys.format == "slime")
+            if not ok:
+                raise DataError(f"{what}: {_where(spans, i)}: key {col!r} is {type(v).__name__} "
+                                f"{json.dumps(v)[:60]}; expected {want}")
+            i += 1

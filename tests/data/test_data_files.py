@@ -1,0 +1,186 @@
+"""Prompt files: formats read unchanged, chat templating, epoch order and resume, and every bad
+input refused at start-up naming the file, the row (JSONL line) and the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_async.data.check import check_data
+from moe_async.data.config import DataConfig
+from moe_async.data.dataset import FileDataset
+from moe_async.data.source import DataError
+from tests.data._fixtures import SYSTEM, slime_rows, verl_rows, write_jsonl, write_parquet
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from moe_async.models.prepare import load_smollm2_tokenizer
+
+    return load_smollm2_tokenizer()
+
+
+def _template(tok, messages) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_verl_parquet_slime_jsonl_and_messages_rows_and_prompt_ids(tmp_path, tok) -> None:
+    pq = write_parquet(tmp_path / "verl.parquet", verl_rows(5))
+    js = write_jsonl(tmp_path / "slime.jsonl", slime_rows(4))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "system", "content": SYSTEM},
+                                                     {"role": "user", "content": f"{i} - 1?"},
+                                                     {"role": "assistant", "content": str(i - 1)}]}) + "\n"
+                            for i in range(3)))
+    data = DataConfig(train=[str(pq), str(js)], system_prompt="Be brief.", default_reward="exact_match",
+                      eval={"chat": {"path": str(chat)}})
+    info = check_data(data)
+    assert info["train_rows"] == 9 and info["eval_rows"] == {"chat": 3}
+    assert info["data_sources"] == {"src_a": "exact_match", "src_b": "exact_match", None: "exact_match"}
+    ds = FileDataset(data, tok)
+    r = ds.row(2)  # verl: prompt messages as given (it has a system message), ground truth, extra_info
+    assert (r.data_source, r.answer, r.extra_info["index"]) == ("src_a", "4", 2)
+    assert ds.build_prompt_ids(r) == _template(tok, verl_rows(5)[2]["prompt"])
+    r = ds.row(5 + 3)  # slime string prompt: data.system_prompt first, then the user message
+    assert (r.data_source, r.answer, r.metadata["id"]) == ("src_b", "9", 3)
+    assert ds.build_prompt_ids(r) == _template(tok, [{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": "Compute 3 * 3."}])
+    e = ds.eval_sets["chat"][1]  # messages: the trailing assistant message is the label, not prompt
+    assert e.answer == "0" and [m["role"] for m in e.prompt] == ["system", "user"]
+    assert ds.build_prompt_ids(e) == _template(tok, e.prompt)
+
+
+def test_slime_keys_renamed_and_no_chat_template(tmp_path, tok) -> None:
+    js = write_jsonl(tmp_path / "s.jsonl", [{"question": "2+2=", "answer": "4"}])
+    data = DataConfig(train=str(js), input_key="question", label_key="answer", apply_chat_template=False,
+                      default_reward="exact_match")
+    check_data(data)
+    ds = FileDataset(data, tok)
+    assert ds.build_prompt_ids(ds.row(0)) == tok("2+2=", add_special_tokens=False)["input_ids"]
+
+
+def test_epochs_are_seeded_permutations_and_seek_resumes_the_same_rows(tmp_path) -> None:
+    js = write_jsonl(tmp_path / "s.jsonl", slime_rows(7))
+    data = DataConfig(train=str(js), default_reward="exact_match", seed=3)
+    a = FileDataset(data)
+    draws = [a.next_train().index for _ in range(21)]
+    for e in range(3):  # every epoch draws every row exactly once
+        assert sorted(draws[7 * e:7 * e + 7]) == list(range(7))
+    assert draws[:7] != draws[7:14]  # reshuffled per epoch
+    b = FileDataset(data)
+    b.seek(10)
+    assert b.position() == 10 and [b.next_train().index for _ in range(11)] == draws[10:]
+    c = FileDataset(DataConfig(train=str(js), default_reward="exact_match", shuffle=False))
+    assert [c.next_train().index for _ in range(7)] == list(range(7))
+
+
+def _refused(data: DataConfig, *parts: str) -> str:
+    with pytest.raises(DataError) as e:
+        check_data(data)
+    msg = str(e.value)
+    for p in parts:
+        assert p in msg, msg
+    return msg
+
+
+def test_missing_and_empty_files_refused(tmp_path) -> None:
+    _refused(DataConfig(train=str(tmp_path / "nope.jsonl")), "data.train", "nope.jsonl", "no such file")
+    (tmp_path / "empty.jsonl").write_text("")
+    _refused(DataConfig(train=str(tmp_path / "empty.jsonl")), "data.train", "empty.jsonl", "empty")
+    ok = write_jsonl(tmp_path / "ok.jsonl", slime_rows(2))
+    _refused(DataConfig(train=str(ok), default_reward="exact_match", eval={"held": {"path": str(tmp_path / "x.parquet")}}),
+             "data.eval.held", "x.parquet", "no such file")
+
+
+def test_malformed_json_line_names_the_line(tmp_path) -> None:
+    p = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in slime_rows(4)]
+    lines[2] = lines[2][:-1]  # line 3 loses its closing brace
+    p.write_text("\n".join(lines) + "\n")
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "data.train", "bad.jsonl", "line 3",
+             "malformed JSON")
+
+
+def test_missing_prompt_or_label_key_names_row_and_key(tmp_path) -> None:
+    rows = slime_rows(5)
+    del rows[3]["prompt"]
+    p = tmp_path / "noprompt.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "noprompt.jsonl", "row 3 (line 4)",
+             "missing key 'prompt'")
+    rows = slime_rows(5)
+    del rows[1]["label"]
+    p = tmp_path / "nolabel.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "nolabel.jsonl", "row 1 (line 2)",
+             "missing key 'label'")
+    p = write_jsonl(tmp_path / "renamed.jsonl", [{"q": "x", "a": "1"}])
+    _refused(DataConfig(train=str(p), input_key="q", default_reward="exact_match"), "renamed.jsonl",
+             "missing key 'label'", "data.label_key")
+    rows = verl_rows(3)
+    rows[2]["reward_model"] = {"style": "rule", "ground_truth": None}
+    p = write_parquet(tmp_path / "v.parquet", rows)
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "v.parquet", "row 2",
+             "reward_model.ground_truth")
+
+
+def test_prompt_of_wrong_type_names_row_and_key(tmp_path) -> None:
+    rows = slime_rows(4)
+    rows[2]["prompt"] = 17
+    p = tmp_path / "mixed.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "mixed.jsonl", "row 2 (line 3)", "'prompt'",
+             "int")
+    p = write_jsonl(tmp_path / "numbers.jsonl", [{"prompt": 1.5, "label": "x"}])
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "numbers.jsonl", "row 0", "'prompt'")
+    p = write_jsonl(tmp_path / "norole.jsonl", [{"prompt": [{"text": "hi"}], "label": "x"}])
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "norole.jsonl", "row 0", "'prompt'")
+
+
+def test_unknown_data_source_without_default_reward(tmp_path) -> None:
+    p = write_jsonl(tmp_path / "s.jsonl", slime_rows(3, source="my_set"))
+    _refused(DataConfig(train=str(p)), "data.train", "s.jsonl", "row 0", "data_source 'my_set' has no reward",
+             "data.default_reward")
+    rows = slime_rows(3) + slime_rows(2, source="openai/gsm8k")  # known sources have built-in rewards
+    p = write_jsonl(tmp_path / "mixed_sources.jsonl", rows)
+    assert check_data(DataConfig(train=str(p), rewards={"src_b": "math_verify"}))["data_sources"] == {
+        "src_b": "math_verify", "openai/gsm8k": "gsm8k"}
+
+
+def test_bad_data_refused_by_train_before_any_process(tmp_path) -> None:
+    from moe_async.config import load_config
+    from moe_async.errors import UserInputError
+    from moe_async.orchestration.driver import run_experiment
+
+    out = tmp_path / "runs"
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs/cpu_smoke.yaml", [f"data.train={tmp_path / 'missing.jsonl'}",
+                                                        f"logging.output_dir={out}"])
+    with pytest.raises(UserInputError, match="missing.jsonl"):
+        run_experiment(cfg)
+    assert not out.exists()  # before the run dir, the model, Ray or any engine
+
+
+def test_relative_paths_resolved_at_config_load(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    d = DataConfig(train="a.jsonl", eval={"e": {"path": "b.parquet"}}, rewards={"s": "verl:r.py:f"})
+    assert d.train == str(tmp_path / "a.jsonl") and d.eval["e"].path == str(tmp_path / "b.parquet")
+    assert d.rewards["s"] == f"verl:{tmp_path / 'r.py'}:f"
+
+
+def test_folder_of_files_and_save_to_disk_folder(tmp_path) -> None:
+    import datasets
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", slime_rows(3))
+    write_jsonl(folder / "b.jsonl", slime_rows(2))
+    disk = tmp_path / "saved"
+    datasets.Dataset.from_list(verl_rows(4)).save_to_disk(str(disk))
+    data = DataConfig(train=[str(folder), str(disk)], default_reward="exact_match")
+    assert check_data(data)["train_rows"] == 5 + 4
+    ds = FileDataset(data)
+    assert ds.row(4).answer == "3" and ds.row(5 + 3).answer == "6" and ds.row(5 + 3).data_source == "src_a"
