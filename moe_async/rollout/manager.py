@@ -436,7 +436,7 @@ class RolloutManager:
             # every scored sample, filtered or not: the reward per generated sample
             self.counters["reward_sum"] += sum(s.reward for s in samples)
             if hasattr(problem, "data_source"):  # prompt files: the reward per data source
-                ds = str(problem.data_source)
+                ds = str(problem.data_source or "default")  # rows without one: data.default_reward
                 for s in samples:
                     s.metadata["data_source"] = ds
                 self.counters[f"reward_sum/{ds}"] += sum(s.reward for s in samples)
