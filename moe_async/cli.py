@@ -98,8 +98,10 @@ def _report(run_dirs: list[str], out: str | None) -> int:
         return _refuse(e)
     for note in r["notes"]:
         print(f"[moe-async] report: {note}", file=sys.stderr)
+    for d in r["damaged"]:
+        print(f"[moe-async] report: {d}", file=sys.stderr)
     print(f"[moe-async] report: {r['out'] / 'summary.md'} and {len(r['plots'])} plots ({', '.join(r['plots'])})")
-    return 0
+    return 1 if r["damaged"] else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -63,7 +63,8 @@ def summary_markdown(numbers: list[dict[str, Any]], plots: list[str]) -> str:
 
 def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> dict[str, Any]:
     """Write the report of ``run_dirs`` into ``out``; returns ``{"out", "plots", "numbers",
-    "notes"}`` (``notes``: what :func:`load_run` left out, e.g. a half-written last record).
+    "notes", "damaged"}`` (``notes``: what :func:`load_run` left out, e.g. a half-written last
+    record; ``damaged``: files that could not be read, each named, the report made without them).
 
     Raises:
         UserInputError: naming a run dir that is not one (see :func:`load_run`), or an
@@ -85,4 +86,5 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> di
     numbers = [run_numbers(r) for r in runs]
     (out_dir / "report.json").write_text(json.dumps({"runs": numbers, "plots": plots}, indent=2))
     (out_dir / "summary.md").write_text(summary_markdown(numbers, plots))
-    return {"out": out_dir, "plots": plots, "numbers": numbers, "notes": [n for r in runs for n in r.notes]}
+    return {"out": out_dir, "plots": plots, "numbers": numbers, "notes": [n for r in runs for n in r.notes],
+            "damaged": [d for r in runs for d in r.damaged]}

@@ -180,7 +180,13 @@ def timeline_plot(runs: list[Run], path: Path, max_steps: int = 3) -> Path | Non
     tp = runs[0].path / "trace.json"
     if not tp.is_file():
         return None
-    ev = json.loads(tp.read_text()).get("traceEvents", [])
+    try:
+        ev = json.loads(tp.read_text())["traceEvents"]
+        if not isinstance(ev, list) or not all(isinstance(e, dict) for e in ev):
+            raise TypeError("traceEvents is not a list of events")
+    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+        runs[0].damaged.append(f"{tp}: not a Chrome trace ({type(e).__name__}: {e}); no timeline plot")
+        return None
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("ph") == "M" and e["name"] == "thread_name"}
     xs = [e for e in ev if e.get("ph") == "X"]
     steps = sorted({e["args"]["step"] for e in xs if e.get("cat") == "phase" and "step" in e.get("args", {})})

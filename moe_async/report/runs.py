@@ -18,7 +18,9 @@ class Run:
 
     ``steps``: the metrics.jsonl records in file order (``step`` and every metric);
     ``summary``: summary.json (empty when the run did not finish); ``name``: the run dir's name;
-    ``notes``: what was left out while reading (a half-written last line), one sentence each.
+    ``notes``: what was left out while reading (a half-written last line), one sentence each;
+    ``damaged``: files of the run that could not be read, each named with what is wrong (the
+    report is made from the rest, and ``moe-async report`` exits non-zero).
     """
 
     path: Path
@@ -26,6 +28,7 @@ class Run:
     steps: list[dict[str, Any]]
     summary: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of the records that hold a finite number under ``key``."""
@@ -66,7 +69,10 @@ def load_run(path: str | Path) -> Run:
         raise UserInputError(f"{path}: not a run directory of moe-async train (no metrics.jsonl)")
     steps = []
     notes: list[str] = []
-    text = mpath.read_text()
+    try:
+        text = mpath.read_text()
+    except UnicodeDecodeError as e:
+        raise UserInputError(f"{mpath}: not a metrics file (not UTF-8 text: {e.reason} at byte {e.start})") from e
     lines = text.splitlines()
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -85,10 +91,15 @@ def load_run(path: str | Path) -> Run:
     if not steps:
         raise UserInputError(f"{mpath}: no steps recorded")
     summary: dict[str, Any] = {}
+    damaged: list[str] = []
     spath = p / "summary.json"
     if spath.is_file():
         try:
             summary = json.loads(spath.read_text())
-        except ValueError as e:
-            raise UserInputError(f"{spath}: not JSON ({e})") from e
-    return Run(p.resolve(), p.resolve().name, steps, summary, notes)
+        except ValueError as e:  # UnicodeDecodeError included
+            summary = {}
+            damaged.append(f"{spath}: not JSON ({e}); reported without it")
+        if not isinstance(summary, dict):
+            damaged.append(f"{spath}: a JSON {type(summary).__name__}, not an object; reported without it")
+            summary = {}
+    return Run(p.resolve(), p.resolve().name, steps, summary, notes, damaged)
