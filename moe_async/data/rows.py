@@ -70,9 +70,51 @@ def _as_dict(v: Any) -> dict[str, Any]:
     return dict(v) if isinstance(v, dict) else {"value": v}
 
 
+# the roles chat templates know (OpenAI's, plus Llama 3's ipython and the older function)
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+
+
 def _messages_ok(v: Any) -> bool:
     return isinstance(v, list) and len(v) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in v)
+
+
+def _check_message_column(table: Any, col: str, spans: list, what: str) -> None:
+    """Every row of the ``list<struct<role, content, ...>>`` column ``col`` is a non-empty list
+    of messages whose ``role`` is one of :data:`ROLES` and whose ``content`` is a string.
+
+    Raises:
+        DataError: naming the file, row (JSONL line) and key of the first bad row.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = table.column(col).combine_chunks()
+    empty = pc.equal(pc.list_value_length(arr), 0)
+    if pc.any(empty).as_py():
+        row = int(pc.indices_nonzero(empty)[0].as_py())
+        raise DataError(f"{what}: {_where(spans, row)}: key {col!r} is an empty message list")
+    flat, parents = pc.list_flatten(arr), pc.list_parent_indices(arr)
+
+    def row_of(mask: Any) -> int:
+        return int(parents[int(pc.indices_nonzero(mask)[0].as_py())].as_py())
+
+    if flat.null_count:
+        raise DataError(f"{what}: {_where(spans, row_of(pc.is_null(flat)))}: key {col!r} holds a null message")
+    for name in ("role", "content"):
+        f = pc.struct_field(flat, name)
+        if not (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)):
+            raise DataError(f"{what}: {_where(spans, 0)}: key {col!r}: a message's {name!r} has type {f.type}; "
+                            "expected a string")
+        if f.null_count:
+            raise DataError(f"{what}: {_where(spans, row_of(pc.is_null(f)))}: key {col!r}: a message's {name!r} "
+                            "is null; expected a string")
+    roles = pc.struct_field(flat, "role")
+    bad = pc.invert(pc.is_in(roles, value_set=pa.array(sorted(ROLES))))
+    if pc.any(bad).as_py():
+        i = int(pc.indices_nonzero(bad)[0].as_py())
+        raise DataError(f"{what}: {_where(spans, int(parents[i].as_py()))}: key {col!r}: role "
+                        f"{roles[i].as_py()!r} is not one of {sorted(ROLES)}")
 
 
 def to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
@@ -181,6 +223,7 @@ def _check_prompt_types(ds: Any, table: Any, col: str, spans: list, what: str, k
             if not chat:
                 raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} is a message list but "
                                 "data.apply_chat_template=false needs a string prompt")
+            _check_message_column(table, col, spans, what)
             return
         raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} has type {t}; expected {want}")
     else:

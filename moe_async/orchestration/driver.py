@@ -152,6 +152,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         print(f"[moe-async] trainer.resume=auto: run {plan.run_id} continues from {load_path} (step {start_step}"
               + (f"; {moved} later metrics line(s) moved to metrics.superseded.jsonl" if moved else "") + ")",
               flush=True)
+    elif not fresh_run_dir:  # the run's own dir, no checkpoint to resume: its steps run again from 0
+        moved = trim_metrics(run_dir, start_step if start_step else -1)
+        if moved:
+            print(f"[moe-async] run {plan.run_id}: no checkpoint to resume; {moved} earlier metrics line(s) "
+                  "moved to metrics.superseded.jsonl", flush=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"[moe-async] run dir: {run_dir}", flush=True)
     model_path = model_path or str(prepare_hf_checkpoint(cfg.model))  # other sources: made (and cached) here

@@ -116,7 +116,14 @@ def plan_start(cfg: Any, resolve_checkpoint) -> StartPlan:
         load_path, step = resolve_checkpoint(auto_cfg)
         return StartPlan(rid, run_dir, save_dir, load_path, step, auto_resumed=True)
     load_path, step = resolve_checkpoint(cfg)
-    if save_dir is not None and not mine and _has_checkpoints(save_dir):
+    if save_dir is not None:
+        for up in save_dir.parents:  # never write inside another run's checkpoint directory
+            if (up / OWNER_FILE).is_file():
+                up_own = owner(up) or {}
+                raise UserInputError(f"{where}: {save_dir} is inside {up}, the checkpoint directory of run "
+                                     f"{up_own.get('run_id')!r}: choose a directory of its own")
+    other = (own or {}).get("run_id") not in (None, rid)  # claimed by another run, saved or not yet
+    if save_dir is not None and not mine and (_has_checkpoints(save_dir) or other):
         continues = load_path is not None and Path(load_path).resolve().parent == save_dir \
             and all(n <= step for n in step_dirs(save_dir))
         if not continues:
@@ -124,6 +131,9 @@ def plan_start(cfg: Any, resolve_checkpoint) -> StartPlan:
             by = f"run {who!r}" if who else f"an unknown run (no readable {OWNER_FILE})"
             hint = (" (trainer.resume=auto resumes only the run's own checkpoints: set MOE_ASYNC_RUN_ID to that "
                     "run's id to continue it)" if t.resume == "auto" else "")
+            if not _has_checkpoints(save_dir):
+                raise UserInputError(f"{where}: {save_dir} belongs to {by}, which has saved no checkpoint yet "
+                                     f"and may still be running; choose another trainer.save_dir{hint}")
             raise UserInputError(f"{where}: {save_dir} holds checkpoints of {by} (steps "
                                  f"{sorted(step_dirs(save_dir))}); this run would overwrite them: choose another "
                                  f"trainer.save_dir, or continue that run with trainer.load={save_dir}{hint}")

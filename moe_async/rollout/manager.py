@@ -79,6 +79,10 @@ async def _gather_or_cancel(coros: list) -> list:
         raise
 
 
+class PromptsAllDroppedError(ValueError):
+    """Every train prompt of an epoch was too long to generate from (a data or config error)."""
+
+
 class EngineTimeoutError(TimeoutError):
     """An engine request that timed out, naming the engine (index, URL) and the limit."""
 
@@ -176,6 +180,7 @@ class RolloutManager:
         self._settled: list[tuple[int, str]] = []  # (draw number, drop reason) since drain_settled
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
+        self._drop_run = 0  # prompts dropped before generation since the last one generated
         self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
@@ -216,12 +221,15 @@ class RolloutManager:
                     self.dropped["prompt_over_max_length"] += 1
                     self._settle(seq, "prompt_over_max_length")
                     await self._cancel("prompt_over_max_length")
+                    self._dropped_in_a_row(cap)
                     continue
                 max_new = self._check_length(len(prompt_ids), self.cfg.max_new_tokens)
                 if max_new is None:
                     self._settle(seq, "prompt_too_long")
                     await self._cancel("prompt_too_long")
+                    self._dropped_in_a_row(cap)
                     continue
+                self._drop_run = 0
                 gid = next(self._group_ids)
                 self._open_groups.add(gid)  # admitted, not yet put or cancelled
                 tasks.add(asyncio.create_task(
@@ -333,8 +341,23 @@ class RolloutManager:
         self.routable[i] = bool(ok)
 
     # ================================================================ internals
+    def _dropped_in_a_row(self, cap: int | None) -> None:
+        """Count one prompt dropped before generation; once a whole epoch of train rows has been
+        dropped in a row no prompt can ever be generated, so stop instead of drawing forever.
+
+        Raises:
+            PromptsAllDroppedError: naming the counts and the limits that dropped them.
+        """
+        self._drop_run += 1
+        rows = getattr(self.dataset, "n", None) or len(getattr(self.dataset, "train", None) or ())
+        if rows and self._drop_run >= rows:
+            raise PromptsAllDroppedError(
+                f"every one of the last {self._drop_run} train prompts ({rows} rows an epoch) was dropped before "
+                f"generation (so far over data.max_prompt_length={cap}: {self.dropped['prompt_over_max_length']}; "
+                f"filling the engine's context of {self.max_context_len} tokens: {self.dropped['prompt_too_long']})")
+
     def _check_length(self, prompt_len: int, max_new: int, count: bool = True) -> int | None:
-        """C7: ``None`` when the prompt alone fills the context, else the clamped budget."""
+        """``None`` when the prompt alone fills the context, else the clamped budget."""
         if prompt_len >= self.max_context_len:
             if count:
                 self.dropped["prompt_too_long"] += 1

@@ -34,9 +34,10 @@ import math
 import re
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from moe_async.rollout.rewards import (FunctionReward, MathVerifyReward, RemoteReward, RewardConfigError,
-                                       RewardValueError, check_reward_value)
+                                       RewardValueError, check_reward_value, resolve_import_path)
 from moe_async.rollout.tasks import extract_answer
 
 BUILTIN = ("math_verify", "gsm8k", "exact_match", "reasoning_gym")
@@ -59,9 +60,9 @@ def check_spec(spec: str, field: str) -> None:
         path, _, fn = rest.partition(":")
         _load_verl(path, fn or "compute_score", field)
     elif kind == "function":
-        FunctionReward(rest)
+        resolve_import_path(rest, f"{field} ({spec!r})")
     elif kind == "remote":
-        if not rest.startswith(("http://", "https://")):
+        if not rest.startswith(("http://", "https://")) or not urlsplit(rest).hostname:
             raise RewardConfigError(f"{field}={spec!r}: remote needs an http(s) URL")
     else:
         raise RewardConfigError(f"{field}={spec!r} is not a reward spec: {list(BUILTIN)}, 'verl:<file.py>[:fn]', "

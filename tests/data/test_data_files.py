@@ -140,6 +140,26 @@ def test_prompt_of_wrong_type_names_row_and_key(tmp_path) -> None:
     _refused(DataConfig(train=str(p), default_reward="exact_match"), "norole.jsonl", "row 0", "'prompt'")
 
 
+def test_bad_messages_name_row_and_key(tmp_path) -> None:
+    """A message whose content is null, a role no chat template knows, an empty message list:
+    refused at start-up naming the row (before, a null content passed and the run died later in
+    the rollout loop with an unnamed TypeError, and a 'robot' role was trained on)."""
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    rows = [{"prompt": msgs, "label": "4"} for _ in range(5)]
+    rows[3] = {"prompt": [{"role": "user", "content": None}], "label": "4"}
+    p = write_jsonl(tmp_path / "null.jsonl", rows)
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "null.jsonl", "row 3 (line 4)",
+             "'prompt'", "'content' is null")
+    rows[3] = {"prompt": [{"role": "system", "content": "x"}, {"role": "robot", "content": "hi"}], "label": "4"}
+    p = write_jsonl(tmp_path / "robot.jsonl", rows)
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "robot.jsonl", "row 3 (line 4)",
+             "role 'robot' is not one of")
+    rows[3] = {"prompt": [], "label": "4"}
+    p = write_parquet(tmp_path / "empty_list.parquet", rows)
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "empty_list.parquet", "row 3",
+             "empty message list")
+
+
 def test_unknown_data_source_without_default_reward(tmp_path) -> None:
     p = write_jsonl(tmp_path / "s.jsonl", slime_rows(3, source="my_set"))
     _refused(DataConfig(train=str(p)), "data.train", "s.jsonl", "row 0", "data_source 'my_set' has no reward",

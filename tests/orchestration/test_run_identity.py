@@ -148,3 +148,28 @@ def test_sglang_engines_without_gpus_are_refused_naming_the_field(tmp_path, monk
     p = subprocess.run([sys.executable, "-m", "moe_async.orchestration.cluster", "--preflight", "--gpus-per-node", "8",
                         str(SMOKE), "engine.backend=sglang"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_a_save_dir_claimed_by_a_run_that_has_not_saved_yet_or_inside_a_step_is_refused(tmp_path, monkeypatch) -> None:
+    """Run A has claimed its save dir but not saved yet (it may still be running): run B given
+    that dir is refused naming A, instead of both writing step_N there; a save dir inside A's
+    step_3 (or any folder under A's save dir) is refused naming A; A's own id still continues."""
+    save = tmp_path / "a_ckpt"
+    claim(save, "run-a", tmp_path / "run-a-dir")
+    monkeypatch.setenv("MOE_ASYNC_RUN_ID", "run-b")
+
+    def resolver(c):
+        return None, 0
+
+    cfg = load_config(SMOKE, [f"trainer.save_dir={save}", f"logging.output_dir={tmp_path / 'runs'}"])
+    with pytest.raises(UserInputError, match=r"belongs to run 'run-a', which has saved no checkpoint yet"):
+        plan_start(cfg, resolver)
+    _run_a(tmp_path / "b_ckpt")
+    inside = tmp_path / "b_ckpt" / "step_3"
+    cfg = load_config(SMOKE, [f"trainer.save_dir={inside}", f"logging.output_dir={tmp_path / 'runs'}"])
+    with pytest.raises(UserInputError, match=rf"is inside {re.escape(str(tmp_path / 'b_ckpt'))}, the checkpoint "
+                                             r"directory of run 'run-a'"):
+        plan_start(cfg, resolver)
+    monkeypatch.setenv("MOE_ASYNC_RUN_ID", "run-a")
+    cfg = load_config(SMOKE, [f"trainer.save_dir={save}", f"logging.output_dir={tmp_path / 'runs'}"])
+    assert plan_start(cfg, resolver).save_dir == save.resolve()

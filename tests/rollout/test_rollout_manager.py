@@ -392,3 +392,20 @@ def test_reward_errors_are_reported_naming_the_setting(caplog) -> None:
     msgs = [r.getMessage() for r in caplog.records if "reward error" in r.getMessage()]
     assert len(msgs) == 1, msgs  # each distinct message once, not once per sample
     assert "boom from user reward" in msgs[0] and "rollout.reward_function=" in msgs[0]
+
+
+def test_a_whole_epoch_of_prompts_too_long_stops_the_loop_instead_of_drawing_forever() -> None:
+    """Every train prompt fills the context: after one epoch of drops the loop raises, naming the
+    counts and the context, instead of drawing and dropping forever with no step and no error."""
+    from moe_async.rollout.manager import PromptsAllDroppedError
+
+    class ThreeRows(FakeDataset):
+        n = 3  # train rows an epoch
+
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=1, max_new_tokens=8)
+    eng = FakeEngine()
+    buf = FakeBuffer(capacity=4, version=0)
+    m = _manager(cfg, ThreeRows([70, 80, 90]), [eng], buf, ctx=64)
+    with pytest.raises(PromptsAllDroppedError, match=r"last 3 train prompts \(3 rows an epoch\).*context of 64 tokens: 3"):
+        _run(m, buf, 1)
+    assert eng.calls == [] and buf.groups == []

@@ -69,6 +69,11 @@ def test_failures_are_named() -> None:
         check_spec("math_verfy", "data.default_reward")
     with pytest.raises(RewardConfigError, match="http"):
         check_spec("remote:localhost:80", "data.default_reward")
+    with pytest.raises(RewardConfigError, match="http"):
+        check_spec("remote:http://", "data.default_reward")  # a URL without a host
+    # a function spec's error names the data field it came from, not rollout.reward_function
+    with pytest.raises(RewardConfigError, match=r"^data\.default_reward \('function:nonexist\.mod:fn'\)=.*cannot import"):
+        check_spec("function:nonexist.mod:fn", "data.default_reward")
 
 
 def test_row_reward_in_worker_processes() -> None:
