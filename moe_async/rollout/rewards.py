@@ -28,6 +28,7 @@ load (``rollout.reward_function``); a bad return value or reply raises
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import re
 import threading
@@ -103,6 +104,18 @@ class FunctionReward:
 
     def __getstate__(self) -> dict:
         return {"path": self.path, "_fn": None}
+
+
+class _PoolBoundsTheTimeout(logging.Filter):
+    """Drops math-verify's one-time "Timeout is disabled" warning: off the main thread its own
+    SIGALRM timeout cannot run, and the reward pool's per-sample timeout bounds the call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_PoolBoundsTheTimeout())
 
 
 class MathVerifyReward:

@@ -89,3 +89,25 @@ def test_row_reward_in_worker_processes() -> None:
     assert (a.reward, a.error) == (0.25, None)
     assert b.reward == 0.0 and "on purpose" in b.error
     assert (c.reward, c.error) == (1.0, None)
+
+
+def test_math_verify_off_the_main_thread_scores_without_its_timeout_warning(caplog) -> None:
+    """In the reward pool's threads math-verify's SIGALRM timeout is off and it warns once; the
+    pool bounds the call, so that warning is not shown (it reached the console with raw colour
+    codes); the score itself is unchanged."""
+    import threading
+
+    import math_verify.grader
+    import math_verify.parser
+
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = False
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = False
+    r = RowReward({"m": "math_verify"}, None)
+    out = []
+    with caplog.at_level("WARNING"):
+        t = threading.Thread(target=lambda: out.append(r(_row("\\frac{1}{2}", "m"), "\\boxed{0.5}")))
+        t.start()
+        t.join()
+    assert out == [1.0]
+    assert not [rec for rec in caplog.records if "Timeout is disabled" in rec.getMessage()]
+    assert math_verify.parser.TIMEOUT_WARNING_SHOWN  # it was about to warn: the filter dropped it
