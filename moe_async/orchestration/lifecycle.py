@@ -24,6 +24,9 @@ def init_ray(engine_log_dir: str | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
     else:
+        from moe_async.orchestration.reaper import start as start_reaper
+
+        start_reaper()  # the run's processes die with the driver, even on kill -9
         # address="local": a new local instance even where /tmp/ray/ray_current_cluster names
         # another job's cluster (a `ray start` on this host, live or dead); without it ray.init
         # would try to join that one and refuse num_cpus

@@ -41,7 +41,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one_and_resume_uses_
     assert "trainer rank 0 died in save_checkpoint" in out, out[-3000:]
     assert left_running(tag) == []
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "latest", "latest_checkpointed_iteration.txt",
-                                                     "step_1", "step_2.tmp"]
+                                                     "moe_async_owner.json", "step_1", "step_2.tmp"]
     assert (ckpt / "latest").read_text().strip() == "step_1"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     rs1 = json.loads((ckpt / "step_1" / "moe_async_state.json").read_text())["extra"]["run_state"]
@@ -57,5 +57,5 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one_and_resume_uses_
     assert s2["draws"]["counts"]["trained"] == 3 * 2  # step 1's prompts not trained again
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "iter_0000001", "iter_0000002", "iter_0000003", "latest", "latest_checkpointed_iteration.txt",
-        "step_1", "step_2", "step_3"]  # the partial step_2.tmp replaced by the resumed run's save
+        "moe_async_owner.json", "step_1", "step_2", "step_3"]  # the partial step_2.tmp replaced by the resumed run's save
     assert json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]["step"] == 2

@@ -40,7 +40,7 @@ def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp
     assert not any(ln.startswith("step   3/") for ln in lines)
     # renamed from step_2.tmp; Megatron-LM's tracker and iter_0000002 (a symlink) name it too
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest", "latest_checkpointed_iteration.txt",
-                                                     "step_2"]
+                                                     "moe_async_owner.json", "step_2"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert left_running(tag) == []  # nothing of the job left running
     (run_a,) = list((tmp_path / "a").iterdir())

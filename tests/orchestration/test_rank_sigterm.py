@@ -52,7 +52,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_with_its_checkpoint(tm
     assert n >= 2 and m.group(2) == str(ckpt / f"step_{n}")
     assert not any(ln.startswith(f"step {n + 1:3d}/") for ln in lines)
     assert sorted(p.name for p in ckpt.iterdir()) == [f"iter_{n:07d}", "latest", "latest_checkpointed_iteration.txt",
-                                                     f"step_{n}"]  # renamed: no step_<N>.tmp left
+                                                     "moe_async_owner.json", f"step_{n}"]  # renamed: no step_<N>.tmp left
     assert (ckpt / "latest").read_text().strip() == f"step_{n}"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(n)
     assert sorted(p.name for p in (ckpt / f"step_{n}" / "moe_async_rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]

@@ -52,7 +52,8 @@ def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> Non
     s1, steps1 = _train(tmp_path / "a", "num_steps=2", "trainer.save_interval=1", "trainer.save_dir=ckpt",
                         cwd=tmp_path)
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "iter_0000002", "latest",
-                                                     "latest_checkpointed_iteration.txt", "step_1", "step_2"]  # no *.tmp
+                                                     "latest_checkpointed_iteration.txt", "moe_async_owner.json",
+                                                     "step_1", "step_2"]  # no *.tmp
     assert (ckpt / "latest").read_text().strip() == "step_2"
     # Megatron-LM's container (its --load reads the tracker, then iter_<N:07d>): links to the step dirs
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
@@ -81,7 +82,7 @@ def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> Non
     restored = s2["buffer_restored"]["restored"] - s2["buffer_restored"]["dropped_stale"]
     assert steps2[0]["buffer/staleness_max"] <= (1.0 if restored else 0.0)
     assert sorted(p.name for p in ckpt2.iterdir()) == ["iter_0000003", "latest", "latest_checkpointed_iteration.txt",
-                                                      "step_3"]
+                                                      "moe_async_owner.json", "step_3"]
     extra3 = json.loads((ckpt2 / "step_3" / "moe_async_state.json").read_text())["extra"]
     pos3, rs2, rs3 = extra3["dataset"], s1["draws"], extra3["run_state"]
     # prompts continue from the saved trained frontier (run_state.py), not the loader cursor:
