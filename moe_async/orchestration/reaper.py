@@ -46,7 +46,9 @@ def start(grace_s: float = 5.0) -> str | None:
     the tag, or None where pidfds are not available. Call before the local Ray starts."""
     if not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"):
         return None
-    tag = os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
+    # a new tag per run: a run started by another run's process (a test, a sweep) inherits the
+    # outer tag, and must reap only its own processes
+    tag = os.environ[TAG_VAR] = uuid.uuid4().hex
     # a bare environment: the reaper is not one of the run's processes (no tag, nothing a test
     # or a site marks the run's processes with); it only needs to import this module
     env = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME", "LANG") if k in os.environ}
