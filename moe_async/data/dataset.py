@@ -21,6 +21,7 @@ import numpy as np
 from moe_async.data.config import DataConfig, EvalSetConfig
 from moe_async.data.rows import Keys, Row, check_table, resolve_format, to_row
 from moe_async.data.source import DataError, open_rows
+from moe_async.rollout.draw_cursor import DrawCursor
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,7 @@ class FileDataset:
             m = len(ds) if ec.limit is None else min(ec.limit, len(ds))
             self.eval_sets[name] = [to_row(r, keys, i, name) for i, r in enumerate(ds.select(range(m)))]
         self._ids_cache: dict[tuple[str, int], list[int]] = {}
-        self._epoch, self._pos = 0, 0
-        self._order = self._epoch_order(0)
+        self.cursor = DrawCursor(self.n, self._epoch_order)
 
     # --------------------------------------------------------------- iteration
     def _epoch_order(self, epoch: int) -> np.ndarray:
@@ -77,29 +77,21 @@ class FileDataset:
         return to_row(ds[index - int(self._starts[k])], keys, index, "train")
 
     def next_train(self) -> Row:
-        if self._pos >= self.n:
-            self._epoch, self._pos = self._epoch + 1, 0
-            self._order = self._epoch_order(self._epoch)
-        r = self.row(int(self._order[self._pos]))
-        self._pos += 1
-        return r
+        return self.row(self.cursor.next_index())
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "pos": self._pos}
+        return self.cursor.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._epoch, self._pos = int(state["epoch"]), int(state["pos"])
-        self._order = self._epoch_order(self._epoch)
+        self.cursor.load_state_dict(state)
 
     def position(self) -> int:
-        """The draw number of the next :meth:`next_train`: ``epoch * n + pos``."""
-        return self._epoch * self.n + self._pos
+        """The draw number of the next :meth:`next_train` (:meth:`DrawCursor.position`)."""
+        return self.cursor.position()
 
     def seek(self, seq: int) -> None:
         """Make draw number ``seq`` the next one. Raises ValueError for a negative ``seq``."""
-        if seq < 0:
-            raise ValueError(f"draw number must be >= 0, got {seq}")
-        self.load_state_dict({"epoch": seq // self.n, "pos": seq % self.n})
+        self.cursor.seek(seq)
 
     # ----------------------------------------------------------------- prompts
     def eval_problems(self) -> list[Row]:

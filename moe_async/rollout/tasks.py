@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from moe_async.rollout.config import RolloutConfig
+from moe_async.rollout.draw_cursor import DrawCursor
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,7 @@ class TaskDataset:
             Problem(e["question"], str(e["answer"]), e, i, "train") for i, e in enumerate(self._train_ds)
         ]
         self.eval: list[Problem] = self._make_eval(reasoning_gym, kw)
-        self._epoch = 0
-        self._pos = 0
-        self._order = self._epoch_order(0)
+        self.cursor = DrawCursor(len(self.train), self._epoch_order)
 
     # ------------------------------------------------------------------ splits
     def _make_eval(self, reasoning_gym: Any, kw: dict) -> list[Problem]:
@@ -136,36 +135,27 @@ class TaskDataset:
         return order
 
     def next_train(self) -> Problem:
-        if self._pos >= len(self._order):
-            self._epoch += 1
-            self._pos = 0
-            self._order = self._epoch_order(self._epoch)
-        p = self.train[self._order[self._pos]]
-        self._pos += 1
-        return p
+        return self.train[self.cursor.next_index()]
 
     def __iter__(self) -> Iterator[Problem]:
         while True:
             yield self.next_train()
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "pos": self._pos}
+        return self.cursor.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._epoch, self._pos = int(state["epoch"]), int(state["pos"])
-        self._order = self._epoch_order(self._epoch)
+        self.cursor.load_state_dict(state)
 
     def position(self) -> int:
-        """The draw number of the next :meth:`next_train`: ``epoch * len(train) + pos`` (its
-        place in the seeded order over all epochs; moe_async/orchestration/run_state.py)."""
-        return self._epoch * len(self.train) + self._pos
+        """The draw number of the next :meth:`next_train` (its place in the seeded order over
+        all epochs; moe_async/orchestration/run_state.py)."""
+        return self.cursor.position()
 
     def seek(self, seq: int) -> None:
         """Make draw number ``seq`` the next one (a resumed run's trained frontier).
         Raises ValueError for a negative ``seq``."""
-        if seq < 0:
-            raise ValueError(f"draw number must be >= 0, got {seq}")
-        self.load_state_dict({"epoch": seq // len(self.train), "pos": seq % len(self.train)})
+        self.cursor.seek(seq)
 
     # ----------------------------------------------------------------- prompts
     def messages(self, problem: Problem) -> list[dict[str, str]]:
