@@ -91,8 +91,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     Raises: whatever a component raises (config/model/engine errors name their source);
     :class:`~moe_async.errors.UserInputError` at start-up, before Ray or any process starts,
     for a ``cpu_affinity`` core this host lacks, a bad ``trainer.load``, an unwritable
-    ``trainer.save_dir``, a bad ``model.hf_path`` or a layout the model cannot take (no run dir is
-    left); engines and Ray are
+    ``trainer.save_dir``, a bad ``model.hf_path``, a layout the model cannot take or MoE kernels
+    this host cannot build (no run dir is left); engines and Ray are
     shut down on every exit path.
 
     Summary timing: ``wall_seconds`` is the whole run from this call to the summary (start-up:
@@ -111,6 +111,13 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     plan = plan_start(cfg, resolve_checkpoint)
     load_path, start_step = plan.load_path, plan.start_step
     refuse_without_gpus(cfg)  # engine.backend=sglang on a host without GPUs (a local run)
+    if not os.environ.get("RAY_ADDRESS"):  # the trainer runs on this host: its MoE kernels must build here
+        from moe_async.trainer.moe_kernels import refuse_unavailable_kernels
+
+        try:
+            refuse_unavailable_kernels(cfg.trainer)
+        except ValueError as e:
+            raise UserInputError(str(e)) from None
     try:
         on_sigterm = sigterm_mode()  # MOE_ASYNC_SIGTERM: refused before any process starts
     except ValueError as e:
