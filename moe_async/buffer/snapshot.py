@@ -1,4 +1,4 @@
-"""The buffer's part of a whole-run checkpoint (issue 19): its buffered groups and counters.
+"""The buffer's part of a whole-run checkpoint: its buffered groups and counters.
 
 :func:`snapshot` turns the groups buffered (put, not handed out) into a JSON-able dict that the
 driver saves in the checkpoint's ``moe_async_state.json`` (``extra["buffer"]``, written under the
@@ -18,7 +18,7 @@ restored sample equals the saved one exactly.
 they count as admitted and put in the resumed run) and re-checks each against the resumed
 trainer version: a group more than ``K`` versions behind is dropped, reason ``stale``, counted,
 its draw reported for the ledger. The ``counters`` are kept for the record; the resumed
-buffer's admission counts restart from the loaded version (case C6).
+buffer's admission counts restart from the loaded version (the staleness bound holds after a resume).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ that spans from different processes line up):
 - :class:`Timeline` lives in the driver: :meth:`Timeline.phase` marks the start of the next
   phase of the trainer loop (``wait``, ``train``, ``sync``, ``save``, ``eval_before`` ...; a
   phase ends where the next begins or at :meth:`Timeline.idle`), :meth:`Timeline.end_step`
-  splits the step's ``wait`` into ``filling`` and ``straggler`` (C27) and takes the drained
+  splits the step's ``wait`` into ``filling`` and ``straggler`` and takes the drained
   spans; :meth:`Timeline.write` writes the file.
 
 In the file (Chrome trace JSON object format, times in microseconds since the first span):
@@ -108,7 +108,7 @@ class Timeline:
 
     def end_step(self, step: int, straggler_s: float, spans: list[Span]) -> None:
         """Split step ``step``'s ``wait`` into ``filling`` then ``straggler`` (its last
-        ``straggler_s`` seconds, C27) and add the spans drained from other processes; ends
+        ``straggler_s`` seconds) and add the spans drained from other processes; ends
         the open phase."""
         self._close(time.time())
         if step in self.wait_spans:

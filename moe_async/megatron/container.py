@@ -15,7 +15,7 @@ Megatron-LM (``megatron/training/checkpointing.py``) saves into a root directory
   sizes, ``ckpt_format``).
 
 Without the tracker, Megatron-LM's ``--load`` warns "could not find the metadata file" and
-trains from random weights (case C18). The converter writes this container; the loaders
+trains from random weights. The converter writes this container; the loaders
 (:func:`resolve`) accept the container root, an iteration directory, and the flat
 directory this project wrote before (the torch_dist files directly in it).
 """

@@ -1,4 +1,4 @@
-"""Waiting for a Ray cluster to hold what a run needs (case C23), for ``launch/slurm/train.sbatch``.
+"""Waiting for a Ray cluster to hold what a run needs (not starting before it is ready), for ``launch/slurm/train.sbatch``.
 
     python -m moe_async.orchestration.cluster --address HOST:PORT --nodes N [--gpus-per-node G]
         [--tag RESOURCE] [--head-only] [--timeout S] [--watch-pid PID] CONFIG.yaml [key=value ...]

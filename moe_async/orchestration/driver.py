@@ -18,7 +18,7 @@ counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
 ``perf/trainer_idle_frac`` (time waiting for a batch / loop time), ``perf/engine_idle_frac``,
 ``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); per step
 ``perf/wait_seconds`` (trainer waiting for the batch; split into ``perf/wait_filling_seconds``
-and ``perf/wait_straggler_seconds``, case C27), ``perf/step_seconds`` (wait + train +
+and ``perf/wait_straggler_seconds``: the wait split by its cause), ``perf/step_seconds`` (wait + train +
 sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
 outstanding during the step), ``perf/gen_seconds`` (wall-clock seconds since the previous
 step's metrics during which any engine had a request outstanding, so never more than that
@@ -31,18 +31,18 @@ every ``save_interval`` steps and after the last one the trainer writes
 ``<save_dir>/step_<N>`` (torch_dist model + optimizer, RNG, version, step and the prompt
 position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
 checkpoint before the buffer is made (its admission bound counts from the loaded version,
-case C6), the engines receive the loaded weights by a weight sync before any generation,
+the staleness bound holds after a resume), the engines receive the loaded weights by a weight sync before any generation,
 the train prompts continue from the checkpoint's trained frontier (the draw ledger,
 :mod:`moe_async.orchestration.run_state`: prompts in flight at the save are drawn again, the
 buffered ones are put back into the buffer (:mod:`moe_async.buffer.snapshot`), the ones settled
 beyond the frontier passed over; a checkpoint without a ledger continues after
 its loader position), and the loop runs steps N+1..num_steps (num_steps counts in total,
 slime's convention). With ``MOE_ASYNC_SIGTERM=checkpoint`` a SIGTERM while the loop waits for
-a batch stops at once with the last finished step's checkpoint (case C22); one that reaches a
+a batch stops at once with the last finished step's checkpoint (pre-emption); one that reaches a
 single trainer rank is reported by that rank and stops every rank at the same step
 (:mod:`moe_async.orchestration.preemption`).
 
-Engine failures (cases C19-C21): :class:`~moe_async.orchestration.engine_recovery.EngineRecovery`
+Engine failures (restart, re-sync before routing, a cap on restarts): :class:`~moe_async.orchestration.engine_recovery.EngineRecovery`
 runs between the waits for a batch and before each weight sync: a dead engine is restarted
 or retired (``engine.max_restarts``, ``engine.min_healthy_engines``), re-joins the update
 group with the live engines, gets the current weights and is routed again only after
@@ -211,14 +211,14 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             summary["resume_sync"] = sync_m
             print(f"[moe-async] resumed from {load_path} at step {start_step} "
                   f"(weight_version {trainer.version()})", flush=True)
-        buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version (C6)
+        buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
-        # C19-C21: dead engines restarted/retired between waits, and one lost during a weight
+        # engine failures: dead engines restarted/retired between waits, and one lost during a weight
         # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
         recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
         trainer.watch = None
         ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
-        # C22: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
+        # pre-emption: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
         stop = stop_check(trainer, on_sigterm == "checkpoint")
         if resumed:  # the saved buffer back (stale ones dropped); prompts from the frontier, none drawn twice
             summary["buffer_restored"] = resume_data(ledger, resumed, buffer, rollout, trainer.version(), _BUFFER_REPLY_S)
@@ -260,7 +260,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
             groups = None
             while groups is None:
-                rec = recovery.check()  # a dead engine: restarted and re-synced, or retired (C19-C21)
+                rec = recovery.check()  # a dead engine: restarted and re-synced, or retired
                 synced_version = int(rec.get("engine/weight_version", synced_version))
                 # a bounded wait for the buffer's own wait: a lost reply (seen once in CI
                 # after an engine was killed) must fail the run instead of hanging it
@@ -269,7 +269,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
-                if groups is None and stop():  # C22 while waiting for a batch: stop now
+                if groups is None and stop():  # pre-emption while waiting for a batch: stop now
                     break
             if groups is None:  # the last finished step's checkpoint (unless written), then out
                 done = step - 1
@@ -324,7 +324,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
-            m.update(wait_split_metrics(bstats, t1 - t0))  # C27: filling + straggler = wait
+            m.update(wait_split_metrics(bstats, t1 - t0))  # the wait split: filling + straggler = wait
             m.update(recovery.metrics())
             timeline.end_step(step, m["perf/wait_straggler_seconds"], _rget(rollout.trace_spans.remote(), "rollout.trace_spans"))
             # reward per sample generated since the last step, filtered/dropped ones included
@@ -337,7 +337,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             logger.log(m, step)
             console.report_hidden()  # one line, only when expected warnings were hidden since the last
             logger.console_step(step, cfg.num_steps, m)
-            if stop() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
+            if stop() and step < cfg.num_steps:  # launch/slurm's pre-emption signal
                 if not (si and step % si == 0):
                     summary["last_checkpoint"] = save(step)
                 summary["stopped_at_step"] = step

@@ -1,4 +1,4 @@
-"""Engine failure handled live in the driver (cases C19, C20, C21).
+"""Engine failure handled live in the driver (restart, rejoin the update group, re-sync, cap).
 
 :class:`EngineRecovery` is called by the driver's step loop between its waits (while it
 waits for a batch, and before each weight sync). Each :meth:`EngineRecovery.check`:
@@ -12,10 +12,10 @@ waits for a batch, and before each weight sync). Each :meth:`EngineRecovery.chec
    :class:`~moe_async.orchestration.supervisor.EngineFleetError` naming every engine down;
 3. when the membership changed, every live engine and the replacement re-form the
    weight-update group (:meth:`TrainerGroup.reconnect_engines`: old group torn down on every
-   member first, C20), the trainer sends its current weights to all of them, and each
+   member first), the trainer sends its current weights to all of them, and each
    engine's ``/get_weight_version`` must equal the trainer's version (its acknowledgement);
    with ``weight_sync.check`` the per-tensor checksums are compared too;
-4. only then is the replacement put back into routing (C19: no request reaches it before it
+4. only then is the replacement put back into routing (no request reaches it before it
    acknowledged the current weight_version). An engine the rollout manager took out of
    routing itself (a failed request) but whose process is alive goes back in after the same
    acknowledgement check.

@@ -26,7 +26,7 @@ is a logical resource; the thread counts keep the processes from oversubscribing
 
 Waiting: a placement group that cannot be placed within ``timeout_s`` (resources missing:
 a node not joined yet, another job holding them) is removed and the error names what was
-needed and what the cluster has (case C23).
+needed and what the cluster has.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-#: seconds to wait for a placement group's resources before failing (C23)
+#: seconds to wait for a placement group's resources before failing
 PLACEMENT_TIMEOUT_S = 300.0
 
 

@@ -1,4 +1,4 @@
-"""Pre-emption that reaches one trainer rank only (issue 19, case C22).
+"""Pre-emption that reaches one trainer rank only (a SIGTERM the driver does not see).
 
 Under ``MOE_ASYNC_SIGTERM=checkpoint`` (launch/slurm/train.sbatch) the driver's SIGTERM asks the
 step loop to checkpoint and stop (:func:`moe_async.orchestration.lifecycle.sigterm_to_checkpoint`).
@@ -63,7 +63,7 @@ def rank_stop_signal() -> str | None:
 
 
 class StopCheck:
-    """The step loop's question "stop now?" (C22): the driver's own pre-emption flag, else the
+    """The step loop's question "stop now?": the driver's own pre-emption flag, else the
     first trainer rank that reported one.
 
     Args:

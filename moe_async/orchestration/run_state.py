@@ -1,4 +1,4 @@
-"""The data side of a whole-run checkpoint: which train prompts were settled (issue 19, C22).
+"""The data side of a whole-run checkpoint: which train prompts were settled (for resume after a stop or pre-emption).
 
 Every train prompt drawn has a *draw number* ``seq``: its place in the dataset's seeded order
 over all epochs (``epoch * len(train) + pos``, :meth:`TaskDataset.position`), the same in a

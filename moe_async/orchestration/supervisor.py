@@ -1,4 +1,4 @@
-"""Engine restart policy (case C21): restarts capped per engine, a floor of healthy engines.
+"""Engine restart policy (no endless restarts): restarts capped per engine, a floor of healthy engines.
 
 :class:`RestartPolicy` is pure bookkeeping (no processes, no clock of its own: the caller
 passes the time): told that an engine died, it answers ``"restart"`` while that engine has
@@ -14,7 +14,7 @@ gives the counters to log (``engine/restarts``, ``engine/retired``, ``engine/hea
 restarted (:class:`SupervisedEngine`: ``alive()``, ``restart()``, ``name``), one
 :meth:`Supervisor.poll` at a time; whoever owns the engines (the driver's engine manager)
 calls it, re-joins a restarted engine to the weight-update group and sends it the current
-weights before it takes requests again (C19/C20, not done here).
+weights before it takes requests again (done by the driver's engine recovery, not here).
 """
 
 from __future__ import annotations

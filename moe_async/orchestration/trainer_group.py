@@ -21,7 +21,7 @@ The second, ``MOE_ASYNC_CKPT_STALL=RANK:N`` (read in the rank's process, which i
 driver's environment in a local run), makes rank RANK stop in its N-th ``save_checkpoint`` after
 its files are in ``step_<N>.tmp`` and before the rename, until it is killed
 (:func:`moe_async.orchestration.preemption.stall_if_due`: a crash in the middle of a
-checkpoint write, C22).
+checkpoint write).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class TrainerGroup:
         return self._call("load_checkpoint", path)
 
     def arm_preemption(self) -> None:
-        """Arm every rank's SIGTERM flag (:mod:`moe_async.orchestration.preemption`, C22).
+        """Arm every rank's SIGTERM flag (:mod:`moe_async.orchestration.preemption`).
 
         Raises: RuntimeError naming the ranks where it could not be armed."""
         armed = self._gather([a.arm_preemption.remote() for a in self.actors], "arm_preemption")

@@ -84,7 +84,7 @@ def staleness_plot(runs: list[Run], path: Path) -> Path:
 
 
 def time_breakdown_plot(runs: list[Run], path: Path) -> Path:
-    """Per step, stacked seconds: the wait for the batch (filling, straggler: C27), the
+    """Per step, stacked seconds: the wait for the batch (filling, straggler), the
     train step, the weight sync, a checkpoint save, and the rest of ``perf/step_seconds``
     (driver bookkeeping); on top, a held-out curve evaluation made after the step
     (``eval/seconds``, outside ``perf/step_seconds``; step 0: the one before training). One

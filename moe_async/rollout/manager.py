@@ -15,13 +15,13 @@ for capacity, as the Ray proxy does). Engines: :class:`moe_async.protocols.Gener
 
 Per admitted group (``run``):
 
-1. the next train problem is tokenised; lengths are checked before sending (C7): a
+1. the next train problem is tokenised; lengths are checked before sending (prompt + response within the context): a
    prompt of ``>= max_context_len`` tokens is dropped (reason ``prompt_too_long``, the
    admission is cancelled); otherwise ``max_new_tokens`` is clamped to
    ``max_context_len - prompt_len``. A prompt is never cut.
 2. ``G`` requests go out concurrently, round-robin over the *routable* engines. An engine
    is taken out of routing by the driver (:meth:`RolloutManager.set_routable`: dead,
-   restarting, not yet at the current weight_version; C19) or by the manager itself when a
+   restarting, not yet at the current weight_version) or by the manager itself when a
    request to it fails at the transport level (connection refused/reset, HTTP 5xx: the
    process died mid-request). Such a request is retried on another routable engine
    (``rollout/engine_request_retries``); with none routable it waits up to
@@ -29,7 +29,7 @@ Per admitted group (``run``):
    reason ``engine_lost``. Only the driver puts an engine back into routing.
 3. An aborted request (weight update) is resubmitted: with ``partial_rollout`` as a
    continuation ``prompt + tokens_so_far`` for the remaining tokens, the segments
-   concatenated and every token keeping the version its segment was generated under (C5);
+   concatenated and every token keeping the version its segment was generated under;
    without it, restarted from the prompt with its tokens discarded. After
    ``max_abort_retries`` resubmissions the group is dropped (reason ``abort_retries``).
 4. A 0-token completion gets finish reason ``length`` and ``loss_weight`` 0.
@@ -175,7 +175,7 @@ class RolloutManager:
         self._group_ids = itertools.count()
         self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
         self._busy = [_EngineBusy() for _ in self.engines]
-        self.routable = [True] * len(self.engines)  # C19: the driver's (and failures') routing mask
+        self.routable = [True] * len(self.engines)  # the driver's (and failures') routing mask
         self._skip: dict[int, str] = {}  # draw number -> counter: settled before a resume, or restored
         self._settled: list[tuple[int, str]] = []  # (draw number, drop reason) since drain_settled
         self.counters: Counter = Counter()
@@ -532,7 +532,7 @@ class RolloutManager:
 
     async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False,
                                seed: int | None = None, temperature: float | None = None) -> Sample:
-        """One response, resubmitting aborted segments (C5); see the module docstring.
+        """One response, resubmitting aborted segments; see the module docstring.
         ``seed``: the request's ``sampling_seed`` (a resumed segment's: plus its tokens so far);
         ``temperature``: a sampled request's (None: ``rollout.temperature``; an eval set's own)."""
         tokens: list[int] = []

@@ -1,4 +1,4 @@
-"""Reward scoring with a per-sample timeout and error isolation (case C8).
+"""Reward scoring with a per-sample timeout and error isolation (a reward that hangs or raises costs one sample).
 
 ``RewardPool(fn, timeout_s, max_workers)``: ``await pool.score(*args)`` runs ``fn(*args)``
 and returns a :class:`RewardResult`. A call that raises gives reward 0 with the error

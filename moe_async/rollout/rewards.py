@@ -2,7 +2,7 @@
 
 Every reward is a picklable callable ``fn(problem, response_text) -> float`` that the
 :class:`moe_async.rollout.reward.RewardPool` runs under its per-sample timeout (so a scorer
-that hangs, raises or returns garbage costs one sample, never the loop: C8). ``problem``
+that hangs, raises or returns garbage costs one sample, never the loop). ``problem``
 is a :class:`moe_async.rollout.tasks.Problem` (``question``, ``answer`` strings).
 
 =================  ========================================================================

@@ -1,4 +1,4 @@
-"""Non-finite values never pass silently (case C28): the train step's guard and the export check.
+"""Non-finite values never pass silently (a NaN under a zero mask too): the train step's guard and the export check.
 
 A train step (:class:`StepGuard`) records, per micro-batch, the samples whose loss has a
 non-finite term at a loss-bearing token (``grpo_token_loss``'s ``nonfinite_rows``; masked

@@ -48,7 +48,7 @@ DeepSeekMath); asymmetric ("clip-higher") bounds, DAPO (Yu et al., 2025).
 With one optimizer step per batch the proximal policy equals the current one, so by default
 ``logp_old = logp.detach()`` (ratio == 1 in value, gradient of ``A * ratio`` == ``A * grad logp``).
 
-Masking is by selection, never by multiplication (case C28): ``NaN * 0`` is NaN, so a
+Masking is by selection, never by multiplication: ``NaN * 0`` is NaN, so a
 non-finite value at a position with ``loss_mask == 0`` (padding, a prompt token, a sample of
 loss weight 0 whose rollout logprobs hold a NaN) would poison the sum and every gradient.
 Every input (``logp``, ``logp_old``, ``rollout_logp``, ``advantages``) is replaced by 0 where
@@ -83,7 +83,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None, keepdim: bool = 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Token mean ``masked_sum(x, mask) / sum(mask)`` (0-d; 0 tokens -> 0.0), by selection:
-    the row ``[1, NaN, 3]`` with mask ``[1, 0, 1]`` gives 2.0 (C28)."""
+    the row ``[1, NaN, 3]`` with mask ``[1, 0, 1]`` gives 2.0, not NaN."""
     return masked_sum(x, mask) / torch.clamp(mask.to(x.dtype).sum(), min=1.0)
 
 
@@ -126,7 +126,7 @@ def off_policy_weight(
     with torch.no_grad():
         keep = loss_mask > 0
         m = keep.to(logp.dtype)
-        # by selection (C28): a NaN rollout logprob under a zero mask must not reach the weight
+        # by selection: a NaN rollout logprob under a zero mask must not reach the weight
         d = _select(logp_old.detach(), keep) - _select(rollout_logp, keep)
         no = torch.zeros_like(d, dtype=torch.bool)
         if correction == "none":
@@ -213,7 +213,7 @@ def grpo_token_loss(
         raise ValueError("off_policy_correction='decoupled_ppo' needs logp_old (the recomputed proximal logprobs)")
     mask = loss_mask.to(logp.dtype)
     keep = mask > 0
-    # masking by selection (C28): every input is 0 where the mask is 0, so nothing non-finite
+    # masking by selection: every input is 0 where the mask is 0, so nothing non-finite
     # there reaches the value or the gradient (torch.where's gradient there is exactly 0)
     logp_old = logp.detach() if logp_old is None else logp_old.detach()
     logp, logp_old = _select(logp, keep), _select(logp_old, keep)

@@ -299,11 +299,11 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         cfg = self.cfg
-        guard = StepGuard(batch, self.version)  # C28: non-finite loss/grad fails before the optimizer
+        guard = StepGuard(batch, self.version)  # non-finite loss/grad fails before the optimizer
         batch, advantages = self._dp_local(batch, advantages)  # DP: this replica's slice
         mbs_list = self._pack(batch, advantages, equalize_dp=True)
         guard.bind(mbs_list)
-        # --- off-policy correction (issue 7): decoupled PPO's proximal policy ---
+        # --- off-policy correction: decoupled PPO's proximal policy ---
         if cfg.off_policy_correction == "decoupled_ppo":
             mbs_list = self._with_proximal_logp(batch, mbs_list)
         # --- end off-policy correction ---
@@ -402,7 +402,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         out.update(self.router_replay.metrics())  # router replay: agreement, mismatch
         return out
 
-    # --- off-policy correction (issue 7) ---
+    # --- off-policy correction ---
     def _with_proximal_logp(self, batch: list[Sample], mbs_list: list[MicroBatch]) -> list[MicroBatch]:
         """Decoupled PPO (Hilton et al., 2022; AReaL): ``mbs_list`` with ``logp_old [B,S-1]``
         float32 = logprobs of the response tokens under the weights BEFORE this update
@@ -534,7 +534,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         """
         import torch.distributed as dist
 
-        check_weights_finite(self.models, self.version)  # C28: nothing non-finite reaches an engine
+        check_weights_finite(self.models, self.version)  # nothing non-finite reaches an engine
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.relayout_params(out)  # 1 process: builds the plan; with out, moves parameters once
         plan = self.__dict__.get("_hf_export_plan")

@@ -14,7 +14,7 @@ with ``"{group_name}/"`` and ``"{device}/"`` per backend (``cpu/`` and ``cuda/``
 ``cuda/`` for NCCL) and registers the group by name (so ``torch.distributed.broadcast(t,
 src=0, group=pg)`` works and a name is unique per process). A group made any other way
 (e.g. a bare ``ProcessGroupGloo`` over one prefix) waits on other keys than SGLang's side
-and hangs until its timeout (case C15). :func:`create_update_group` is that function; the
+and hangs until its timeout. :func:`create_update_group` is that function; the
 sender passes a store it bound beforehand (:func:`bind_master_store`), wrapped in the same
 ``PrefixStore(group_name)`` that SGLang's rendezvous path adds, so the keys are identical.
 """
@@ -62,7 +62,7 @@ def rank_offsets(engine_sizes: Sequence[int], first: int = 1) -> tuple[list[int]
 
     ``first`` is the number of sender ranks before the engines (1: one trainer sender).
     Engine ``e`` owns ranks ``offset[e] .. offset[e] + engine_sizes[e] - 1``; together they
-    cover ``first .. world - 1`` once each (case C13: sizes ``[1, 2]`` -> offsets ``[1, 2]``,
+    cover ``first .. world - 1`` once each (each engine's own size: sizes ``[1, 2]`` -> offsets ``[1, 2]``,
     world 4; sizes ``[4, 4]`` (TP2 x DP2) -> ``[1, 5]``, world 9, rank ``1 + 4e + 2d + t``).
     """
     offs, nxt = [], first

@@ -3,7 +3,7 @@
 One :class:`GroupMembership` is one group: the sender (group rank 0) and every rank of every
 engine. Forming it (:meth:`GroupMembership.form`):
 
-    rank_offsets(engine sizes)          each engine's offset from every engine's OWN size (C13)
+    rank_offsets(engine sizes)          each engine's offset from every engine's OWN size
     -> check_world(declared)            a declared world that differs fails now, naming it
     -> bind_master_store                rank 0's TCPStore on a port the OS picked
     -> POST /init_weights_update_group  to every engine at once (one thread each)
@@ -20,7 +20,7 @@ which makes a join still waiting on it fail at once; the next :meth:`form` start
 Several groups (several senders, e.g. one per PP stage, into the same engines) are formed
 one after another in one fixed global order, never concurrently: an engine serves one join
 at a time (SGLang's scheduler does), so concurrent groups whose joins reach two engines in
-opposite orders wait on each other until their timeouts (case C12). :func:`form_in_order`
+opposite orders wait on each other until their timeouts (a deadlock). :func:`form_in_order`
 does it for senders in one process; :func:`form_in_turn` for senders in different processes
 that share a ``torch.distributed`` store (e.g. the trainer world's).
 """
@@ -126,7 +126,7 @@ class GroupMembership:
                 pass
             except Exception:  # noqa: BLE001 - a failed join: nothing of the group there
                 refused.add(i)
-        # (never on an engine that refused: it may hold a LIVE group of this name, C20); in the
+        # (never on an engine that refused: it may hold a LIVE group of this name); in the
         # background: an engine busy with a join that reached it late answers only after that
         # join's own timeout, and connect() must raise within its own
         threading.Thread(target=self._destroy_on_engines, kwargs=dict(quiet=True, skip=refused),

@@ -1,4 +1,4 @@
-"""A weight sync that lost an engine: reported, not raised (issue 19, "Sync failure").
+"""A weight sync that lost an engine: reported, not raised (the run goes on without it).
 
 :func:`send_or_lost` runs one ``transport.send`` on the sending rank. When it fails and at
 least one engine of the update group no longer answers ``/health`` (its process died during

@@ -1,4 +1,4 @@
-"""Streamed HF export for weight sync at world size > 1 (case C14).
+"""Streamed HF export for weight sync at world size > 1, never the whole model in memory.
 
 The sending rank (``dst``, global rank 0) never holds the model: each full tensor is gathered
 from the ranks' primary shards straight into the bucket it is sent in, one tensor at a time,
@@ -216,7 +216,7 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
 
 class _Buffers:
     """``slots`` reused flat buffers of ``capacity`` bytes; a bucket over ``capacity`` (a lone
-    tensor over bucket_bytes, C2) gets its own, freed as soon as the consumer drops it (the
+    tensor over bucket_bytes) gets its own, freed as soon as the consumer drops it (the
     consumer must drop its references to a bucket before asking for the next one, as
     ``BroadcastTransport.send`` does); ``acquire`` blocks on ``sem`` until the consumer
     released a slot."""
@@ -326,7 +326,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                     dist.send(pieces[s.index].data[:n].contiguous(), dst=gdst, group=group)
         return
     # per slot one reused buffer of the largest bucket within bucket_bytes; a lone tensor over
-    # it (C2) gets its own
+    # it gets its own
     cap = max((n for n in plan.bucket_nbytes if n <= plan.bucket_bytes), default=0)
     bufs = _Buffers(cap, max(1, slots), device, sem, st)
     nb = len(plan.buckets)
@@ -572,7 +572,7 @@ def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | s
                     ) -> Iterator[tuple[Bucket, Tensor, bool]]:
     """:func:`streamed_buckets` of a ``MegatronTrainer`` (its ``models``, ``family``,
     ``hf_config``, ``vocab_size``, ``version``) over the whole world, global rank 0 yielding.
-    Refuses non-finite weights first (C28, collective). Collective: every rank exhausts it.
+    Refuses non-finite weights first (no NaN/inf to an engine). Collective: every rank exhausts it.
     ``stats`` also gets ``finite_seconds`` (that check) and ``pieces_seconds`` (the shards'
     metadata from Megatron's sharded state dict).
     KeyError if a parameter has no HF name (every rank, before anything is sent)."""

@@ -102,7 +102,7 @@ class WeightTransport(abc.ABC):
 
     def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
         """Leave the current engines and connect to ``clients`` instead (the live engines and
-        any restarted one: C20). Default: keep ``self.clients`` = ``clients`` and connect()."""
+        any restarted one, after a crash). Default: keep ``self.clients`` = ``clients`` and connect()."""
         self.close()
         self.clients = list(clients)
         self.connect()
@@ -144,7 +144,7 @@ class BroadcastTransport(WeightTransport):
         pause_mode: SGLang ``pause_generation`` mode (``abort``, ``retract``, ``in_place``).
         ranks_per_engine: ranks each engine contributes to the group (its TP size, x DP
             when its replicas join): one int for all, or one per engine (offsets from
-            every engine's own size, C13).
+            every engine's own size, never a fixed one).
         master_address: address the trainer's TCPStore binds (loopback on CPU).
         group_name: SGLang's weight-update ``group_name``.
         world_size: a declared group world size, checked against 1 + the engines' ranks.
@@ -406,7 +406,7 @@ class BroadcastTransport(WeightTransport):
         Tensors are re-ordered to the engines' ``/weights_layout`` when they publish one
         (:func:`in_layout_order`). ``named_tensors`` may instead be a
         :class:`~moe_async.weight_sync.stream_export.PackedExport` (a multi-rank trainer's
-        streamed export, C14): opened with this transport's ``bucket_bytes``, device, the
+        streamed export, bounded memory): opened with this transport's ``bucket_bytes``, device, the
         engines' layout as its order and ``overlap``, its buckets are sent as they come. Each bucket's metadata POST is queued on the engine's
         poster thread and the buffer broadcast at once; replies are read after the last
         bucket (the engine refuses every later bucket of an update once one failed, and
@@ -434,7 +434,7 @@ class BroadcastTransport(WeightTransport):
         self._flushes.report()
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
-        streamed = isinstance(named_tensors, PackedExport)  # ready buckets (C14: world size > 1)
+        streamed = isinstance(named_tensors, PackedExport)  # ready buckets (streamed export: world size > 1)
         if self.layout is not None and not streamed:
             named_tensors = in_layout_order(named_tensors, self.layout)
         whole = self.cfg.pause_scope == "sync"
@@ -500,7 +500,7 @@ class BroadcastTransport(WeightTransport):
                 nbuckets += 1
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
-                bucket = flat = None  # a streamed export frees or reuses its buffer (C14)
+                bucket = flat = None  # a streamed export frees or reuses its buffer
             exported = True
             ta = time.perf_counter()
             deadline = time.monotonic() + self.cfg.timeout_s
@@ -576,7 +576,7 @@ class BroadcastTransport(WeightTransport):
         }
 
     def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
-        """Re-form the update group with ``clients`` (C20): every current member leaves first
+        """Re-form the update group with ``clients`` (after an engine crash): every current member leaves first
         (the engines' ``/destroy_weights_update_group``, then this side's group: a dead
         engine's refusal is logged), then a new group is formed with ``clients`` (same group
         name, a new store port) and their layout read again; the send buffer is kept when the
