@@ -5,7 +5,7 @@ console line per step.
 Metric names (per step): ``rollout/reward_mean``, ``rollout/accuracy``,
 ``buffer/staleness_mean``, ``buffer/staleness_max``, ``sync/seconds``,
 ``perf/tokens_per_s``, ``perf/trainer_idle_frac``, ``train/loss``, ``train/grad_norm`` ...;
-the README's metrics catalogue lists them all with units and sources.
+docs/observability.md (the metrics catalogue) lists them all with units and sources.
 """
 
 from __future__ import annotations
