@@ -1,56 +1,12 @@
 """The driver loop of ``moe-async train``.
 
-    prepare HF checkpoint -> Ray: placement (trainer ranks, engines: placement.py)
-    -> engines (EnginePool, in parallel) -> trainer (TrainerGroup: one actor per Megatron rank)
-    -> buffer, rollout
-    eval (held-out) -> start generation (it never waits for training)
-    for step: batch = buffer.get_batch(trainer_version)     # staleness-checked
-              metrics = trainer.train_step(batch)            # GRPO + TIS, version += 1
-              every k steps: trainer -> engines weight sync; buffer.set_engine_version
-    stop generation -> final sync -> eval -> checksum trainer vs engines -> shut down
+Prepare the checkpoint, place and start engines and trainer ranks, then: for each step take a
+staleness-checked batch from the buffer, train it, sync weights to the engines, save and
+evaluate when due; stop generation, checksum trainer against engines, shut down. ``sync``,
+``one_step_off`` and ``fully_async`` share this loop (only the buffer's bound K differs).
+Writes ``metrics.jsonl`` per step and ``summary.json`` at the end.
 
-``sync``, ``one_step_off`` and ``fully_async`` share this one loop body; only the
-buffer's staleness bound ``K`` differs (K=0 makes generation wait for each update).
-
-Per-step metrics beyond the trainer's: ``buffer/staleness_hist/<k>`` (tokens of the batch
-k versions old), ``buffer/dropped/<reason>`` and ``rollout/dropped/<reason>`` (cumulative
-counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
-``perf/trainer_idle_frac`` (time waiting for a batch / loop time), ``perf/engine_idle_frac``,
-``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); per step
-``perf/wait_seconds`` (trainer waiting for the batch; split into ``perf/wait_filling_seconds``
-and ``perf/wait_straggler_seconds``: the wait split by its cause), ``perf/step_seconds`` (wait + train +
-sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
-outstanding during the step), ``perf/gen_seconds`` (wall-clock seconds since the previous
-step's metrics during which any engine had a request outstanding, so never more than that
-span; the per-request sum, which overlapping requests inflate, is
-``rollout/request_seconds_sum`` in ``summary["rollout"]``);
-the last cumulative values are in ``summary["perf"]``.
-
-Checkpoints and resume (``trainer.save_interval``, ``trainer.save_dir``, ``trainer.load``):
-every ``save_interval`` steps and after the last one the trainer writes
-``<save_dir>/step_<N>`` (torch_dist model + optimizer, RNG, version, step and the prompt
-position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
-checkpoint before the buffer is made (its admission bound counts from the loaded version,
-the staleness bound holds after a resume), the engines receive the loaded weights by a weight sync before any generation,
-the train prompts continue from the checkpoint's trained frontier (the draw ledger,
-:mod:`moe_async.orchestration.run_state`: prompts in flight at the save are drawn again, the
-buffered ones are put back into the buffer (:mod:`moe_async.buffer.snapshot`), the ones settled
-beyond the frontier passed over; a checkpoint without a ledger continues after
-its loader position), and the loop runs steps N+1..num_steps (num_steps counts in total,
-slime's convention). With ``MOE_ASYNC_SIGTERM=checkpoint`` a SIGTERM while the loop waits for
-a batch stops at once with the last finished step's checkpoint (pre-emption); one that reaches a
-single trainer rank is reported by that rank and stops every rank at the same step
-(:mod:`moe_async.orchestration.preemption`).
-
-Engine failures (restart, re-sync before routing, a cap on restarts): :class:`~moe_async.orchestration.engine_recovery.EngineRecovery`
-runs between the waits for a batch and before each weight sync: a dead engine is restarted
-or retired (``engine.max_restarts``, ``engine.min_healthy_engines``), re-joins the update
-group with the live engines, gets the current weights and is routed again only after
-acknowledging the trainer's weight_version; an engine lost *during* a step's weight sync is
-reported by the sync (not fatal) and recovered the same way (``EngineRecovery.sync``).
-``summary["accounting"]`` says where every train
-prompt drawn went (trained / dropped by reason / pending).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 

@@ -1,40 +1,12 @@
 """Engine failure handled live in the driver (restart, rejoin the update group, re-sync, cap).
 
-:class:`EngineRecovery` is called by the driver's step loop between its waits (while it
-waits for a batch, and before each weight sync). Each :meth:`EngineRecovery.check`:
+:meth:`EngineRecovery.check` runs between the driver's waits: a dead engine leaves request
+routing at once, is restarted or retired by the restart policy, every live engine re-forms the
+weight-update group, the trainer's weights are sent, and the engine is routed again only after
+its ``/get_weight_version`` equals the trainer's. Too few healthy engines raises
+:class:`~moe_async.orchestration.supervisor.EngineFleetError`.
 
-1. asks the :class:`~moe_async.orchestration.engine_pool.EnginePool` which engine processes
-   died (index, URL, exit code, log) and takes each one out of request routing at once
-   (:meth:`RolloutActor.set_routable`), so no new request reaches it;
-2. applies the :class:`~moe_async.orchestration.supervisor.RestartPolicy`
-   (``engine.max_restarts`` per engine, ``engine.min_healthy_engines``): restart (same URL)
-   or retire; a death that leaves too few healthy engines raises
-   :class:`~moe_async.orchestration.supervisor.EngineFleetError` naming every engine down;
-3. when the membership changed, every live engine and the replacement re-form the
-   weight-update group (:meth:`TrainerGroup.reconnect_engines`: old group torn down on every
-   member first), the trainer sends its current weights to all of them, and each
-   engine's ``/get_weight_version`` must equal the trainer's version (its acknowledgement);
-   with ``weight_sync.check`` the per-tensor checksums are compared too;
-4. only then is the replacement put back into routing (no request reaches it before it
-   acknowledged the current weight_version). An engine the rollout manager took out of
-   routing itself (a failed request) but whose process is alive goes back in after the same
-   acknowledgement check.
-
-Requests in flight on the dead engine fail at the transport level and are retried by the
-rollout manager on another routable engine (``rollout/engine_request_retries``), or, with
-none left, their group is dropped with reason ``engine_lost`` (``buffer`` drop reasons).
-
-Counters (:meth:`EngineRecovery.metrics`): the policy's ``engine/restarts``,
-``engine/retired``, ``engine/healthy``, ``engine/restarts/<i>``, plus
-``engine/recovery_syncs`` (weight syncs made for a replacement) and ``engine/readmitted``.
-
-The step's weight sync goes through :meth:`EngineRecovery.sync`: an engine that dies *during*
-it does not fail the run. The sync returns the lost engine(s) once every trainer rank has
-finished the export (:mod:`moe_async.weight_sync.outcome`); the live engines that did not
-advance to the trainer's version leave routing; the next :meth:`check` restarts or retires the
-lost ones and re-syncs every member (their acknowledgement of the version included); then the
-engines taken out are routed again. ``engine/sync_failures`` counts such syncs.
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 

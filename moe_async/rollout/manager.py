@@ -1,52 +1,12 @@
 """The rollout manager: admitted GRPO groups -> engine requests -> rewards -> buffer.
 
-Runs in an asyncio loop (inside a Ray async actor in production; no Ray here). Engine
-clients follow a duck interface::
+Runs in an asyncio loop (a Ray async actor in production). Per admitted group: tokenise and
+check lengths, send G requests to the routable engines, resubmit aborted segments (partial
+rollouts, each token keeping its ``weight_version``), score rewards with a timeout, put the
+group into the buffer. Engines: :class:`moe_async.protocols.GenerateEngine`; buffer:
+:class:`moe_async.protocols.GroupBuffer`.
 
-    async generate(input_ids, sampling_params, return_logprob=True,
-                   return_routed_experts=False) -> GenerateOutput
-
-with ``output_ids``, ``output_logprobs``, ``finish_reason`` ('stop'|'length'|'abort'),
-``weight_version``, ``output_token_weight_versions``, ``routed_experts``, ``prompt_tokens``.
-The buffer (:class:`moe_async.protocols.GroupBuffer`) has async ``admit() -> int | None``,
-``put(group)``, ``cancel(reason)``; a refused ``admit`` is retried after ``admit_poll_s``
-seconds, or at once when the buffer has ``admit_waits = True`` (its ``admit`` itself waits
-for capacity, as the Ray proxy does). Engines: :class:`moe_async.protocols.GenerateEngine`.
-
-Per admitted group (``run``):
-
-1. the next train problem is tokenised; lengths are checked before sending (prompt + response within the context): a
-   prompt of ``>= max_context_len`` tokens is dropped (reason ``prompt_too_long``, the
-   admission is cancelled); otherwise ``max_new_tokens`` is clamped to
-   ``max_context_len - prompt_len``. A prompt is never cut.
-2. ``G`` requests go out concurrently, round-robin over the *routable* engines. An engine
-   is taken out of routing by the driver (:meth:`RolloutManager.set_routable`: dead,
-   restarting, not yet at the current weight_version) or by the manager itself when a
-   request to it fails at the transport level (connection refused/reset, HTTP 5xx: the
-   process died mid-request). Such a request is retried on another routable engine
-   (``rollout/engine_request_retries``); with none routable it waits up to
-   ``no_engine_wait_s`` seconds for one to come back (a restart), then the group is dropped,
-   reason ``engine_lost``. Only the driver puts an engine back into routing.
-3. An aborted request (weight update) is resubmitted: with ``partial_rollout`` as a
-   continuation ``prompt + tokens_so_far`` for the remaining tokens, the segments
-   concatenated and every token keeping the version its segment was generated under;
-   without it, restarted from the prompt with its tokens discarded. After
-   ``max_abort_retries`` resubmissions the group is dropped (reason ``abort_retries``).
-4. A 0-token completion gets finish reason ``length`` and ``loss_weight`` 0.
-5. Every sample is scored by the reward pool (per-sample timeout), then
-   ``Group(group_id, samples, start_version=admitted version)`` is put into the buffer.
-   A reward that keeps failing stops the loop: at ``max_consecutive_reward_errors`` failed
-   samples in a row (training or eval) :class:`~moe_async.rollout.reward_streak.RewardFailureError`
-   names the reward setting and the last error (the group is dropped, reason
-   ``reward_failure``; :meth:`run` and :meth:`evaluate` raise it).
-6. Dynamic filtering (``dynamic_filter``, DAPO's dynamic sampling): a group whose rewards
-   are all equal is not put; its admission is cancelled (reason ``filtered_equal_rewards``)
-   so the buffer admits another group in its place (over-sampling on demand). At most
-   ``dynamic_filter_max_per_version`` groups are filtered per admitted weight version
-   (the cap on wasted generations); beyond it such groups are kept and counted
-   (``filter_cap_passed``). Filtered samples/tokens are counted (``samples_filtered``,
-   ``tokens_filtered``).
-"""
+Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 

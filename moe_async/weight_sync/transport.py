@@ -1,52 +1,11 @@
 """Weight transports: how a versioned set of HF-named tensors reaches the engines.
 
-Data path of :class:`BroadcastTransport` (follows slime's distributed weight updater and
-SGLang's ``update_weights_from_distributed``):
+:class:`BroadcastTransport` (NCCL/gloo broadcast of flattened buckets inside an update session,
+as slime and SGLang's ``update_weights_from_distributed``) and :class:`DiskTransport`
+(safetensors + ``/update_weights_from_disk``). ``send`` returns a :class:`SyncOutcome`: an engine
+lost mid-sync is reported, not raised; the version is set only with the last bucket.
 
-    trainer.export_hf_weights(out=transport.destination)   (gather PP/EP -> gather TP ->
-                                               rename to HF -> cast, into the send buffer)
-      -> in_layout_order(engines' /weights_layout)  (embedded engines; SGLang: export order)
-      -> make_buckets(bucket_bytes)            (greedy, order kept; oversize tensor alone)
-      -> engines: POST /pause_generation       (mode from config; sent while the first
-                                                bucket is exported, answered before any
-                                                bucket's POST)
-      -> POST /begin_weight_update {atomic}    (the session SGLang 0.5.23 requires)
-      -> per bucket: POST /update_weights_from_distributed {names, dtypes, shapes,
-         load_format="flattened_bucket", weight_version (a string) on the LAST bucket only}
-         while rank 0 broadcasts the flat uint8 buffer (packed on the transport's device:
-         CUDA for NCCL, CPU for gloo) over the weight-update group (membership.py)
-      -> SGLang applies each call at once; the embedded engine (atomic session) stages them
-         and applies the whole update on the versioned last call
-      -> POST /end_weight_update               (also after a failure: drops what was staged)
-      -> POST /continue_generation             (queued behind them: each engine's poster
-                                                sends it on that engine's reply)
-
-Flushing per pause mode (SGLang 0.5.23 fails an update call with ``flush_cache: true`` while
-any request still holds KV, after applying it: ``Weights were updated, but the cache was not
-flushed``): ``abort`` / ``retract`` leave no running request, so the versioned call carries
-``flush_cache: true`` (the prefix cache of the old weights is dropped before any request is
-admitted again). ``in_place`` keeps the paused requests' KV: every call carries ``flush_cache:
-false``, and after the continue each engine gets SGLang's deferred flush (``POST
-/flush_cache?timeout=timeout_s``, on a thread of its own: the sync does not wait for it),
-which drops the old weights' prefix cache as soon as the engine is idle; its outcome is
-logged at the next sync. Until then a request admitted after the update can still match a
-prefix cached under the old weights (SGLang's flush is all or nothing and refused while a
-request holds KV); use ``retract`` where no token may come from KV of older weights.
-
-The HTTP call and the broadcast must overlap (the engine's handler blocks in the
-receiving broadcast): each bucket's POST is queued on that engine's poster thread (one
-per engine, so the engine sees the calls in broadcast order) and this thread broadcasts
-at once, reading the replies only after the last bucket. Packing overlaps too
-(``weight_sync.overlap``): a background thread pulls tensors from the exporter, groups and
-flattens bucket k+1 (a queue of depth 1: double buffering) while this thread broadcasts
-bucket k; tensors already end to end in one storage (the send buffer, in the engines'
-layout order) are sent without packing.
-
-:class:`DiskTransport` is the fallback (``weight_sync.transport: disk``): safetensors
-shards of at most ``bucket_bytes`` under a directory the engines can read, then SGLang's
-``/update_weights_from_disk`` with the new ``weight_version``. :func:`make_transport`
-picks one from the config.
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 
