@@ -2,8 +2,9 @@
 
 Used when CUDA is absent and ``trainer.sequence_packing`` resolves to ``thd`` (Megatron's local
 ``DotProductAttention`` refuses packed sequences; TE needs CUDA). Input ``query [T, np, hn]``,
-``key``/``value [T, ng, hn]`` with ``cu_seqlens``; causal attention within each sequence; output
-``[T, np * hn]``, equal to the padded path.
+``key``/``value [T, ng, hn]`` with RoPE applied per sequence; the local attention's math run
+causally within each ``cu_seqlens`` segment (no scores across sequences), outputs concatenated
+in packed order: equal to one causal attention per sequence.
 
 Design notes: ``docs/design/compat.md``."""
 

@@ -1,24 +1,12 @@
 """A timeline of a run as a Chrome trace (``<run dir>/trace.json``, opens in Perfetto or
 ``chrome://tracing``).
 
-Two recorders, both cheap (a tuple appended per span, wall-clock ``time.time()`` seconds so
-that spans from different processes line up):
+:class:`SpanRecorder` (where the work happens: engine requests, reward scoring) and
+:class:`Timeline` (the driver's phases per step: wait with its filling/straggler parts, train,
+sync, save, eval) each append one tuple per span, wall-clock ``time.time()`` seconds; the trace
+is written when the run ends.
 
-- :class:`SpanRecorder` lives where the work happens (the rollout manager: one span per engine
-  request, ``generate``, on track ``engine <i>``; one per group's scoring, ``reward``, on
-  track ``reward``) and is drained by the driver every step.
-- :class:`Timeline` lives in the driver: :meth:`Timeline.phase` marks the start of the next
-  phase of the trainer loop (``wait``, ``train``, ``sync``, ``save``, ``eval_before`` ...; a
-  phase ends where the next begins or at :meth:`Timeline.idle`), :meth:`Timeline.end_step`
-  splits the step's ``wait`` into ``filling`` and ``straggler`` and takes the drained
-  spans; :meth:`Timeline.write` writes the file.
-
-In the file (Chrome trace JSON object format, times in microseconds since the first span):
-process "trainer loop" holds the driver's phases (``cat`` = ``phase``, ``args.step``); process
-"engines" one thread per engine and lane (overlapping requests of one engine go to separate
-lanes) with ``cat`` = ``generate`` and a counter ``requests in flight/engine <i>``; process
-"rollout" the ``reward`` spans, laned the same way.
-"""
+Design notes: ``docs/design/logging.md``."""
 
 from __future__ import annotations
 
