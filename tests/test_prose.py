@@ -46,3 +46,19 @@ def test_no_case_ids_or_issue_numbers_in_the_package():
     hits = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in sorted(PKG.rglob("*.py"))
             for line, text in case_ids(p.read_text())]
     assert hits == [], "case ids / issue numbers in moe_async (say the fault in words):\n" + "\n".join(hits)
+
+
+MAX_DOCSTRING_LINES = 18
+
+
+def test_module_docstrings_are_short():
+    """A module docstring says what the module is for and its contract in a few lines; design
+    notes live in docs/design/ (the documentation site)."""
+    import ast
+
+    long = {}
+    for p in sorted(PKG.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(p.read_text()), clean=False)
+        if doc and (n := doc.count("\n") + 1) > MAX_DOCSTRING_LINES:
+            long[str(p.relative_to(ROOT))] = n
+    assert long == {}, f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the design prose to docs/design/): {long}"
