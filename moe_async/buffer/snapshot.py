@@ -53,7 +53,7 @@ def sample_from_dict(d: dict[str, Any]) -> Sample:
 
 def snapshot(buf: Any) -> dict[str, Any]:
     """The buffered groups of ``buf`` (a :class:`~moe_async.buffer.buffer.RolloutBuffer`), oldest
-    first, and its counters (module docstring)."""
+    first, and its counters (``docs/design/buffer.md``)."""
     groups = [{"group_id": int(g.group_id), "start_version": int(g.start_version),
                "samples": [sample_to_dict(s) for s in g.samples]} for g in buf.buffered_groups()]
     return {"format": FORMAT, "groups": groups, "counters": buf.stats()}

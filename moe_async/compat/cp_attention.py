@@ -61,7 +61,7 @@ def gather_sequence_over_cp(x: Tensor, group: Any) -> Tensor:
 
 
 class _CPCoreAttentionMixin:
-    """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring."""
+    """Mixed in before a local ``DotProductAttention`` (sub)class; design notes: ``docs/design/compat.md``."""
 
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
         if getattr(config, "window_size", None) is not None:

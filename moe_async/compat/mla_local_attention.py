@@ -76,7 +76,7 @@ def local_mla_submodules(sub) -> None:
     """Make the local (non-TE) MLA spec of Megatron-Core 0.16.1 buildable and exact under TP,
     in place on one layer's ``MLASelfAttentionSubmodules`` ``sub``:
 
-    * ``core_attention`` -> :class:`MLADotProductAttention` (see the module docstring);
+    * ``core_attention`` -> :class:`MLADotProductAttention` (design notes: ``docs/design/compat.md``);
     * ``linear_q_down_proj`` / ``linear_kv_down_proj`` -> duplicated (not TP-split) Linears,
       what the TE spec uses (``TELinear`` with ``parallel_mode="duplicated"``). Answers
       megatron/core/models/gpt/gpt_layer_specs.py (``get_gpt_layer_local_spec`` builds them as

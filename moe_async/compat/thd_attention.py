@@ -45,7 +45,7 @@ def _causal_mask(n: int, device: str) -> Tensor:
 
 
 class _THDCoreAttentionMixin:
-    """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring.
+    """Mixed in before a local ``DotProductAttention`` (sub)class; design notes: ``docs/design/compat.md``.
     Without ``packed_seq_params`` (or with a format other than ``thd``) it is the base class."""
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,

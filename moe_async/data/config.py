@@ -33,7 +33,7 @@ class EvalSetConfig(ConfigModel):
 
 
 class DataConfig(ConfigModel):
-    """Prompts from files (module docstring). ``train`` unset: the reasoning-gym task of
+    """Prompts from files (``docs/design/data.md``). ``train`` unset: the reasoning-gym task of
     ``rollout.task`` is the source (the CPU demo's default)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -82,7 +82,7 @@ class _Stream(io.TextIOBase):
 
 
 class RunConsole:
-    """The driver's console for one run (see the module docstring).
+    """The driver's console for one run (design notes: ``docs/design/logging.md``).
 
     Args:
         quiet: no live view (the per-step lines are left out by the run logger).

@@ -145,7 +145,7 @@ def _extra_state_module(key: str) -> str | None:
 
 def add_te_extra_state(sharded_state_dict: Any) -> list[str]:
     """Add, in place, the ``_extra_state`` ``ShardedObject`` of every module that carries one
-    under the TE spec (module docstring) to a model's sharded state dict whose keys are TE
+    under the TE spec (``docs/design/megatron.md``) to a model's sharded state dict whose keys are TE
     names (:func:`to_te_names` first; one chunk's dict or ``{"model0": ..., ...}``). Each is
     built as Megatron-Core's ``make_sharded_object_for_checkpoint`` builds it: global shape /
     offset = the prepended (layer, expert) axes of a ``ShardedTensor`` of the same layer (of

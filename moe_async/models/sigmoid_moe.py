@@ -43,7 +43,7 @@ def read_sigmoid_moe(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         ValueError: naming the field: no ``n_routed_experts``; ``num_experts`` /
             ``num_local_experts`` given too with another value; ``first_k_dense_replace`` not
             in ``[0, num_hidden_layers)``; ``moe_layer_freq`` != 1; ``n_group`` not dividing
-            the experts; a group limit Megatron cannot reproduce (module docstring).
+            the experts; a group limit Megatron cannot reproduce (``docs/design/models.md``).
     """
     L = d["num_hidden_layers"]
     E = d.get("n_routed_experts")

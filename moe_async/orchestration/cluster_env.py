@@ -43,7 +43,7 @@ def head_host(address: str | None) -> list[str]:
 
 def worker_env(env: Mapping[str, str] | None = None, hosts: Iterable[str] = (),
                engine_log_dir: str | None = None) -> dict[str, str]:
-    """``env_vars`` of the run's Ray runtime environment (module docstring); ``env``: the
+    """``env_vars`` of the run's Ray runtime environment (``docs/design/orchestration.md``); ``env``: the
     driver's environment (default ``os.environ``); ``hosts``: cluster addresses for ``no_proxy``."""
     env = os.environ if env is None else env
     np = no_proxy_hosts(env, hosts)

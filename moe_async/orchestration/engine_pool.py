@@ -89,7 +89,7 @@ EngineActor = ray.remote(num_cpus=0)(EngineHost)
 
 
 class EnginePool:
-    """``engine.num_engines`` placed :class:`EngineActor` s (see the module docstring).
+    """``engine.num_engines`` placed :class:`EngineActor` s (design notes: ``docs/design/orchestration.md``).
 
     Args:
         cfg: the experiment config (``engine.*``).

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineRecovery:
-    """See the module docstring.
+    """Design notes: ``docs/design/orchestration.md``.
 
     Args:
         cfg: the experiment config (``engine.max_restarts``, ``engine.min_healthy_engines``,
@@ -72,8 +72,9 @@ class EngineRecovery:
 
     # ------------------------------------------------------------------ the check
     def check(self) -> dict[str, float]:
-        """One recovery pass (module docstring). Returns the counters; ``engine/weight_version``
-        when this pass synced the engines to the trainer's version (the caller records it).
+        """One recovery pass (``docs/design/orchestration.md``). Returns the counters;
+        ``engine/weight_version`` when this pass synced the engines to the trainer's version (the
+        caller records it).
 
         Raises:
             EngineFleetError: fewer than ``engine.min_healthy_engines`` healthy engines, naming them.
@@ -158,7 +159,7 @@ class EngineRecovery:
         """The step's weight sync to the live engines, then ``weight_sync.check`` and the
         buffer's engine version; ``engine/weight_version`` in the returned metrics.
 
-        An engine lost during it (module docstring): the engines still answering but not at
+        An engine lost during it (``docs/design/orchestration.md``): the engines still answering but not at
         the trainer's version leave routing, the pool is given up to ``dead_wait_s`` seconds to
         report the lost ones dead, :meth:`check` restarts/retires them and re-syncs every
         member (a re-sync is made here when it did not: a lost engine whose process is alive),

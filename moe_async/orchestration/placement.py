@@ -182,7 +182,7 @@ def place(bundle_groups: list[list[dict[str, float]]], strategy: str, what: str,
 
 def trainer_bundles(world_size: int, nodes: int, threads: int, use_gpus: bool,
                     n_bundles_total: int) -> list[list[dict[str, float]]]:
-    """``nodes`` lists of ``world_size / nodes`` rank bundles (see the module docstring)."""
+    """``nodes`` lists of ``world_size / nodes`` rank bundles (``docs/design/orchestration.md``)."""
     if world_size % nodes:
         raise ValueError(f"trainer world size {world_size} is not divisible by trainer.nodes={nodes}")
     c = cpu_share(threads, n_bundles_total)
@@ -192,7 +192,7 @@ def trainer_bundles(world_size: int, nodes: int, threads: int, use_gpus: bool,
 
 def engine_bundles(num_engines: int, devices: int, threads: int, use_gpus: bool,
                    n_bundles_total: int) -> list[dict[str, float]]:
-    """One bundle per engine (see the module docstring)."""
+    """One bundle per engine (design notes: ``docs/design/orchestration.md``)."""
     c = cpu_share(threads, n_bundles_total)
     return [{"CPU": c, **({"GPU": float(devices)} if use_gpus else {})} for _ in range(num_engines)]
 

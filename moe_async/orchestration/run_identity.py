@@ -73,7 +73,7 @@ def _has_checkpoints(save_dir: Path) -> bool:
 
 
 def plan_start(cfg: Any, resolve_checkpoint) -> StartPlan:
-    """Decide run dir, save_dir and checkpoint (module docstring). ``resolve_checkpoint(cfg)``
+    """Decide run dir, save_dir and checkpoint (``docs/design/orchestration.md``). ``resolve_checkpoint(cfg)``
     is the driver's ``trainer.load`` resolver (``(path, step)``, raising UserInputError).
 
     Raises:

@@ -16,7 +16,7 @@ TRAINED = "trained"
 
 
 class DrawLedger:
-    """Settled draws of a run (module docstring).
+    """Settled draws of a run (``docs/design/orchestration.md``).
 
     Args:
         state: a saved :meth:`state_dict` to continue from (None: a new run).

@@ -41,7 +41,7 @@ class EngineRecord:
 
 
 class RestartPolicy:
-    """See the module docstring.
+    """Design notes: ``docs/design/orchestration.md``.
 
     Args:
         names: one name per engine (e.g. its URL), in index order.
@@ -126,7 +126,7 @@ class SupervisedEngine(Protocol):
 
 
 class Supervisor:
-    """Polls ``engines`` and applies ``policy`` (see the module docstring)."""
+    """Polls ``engines`` and applies ``policy`` (design notes: ``docs/design/orchestration.md``)."""
 
     def __init__(self, engines: Sequence[SupervisedEngine], policy: RestartPolicy):
         if len(engines) != len(policy.engines):

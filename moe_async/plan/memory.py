@@ -272,7 +272,7 @@ def _stage_params(shape: ModelShape, lay: ParallelLayout, vpp: int, vocab_pad: i
 
 def _layer_activation_parts(shape: ModelShape, lp, lay: ParallelLayout, t: float,
                             imbalance: float = 1.0) -> dict[str, float]:
-    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring), by the
+    """Bytes one layer keeps for its backward at ``t`` tokens per rank (``docs/design/plan.md``), by the
     part Megatron's selective recompute names: ``layernorm`` (the two norm outputs), ``attn``
     (QKV input side and q/k/v/output; ``core_attn`` recompute drops the S x S scores, which flash
     attention never keeps: nothing here), ``mla_up_proj`` (MLA's latents), ``moe`` (router
@@ -297,7 +297,7 @@ def _layer_activation_parts(shape: ModelShape, lp, lay: ParallelLayout, t: float
 
 def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float, imbalance: float = 1.0,
                             recompute_modules: tuple[str, ...] = ()) -> float:
-    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring), less
+    """Bytes one layer keeps for its backward at ``t`` tokens per rank (``docs/design/plan.md``), less
     the parts in ``recompute_modules`` (selective recompute; ``moe`` drops the experts' too)."""
     parts = _layer_activation_parts(shape, lp, lay, t, imbalance)
     drop = set(recompute_modules)
@@ -359,7 +359,8 @@ def tokens_per_micro_batch(cfg: "ExperimentConfig") -> tuple[int, str]:
 
 
 def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstimate:
-    """Per-GPU trainer memory of the largest stage (module docstring); call after :func:`check_layout`."""
+    """Per-GPU trainer memory of the largest stage (``docs/design/plan.md``); call after
+    :func:`check_layout`."""
     t, c = cfg.trainer, cfg.cluster
     lay = t.layout
     vpp = t.virtual_pipeline_model_parallel_size or 1
@@ -417,7 +418,7 @@ def _mem_fraction(cfg: "ExperimentConfig") -> tuple[float, bool]:
 
 
 def estimate_engine(shape: ModelShape, cfg: "ExperimentConfig") -> EngineEstimate:
-    """Per-GPU memory of one engine (module docstring)."""
+    """Per-GPU memory of one engine (``docs/design/plan.md``)."""
     e, c = cfg.engine, cfg.cluster
     tp = e.tensor_parallel_size
     w = _DTYPE_BYTES[e.dtype]

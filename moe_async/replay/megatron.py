@@ -99,7 +99,7 @@ def _measured_replay_class():
 
 
 class RouterReplayHook:
-    """Drives Megatron's router replay for one model (see the module docstring).
+    """Drives Megatron's router replay for one model (design notes: ``docs/design/replay.md``).
 
     Args:
         model: the (unwrapped) Megatron model, or a ``torch.nn.ModuleList`` of model chunks in

@@ -33,7 +33,7 @@ def mean_se(x: list[float]) -> tuple[float, float]:
 
 
 def summarize(greedy: list[float], sampled: list[list[float]], ids: list[int] | None = None) -> dict[str, Any]:
-    """Metrics of one evaluation from per-problem rewards (module docstring formulas).
+    """Metrics of one evaluation from per-problem rewards (formulas: ``docs/design/rollout.md``).
 
     Args:
         greedy: the greedy reward of each problem (``n``).

@@ -108,7 +108,7 @@ def greedy_summary(greedy: list[tuple[float, str | None, float, int]], n_skipped
 
 
 class RolloutManager:
-    """Keeps up to ``cfg.max_concurrent_groups`` groups generating; see the module docstring."""
+    """Keeps up to ``cfg.max_concurrent_groups`` groups generating (``docs/design/rollout.md``)."""
 
     def __init__(
         self,
@@ -464,7 +464,7 @@ class RolloutManager:
                 await self._cancel("error")
 
     def _filter_out(self, group: Group, version: int) -> bool:
-        """Dynamic filtering (see the module docstring, step 6): True when ``group`` is to be
+        """Dynamic filtering (``docs/design/rollout.md``, step 6): True when ``group`` is to be
         dropped because its rewards are all equal and the per-version cap is not reached."""
         if not self.cfg.dynamic_filter or len(group.samples) < 2:
             return False
@@ -492,7 +492,7 @@ class RolloutManager:
 
     async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False,
                                seed: int | None = None, temperature: float | None = None) -> Sample:
-        """One response, resubmitting aborted segments; see the module docstring.
+        """One response, resubmitting aborted segments; design notes: ``docs/design/rollout.md``.
         ``seed``: the request's ``sampling_seed`` (a resumed segment's: plus its tokens so far);
         ``temperature``: a sampled request's (None: ``rollout.temperature``; an eval set's own)."""
         tokens: list[int] = []
@@ -574,7 +574,7 @@ class RolloutManager:
 
     async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
         """One ``/generate`` on a routable engine; a transport failure (the engine died) takes
-        that engine out of routing and retries on another (module docstring, step 2). With no
+        that engine out of routing and retries on another (``docs/design/rollout.md``, step 2). With no
         engine routable it waits up to ``no_engine_wait_s`` seconds for the driver to put one
         back (a restart), polling every 0.2 s.
 

@@ -75,7 +75,7 @@ class _Worker:
 
 
 class RewardPool:
-    """Scores samples with ``fn`` under a per-call timeout; see the module docstring."""
+    """Scores samples with ``fn`` under a per-call timeout; design notes: ``docs/design/rollout.md``."""
 
     def __init__(
         self,

@@ -46,7 +46,7 @@ def megatron_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 def torch_dist_shapes(per_layer: Mapping[str, tuple[int, ...]], vocab_rows: int | None = None,
                       ) -> dict[str, tuple[int, ...]]:
     """The global torch_dist keys and shapes of ``per_layer`` (:func:`megatron_shapes`), see the
-    module docstring; ``vocab_rows``: Megatron's padded vocab (None: as given)."""
+    ``docs/design/trainer.md``; ``vocab_rows``: Megatron's padded vocab (None: as given)."""
     out: dict[str, tuple[int, ...]] = {}  # insertion order: the mapping's
     inner: dict[str, tuple[int, ...]] = {}  # key -> the shape of one layer's (one expert's) tensor
     layers: dict[str, set[int]] = {}  # key -> layer indices

@@ -111,7 +111,7 @@ def _describe(batch: list, idx: list[int], limit: int = 5) -> str:
 
 class StepGuard:
     """One train step's record of non-finite losses, checked with the gradients before the
-    optimizer runs (see the module docstring). Use::
+    optimizer runs (design notes: ``docs/design/trainer.md``). Use::
 
         guard = StepGuard(batch, version)    # the global batch given to train_step
         ...                                  # DP slice, packing

@@ -61,7 +61,7 @@ def off_policy_weight(
     icepop_beta: float = 2.0,
     opsm_delta: float = 1e-4,
 ) -> tuple[Tensor, Tensor]:
-    """The detached per-token weight ``w`` of the module docstring's table.
+    """The detached per-token weight ``w`` of the table in ``docs/design/trainer.md``.
 
     Args: as :func:`grpo_token_loss` (all ``[B, T]`` float32/64 logprobs, natural log).
 
@@ -139,7 +139,7 @@ def grpo_token_loss(
     Returns:
         ``(loss_sum, metrics)``: ``loss_sum`` a 0-d tensor (sum over tokens, NOT averaged;
         the caller divides by the global token count; masked positions selected away, see the
-        module docstring); ``metrics["nonfinite_rows"]`` ``[B]`` bool (the shape of the inputs
+        ``docs/design/trainer.md``); ``metrics["nonfinite_rows"]`` ``[B]`` bool (the shape of the inputs
         without their last dim), True for a row with a non-finite loss term at a loss-bearing
         token (the caller names the sample); the other ``metrics`` are 0-d detached tensors, each
         the masked mean over tokens (``num_tokens`` = masked token count; 0 tokens -> 0.0):

@@ -94,7 +94,7 @@ def create_update_group(
     store: dist.Store | None = None,
 ) -> tuple[dist.ProcessGroup, dist.Store]:
     """Create (collectively: every member must call it) the weight-update group, with the
-    same store keys as SGLang 0.5.23's ``init_custom_process_group`` (module docstring).
+    same store keys as SGLang 0.5.23's ``init_custom_process_group`` (``docs/design/weight_sync.md``).
 
     Args:
         backend: ``gloo`` | ``nccl`` | ``auto`` (:func:`resolve_backend`).

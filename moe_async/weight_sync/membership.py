@@ -69,7 +69,7 @@ class GroupMembership:
         self._store: dist.Store | None = None
 
     def form(self, pool: ThreadPoolExecutor | None = None) -> dist.ProcessGroup:
-        """Form the group (module docstring); returns it. Raises :class:`GroupFormationError`
+        """Form the group (``docs/design/weight_sync.md``); returns it. Raises :class:`GroupFormationError`
         naming the engine (or the sender) whose join failed, after destroying every part."""
         from torch.distributed.distributed_c10d import _world
 

@@ -100,7 +100,7 @@ def whole_tensors(models: Sequence[torch.nn.Module], vocab_size: int) -> dict[st
 
 
 class WholeTensorExport:
-    """Export plan of a 1-process trainer (see the module docstring).
+    """Export plan of a 1-process trainer (design notes: ``docs/design/weight_sync.md``).
 
     Args:
         whole: :func:`whole_tensors`.

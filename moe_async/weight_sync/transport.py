@@ -360,7 +360,7 @@ class BroadcastTransport(WeightTransport):
         group_broadcast(self.group, flat, src=0)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
-        """Send one full update (see the module docstring for the data path).
+        """Send one full update (data path: ``docs/design/weight_sync.md``).
 
         Tensors are re-ordered to the engines' ``/weights_layout`` when they publish one
         (:func:`in_layout_order`). ``named_tensors`` may instead be a

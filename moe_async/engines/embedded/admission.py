@@ -54,7 +54,7 @@ class RWLock:
 
 
 class Admission:
-    """The engine's pause flag and model-update lock (module docstring)."""
+    """The engine's pause flag and model-update lock (``docs/design/engines.md``)."""
 
     def __init__(self) -> None:
         self.is_pause = False

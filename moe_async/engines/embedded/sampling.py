@@ -60,7 +60,7 @@ class RequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    """One request's decoded ``sampling_params`` (see the module docstring)."""
+    """One request's decoded ``sampling_params`` (design notes: ``docs/design/engines.md``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

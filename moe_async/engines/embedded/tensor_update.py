@@ -121,7 +121,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def decode_named_tensors(entry: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs of one ``serialized_named_tensors`` entry (module docstring).
+    """``(name, tensor)`` pairs of one ``serialized_named_tensors`` entry (``docs/design/engines.md``).
 
     Raises:
         ValueError: not base64, not a payload of ``load_format``, a global not allowed, a
@@ -187,7 +187,7 @@ def write_standby(wu: WeightUpdater, named: list[tuple[str, torch.Tensor]]) -> l
 
 
 def tensor_update_router(wu: WeightUpdater) -> APIRouter:
-    """``POST /update_weights_from_tensor`` over ``wu`` (module docstring)."""
+    """``POST /update_weights_from_tensor`` over ``wu`` (``docs/design/engines.md``)."""
     r = APIRouter()
 
     @r.post("/update_weights_from_tensor")

@@ -249,7 +249,7 @@ async def apply_update_call(wu: WeightUpdater, receive: Callable[[str | None], l
                             outside_session: str = OUTSIDE_SESSION, flush_cache: bool = False) -> dict | JSONResponse:
     """One update call of any transport (``/update_weights_from_distributed``,
     ``/update_weights_from_tensor``), with SGLang's session, lock and flush semantics
-    (module docstring).
+    (``docs/design/engines.md``).
 
     ``receive(refuse)`` runs in a worker thread: it writes the call's tensors into the standby
     parameters (``wu.arena``, marked) and returns their names, or raises ``KeyError`` /
@@ -324,7 +324,7 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
 
 
 def weight_update_router(wu: WeightUpdater) -> APIRouter:
-    """The endpoints of the module docstring over ``wu`` (and its scheduler)."""
+    """The endpoints listed in ``docs/design/engines.md`` over ``wu`` (and its scheduler)."""
     r = APIRouter()
     sched = wu.sched
 

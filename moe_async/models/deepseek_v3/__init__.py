@@ -113,7 +113,7 @@ class DeepseekV3Args(SigmoidMoeArgs):
 
 class DeepseekV3Family(SigmoidMoeFamily):
     """DeepSeek-V3: MLA attention, first-k dense layers, sigmoid router with expert bias (see
-    the module docstring and :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
+    ``docs/design/models.md`` and :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
 
     model_types = ("deepseek_v3",)
     display_name = "DeepSeek-V3"
@@ -131,7 +131,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
         """Read and validate a DeepSeek-V3 HF config.
 
         Raises:
-            ValueError: naming an unsupported field (see the module docstring).
+            ValueError: naming an unsupported field (design notes: ``docs/design/models.md``).
             KeyError: a required field is missing.
         """
         d = self.read_hf_config(hf_config)

@@ -102,7 +102,7 @@ def read_partial_rotary(d: Mapping[str, Any], head_dim: int) -> float:
 
 class Glm4MoeFamily(SigmoidMoeFamily):
     """GLM-4.5: GQA attention with q/k/v bias, partial rotary, first-k dense layers, MTP
-    layers on disk (see the module docstring and
+    layers on disk (design notes: ``docs/design/models.md`` and
     :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
 
     model_types = ("glm4_moe",)
@@ -120,7 +120,7 @@ class Glm4MoeFamily(SigmoidMoeFamily):
         """Read and validate a GLM-4.5 HF config.
 
         Raises:
-            ValueError: naming an unsupported field (see the module docstring), or
+            ValueError: naming an unsupported field (design notes: ``docs/design/models.md``), or
                 ``num_attention_heads`` not a multiple of ``num_key_value_heads``.
             KeyError: a required field is missing.
         """

@@ -49,7 +49,7 @@ class Qwen3MoeFamily(ModelFamily):
 
     def transformer_config(self, hf_config: Any, **kw: Any):
         """Mixtral's settings plus ``qk_layernorm=True`` and the router's softmax placement
-        from ``norm_topk_prob`` (see the module docstring)."""
+        from ``norm_topk_prob`` (design notes: ``docs/design/models.md``)."""
         d = hf_config_dict(hf_config)
         kw.setdefault("moe_router_pre_softmax", not bool(d.get("norm_topk_prob", False)))
         return super().transformer_config(hf_config, **kw)
