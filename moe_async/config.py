@@ -170,7 +170,7 @@ def _format_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-#: The key naming a config's base files (``configs/README`` / the README's Configs section).
+#: The key naming a config's base files (``docs/configs.md``).
 BASE_KEY = "base"
 
 
