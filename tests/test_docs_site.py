@@ -35,3 +35,17 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     out = _build(tmp_path, tmp_path / "site")
     assert out.returncode != 0
     assert "no-such-page.md" in out.stdout + out.stderr
+
+
+def _module_table(text: str) -> str:
+    start = text.index("| piece | module |")
+    end = text.find("\n\n", start)
+    return text[start: end if end >= 0 else None].rstrip("\n")
+
+
+def test_architecture_page_module_table_is_the_readmes():
+    """The site's architecture page carries the README's module table unchanged (the structure
+    test checks the README's against the tree), so the two cannot drift apart."""
+    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert _module_table(page) == _module_table(readme)
