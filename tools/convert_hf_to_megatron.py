@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    ap.add_argument("--num-layers-in-first-pipeline-stage", "--decoder-first-pipeline-num-layers", type=int,
+                    default=None, dest="first",
+                    help="uneven pipeline stages: layers on the first PP stage (the other stages split the rest "
+                         "evenly; Megatron-Core's num_layers_in_first_pipeline_stage)")
+    ap.add_argument("--num-layers-in-last-pipeline-stage", "--decoder-last-pipeline-num-layers", type=int,
+                    default=None, dest="last", help="uneven pipeline stages: layers on the last PP stage")
     ap.add_argument("--vocab-div", type=int, default=128,
                     help="vocab rows padded to a multiple of this x TP (Megatron's make_vocab_size_divisible_by)")
     ap.add_argument("--fsync", action="store_true",
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     st = hf_to_megatron_checkpoint(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                    progress=not args.no_progress, vocab_div=args.vocab_div,
-                                   save_threads=args.save_threads, fsync=args.fsync)
+                                   save_threads=args.save_threads, fsync=args.fsync, first=args.first, last=args.last)
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({"out": args.out, **st}))
     return 0

@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--num-layers-in-first-pipeline-stage", "--decoder-first-pipeline-num-layers", type=int,
+                    default=None, dest="first",
+                    help="uneven pipeline stages: layers on the first PP stage (the other stages split the rest "
+                         "evenly; Megatron-Core's num_layers_in_first_pipeline_stage)")
+    ap.add_argument("--num-layers-in-last-pipeline-stage", "--decoder-last-pipeline-num-layers", type=int,
+                    default=None, dest="last", help="uneven pipeline stages: layers on the last PP stage")
     ap.add_argument("--fsync", action="store_true",
                     help="fsync every written safetensors file and the index before returning, for durability "
                          "(off by default: complete files, possibly still in the page cache)")
@@ -51,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     st = megatron_to_hf_checkpoint(args.megatron, args.hf_config, args.out, max_shard_size=args.max_shard_size,
                                    tp=args.tp, pp=args.pp, ep=args.ep, progress=not args.no_progress,
-                                   fsync=args.fsync)
+                                   fsync=args.fsync, first=args.first, last=args.last)
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({"out": args.out, **st}))
     return 0

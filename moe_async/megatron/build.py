@@ -71,12 +71,15 @@ def model_chunks(family: Any, hf_config: dict[str, Any], tf_config: Any, gpt_kwa
 
 
 def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str = "fp32",
-                vocab_div: int = DEFAULT_VOCAB_DIV, padded_vocab: int | None = None):
+                vocab_div: int = DEFAULT_VOCAB_DIV, padded_vocab: int | None = None,
+                first: int | None = None, last: int | None = None, wrap_spec: Callable[[Any], Any] | None = None):
     """This rank's ``GPTModel`` stage for ``hf_config`` at the current Megatron parallel
     state, built by :func:`model_chunks` as the trainer builds it (same family helpers, vocab
     padded to a multiple of ``vocab_div * tp``, or to ``padded_vocab`` rows when given),
     without random init (every parameter is overwritten by the load); on the CUDA device
-    when there is one. Returns ``(model, hf_vocab_size)``."""
+    when there is one. ``first`` / ``last``: layers on the first / last PP stage (uneven
+    stages, Megatron-Core's ``num_layers_in_first/last_pipeline_stage``); ``wrap_spec``: as in
+    :func:`model_chunks`. Returns ``(model, hf_vocab_size)``."""
     import torch
 
     from moe_async.megatron.sharding import padded_vocab_size
@@ -89,13 +92,15 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        **{k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
+                             ("num_layers_in_last_pipeline_stage", last)) if v is not None},
     )
     # every parameter is overwritten by the load: allocate without the random init
     tf.perform_initialization = False
     kw = fam.gpt_model_kwargs(d)
     vocab = int(kw["vocab_size"])
     kw["vocab_size"] = padded_vocab if padded_vocab is not None else padded_vocab_size(vocab, tp, vocab_div)
-    (model,) = model_chunks(fam, d, tf, kw)
+    (model,) = model_chunks(fam, d, tf, kw, **({"wrap_spec": wrap_spec} if wrap_spec else {}))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model, vocab
@@ -108,22 +113,27 @@ def grouped_experts_spec(spec: Any) -> tuple[Any, int]:
     experts are left as they are. Returns ``(copy, number of MoE layers changed)``.
 
     Raises:
-        ValueError: Transformer Engine with CUDA is not available (naming
-            ``trainer.moe_grouped_gemm``): Megatron-Core 0.16.1's other grouped MLP (the legacy
-            ``GroupedMLP``) needs the ``grouped_gemm`` CUDA package.
+        ValueError: Megatron-Core's ``TESpecProvider`` gives no ``TEGroupedMLP`` here (no
+            Transformer Engine ``GroupedLinear``; naming ``trainer.moe_grouped_gemm``):
+            Megatron-Core 0.16.1's other grouped MLP (the legacy ``GroupedMLP``) needs the
+            ``grouped_gemm`` CUDA package.
     """
     import copy
+    import warnings
 
-    if not have_te():
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    with warnings.catch_warnings():  # its legacy-GroupedMLP deprecation warning: refused below
+        warnings.simplefilter("ignore")
+        module, submodules = TESpecProvider().grouped_mlp_modules(True, False)
+    if module is not TEGroupedMLP:
         raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
                          "TEGroupedMLP; its legacy GroupedMLP needs the grouped_gemm CUDA package): not available "
                          "on this host; set trainer.moe_grouped_gemm=false (the sequential expert MLP, same "
                          "checkpoints and HF export)")
-    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    module, submodules = TESpecProvider().grouped_mlp_modules(True, False)
     spec = copy.deepcopy(spec)
     n = 0
     seen: set[int] = set()

@@ -68,7 +68,8 @@ def _padded_vocab(vocab: int, tp: int, vocab_div: int) -> int:
 
 def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
                               progress: bool = True, vocab_div: int = DEFAULT_VOCAB_DIV,
-                              save_threads: int = 0, fsync: bool = False) -> dict[str, Any]:
+                              save_threads: int = 0, fsync: bool = False, first: int | None = None,
+                              last: int | None = None) -> dict[str, Any]:
     """HF checkpoint dir -> Megatron torch_dist checkpoint at layout (tp, pp, ep) (the
     world is the torchrun world, 1 process otherwise; DP = world / (tp*pp)), in Megatron-LM's
     container (``out_dir/latest_checkpointed_iteration.txt`` = 0, the torch_dist files in
@@ -77,7 +78,9 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     (:mod:`moe_async.megatron.te_spec_names`); a DeepSeek-V3 release's MTP keys are skipped
     (logged) and its FP8 weights dequantized (:mod:`moe_async.models.deepseek_v3.hf_extras`); written by
     :func:`save_strategy` ``(save_threads, fsync)`` (default: in the calling process, no
-    fsync). The layout (:func:`check_layout`), the HF config (family spec) and the HF keys
+    fsync). ``first`` / ``last``: layers on the first / last PP stage (uneven stages; recorded
+    in ``moe_async_convert.json`` and in Megatron-LM's ``decoder_first/last_pipeline_num_layers``
+    args). The layout (:func:`check_layout`), the HF config (family spec) and the HF keys
     are checked before any process group, model or file exists. Returns stats on every
     rank: ``seconds``, ``phases`` (seconds per step), ``bytes_read`` (summed over ranks),
     ``hf_bytes``, ``world``."""
@@ -88,7 +91,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     hf_cfg = read_hf_config(hf_dir)
     fam = get_family(hf_cfg.get("model_type"))
     a = fam.arch_args(hf_cfg)  # refuses an unsupported config, naming the field
-    check_layout(hf_cfg, tp, pp, ep)
+    check_layout(hf_cfg, tp, pp, ep, first=first, last=last)
     check_out_dir(out_dir)
     index = read_hf_index(hf_dir)
     extras = hf_extras(hf_cfg, index)  # DeepSeek-V3: MTP keys skipped (logged), FP8 weights + scales
@@ -98,7 +101,8 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     clock.mark("checks_s")
     with parallel_layout(tp, pp, ep):
         clock.mark("setup_s")
-        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div)
+        model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div, first=first,
+                                   last=last)
         clock.mark("build_s")
         stats = load_hf_into_model(model, hf_cfg, index, vocab, progress=progress and global_rank() == 0)
         clock.mark("read_map_copy_s")
@@ -113,7 +117,9 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         whole_glu_tensors(sd)
         common = container.common_state(0, container.megatron_lm_args(
             a, tp=tp, pp=pp, ep=ep, padded_vocab_size=_padded_vocab(vocab, tp, vocab_div), vocab_div=vocab_div,
-            params_dtype=dtype, world=world_size(), iteration=0, extra=container.family_config_args(fam, a)))
+            params_dtype=dtype, world=world_size(), iteration=0,
+            extra={**container.family_config_args(fam, a), "decoder_first_pipeline_num_layers": first,
+                   "decoder_last_pipeline_num_layers": last}))
         dist_checkpointing.save({"model": sd, **common}, out_dir, sharded_strategy=save_strategy(save_threads, fsync))
         clock.mark("torch_dist_save_s")
         t = torch.tensor([float(stats["bytes_read"])], dtype=torch.float64)
@@ -125,7 +131,9 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
                 "vocab_size": vocab,
                 "params_dtype": dtype,
                 "vocab_div": vocab_div,
-                "saved_layout": {"tp": tp, "pp": pp, "ep": ep, "world": world_size()},
+                "saved_layout": {"tp": tp, "pp": pp, "ep": ep, "world": world_size(),
+                                 "num_layers_in_first_pipeline_stage": first,
+                                 "num_layers_in_last_pipeline_stage": last},
             }
             for name, obj in (("hf_config.json", hf_cfg), (META_NAME, meta)):
                 with open(os.path.join(out_dir, name), "w") as f:
@@ -147,9 +155,11 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
 def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: str,
                               max_shard_size: str | int = "5GB", tp: int = 1, pp: int = 1, ep: int = 1,
                               progress: bool = True, vocab_div: int | None = None,
-                              fsync: bool = False) -> dict[str, Any]:
-    """Megatron torch_dist checkpoint (any saved layout) -> HF checkpoint dir, loaded at
-    layout (tp, pp, ep) in the current torchrun world (1 process otherwise). The HF config
+                              fsync: bool = False, first: int | None = None,
+                              last: int | None = None) -> dict[str, Any]:
+    """Megatron torch_dist checkpoint (any saved layout, uneven PP stages included) -> HF
+    checkpoint dir, loaded at layout (tp, pp, ep) in the current torchrun world (1 process
+    otherwise), with ``first`` / ``last`` layers on the first / last PP stage when set. The HF config
     (and tokenizer files) come from ``hf_config_dir``; it must be the config the checkpoint
     was converted from (``hf_config.json`` in the checkpoint is compared when present:
     ValueError naming the first differing field; a corrupt ``hf_config.json`` or
@@ -163,7 +173,7 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     hf_cfg = read_hf_config(hf_config_dir)
     fam = get_family(hf_cfg.get("model_type"))
     arch_now = fam.arch_args(hf_cfg)
-    check_layout(hf_cfg, tp, pp, ep)
+    check_layout(hf_cfg, tp, pp, ep, first=first, last=last)
     check_out_dir(out_dir)
     if not os.path.isdir(megatron_dir):
         raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} "
@@ -194,7 +204,7 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     with parallel_layout(tp, pp, ep):
         clock.mark("setup_s")
         model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
-                                   padded_vocab=rows)
+                                   padded_vocab=rows, first=first, last=last)
         clock.mark("build_s")
         load_megatron_into_model(model, megatron_dir, ckpt_md)
         clock.mark("torch_dist_load_s")

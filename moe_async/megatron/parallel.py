@@ -239,6 +239,25 @@ def destroy_process_groups() -> None:
         threading.Thread(target=keep.clear, name="moe_async-release-process-groups", daemon=False).start()
 
 
+FIRST_FLAG = "--num-layers-in-first-pipeline-stage"
+LAST_FLAG = "--num-layers-in-last-pipeline-stage"
+
+
+def _uneven_stage_errors(num_layers: int, pp: int, first: int | None, last: int | None) -> list[str]:
+    """Why layers per first / last PP stage do not fit ``num_layers`` at ``pp`` stages
+    (Megatron-Core's TransformerConfig rule: the stages in between split the rest evenly,
+    each at least one layer when there is a rest), naming the flags; [] when they fit."""
+    set_ = [f"{f} {v}" for f, v in ((FIRST_FLAG, first), (LAST_FLAG, last)) if v is not None]
+    if pp < 2:
+        return [f"{' and '.join(set_)} need --pp > 1 (got --pp {pp})"]
+    rest = num_layers - (first or 0) - (last or 0)
+    others = pp - (first is not None) - (last is not None)
+    if rest < 0 or (others == 0 and rest != 0) or (others and (rest % others or rest == 0)):
+        return [f"{' and '.join(set_)} leave {rest} of num_hidden_layers={num_layers} for the {others} other "
+                f"stage(s) of --pp {pp}: they must split evenly"]
+    return []
+
+
 def _layout_world() -> int:
     """World size of this run: the process group's, else ``WORLD_SIZE`` (torchrun), else 1."""
     import torch.distributed as dist
@@ -248,7 +267,8 @@ def _layout_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = None) -> None:
+def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = None,
+                 first: int | None = None, last: int | None = None) -> None:
     """Refuse, before any process group or model exists, a layout Megatron cannot build the
     model of ``hf_cfg`` at, naming the flag and the config field. ValueError when: a size is
     not a positive integer; ``--tp`` does not divide the attention heads, the query groups
@@ -257,9 +277,15 @@ def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = No
     layers; ``--ep`` does not divide the routed experts (or is > 1 for a dense model); the
     world (``world``, default: this run's, see :func:`_layout_world`) is not a multiple of
     ``tp * pp`` or of ``ep * pp`` (expert TP is 1; Megatron's own rules,
-    ``parallel_state.initialize_model_parallel``). All problems are listed in one message."""
+    ``parallel_state.initialize_model_parallel``). Uneven stages (``first`` / ``last``: layers
+    on the first / last PP stage, Megatron-Core's ``num_layers_in_first/last_pipeline_stage``)
+    need ``--pp`` > 1 and leave the other stages an even split of the rest, instead of ``--pp``
+    dividing the layers. All problems are listed in one message."""
     for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+    for flag, v in ((FIRST_FLAG, first), (LAST_FLAG, last)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
     from moe_async.models import get_family
 
@@ -280,7 +306,9 @@ def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = No
     shared = getattr(tf, "moe_shared_expert_intermediate_size", None)
     if shared and shared % tp:
         errs.append(f"--tp {tp} does not divide the shared-expert width {shared}")
-    if tf.num_layers % pp:
+    if first is not None or last is not None:
+        errs += _uneven_stage_errors(tf.num_layers, pp, first, last)
+    elif tf.num_layers % pp:
         errs.append(f"--pp {pp} does not divide num_hidden_layers={tf.num_layers}")
     if a.num_experts:
         if a.num_experts % ep:

@@ -20,6 +20,9 @@ Chunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER_RE = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _EXPERT_RE = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
+# the grouped expert MLP (Megatron-Core's TEGroupedMLP): local expert i's weight is
+# ``experts.linear_fc1.weight<i>``; its sharded-state key and offsets are the sequential one's
+_GROUPED_RE = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int) -> int:
@@ -79,6 +82,9 @@ def _renumber(local: str, sh_key: str, prepend: int, gofs: tuple[int, ...]) -> s
             raise ValueError(f"{local!r}: layer tensor without a prepended layer axis")
         layer, n_layer_axes = gofs[0], 1
     name = f"{m.group(1)}{layer}{m.group(3)}"
+    g = _GROUPED_RE.match(name)
+    if g is not None:  # named as the sequential layout's expert (renumbered globally below)
+        name = f"{g.group(1)}local_experts.{g.group(4)}.{g.group(2)}.{g.group(3)}"
     e = _EXPERT_RE.match(name)
     if e is not None:
         if prepend < n_layer_axes + 1:
