@@ -69,7 +69,7 @@ def main(tmp: str) -> dict:
         return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
 
     ss = samples()
-    res: dict = {"src": {k: tensor_checksum(t) for k, t in iter_hf_tensors(src)}}
+    res: dict = {n: {k: tensor_checksum(t) for k, t in iter_hf_tensors(d)} for n, d in (("src", src), ("other", other))}
     seq = MegatronTrainer(cfg(), src)
     res["seq_modules"] = experts(seq)
     lp_seq = seq.compute_logprobs(ss)
