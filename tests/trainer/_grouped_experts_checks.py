@@ -3,6 +3,8 @@ from ``TESpecProvider``, the product build path) against the sequential expert M
 results as JSON on stdout.
 
     python _grouped_experts_checks.py TMP
+    torchrun --nproc_per_node 2 _grouped_experts_checks.py TMP ep2   (after the 1-process run)
+        a grouped trainer at EP2 loads ``seq_ckpt``: export checksums, logprobs (TMP/ep2.json)
 
 Only Transformer Engine is stood in: Megatron-Core's own TE grouped linear classes compiled over
 a plain-torch ``GroupedLinear`` (tests/models/_te_grouped_standin.py), and the CUDA + TE probe
@@ -72,7 +74,7 @@ def main(tmp: str) -> dict:
     res: dict = {n: {k: tensor_checksum(t) for k, t in iter_hf_tensors(d)} for n, d in (("src", src), ("other", other))}
     seq = MegatronTrainer(cfg(), src)
     res["seq_modules"] = experts(seq)
-    lp_seq = seq.compute_logprobs(ss)
+    lp_seq = res["seq_logprobs"] = seq.compute_logprobs(ss)
     res["seq_export"] = seq.hf_checksums()
     seq.save_checkpoint(os.path.join(tmp, "seq_ckpt"))
     seq.close()
@@ -97,6 +99,30 @@ def main(tmp: str) -> dict:
     res["seq2_step2"] = step(seq2)
     res["seq2_after_step2"] = seq2.hf_checksums()
     seq2.close()
+    return res
+
+
+def ep2(tmp: str) -> dict:
+    """The grouped layout at EP2 (2 local experts per rank) loads the 1-process sequential
+    checkpoint: its export and logprobs, to compare with the 1-process run's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    import _te_grouped_standin
+    from _trainer_checks import samples
+
+    import moe_async.trainer.moe_kernels as mk
+    from moe_async.trainer.config import TrainerConfig
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    _te_grouped_standin.install()
+    mk.grouped_gemm_available = lambda: True
+    tr = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3, moe_grouped_gemm=True,
+                                       expert_model_parallel_size=2), os.path.join(tmp, "other"))
+    tr.load_checkpoint(os.path.join(tmp, "seq_ckpt"))
+    res = {"ep2_local_experts": tr.model.decoder.layers[0].mlp.experts.num_local_experts,
+           "ep2_export": tr.hf_checksums(), "ep2_logprobs": tr.compute_logprobs(samples())}
+    tr.close()
     return res
 
 
@@ -129,4 +155,10 @@ def strict_load(model, path: str) -> dict:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(main(sys.argv[1])))
+    if sys.argv[2:] == ["ep2"]:
+        out = ep2(sys.argv[1])
+        if int(os.environ["RANK"]) == 0:
+            with open(os.path.join(sys.argv[1], "ep2.json"), "w") as f:
+                json.dump(out, f)
+    else:
+        print(json.dumps(main(sys.argv[1])))

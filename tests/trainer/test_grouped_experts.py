@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from _launch import run_json
+from _launch import merged_json, run_json, torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_grouped_experts_checks.py")
@@ -21,8 +21,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check wit
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    return run_json(SCRIPT, str(tmp_path_factory.mktemp("grouped")), timeout=400)
+def tmp(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("grouped"))
+
+
+@pytest.fixture(scope="module")
+def res(tmp):
+    return run_json(SCRIPT, tmp, timeout=400)
 
 
 def test_product_path_builds_megatron_grouped_mlp(res):
@@ -53,3 +58,14 @@ def test_grouped_checkpoint_loads_into_sequential_and_steps_equal(res):
     for k in ("loss", "grad_norm", "num_tokens"):
         assert abs(a[k] - b[k]) <= 1e-6 * max(abs(a[k]), 1e-12), (k, a[k], b[k])
     assert res["seq2_after_step2"] == res["grp_after_step2"]
+
+
+@pytest.mark.slow
+def test_grouped_at_ep2_loads_sequential_checkpoint(res, tmp):
+    """EP2 (2 local experts per rank: local index != global index) loads the 1-process
+    sequential checkpoint: the same export and logprobs."""
+    torchrun(2, SCRIPT, tmp, "ep2", timeout=400)
+    r = merged_json(tmp, "ep2")
+    assert r["ep2_local_experts"] == 2
+    assert r["ep2_export"] == res["src"]
+    assert max(abs(x - y) for u, v in zip(r["ep2_logprobs"], res["seq_logprobs"]) for x, y in zip(u, v)) <= 1e-6
