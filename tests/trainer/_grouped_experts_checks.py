@@ -150,7 +150,8 @@ def strict_load(model, path: str) -> dict:
     tensors = [k for k, v in got.items() if isinstance(v, torch.Tensor) and v.numel() and k in state]
     same = [k for k in tensors if got[k].shape == state[k].shape and torch.equal(got[k], state[k])]
     return {"absent": sorted(absent), "ckpt_only": sorted(k for k in in_ckpt_only if not is_optimizer_key(k)),
-            "equal": len(same), "unequal": sorted(set(tensors) - set(same)), "expert_keys": sorted(k for k in got if "experts" in k and "_extra_state" not in k)}
+            "equal": len(same), "unequal": sorted(set(tensors) - set(same)),
+            "expert_keys": sorted(k for k in got if "experts" in k and "_extra_state" not in k)}
 
 
 if __name__ == "__main__":
