@@ -186,7 +186,11 @@ def trainer_common_state(trainer: Any) -> dict[str, Any]:
                "expert_tensor_parallel_size": getattr(c, "expert_tensor_parallel_size", None) or 1,
                "context_parallel_size": getattr(c, "context_parallel_size", 1) or 1,
                "virtual_pipeline_model_parallel_size": c.virtual_pipeline_model_parallel_size,
-               "micro_batch_size": c.micro_batch_size, "lr": c.lr})
+               "micro_batch_size": c.micro_batch_size, "lr": c.lr,
+               # uneven pipeline stages and the expert MLP layout, under Megatron-LM's names
+               "decoder_first_pipeline_num_layers": getattr(c, "num_layers_in_first_pipeline_stage", None),
+               "decoder_last_pipeline_num_layers": getattr(c, "num_layers_in_last_pipeline_stage", None),
+               **({"moe_grouped_gemm": True} if getattr(c, "moe_grouped_gemm", False) else {})})
     return common_state(trainer.version, args)
 
 

@@ -93,3 +93,20 @@ def test_cli_refusal_is_one_line_and_writes_nothing(mix4, tmp_path):
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
     assert "convert_hf_to_megatron: error:" in p.stderr and "--num-layers-in-last-pipeline-stage 4" in p.stderr
     assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_trainer_checkpoint_args_record_uneven_stages(mix4):
+    """The trainer's own checkpoints record their stage sizes in Megatron-LM's args as well
+    (``decoder_first/last_pipeline_num_layers``, which Megatron-Bridge's loader reads)."""
+    import types
+
+    from moe_async.megatron.container import trainer_common_state
+    from moe_async.models import get_family, hf_config_dict
+    from moe_async.trainer.config import TrainerConfig
+
+    hf = hf_config_dict(mix4)
+    cfg = TrainerConfig(pipeline_model_parallel_size=2, num_layers_in_last_pipeline_stage=1)
+    tr = types.SimpleNamespace(cfg=cfg, family=get_family(hf["model_type"]), hf_config=hf, vocab_size=256, version=7)
+    args = trainer_common_state(tr)["args"]
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (None, 1)
+    assert args.pipeline_model_parallel_size == 2 and args.moe_grouped_gemm is False

@@ -89,6 +89,10 @@ def main(tmp: str) -> dict:
     res["grp_step1"] = step(grp)
     res["grp_after_step1"] = grp.hf_checksums()
     grp.save_checkpoint(os.path.join(tmp, "grp_ckpt"))
+    from moe_async.megatron.container import resolve
+
+    args = torch.load(os.path.join(resolve(os.path.join(tmp, "grp_ckpt")), "common.pt"), weights_only=False)["args"]
+    res["grp_args_moe_grouped_gemm"] = args.moe_grouped_gemm  # Megatron-LM's args in common.pt
     res["grp_step2"] = step(grp)
     res["grp_after_step2"] = grp.hf_checksums()
     grp.close()

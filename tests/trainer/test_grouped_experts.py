@@ -53,6 +53,7 @@ def test_megatron_strict_load_of_grouped_sharded_state_dict(res):
 
 def test_grouped_checkpoint_loads_into_sequential_and_steps_equal(res):
     assert res["grp_after_step1"] != res["src"]
+    assert res["grp_args_moe_grouped_gemm"] is True  # Megatron-LM's args say which layout saved it
     assert res["seq2_loaded"] == res["grp_after_step1"]
     a, b = res["seq2_step2"], res["grp_step2"]
     for k in ("loss", "grad_norm", "num_tokens"):
