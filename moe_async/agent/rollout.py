@@ -45,9 +45,11 @@ class AgentRollout:
         """The environment of ``problem``'s trajectory, or None (single-turn)."""
         return env_class_of(problem, self.cfg.env_class)
 
-    async def sample(self, problem: Any, generate_turn: GenerateTurn, max_new_tokens: int) -> Sample:
+    async def sample(self, problem: Any, generate_turn: GenerateTurn, max_new_tokens: int,
+                     count: bool = True) -> Sample:
         """One trajectory of ``problem`` as a trainable sample (reward set from the
-        environment); ValueError when the row names no environment."""
+        environment); ``count``: add it to :meth:`metrics` (False for evals). ValueError when
+        the row names no environment."""
         name = self.env_class(problem)
         if name is None:
             raise ValueError("rollout.agent.enabled but neither rollout.agent.env_class nor the row's env_class is set")
@@ -55,9 +57,10 @@ class AgentRollout:
         s, st = await run_trajectory(env, name, self.messages_of(problem), self.renderer, generate_turn, self.cfg,
                                      max_new_tokens, tools=self.tools, eos_token_ids=self.eos_token_ids,
                                      max_context_len=self.max_context_len)
-        self.counters["trajectories"] += 1
-        for k, v in st.as_metrics().items():
-            self.counters[k] += v
+        if count:
+            self.counters["trajectories"] += 1
+            for k, v in st.as_metrics().items():
+                self.counters[k] += v
         if st.mismatch_notes and not self._mismatch_logged:
             self._mismatch_logged = True
             log.warning("%s (counted in rollout/agent/template_mismatches; further ones only counted)",

@@ -265,12 +265,16 @@ class RolloutManager:
         reasoning-gym exact-match scorer, ``dataset.score``, reported beside it; equal to
         ``accuracy`` when ``rollout.reward='reasoning_gym'``), ``reward_errors`` (samples whose
         configured reward failed or timed out, scored 0), ``n`` (scored), ``n_skipped``
-        (prompt too long or dropped) and ``mean_response_len`` (tokens).
+        (prompt too long or dropped) and ``mean_response_len`` (tokens). With ``rollout.agent``
+        each problem is a greedy trajectory: reward its environment's, task score 1.0 when it
+        reached reward 1.0 within the turn budget, length its sampled tokens.
         """
         max_new_tokens = int(max_new_tokens or self.cfg.eval_max_new_tokens)
         sem = asyncio.Semaphore(max(1, self.cfg.max_concurrent_groups * self.cfg.n_samples_per_prompt))
 
         async def one(p: Any) -> tuple[float, str | None, float, int] | None:
+            if self.agent is not None:  # multi-turn: success within the turn budget, greedy turns
+                return await agent_one(p)
             async with sem:
                 prompt_ids = self.dataset.build_prompt_ids(p)
                 max_new = self._check_length(len(prompt_ids), max_new_tokens, count=False)
@@ -284,6 +288,17 @@ class RolloutManager:
             r = await self.reward_pool.score(p, text)
             task_score = float(self.dataset.score(p, text))
             return float(r.reward), r.error, task_score, len(s.response_ids)
+
+        async def agent_one(p: Any) -> tuple[float, str | None, float, int] | None:
+            async def turn(ids: list[int], n: int) -> Sample:
+                return await self._generate_sample(ids, n, greedy=True)
+
+            async with sem:
+                try:
+                    s = await self.agent.sample(p, turn, max_new_tokens, count=False)
+                except DropGroup:
+                    return None
+            return float(s.reward), None, float(s.reward >= 1.0), int(sum(s.response_mask()))
 
         res = await asyncio.gather(*(one(p) for p in problems))
         done = [r for r in res if r is not None]
