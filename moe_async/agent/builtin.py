@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import time
 from typing import Any
 
 from moe_async.agent.env import EnvStep, TextEnv, register_env
@@ -20,15 +21,20 @@ from moe_async.agent.tools import Tool
 @register_env("answer_retry")
 class AnswerRetryEnv(TextEnv):
     """Answer checker with retries (module docstring). ``extras``: SkyRL-gym's
-    ``reward_spec.ground_truth``; ``env_config.retry_message`` overrides the reply."""
+    ``reward_spec.ground_truth``; ``env_config.retry_message`` overrides the reply,
+    ``env_config.step_delay_s`` makes each step take that long (a slow tool's latency)."""
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None):
         super().__init__(env_config, extras)
         self.answer = str(self.extras.get("reward_spec", {}).get("ground_truth", ""))
         self.retry = str(self.env_config.get("retry_message", "Wrong, try again."))
+        self.step_delay_s = float(self.env_config.get("step_delay_s", 0.0))
 
     def step(self, action: str) -> EnvStep:
         from moe_async.rollout.tasks import _clean_number, extract_answer
+
+        if self.step_delay_s > 0:  # a stand-in for a slow tool or sandbox (tools/bench_async.py)
+            time.sleep(self.step_delay_s)
 
         got = extract_answer(action)
         ok = got is not None and _clean_number(got) == _clean_number(self.answer)

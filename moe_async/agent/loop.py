@@ -11,7 +11,8 @@ Per turn::
     trajectory += chat-template tokens of the observations (checked against the full render)
 
 A trajectory waiting on its tools or its environment holds no engine request: each turn is
-its own request, sent only when the sequence so far is complete. It ends when the
+its own request, sent only when the sequence so far is complete; ``env.step`` runs in a
+worker thread, so a slow environment does not stall the other trajectories either. It ends when the
 environment says done, after ``agent.max_turns`` model turns, or when the next turn would
 pass ``agent.max_trajectory_tokens`` (``finish_reason`` ``'length'``). Its reward is the sum
 of the environment's step rewards.
@@ -19,6 +20,7 @@ of the environment's step rewards.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -92,7 +94,10 @@ async def run_trajectory(env: Any, env_name: str, prompt: list[dict], renderer: 
             if calls:
                 obs = await run_tool_calls(calls, tools, cfg.tool_timeout_s, stats.tools)
             else:
-                step = as_step(env.step(tok.decode(turn.response_ids, skip_special_tokens=True)), env_name)
+                action = tok.decode(turn.response_ids, skip_special_tokens=True)
+                # in a worker thread: a slow environment (a sandbox, a judge) holds neither the
+                # event loop nor an engine slot while other trajectories generate
+                step = as_step(await asyncio.to_thread(env.step, action), env_name)
                 stats.env_steps += 1
                 reward += step.reward
                 obs, done = step.observations, step.done
