@@ -6,7 +6,8 @@ that spans from different processes line up):
 
 - :class:`SpanRecorder` lives where the work happens (the rollout manager: one span per engine
   request, ``generate``, on track ``engine <i>``; one per group's scoring, ``reward``, on
-  track ``reward``) and is drained by the driver every step.
+  track ``reward``; one per tool call of a multi-turn trajectory, ``tool <name>``, on track
+  ``tools``) and is drained by the driver every step.
 - :class:`Timeline` lives in the driver: :meth:`Timeline.phase` marks the start of the next
   phase of the trainer loop (``wait``, ``train``, ``sync``, ``save``, ``eval_before`` ...; a
   phase ends where the next begins or at :meth:`Timeline.idle`), :meth:`Timeline.end_step`
