@@ -1,4 +1,4 @@
-"""Built-in environments and tools (registered by name; see moe_async/agent/env.py).
+"""Built-in environments and tools (registered by name; selected in moe_async/agent/env.py).
 
 - ``answer_retry`` (:class:`AnswerRetryEnv`): the model answers; a correct answer (the row's
   label, compared after number normalisation) ends the trajectory with reward 1.0, a wrong
@@ -14,7 +14,7 @@ import operator
 import time
 from typing import Any
 
-from moe_async.agent.env import EnvStep, TextEnv, register_env
+from moe_async.agent.env_base import EnvStep, TextEnv, register_env
 from moe_async.agent.tools import Tool
 
 

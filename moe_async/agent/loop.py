@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from moe_async.agent.config import AgentConfig
-from moe_async.agent.env import as_step
+from moe_async.agent.env_base import as_step
 from moe_async.agent.template import ChatRenderer, TemplateMismatch
 from moe_async.agent.tools import Tool, ToolStats, parse_tool_calls, run_tool_calls
 from moe_async.agent.trajectory import Trajectory

@@ -59,3 +59,13 @@ def test_skyrl_gym_env_trains_through_moe_async_train(tmp_path):
     assert r["rollout/agent/turns_per_trajectory"] > 1.0
     assert r["rollout/agent/observation_tokens"] > 0 and r["rollout/agent/template_mismatches"] == 0
     assert summary["buffer"]["samples_trained"] == 2 * 2 * 4
+
+
+def test_config_names_a_missing_or_unknown_environment():
+    from moe_async.config import ExperimentConfig
+
+    with pytest.raises(ValueError, match="rollout.agent.enabled: set rollout.agent.env_class"):
+        ExperimentConfig(rollout={"agent": {"enabled": True}})
+    with pytest.raises(ValueError, match="unknown env_class 'nope'.*answer_retry"):
+        ExperimentConfig(rollout={"agent": {"enabled": True, "env_class": "nope"}})
+    assert ExperimentConfig(rollout={"agent": {"enabled": True, "env_class": "answer_retry"}}).rollout.agent.enabled
