@@ -58,3 +58,19 @@ def test_snapshot_round_trip_keeps_the_mask():
     assert sample_from_dict(d).loss_mask == [1, 0, 1]
     d.pop("loss_mask")  # a snapshot written before multi-turn samples
     assert sample_from_dict(d).loss_mask is None
+
+
+def test_staleness_counts_sampled_tokens_only():
+    """A trajectory's staleness is its oldest sampled token's; the histogram of trained
+    tokens counts sampled tokens only (observations are not generated)."""
+    from moe_async.buffer.buffer import RolloutBuffer
+    from moe_async.types import Group
+
+    s = Sample(prompt_ids=[1], response_ids=[2, 3, 4, 5], rollout_logprobs=[-1.0, 0.0, 0.0, -1.0],
+               weight_versions=[4, 4, 4, 5], loss_mask=[1, 0, 0, 1])
+    assert s.oldest_version == 4
+    buf = RolloutBuffer(groups_per_step=1, max_staleness=1)
+    assert buf.admit() is not None
+    buf.put(Group(group_id=0, samples=[s], start_version=4))
+    (g,) = buf.get_batch(5)
+    assert g.samples[0] is s and dict(buf.staleness_hist) == {1: 1, 0: 1}
