@@ -69,3 +69,23 @@ def test_config_names_a_missing_or_unknown_environment():
     with pytest.raises(ValueError, match="unknown env_class 'nope'.*answer_retry"):
         ExperimentConfig(rollout={"agent": {"enabled": True, "env_class": "nope"}})
     assert ExperimentConfig(rollout={"agent": {"enabled": True, "env_class": "answer_retry"}}).rollout.agent.enabled
+
+
+def test_env_class_column_selects_the_rows_environment(tmp_path):
+    """A verl Parquet file with SkyRL's ``env_class`` column (written with ``datasets``): each
+    row's environment is its own; rows without one fall back to rollout.agent.env_class."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "data"))
+    from _fixtures import verl_rows, write_parquet
+
+    from moe_async.agent.env import env_class_of
+    from moe_async.data.config import DataConfig
+    from moe_async.data.dataset import FileDataset
+
+    rows = verl_rows(3)
+    for i, r in enumerate(rows):
+        r["env_class"] = "skyrl_gym:gsm8k_multi_turn" if i == 1 else None
+    ds = FileDataset(DataConfig(train=str(write_parquet(tmp_path / "t.parquet", rows)), default_reward="exact_match"))
+    assert [env_class_of(ds.row(i), "answer_retry") for i in range(3)] == [
+        "answer_retry", "skyrl_gym:gsm8k_multi_turn", "answer_retry"]
