@@ -74,3 +74,16 @@ def test_staleness_counts_sampled_tokens_only():
     buf.put(Group(group_id=0, samples=[s], start_version=4))
     (g,) = buf.get_batch(5)
     assert g.samples[0] is s and dict(buf.staleness_hist) == {1: 1, 0: 1}
+
+
+def test_step_metrics_count_sampled_tokens_and_report_agent_counters():
+    from moe_async.orchestration.metrics import batch_metrics, loop_metrics
+    from moe_async.types import Group
+
+    s = Sample(prompt_ids=[1], response_ids=[2, 3, 4, 5], rollout_logprobs=[-1.0, 0.0, 0.0, -1.0],
+               weight_versions=[4, 4, 4, 5], loss_mask=[1, 0, 0, 1])
+    m = batch_metrics([Group(group_id=0, samples=[s])], trainer_version=5)
+    assert m["buffer/staleness_hist/1"] == 1.0 and m["buffer/staleness_hist/0"] == 1.0
+    assert m["buffer/staleness_mean"] == 0.5
+    lm = loop_metrics({"drop_reasons": {}}, {"rollout/agent/turns": 6.0, "rollout/agent/tool_errors": 1.0}, {}, 1.0)
+    assert lm["rollout/agent/turns"] == 6.0 and lm["rollout/agent/tool_errors"] == 1.0
