@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo smoke test test-slow gpu-lock gpu-check-wheels
+.PHONY: setup demo smoke test test-slow docs gpu-lock gpu-check-wheels
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile constraints/cpu.txt
@@ -33,6 +33,11 @@ smoke: setup
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
 
+# The documentation site (mkdocs.yml over docs/) into site/; --strict: a broken link or anchor
+# fails the build (never add -q: it hides the warnings --strict counts).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 # Re-resolve the GPU environment's locks (constraints/gpu-py3*.txt) against the package index
 # after a pin in pyproject.toml changed; tests/env/test_gpu_env.py checks they still agree.
 gpu-lock: setup
@@ -43,6 +48,6 @@ gpu-lock: setup
 gpu-check-wheels: setup
 	$(PY) tools/gpu_env.py wheels --dest shared/wheels
 
-# the tests `make test` deselects (marked slow; the list is in the README's "Two commands")
+# the tests `make test` deselects (marked slow; listed in docs/getting-started.md)
 test-slow: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow $(ARGS)

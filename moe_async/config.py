@@ -63,14 +63,14 @@ class ExperimentConfig(ConfigModel):
                 f"async.max_staleness={a.max_staleness} cannot hold with weight_sync.interval_steps="
                 f"{w.interval_steps}: tokens would be at least {w.interval_steps - 1} versions old"
             )
-        # C11: off-policy data needs a correction.
+        # off-policy data needs a correction (else anchored to the wrong policy).
         if a.max_staleness > 0 and t.off_policy_correction == "none":
             raise ValueError(
                 "trainer.off_policy_correction='none' with async.max_staleness>0 trains off-policy "
                 "data uncorrected; choose one of 'tis', 'tis_seq', 'mis', 'mis_seq', 'icepop', 'opsm', "
                 "'decoupled_ppo' (or set async.mode='sync')"
             )
-        # C1: SGLang applies each bucket as it arrives; pausing only for the last bucket
+        # atomic apply: SGLang applies each bucket as it arrives; pausing only for the last bucket
         # would serve requests from half-updated weights (the embedded engine stages them)
         if self.engine.backend == "sglang" and w.transport in ("broadcast", "tensor") and w.pause_scope == "last_bucket":
             raise ValueError(
@@ -178,7 +178,7 @@ def _format_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-#: The key naming a config's base files (``configs/README`` / the README's Configs section).
+#: The key naming a config's base files (``docs/configs.md``).
 BASE_KEY = "base"
 
 

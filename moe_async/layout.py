@@ -1,7 +1,7 @@
 """Megatron's parallel-layout rule: the data-parallel sizes a world of ranks leaves.
 
 Megatron-Core (``parallel_state.initialize_model_parallel``) lays out two grids over the same
-ranks (case C24):
+ranks (Megatron's layout rule):
 
     dense layers:  world = TP x CP x DP x PP
     expert layers: world = ETP x EP x EDP x PP

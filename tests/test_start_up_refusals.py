@@ -111,6 +111,30 @@ def test_train_refuses_a_layout_the_model_cannot_take_before_ray(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("override,field", [("trainer.moe_grouped_gemm=true", "trainer.moe_grouped_gemm=true"),
+                                            ("trainer.moe_token_dispatcher_type=flex",
+                                             "trainer.moe_token_dispatcher_type='flex'")])
+def test_train_refuses_kernels_this_host_cannot_build_before_ray(tmp_path, override, field):
+    """A local run asking for the grouped expert MLP or the flex dispatcher on a host without
+    CUDA / Transformer Engine / DeepEP: one line naming the field, exit 2, before any Ray
+    process or run dir (the trainer actor used to refuse it after Ray and the engines started)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("refusals of a CPU host")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), override,
+                        f"logging.output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "[moe-async] trainer:" not in r.stdout
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("moe-async:")]
+    assert line.startswith(f"moe-async: {field} needs CUDA"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
+
+
 def test_layout_refused_after_preparation_removes_its_run_dir(tmp_path, monkeypatch):
     """A model whose config.json is known only once made (smollm2_upcycled before its first
     run): the refusal after preparation removes the run dir it made."""

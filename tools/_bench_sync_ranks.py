@@ -10,7 +10,7 @@ actors do. Per repeat: one raw broadcast of the model's bytes from rank 0 into e
 the same weight-update group (``/debug_receive_broadcast``; the slowest receiver's time), the
 sync, another raw broadcast; ratio = sync GB/s / mean raw GB/s. Then one more sync with each
 rank's extra tensor bytes counted (``AliveBytes``, overlap off: one bucket buffer) beside the
-C14 bound (bucket + largest tensor, + a fused QKV's split copies), and the check mode.
+streamed-export bound (bucket + largest tensor, + a fused QKV's split copies), and the check mode.
 Rank 0 writes JSON.
 """
 

@@ -53,10 +53,10 @@ stall (``sync/pause_seconds``: engines paused) for both pause scopes.
 
 ``--trainer-layouts``: instead of the 1-process paths, a 2-rank MegatronTrainer (TP2 and/or EP2,
 torchrun/gloo, tools/_bench_sync_ranks.py) syncs into ``--engines`` embedded engines through the
-streamed export (C14: each tensor gathered into the bucket that is sent); ratio = sync GB/s over
+streamed export (bounded memory: each tensor gathered into the bucket that is sent); ratio = sync GB/s over
 a raw broadcast of the same bytes from rank 0 to the same engines over the same group, just
 before and after each sync; each rank's peak extra tensor bytes during a sync printed beside the
-C14 bound (one bucket + the largest tensor + a fused QKV's split copies).
+streamed-export bound (one bucket + the largest tensor + a fused QKV's split copies).
 """
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ def multi_rank(args, path: str, total: int) -> None:
                       f"sync {md['sync_gbps']:.2f} GB/s, raw {md['raw_gbps']:.2f} GB/s, stall {md['stall_s']:.3f}s "
                       f"(sync {md['seconds']:.3f}s: broadcasts {md['broadcast_s']:.3f}s, waiting for the export "
                       f"{md['export_wait_s']:.3f}s, export busy {md['export_s']:.3f}s; raw {md['raw_s']:.3f}s); "
-                      f"peak extra bytes per rank {[round(p / MiB, 2) for p in r['peaks']]} MiB vs C14 bound "
+                      f"peak extra bytes per rank {[round(p / MiB, 2) for p in r['peaks']]} MiB vs the streamed-export bound "
                       f"{r['bound'] / MiB:.2f} MiB (bucket {r['bucket_bytes'] / MiB:g} + largest "
                       f"{r['largest_bytes'] / MiB:.2f} + fused QKV {r['fused_bytes'] / MiB:.2f}); model "
                       f"{total / MiB:.1f} MiB; check mode: {r['check_tensors']:.0f} tensors equal", flush=True)

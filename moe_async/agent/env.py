@@ -7,16 +7,14 @@ An environment is made per trajectory and driven as::
                                   # SkyRL-gym returns, or an EnvStep)
     env.close()
 
-``observations`` are chat messages (``{"role": "user" | "tool", "content": str}``) appended
-to the conversation; the trajectory's reward is the sum of the step rewards. SkyRL-gym
-environments (``skyrl_gym.make(id, env_config=..., extras=...)``) run unchanged; ours
-subclass :class:`TextEnv` and are registered by name in :data:`ENVS`.
+``observations`` are chat messages appended to the conversation; the trajectory's reward is
+the sum of the step rewards. SkyRL-gym's environments run unchanged; ours subclass
+:class:`TextEnv` and are registered by name in :data:`ENVS`.
 
 Selection (:func:`make_env`): the data row's ``env_class`` (``Row.extra_info["env_class"]``
 or ``Row.metadata["env_class"]``; verl/SkyRL files carry it as a column) or else
-``agent.env_class``. A name in :data:`ENVS` is ours; ``skyrl_gym:<id>`` (or any id SkyRL-gym
-has registered) is SkyRL-gym's. The row's label becomes ``extras["reward_spec"]["ground_truth"]``
-and its ``extra_info`` ``extras["extra_info"]``, as SkyRL's dataset rows carry them.
+``agent.env_class``: a name in :data:`ENVS`, or a SkyRL-gym id (``skyrl_gym:<id>``). The row's
+label and ``extra_info`` become SkyRL's ``extras`` (:func:`env_extras`).
 """
 
 from __future__ import annotations

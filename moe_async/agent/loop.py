@@ -10,9 +10,8 @@ Per turn::
           : observations, reward, done = env.step(text)
     trajectory += chat-template tokens of the observations (checked against the full render)
 
-A trajectory waiting on its tools or its environment holds no engine request: each turn is
-its own request, sent only when the sequence so far is complete; ``env.step`` runs in a
-worker thread, so a slow environment does not stall the other trajectories either. It ends when the
+Each turn is its own request, so a trajectory waiting on a tool or on ``env.step`` (run in a
+worker thread) holds no engine request and stalls no other trajectory. It ends when the
 environment says done, after ``agent.max_turns`` model turns, or when the next turn would
 pass ``agent.max_trajectory_tokens`` (``finish_reason`` ``'length'``). Its reward is the sum
 of the environment's step rewards.

@@ -6,10 +6,8 @@ taking the call's arguments as keywords and returning a string (anything else is
 ``json.dumps``-ed or ``str``-ed).
 
 Parsing (:func:`parse_tool_calls`): SGLang's ``FunctionCallParser`` with the model family's
-detector (``rollout.agent.tool_parser``: ``qwen25`` for Qwen2.5/Qwen3's Hermes-style
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, ``deepseekv3``, ``llama3``,
-``mistral``, ``pythonic``, ... as SGLang names them), the same code the SGLang server runs,
-so the engine's and the rollout's reading of a turn agree.
+detector (``rollout.agent.tool_parser``: ``qwen25`` for Hermes-style ``<tool_call>`` JSON,
+``deepseekv3``, ``llama3``, ...), the code the SGLang server runs.
 
 Execution (:func:`run_tool_calls`): every call of a turn concurrently, each under its own
 timeout (``tool_timeout_s``); a call that raises, times out, names an unknown tool or has

@@ -1,30 +1,13 @@
 """RolloutBuffer: the only meeting point of generation and training.
 
-Two rules bound how far the two sides drift (``K = max_staleness``, ``B`` = groups per
-training step, ``v`` = the engines' weight_version, ``v0`` = the version at which this
-buffer (re)started):
+Admission: a group may start only while ``admitted - retired < (v - v0 + K + 1) * B`` (engine
+version ``v``, start version ``v0``, ``K = max_staleness``, ``B`` groups per step), so a group is
+trained at most K versions after it was admitted, also after a resume (AReaL's staleness
+control). Batches are whole groups, FIFO; a group whose oldest token is more than K versions
+behind the trainer is dropped and counted. The wait for a batch is split into "filling" and
+"straggler" seconds.
 
-1. **Admission** (before a group is generated): a group may start only while
-   ``admitted - retired < (v - v0 + K + 1) * B`` where ``admitted`` counts groups admitted
-   since (re)start and ``retired`` those cancelled or dropped (never trained). Because the
-   trainer consumes ``B`` groups per version, a group admitted at version ``v`` is trained
-   at a trainer version ``<= v + K``. The count is relative to ``v0``, so a resume at
-   version 10 admits ``(K+1)*B`` groups, not ``(10+K+1)*B`` (case C6). This is AReaL's
-   staleness control (Fu et al., 2025) with the resume offset fixed.
-2. **Check at hand-out**: a group whose oldest token version is more than ``K`` behind the
-   trainer's version is dropped whole and counted (never trained), so the bound holds even
-   when rule 1 is bypassed (e.g. partial rollouts resumed across many updates).
-
-Groups are admitted and dropped whole (a GRPO group is the unit of an advantage).
-Accounting invariant: ``samples_generated == samples_trained + samples_dropped + samples_buffered``.
-A group still generating when generation stops (reason :data:`STOPPED`) is counted in
-``in_flight_at_stop``, not as a drop: nothing was refused, the run just ended.
-
-The buffer also keeps when each group was put and when the trainer began waiting (the first
-``get_batch`` after a hand-out), so that each hand-out splits its wait into "filling" and
-"straggler" seconds (case C27, :mod:`moe_async.buffer.wait_split`; ``stats()``
-``wait_filling_s`` / ``wait_straggler_s``, seconds on this buffer's clock).
-"""
+Design notes: ``docs/design/buffer.md``."""
 
 from __future__ import annotations
 
@@ -78,7 +61,7 @@ class RolloutBuffer:
         self.stale_draws: list[int] = []  # draw numbers of groups dropped as stale, until drained
         self.staleness_hist: Counter[int] = Counter()
         self._clock = clock
-        self._put_at: dict[int, float] = {}  # id(group) -> when it was put (C27)
+        self._put_at: dict[int, float] = {}  # id(group) -> when it was put (for the wait split)
         self._wait_since: float | None = None  # when the trainer began waiting for the next batch
         self.last_wait = WaitSplit(0.0, 0.0)  # the last hand-out's filling/straggler seconds
 
@@ -145,7 +128,7 @@ class RolloutBuffer:
 
         Stale groups (oldest token more than ``K`` versions behind) are dropped and counted
         first. Returns ``None`` when fewer than ``B`` fresh groups are buffered. A hand-out
-        sets ``last_wait`` (C27), the wait counted from the first call since the previous one.
+        sets ``last_wait``, the wait counted from the first call since the previous one.
         """
         now = self._clock()
         if self._wait_since is None:
@@ -221,7 +204,7 @@ class RolloutBuffer:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "RolloutBuffer":
-        """Restart at the saved version; admission counts restart from zero (C6)."""
+        """Restart at the saved version; admission counts restart from zero."""
         v = int(state["engine_version"])
         return cls(int(state["B"]), int(state["K"]), start_version=v)
 

@@ -1,25 +1,11 @@
-"""The buffer's part of a whole-run checkpoint (issue 19): its buffered groups and counters.
+"""The buffer's part of a whole-run checkpoint: its buffered groups and counters.
 
-:func:`snapshot` turns the groups buffered (put, not handed out) into a JSON-able dict that the
-driver saves in the checkpoint's ``moe_async_state.json`` (``extra["buffer"]``, written under the
-checkpoint's temporary name and renamed with it)::
+:func:`snapshot` turns the buffered groups (every :class:`~moe_async.types.Sample` field kept)
+and the buffer's counters into a JSON-able dict saved in ``moe_async_state.json``;
+:func:`restore` puts them back into a resumed buffer, dropping groups more than K versions
+behind the loaded version as ``stale``. A malformed snapshot raises naming the field.
 
-    {"format": 1,
-     "groups": [{"group_id": i, "start_version": v, "samples": [sample, ...]}, ...],   # FIFO order
-     "counters": {...}}    # the saving buffer's stats() (admitted, retired, drop_reasons, ...)
-
-A sample keeps every field of :class:`~moe_async.types.Sample`: token ids, rollout logprobs,
-per-token weight_versions, reward, reward_error, finish_reason, answer, response_text,
-loss_weight, metadata (``draw_seq`` included) and ``routed_experts`` (``{"dtype", "shape",
-"b64"}``: the array's bytes, base64). Floats go through JSON's shortest round-trip repr, so a
-restored sample equals the saved one exactly.
-
-:func:`restore` puts the saved groups back into a new buffer (:meth:`RolloutBuffer.restore_groups`:
-they count as admitted and put in the resumed run) and re-checks each against the resumed
-trainer version: a group more than ``K`` versions behind is dropped, reason ``stale``, counted,
-its draw reported for the ledger. The ``counters`` are kept for the record; the resumed
-buffer's admission counts restart from the loaded version (case C6).
-"""
+Design notes: ``docs/design/buffer.md``."""
 
 from __future__ import annotations
 
@@ -68,7 +54,7 @@ def sample_from_dict(d: dict[str, Any]) -> Sample:
 
 def snapshot(buf: Any) -> dict[str, Any]:
     """The buffered groups of ``buf`` (a :class:`~moe_async.buffer.buffer.RolloutBuffer`), oldest
-    first, and its counters (module docstring)."""
+    first, and its counters (``docs/design/buffer.md``)."""
     groups = [{"group_id": int(g.group_id), "start_version": int(g.start_version),
                "samples": [sample_to_dict(s) for s in g.samples]} for g in buf.buffered_groups()]
     return {"format": FORMAT, "groups": groups, "counters": buf.stats()}

@@ -1,4 +1,4 @@
-"""Where the trainer's wait for a batch went: "filling" vs "straggler" seconds (case C27).
+"""Where the trainer's wait for a batch went: "filling" vs "straggler" seconds.
 
 The trainer waits from ``wait_start`` until its batch of ``B`` groups is handed out at
 ``wait_end``. While some group of the batch that still has staleness room is missing, the

@@ -1,38 +1,11 @@
 """CPU compatibility layer for Megatron-Core 0.16.1 (the only place that patches libraries).
 
-Megatron-Core assumes CUDA in a handful of places. On machines without CUDA (tests, the
-laptop demo) :func:`apply_cpu_compat` mends each of them so that the *same* Megatron code
-path (GPTModel, alltoall MoE dispatcher, pipeline schedules, DDP, Megatron optimizer) runs
-on CPU with gloo. Every mend below names the Megatron-Core file it answers; the list and the
-failures they fix are in ``notes/megatron-cpu.md``. Mends that a config flag avoids are not
-patched here but set by the model builder instead:
+:func:`apply_cpu_compat` mends the few places where Megatron-Core assumes CUDA, so that the
+same Megatron code path runs on CPU with gloo; nothing is patched when CUDA is available, and
+every mend is idempotent (:func:`applied_mends` lists them). The list and the failures each
+fixes: ``notes/megatron-cpu.md``.
 
-* in-place view modification with biases (transformer/mlp.py) -> ``add_bias_linear=False``;
-* TE layer spec needs CUDA -> ``get_gpt_layer_local_spec``;
-* "flex" dispatcher needs DeepEP -> ``moe_token_dispatcher_type="alltoall"``.
-
-Nothing is patched when ``torch.cuda.is_available()``. All mends are idempotent.
-
-Public API:
-    apply_cpu_compat() -> bool             apply the mends (True when they are active)
-    cpu_device_scope() -> context manager  the ``device="cuda" -> cpu`` TorchFunctionMode
-    model_parallel_manual_seed(seed)       CPU-safe ``model_parallel_cuda_manual_seed``
-    CpuRNGStatesTracker                    CPU RNG tracker (Megatron's tracker interface)
-    applied_mends() -> list[str]           names of the mends applied in this process
-    enable_cpu_wgrad_accumulation_fusion() opt-in: Megatron's gradient_accumulation_fusion on CPU
-
-Patch modules applied by :func:`apply_cpu_compat`:
-    dist_opt_step         the distributed optimizer with torch's Adam (per-parameter step)
-    hybrid_offload        Megatron-Core's optimizer CPU offload (HybridDeviceOptimizer) without CUDA
-
-Modules with spec-level mends (used by the model builder on the CPU path, not patches):
-    mla_local_attention   MLA's local core attention and q/kv down projections (deepseek_v3)
-    cp_attention          context-parallel core attention for the local spec (CP > 1; the
-                          local DotProductAttention asserts CP == 1, TE's CP attention needs CUDA)
-    thd_attention         packed-sequence (THD) core attention for the local spec
-                          (trainer.sequence_packing='thd'; the local DotProductAttention asserts
-                          packed_seq_params is None, TE's THD attention needs CUDA)
-"""
+Design notes: ``docs/design/compat.md``."""
 
 from __future__ import annotations
 

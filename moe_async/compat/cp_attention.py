@@ -1,32 +1,10 @@
-"""Context-parallel (CP) core attention for Megatron-Core's LOCAL layer spec, used only when
-CUDA is absent (the CPU/gloo path). Not used with Transformer Engine: on GPU the TE spec's
-``TEDotProductAttention`` runs its own CP attention and nothing here is imported.
+"""Context-parallel (CP) core attention for Megatron-Core's local layer spec, CPU only.
 
-Answers megatron/core/transformer/dot_product_attention.py (0.16.1): the local
-``DotProductAttention.__init__`` asserts ``context_parallel_size == 1`` ("Context parallelism
-is only supported by TEDotProductAttention!"), and TE's CP attention needs CUDA, so without
-this no layout with ``trainer.context_parallel_size > 1`` builds on a CPU. The same holds for
-MLA's local core attention (:class:`moe_async.compat.mla_local_attention.MLADotProductAttention`,
-a ``DotProductAttention`` subclass).
+Megatron's local ``DotProductAttention`` asserts ``context_parallel_size == 1`` and TE's CP
+attention needs CUDA; this runs the local attention's math over the CP group (each rank's two
+load-balanced sequence chunks, keys and values all-gathered), equal to 1 process.
 
-What it computes (the math of the local ``DotProductAttention``, unchanged): each CP rank
-holds the queries, keys and values of its two sequence chunks (Megatron's load-balanced
-split: the sequence cut into ``2 x CP`` equal chunks, rank ``r`` keeps chunks ``r`` and
-``2 x CP - 1 - r``; Megatron-LM ``get_batch_on_this_cp_rank``, Megatron-Core
-``get_pos_emb_on_this_cp_rank``). K and V are all-gathered over the CP group (autograd: the
-backward sums every rank's K/V gradient over the group and keeps this rank's rows), put back
-into global sequence order, and the local queries attend to them under the causal mask of
-their GLOBAL positions; then ``DotProductAttention.forward`` does the rest (softmax scale,
-GQA head grouping, softmax in fp32 when ``attention_softmax_in_fp32``). Output ``[sq, b,
-heads/TP x v_channels]`` for the local ``sq`` queries, as without CP. Memory per rank is that
-of the full key length (``sq x S`` scores), not a ring: this is a correctness path for CPU,
-not a fast one.
-
-Test: tests/compat/test_cp_attention.py (2-process gloo: CP2 outputs and input gradients
-equal 1-process attention; a plain ``DotProductAttention`` still refuses CP, i.e. the test
-fails once Megatron's local attention learns CP and this mend is no longer needed), and the
-CP layouts of tests/trainer/test_layouts.py (every model family equal to 1 process).
-"""
+Design notes: ``docs/design/compat.md``."""
 
 from __future__ import annotations
 
@@ -83,7 +61,7 @@ def gather_sequence_over_cp(x: Tensor, group: Any) -> Tensor:
 
 
 class _CPCoreAttentionMixin:
-    """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring."""
+    """Mixed in before a local ``DotProductAttention`` (sub)class; design notes: ``docs/design/compat.md``."""
 
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
         if getattr(config, "window_size", None) is not None:

@@ -1,29 +1,10 @@
 """Mend 13: Megatron's distributed optimizer with torch's Adam keeps ``step`` per parameter.
 
-Answers ``megatron/core/optimizer/distrib_optimizer.py`` (Megatron-Core 0.16.1). Without Apex
-or Transformer Engine (always the case without CUDA) Megatron-Core's optimizer is torch's
-``AdamW``, whose state holds a 0-dim ``step`` tensor per parameter (FusedAdam keeps it per
-param group). ``DistributedOptimizer`` stores the step once, in the param groups of its
-common state, and restores it in ``load_state_dict``; two places then go wrong:
+Answers ``megatron/core/optimizer/distrib_optimizer.py`` (Megatron-Core 0.16.1): with torch's
+``AdamW`` (no Apex/TE) the per-parameter ``step`` is lost or stale on a checkpoint load; this
+mend restores it from the param groups, so the resumed Adam steps equal the uninterrupted ones.
 
-(a) ``_set_main_param_and_optimizer_states`` copies every per-parameter state key from the
-    tensors read from a checkpoint. The ``fully_reshardable`` format (Megatron-LM's
-    ``--dist-ckpt-optim-fully-reshardable``) and ``fully_sharded_model_space`` do not store
-    ``step`` there: loading raises ``KeyError: 'step'``. The ``dp_reshardable`` format hands
-    back the step this optimizer had *before* the load (a ``LocalNonpersistentObject``), which
-    overwrote the checkpoint's (a fresh trainer resumed at step 1 whatever step was saved).
-(b) ``load_state_dict`` gives every parameter the *same* step tensor (``s["step"] = step``);
-    torch's Adam increments it in place once per parameter, so from the first step after a
-    load the bias correction ``1 - beta**step`` used ``step + k`` for the k-th parameter
-    (measured: the second step after a DP2 resume differed from the uninterrupted run's, loss
-    -0.4256 vs -0.4656).
-
-Mend: the per-parameter step is never copied from the read tensors (it is the checkpoint's
-param-group step, already set by ``load_state_dict``), and after ``load_state_dict`` each
-parameter gets its own copy of it. Applied only when Megatron-Core uses torch's Adam
-(``distrib_optimizer.HAVE_APEX_OR_TE`` false) and, as every mend, only without CUDA.
-Test: tests/compat/test_dist_opt_step.py.
-"""
+Design notes: ``docs/design/compat.md``."""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """Mend 16: Megatron-Core's optimizer CPU offload (``HybridDeviceOptimizer``) on a host without CUDA.
 
-Answers optimizer/cpu_offloading/hybrid_optimizer.py (``_get_sub_optimizer_param_groups``):
-it offloads a parameter only when ``param.is_cuda``, by ``param.detach().clone().cpu()
-.pin_memory()``, steps that host copy with the CPU optimizer and copies it back into the device
-parameter after the step (``param_copy_back_gpu_hook``); a host parameter is stepped where it is.
-Without CUDA every parameter is a host tensor, so nothing would be offloaded and the offload
-path (the grads' device-to-host copy, the host step, the copy back) would never run: under this
-mend the optimizer's own parameters count as the device side while the sub-optimizer groups are
-built, and ``pin_memory()`` is the identity (no CUDA to pin for). Both sides are then host memory;
-what runs is the offload code path, with the same parameter/copy bookkeeping as on a GPU.
+Answers ``optimizer/cpu_offloading/hybrid_optimizer.py``: without CUDA nothing would be
+offloaded, so the optimizer's own parameters count as the device side and ``pin_memory()`` is
+the identity; the offload code path (grad copy, host step, copy back) then runs as on a GPU.
 
-Also optimizer/distrib_optimizer.py with fp32 model parameters: the distributed optimizer's main
-params are then views of the model parameters (``model_param.view(-1)[range]``, non-leaf), which
-``torch.optim.Optimizer`` refuses ("can't optimize a non-leaf Tensor") when
-``HybridDeviceOptimizer`` is built from them (the plain path assigns ``param_groups`` directly and
-never checks). The mend marks such views ``retain_grad()`` (they are not in any forward graph, so
-no gradient is ever retained through them) so the check passes; the update still lands in the
-model parameter's storage. With bf16 parameters the main params are leaf fp32 copies already.
-"""
+Design notes: ``docs/design/compat.md``."""
 
 from __future__ import annotations
 

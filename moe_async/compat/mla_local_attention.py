@@ -1,19 +1,11 @@
 """Local (non-TE) core attention for Megatron-Core's MLA (not a patch: a module the
 deepseek_v3 family puts into its layer spec).
 
-Answers megatron/core/transformer/multi_latent_attention.py (0.16.1):
-``MultiLatentAttention.__init__`` builds ``core_attention`` with ``k_channels=q_head_dim`` and
-``v_channels=v_head_dim``, but the local ``DotProductAttention``
-(megatron/core/transformer/dot_product_attention.py) accepts neither keyword (TypeError), and
-sizes its output from ``config.kv_channels``. So ``get_gpt_layer_local_spec(
-multi_latent_attention=True)`` cannot be built without Transformer Engine. This subclass takes
-both keywords and sizes the context output ``[sq, b, heads/TP * v_channels]`` from
-``v_channels``; the scores use the ``softmax_scale`` MLA passes (1/sqrt(q_head_dim) x mscale^2).
-The math is DotProductAttention's (baddbmm -> masked softmax in fp32 -> bmm).
+Megatron's local ``DotProductAttention`` accepts neither ``k_channels`` nor ``v_channels``, so
+MLA's local spec cannot be built without TE; this subclass takes both and sizes the output
+``[sq, b, heads/TP * v_channels]``, with DotProductAttention's math and MLA's softmax scale.
 
-Test: tests/models/test_deepseek_v3_mapping.py::test_mla_local_attention_mend (fails when
-plain DotProductAttention starts accepting ``k_channels``: the mend is then not needed).
-"""
+Design notes: ``docs/design/compat.md``."""
 
 from __future__ import annotations
 
@@ -84,7 +76,7 @@ def local_mla_submodules(sub) -> None:
     """Make the local (non-TE) MLA spec of Megatron-Core 0.16.1 buildable and exact under TP,
     in place on one layer's ``MLASelfAttentionSubmodules`` ``sub``:
 
-    * ``core_attention`` -> :class:`MLADotProductAttention` (see the module docstring);
+    * ``core_attention`` -> :class:`MLADotProductAttention` (design notes: ``docs/design/compat.md``);
     * ``linear_q_down_proj`` / ``linear_kv_down_proj`` -> duplicated (not TP-split) Linears,
       what the TE spec uses (``TELinear`` with ``parallel_mode="duplicated"``). Answers
       megatron/core/models/gpt/gpt_layer_specs.py (``get_gpt_layer_local_spec`` builds them as

@@ -1,38 +1,12 @@
-"""Packed-sequence (THD) core attention for Megatron-Core's LOCAL layer spec, used only when
-CUDA is absent (the CPU/gloo path) and ``trainer.sequence_packing`` resolves to ``thd``. Not
-used with Transformer Engine: on GPU the TE spec's ``TEDotProductAttention`` runs TE's own THD
-attention (cu_seqlens kernels) and nothing here is imported.
+"""Packed-sequence (THD) core attention for Megatron-Core's local layer spec, CPU only.
 
-Answers megatron/core/transformer/dot_product_attention.py (0.16.1): the local
-``DotProductAttention.forward`` asserts ``packed_seq_params is None`` ("Packed sequence is not
-supported by DotProductAttention. Please use TEDotProductAttention instead."), and TE needs
-CUDA, so without this no packed micro-batch runs on a CPU. The same holds for MLA's local core
-attention (:class:`moe_async.compat.mla_local_attention.MLADotProductAttention`, a
-``DotProductAttention`` subclass).
+Used when CUDA is absent and ``trainer.sequence_packing`` resolves to ``thd`` (Megatron's local
+``DotProductAttention`` refuses packed sequences; TE needs CUDA). Input ``query [T, np, hn]``,
+``key``/``value [T, ng, hn]`` with RoPE applied per sequence; the local attention's math run
+causally within each ``cu_seqlens`` segment (no scores across sequences), outputs concatenated
+in packed order: equal to one causal attention per sequence.
 
-What reaches the core attention with ``packed_seq_params.qkv_format == 'thd'`` (Megatron's
-``Attention.forward`` / ``MultiLatentAttention.get_query_key_value_tensors``): ``query
-[T, np, hn]``, ``key``/``value [T, ng, hn(v)]`` (the dummy batch dim squeezed off), RoPE
-already applied per sequence (``rope_utils._apply_rotary_pos_emb_thd`` splits ``T`` by
-``cu_seqlens_q_padded`` (else ``cu_seqlens_q``) and gives each sequence positions 0..l-1; the
-split must cover all ``T`` tokens, so the caller's tail padding belongs to the last sequence
-in the padded ``cu_seqlens``). Megatron reshapes the output ``[T, 1, heads x v_channels]``
-back to ``[T, 1, h]`` itself.
-
-What it computes: the math of the local ``DotProductAttention`` unchanged (softmax scale, GQA
-head grouping, softmax in fp32 when ``attention_softmax_in_fp32``), run once per segment of
-``cu_seqlens_q_padded`` (else ``cu_seqlens_q``) as a sequence ``[l, 1, ...]`` of its own under
-the causal mask, outputs concatenated back in packed order: the block-diagonal causal
-attention TE computes, with no scores across sequences (``sum(l^2)``, not ``T^2``, per head).
-Tail padding tokens belong to the last segment after its real tokens, which never see them
-(causal). One call per sequence and layer: a correctness path for CPU, not a fused kernel.
-
-Test: tests/compat/test_thd_attention.py (packed outputs and q/k/v gradients equal one causal
-attention per sequence, GQA and MLA; a plain ``DotProductAttention`` still refuses
-``packed_seq_params``, i.e. the test fails once Megatron's local attention learns THD and this
-mend is no longer needed), and the ``th`` layouts of tests/trainer/test_layouts.py (every model
-family: THD equals the padded path at 1 process, and 1 process at TP2+SP, EP2, PP2).
-"""
+Design notes: ``docs/design/compat.md``."""
 
 from __future__ import annotations
 
@@ -71,7 +45,7 @@ def _causal_mask(n: int, device: str) -> Tensor:
 
 
 class _THDCoreAttentionMixin:
-    """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring.
+    """Mixed in before a local ``DotProductAttention`` (sub)class; design notes: ``docs/design/compat.md``.
     Without ``packed_seq_params`` (or with a format other than ``thd``) it is the base class."""
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,

@@ -1,25 +1,11 @@
 """The ``data`` section of an experiment config: train files, named eval sets, rewards per
 ``data_source``.
 
-Paths are local files or folders: a ``.jsonl``/``.json`` or ``.parquet`` file, a folder of
-such files, or a ``datasets`` ``save_to_disk`` folder. Formats (``format``):
+Paths are local JSONL/JSON/Parquet files, folders of them, or ``save_to_disk`` folders, in the
+``slime``, ``verl`` or ``messages`` format (``auto`` detects). Rewards: ``rewards[data_source]``,
+else a known source's built-in, else ``default_reward``. Bad values are refused naming the field.
 
-* ``slime``: ``prompt`` (a string or a list of ``{"role", "content"}`` messages) and ``label``;
-  the keys renamed by ``input_key`` / ``label_key`` / ``metadata_key`` (slime's
-  ``--input-key`` / ``--label-key`` / ``--metadata-key``);
-* ``verl``: verl's Parquet: ``data_source``, ``prompt`` (messages), ``reward_model.ground_truth``,
-  ``extra_info``;
-* ``messages``: a ``messages`` chat list (system prompt included); the label is ``label_key``'s
-  column, else the content of a trailing assistant message (which is then not in the prompt);
-* ``auto``: ``verl`` when the file has a ``reward_model`` column, ``messages`` when it has a
-  ``messages`` column and no ``input_key`` column, else ``slime``.
-
-Reward specs (``rewards`` per data source, ``default_reward``): ``math_verify``, ``gsm8k``,
-``exact_match``, ``reasoning_gym``, ``verl:<file.py>`` or ``verl:<file.py>:<function>`` (verl's
-``compute_score(data_source, solution_str, ground_truth, extra_info)``), ``function:<module>:<fn>``
-(``fn(response, answer, question)``), ``remote:<http(s) URL>``
-(:mod:`moe_async.rollout.row_rewards`).
-"""
+Design notes: ``docs/design/data.md``."""
 
 from __future__ import annotations
 
@@ -47,7 +33,7 @@ class EvalSetConfig(ConfigModel):
 
 
 class DataConfig(ConfigModel):
-    """Prompts from files (module docstring). ``train`` unset: the reasoning-gym task of
+    """Prompts from files (``docs/design/data.md``). ``train`` unset: the reasoning-gym task of
     ``rollout.task`` is the source (the CPU demo's default)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

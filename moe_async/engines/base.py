@@ -1,25 +1,12 @@
 """Engine processes: the ``Engine`` interface and its two implementations.
 
-Both run a server process speaking SGLang's HTTP protocol on ``host:port``:
+:class:`EmbeddedEngine` (CPU, ``moe_async.engines.embedded.server``) and :class:`SGLangEngine`
+(GPU, ``sglang.launch_server``), both speaking SGLang's HTTP protocol on ``host:port``.
+``launch()`` starts the process in its own session and waits for ``/health`` up to
+``startup_timeout_s`` (a death first raises with its log's tail); ``shutdown()`` sends SIGTERM,
+then SIGKILL; no engine outlives its parent.
 
-* :class:`EmbeddedEngine`: ``python -m moe_async.engines.embedded.server`` (CPU, transformers).
-* :class:`SGLangEngine`: ``python -m sglang.launch_server`` (GPU).
-
-Lifecycle: ``launch()`` spawns the process in its own session (process group), logs its
-output to a file (under ``MOE_ASYNC_ENGINE_LOG_DIR`` when set), and waits for ``GET /health``
-(never through a proxy) up to ``cfg.startup_timeout_s``; if the process dies first, the error carries the tail of its log. ``shutdown()`` sends SIGTERM to
-the group, then SIGKILL after a grace period; an ``atexit`` hook does the same for engines
-still running when the interpreter exits, and the embedded server also exits by itself
-when its parent is gone (``--parent-pid``; SGLang: ``PR_SET_PDEATHSIG`` = SIGTERM on the
-server process, whose own handler takes its scheduler/detokenizer children down), so no
-server is orphaned even when the parent is killed with SIGKILL.
-
-Health and restart: :meth:`Engine.healthy` (process alive and ``GET /health`` 200) and
-:meth:`Engine.restart` (shutdown, then launch again on the same port, so clients keep their
-URL); :func:`ensure_healthy` restarts every engine that failed its check and returns their
-indices. A restarted engine has the checkpoint weights (version 0): the caller must
-re-join it to the weight-update group and push the current weights.
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 

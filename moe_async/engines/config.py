@@ -48,7 +48,7 @@ class EngineConfig(ConfigModel):
     startup_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for /health.")
     request_timeout_s: float = Field(600.0, gt=0)
     max_restarts: StrictInt = Field(
-        2, ge=0, description="Restarts allowed per engine (moe_async/orchestration/supervisor.py, C21); an engine "
+        2, ge=0, description="Restarts allowed per engine (moe_async/orchestration/supervisor.py); an engine "
         "that dies once more is retired (out of routing for good). 0: a dead engine is retired at once.",
     )
     min_healthy_engines: StrictInt = Field(

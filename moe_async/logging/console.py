@@ -1,21 +1,11 @@
 """The console of ``moe-async train``: expected warnings folded into one line, everything in
 the run's log file, a live view of the current phase.
 
-:class:`RunConsole` replaces ``sys.stdout`` / ``sys.stderr`` of the driver process while a
-run lasts. Every line written to them (the driver's own, library warnings, tqdm bars, and
-what Ray forwards from its worker processes' stdout/stderr, prefixed ``(ActorName pid=N)``)
-is written to ``<run dir>/console.log`` (lines before the run dir exists are kept in memory
-and written when it does). Lines matching :data:`EXPECTED` (warnings a CPU run always prints:
-Transformer Engine / Apex fallbacks, deprecations, Ray's start-up and token notices, progress
-bars, the smoke config's oversize-bucket note) are not shown; they are counted by kind, and
-:meth:`RunConsole.summary_line` says how many and where the text went (the driver prints it
-once before the first step line, and once more at the end for any that came later). A
-warning's source-line continuation (``  warnings.warn(``) goes with it.
+:class:`RunConsole` replaces the driver's ``sys.stdout``/``sys.stderr`` for the run: every line
+goes to ``<run dir>/console.log``; lines matching :data:`EXPECTED` are counted by kind, not
+shown (:meth:`RunConsole.summary_line`); on a terminal a spinner shows the current phase.
 
-On a terminal (and not ``quiet``) :meth:`RunConsole.status` shows the current phase with a
-spinner and its elapsed time (rich), removed when the run ends; on anything else (CI, a
-pipe, a file) nothing but whole lines is written.
-"""
+Design notes: ``docs/design/logging.md``."""
 
 from __future__ import annotations
 
@@ -92,7 +82,7 @@ class _Stream(io.TextIOBase):
 
 
 class RunConsole:
-    """The driver's console for one run (see the module docstring).
+    """The driver's console for one run (design notes: ``docs/design/logging.md``).
 
     Args:
         quiet: no live view (the per-step lines are left out by the run logger).

@@ -5,7 +5,7 @@ console line per step.
 Metric names (per step): ``rollout/reward_mean``, ``rollout/accuracy``,
 ``buffer/staleness_mean``, ``buffer/staleness_max``, ``sync/seconds``,
 ``perf/tokens_per_s``, ``perf/trainer_idle_frac``, ``train/loss``, ``train/grad_norm`` ...;
-the README's metrics catalogue lists them all with units and sources.
+docs/observability.md (the metrics catalogue) lists them all with units and sources.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class RunLogger:
         sample generated since the previous step, including groups that dynamic filtering or
         the staleness bound dropped: the policy's own reward, which filtering does not bias.
         ``wait`` is the trainer's wait for the batch (``straggler`` its part spent on groups at
-        the staleness limit, C27), ``train`` the train step, ``sync`` the weight sync."""
+        the staleness limit), ``train`` the train step, ``sync`` the weight sync."""
         gen = m.get("rollout/reward_mean_generated_step")
         strag = m.get("perf/wait_straggler_seconds", 0.0)
         line = (

@@ -1,25 +1,12 @@
 """A timeline of a run as a Chrome trace (``<run dir>/trace.json``, opens in Perfetto or
 ``chrome://tracing``).
 
-Two recorders, both cheap (a tuple appended per span, wall-clock ``time.time()`` seconds so
-that spans from different processes line up):
+:class:`SpanRecorder` (where the work happens: engine requests, reward scoring) and
+:class:`Timeline` (the driver's phases per step: wait with its filling/straggler parts, train,
+sync, save, eval) each append one tuple per span, wall-clock ``time.time()`` seconds; the trace
+is written when the run ends.
 
-- :class:`SpanRecorder` lives where the work happens (the rollout manager: one span per engine
-  request, ``generate``, on track ``engine <i>``; one per group's scoring, ``reward``, on
-  track ``reward``; one per tool call of a multi-turn trajectory, ``tool <name>``, on track
-  ``tools``) and is drained by the driver every step.
-- :class:`Timeline` lives in the driver: :meth:`Timeline.phase` marks the start of the next
-  phase of the trainer loop (``wait``, ``train``, ``sync``, ``save``, ``eval_before`` ...; a
-  phase ends where the next begins or at :meth:`Timeline.idle`), :meth:`Timeline.end_step`
-  splits the step's ``wait`` into ``filling`` and ``straggler`` (C27) and takes the drained
-  spans; :meth:`Timeline.write` writes the file.
-
-In the file (Chrome trace JSON object format, times in microseconds since the first span):
-process "trainer loop" holds the driver's phases (``cat`` = ``phase``, ``args.step``); process
-"engines" one thread per engine and lane (overlapping requests of one engine go to separate
-lanes) with ``cat`` = ``generate`` and a counter ``requests in flight/engine <i>``; process
-"rollout" the ``reward`` spans, laned the same way.
-"""
+Design notes: ``docs/design/logging.md``."""
 
 from __future__ import annotations
 
@@ -109,7 +96,7 @@ class Timeline:
 
     def end_step(self, step: int, straggler_s: float, spans: list[Span]) -> None:
         """Split step ``step``'s ``wait`` into ``filling`` then ``straggler`` (its last
-        ``straggler_s`` seconds, C27) and add the spans drained from other processes; ends
+        ``straggler_s`` seconds) and add the spans drained from other processes; ends
         the open phase."""
         self._close(time.time())
         if step in self.wait_spans:

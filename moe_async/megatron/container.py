@@ -1,24 +1,11 @@
 """Megatron-LM's checkpoint container around a torch_dist checkpoint.
 
-Megatron-LM (``megatron/training/checkpointing.py``) saves into a root directory:
+Writes and reads Megatron-LM's layout (``latest_checkpointed_iteration.txt``, ``iter_<N:07d>/``,
+``common.pt`` with ``iteration``, ``checkpoint_version`` and ``args``), so a converted or trained
+checkpoint loads with Megatron-LM's ``--load`` and this project loads Megatron-LM's. A model
+without its HF config never silently trains from random weights.
 
-* ``<root>/latest_checkpointed_iteration.txt``: the iteration, as decimal text (or
-  ``release``), written after the iteration's files are complete;
-* ``<root>/iter_<iteration:07d>/`` (``<root>/release/`` for ``release``): the torch_dist
-  checkpoint (``__<rank>_<i>.distcp``, ``.metadata``, ``metadata.json``, ``common.pt``);
-* in ``common.pt`` (the non-tensor items of the saved state dict, which
-  ``dist_checkpointing.save`` stores there): ``iteration`` (int), ``checkpoint_version``
-  (3.0) and ``args`` (an ``argparse.Namespace`` of Megatron-LM's arguments, which its
-  ``--load`` reads back for ``check_checkpoint_args``: ``num_layers``, ``hidden_size``,
-  ``num_attention_heads``, ``max_position_embeddings``, ``add_position_embedding``,
-  ``make_vocab_size_divisible_by``, ``padded_vocab_size``, ``tokenizer_type``, the parallel
-  sizes, ``ckpt_format``).
-
-Without the tracker, Megatron-LM's ``--load`` warns "could not find the metadata file" and
-trains from random weights (case C18). The converter writes this container; the loaders
-(:func:`resolve`) accept the container root, an iteration directory, and the flat
-directory this project wrote before (the torch_dist files directly in it).
-"""
+Design notes: ``docs/design/megatron.md``."""
 
 from __future__ import annotations
 

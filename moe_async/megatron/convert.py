@@ -1,62 +1,11 @@
 """Checkpoint conversion HF safetensors <-> Megatron ``torch_dist``, at any TP/PP/EP layout.
 
-Used by ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``. Both
-directions go through the family's ONE declarative mapping table (``moe_async.models``:
-``ModelFamily.table``) and the trainer's sharding helpers (``moe_async.megatron.sharding``:
-per-rank slices read from Megatron's own ``sharded_state_dict()`` metadata), i.e. the same
-path as ``MegatronTrainer``'s HF load and HF export; the Megatron model is built with the
-same family helpers as the trainer (``transformer_config``, ``layer_spec``,
-``gpt_model_kwargs``, ``padded_vocab_size``).
+The converters' library (``tools/convert_*.py``): the family's mapping table and the trainer's
+sharding helpers, the same path as the trainer's HF load and export. A layout the model cannot
+take, an unparsable JSON input, an unused HF key or a missing tensor is refused naming it before
+anything is written; the CLIs print one ``error:`` line and exit 2 (:func:`run_tool`).
 
-Before anything else both directions refuse, naming the flag and the config field, a
-TP/PP/EP layout Megatron could not build the model at (:func:`check_layout`), and name the
-file of any JSON input that does not parse (``config.json``, the safetensors index, the
-checkpoint's ``hf_config.json`` / ``moe_async_convert.json``). The CLIs print such a refusal
-as one ``error:`` line and exit with status 2.
-
-HF -> Megatron (:func:`hf_to_megatron_checkpoint`): the HF config is checked against the
-family spec first (``arch_args``; a mismatch raises ``ValueError`` naming the field). The
-safetensors files (``model.safetensors.index.json`` when present, else ``*.safetensors``)
-are read ONE FILE AT A TIME with ``safe_open``; a rank reads only the tensors its own shards
-come from (an EP rank: its experts). A Megatron tensor whose HF sources span files (q/k/v,
-gate/up) is fused once its last source has been read; the pending sources are all that is
-kept between files. Transformers' in-memory fused expert layout (``experts.gate_up_proj``
-``[E,2I,H]`` / ``experts.down_proj`` ``[E,H,I]``, ``mlp.gate``) is accepted too (each fused
-tensor is rewritten to the per-expert on-disk names by the family's ``normalize_hf_state``).
-Any HF key the table does not use, and any table source that no file holds, raises
-``KeyError`` naming the keys BEFORE anything is written. The model's sharded state dict is
-written with ``megatron.core.dist_checkpointing.save`` under the ``"model"`` key (the same
-keys as ``MegatronTrainer.save_checkpoint``'s model part) by :func:`save_strategy`
-(default: Megatron's torch_dist strategy with an in-process writer, no fsync unless asked),
-SwiGLU fc1 tensors as one item each where their halves are contiguous
-(:func:`whole_glu_tensors`), plus ``hf_config.json`` and ``moe_async_convert.json``
-(family, vocab, the layout it was written at).
-
-Megatron -> HF (:func:`megatron_to_hf_checkpoint`): builds the model at the requested
-layout (any: ``torch_dist`` reshards on load), ``dist_checkpointing.load`` through
-:func:`mmap_load_strategy` into the parameters; every checkpoint
-tensor the model does not ask for raises ``KeyError`` (strict ``raise_unexpected``), every
-model tensor missing from the checkpoint too (``raise_all``). Full tensors are gathered to
-rank 0 one at a time (``gather_full_state``), split into HF names by the mapping table
-(which raises naming any HF tensor left unset or Megatron tensor left unused), and written
-as sharded safetensors of at most ``max_shard_size`` bytes each, with
-``model.safetensors.index.json``; ``config.json``, generation config and tokenizer files
-are copied from the reference HF dir. Host memory on rank 0: its model share + one output
-file's worth of tensors.
-
-Composed from :mod:`moe_async.megatron.parallel` (layout check, process groups),
-:mod:`~moe_async.megatron.build` (model), :mod:`~moe_async.megatron.hf_io` (HF read),
-:mod:`~moe_async.megatron.dist_ckpt` (torch_dist save/load) and
-:mod:`~moe_async.megatron.export` (HF write). Why not megatron-bridge / mbridge, and the
-measured throughput: ``docs/convert.md``.
-
-Public API:
-    hf_to_megatron_checkpoint(hf_dir, out_dir, tp=1, pp=1, ep=1, progress=True, vocab_div=128,
-                              save_threads=0, fsync=False) -> dict   (stats, incl. "phases" s)
-    megatron_to_hf_checkpoint(megatron_dir, hf_config_dir, out_dir, max_shard_size="5GB",
-                              tp=1, pp=1, ep=1, progress=True, vocab_div=None, fsync=False) -> dict
-    run_tool(main, prog, argv=None) -> int   (a CLI's refusal as one ``error:`` line, status 2)
-"""
+Design notes: ``docs/design/megatron.md``."""
 
 from __future__ import annotations
 

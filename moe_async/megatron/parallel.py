@@ -1,21 +1,11 @@
 """Megatron-Core parallel runtime shared by the trainer and the converters.
 
-- Layout: :class:`~moe_async.layout.ParallelLayout` (the one frozen TP/PP/EP/ETP/CP/VPP type,
-  with Megatron-Core's world-size rules, :meth:`~moe_async.layout.ParallelLayout.check_world`)
-  is initialised by :func:`init_model_parallel` / compared by :func:`check_model_parallel`;
-  :func:`check_layout`: the converters' layout refusal (naming the ``--tp/--pp/--ep`` flags and
-  the HF config field) before any process group exists.
-- Process groups: :func:`init_distributed` (the trainer's rendezvous: TCP store,
-  ``WORLD_SIZE``/``RANK``/``MASTER_PORT`` from torchrun), :func:`parallel_layout` (the
-  converters' context: process group + Megatron parallel state, torn down on exit),
-  :func:`destroy_process_groups` (teardown with the gloo destructors off the caller's clock).
-- :func:`have_te`: the one Transformer Engine probe (True only with CUDA and an importable
-  ``transformer_engine``: the TE layer spec is used); :func:`free_port`: the one free-TCP-port
-  helper; :func:`global_rank` / :func:`world_size` (0 / 1 without a process group);
-  :func:`no_device_scope` / :func:`cpu_tensors_only` (the CPU compat mode suspended).
+Initialises and checks Megatron's model-parallel state for a
+:class:`~moe_async.layout.ParallelLayout`, sets up and tears down process groups, and holds the
+one Transformer Engine probe (:func:`have_te`) and the one free-port helper. Importing this
+module imports neither torch nor Megatron-Core (functions import them).
 
-Importing this module imports neither torch nor Megatron-Core (functions import them).
-"""
+Design notes: ``docs/design/megatron.md``."""
 
 from __future__ import annotations
 

@@ -1,40 +1,10 @@
 """Full (1-process) Megatron tensors <-> this rank's shards, at any TP/PP/EP/DP layout.
 
-The slicing is not hand-written per parameter: it is read from Megatron-Core's own
-``model.sharded_state_dict()`` (the metadata ``dist_checkpointing`` uses), so it follows
-whatever layout Megatron builds. For every local parameter that metadata gives one or more
-``ShardedTensor`` pieces (a ``ShardedTensorFactory`` - the gated ``linear_fc1`` under TP -
-is expanded with ``build()`` into its gate and up pieces), each with
+The slicing is read from Megatron-Core's own ``model.sharded_state_dict()`` metadata, never
+hand-written per parameter: global layer/expert offsets, shard offsets in the full tensor, and
+the one primary replica of each shard. Used by the HF load, the HF export and the converters.
 
-* ``prepend_axis_num`` leading axes that are not in the local tensor: axis 0 is the global
-  layer index for ``decoder.layers.*``, axis 1 the global expert index for experts;
-* ``global_shape[prepend:]``: the full tensor's shape (vocab rows padded, see below);
-* ``global_offset[prepend:]``: where this rank's ``data`` (a view of the parameter) sits in
-  the full tensor; ``replica_id == (0, ...)`` marks the one primary copy of a shard.
-
-A local name ``decoder.layers.{l}...local_experts.{e}...`` becomes the 1-process name
-``decoder.layers.{L}...local_experts.{E}...`` with ``L``/``E`` the global offsets of the
-prepended axes (PP stage layer offset, EP rank expert offset). With virtual pipeline stages
-a rank holds a list of model chunks (Megatron's ``model`` list, one per ``vp_stage``); every
-function below takes the list, and each chunk's metadata carries its own global layer offset
-(Megatron's ``get_transformer_layer_offset(config, vp_stage)``). The 1-process names are the
-keys of the family's mapping table (``ModelFamily.hf_to_megatron`` /
-``megatron_to_hf``), so loading is ``HF -> full Megatron -> slice`` and export is
-``gather -> full Megatron -> HF``.
-
-Vocab padding: Megatron's vocab-parallel embedding/output layer need ``V % TP == 0``; the
-trainer builds them with ``padded_vocab_size(V, TP, k)`` rows. Loading pads the HF rows with
-zeros, export drops the padded rows (:data:`VOCAB_PARAMS`); any other shape difference
-raises ``ValueError``.
-
-Public API:
-    padded_vocab_size(vocab, tp, divisible_by) -> int
-    local_pieces(model) -> list[Piece]             (model: a GPTModel or a list of chunks)
-    load_full_state(model, full, vocab_size) -> None
-    gather_full_state(model, vocab_size, dst=0) -> Iterator[(name, tensor)]  (on ``dst``)
-    cp_positions(seq_len, cp_size, cp_rank) -> Tensor   context parallelism: a CP rank's positions
-    gather_over_cp(x, group) -> Tensor                  [B, S/CP, ...] of every CP rank -> [B, S, ...]
-"""
+Design notes: ``docs/design/megatron.md``."""
 
 from __future__ import annotations
 

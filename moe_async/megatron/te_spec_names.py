@@ -1,55 +1,10 @@
 """torch_dist key names of the Transformer Engine layer spec, whatever spec the model runs.
 
-Megatron-Core writes a layer's tensors under names that depend on its layer spec. The
-Transformer Engine (TE) spec (``get_gpt_layer_with_transformer_engine_spec``, megatron-core
-0.16.1 ``models/gpt/gpt_layer_specs.py``) fuses some norms into the following linear; the
-local spec (CPU, no TE) keeps them as modules and, for GQA layers only, renames two of them
-through its ``sharded_state_dict_keys_map``. The names that differ (``P`` = a layer's key
-prefix, ``decoder.layers.`` when the layers are stacked, ``decoder.layers.<i>.`` when they
-differ, e.g. DeepSeek-V3's first dense layers):
+Maps the local spec's key names to the TE spec's (and back) for the norms TE fuses into the
+following linear, so a checkpoint written on a CPU loads under TE and vice versa; also lists
+the ``_extra_state`` keys a TE-spec model expects.
 
-==================  ==========================================  ===========================================
-layer               local spec writes                           TE spec writes
-==================  ==========================================  ===========================================
-GQA, MoE MLP        ``P mlp.linear_fc1.layer_norm_weight``      ``P pre_mlp_layernorm.weight``
-MLA, dense MLP      ``P pre_mlp_layernorm.weight``              ``P mlp.linear_fc1.layer_norm_weight``
-MLA (q_lora_rank)   ``P self_attention.q_layernorm.weight``     ``P self_attention.linear_q_up_proj.layer_norm_weight``
-MLA                 ``P self_attention.kv_layernorm.weight``    ``P self_attention.linear_kv_up_proj.layer_norm_weight``
-==================  ==========================================  ===========================================
-
-(and the ``bias`` / ``layer_norm_bias`` twins of each, for LayerNorm models). Everything else
-is the same under both specs: GQA input norm ``self_attention.linear_qkv.layer_norm_weight``
-(the local spec maps it), GQA dense pre-MLP norm ``mlp.linear_fc1.layer_norm_weight``, MLA
-``input_layernorm.weight``, MoE ``pre_mlp_layernorm.weight`` under MLA, q/k norms of GQA.
-A layer is MoE when its prefix has ``mlp.router.weight``, MLA when it has
-``self_attention.linear_kv_down_proj.weight`` (both specs name these alike).
-
-Use: at save, :func:`to_te_names` on the model's sharded state dict (the checkpoint then has
-the TE names on any machine); at load, :func:`match_checkpoint` (TE names, and for each key
-the checkpoint lacks, the other spec's name when the checkpoint has that one: checkpoints
-written under either spec, or by this project before the renaming, load under either spec).
-Only ``ShardedTensor`` / ``ShardedTensorFactory`` keys change; the state dict's own keys (the
-module's parameter names, which ``load_state_dict`` uses) do not.
-
-:func:`is_te_extra_state` tells the ``_extra_state`` objects (TE's FP8 metadata, no weights)
-a checkpoint may hold for modules the running spec does not have: the loaders ignore them.
-
-:func:`add_te_extra_state` (at save, after :func:`to_te_names`) adds the ``_extra_state``
-objects the TE spec's modules carry, so that Megatron-Core's strict ``dist_checkpointing.load``
-of a TE-spec model finds every key. Which modules (megatron-core 0.16.1, TE spec, TE 2.x):
-the TE linears (``TELayerNormColumnParallelLinear`` / ``TEColumnParallelLinear`` /
-``TERowParallelLinear`` / duplicated ``TELinear``: ``linear_qkv``, ``linear_proj``, MLA's
-``linear_q_proj``, ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
-``linear_kv_up_proj``, ``mlp.linear_fc1``/``linear_fc2`` of dense MLPs, shared experts and
-each routed expert) and the ``TENorm`` modules (MLA's ``input_layernorm``, an MoE layer's
-``pre_mlp_layernorm``, GQA ``q_layernorm``/``k_layernorm``, ``decoder.final_layernorm``), each
-through ``make_sharded_tensors_for_checkpoint`` (a ``ShardedObject`` whose global shape/offset
-are the layer / expert axes prepended to the module's tensors, replica id ``(0, TP rank, DP
-rank)``, expert DP rank for experts). ``TEDotProductAttention`` writes none in 0.16.1 (its
-``sharded_state_dict`` drops it unless ``softmax_type="learnable"``). The value is what TE's
-``get_extra_state`` returns without FP8: an empty ``uint8`` tensor (TE's linears; its norms'
-``set_extra_state`` takes it too).
-"""
+Design notes: ``docs/design/megatron.md``."""
 
 from __future__ import annotations
 
@@ -190,7 +145,7 @@ def _extra_state_module(key: str) -> str | None:
 
 def add_te_extra_state(sharded_state_dict: Any) -> list[str]:
     """Add, in place, the ``_extra_state`` ``ShardedObject`` of every module that carries one
-    under the TE spec (module docstring) to a model's sharded state dict whose keys are TE
+    under the TE spec (``docs/design/megatron.md``) to a model's sharded state dict whose keys are TE
     names (:func:`to_te_names` first; one chunk's dict or ``{"model0": ..., ...}``). Each is
     built as Megatron-Core's ``make_sharded_object_for_checkpoint`` builds it: global shape /
     offset = the prepended (layer, expert) axes of a ``ShardedTensor`` of the same layer (of

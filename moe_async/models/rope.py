@@ -1,28 +1,11 @@
 """RoPE of an HF config: plain RoPE or YaRN, read into the fields Megatron-Core takes.
 
-HF keeps the RoPE settings in ``rope_parameters`` (transformers 5) or ``rope_scaling``
-(transformers 4.x and released ``config.json`` files, e.g. DeepSeek-V3's ``{"type": "yarn",
-"factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-"beta_fast": 32, "beta_slow": 1}``), the base in ``rope_theta`` (either place).
+Reads ``rope_parameters`` (transformers 5) or ``rope_scaling`` and ``rope_theta``; YaRN is mapped
+to Megatron's YaRN embedding with the same blended frequencies and attention factor as
+transformers. A RoPE type or YaRN setting Megatron cannot reproduce raises ``ValueError`` naming
+the field.
 
-YaRN as transformers computes it (``modeling_rope_utils._compute_yarn_parameters``):
-inverse frequencies blended between ``1/base^(2j/d)`` and ``1/(factor base^(2j/d))`` by a
-linear ramp over the dims ``[floor(corr(beta_fast)), ceil(corr(beta_slow))]`` (``truncate``),
-cos/sin times ``attention_factor`` = ``get_mscale(factor, mscale) / get_mscale(factor,
-mscale_all_dim)`` when both are set, else ``get_mscale(factor)``, with ``get_mscale(s, m) =
-0.1 m ln(s) + 1`` (1 for ``s <= 1``). DeepSeek-V3's attention also multiplies its softmax
-scale by ``get_mscale(factor, mscale_all_dim)^2`` (``yarn_apply_mscale``: about 1.87 for
-factor 40, ``mscale_all_dim`` 1, at every sequence length).
-
-Megatron-Core 0.16.1's ``YarnRotaryEmbedding`` computes the same frequencies (rounding the
-range to integers) and the cos/sin factor ``get_mscale(factor, mscale) / get_mscale(factor,
-mscale_all_dim)``; MLA sets ``softmax_scale = get_mscale(rotary_scaling_factor,
-mscale_all_dim)^2 / sqrt(q_head_dim)``. :meth:`Rope.megatron_yarn` picks the Megatron
-``mscale`` / ``mscale_all_dim`` that reproduce transformers' two factors exactly, and
-:func:`read_rope` refuses (naming the field) what Megatron cannot reproduce.
-
-No torch here: the plan reads this module too.
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
-"""The DeepSeek-style MoE shared by deepseek_v3 and glm4_moe: the first
-``first_k_dense_replace`` layers dense, the others MoE with a shared expert and a sigmoid
-router (fp32 scores, ``e_score_correction_bias`` -> Megatron's fp32 buffer
-``router.expert_bias`` used for the choice only, group-limited top-k, weights renormalised and
-scaled by ``routed_scaling_factor``).
+"""The DeepSeek-style MoE shared by deepseek_v3 and glm4_moe: first layers dense, the others
+MoE with a shared expert and a sigmoid router (fp32 scores, expert bias for the choice only,
+group-limited top-k, weights renormalised and scaled). A group setting Megatron scores
+differently from HF, or ``norm_topk_prob=False``, is refused by the families.
 
-Megatron scores a group by the sum of its top ``topk // group_topk`` experts; HF by the sum of
-its top 2. They agree iff ``num_experts_per_tok // topk_group == 2`` (DeepSeek-V3: 8 // 4) or
-every group is selected (``topk_group >= n_group``: no group limit, mapped to none; GLM-4.5:
-1 group). Megatron always renormalises sigmoid top-k weights for k > 1, so
-``norm_topk_prob=False`` is refused by the families.
-
-Rule scopes (:func:`moe_scopes`): ``"dense"`` (i < first_k_dense), ``"moe"`` (the other
-layers), ``"expert"`` (MoE layers x routed experts).
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 
@@ -52,7 +43,7 @@ def read_sigmoid_moe(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         ValueError: naming the field: no ``n_routed_experts``; ``num_experts`` /
             ``num_local_experts`` given too with another value; ``first_k_dense_replace`` not
             in ``[0, num_hidden_layers)``; ``moe_layer_freq`` != 1; ``n_group`` not dividing
-            the experts; a group limit Megatron cannot reproduce (module docstring).
+            the experts; a group limit Megatron cannot reproduce (``docs/design/models.md``).
     """
     L = d["num_hidden_layers"]
     E = d.get("n_routed_experts")

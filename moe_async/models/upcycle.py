@@ -1,20 +1,10 @@
 """Load the dense SmolLM2-135M-Instruct and upcycle it into a Mixtral-style MoE.
 
-Sparse upcycling (Komatsuzaki et al., 2022, "Sparse Upcycling: Training Mixture-of-Experts
-from Dense Checkpoints"): every MoE layer starts with ``E`` identical copies of the dense
-layer's MLP as its experts; attention, norms and embeddings are copied unchanged; the
-router is new, initialised ``N(0, router_init_std)``. Because Mixtral renormalises the
-top-k router weights to sum to 1, ``sum_k w_k * MLP(x) = MLP(x)`` whatever the router
-picks, so the upcycled model computes the same function as the dense model at step 0
-(up to float rounding). The router must not be all-zero: ties would always pick experts
-``0..k-1`` and the others (and the router) would never get a gradient.
+Sparse upcycling (Komatsuzaki et al., 2022): every MoE layer starts with ``E`` copies of the
+dense MLP and a new router drawn from ``N(0, router_init_std)``; with renormalised top-k
+weights the upcycled model computes the dense model's function at step 0 (up to rounding).
 
-transformers 5 stores Mixtral experts fused per layer:
-
-* ``model.layers.{i}.mlp.experts.gate_up_proj``: ``[E, 2I, H]``, gate rows first, then up;
-* ``model.layers.{i}.mlp.experts.down_proj``: ``[E, H, I]``;
-* ``model.layers.{i}.mlp.gate.weight`` (router): ``[E, H]``.
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ class TrainerActor:
 
     def reconnect_engines(self, urls: list[str]) -> None:
         """Rank 0 re-forms the weight-update group with ``urls`` (the engines in it from now
-        on: the live ones, a restarted one at its URL; C20): every old member leaves first
+        on: the live ones, a restarted one at its URL): every old member leaves first
         (``/destroy_weights_update_group``; a dead one's failure is logged), then the group
         is formed again with the same transport (its send buffer kept). Collective."""
         self._enter("reconnect_engines")
@@ -225,7 +225,7 @@ class TrainerActor:
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version (rank 0 sends;
         every rank takes part in the export's gather). At world size > 1 over the broadcast
-        transport the export is streamed (C14, :mod:`moe_async.weight_sync.stream_export`):
+        transport the export is streamed (bounded memory, :mod:`moe_async.weight_sync.stream_export`):
         each tensor is gathered into the bucket that is sent, so rank 0 never holds the model.
         Returns rank 0's sync metrics."""
         self._enter("sync_weights")
@@ -247,7 +247,7 @@ class TrainerActor:
     def _sync(self, send: Any) -> Any:
         """The export of :meth:`sync_weights`; rank 0 hands it to ``send(export, version)``."""
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
-            # C14: each tensor gathered straight into the bucket that is sent (stream_export.py)
+            # streamed export: each tensor gathered straight into the bucket that is sent (stream_export.py)
             from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
 
             if self.rank != 0:
@@ -295,7 +295,7 @@ class TrainerActor:
         self.trainer.save_checkpoint(tmp, extra={**extra, "step": step})
         from moe_async.orchestration.preemption import stall_if_due
 
-        stall_if_due(self.rank, self._calls["save_checkpoint"], tmp)  # test-only crash point (C22)
+        stall_if_due(self.rank, self._calls["save_checkpoint"], tmp)  # test-only crash point
         if multi:
             dist.barrier()
         if self.rank == 0:
@@ -337,7 +337,7 @@ class TrainerActor:
 
     def arm_preemption(self) -> bool:
         """From now on this rank's first SIGTERM only records itself for the driver to read
-        (:meth:`stop_signal`; :mod:`moe_async.orchestration.preemption`, C22). False: not armed
+        (:meth:`stop_signal`; :mod:`moe_async.orchestration.preemption`). False: not armed
         (the call did not run on the process's main thread)."""
         from moe_async.orchestration.preemption import arm_rank_sigterm
 
@@ -468,7 +468,7 @@ class RolloutActor:
         self.manager.skip_draws(restored or [], "skipped_restored")
 
     async def set_routable(self, i: int, ok: bool) -> None:
-        """Engine ``i`` into (``ok``) or out of request routing (C19: the driver's recovery)."""
+        """Engine ``i`` into (``ok``) or out of request routing (the driver's engine recovery)."""
         self.manager.set_routable(i, ok)
 
     async def routable(self) -> list[bool]:

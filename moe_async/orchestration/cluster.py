@@ -1,26 +1,14 @@
-"""Waiting for a Ray cluster to hold what a run needs (case C23), for ``launch/slurm/train.sbatch``.
+"""Waiting for a Ray cluster to hold what a run needs, for ``launch/slurm/train.sbatch``.
 
     python -m moe_async.orchestration.cluster --address HOST:PORT --nodes N [--gpus-per-node G]
         [--tag RESOURCE] [--head-only] [--timeout S] [--watch-pid PID] CONFIG.yaml [key=value ...]
     python -m moe_async.orchestration.cluster --preflight --gpus-per-node G CONFIG.yaml [key=value ...]
 
-The nodes a launcher starts carry a custom resource ``--tag`` (1 per node, e.g.
-``slurm_job_<id>``), so the nodes counted are that job's own, not a foreign cluster that
-happens to answer on the port. The wait polls (no fixed sleeps) until
+Polls until the job's own nodes (``--tag``) have joined and the GPUs the config needs are
+available, then exits 0; a bad config exits 2, a timeout 1 (``need ...; have ...``), a watched
+launcher step that exits first 3.
 
-- ``nodes`` of them have joined (``max(--nodes, trainer.nodes)``), and
-- with GPUs (``--gpus-per-node`` > 0) ``trainer world size + engine.num_engines x
-  devices per engine`` GPUs are *available* (a leftover actor of another job that holds GPUs
-  is not counted),
-
-then prints one line and exits 0. A config whose engines need GPUs (``engine.backend:
-sglang``) on nodes without any (``--gpus-per-node 0``) is refused at once naming the field
-(exit 2), as is a bad config; ``--preflight`` only does these checks (no Ray), for the
-launcher to run before it starts anything. After ``--timeout`` seconds it exits 1 with
-``need 2 nodes, 16 GPU; have 1 node, 8 GPU (...)``; when the process ``--watch-pid`` (the
-launcher's head step) or a ``--watch-worker-pid`` (a worker node's step) exits first it exits 3
-(the launcher may retry the head on another port).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 

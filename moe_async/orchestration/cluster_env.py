@@ -1,23 +1,11 @@
 """The environment every process of a run gets (driver, trainer ranks, engines, their children).
 
-:func:`no_proxy_hosts` merges ``no_proxy``/``NO_PROXY`` with loopback and the cluster's own
-addresses: sbatch and ``srun`` hand ``http_proxy``/``HTTP_PROXY`` down to every process, and
-an HTTP client that trusts the environment would send engine traffic to the proxy (httpx does,
-even for 127.0.0.1, unless the host is in ``no_proxy``).
+:func:`no_proxy_hosts` adds loopback and the cluster's own addresses to ``no_proxy`` so engine
+traffic never goes through an inherited HTTP proxy; :func:`worker_env` is the Ray runtime
+environment's ``env_vars`` (threads, ``no_proxy``, the socket interface and NCCL settings), so
+trainer ranks and engines see the same values.
 
-:func:`worker_env` is the Ray runtime environment's ``env_vars`` (so the trainer ranks and the
-engine servers they or the engine actors start see the same values):
-
-- ``OMP_NUM_THREADS=1``, ``TOKENIZERS_PARALLELISM=false`` (as before);
-- ``no_proxy`` and ``NO_PROXY``: :func:`no_proxy_hosts`;
-- ``NCCL_CUMEM_ENABLE=0`` (SGLang sets it in its own processes; a trainer with it on cannot
-  share NCCL buffers with them, slime sets it for its trainer for that reason) and
-  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (slime's runtime env), unless already set;
-- ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME`` (and the other variables in
-  :data:`PASSED`) copied from the driver's environment when set there;
-- ``MOE_ASYNC_ENGINE_LOG_DIR``: where engine servers write their logs (the run dir's
-  ``logs/``), when given.
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -55,7 +43,7 @@ def head_host(address: str | None) -> list[str]:
 
 def worker_env(env: Mapping[str, str] | None = None, hosts: Iterable[str] = (),
                engine_log_dir: str | None = None) -> dict[str, str]:
-    """``env_vars`` of the run's Ray runtime environment (module docstring); ``env``: the
+    """``env_vars`` of the run's Ray runtime environment (``docs/design/orchestration.md``); ``env``: the
     driver's environment (default ``os.environ``); ``hosts``: cluster addresses for ``no_proxy``."""
     env = os.environ if env is None else env
     np = no_proxy_hosts(env, hosts)

@@ -1,56 +1,12 @@
 """The driver loop of ``moe-async train``.
 
-    prepare HF checkpoint -> Ray: placement (trainer ranks, engines: placement.py)
-    -> engines (EnginePool, in parallel) -> trainer (TrainerGroup: one actor per Megatron rank)
-    -> buffer, rollout
-    eval (held-out) -> start generation (it never waits for training)
-    for step: batch = buffer.get_batch(trainer_version)     # staleness-checked
-              metrics = trainer.train_step(batch)            # GRPO + TIS, version += 1
-              every k steps: trainer -> engines weight sync; buffer.set_engine_version
-    stop generation -> final sync -> eval -> checksum trainer vs engines -> shut down
+Prepare the checkpoint, place and start engines and trainer ranks, then: for each step take a
+staleness-checked batch from the buffer, train it, sync weights to the engines, save and
+evaluate when due; stop generation, checksum trainer against engines, shut down. ``sync``,
+``one_step_off`` and ``fully_async`` share this loop (only the buffer's bound K differs).
+Writes ``metrics.jsonl`` per step and ``summary.json`` at the end.
 
-``sync``, ``one_step_off`` and ``fully_async`` share this one loop body; only the
-buffer's staleness bound ``K`` differs (K=0 makes generation wait for each update).
-
-Per-step metrics beyond the trainer's: ``buffer/staleness_hist/<k>`` (tokens of the batch
-k versions old), ``buffer/dropped/<reason>`` and ``rollout/dropped/<reason>`` (cumulative
-counts, e.g. ``stale``, ``filtered_equal_rewards``, ``prompt_too_long``),
-``perf/trainer_idle_frac`` (time waiting for a batch / loop time), ``perf/engine_idle_frac``,
-``perf/samples_per_s`` and ``perf/tokens_per_s`` (trained, over loop time); per step
-``perf/wait_seconds`` (trainer waiting for the batch; split into ``perf/wait_filling_seconds``
-and ``perf/wait_straggler_seconds``, case C27), ``perf/step_seconds`` (wait + train +
-sync), ``perf/engine_busy_seconds`` (mean over engines of the time with a request
-outstanding during the step), ``perf/gen_seconds`` (wall-clock seconds since the previous
-step's metrics during which any engine had a request outstanding, so never more than that
-span; the per-request sum, which overlapping requests inflate, is
-``rollout/request_seconds_sum`` in ``summary["rollout"]``);
-the last cumulative values are in ``summary["perf"]``.
-
-Checkpoints and resume (``trainer.save_interval``, ``trainer.save_dir``, ``trainer.load``):
-every ``save_interval`` steps and after the last one the trainer writes
-``<save_dir>/step_<N>`` (torch_dist model + optimizer, RNG, version, step and the prompt
-position; :meth:`TrainerActor.save_checkpoint`). With ``trainer.load`` the trainer loads the
-checkpoint before the buffer is made (its admission bound counts from the loaded version,
-case C6), the engines receive the loaded weights by a weight sync before any generation,
-the train prompts continue from the checkpoint's trained frontier (the draw ledger,
-:mod:`moe_async.orchestration.run_state`: prompts in flight at the save are drawn again, the
-buffered ones are put back into the buffer (:mod:`moe_async.buffer.snapshot`), the ones settled
-beyond the frontier passed over; a checkpoint without a ledger continues after
-its loader position), and the loop runs steps N+1..num_steps (num_steps counts in total,
-slime's convention). With ``MOE_ASYNC_SIGTERM=checkpoint`` a SIGTERM while the loop waits for
-a batch stops at once with the last finished step's checkpoint (case C22); one that reaches a
-single trainer rank is reported by that rank and stops every rank at the same step
-(:mod:`moe_async.orchestration.preemption`).
-
-Engine failures (cases C19-C21): :class:`~moe_async.orchestration.engine_recovery.EngineRecovery`
-runs between the waits for a batch and before each weight sync: a dead engine is restarted
-or retired (``engine.max_restarts``, ``engine.min_healthy_engines``), re-joins the update
-group with the live engines, gets the current weights and is routed again only after
-acknowledging the trainer's weight_version; an engine lost *during* a step's weight sync is
-reported by the sync (not fatal) and recovered the same way (``EngineRecovery.sync``).
-``summary["accounting"]`` says where every train
-prompt drawn went (trained / dropped by reason / pending).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -91,8 +47,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     Raises: whatever a component raises (config/model/engine errors name their source);
     :class:`~moe_async.errors.UserInputError` at start-up, before Ray or any process starts,
     for a ``cpu_affinity`` core this host lacks, a bad ``trainer.load``, an unwritable
-    ``trainer.save_dir``, a bad ``model.hf_path`` or a layout the model cannot take (no run dir is
-    left); engines and Ray are
+    ``trainer.save_dir``, a bad ``model.hf_path``, a layout the model cannot take or MoE kernels
+    this host cannot build (no run dir is left); engines and Ray are
     shut down on every exit path.
 
     Summary timing: ``wall_seconds`` is the whole run from this call to the summary (start-up:
@@ -111,6 +67,13 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     plan = plan_start(cfg, resolve_checkpoint)
     load_path, start_step = plan.load_path, plan.start_step
     refuse_without_gpus(cfg)  # engine.backend=sglang on a host without GPUs (a local run)
+    if not os.environ.get("RAY_ADDRESS"):  # the trainer runs on this host: its MoE kernels must build here
+        from moe_async.trainer.moe_kernels import refuse_unavailable_kernels
+
+        try:
+            refuse_unavailable_kernels(cfg.trainer)
+        except ValueError as e:
+            raise UserInputError(str(e)) from None
     try:
         on_sigterm = sigterm_mode()  # MOE_ASYNC_SIGTERM: refused before any process starts
     except ValueError as e:
@@ -204,14 +167,14 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             summary["resume_sync"] = sync_m
             print(f"[moe-async] resumed from {load_path} at step {start_step} "
                   f"(weight_version {trainer.version()})", flush=True)
-        buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version (C6)
+        buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
-        # C19-C21: dead engines restarted/retired between waits, and one lost during a weight
+        # engine failures: dead engines restarted/retired between waits, and one lost during a weight
         # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
         recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
         trainer.watch = None
         ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
-        # C22: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
+        # pre-emption: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
         stop = stop_check(trainer, on_sigterm == "checkpoint")
         if resumed:  # the saved buffer back (stale ones dropped); prompts from the frontier, none drawn twice
             summary["buffer_restored"] = resume_data(ledger, resumed, buffer, rollout, trainer.version(), _BUFFER_REPLY_S)
@@ -253,7 +216,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
             groups = None
             while groups is None:
-                rec = recovery.check()  # a dead engine: restarted and re-synced, or retired (C19-C21)
+                rec = recovery.check()  # a dead engine: restarted and re-synced, or retired
                 synced_version = int(rec.get("engine/weight_version", synced_version))
                 # a bounded wait for the buffer's own wait: a lost reply (seen once in CI
                 # after an engine was killed) must fail the run instead of hanging it
@@ -262,7 +225,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
                 if err:
                     raise RuntimeError(f"rollout loop died: {err}")
-                if groups is None and stop():  # C22 while waiting for a batch: stop now
+                if groups is None and stop():  # pre-emption while waiting for a batch: stop now
                     break
             if groups is None:  # the last finished step's checkpoint (unless written), then out
                 done = step - 1
@@ -317,7 +280,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 "buffer/samples_dropped": float(bstats["samples_dropped"]),
                 "buffer/buffered_groups": float(bstats["buffered_groups"]),
             })
-            m.update(wait_split_metrics(bstats, t1 - t0))  # C27: filling + straggler = wait
+            m.update(wait_split_metrics(bstats, t1 - t0))  # the wait split: filling + straggler = wait
             m.update(recovery.metrics())
             timeline.end_step(step, m["perf/wait_straggler_seconds"], _rget(rollout.trace_spans.remote(), "rollout.trace_spans"))
             # reward per sample generated since the last step, filtered/dropped ones included
@@ -330,7 +293,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             logger.log(m, step)
             console.report_hidden()  # one line, only when expected warnings were hidden since the last
             logger.console_step(step, cfg.num_steps, m)
-            if stop() and step < cfg.num_steps:  # launch/slurm's pre-emption signal (C22)
+            if stop() and step < cfg.num_steps:  # launch/slurm's pre-emption signal
                 if not (si and step % si == 0):
                     summary["last_checkpoint"] = save(step)
                 summary["stopped_at_step"] = step

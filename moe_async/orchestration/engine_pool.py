@@ -1,24 +1,11 @@
-"""The engines as placed Ray actors: one :class:`EngineActor` per engine, each on its own
-bundle (:func:`~moe_async.orchestration.placement.place_engines`: its GPUs on a cluster, a
-share of the cores on a CPU), owning one server process (:mod:`moe_async.engines.base`:
-SGLang or the embedded engine), which inherits the actor's ``CUDA_VISIBLE_DEVICES``.
+"""The engines as placed Ray actors: one :class:`EngineActor` per engine on its own bundle,
+owning one server process (SGLang or the embedded engine).
 
-:class:`EnginePool` is the driver's handle on them: ``launch()`` starts every engine at once
-and returns their URLs in engine-index order; ``dead_engines()`` names an engine whose server
-exited (index, URL, exit code, log) or whose actor died; ``shutdown()`` stops them all.
+:class:`EnginePool` is the driver's handle: ``launch()`` starts every engine at once and returns
+their URLs in engine-index order; ``dead_engines()`` names an engine whose server exited
+(index, URL, exit code, log) or whose actor died; ``shutdown()`` stops them all.
 
-Address: an engine serves on ``engine.host`` (loopback by default) when the Ray cluster is
-one node, and on its node's address when the cluster has more than one node, so the
-rollout actor and the trainer's rank 0 reach it from other nodes.
-
-Multi-node engines (``engine.nodes_per_engine`` = N > 1, SGLang only): N actors per engine,
-one per node of its ``STRICT_SPREAD`` group; node rank 0's actor picks a free port on its
-node for SGLang's ``--dist-init-addr``, all N processes start at once, and only node rank
-0's URL is routed to (the others serve SGLang's health-only endpoint). Restarting such an
-engine restarts all N: every process is stopped first, then all start at once with a new
-``--dist-init-addr`` port, so they form a new group (a restarted node rank 0 alone would wait
-for a node-rank-1 peer that is dead or holds the old group).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -102,7 +89,7 @@ EngineActor = ray.remote(num_cpus=0)(EngineHost)
 
 
 class EnginePool:
-    """``engine.num_engines`` placed :class:`EngineActor` s (see the module docstring).
+    """``engine.num_engines`` placed :class:`EngineActor` s (design notes: ``docs/design/orchestration.md``).
 
     Args:
         cfg: the experiment config (``engine.*``).

@@ -1,40 +1,12 @@
-"""Engine failure handled live in the driver (cases C19, C20, C21).
+"""Engine failure handled live in the driver (restart, rejoin the update group, re-sync, cap).
 
-:class:`EngineRecovery` is called by the driver's step loop between its waits (while it
-waits for a batch, and before each weight sync). Each :meth:`EngineRecovery.check`:
+:meth:`EngineRecovery.check` runs between the driver's waits: a dead engine leaves request
+routing at once, is restarted or retired by the restart policy, every live engine re-forms the
+weight-update group, the trainer's weights are sent, and the engine is routed again only after
+its ``/get_weight_version`` equals the trainer's. Too few healthy engines raises
+:class:`~moe_async.orchestration.supervisor.EngineFleetError`.
 
-1. asks the :class:`~moe_async.orchestration.engine_pool.EnginePool` which engine processes
-   died (index, URL, exit code, log) and takes each one out of request routing at once
-   (:meth:`RolloutActor.set_routable`), so no new request reaches it;
-2. applies the :class:`~moe_async.orchestration.supervisor.RestartPolicy`
-   (``engine.max_restarts`` per engine, ``engine.min_healthy_engines``): restart (same URL)
-   or retire; a death that leaves too few healthy engines raises
-   :class:`~moe_async.orchestration.supervisor.EngineFleetError` naming every engine down;
-3. when the membership changed, every live engine and the replacement re-form the
-   weight-update group (:meth:`TrainerGroup.reconnect_engines`: old group torn down on every
-   member first, C20), the trainer sends its current weights to all of them, and each
-   engine's ``/get_weight_version`` must equal the trainer's version (its acknowledgement);
-   with ``weight_sync.check`` the per-tensor checksums are compared too;
-4. only then is the replacement put back into routing (C19: no request reaches it before it
-   acknowledged the current weight_version). An engine the rollout manager took out of
-   routing itself (a failed request) but whose process is alive goes back in after the same
-   acknowledgement check.
-
-Requests in flight on the dead engine fail at the transport level and are retried by the
-rollout manager on another routable engine (``rollout/engine_request_retries``), or, with
-none left, their group is dropped with reason ``engine_lost`` (``buffer`` drop reasons).
-
-Counters (:meth:`EngineRecovery.metrics`): the policy's ``engine/restarts``,
-``engine/retired``, ``engine/healthy``, ``engine/restarts/<i>``, plus
-``engine/recovery_syncs`` (weight syncs made for a replacement) and ``engine/readmitted``.
-
-The step's weight sync goes through :meth:`EngineRecovery.sync`: an engine that dies *during*
-it does not fail the run. The sync returns the lost engine(s) once every trainer rank has
-finished the export (:mod:`moe_async.weight_sync.outcome`); the live engines that did not
-advance to the trainer's version leave routing; the next :meth:`check` restarts or retires the
-lost ones and re-syncs every member (their acknowledgement of the version included); then the
-engines taken out are routed again. ``engine/sync_failures`` counts such syncs.
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -48,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineRecovery:
-    """See the module docstring.
+    """Design notes: ``docs/design/orchestration.md``.
 
     Args:
         cfg: the experiment config (``engine.max_restarts``, ``engine.min_healthy_engines``,
@@ -100,8 +72,9 @@ class EngineRecovery:
 
     # ------------------------------------------------------------------ the check
     def check(self) -> dict[str, float]:
-        """One recovery pass (module docstring). Returns the counters; ``engine/weight_version``
-        when this pass synced the engines to the trainer's version (the caller records it).
+        """One recovery pass (``docs/design/orchestration.md``). Returns the counters;
+        ``engine/weight_version`` when this pass synced the engines to the trainer's version (the
+        caller records it).
 
         Raises:
             EngineFleetError: fewer than ``engine.min_healthy_engines`` healthy engines, naming them.
@@ -186,7 +159,7 @@ class EngineRecovery:
         """The step's weight sync to the live engines, then ``weight_sync.check`` and the
         buffer's engine version; ``engine/weight_version`` in the returned metrics.
 
-        An engine lost during it (module docstring): the engines still answering but not at
+        An engine lost during it (``docs/design/orchestration.md``): the engines still answering but not at
         the trainer's version leave routing, the pool is given up to ``dead_wait_s`` seconds to
         report the lost ones dead, :meth:`check` restarts/retires them and re-syncs every
         member (a re-sync is made here when it did not: a lost engine whose process is alive),

@@ -61,7 +61,7 @@ def sigterm_to_checkpoint() -> Any:
     """The driver's SIGTERM under ``launch/slurm/train.sbatch`` (``MOE_ASYNC_SIGTERM=checkpoint``,
     the pre-emption signal of ``#SBATCH --signal=B:TERM@LEAD``): the first SIGTERM only sets a
     flag (:func:`stop_requested`) that the step loop reads after each step to write a checkpoint
-    and leave the loop (case C22); a second one raises ``SystemExit`` as :func:`sigterm_to_exit`.
+    and leave the loop (pre-emption); a second one raises ``SystemExit`` as :func:`sigterm_to_exit`.
     Returns the previous handler, or None off the main thread."""
     import signal
     import threading

@@ -1,40 +1,18 @@
 """Placement of the trainer ranks and the engines on a Ray cluster (its devices, or its cores).
 
-The two pools are disaggregated: the trainer's ranks and the engines live in their own
-placement groups, so Ray gives each bundle its own GPUs (``CUDA_VISIBLE_DEVICES`` is set per
-actor from its bundle's GPU ids) and no device is shared between the pools.
+Disaggregated pools: ``trainer.nodes`` ``STRICT_PACK`` placement groups for the ranks (numbered
+node by node in numeric address order, so TP groups stay inside a node) and one bundle per
+engine. A cluster short of resources fails after a timeout naming what was needed and what
+the cluster has.
 
-Trainer: ``trainer.nodes`` placement groups of ``world_size / nodes`` bundles each, every
-group ``STRICT_PACK`` (all its bundles on one node). Ranks are numbered node by node, nodes
-in numeric address order (``10.0.0.9`` before ``10.0.0.66``), bundle by bundle within a node
-(:func:`placed_slots`), so the order does not depend on which group Ray put on which node, a
-node's ranks are contiguous, and Megatron's TP groups (contiguous ranks, TP innermost) stay
-inside a node whenever TP divides the ranks per node. One bundle
-per rank: ``{"GPU": 1, "CPU": c}`` on a cluster with GPUs, ``{"CPU": c}`` on CPU.
-
-Engines: one ``PACK`` placement group, one bundle per engine (a bundle lives on one node):
-``{"GPU": engine.resolved_devices_per_engine, "CPU": c}`` for ``engine.backend: sglang`` on a
-cluster with GPUs, else ``{"CPU": c}``. An engine spanning ``engine.nodes_per_engine`` > 1
-nodes gets its own ``STRICT_SPREAD`` group of that many bundles of
-``engine.devices_per_engine_node`` GPUs (one per node, node rank = bundle index); slots are
-then engine-major (engine i, node rank r at ``i * nodes_per_engine + r``).
-
-CPU share ``c``: each process sets its own thread count (``trainer.num_threads``,
-``engine.num_threads``); a bundle asks for ``min(threads, CPUs of the cluster / bundles)``
-(at least 0.01), so a 2-core machine still places a 2-rank trainer and 2 engines (Ray's CPU
-is a logical resource; the thread counts keep the processes from oversubscribing).
-
-Waiting: a placement group that cannot be placed within ``timeout_s`` (resources missing:
-a node not joined yet, another job holding them) is removed and the error names what was
-needed and what the cluster has (case C23).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-#: seconds to wait for a placement group's resources before failing (C23)
+#: seconds to wait for a placement group's resources before failing
 PLACEMENT_TIMEOUT_S = 300.0
 
 
@@ -204,7 +182,7 @@ def place(bundle_groups: list[list[dict[str, float]]], strategy: str, what: str,
 
 def trainer_bundles(world_size: int, nodes: int, threads: int, use_gpus: bool,
                     n_bundles_total: int) -> list[list[dict[str, float]]]:
-    """``nodes`` lists of ``world_size / nodes`` rank bundles (see the module docstring)."""
+    """``nodes`` lists of ``world_size / nodes`` rank bundles (``docs/design/orchestration.md``)."""
     if world_size % nodes:
         raise ValueError(f"trainer world size {world_size} is not divisible by trainer.nodes={nodes}")
     c = cpu_share(threads, n_bundles_total)
@@ -214,7 +192,7 @@ def trainer_bundles(world_size: int, nodes: int, threads: int, use_gpus: bool,
 
 def engine_bundles(num_engines: int, devices: int, threads: int, use_gpus: bool,
                    n_bundles_total: int) -> list[dict[str, float]]:
-    """One bundle per engine (see the module docstring)."""
+    """One bundle per engine (design notes: ``docs/design/orchestration.md``)."""
     c = cpu_share(threads, n_bundles_total)
     return [{"CPU": c, **({"GPU": float(devices)} if use_gpus else {})} for _ in range(num_engines)]
 

@@ -1,22 +1,10 @@
-"""Pre-emption that reaches one trainer rank only (issue 19, case C22).
+"""Pre-emption that reaches one trainer rank only (a SIGTERM the driver does not see).
 
-Under ``MOE_ASYNC_SIGTERM=checkpoint`` (launch/slurm/train.sbatch) the driver's SIGTERM asks the
-step loop to checkpoint and stop (:func:`moe_async.orchestration.lifecycle.sigterm_to_checkpoint`).
-A SIGTERM can also reach a single trainer rank (a node's agent, an OOM guard, a user's ``kill``);
-Ray's own handler would make that rank exit, the others would be left in a collective and the
-run would fail as for a dead rank. With the same opt-in the driver arms every rank
-(:meth:`TrainerGroup.arm_preemption`): a rank's first SIGTERM only sets a flag
-(:func:`arm_rank_sigterm`), a second one goes to the handler it replaced (Ray: exit).
+Under ``MOE_ASYNC_SIGTERM=checkpoint`` a rank's first SIGTERM only sets a flag; the driver asks
+every rank for it (:class:`StopCheck`) while it waits for a batch and after each step, and
+stops every rank at the same step boundary with that step's checkpoint.
 
-Agreement on the stop step: the ranks never decide on their own. The driver asks every rank
-for its flag (:meth:`TrainerGroup.stop_signals`, one reply per rank) while it waits for a batch
-and after each step (:class:`StopCheck`); once any rank reports one, the driver stops the loop
-at that step boundary and issues the whole-run checkpoint of that step to every rank (a
-collective call), so every rank saves and stops at the same step by construction.
-
-Test-only: ``MOE_ASYNC_CKPT_STALL=RANK:N`` (:func:`stall_if_due`) stops a rank in the middle of
-a checkpoint write, so that a test can SIGKILL it there (the previous checkpoint stays valid).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -63,7 +51,7 @@ def rank_stop_signal() -> str | None:
 
 
 class StopCheck:
-    """The step loop's question "stop now?" (C22): the driver's own pre-emption flag, else the
+    """The step loop's question "stop now?": the driver's own pre-emption flag, else the
     first trainer rank that reported one.
 
     Args:

@@ -1,28 +1,11 @@
 """Which run this is, where it writes, and what it resumes from (``trainer.resume``).
 
-A run's *id* is ``MOE_ASYNC_RUN_ID`` when set (``launch/slurm/train.sbatch`` sets
-``slurm-<cluster>-<job id>``, the same for a requeued job), else the name of the new run
-directory. With an id from the environment the run directory is ``<logging.output_dir>/
-<name>-<id>``: a requeued job finds it again and appends to its ``metrics.jsonl``.
+The run id is ``MOE_ASYNC_RUN_ID`` when set (a requeued job finds its run dir again), else the
+new run dir's name. A save dir is owned by the run that claimed it (:data:`OWNER_FILE`):
+:func:`plan_start` refuses, before any process starts, a save dir holding another run's
+checkpoints, naming the directory and its owner.
 
-A checkpoint directory (``trainer.save_dir``, default ``<run dir>/checkpoints``) is owned by the
-run that claimed it: :data:`OWNER_FILE` there holds ``{"run_id", "run_dir"}``. At start-up
-(:func:`plan_start`, before Ray or any process starts):
-
-- a save_dir holding checkpoints (``step_<N>`` dirs or ``latest``) of another run, or of an
-  unknown one, is refused naming the directory and its owner, unless this run continues that
-  line of checkpoints (``trainer.load`` is in it and no ``step_<N>`` above the loaded step
-  exists there): no run ever overwrites or deletes another run's step directory;
-- ``trainer.resume: auto`` resumes from the save_dir's ``latest`` checkpoint when the run owns one
-  (a requeued job), else from ``trainer.load`` when set, else starts at step 0;
-- ``trainer.resume: never`` with an id whose run directory already exists is refused (it
-  would mix two runs' metrics), naming the directory and ``trainer.resume=auto``.
-
-:func:`claim` writes the owner file once the run directory exists. On an automatic resume the
-``metrics.jsonl`` lines above the checkpoint's step (steps run after the last checkpoint,
-about to be run again) are moved to ``metrics.superseded.jsonl`` (:func:`trim_metrics`), so the
-step count in ``metrics.jsonl`` stays continuous and nothing written is lost.
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -90,7 +73,7 @@ def _has_checkpoints(save_dir: Path) -> bool:
 
 
 def plan_start(cfg: Any, resolve_checkpoint) -> StartPlan:
-    """Decide run dir, save_dir and checkpoint (module docstring). ``resolve_checkpoint(cfg)``
+    """Decide run dir, save_dir and checkpoint (``docs/design/orchestration.md``). ``resolve_checkpoint(cfg)``
     is the driver's ``trainer.load`` resolver (``(path, step)``, raising UserInputError).
 
     Raises:

@@ -1,32 +1,11 @@
-"""The data side of a whole-run checkpoint: which train prompts were settled (issue 19, C22).
+"""The data side of a whole-run checkpoint: which train prompts were settled.
 
-Every train prompt drawn has a *draw number* ``seq``: its place in the dataset's seeded order
-over all epochs (``epoch * len(train) + pos``, :meth:`TaskDataset.position`), the same in a
-resumed run. A drawn prompt is *settled* once it was trained, or dropped for a named reason
-(``stale`` in the buffer; ``engine_lost``, ``filtered_equal_rewards``, ``prompt_too_long``,
-``reward_failure``, ``error:*`` in the rollout); otherwise it is *pending* (buffered, in
-flight, or not generated yet).
+Every drawn prompt has a draw number (its place in the seeded order over all epochs); it is
+settled once trained or dropped for a named reason. :class:`DrawLedger` keeps the trained
+frontier and the settled draws beyond it, saved atomically with each checkpoint, so a resumed
+run draws the pending prompts again and trains each prompt once (a draw settled twice raises).
 
-:class:`DrawLedger` (driver side) keeps the settled draws. Its state, saved with each
-checkpoint (inside the checkpoint's ``moe_async_state.json`` under ``run_state``, so it is
-written to the checkpoint's temporary directory and renamed with it: atomic), is
-
-    {"frontier": F,                    # every draw < F is settled
-     "settled": {seq: outcome},        # the settled draws >= F ("trained" or a drop reason)
-     "weight_version": v, "step": N, "max_staleness": K,
-     "counts": {"trained": .., "dropped": {reason: ..}}}   # cumulative over the whole run
-
-This is the *trained frontier*, not the loader cursor: a resumed run rewinds the prompts to
-``F`` and skips the draws in ``settled`` (:meth:`RolloutManager.skip_draws`), so a prompt that
-was in flight at the save (trained by nobody) is drawn again, and none is trained twice.
-
-The buffer's contents are saved with the checkpoint too (``extra["buffer"]``,
-:mod:`moe_async.buffer.snapshot`): a resumed run puts those groups back into its buffer before
-generation starts, drops the ones more than K versions behind the loaded version (reason
-``stale``, settled as such in the ledger), and passes over their draws (``rollout/
-skipped_restored``): they stay pending until trained or dropped, never drawn again
-(:func:`resume_data`). A checkpoint without a buffer snapshot (older) regenerates them.
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -37,7 +16,7 @@ TRAINED = "trained"
 
 
 class DrawLedger:
-    """Settled draws of a run (module docstring).
+    """Settled draws of a run (``docs/design/orchestration.md``).
 
     Args:
         state: a saved :meth:`state_dict` to continue from (None: a new run).

@@ -1,21 +1,11 @@
-"""Engine restart policy (case C21): restarts capped per engine, a floor of healthy engines.
+"""Engine restart policy (no endless restarts): restarts capped per engine, a floor of healthy engines.
 
-:class:`RestartPolicy` is pure bookkeeping (no processes, no clock of its own: the caller
-passes the time): told that an engine died, it answers ``"restart"`` while that engine has
-been restarted fewer than ``engine.max_restarts`` times, else ``"retire"`` (the engine is
-out of routing for good). An engine is *healthy* while it is neither dead (waiting for its
-restart) nor retired; when a death leaves fewer than ``engine.min_healthy_engines`` healthy
-engines the run must stop: :class:`EngineFleetError` names every engine that is down (index,
-name, retired or restarting, restarts so far, the last reason). :meth:`RestartPolicy.metrics`
-gives the counters to log (``engine/restarts``, ``engine/retired``, ``engine/healthy``,
-``engine/restarts/<i>``).
+:class:`RestartPolicy` (pure bookkeeping, the caller passes the time) answers ``"restart"`` or
+``"retire"`` for a dead engine and raises :class:`EngineFleetError` naming every engine down
+when fewer than ``engine.min_healthy_engines`` remain healthy; :class:`Supervisor` applies it
+to :class:`SupervisedEngine` objects one poll at a time.
 
-:class:`Supervisor` applies the policy to engines that can say whether they are alive and be
-restarted (:class:`SupervisedEngine`: ``alive()``, ``restart()``, ``name``), one
-:meth:`Supervisor.poll` at a time; whoever owns the engines (the driver's engine manager)
-calls it, re-joins a restarted engine to the weight-update group and sends it the current
-weights before it takes requests again (C19/C20, not done here).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -51,7 +41,7 @@ class EngineRecord:
 
 
 class RestartPolicy:
-    """See the module docstring.
+    """Design notes: ``docs/design/orchestration.md``.
 
     Args:
         names: one name per engine (e.g. its URL), in index order.
@@ -136,7 +126,7 @@ class SupervisedEngine(Protocol):
 
 
 class Supervisor:
-    """Polls ``engines`` and applies ``policy`` (see the module docstring)."""
+    """Polls ``engines`` and applies ``policy`` (design notes: ``docs/design/orchestration.md``)."""
 
     def __init__(self, engines: Sequence[SupervisedEngine], policy: RestartPolicy):
         if len(engines) != len(policy.engines):

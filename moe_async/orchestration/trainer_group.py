@@ -1,28 +1,11 @@
 """The trainer as a group of Ray actors, one per Megatron rank.
 
-    place_trainer(cfg)  ->  slots in rank order (placement.py: node order, STRICT_PACK per node)
-    actor r on slot r   ->  rank 0 binds the TCPStore on its node: (MASTER_ADDR, MASTER_PORT)
-    every rank: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, process group, trainer
-    every call -> all ranks, same arguments (the batch put once in Ray's object store); rank 0's result
+Ranks are placed in node order; rank 0 binds the store (``MASTER_ADDR``/``MASTER_PORT``); every
+call goes to all ranks with the same arguments and returns rank 0's result. When one rank
+raises or dies, every rank is killed (none is left in a collective) and
+:class:`TrainerRankError` names the rank and the call.
 
-Failure: a call waits on every rank's reply; when one rank raises or its process dies, the
-others are left blocked in a collective that will never complete, so the group kills every
-rank (and removes the placement groups) and raises :class:`TrainerRankError` naming the rank
-and the call, within ``_ERROR_GRACE_S`` seconds of the first failing reply. The same happens
-when ``watch()`` reports a problem while a call waits (the driver sets none after start-up: an
-engine lost during a weight sync is reported by :meth:`TrainerGroup.sync_weights_outcome`, not
-fatal).
-
-Test-only fault hook: ``MOE_ASYNC_TRAINER_FAULT=RANK:METHOD:N`` in the driver's environment
-(e.g. ``1:train_step:2``) makes trainer rank RANK raise RuntimeError at its N-th call of
-METHOD (:class:`~moe_async.orchestration.actors.TrainerActor` methods: ``setup``,
-``train_step``, ``sync_weights``, ``save_checkpoint``, ...). Not a configuration knob.
-The second, ``MOE_ASYNC_CKPT_STALL=RANK:N`` (read in the rank's process, which inherits the
-driver's environment in a local run), makes rank RANK stop in its N-th ``save_checkpoint`` after
-its files are in ``step_<N>.tmp`` and before the rename, until it is killed
-(:func:`moe_async.orchestration.preemption.stall_if_due`: a crash in the middle of a
-checkpoint write, C22).
-"""
+Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
@@ -194,7 +177,7 @@ class TrainerGroup:
         return self._call("load_checkpoint", path)
 
     def arm_preemption(self) -> None:
-        """Arm every rank's SIGTERM flag (:mod:`moe_async.orchestration.preemption`, C22).
+        """Arm every rank's SIGTERM flag (:mod:`moe_async.orchestration.preemption`).
 
         Raises: RuntimeError naming the ranks where it could not be armed."""
         armed = self._gather([a.arm_preemption.remote() for a in self.actors], "arm_preemption")

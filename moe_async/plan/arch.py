@@ -1,30 +1,10 @@
 """Parameter counts of an MoE decoder from its HF config fields (no weights), and its RoPE row.
 
-Every count is in elements (parameters), read from the HF ``config.json`` field names, per
-family (``model_type``):
+Counts in elements per family (``qwen3_moe``, ``mixtral``, ``deepseek_v3``, ``glm4_moe``,
+``llama``), split into dense and expert parameters per layer, as transformers builds the model;
+an unknown ``model_type`` or a missing field raises :class:`ArchError` naming it.
 
-* ``qwen3_moe`` (Qwen3-MoE): GQA attention q ``[nh*d, H]``, k, v ``[ng*d, H]``, o ``[H, nh*d]``,
-  per-head RMSNorm on q and k (``[d]`` each), two RMSNorms ``[H]`` per layer, router
-  ``[E, H]``, E experts of gate/up ``[I, H]`` and down ``[H, I]``, no shared expert; a layer
-  is dense (``intermediate_size``) iff listed in ``mlp_only_layers`` or
-  ``(i + 1) % decoder_sparse_step != 0`` (transformers' Qwen3MoeDecoderLayer).
-* ``mixtral``: the same without q/k norms (``num_local_experts``).
-* ``deepseek_v3``: MLA attention (q_a ``[rq, H]``, q_a_layernorm ``[rq]``, q_b
-  ``[nh(dn+dr), rq]`` or q ``[nh(dn+dr), H]`` without ``q_lora_rank``; kv_a ``[rkv+dr, H]``,
-  kv_a_layernorm ``[rkv]``, kv_b ``[nh(dn+dv), rkv]``, o ``[H, nh dv]``), the first
-  ``first_k_dense_replace`` layers dense, the rest MoE with router ``[E, H]``, its
-  ``e_score_correction_bias`` ``[E]`` and ``n_shared_experts`` shared experts of width
-  ``n_shared_experts * moe_intermediate_size``; the ``num_nextn_predict_layers`` MTP layers
-  are not counted (the trainer builds no MTP head, moe_async/models/deepseek_v3).
-* ``glm4_moe`` (GLM-4.5, -Air): GQA attention with q/k/v biases when ``attention_bias``,
-  q/k norms when ``use_qk_norm``, dense and MoE layers and router bias as DeepSeek-V3's, MTP
-  layers not counted. (Counted for planning; no trainer family reads it yet.)
-
-Embedding ``[V, H]``, the output layer ``[V, H]`` unless ``tie_word_embeddings``, final norm
-``[H]``. Biases are counted only where the family has them (``attention_bias``).
-
-Errors: :class:`ArchError` (a ``ValueError``) naming the source and the field.
-"""
+Design notes: ``docs/design/plan.md``."""
 
 from __future__ import annotations
 

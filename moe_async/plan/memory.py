@@ -1,53 +1,11 @@
 """Layout checks against the model and the cluster, and per-GPU memory estimates.
 
-Units: bytes in the dataclasses; GiB = 2**30 bytes and GB/s = 10**9 bytes/s where printed.
+Per-GPU trainer memory (weights, fp32 grads, Adam state on every rank, distributed or
+offloaded, activations at the configured tokens per micro-batch and recompute), each engine's
+weights and KV pool, and one weight sync's bytes. Units: bytes in the dataclasses; GiB = 2**30
+bytes and GB/s = 10**9 bytes/s where printed.
 
-Trainer, per GPU (Megatron-Core as moe_async/trainer/megatron_trainer.py configures it):
-
-* parameters per GPU: for each pipeline stage, its layers (``L / (PP x VPP)`` per model chunk,
-  stage p holding chunks ``v*PP + p``), each layer's TP-split tensors / TP, its replicated
-  ones (norms, router) whole, its routed experts / (EP x ETP); the embedding (vocab padded to
-  a multiple of ``make_vocab_size_divisible_by x TP``) / TP on the first stage, the output
-  layer / TP and final norm on the last (a tied embedding is held by both ends when PP > 1).
-  The plan reports the stage with the largest total.
-* weights: ``trainer.params_dtype`` bytes per parameter (bf16 2, fp32 4); grads: 4 bytes
-  (fp32 ``main_grad`` buffers, DDP ``grad_reduce_in_fp32=True``); optimizer (Adam): fp32
-  master copy + two fp32 moments = 12 bytes with bf16 params, 8 with fp32 params (the param
-  is its own master). Without the distributed optimizer every rank holds all of its
-  parameters' state; with it (``use_distributed_optimizer``) dense state is sharded over
-  DP x CP and expert state over EDP (Megatron's data-parallel groups); with CPU offload
-  (Megatron's ``optimizer_cpu_offload``, fraction 1: slime's ``--optimizer-cpu-offload``)
-  the sharded state lives in host memory and the GPU keeps weights + grads.
-* activations, no recompute, flash attention (no S x S scores), dropout 0, sequence
-  parallelism over TP (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models", whose per-layer count this generalises to GQA/MLA and routed
-  experts): with ``t = T / (CP x TP)`` tokens per rank of a micro-batch of T tokens, one
-  layer keeps ``2 t (2H + W_attn)`` bytes for attention (norm input, QKV input, q/k/v and the
-  attention output: ``W_attn`` = their widths in elements; MLA's q/kv latents, which every TP
-  rank computes for the group's ``TP x t`` tokens, ``2 TP t W_latent``) plus, for an MoE layer,
-  ``2 t 2H + 4 t E`` (norm and router inputs, fp32 router scores) ``+ 2 t k (ETP H + 3 I)``
-  (each of the k routed copies: expert input, gate/up output, SwiGLU output; balanced
-  routing) ``+ 2 t (H + 3 Is)`` for shared experts of width Is, or ``2 t (2H + 3 I_dense)``
-  for a dense layer. The first pipeline stage keeps PP micro-batches in flight (1F1B), times
-  ``1 + (PP-1)/(PP x VPP)`` with virtual stages (ibid. §4.2.3); the last stage also keeps the
-  logits: ``10 T/CP x V/TP`` bytes (bf16 logits, their fp32 copy for the log-softmax and its
-  fp32 gradient). T is ``trainer.max_tokens_per_micro_batch`` (or ``rollout.max_new_tokens``
-  when larger: a longer sequence is a micro-batch of its own), else ``micro_batch_size x
-  rollout.max_new_tokens`` (without the prompt: a lower bound).
-
-Engine (SGLang), per GPU of one engine of TP size ``tp``: weights = (TP-split tensors and
-experts) / tp + replicated ones whole, k/v projections split over ``min(tp, KV heads)``
-(SGLang replicates KV heads when tp exceeds them), at ``engine.dtype``; the KV pool =
-``mem_fraction_static x GPU memory - weights`` (SGLang's static pool: weights + KV cache),
-holding ``pool / (layers x KV bytes per token)`` tokens, a token's KV being ``2 x KV heads per
-rank x head_dim`` elements per layer (MLA: the ``kv_lora_rank + qk_rope_head_dim`` latent on
-every rank) at ``engine.dtype``.
-
-Weight sync: every parameter once, at ``engine.dtype``; its lower bound is bytes / the link
-bandwidth (``cluster.link_bandwidth_gb_s``).
-
-Errors: :class:`PlanError` (a ``ValueError``) listing each field and rule that fails.
-"""
+Design notes: ``docs/design/plan.md``."""
 
 from __future__ import annotations
 
@@ -314,7 +272,7 @@ def _stage_params(shape: ModelShape, lay: ParallelLayout, vpp: int, vocab_pad: i
 
 def _layer_activation_parts(shape: ModelShape, lp, lay: ParallelLayout, t: float,
                             imbalance: float = 1.0) -> dict[str, float]:
-    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring), by the
+    """Bytes one layer keeps for its backward at ``t`` tokens per rank (``docs/design/plan.md``), by the
     part Megatron's selective recompute names: ``layernorm`` (the two norm outputs), ``attn``
     (QKV input side and q/k/v/output; ``core_attn`` recompute drops the S x S scores, which flash
     attention never keeps: nothing here), ``mla_up_proj`` (MLA's latents), ``moe`` (router
@@ -339,7 +297,7 @@ def _layer_activation_parts(shape: ModelShape, lp, lay: ParallelLayout, t: float
 
 def _layer_activation_bytes(shape: ModelShape, lp, lay: ParallelLayout, t: float, imbalance: float = 1.0,
                             recompute_modules: tuple[str, ...] = ()) -> float:
-    """Bytes one layer keeps for its backward at ``t`` tokens per rank (module docstring), less
+    """Bytes one layer keeps for its backward at ``t`` tokens per rank (``docs/design/plan.md``), less
     the parts in ``recompute_modules`` (selective recompute; ``moe`` drops the experts' too)."""
     parts = _layer_activation_parts(shape, lp, lay, t, imbalance)
     drop = set(recompute_modules)
@@ -401,7 +359,8 @@ def tokens_per_micro_batch(cfg: "ExperimentConfig") -> tuple[int, str]:
 
 
 def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstimate:
-    """Per-GPU trainer memory of the largest stage (module docstring); call after :func:`check_layout`."""
+    """Per-GPU trainer memory of the largest stage (``docs/design/plan.md``); call after
+    :func:`check_layout`."""
     t, c = cfg.trainer, cfg.cluster
     lay = t.layout
     vpp = t.virtual_pipeline_model_parallel_size or 1
@@ -459,7 +418,7 @@ def _mem_fraction(cfg: "ExperimentConfig") -> tuple[float, bool]:
 
 
 def estimate_engine(shape: ModelShape, cfg: "ExperimentConfig") -> EngineEstimate:
-    """Per-GPU memory of one engine (module docstring)."""
+    """Per-GPU memory of one engine (``docs/design/plan.md``)."""
     e, c = cfg.engine, cfg.cluster
     tp = e.tensor_parallel_size
     w = _DTYPE_BYTES[e.dtype]

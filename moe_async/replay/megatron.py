@@ -1,35 +1,11 @@
-"""Router replay in the Megatron-Core trainer, through Megatron's native ``RouterReplay``
-(``TransformerConfig.moe_enable_routing_replay``: one ``RouterReplay`` per ``TopKRouter``,
-consulted by ``topk_routing_with_score_function``).
+"""Router replay in the Megatron-Core trainer, through Megatron's native ``RouterReplay``.
 
-Modes (``trainer.router_replay``):
+``trainer.router_replay``: ``off`` (routers choose; agreement with the engine's routes still
+measured), ``R3`` (each MoE layer's top-k set to the engine's ``routed_experts``; gate weights
+from the trainer's own scores, so the router keeps its gradient), ``R2`` (routes recorded by a
+no-grad old-policy forward, then replayed).
 
-- ``off``: routers choose their own experts. When samples carry engine routes, the
-  agreement between those and the trainer's choice is still measured.
-- ``R3``: rollout routing replay. Each MoE layer's top-k indices are set to the engine's
-  (``Sample.routed_experts``) before the forward (``REPLAY_FORWARD``; the same indices
-  stay queued for a recompute in ``REPLAY_BACKWARD``). Megatron gathers the gate weights
-  from the trainer's OWN router scores at those indices, so the router still gets gradients.
-- ``R2``: the routes of the trainer's own old-policy forward: a no-grad forward over the
-  same micro-batches with ``RECORD`` before the training forward, then replay of those.
-  With one optimizer step per batch the old and current policy coincide at the forward, so
-  R2 only differs from ``off`` when the policy moves between recording and training.
-
-Data path per micro-batch: ``routes_BSLK`` (-1 = no route; a packed THD micro-batch: one
-row ``[1, T, ...]`` in the packed token order, see :meth:`RouterReplayHook.pack`) -> :func:`fill_padding`
-(padding and the unrouted last token get evenly spread valid experts) -> ``[S, B]`` token
-order of Megatron's router (``[S*B, K]`` per layer; this rank's sequence-parallel chunk)
--> the router of each local MoE layer, matched by its global MoE-layer index (dense
-layers have no router, PP stages hold a subset).
-
-Virtual pipeline stages (a ``ModuleList`` of model chunks): Megatron's interleaved schedule
-runs every micro-batch once per chunk, so the micro-batch counter and the padding-route
-rotation are kept per chunk, and :meth:`RouterReplayHook.before_forward` sets the targets of
-the routers of the chunk about to run only (micro-batches reach each chunk in order).
-
-Legend: ``B`` sequences, ``S`` padded length, ``L`` MoE layers, ``K`` top-k, ``E`` experts,
-``N`` tokens seen by one router (``S_local * B``).
-"""
+Design notes: ``docs/design/replay.md``."""
 
 from __future__ import annotations
 
@@ -123,7 +99,7 @@ def _measured_replay_class():
 
 
 class RouterReplayHook:
-    """Drives Megatron's router replay for one model (see the module docstring).
+    """Drives Megatron's router replay for one model (design notes: ``docs/design/replay.md``).
 
     Args:
         model: the (unwrapped) Megatron model, or a ``torch.nn.ModuleList`` of model chunks in

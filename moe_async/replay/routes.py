@@ -1,19 +1,11 @@
 """Routed-expert storage, alignment with token ids, segment joining and padding.
 
-Legend (shapes): ``T`` tokens of one sequence (prompt + response), ``L`` MoE layers (dense
-layers of first-k-dense / hybrid models have no routes), ``K`` router top-k, ``E`` experts,
-``B`` sequences in a micro-batch, ``S`` padded sequence length.
+Engine routes (int32 ``[T-1, L(+dense), K]``) -> :func:`engine_routes` (compact
+``Sample.routed_experts`` ``[T-1, L, K]``) -> :func:`join_segments` for partial rollouts ->
+:func:`batch_routes` (``[B, S, L, K]`` int64, -1 where no route) -> :func:`fill_padding` ->
+Megatron's router replay.
 
-Data path: engine ``meta_info["routed_experts"]`` (int32 ``[T-1, L(+dense), K]``: the
-engine routes every token it FEEDS to the model, i.e. all but the last one)
--> :func:`engine_routes` (drop dense layers, check the ``T-1`` offset, compact dtype)
--> ``Sample.routed_experts`` (``[T-1, L, K]`` uint8/int16; row ``t`` = token ``t``)
--> partial rollouts: :func:`join_segments`
--> trainer: :func:`batch_routes` (``[B, S, L, K]`` int64, -1 where no route: the last
-token of each sequence and right padding; with packed THD micro-batches :func:`pack_rows`
-puts them in the packed row's order ``[1, T, L, K]``) -> :func:`fill_padding` (valid experts
-spread evenly over the experts) -> Megatron's router replay.
-"""
+Design notes: ``docs/design/replay.md``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 their own files (metrics.jsonl, summary.json), with no network.
 
 Writes into ``--out`` (default ``<first run dir>/report``): the PNGs of
-:data:`moe_async.report.plots.PLOTS` (routing agreement and mismatch only when a run logged
+:data:`moe_async.report.plots.PLOTS` (routing agreement, mismatch and the named eval sets only when a run logged
 them; several runs overlay their curves), ``summary.md`` (a table, one column per run, and
 the list of plots) and ``report.json`` (the same numbers, unrounded:
 :func:`moe_async.report.stats.run_numbers`).

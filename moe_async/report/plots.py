@@ -14,7 +14,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moe_async.report.runs import Run  # noqa: E402
-from moe_async.report.stats import TIME_PARTS, held_out, held_out_curve, staleness_hist  # noqa: E402
+from moe_async.report.stats import TIME_PARTS, eval_set_names, held_out, held_out_curve, staleness_hist  # noqa: E402
 
 DPI = 110
 
@@ -84,7 +84,7 @@ def staleness_plot(runs: list[Run], path: Path) -> Path:
 
 
 def time_breakdown_plot(runs: list[Run], path: Path) -> Path:
-    """Per step, stacked seconds: the wait for the batch (filling, straggler: C27), the
+    """Per step, stacked seconds: the wait for the batch (filling, straggler), the
     train step, the weight sync, a checkpoint save, and the rest of ``perf/step_seconds``
     (driver bookkeeping); on top, a held-out curve evaluation made after the step
     (``eval/seconds``, outside ``perf/step_seconds``; step 0: the one before training). One
@@ -149,6 +149,28 @@ def mismatch_plot(runs: list[Run], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def eval_sets_plot(runs: list[Run], path: Path) -> Path | None:
+    """Each named eval set's held-out curve (``eval/<name>/mean_at_k`` and
+    ``eval/<name>/greedy_accuracy``, +- one standard error), one panel per set, if logged."""
+    names = sorted({n for run in runs for n in eval_set_names(run)})
+    if not names:
+        return None
+    fig = Figure(figsize=(5.5 * len(names), 4))
+    for j, set_name in enumerate(names):
+        ax = fig.add_subplot(1, len(names), j + 1)
+        ax.set(title=f"held-out: {set_name}", xlabel="step", ylabel="fraction with reward >= 1", ylim=(-0.03, 1.03))
+        for i, run in enumerate(runs):
+            name = f"{run.name}: " if len(runs) > 1 else ""
+            for metric, marker, ls in (("mean_at_k", "s", "-."), ("greedy_accuracy", "D", ":")):
+                pts = held_out_curve(run, f"{set_name}/{metric}")
+                if pts:
+                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=f"C{i}",
+                                marker=marker, ls=ls, ms=6, capsize=3, label=f"{name}{metric.replace('_', ' ')}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def utilisation_plot(runs: list[Run], path: Path) -> Path:
     """Engine and trainer utilisation over steps: ``1 - perf/engine_idle_frac`` (an engine is
     busy while it has a request outstanding) and ``1 - perf/trainer_idle_frac`` (the trainer
@@ -167,7 +189,8 @@ def utilisation_plot(runs: list[Run], path: Path) -> Path:
 
 
 PLOTS = {"reward.png": reward_plot, "staleness.png": staleness_plot, "time_breakdown.png": time_breakdown_plot,
-         "routing_agreement.png": routing_plot, "mismatch.png": mismatch_plot, "utilisation.png": utilisation_plot}
+         "routing_agreement.png": routing_plot, "mismatch.png": mismatch_plot, "utilisation.png": utilisation_plot,
+         "eval_sets.png": eval_sets_plot}
 
 
 def timeline_plot(runs: list[Run], path: Path, max_steps: int = 3) -> Path | None:

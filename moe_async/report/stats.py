@@ -102,13 +102,17 @@ SET_FIELDS = (("greedy_accuracy", "first"), ("greedy_accuracy", "last"), ("mean_
               ("mean_at_k", "last"), ("pass_at_k", "last"), ("mean_at_k_gain", "last"), ("mean_at_k_gain_se", "last"))
 
 
+def eval_set_names(run: Run) -> list[str]:
+    """The named eval sets (``data.eval``) the run logged ``eval/<name>/mean_at_k`` for, sorted."""
+    return sorted({k.split("/")[1] for r in run.steps for k in r
+                   if k.startswith("eval/") and k.count("/") == 2 and k.endswith("/mean_at_k")})
+
+
 def eval_set_numbers(run: Run) -> dict[str, Any]:
     """Named eval sets (``data.eval``; metrics ``eval/<name>/<metric>``): ``eval_set/<name>/
     <metric>_<first|last>`` for :data:`SET_FIELDS`, from the curve's first and last points."""
-    names = sorted({k.split("/")[1] for r in run.steps for k in r
-                    if k.startswith("eval/") and k.count("/") == 2 and k.endswith("/mean_at_k")})
     out: dict[str, Any] = {}
-    for name in names:
+    for name in eval_set_names(run):
         pts = [r for r in run.steps if isinstance(r.get(f"eval/{name}/mean_at_k"), (int, float))]
         for metric, which in SET_FIELDS:
             out[f"eval_set/{name}/{metric}_{which}"] = (pts[0] if which == "first" else pts[-1]).get(f"eval/{name}/{metric}")

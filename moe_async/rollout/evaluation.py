@@ -1,34 +1,11 @@
 """Held-out evaluation during a run: greedy accuracy and mean@k at the training temperature,
 each with its standard error over problems, and paired gains against the first evaluation.
 
-One evaluation (:func:`evaluate_heldout`) runs every held-out problem once greedily
-(temperature 0) and ``k`` times with the training sampling parameters (``rollout.temperature``,
-``top_p``, ``top_k``), through the rollout manager's own request path and reward pool (the
-configured ``rollout.reward``, its timeout and error isolation). Per problem ``i`` (``n``
-problems):
+:func:`evaluate_heldout` answers every held-out problem once greedily and ``k`` times sampled
+through the rollout manager's request path and reward pool; metrics ``eval/greedy_accuracy``,
+``eval/mean_at_k``, ``eval/pass_at_k`` (+ ``_se``, ``_gain``), unit: fraction of problems.
 
-    g_i = 1[greedy reward >= 1]               m_i = (1/k) sum_j 1[reward of sample j >= 1]
-    eval/greedy_accuracy = mean_i g_i          eval/mean_at_k = mean_i m_i
-    eval/pass_at_k = mean_i 1[max_j reward >= 1]
-    eval/greedy_reward, eval/sampled_reward    (mean configured reward, greedy / over samples)
-
-Standard errors are over problems (the problems are the sampling unit; the k samples of one
-problem are averaged first): ``se(x) = std(x, ddof=1) / sqrt(n)`` (0 for n < 2), as
-``eval/greedy_accuracy_se`` and ``eval/mean_at_k_se``. Against the first evaluation of the run
-(the baseline, on the same problems) :class:`EvalCurve` adds paired gains
-``eval/<name>_gain = mean_i (x_i - x0_i)`` with ``eval/<name>_gain_se = se(x - x0)`` for
-``greedy_accuracy`` and ``mean_at_k``; ``gain +- 1.96 se`` is a normal-approximation 95%
-interval (Miller, 2024, "Adding error bars to evals: a statistical approach to language model
-evaluations", arXiv:2411.00640: standard errors over questions, paired differences).
-
-Config: ``rollout.eval_interval`` (N; 0 = off), ``rollout.eval_k`` (k), ``rollout.eval_size``
-and ``rollout.eval_max_new_tokens``. In the driver the first point runs before generation
-starts; later points run after that step's weight sync, on the engines' new weights, while
-training generation may go on beside them (async modes). Their requests count in the step's
-engine-time metrics (``perf/gen_seconds``, ``perf/engine_busy_seconds``); their wall time
-(``eval/seconds``) is taken out of the loop time behind the ``perf/*_per_s`` rates. The
-console prints the curve after the last step; ``summary.json`` holds it as ``eval_curve``.
-"""
+Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 
@@ -56,7 +33,7 @@ def mean_se(x: list[float]) -> tuple[float, float]:
 
 
 def summarize(greedy: list[float], sampled: list[list[float]], ids: list[int] | None = None) -> dict[str, Any]:
-    """Metrics of one evaluation from per-problem rewards (module docstring formulas).
+    """Metrics of one evaluation from per-problem rewards (formulas: ``docs/design/rollout.md``).
 
     Args:
         greedy: the greedy reward of each problem (``n``).

@@ -1,52 +1,12 @@
 """The rollout manager: admitted GRPO groups -> engine requests -> rewards -> buffer.
 
-Runs in an asyncio loop (inside a Ray async actor in production; no Ray here). Engine
-clients follow a duck interface::
+Runs in an asyncio loop (a Ray async actor in production). Per admitted group: tokenise and
+check lengths, send G requests to the routable engines, resubmit aborted segments (partial
+rollouts, each token keeping its ``weight_version``), score rewards with a timeout, put the
+group into the buffer. Engines: :class:`moe_async.protocols.GenerateEngine`; buffer:
+:class:`moe_async.protocols.GroupBuffer`.
 
-    async generate(input_ids, sampling_params, return_logprob=True,
-                   return_routed_experts=False) -> GenerateOutput
-
-with ``output_ids``, ``output_logprobs``, ``finish_reason`` ('stop'|'length'|'abort'),
-``weight_version``, ``output_token_weight_versions``, ``routed_experts``, ``prompt_tokens``.
-The buffer (:class:`moe_async.protocols.GroupBuffer`) has async ``admit() -> int | None``,
-``put(group)``, ``cancel(reason)``; a refused ``admit`` is retried after ``admit_poll_s``
-seconds, or at once when the buffer has ``admit_waits = True`` (its ``admit`` itself waits
-for capacity, as the Ray proxy does). Engines: :class:`moe_async.protocols.GenerateEngine`.
-
-Per admitted group (``run``):
-
-1. the next train problem is tokenised; lengths are checked before sending (C7): a
-   prompt of ``>= max_context_len`` tokens is dropped (reason ``prompt_too_long``, the
-   admission is cancelled); otherwise ``max_new_tokens`` is clamped to
-   ``max_context_len - prompt_len``. A prompt is never cut.
-2. ``G`` requests go out concurrently, round-robin over the *routable* engines. An engine
-   is taken out of routing by the driver (:meth:`RolloutManager.set_routable`: dead,
-   restarting, not yet at the current weight_version; C19) or by the manager itself when a
-   request to it fails at the transport level (connection refused/reset, HTTP 5xx: the
-   process died mid-request). Such a request is retried on another routable engine
-   (``rollout/engine_request_retries``); with none routable it waits up to
-   ``no_engine_wait_s`` seconds for one to come back (a restart), then the group is dropped,
-   reason ``engine_lost``. Only the driver puts an engine back into routing.
-3. An aborted request (weight update) is resubmitted: with ``partial_rollout`` as a
-   continuation ``prompt + tokens_so_far`` for the remaining tokens, the segments
-   concatenated and every token keeping the version its segment was generated under (C5);
-   without it, restarted from the prompt with its tokens discarded. After
-   ``max_abort_retries`` resubmissions the group is dropped (reason ``abort_retries``).
-4. A 0-token completion gets finish reason ``length`` and ``loss_weight`` 0.
-5. Every sample is scored by the reward pool (per-sample timeout), then
-   ``Group(group_id, samples, start_version=admitted version)`` is put into the buffer.
-   A reward that keeps failing stops the loop: at ``max_consecutive_reward_errors`` failed
-   samples in a row (training or eval) :class:`~moe_async.rollout.reward_streak.RewardFailureError`
-   names the reward setting and the last error (the group is dropped, reason
-   ``reward_failure``; :meth:`run` and :meth:`evaluate` raise it).
-6. Dynamic filtering (``dynamic_filter``, DAPO's dynamic sampling): a group whose rewards
-   are all equal is not put; its admission is cancelled (reason ``filtered_equal_rewards``)
-   so the buffer admits another group in its place (over-sampling on demand). At most
-   ``dynamic_filter_max_per_version`` groups are filtered per admitted weight version
-   (the cap on wasted generations); beyond it such groups are kept and counted
-   (``filter_cap_passed``). Filtered samples/tokens are counted (``samples_filtered``,
-   ``tokens_filtered``).
-"""
+Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 
@@ -149,7 +109,7 @@ def greedy_summary(greedy: list[tuple[float, str | None, float, int]], n_skipped
 
 
 class RolloutManager:
-    """Keeps up to ``cfg.max_concurrent_groups`` groups generating; see the module docstring."""
+    """Keeps up to ``cfg.max_concurrent_groups`` groups generating (``docs/design/rollout.md``)."""
 
     def __init__(
         self,
@@ -176,7 +136,7 @@ class RolloutManager:
         self._group_ids = itertools.count()
         self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
         self._busy = [_EngineBusy() for _ in self.engines]
-        self.routable = [True] * len(self.engines)  # C19: the driver's (and failures') routing mask
+        self.routable = [True] * len(self.engines)  # the driver's (and failures') routing mask
         self._skip: dict[int, str] = {}  # draw number -> counter: settled before a resume, or restored
         self._settled: list[tuple[int, str]] = []  # (draw number, drop reason) since drain_settled
         self.counters: Counter = Counter()
@@ -549,7 +509,7 @@ class RolloutManager:
         return s
 
     def _filter_out(self, group: Group, version: int) -> bool:
-        """Dynamic filtering (see the module docstring, step 6): True when ``group`` is to be
+        """Dynamic filtering (``docs/design/rollout.md``, step 6): True when ``group`` is to be
         dropped because its rewards are all equal and the per-version cap is not reached."""
         if not self.cfg.dynamic_filter or len(group.samples) < 2:
             return False
@@ -577,7 +537,7 @@ class RolloutManager:
 
     async def _generate_sample(self, prompt_ids: list[int], max_new: int, greedy: bool = False,
                                seed: int | None = None, temperature: float | None = None) -> Sample:
-        """One response, resubmitting aborted segments (C5); see the module docstring.
+        """One response, resubmitting aborted segments; design notes: ``docs/design/rollout.md``.
         ``seed``: the request's ``sampling_seed`` (a resumed segment's: plus its tokens so far);
         ``temperature``: a sampled request's (None: ``rollout.temperature``; an eval set's own)."""
         tokens: list[int] = []
@@ -659,7 +619,7 @@ class RolloutManager:
 
     async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
         """One ``/generate`` on a routable engine; a transport failure (the engine died) takes
-        that engine out of routing and retries on another (module docstring, step 2). With no
+        that engine out of routing and retries on another (``docs/design/rollout.md``, step 2). With no
         engine routable it waits up to ``no_engine_wait_s`` seconds for the driver to put one
         back (a restart), polling every 0.2 s.
 

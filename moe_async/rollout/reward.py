@@ -1,21 +1,10 @@
-"""Reward scoring with a per-sample timeout and error isolation (case C8).
+"""Reward scoring with a per-sample timeout and error isolation.
 
-``RewardPool(fn, timeout_s, max_workers)``: ``await pool.score(*args)`` runs ``fn(*args)``
-and returns a :class:`RewardResult`. A call that raises gives reward 0 with the error
-recorded; one that runs past ``timeout_s`` gives reward 0 with ``error="timeout"``; both
-are counted. The caller never waits longer than ``timeout_s`` (plus a worker's start-up
-once) for a sample, and nothing blocks interpreter shutdown.
+``await RewardPool(fn, timeout_s, max_workers).score(*args)`` returns a :class:`RewardResult`:
+a call that raises or runs past ``timeout_s`` scores 0 with its error recorded and counted, and
+costs one sample, never the loop (a timed-out worker process is killed and replaced).
 
-Two modes:
-
-* processes (default): ``max_workers`` spawned worker processes, each fed one call at a
-  time over a pipe. A call that times out has its worker killed and replaced, so a hung
-  or CPU-spinning scorer costs nothing afterwards. ``fn`` must be picklable (a module-level
-  function or a bound method of a picklable object, e.g. ``TaskDataset.score``).
-* threads (``use_processes=False``): each call runs on a daemon thread; a call that times
-  out is abandoned (it cannot be killed, but it holds no worker slot and does not block
-  shutdown).
-"""
+Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 
@@ -86,7 +75,7 @@ class _Worker:
 
 
 class RewardPool:
-    """Scores samples with ``fn`` under a per-call timeout; see the module docstring."""
+    """Scores samples with ``fn`` under a per-call timeout; design notes: ``docs/design/rollout.md``."""
 
     def __init__(
         self,

@@ -1,29 +1,11 @@
 """Built-in reward functions, chosen by ``rollout.reward``.
 
-Every reward is a picklable callable ``fn(problem, response_text) -> float`` that the
-:class:`moe_async.rollout.reward.RewardPool` runs under its per-sample timeout (so a scorer
-that hangs, raises or returns garbage costs one sample, never the loop: C8). ``problem``
-is a :class:`moe_async.rollout.tasks.Problem` (``question``, ``answer`` strings).
+Each is a picklable ``fn(problem, response_text) -> float`` run by
+:class:`moe_async.rollout.reward.RewardPool` under its per-sample timeout (a scorer that hangs,
+raises or returns garbage costs one sample, never the loop): ``reasoning_gym``, ``math_verify``,
+a function by import path, or a remote reward model over HTTP.
 
-=================  ========================================================================
-``rollout.reward``  scorer
-=================  ========================================================================
-``reasoning_gym``  the task's own reasoning-gym scorer, exact match (``TaskDataset.score``)
-``math_verify``    HF ``math-verify`` (0.9.0): the gold answer against the response's
-                   ``\\boxed{}`` (or last) answer, symbolic equality -> 1.0 / 0.0
-``function``       a user function by import path ``rollout.reward_function =
-                   "package.module:function"`` called as ``fn(response, answer, question)``
-                   (three ``str``) and returning a finite number (``bool``/``int``/``float``)
-``remote``         a reward model over HTTP: ``POST rollout.reward_url`` with JSON
-                   ``{"question", "response", "answer"}``; the reply must be JSON
-                   ``{"reward": <finite number>}`` (HTTP timeout ``rollout.reward_timeout_s``)
-=================  ========================================================================
-
-Errors name the config field: a bad import path is a :class:`RewardConfigError` at config
-load (``rollout.reward_function``); a bad return value or reply raises
-:class:`RewardValueError` inside the scorer, which the pool records as the sample's
-``reward_error`` (reward 0) and counts.
-"""
+Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 

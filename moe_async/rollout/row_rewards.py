@@ -1,31 +1,11 @@
 """Rewards chosen per row by its ``data_source`` (verl's convention), for prompts from files.
 
-A row's reward spec is ``data.rewards[data_source]``, else the built-in one of a known data
-source (:data:`KNOWN_SOURCES`; a reasoning-gym dataset name selects ``reasoning_gym``), else
-``data.default_reward``; none of these is an error at start-up naming the data source.
+A row's spec is ``data.rewards[data_source]``, else a known source's built-in
+(:data:`KNOWN_SOURCES`), else ``data.default_reward``; none is an error at start-up naming the
+source. Specs: ``math_verify``, ``gsm8k``, ``exact_match``, ``reasoning_gym``, ``verl:<file>``,
+``function:<module>:<fn>``, ``remote:<URL>``; each returns a float score.
 
-=========================  ===============================================================
-spec                       score of ``response`` against the row's ``answer``
-=========================  ===============================================================
-``math_verify``            HF math-verify (0.9.0): the gold answer against the response's
-                           ``\\boxed{}`` (else last) answer -> 1.0 / 0.0
-``gsm8k``                  as ``math_verify`` with GSM8K's gold: the text after ``####``
-                           when the label has it; the response's answer after its last
-                           ``####`` when present, else its ``\\boxed{}`` / last number
-``exact_match``            1.0 iff the extracted answer ("the answer is X", ``\\boxed{X}``,
-                           else the last number) equals the label, whitespace-trimmed
-``reasoning_gym``          reasoning-gym's own ``score_answer`` for dataset ``data_source``
-                           (entry: question, answer, ``metadata``), 1.0 iff exactly 1.0
-``verl:<file.py>[:fn]``    verl's ``compute_score(data_source, solution_str, ground_truth,
-                           extra_info)`` (default name ``compute_score``), the file used
-                           unchanged; a dict result's ``score``
-``function:<mod>:<fn>``    ``fn(response, answer, question)``
-``remote:<URL>``           POST ``{"question", "response", "answer"}`` -> ``{"reward": x}``
-=========================  ===============================================================
-
-A value that is not a finite number raises :class:`RewardValueError` naming the spec and the
-data source; the reward pool counts it and scores the sample 0.
-"""
+Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Toy rewards a tiny random-init model can learn in a minute: the learning test's task.
 
-Named in a config as ``rollout.reward: function`` with
-``rollout.reward_function: moe_async.rollout.toy_rewards:first_half_letters`` (called as
-``fn(response, answer, question)``, :class:`moe_async.rollout.rewards.FunctionReward`); the
-prompts are the task's own (any ``rollout.task``), the answer is ignored.
+``first_half_letters(response, answer, question)``: the fraction of the response's characters
+in ``a``-``m`` (0 for an empty response), in ``[0, 1]``; about 0.42 for a random-init model, 1.0
+for a policy emitting only those letters.
 
-``first_half_letters``: ``r = |{c in response : c in "abcdefghijklm"}| / len(response)``
-(0 for an empty response), in ``[0, 1]``. A random-init model samples tokens near-uniformly
-from the 49152-token SmolLM2 vocabulary (entropy 10.79 nats of log V = 10.80 for the smoke
-model), which scores about 0.42 per 8-token sample with a spread of about 0.1 inside a group:
-every GRPO group has a signal. The reward is maximised (1.0) by emitting tokens made of those
-letters only (e.g. repeating ``a``), a context-independent preference the policy reaches by
-concentrating its mass on rewarded tokens; with the smoke model, 4 prompts x 4 samples x 8
-tokens per step and Adam at lr 3e-2, plain GRPO in PyTorch reached 1.0 in about 23 steps and
-stayed at 0.42 without updates.
-"""
+Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 

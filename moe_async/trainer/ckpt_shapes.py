@@ -1,23 +1,11 @@
 """Does a torch_dist checkpoint hold the configured model? Answered from metadata alone, before
 any process starts (``trainer.load`` pointing at another model's checkpoint).
 
-Data path: the configured model's HF config -> its HF tensors on the ``meta`` device
-(transformers, no memory, no weights read) -> the family's Megatron mapping (the same table the
-converters and the weight sync use) -> Megatron per-layer names and shapes -> the global keys
-Megatron-Core's ``sharded_state_dict`` writes (layers stacked: ``decoder.layers.{i}.X`` ->
-``decoder.layers.X`` of shape ``[L, ...]``; experts ``...local_experts.{e}.Y`` ->
-``...experts.experts.Y`` of ``[L, E, ...]``; the input / pre-MLP norms under their
-``layer_norm_weight`` names, then every key under the Transformer Engine spec's name
-(:mod:`moe_async.megatron.te_spec_names`); a model whose layers differ (DeepSeek-V3's first dense layers)
-is saved per layer instead, ``decoder.layers.{i}.X`` and ``decoder.layers.{i}.mlp.experts.
-experts.Y`` of ``[E, ...]``, and both forms are expected; the embedding and output layer with
-Megatron's padded vocab rows) -> compared, in the mapping's order, with the shapes in the checkpoint's ``.metadata``
-(``torch.distributed.checkpoint.FileSystemReader.read_metadata``, no process group).
+The configured model's expected global keys and shapes (HF config on the ``meta`` device, the
+family's mapping, Megatron's stacked-layer names under either layer spec) are compared with the
+checkpoint's metadata; the first tensor that differs is named.
 
-Only keys present on both sides are compared (a key this translation does not know is left
-to the trainer's own load-time check, which names missing and unexpected tensors), so the
-check refuses only a definite shape difference, naming the first tensor.
-"""
+Design notes: ``docs/design/trainer.md``."""
 
 from __future__ import annotations
 
@@ -58,7 +46,7 @@ def megatron_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 def torch_dist_shapes(per_layer: Mapping[str, tuple[int, ...]], vocab_rows: int | None = None,
                       ) -> dict[str, tuple[int, ...]]:
     """The global torch_dist keys and shapes of ``per_layer`` (:func:`megatron_shapes`), see the
-    module docstring; ``vocab_rows``: Megatron's padded vocab (None: as given)."""
+    ``docs/design/trainer.md``; ``vocab_rows``: Megatron's padded vocab (None: as given)."""
     out: dict[str, tuple[int, ...]] = {}  # insertion order: the mapping's
     inner: dict[str, tuple[int, ...]] = {}  # key -> the shape of one layer's (one expert's) tensor
     layers: dict[str, set[int]] = {}  # key -> layer indices

@@ -1,24 +1,11 @@
-"""Non-finite values never pass silently (case C28): the train step's guard and the export check.
+"""Non-finite values never pass silently: the train step's guard and the export check.
 
-A train step (:class:`StepGuard`) records, per micro-batch, the samples whose loss has a
-non-finite term at a loss-bearing token (``grpo_token_loss``'s ``nonfinite_rows``; masked
-positions cannot contribute one, the loss masks by selection) and, after the backward pass
-and BEFORE the optimizer runs, whether any gradient is non-finite. The flags are all-reduced
-(MAX) over the whole world, so every rank agrees and every rank raises together (one rank
-alone would leave the others waiting in the next collective). On a failure the gradient
-buffers are zeroed and :class:`NonFiniteError` names the samples (their index in the batch
-given to ``train_step``, with their ``group_id`` / ``sample_index`` when known) or the first
-parameter whose gradient is non-finite: the optimizer never ran, so the weights, the
-optimizer state and the ``weight_version`` are unchanged.
+:class:`StepGuard` finds a non-finite loss term or gradient before the optimizer runs, agreed
+over the whole world, and raises :class:`NonFiniteError` on every rank naming the samples or
+the parameter (weights, optimizer state and ``weight_version`` unchanged);
+:func:`check_weights_finite` refuses to export weights holding NaN/inf to the engines.
 
-:func:`check_weights_finite` runs before any weight leaves the trainer (the first step of
-``export_hf_weights``, hence before the first bucket of a weight sync is sent): it refuses,
-on every rank, weights of which any element is NaN or inf, naming the parameter.
-
-Cost: one reduction per gradient buffer per step and one per parameter per export (a sum:
-NaN/inf propagate through it; an element-wise check confirms a hit, so a sum that merely
-overflows is not a false alarm).
-"""
+Design notes: ``docs/design/trainer.md``."""
 
 from __future__ import annotations
 
@@ -124,7 +111,7 @@ def _describe(batch: list, idx: list[int], limit: int = 5) -> str:
 
 class StepGuard:
     """One train step's record of non-finite losses, checked with the gradients before the
-    optimizer runs (see the module docstring). Use::
+    optimizer runs (design notes: ``docs/design/trainer.md``). Use::
 
         guard = StepGuard(batch, version)    # the global batch given to train_step
         ...                                  # DP slice, packing

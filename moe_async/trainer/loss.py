@@ -1,62 +1,12 @@
-"""Per-token GRPO policy loss with asymmetric clipping and ONE off-policy correction.
+"""Per-token GRPO policy loss with asymmetric clipping and one off-policy correction.
 
-Legend: ``B`` sequences, ``T`` token positions. All tensors of one call share ``[B, T]``
-(``advantages`` may be ``[B, 1]``); the sequence-level corrections (``tis_seq``,
-``mis_seq``, ``opsm``) treat each row (last dimension) as one sequence, so they need
-``ndim >= 1`` and one sequence per row (the trainer packs one sample per row).
+Inputs share ``[B, T]`` (``advantages`` may be ``[B, 1]``): logprobs, proximal and rollout
+logprobs, ``loss_mask``; the loss is ``sum(w * pg * loss_mask)`` with ``pg`` the clipped
+surrogate (GRPO, DAPO's clip-higher) and ``w`` the detached weight of the configured correction
+(``none``, ``tis``, ``tis_seq``, ``mis``, ``mis_seq``, ``icepop``, ``opsm``, ``decoupled_ppo``).
+Masked positions are selected out, never multiplied by 0: they contribute exactly 0.
 
-Formula (per token, masked by ``loss_mask``; ``m = loss_mask > 0``):
-
-    ratio  = exp(logp - logp_old)                           (PPO ratio to the proximal policy)
-    pg     = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))
-    w      = off-policy weight (detached, >= 0; see below)
-    loss   = sum(w * pg * loss_mask)
-
-with ``d = logp_old - logp_rollout`` (log train/rollout ratio per token, detached) and
-``d_seq = sum_t(d * m) / sum_t(m)`` per row (log of the geometric-mean ratio):
-
-================  ==============================================================================
-correction        weight ``w`` per token
-================  ==============================================================================
-``none``          ``1``
-``tis``           ``min(exp(d), tis_cap)``  -- truncated IS, token level (Yao et al., 2025,
-                  "Your efficient RL framework secretly brings you off-policy RL training")
-``tis_seq``       ``min(exp(d_seq), tis_cap)`` for every token of the row -- the same at
-                  sequence level with the geometric-mean ratio (as GSPO, Zheng et al., 2025)
-``mis``           ``exp(d)`` if ``mis_low <= exp(d) <= mis_high`` else ``0`` -- masked IS /
-                  token rejection (Liu, Yao et al., 2025, "When speed kills stability:
-                  demystifying RL collapse from the training-inference mismatch")
-``mis_seq``       ``exp(d_seq)`` if ``mis_low <= exp(d_seq) <= mis_high`` else ``0`` for the
-                  whole row -- sequence rejection sampling (same source, geometric mean)
-``icepop``        ``exp(d)`` if ``1/icepop_beta <= exp(d) <= icepop_beta`` else ``0``
-                  (IcePop, Ring-1T / Ling team, 2025: tokens whose train/inference probability
-                  ratio leaves the band get no gradient)
-``opsm``          ``min(exp(d), tis_cap) * keep`` with ``keep = 0`` for a row whose advantage
-                  is negative and whose ``kl_seq = sum_t((logp_rollout - logp) * m) / sum_t(m)``
-                  (sequence KL(rollout || train) estimate, ``logp`` detached) exceeds
-                  ``opsm_delta``, else ``1`` -- Off-Policy Sequence Masking (DeepSeek-V3.2
-                  report, 2025), on top of token TIS
-``decoupled_ppo`` ``min(exp(d), tis_cap)`` with ``logp_old`` the REQUIRED proximal policy
-                  (logprobs recomputed with the weights before the update): the behaviour
-                  weight pi_prox / pi_behav of decoupled PPO (Hilton et al., 2022, "Batch size-
-                  invariance for policy optimization"; AReaL, Fu et al., 2025), truncated
-================  ==============================================================================
-
-Other sources: clipped surrogate with group advantages, GRPO (Shao et al., 2024,
-DeepSeekMath); asymmetric ("clip-higher") bounds, DAPO (Yu et al., 2025).
-
-With one optimizer step per batch the proximal policy equals the current one, so by default
-``logp_old = logp.detach()`` (ratio == 1 in value, gradient of ``A * ratio`` == ``A * grad logp``).
-
-Masking is by selection, never by multiplication (case C28): ``NaN * 0`` is NaN, so a
-non-finite value at a position with ``loss_mask == 0`` (padding, a prompt token, a sample of
-loss weight 0 whose rollout logprobs hold a NaN) would poison the sum and every gradient.
-Every input (``logp``, ``logp_old``, ``rollout_logp``, ``advantages``) is replaced by 0 where
-the mask is 0 before it is used (``torch.where``), and every masked sum selects too
-(:func:`masked_sum`), so masked positions contribute exactly 0 to the loss and get exactly 0
-gradient. A non-finite value at a loss-bearing position is not hidden: it makes the loss
-non-finite, and ``metrics["nonfinite_rows"]`` names the rows it came from.
-"""
+Design notes: ``docs/design/trainer.md``."""
 
 from __future__ import annotations
 
@@ -83,7 +33,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None, keepdim: bool = 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Token mean ``masked_sum(x, mask) / sum(mask)`` (0-d; 0 tokens -> 0.0), by selection:
-    the row ``[1, NaN, 3]`` with mask ``[1, 0, 1]`` gives 2.0 (C28)."""
+    the row ``[1, NaN, 3]`` with mask ``[1, 0, 1]`` gives 2.0, not NaN."""
     return masked_sum(x, mask) / torch.clamp(mask.to(x.dtype).sum(), min=1.0)
 
 
@@ -111,7 +61,7 @@ def off_policy_weight(
     icepop_beta: float = 2.0,
     opsm_delta: float = 1e-4,
 ) -> tuple[Tensor, Tensor]:
-    """The detached per-token weight ``w`` of the module docstring's table.
+    """The detached per-token weight ``w`` of the table in ``docs/design/trainer.md``.
 
     Args: as :func:`grpo_token_loss` (all ``[B, T]`` float32/64 logprobs, natural log).
 
@@ -126,7 +76,7 @@ def off_policy_weight(
     with torch.no_grad():
         keep = loss_mask > 0
         m = keep.to(logp.dtype)
-        # by selection (C28): a NaN rollout logprob under a zero mask must not reach the weight
+        # by selection: a NaN rollout logprob under a zero mask must not reach the weight
         d = _select(logp_old.detach(), keep) - _select(rollout_logp, keep)
         no = torch.zeros_like(d, dtype=torch.bool)
         if correction == "none":
@@ -189,7 +139,7 @@ def grpo_token_loss(
     Returns:
         ``(loss_sum, metrics)``: ``loss_sum`` a 0-d tensor (sum over tokens, NOT averaged;
         the caller divides by the global token count; masked positions selected away, see the
-        module docstring); ``metrics["nonfinite_rows"]`` ``[B]`` bool (the shape of the inputs
+        ``docs/design/trainer.md``); ``metrics["nonfinite_rows"]`` ``[B]`` bool (the shape of the inputs
         without their last dim), True for a row with a non-finite loss term at a loss-bearing
         token (the caller names the sample); the other ``metrics`` are 0-d detached tensors, each
         the masked mean over tokens (``num_tokens`` = masked token count; 0 tokens -> 0.0):
@@ -213,7 +163,7 @@ def grpo_token_loss(
         raise ValueError("off_policy_correction='decoupled_ppo' needs logp_old (the recomputed proximal logprobs)")
     mask = loss_mask.to(logp.dtype)
     keep = mask > 0
-    # masking by selection (C28): every input is 0 where the mask is 0, so nothing non-finite
+    # masking by selection: every input is 0 where the mask is 0, so nothing non-finite
     # there reaches the value or the gradient (torch.where's gradient there is exactly 0)
     logp_old = logp.detach() if logp_old is None else logp_old.detach()
     logp, logp_old = _select(logp, keep), _select(logp_old, keep)

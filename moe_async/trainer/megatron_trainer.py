@@ -1,55 +1,11 @@
 """Megatron-Core GRPO trainer: model build from an HF checkpoint, train step, logprobs, export.
 
-Legend (shapes): ``B`` sequences in a micro-batch, ``S`` padded sequence length (prompt +
-response), ``V`` vocab, ``R`` response tokens of one sample, ``P`` prompt tokens.
+One code path: NCCL + TE layer spec with CUDA, gloo + local spec + ``moe_async.compat``
+otherwise; any TP(+SP) x PP(+VPP) x EP x ETP x CP x DP that Megatron-Core builds. Every rank
+gets the same global batch; the loss is the per-token mean over the whole global batch, so it
+does not depend on the DP split, CP or the micro-batching. Metrics are equal on every rank.
 
-One code path for both kinds of machine: NCCL + TE layer spec when CUDA and
-transformer_engine are present, gloo + local layer spec + ``moe_async.compat`` otherwise.
-
-Layouts: any TP (with sequence parallel) x PP x EP x DP that Megatron-Core builds (tested
-on CPU/gloo: 1 process, TP2+SP, EP2, PP2, TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4; see
-tests/trainer/test_layouts.py), and virtual pipeline stages (``trainer.
-virtual_pipeline_model_parallel_size``: each PP rank holds a list of model chunks, one per
-``vp_stage``, run by Megatron's interleaved 1F1B schedule with one data iterator per chunk;
-PP2+VPP2 and PP2+VPP2+EP2 tested). HF weights are sliced per rank and gathered back for
-export with :mod:`moe_async.megatron.sharding` (driven by Megatron's ``sharded_state_dict()``,
-per chunk).
-
-Data path at DP > 1: every rank is given the SAME global batch; rank ``d`` of the data-parallel
-group trains on the contiguous slice ``d`` of it (padded with zero-weight copies so every DP
-rank runs the same number of micro-batches, which EP's all-to-all needs); TP/PP ranks of
-one replica see the same slice. The loss is ``sum(token losses) / N_global`` with ``N_global``
-the loss-bearing tokens of the whole global batch (all-reduced over DP), multiplied by
-``dp_size`` to undo DDP's gradient averaging, so losses and gradients do not depend on the
-DP split or the micro-batching. Metrics are reduced over DP/PP and equal on every rank.
-
-Context parallelism (``trainer.context_parallel_size`` C > 1): every micro-batch is padded to
-a multiple of ``C * lcm(2, TP)`` and each CP rank ``r`` runs the model on sequence chunks ``r``
-and ``2C-1-r`` of ``2C`` (Megatron-Core's ``get_batch_on_this_cp_rank``: tokens, positions,
-padding mask, next-token labels, R3 routes); RoPE slices its table per CP rank itself
-(Megatron's ``RotaryEmbedding`` with the CP group), attention runs over the CP group (TE's CP
-attention on GPU; ``moe_async.compat.cp_attention`` on CPU). The per-token logprobs are
-all-gathered over CP into token order before the loss (backward: each rank its own positions),
-so the loss, its off-policy corrections (sequence-level ones included) and
-``compute_logprobs`` see whole sequences, equal on the CP ranks; DDP averages gradients over
-DP x CP and Megatron's schedule multiplies the loss by C, so the loss stays the per-token
-mean over the global batch. Tested on CPU/gloo against 1 process: CP2, TP2+CP2, EP2+CP2,
-PP2+CP2, every model family, router replay R3 (tests/trainer/test_layouts.py). Refused: CP
-with router replay R2 or virtual pipeline stages.
-
-Packed sequences (``trainer.sequence_packing``: 'thd', or 'auto' with CUDA + Transformer Engine):
-each micro-batch reaches the model as ONE row ``[1,T]`` of its sequences back to back, with
-Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``, int32 ``cu_seqlens``, positions
-restarting per sequence, no attention mask; ``T`` = real tokens rounded up to a multiple of TP,
-at least 64, the tail marked in ``padding_mask``; PP > 1 exchanges each row's shape, Megatron's
-``variable_seq_lengths``; with VPP rows are padded to the batch's largest ``T``), so no
-FLOPs go to padding between sequences and ``max_tokens_per_micro_batch`` counts real tokens.
-Attention runs per sequence: TE's THD attention on GPU, ``moe_async.compat.thd_attention`` on
-CPU. The loss side stays per sequence (see :meth:`MegatronTrainer._pack`). Tested on CPU/gloo:
-every family equal to the padded path at 1 process, and at TP2+SP, EP2, PP2 equal to 1 process,
-micro-batch invariance, router replay R3 (tests/trainer/test_layouts.py,
-test_megatron_trainer.py). Refused: THD with CP > 1.
-"""
+Design notes: ``docs/design/trainer.md``."""
 
 from __future__ import annotations
 
@@ -299,11 +255,11 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         cfg = self.cfg
-        guard = StepGuard(batch, self.version)  # C28: non-finite loss/grad fails before the optimizer
+        guard = StepGuard(batch, self.version)  # non-finite loss/grad fails before the optimizer
         batch, advantages = self._dp_local(batch, advantages)  # DP: this replica's slice
         mbs_list = self._pack(batch, advantages, equalize_dp=True)
         guard.bind(mbs_list)
-        # --- off-policy correction (issue 7): decoupled PPO's proximal policy ---
+        # --- off-policy correction: decoupled PPO's proximal policy ---
         if cfg.off_policy_correction == "decoupled_ppo":
             mbs_list = self._with_proximal_logp(batch, mbs_list)
         # --- end off-policy correction ---
@@ -402,7 +358,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         out.update(self.router_replay.metrics())  # router replay: agreement, mismatch
         return out
 
-    # --- off-policy correction (issue 7) ---
+    # --- off-policy correction ---
     def _with_proximal_logp(self, batch: list[Sample], mbs_list: list[MicroBatch]) -> list[MicroBatch]:
         """Decoupled PPO (Hilton et al., 2022; AReaL): ``mbs_list`` with ``logp_old [B,S-1]``
         float32 = logprobs of the response tokens under the weights BEFORE this update
@@ -534,7 +490,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         """
         import torch.distributed as dist
 
-        check_weights_finite(self.models, self.version)  # C28: nothing non-finite reaches an engine
+        check_weights_finite(self.models, self.version)  # nothing non-finite reaches an engine
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.relayout_params(out)  # 1 process: builds the plan; with out, moves parameters once
         plan = self.__dict__.get("_hf_export_plan")

@@ -37,3 +37,20 @@ def grouped_gemm_available() -> bool:
     from moe_async.megatron.parallel import have_te
 
     return have_te()
+
+
+def refuse_unavailable_kernels(trainer_cfg: Any) -> None:
+    """A local run's check, before Ray or any process starts: ``trainer.moe_grouped_gemm=true``
+    or ``trainer.moe_token_dispatcher_type='flex'`` where this host cannot build them (the
+    trainer would otherwise refuse inside its actor, after Ray and the engines started).
+
+    Raises:
+        ValueError: naming the field (the messages of :func:`check_flex_dispatcher` and the
+            model's own grouped-MLP refusal).
+    """
+    if trainer_cfg.moe_token_dispatcher_type == "flex":
+        check_flex_dispatcher()
+    if trainer_cfg.moe_grouped_gemm and not grouped_gemm_available():
+        raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
+                         "TEGroupedMLP; the legacy GroupedMLP needs the grouped_gemm CUDA package); set "
+                         "it false here (the sequential expert MLP: same checkpoints and HF export)")

@@ -1,5 +1,5 @@
 """Peak bytes of tensor storage allocated and still alive, counted by a dispatch hook
-(a measuring aid for the C14 memory bound: tests/weight_sync/test_stream_export.py and
+(a measuring aid for the streamed export's memory bound: tests/weight_sync/test_stream_export.py and
 tools/bench_weight_sync.py).
 
 ``with AliveBytes() as ab: ...`` counts every storage that an aten op allocates inside the

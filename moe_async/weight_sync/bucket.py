@@ -106,7 +106,7 @@ def make_buckets(
     """Greedily group tensors into buckets of at most ``bucket_bytes`` bytes.
 
     A tensor larger than ``bucket_bytes`` is sent alone in a bucket grown to its size
-    (case C2): bytes are never dropped and nothing asserts. Order is preserved.
+    (a tensor larger than the bucket): bytes are never dropped and nothing asserts. Order is preserved.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")

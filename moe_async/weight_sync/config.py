@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from moe_async.config_base import ConfigModel
 
-#: Below this budget most real tensors exceed a bucket (case C2): warn when the config loads.
+#: Below this budget most real tensors exceed a bucket (each then sent alone): warn when the config loads.
 SMALL_BUCKET_BYTES = 1024**2
 
 
@@ -72,7 +72,7 @@ class WeightSyncConfig(ConfigModel):
         if self.transport in ("broadcast", "tensor") and self.bucket_bytes < SMALL_BUCKET_BYTES:
             warnings.warn(
                 f"weight_sync.bucket_bytes={self.bucket_bytes} is below {SMALL_BUCKET_BYTES} bytes: every "
-                f"tensor larger than the budget is sent alone in a bucket grown to its size (C2), "
+                f"tensor larger than the budget is sent alone in a bucket grown to its size, "
                 f"and the many small broadcasts are slow",
                 UserWarning,
                 stacklevel=2,

@@ -1,23 +1,11 @@
 """The dedicated weight-update process group between trainer sender(s) and engine ranks.
 
-It lives outside the trainer's default ``torch.distributed`` world (Megatron owns that), as
-SGLang's ``/init_weights_update_group`` expects: the sender is group rank 0, engine ``e``'s
-rank ``r`` (``r`` = its TP rank, or ``d * tp + t`` with DP replicas) is
-``rank_offset[e] + r`` (:func:`rank_offsets`).
+Formed outside Megatron's default world exactly as SGLang 0.5.23's ``init_custom_process_group``
+does (rendezvous, the same store keys), so a real SGLang engine joins it; the sender is group
+rank 0 and engine ``e``'s rank ``r`` is ``rank_offset[e] + r`` (:func:`rank_offsets`, from each
+engine's own size).
 
-Both sides form the group the way SGLang 0.5.23 does
-(``sglang/srt/utils/common.py:init_custom_process_group``, itself torch's
-``init_process_group`` minus the default-group bookkeeping): torch ``rendezvous`` over
-``tcp://addr:port`` (rank 0 hosts the ``TCPStore``), a ``PrefixStore(group_name)``, then
-torch's ``_new_process_group_helper`` with the group name, which prefixes every key again
-with ``"{group_name}/"`` and ``"{device}/"`` per backend (``cpu/`` and ``cuda/`` for gloo,
-``cuda/`` for NCCL) and registers the group by name (so ``torch.distributed.broadcast(t,
-src=0, group=pg)`` works and a name is unique per process). A group made any other way
-(e.g. a bare ``ProcessGroupGloo`` over one prefix) waits on other keys than SGLang's side
-and hangs until its timeout (case C15). :func:`create_update_group` is that function; the
-sender passes a store it bound beforehand (:func:`bind_master_store`), wrapped in the same
-``PrefixStore(group_name)`` that SGLang's rendezvous path adds, so the keys are identical.
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 
@@ -62,7 +50,7 @@ def rank_offsets(engine_sizes: Sequence[int], first: int = 1) -> tuple[list[int]
 
     ``first`` is the number of sender ranks before the engines (1: one trainer sender).
     Engine ``e`` owns ranks ``offset[e] .. offset[e] + engine_sizes[e] - 1``; together they
-    cover ``first .. world - 1`` once each (case C13: sizes ``[1, 2]`` -> offsets ``[1, 2]``,
+    cover ``first .. world - 1`` once each (each engine's own size: sizes ``[1, 2]`` -> offsets ``[1, 2]``,
     world 4; sizes ``[4, 4]`` (TP2 x DP2) -> ``[1, 5]``, world 9, rank ``1 + 4e + 2d + t``).
     """
     offs, nxt = [], first
@@ -106,7 +94,7 @@ def create_update_group(
     store: dist.Store | None = None,
 ) -> tuple[dist.ProcessGroup, dist.Store]:
     """Create (collectively: every member must call it) the weight-update group, with the
-    same store keys as SGLang 0.5.23's ``init_custom_process_group`` (module docstring).
+    same store keys as SGLang 0.5.23's ``init_custom_process_group`` (``docs/design/weight_sync.md``).
 
     Args:
         backend: ``gloo`` | ``nccl`` | ``auto`` (:func:`resolve_backend`).

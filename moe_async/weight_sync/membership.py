@@ -1,29 +1,11 @@
 """The sender's side of forming weight-update groups with engines.
 
-One :class:`GroupMembership` is one group: the sender (group rank 0) and every rank of every
-engine. Forming it (:meth:`GroupMembership.form`):
+:meth:`GroupMembership.form` checks the declared world, binds rank 0's store, asks every engine
+to join at once and joins itself, all bounded by one deadline; an engine that refuses or times
+out fails the formation naming it. Several groups are formed one after another in a fixed
+order (concurrent formation in opposite orders would deadlock).
 
-    rank_offsets(engine sizes)          each engine's offset from every engine's OWN size (C13)
-    -> check_world(declared)            a declared world that differs fails now, naming it
-    -> bind_master_store                rank 0's TCPStore on a port the OS picked
-    -> POST /init_weights_update_group  to every engine at once (one thread each)
-    -> create_update_group(rank 0)      SGLang's way (group.py), bounded by timeout_s, in a
-                                        thread, through a client of the store
-    -> every join's reply read          (one deadline for all); an engine that answers no
-                                        while rank 0 waits ends the wait at once (its store
-                                        is closed): the error names that engine (index, URL)
-
-If anything fails or times out, the partial group is destroyed everywhere: the sender's own
-group, ``/destroy_weights_update_group`` on every engine, and the sender's store is closed,
-which makes a join still waiting on it fail at once; the next :meth:`form` starts clean.
-
-Several groups (several senders, e.g. one per PP stage, into the same engines) are formed
-one after another in one fixed global order, never concurrently: an engine serves one join
-at a time (SGLang's scheduler does), so concurrent groups whose joins reach two engines in
-opposite orders wait on each other until their timeouts (case C12). :func:`form_in_order`
-does it for senders in one process; :func:`form_in_turn` for senders in different processes
-that share a ``torch.distributed`` store (e.g. the trainer world's).
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 
@@ -87,7 +69,7 @@ class GroupMembership:
         self._store: dist.Store | None = None
 
     def form(self, pool: ThreadPoolExecutor | None = None) -> dist.ProcessGroup:
-        """Form the group (module docstring); returns it. Raises :class:`GroupFormationError`
+        """Form the group (``docs/design/weight_sync.md``); returns it. Raises :class:`GroupFormationError`
         naming the engine (or the sender) whose join failed, after destroying every part."""
         from torch.distributed.distributed_c10d import _world
 
@@ -126,7 +108,7 @@ class GroupMembership:
                 pass
             except Exception:  # noqa: BLE001 - a failed join: nothing of the group there
                 refused.add(i)
-        # (never on an engine that refused: it may hold a LIVE group of this name, C20); in the
+        # (never on an engine that refused: it may hold a LIVE group of this name); in the
         # background: an engine busy with a join that reached it late answers only after that
         # join's own timeout, and connect() must raise within its own
         threading.Thread(target=self._destroy_on_engines, kwargs=dict(quiet=True, skip=refused),

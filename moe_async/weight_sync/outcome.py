@@ -1,20 +1,11 @@
-"""A weight sync that lost an engine: reported, not raised (issue 19, "Sync failure").
+"""A weight sync that lost an engine: reported, not raised (the run goes on without it).
 
-:func:`send_or_lost` runs one ``transport.send`` on the sending rank. When it fails and at
-least one engine of the update group no longer answers ``/health`` (its process died during
-the sync), the failure is the lost engine's, not the sync's: a :class:`SyncOutcome` naming
-those engines is returned instead of the error, so the caller (the driver's
-:class:`~moe_async.orchestration.engine_recovery.EngineRecovery`) restarts or retires them and
-re-syncs everyone, and the run goes on. When every engine still answers, the error is raised
-as before (a refusal, a bad tensor: the run stops naming it).
+:func:`send_or_lost` runs one ``transport.send``; when it fails and an engine of the group no
+longer answers ``/health``, a :class:`SyncOutcome` naming the lost engines is returned instead
+of the error (the driver's engine recovery restarts them); otherwise the error is raised. No
+engine serves a half-applied update, and no rank is left in a collective.
 
-What the other engines hold after such a failure (``BroadcastTransport.send``'s failure path):
-an engine that received every bucket and its versioned call serves the new version; any other
-dropped what it had staged (its atomic session closed) and serves the previous version; none
-serves a half-applied update. Before the result is returned every rank has finished the
-export: a streamed export (world size > 1, :mod:`~moe_async.weight_sync.stream_export`) is
-drained to its end by the sender after the failure, so no rank is left in a collective.
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 

@@ -1,30 +1,10 @@
 """Zero-copy export for a trainer whose rank holds every tensor whole (1 process).
 
-The sender's one remaining copy of the model in a bucketed sync is the exporter's: every HF
-tensor is copied (and cast) into the transport's send buffer
-(:meth:`~moe_async.weight_sync.transport.BroadcastTransport.destination`, laid out in the
-engines' ``/weights_layout`` order) so that a bucket is one span. At a layout where the rank
-holds whole tensors (TP = PP = EP = 1, one process) and the engine's dtype equals the
-parameter dtype, that copy can be made once instead of per sync: each parameter whose HF
-tensors are pure views of it (a rename: embeddings, norms, routers, the output layer; or row
-blocks in order: Megatron's per-expert ``linear_fc1`` ``[2I, H]`` = gate rows then up rows,
-exactly one expert's slice of transformers' fused ``gate_up_proj [E, 2I, H]``) is moved
-INTO the send buffer (``param.data`` = a view of the span its HF tensors occupy there; the
-``Parameter`` object keeps its identity, so the optimizer's state, Megatron DDP's gradient
-buffer (``main_grad``, its own storage when the distributed optimizer is off) and every
-hook keep working). Later exports yield those views as they are, and the transport sends
-their spans without packing (:func:`~moe_async.weight_sync.transport.contiguous_span`).
-Tensors that need a real transform (a fused QKV split into q/k/v, vocab rows padded by
-Megatron, a dtype cast) are still copied into the send buffer at each export.
+At TP = PP = EP = 1 with the engine's dtype, each parameter whose HF tensors are pure views
+of it is moved into the transport's send buffer once, so a sync sends the parameters'
+own memory with no per-sync copy; values and gradients are unchanged.
 
-Safety: the send buffer then IS the trainer's weights. The transport hands each name's slot
-only to its exporter and never re-uses a buffer for another layout (a re-connect with a
-different layout allocates a new one; the parameters keep the old one alive, and the next
-export moves them again). The trainer must not step while a bucket that aliases its
-parameters is being broadcast: ``BroadcastTransport.send`` returns only after the last
-broadcast completed (``wait()``) and its packing thread has stopped, and the trainer actor
-runs ``sync_weights`` and ``train_step`` one after the other.
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 
@@ -120,7 +100,7 @@ def whole_tensors(models: Sequence[torch.nn.Module], vocab_size: int) -> dict[st
 
 
 class WholeTensorExport:
-    """Export plan of a 1-process trainer (see the module docstring).
+    """Export plan of a 1-process trainer (design notes: ``docs/design/weight_sync.md``).
 
     Args:
         whole: :func:`whole_tensors`.

@@ -1,38 +1,11 @@
-"""Streamed HF export for weight sync at world size > 1 (case C14).
+"""Streamed HF export for weight sync at world size > 1, never the whole model in memory.
 
-The sending rank (``dst``, global rank 0) never holds the model: each full tensor is gathered
-from the ranks' primary shards straight into the bucket it is sent in, one tensor at a time,
-and a bucket is handed to the broadcast as soon as it is full. Data path::
+Every rank builds the same export plan (tensor order, HF parts, buckets of at most
+``bucket_bytes``, checked before any byte moves); the other ranks send their primary shards
+point-to-point and the sending rank gathers each tensor straight into the bucket it is sent in.
+Non-finite weights are refused first. Collective: every rank must exhaust the iterator.
 
-    every rank: local_pieces(models) (primary shards, views of the parameters)
-    -> one all_gather_object of the metadata; every rank builds the same ExportPlan:
-       Megatron tensor order (the engines' /weights_layout when rank ``dst`` has one,
-       broadcast from it; else sorted names), each tensor's HF parts (the family's split rule
-       run on a ``meta`` tensor: shapes only), greedy buckets of <= bucket_bytes (a tensor
-       larger than that alone), every tiling checked (ValueError on every rank, before any
-       byte moves)
-    -> per Megatron tensor, in plan order: the other ranks send their shards point-to-point;
-       rank ``dst`` receives each one directly into its place:
-         * a renamed tensor (identity split, same dtype, aligned): into the bucket's own
-           bytes (no scratch); padded vocab rows are neither sent nor received
-         * otherwise (fused QKV / gate;up, a cast): into one scratch tensor
-           of the full Megatron shape, split by the family's rule, each HF part copied (and
-           cast) into the bucket
-       a shard that is not contiguous in its destination (TP dim-1 shards) goes through one
-       receive buffer of the shard's size
-    -> ``(Bucket, flat_uint8, is_last)`` on rank ``dst`` (the Bucket's tensors are views of
-       ``flat``); nothing on the other ranks, which must still exhaust the iterator.
-
-Memory on rank ``dst`` beyond its own shard (measured by ``tests/weight_sync/test_stream_export.py``
-with a tensor-lifetime tracker), when the consumer drops each bucket before asking for the next
-(``BroadcastTransport.send`` does): ``slots`` bucket buffers (``slots=1`` when the consumer
-pulls serially; 2 to overlap the export of bucket k+1 with the broadcast of bucket k) + the
-largest of: a lone tensor over ``bucket_bytes`` (its own buffer), a fused tensor's gather
-scratch plus its split rule's copies (fused QKV: scratch + q/k/v = twice the tensor), a
-received shard that is not contiguous in its destination. For real models the embedding
-(vocab x hidden) is larger than twice a fused QKV, so this is one bucket + the largest tensor.
-The other ranks hold at most one contiguous copy of a shard. Never the state dict.
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 
@@ -216,7 +189,7 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
 
 class _Buffers:
     """``slots`` reused flat buffers of ``capacity`` bytes; a bucket over ``capacity`` (a lone
-    tensor over bucket_bytes, C2) gets its own, freed as soon as the consumer drops it (the
+    tensor over bucket_bytes) gets its own, freed as soon as the consumer drops it (the
     consumer must drop its references to a bucket before asking for the next one, as
     ``BroadcastTransport.send`` does); ``acquire`` blocks on ``sem`` until the consumer
     released a slot."""
@@ -326,7 +299,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                     dist.send(pieces[s.index].data[:n].contiguous(), dst=gdst, group=group)
         return
     # per slot one reused buffer of the largest bucket within bucket_bytes; a lone tensor over
-    # it (C2) gets its own
+    # it gets its own
     cap = max((n for n in plan.bucket_nbytes if n <= plan.bucket_bytes), default=0)
     bufs = _Buffers(cap, max(1, slots), device, sem, st)
     nb = len(plan.buckets)
@@ -572,7 +545,7 @@ def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | s
                     ) -> Iterator[tuple[Bucket, Tensor, bool]]:
     """:func:`streamed_buckets` of a ``MegatronTrainer`` (its ``models``, ``family``,
     ``hf_config``, ``vocab_size``, ``version``) over the whole world, global rank 0 yielding.
-    Refuses non-finite weights first (C28, collective). Collective: every rank exhausts it.
+    Refuses non-finite weights first (no NaN/inf to an engine). Collective: every rank exhausts it.
     ``stats`` also gets ``finite_seconds`` (that check) and ``pieces_seconds`` (the shards'
     metadata from Megatron's sharded state dict).
     KeyError if a parameter has no HF name (every rank, before anything is sent)."""

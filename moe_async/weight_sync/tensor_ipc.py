@@ -1,29 +1,10 @@
 """One bucket as SGLang 0.5.23's ``/update_weights_from_tensor`` payload (colocated engines).
 
-SGLang's ``serialized_named_tensors`` entry for ``load_format="flattened_bucket"`` is the
-base64 text of torch ``ForkingPickler`` bytes (its ``MultiprocessingSerializer.serialize(obj,
-output_str=True)``) of the dict ``{"flattened_tensor": flat, "metadata": [m, ...]}`` that its
-``FlattenedTensorBucket`` describes: ``flat`` a 1-D ``uint8`` tensor, each ``m`` with the
-fields of its ``FlattenedTensorMetadata`` (``name``, ``shape`` (``torch.Size``), ``dtype``
-(``torch.dtype``), ``start_idx``/``end_idx``/``numel``: bytes into ``flat``). The metadata
-entries are ``types.SimpleNamespace`` objects: SGLang's receiver reads them by attribute
-(``weight_updater._update_weights_from_flattened_bucket`` copies them field by field into its
-own class), its ``SafeUnpickler`` allows the type, and the sender needs no sglang import
-(sglang cannot be imported without triton, i.e. on a CPU machine).
+Builds the base64 ``ForkingPickler`` text of ``{"flattened_tensor", "metadata"}`` that SGLang's
+``FlattenedTensorBucket`` receiver reads (CUDA IPC handles, or CPU shared memory by name), and
+reads it back for the embedded engine; needs no sglang import.
 
-The bytes of ``flat`` are not in the payload, only a handle to them:
-
-* CUDA tensor: torch's CUDA IPC handle (``rebuild_cuda_tensor``), with the device given as
-  its UUID string (what SGLang's ``monkey_patch_torch_reductions`` sends, so an engine with
-  another ``CUDA_VISIBLE_DEVICES`` finds the GPU); SGLang's receiver accepts an index or a
-  UUID there;
-* CPU tensor: its storage is moved into shared memory and named (torch's ``file_system``
-  sharing strategy, ``rebuild_storage_filename``), so an unrelated process (the engine) can
-  open it by name from the HTTP body; the strategy is switched for the duration of the dump
-  only (under a lock: it is a process-wide torch setting).
-
-The sender must keep ``flat`` alive (and unchanged) until every engine answered the call.
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 

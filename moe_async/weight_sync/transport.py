@@ -1,52 +1,11 @@
 """Weight transports: how a versioned set of HF-named tensors reaches the engines.
 
-Data path of :class:`BroadcastTransport` (follows slime's distributed weight updater and
-SGLang's ``update_weights_from_distributed``):
+:class:`BroadcastTransport` (NCCL/gloo broadcast of flattened buckets inside an update session,
+as slime and SGLang's ``update_weights_from_distributed``) and :class:`DiskTransport`
+(safetensors + ``/update_weights_from_disk``). ``send`` returns a :class:`SyncOutcome`: an engine
+lost mid-sync is reported, not raised; the version is set only with the last bucket.
 
-    trainer.export_hf_weights(out=transport.destination)   (gather PP/EP -> gather TP ->
-                                               rename to HF -> cast, into the send buffer)
-      -> in_layout_order(engines' /weights_layout)  (embedded engines; SGLang: export order)
-      -> make_buckets(bucket_bytes)            (greedy, order kept; oversize tensor alone)
-      -> engines: POST /pause_generation       (mode from config; sent while the first
-                                                bucket is exported, answered before any
-                                                bucket's POST)
-      -> POST /begin_weight_update {atomic}    (the session SGLang 0.5.23 requires)
-      -> per bucket: POST /update_weights_from_distributed {names, dtypes, shapes,
-         load_format="flattened_bucket", weight_version (a string) on the LAST bucket only}
-         while rank 0 broadcasts the flat uint8 buffer (packed on the transport's device:
-         CUDA for NCCL, CPU for gloo) over the weight-update group (membership.py)
-      -> SGLang applies each call at once; the embedded engine (atomic session) stages them
-         and applies the whole update on the versioned last call
-      -> POST /end_weight_update               (also after a failure: drops what was staged)
-      -> POST /continue_generation             (queued behind them: each engine's poster
-                                                sends it on that engine's reply)
-
-Flushing per pause mode (SGLang 0.5.23 fails an update call with ``flush_cache: true`` while
-any request still holds KV, after applying it: ``Weights were updated, but the cache was not
-flushed``): ``abort`` / ``retract`` leave no running request, so the versioned call carries
-``flush_cache: true`` (the prefix cache of the old weights is dropped before any request is
-admitted again). ``in_place`` keeps the paused requests' KV: every call carries ``flush_cache:
-false``, and after the continue each engine gets SGLang's deferred flush (``POST
-/flush_cache?timeout=timeout_s``, on a thread of its own: the sync does not wait for it),
-which drops the old weights' prefix cache as soon as the engine is idle; its outcome is
-logged at the next sync. Until then a request admitted after the update can still match a
-prefix cached under the old weights (SGLang's flush is all or nothing and refused while a
-request holds KV); use ``retract`` where no token may come from KV of older weights.
-
-The HTTP call and the broadcast must overlap (the engine's handler blocks in the
-receiving broadcast): each bucket's POST is queued on that engine's poster thread (one
-per engine, so the engine sees the calls in broadcast order) and this thread broadcasts
-at once, reading the replies only after the last bucket. Packing overlaps too
-(``weight_sync.overlap``): a background thread pulls tensors from the exporter, groups and
-flattens bucket k+1 (a queue of depth 1: double buffering) while this thread broadcasts
-bucket k; tensors already end to end in one storage (the send buffer, in the engines'
-layout order) are sent without packing.
-
-:class:`DiskTransport` is the fallback (``weight_sync.transport: disk``): safetensors
-shards of at most ``bucket_bytes`` under a directory the engines can read, then SGLang's
-``/update_weights_from_disk`` with the new ``weight_version``. :func:`make_transport`
-picks one from the config.
-"""
+Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 
@@ -102,7 +61,7 @@ class WeightTransport(abc.ABC):
 
     def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
         """Leave the current engines and connect to ``clients`` instead (the live engines and
-        any restarted one: C20). Default: keep ``self.clients`` = ``clients`` and connect()."""
+        any restarted one, after a crash). Default: keep ``self.clients`` = ``clients`` and connect()."""
         self.close()
         self.clients = list(clients)
         self.connect()
@@ -144,7 +103,7 @@ class BroadcastTransport(WeightTransport):
         pause_mode: SGLang ``pause_generation`` mode (``abort``, ``retract``, ``in_place``).
         ranks_per_engine: ranks each engine contributes to the group (its TP size, x DP
             when its replicas join): one int for all, or one per engine (offsets from
-            every engine's own size, C13).
+            every engine's own size, never a fixed one).
         master_address: address the trainer's TCPStore binds (loopback on CPU).
         group_name: SGLang's weight-update ``group_name``.
         world_size: a declared group world size, checked against 1 + the engines' ranks.
@@ -401,12 +360,12 @@ class BroadcastTransport(WeightTransport):
         group_broadcast(self.group, flat, src=0)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
-        """Send one full update (see the module docstring for the data path).
+        """Send one full update (data path: ``docs/design/weight_sync.md``).
 
         Tensors are re-ordered to the engines' ``/weights_layout`` when they publish one
         (:func:`in_layout_order`). ``named_tensors`` may instead be a
         :class:`~moe_async.weight_sync.stream_export.PackedExport` (a multi-rank trainer's
-        streamed export, C14): opened with this transport's ``bucket_bytes``, device, the
+        streamed export, bounded memory): opened with this transport's ``bucket_bytes``, device, the
         engines' layout as its order and ``overlap``, its buckets are sent as they come. Each bucket's metadata POST is queued on the engine's
         poster thread and the buffer broadcast at once; replies are read after the last
         bucket (the engine refuses every later bucket of an update once one failed, and
@@ -434,7 +393,7 @@ class BroadcastTransport(WeightTransport):
         self._flushes.report()
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
-        streamed = isinstance(named_tensors, PackedExport)  # ready buckets (C14: world size > 1)
+        streamed = isinstance(named_tensors, PackedExport)  # ready buckets (streamed export: world size > 1)
         if self.layout is not None and not streamed:
             named_tensors = in_layout_order(named_tensors, self.layout)
         whole = self.cfg.pause_scope == "sync"
@@ -500,7 +459,7 @@ class BroadcastTransport(WeightTransport):
                 nbuckets += 1
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
-                bucket = flat = None  # a streamed export frees or reuses its buffer (C14)
+                bucket = flat = None  # a streamed export frees or reuses its buffer
             exported = True
             ta = time.perf_counter()
             deadline = time.monotonic() + self.cfg.timeout_s
@@ -576,7 +535,7 @@ class BroadcastTransport(WeightTransport):
         }
 
     def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
-        """Re-form the update group with ``clients`` (C20): every current member leaves first
+        """Re-form the update group with ``clients`` (after an engine crash): every current member leaves first
         (the engines' ``/destroy_weights_update_group``, then this side's group: a dead
         engine's refusal is logged), then a new group is formed with ``clients`` (same group
         name, a new store port) and their layout read again; the send buffer is kept when the

@@ -162,3 +162,37 @@ def test_named_eval_sets_each_get_their_rows(tmp_path):
     md = (tmp_path / "run_s" / "report" / "summary.md").read_text()
     assert "| held-out gsm: mean at k, last point | 0.5 |" in md
     assert "| held-out math: greedy accuracy, first point | 0 |" in md
+    assert "eval_sets.png" in make_report([tmp_path / "run_s"])["plots"]
+
+
+def test_named_eval_sets_plot_draws_each_sets_points(tmp_path):
+    """eval_sets.png: one panel per named set, each drawing that set's own mean@k and greedy
+    points with their standard errors (not the unnamed held-out curve's)."""
+    from moe_async.report.plots import eval_sets_plot
+    from moe_async.report.runs import load_run
+
+    recs = _write_run(tmp_path / "run_p", [0.2, 0.4])
+    recs[0].update({"eval/mean_at_k": 0.9, "eval/a/mean_at_k": 0.25, "eval/a/mean_at_k_se": 0.05,
+                    "eval/a/greedy_accuracy": 0.5, "eval/b/mean_at_k": 0.1})
+    recs[1].update({"eval/a/mean_at_k": 0.5, "eval/a/mean_at_k_se": 0.1, "eval/b/mean_at_k": 0.3})
+    (tmp_path / "run_p" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in recs))
+    run = load_run(tmp_path / "run_p")
+    drawn = {}
+    import matplotlib.axes
+    orig = matplotlib.axes.Axes.errorbar
+
+    def spy(self, x, y, yerr=None, **kw):
+        drawn[(self.get_title(), kw["label"])] = (list(x), list(y), list(yerr))
+        return orig(self, x, y, yerr=yerr, **kw)
+
+    matplotlib.axes.Axes.errorbar = spy
+    try:
+        out = eval_sets_plot([run], tmp_path / "sets.png")
+    finally:
+        matplotlib.axes.Axes.errorbar = orig
+    assert out.read_bytes()[:8] == PNG
+    assert drawn == {("held-out: a", "mean at k"): ([1, 2], [0.25, 0.5], [0.05, 0.1]),
+                     ("held-out: a", "greedy accuracy"): ([1], [0.5], [0.0]),
+                     ("held-out: b", "mean at k"): ([1, 2], [0.1, 0.3], [0.0, 0.0])}
+    recs_plain = _write_run(tmp_path / "run_q", [0.2])
+    assert recs_plain and eval_sets_plot([load_run(tmp_path / "run_q")], tmp_path / "none.png") is None

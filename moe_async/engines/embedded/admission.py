@@ -1,22 +1,11 @@
 """Who may run while weights change: SGLang 0.5.23's tokenizer-side pause and update lock.
 
-Mirrors ``TokenizerManager`` (``managers/tokenizer_manager.py``,
-``tokenizer_control_mixin.py``) and its ``RWLock`` (``utils/aio_rwlock.py``):
+Mirrors SGLang's ``TokenizerManager`` and its ``RWLock``: a ``/generate`` waits while paused and
+then holds the reader side until it finishes; an update made without a pause takes the writer
+side (waits for every request in flight), so an update never switches a running request's
+weights unless the sender paused the engine first.
 
-* every ``/generate`` request first waits while the engine is paused (``is_pause``), then
-  holds the *reader* side of the model-update lock until its response is ready;
-* ``/pause_generation`` sets ``is_pause`` (new requests wait before admission);
-  ``/continue_generation`` clears it and wakes them;
-* an update call (``/update_weights_from_*``, ``/begin_weight_update``,
-  ``/end_weight_update``) made while paused runs under the pause condition (a continue
-  waits for it); made without a pause it takes the *writer* side: it waits until every
-  in-flight request has finished, and requests arriving meanwhile wait behind it (a waiting
-  writer blocks new readers, as SGLang's lock does). So an update never switches a running
-  request's weights mid-sequence unless the sender paused the engine first.
-
-Ours: calls of an atomic session that only stage bytes (``atomic: true``) change no served
-weight and take neither side (see :mod:`.weight_update`).
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 
@@ -65,7 +54,7 @@ class RWLock:
 
 
 class Admission:
-    """The engine's pause flag and model-update lock (module docstring)."""
+    """The engine's pause flag and model-update lock (``docs/design/engines.md``)."""
 
     def __init__(self) -> None:
         self.is_pause = False

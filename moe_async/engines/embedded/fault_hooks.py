@@ -1,5 +1,5 @@
 """Test-only fault hook of the embedded engine: a weight update that stalls, so a test can kill
-the engine while a sync is in flight (issue 19, an engine that dies during a weight sync).
+the engine while a sync is in flight (an engine that dies during a weight sync).
 
 ``MOE_ASYNC_ENGINE_SYNC_STALL=V:K:DIR`` in the engine's environment (inherited from the driver
 in a local run): the K-th ``/update_weights_from_distributed`` call (K >= 1) the engine gets

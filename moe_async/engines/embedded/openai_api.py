@@ -1,27 +1,10 @@
 """The OpenAI-compatible endpoints of the embedded engine, as SGLang 0.5.23 serves them.
 
-``GET /v1/models`` -> ``{"object": "list", "data": [ModelCard]}`` (``id`` = ``root`` = the
-model path, ``owned_by: "sglang"``, ``max_model_len`` = the context length).
+``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming):
+each request is translated to a ``/generate`` body as SGLang translates it and run by the same
+scheduler; responses carry SGLang's fields. An unsupported field is a 400 naming it.
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming): the request is
-translated to a ``/generate`` body the way SGLang's ``serving_completions`` /
-``serving_chat`` translate it (``max_tokens`` -> ``max_new_tokens``, ``min_tokens`` ->
-``min_new_tokens``, ``seed`` -> ``sampling_seed``, ``logprobs`` -> ``return_logprob`` with
-``top_logprobs_num``; chat: the tokenizer's chat template with ``add_generation_prompt``)
-and run by the same decoder and scheduler as ``/generate``, so every sampling field means
-the same on both paths. Responses carry SGLang's fields: ``choices[i].text`` /
-``.message``, ``finish_reason`` (``stop`` | ``length`` | ``abort``), ``matched_stop``,
-``logprobs`` (completions: ``tokens``, ``token_logprobs``, ``top_logprobs``,
-``text_offset`` of -1 as SGLang; chat: ``content`` of ``{token, bytes, logprob,
-top_logprobs}``), ``usage`` (prompt tokens counted once per prompt, not per sample).
-
-A field of the request that is not in :data:`COMPLETION_FIELDS` / :data:`CHAT_FIELDS` is a 400
-naming it (``<field> is not supported by the embedded engine's /v1/...``) unless it is
-``null``, ``false`` or SGLang's default (e.g. ``tool_choice: "auto"``), i.e. unused; an
-unknown field is refused the same way (SGLang's pydantic models would drop it);
-errors use SGLang's ``ErrorResponse`` body ``{"object": "error", "message", "type":
-"BadRequestError", "param": null, "code": 400}``.
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 

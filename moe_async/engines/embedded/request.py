@@ -1,27 +1,10 @@
 """The ``/generate`` body (SGLang 0.5.23's ``GenerateReqInput``) -> scheduler requests.
 
-Every field of ``sglang.srt.managers.io_struct.GenerateReqInput`` is in :data:`HONOURED`
-or :data:`REFUSED`; a field in neither is a 400 (``unknown field``), never ignored (SGLang's
-HTTP layer drops unknown top-level keys; the embedded engine refuses them so that a typo
-cannot silently change a rollout). A refused field is accepted only at its SGLang default
-(what SGLang's own clients send when the feature is unused); another value is a 400
-``<field> is not supported by the embedded engine (...)``.
+Every field of SGLang's ``GenerateReqInput`` is in :data:`HONOURED` or :data:`REFUSED`; an
+unknown field is a 400, and a refused one is accepted only at its SGLang default (else a 400
+naming it), so a typo never silently changes a rollout.
 
-Honoured (SGLang's meaning): ``rid`` (a string prefix for a batch: ``{rid}_{i}``),
-``text`` / ``input_ids`` (one or a batch; both given: ``input_ids`` are generated from and
-``text`` sets single vs batch, as SGLang's tokenizer manager), ``sampling_params`` (one or per item; see
-:mod:`.sampling`; ``n`` > 1 expands every item into ``n`` consecutive samples with fresh
-rids, and a single prompt then answers a list), ``return_logprob``, ``logprob_start_len``
-(``-1``: no input logprobs; otherwise ``input_token_logprobs`` from that position, the first
-prompt token's logprob ``null``), ``top_logprobs_num`` (``output_top_logprobs`` /
-``input_top_logprobs``: per position the ``k`` best ``[logprob, token_id, text|null]``),
-``token_ids_logprob`` (``output_token_ids_logprobs`` / ``input_token_ids_logprobs``),
-``return_text_in_logprobs`` (the third element is the token's text), ``return_sampling_mask``,
-``sampling_logprobs_mode``, ``stream`` (``false`` only), ``return_routed_experts``,
-``routed_experts_start_len`` (rows ``[start, prompt + completion - 1)``, start in ``[0, P]``),
-``return_prompt_token_ids`` (top-level ``prompt_token_ids``), ``log_metrics`` / ``no_logs``
-(this engine keeps no per-request metrics or request logs, so both values are honoured).
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """SGLang 0.5.23's ``/generate`` response for one finished request of the embedded engine.
 
-``{"text", "output_ids", "meta_info"}`` (plus ``prompt_token_ids`` when asked). ``meta_info``:
-``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
-``weight_version``, ``weight_versions`` (SGLang's spans), ``num_retractions``,
-``e2e_latency``; with ``return_logprob``: ``input_token_logprobs`` (``[]`` when
-``logprob_start_len`` is ``-1``), ``output_token_logprobs``, ``output_token_logprobs_length``
--- each entry ``[logprob, token_id, text]`` with ``text`` ``null`` unless
-``return_text_in_logprobs`` (then the token decoded alone, as SGLang's
-``detokenize_logprob_tokens``); with ``top_logprobs_num > 0``: ``input_top_logprobs`` /
-``output_top_logprobs`` (per position a list of such entries, best first; ``null`` for the
-first prompt token); with ``token_ids_logprob``: ``input_token_ids_logprobs`` /
-``output_token_ids_logprobs`` (same shape, in the asked order). Extensions:
-``output_token_weight_versions``, ``routed_experts_shape``. See the server's docstring for
-routed experts and the sampling mask.
-"""
+``{"text", "output_ids", "meta_info"}`` with SGLang's ``meta_info`` fields (finish reason, token
+counts, ``weight_version`` and its spans, logprobs and top logprobs in SGLang's
+``[logprob, token_id, text]`` entries) plus ``output_token_weight_versions`` and
+``routed_experts_shape``.
+
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
 """``sampling_params`` of SGLang 0.5.23's ``/generate``: decoded, checked, and applied.
 
-Contract (one entry per field of SGLang's API ``SamplingParams``, ``sglang/api/v1/api_types.py``;
-the engine never ignores a field):
+One entry per field of SGLang's ``SamplingParams``, never ignored: an unknown key or a wrong
+type is a 400 naming it (SGLang's words), a field in :data:`REFUSED` is accepted only at its
+default, and ranges are checked as ``SamplingParams.verify`` checks them. Truncation order:
+temperature, top-k, top-p, min-p.
 
-* an unknown key is a 400 in serde's words, as SGLang's contract check words it:
-  ``sampling_params: unknown field `max_tokens`, expected one of `max_new_tokens`, ...``;
-* a value of the wrong JSON type is a 400 naming the field;
-* a field in :data:`REFUSED` is accepted only at its SGLang default (``null`` or the
-  default value: what SGLang's own frontend sends when the feature is unused); any other
-  value is a 400 ``sampling_params.<field> is not supported by the embedded engine (...)``;
-* ranges are checked as SGLang's ``SamplingParams.verify`` checks them, with its messages.
-
-Honoured, with SGLang's meaning: ``max_new_tokens``, ``min_new_tokens`` (EOS and stop token
-ids get ``-inf`` until that many tokens exist), ``stop`` (text stop strings: finish
-``{"type": "stop", "matched": str}``, text cut before the string unless ``no_stop_trim``),
-``stop_regex`` (same, ``re.search`` on the decoded tail), ``stop_token_ids``, ``ignore_eos``
-(disables EOS *and* ``stop_token_ids``, as SGLang's ``_check_token_based_finish``),
-``temperature`` (``< 1e-6``: greedy), ``top_p``, ``top_k`` (-1: off), ``min_p``,
-``frequency_penalty`` / ``presence_penalty`` / ``repetition_penalty`` (SGLang's penalizers:
-counts over the output tokens only, see :func:`adjust_logits`), ``logit_bias``, ``n``
-(expanded by the request decoder), ``sampling_seed``, ``skip_special_tokens``,
-``spaces_between_special_tokens``, ``no_stop_trim``, ``stream_interval`` (streaming only;
-streaming itself is refused, so it has no effect, as in SGLang without ``stream``).
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 
@@ -77,7 +60,7 @@ class RequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    """One request's decoded ``sampling_params`` (see the module docstring)."""
+    """One request's decoded ``sampling_params`` (design notes: ``docs/design/engines.md``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,21 +1,11 @@
 """Continuous batching for the embedded engine: one thread owns the model.
 
-Data path of a request: HTTP handler -> :meth:`Scheduler.submit` (waiting queue) ->
-prefill together with every request waiting at the same step (one left-padded forward, up to
-``max_prefill_tokens`` padded tokens; alone: no padding, no mask; the first token is sampled
-from its last logits) -> its KV cache joins the running decode batch (left-padded to the
-batch's KV length) ->
-one batched decode step per iteration for every running request -> finished requests
-leave the batch (rows dropped, all-padding columns trimmed) -> their ``Future`` resolves.
+Requests are prefilled together (identical prompts share one row), join the running decode
+batch, and leave it when finished (their ``Future`` resolves). Control commands (pause, abort,
+weight apply, checksums) run on the same thread between forward passes, so no forward pass
+sees a mix of old and new weights.
 
-Control commands (pause, abort, weight apply, checksums) are callables queued with
-:meth:`Scheduler.call` and run by the same thread *between* forward passes, so a weight
-update is atomic with respect to decoding: no forward pass sees a mix of old and new
-tensors.
-
-Legend (shapes): ``B`` running requests, ``T`` padded KV length, ``S`` tokens fed in one
-forward, ``H`` KV heads, ``D`` head dim, ``V`` vocab, ``L`` MoE layers, ``K`` router top-k.
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 

@@ -1,56 +1,11 @@
-"""The embedded engine's HTTP server: SGLang's endpoints and payloads, on a CPU.
+"""The embedded engine's HTTP server: SGLang 0.5.23's endpoints and payloads, on a CPU.
 
-Run: ``python -m moe_async.engines.embedded.server --model-path DIR --host 127.0.0.1
---port N --max-running-requests 16 --num-threads 1 --dtype fp32``.
+Run: ``python -m moe_async.engines.embedded.server --model-path DIR --port N``. Serves
+``/generate`` (every SGLang request and sampling field honoured or refused with a 400 naming
+it), the OpenAI-compatible ``/v1/*``, pause/continue/abort/flush, and the weight-update
+endpoints of :mod:`moe_async.engines.embedded.weight_update`.
 
-Endpoints (request/response JSON as in sglang 0.5.23 ``entrypoints/http_server.py`` and
-``managers/io_struct.py``):
-
-* ``GET /health``, ``GET /get_model_info`` (also ``/model_info``), ``GET /get_weight_version``
-  -> ``{"weight_version": str}`` (any string, as SGLang; ``--weight-version``, default
-  ``"default"``, until an update names one).
-* ``POST /generate`` (``GenerateReqInput``; every field of SGLang 0.5.23's request and
-  sampling schemas is honoured or refused with a 400 naming it, an unknown field too: see
-  :mod:`.request` and :mod:`.sampling`; ``n`` > 1 answers a list; response layout in
-  :mod:`.response`) -> ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
-  ``prompt_tokens``, ``completion_tokens``, ``finish_reason`` (``{"type": "stop",
-  "matched"}`` | ``{"type": "length", "length"}`` | ``{"type": "abort", "message"}``),
-  ``output_token_logprobs`` ``[[logprob, token_id, null], ...]``, ``weight_version``,
-  ``weight_versions`` (SGLang's spans) and ``routed_experts`` (base64 of int32
-  ``(prompt + completion - 1, moe_layers, top_k)``). Extensions: ``output_token_weight_versions``
-  (the weight_version of every output token) and ``routed_experts_shape``.
-  ``return_sampling_mask`` (SGLang 0.5.23's field) adds ``output_token_sampling_mask`` (per
-  output token, the ascending token ids the sampler could pick after top-k/top-p/min-p;
-  greedy: the chosen token), ``output_token_sampling_logprobs`` (``sampling_logprobs_mode=
-  "selected"``: the chosen token's log-probability renormalised over that support, 0.0 when
-  greedy; ``"support"``: the list over the support) and ``output_token_sampling_mask_length``.
-  Truncation order here: temperature, top-k, top-p over the top-k-renormalised distribution,
-  min-p (SGLang intersects top-k and top-p computed on the full distribution; the mask always
-  describes what this sampler did). A 0-token completion with ``return_routed_experts``
-  still returns the prompt's ``P - 1`` routed rows.
-  Logprobs follow SGLang's default: greedy requests get the raw ``log_softmax(logits)``;
-  sampled requests get ``log_softmax(logits / temperature)`` (before top-k/top-p), unless the
-  server runs with ``--return-original-logprob`` (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``).
-  Lengths as SGLang's ``TokenizerManager._validate_one_request`` (without
-  ``--allow-auto-truncate``): a prompt of ``>= context_length`` tokens is a 400 ``{"error":
-  {"message": "The input (P tokens) is longer than the model's context length (C tokens)."}}``;
-  an explicit ``max_new_tokens`` with ``P + max_new_tokens > C`` is a 400 ``"Requested token
-  count exceeds the model's maximum context length of C tokens. You requested a total of T
-  tokens: P tokens from the input messages and M tokens for the completion. ..."``; in a batch
-  one such element fails the whole request. Without an explicit ``max_new_tokens`` the default
-  (128) is clipped to ``C - P``, as SGLang's scheduler clips it (SGLang also keeps a margin of
-  one or two tokens below ``C`` there; not modelled). Prompts are never cut.
-* ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI
-  compatible, non-streaming, as SGLang serves them; :mod:`.openai_api`).
-* ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (new requests wait
-  while paused: :mod:`.admission`),
-  ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``
-  ``{"rid", "abort_all"}``, ``POST /slow_down`` ``{"forward_sleep_time"}`` (debugging/tests).
-* Weight updates (``/init_weights_update_group``, ``/destroy_weights_update_group``,
-  ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_distributed``,
-  ``/update_weights_from_disk``, ``/weights_layout``, ``/weights_checksum``,
-  ``/debug_receive_broadcast``): :mod:`moe_async.engines.embedded.weight_update`.
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 

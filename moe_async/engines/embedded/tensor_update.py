@@ -1,30 +1,11 @@
 """The embedded engine's ``POST /update_weights_from_tensor`` (SGLang 0.5.23's colocated path).
 
-Body: SGLang's ``UpdateWeightsFromTensorReqInput`` fields and nothing else (an unknown field
-is a 422 naming it, as the other weight endpoints): ``serialized_named_tensors`` (one base64
-string per engine TP rank: this engine is one rank and reads entry 0), ``load_format``,
-``flush_cache``, ``abort_all_requests``, ``weight_version`` (any string or
-null), ``selector``, ``torch_empty_cache``.
+The body holds SGLang's ``UpdateWeightsFromTensorReqInput`` fields only (an unknown one is a 422):
+base64 ``ForkingPickler`` handles to the sender's tensors (CUDA IPC or CPU shared memory by
+name), applied with the same session semantics as the distributed update. A bad handle, name
+or shape is a 400 naming it.
 
-Each entry is the base64 of torch ``ForkingPickler`` bytes (SGLang's
-``MultiprocessingSerializer``): the tensors are not in the body, only handles to them (CUDA
-IPC handles, or CPU shared memory opened by name: torch's ``file_system`` sharing strategy;
-the ``file_descriptor`` strategy's handles only work over a multiprocessing connection and
-are refused). Payload by ``load_format``:
-
-* ``"flattened_bucket"``: ``{"flattened_tensor": uint8 1-D, "metadata": [m, ...]}`` with
-  each ``m`` carrying SGLang's ``FlattenedTensorMetadata`` fields (``name``, ``shape``,
-  ``dtype``, ``start_idx``, ``end_idx``, ``numel``; byte offsets into the flat tensor);
-* ``null`` or ``"direct"``: a list of ``(name, tensor)`` pairs.
-
-Deserialised with :class:`RestrictedUnpickler` (an allow-list of globals, as SGLang's
-``SafeUnpickler``; never plain pickle from HTTP). Session semantics are those of
-``/update_weights_from_distributed`` (:func:`~moe_async.engines.embedded.weight_update.
-apply_update_call`): refused outside a session with SGLang's message; in a plain session
-each call applied when it returns; in an atomic session (ours) staged until the call with a
-``weight_version``. The tensors are copied into the standby parameters before the reply, so
-the sender may free them once it has the answer. A bad name/shape is a 400 naming it.
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 
@@ -140,7 +121,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def decode_named_tensors(entry: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs of one ``serialized_named_tensors`` entry (module docstring).
+    """``(name, tensor)`` pairs of one ``serialized_named_tensors`` entry (``docs/design/engines.md``).
 
     Raises:
         ValueError: not base64, not a payload of ``load_format``, a global not allowed, a
@@ -206,7 +187,7 @@ def write_standby(wu: WeightUpdater, named: list[tuple[str, torch.Tensor]]) -> l
 
 
 def tensor_update_router(wu: WeightUpdater) -> APIRouter:
-    """``POST /update_weights_from_tensor`` over ``wu`` (module docstring)."""
+    """``POST /update_weights_from_tensor`` over ``wu`` (``docs/design/engines.md``)."""
     r = APIRouter()
 
     @r.post("/update_weights_from_tensor")

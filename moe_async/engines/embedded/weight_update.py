@@ -1,61 +1,11 @@
 """The embedded engine's weight-update endpoints (SGLang 0.5.23's, plus a few of ours).
 
-Mounted by :mod:`moe_async.engines.embedded.server` (``app.include_router``). Request
-bodies carry SGLang's fields (``managers/io_struct.py``) and nothing else: an unknown field
-is a 422 naming it. ``weight_version`` is any string, as SGLang types it (``Optional[str]``;
-the engine serves ``--weight-version``, default ``"default"``, until an update names one).
+Update group join/leave, the ``/begin_weight_update`` ... ``/end_weight_update`` session,
+``/update_weights_from_distributed`` / ``_from_disk`` / ``_from_tensor``, ``/weights_layout`` and
+``/weights_checksum``. Bodies carry SGLang's fields only (an unknown one is a 422 naming it);
+``weight_version`` is a string; a bad name or shape is a 400 naming the tensor.
 
-Pause, locking and flushing as SGLang 0.5.23 (:mod:`.admission`; ``SchedulerWeightUpdaterManager.
-flush_cache_after_weight_update``): an update call, ``begin`` or ``end`` made without a pause
-waits for every in-flight request to finish (requests arriving meanwhile wait behind it);
-a call with ``flush_cache: true`` that applied weights then needs the engine idle (nothing
-running; nothing waiting unless paused): a request paused ``in_place`` still holds its KV, so
-the call fails with SGLang's ``Weights were updated, but the cache was not flushed ...``
-(the weights and ``weight_version`` stay applied, as in SGLang). Calls of an atomic session
-that only stage bytes (ours) take no lock and apply nothing.
-
-* ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset,
-  world_size, group_name, backend}``: joins the group as rank ``rank_offset`` (one rank: the
-  engine is one process) exactly as SGLang does (:func:`~moe_async.weight_sync.group.
-  create_update_group`: rendezvous ``tcp://master_address:master_port``, then torch's
-  ``_new_process_group_helper``, so the store keys are SGLang's). Joins run one at a time,
-  as SGLang's scheduler runs them. A rank outside ``[1, world_size)`` is a 400 naming the
-  numbers. A group of the same name already held: if its sender's store no longer answers
-  (the trainer was killed) it is torn down first (staged bytes and session dropped) and the
-  join goes on; if it answers (a live sender) the join is refused with the fix in the
-  message. A join that fails (peers missing past ``--weight-update-timeout-s``) is a 400.
-* ``POST /destroy_weights_update_group`` ``{group_name}``: leaves it (destroys the process
-  group), drops a staged update.
-* ``POST /begin_weight_update`` ``{selector}`` / ``POST /end_weight_update`` ``{}``: the
-  update session SGLang 0.5.23 requires around ``update_weights_from_distributed`` (same
-  refusals and messages: a second begin, an end without begin). Ours: ``atomic: true`` on
-  begin makes the session one atomic update (below); SGLang ignores the field. ``end``
-  drops what an atomic session staged and never applied.
-* ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name,
-  flush_cache, abort_all_requests, weight_version, load_format, selector,
-  torch_empty_cache}``: receives the tensors from group rank 0 (``load_format=
-  "flattened_bucket"``: one uint8 broadcast, SGLang's ``FlattenedTensorBucket`` layout;
-  ``null``: one broadcast per tensor). Outside a session: refused with SGLang's message
-  (the bytes are still received and dropped, so the group stays usable). In a plain
-  session (SGLang's semantics) every call is applied when it returns (its bytes copied into
-  the live parameters between two decode steps: cost proportional to the call's bytes) and
-  a non-null ``weight_version`` is recorded. In an atomic session the calls are staged in a
-  standby copy of the parameters and the call with a ``weight_version`` applies the whole
-  update at once (names not sent keep their values; live/standby swapped by pointer); a
-  failed call makes the rest of that update refused and its versioned call fail (nothing
-  applied). An unknown name or a wrong shape is a 400 naming the tensor.
-* ``GET /weights_layout`` (ours): ``{"names", "shapes", "dtypes"}`` in the order that lets
-  a bucket land in the standby copy without a copy.
-* ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache,
-  abort_all_requests, load_format}``: every ``*.safetensors`` under ``model_path``, checked,
-  applied at once (no session, as SGLang).
-* ``POST /update_weights_from_tensor`` (the colocated path: handles to the sender's memory,
-  same session semantics through :func:`apply_update_call`): see
-  :mod:`moe_async.engines.embedded.tensor_update`.
-* ``POST /debug_receive_broadcast`` ``{group_name, nbytes}`` (ours, benchmarks).
-* ``GET /weights_checksum`` (ours): ``{"weight_version" (str), "checksums", "bytes_received",
-  "recv_copies"}``.
-"""
+Design notes: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 
@@ -299,7 +249,7 @@ async def apply_update_call(wu: WeightUpdater, receive: Callable[[str | None], l
                             outside_session: str = OUTSIDE_SESSION, flush_cache: bool = False) -> dict | JSONResponse:
     """One update call of any transport (``/update_weights_from_distributed``,
     ``/update_weights_from_tensor``), with SGLang's session, lock and flush semantics
-    (module docstring).
+    (``docs/design/engines.md``).
 
     ``receive(refuse)`` runs in a worker thread: it writes the call's tensors into the standby
     parameters (``wu.arena``, marked) and returns their names, or raises ``KeyError`` /
@@ -374,7 +324,7 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
 
 
 def weight_update_router(wu: WeightUpdater) -> APIRouter:
-    """The endpoints of the module docstring over ``wu`` (and its scheduler)."""
+    """The endpoints listed in ``docs/design/engines.md`` over ``wu`` (and its scheduler)."""
     r = APIRouter()
     sched = wu.sched
 

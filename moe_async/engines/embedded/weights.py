@@ -155,7 +155,7 @@ class ParamArena:
         at the cost of what changed since, not of the model;
       * :meth:`swap` (scheduler thread, between two forward passes): every parameter's
         ``.data`` now points into B; A becomes the standby. No tensor is copied here, and no
-        forward pass ever reads B while it is being written (atomic apply, case C1).
+        forward pass ever reads B while it is being written (atomic apply).
     :meth:`discard` forgets a half-received update (B's bytes are then unused).
 
     Memory: two copies of the parameters (``nbytes`` each).

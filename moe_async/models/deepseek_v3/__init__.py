@@ -1,78 +1,11 @@
-"""DeepSeek-V3 family (HF ``model_type="deepseek_v3"``, transformers' ``DeepseekV3ForCausalLM``):
-config reading, Megatron ``MLATransformerConfig`` / block spec, and parameter mapping.
+"""DeepSeek-V3 family (HF ``model_type="deepseek_v3"``): config reading, Megatron
+``MLATransformerConfig`` / block spec, and the HF <-> Megatron parameter mapping.
 
-Architecture -> Megatron-Core 0.16.1:
+MLA attention, first dense layers then MoE with shared experts, the fp32 sigmoid router with
+expert bias and group-limited top-k, plain or YaRN RoPE. A config field Megatron-Core cannot
+reproduce exactly raises ``ValueError`` naming it (never approximated).
 
-* MLA attention (``MLASelfAttention``, local spec ``multi_latent_attention=True`` with
-  ``qk_layernorm=True`` so the ``q_a``/``kv_a`` RMSNorms exist). HF and Megatron lay the
-  projections out identically (q per head ``[nope; rope]``, ``kv_a`` ``[kv_lora; rope]``, ``kv_b``
-  per head ``[k_nope; v]``), so every attention weight maps 1:1. ``rope_interleave=True`` (HF
-  default: rotary dims in interleaved pairs) is what Megatron's MLA RoPE does
-  (``rope_utils._apply_rotary_pos_emb_bshd(multi_latent_attention=True)`` de-interleaves);
-  ``rope_interleave=False`` is mapped by permuting the rope rows of ``q_proj``/``q_b_proj`` and
-  ``kv_a_proj_with_mqa`` (see ``_rope_perm``).
-* First ``first_k_dense_replace`` layers dense (``intermediate_size``), the rest MoE
-  (``moe_layer_freq`` list; ``moe_intermediate_size`` per routed expert, shared experts of
-  width ``moe_intermediate_size * n_shared_experts`` -> ``moe_shared_expert_intermediate_size``).
-* Router: sigmoid scores in fp32 (``moe_router_dtype="fp32"``), ``e_score_correction_bias``
-  -> Megatron's fp32 buffer ``router.expert_bias`` (``moe_router_enable_expert_bias``; used for
-  the choice only), group-limited top-k (``n_group``/``topk_group`` ->
-  ``moe_router_num_groups``/``moe_router_group_topk``), top-k weights renormalised
-  (``norm_topk_prob=True``; Megatron always renormalises sigmoid top-k for k > 1) and scaled by
-  ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``).
-
-  Megatron scores a group by the sum of its top ``topk // group_topk`` experts; HF by the sum
-  of its top 2. They agree iff ``num_experts_per_tok // topk_group == 2`` (DeepSeek-V3: 8 // 4)
-  or every group is selected (``topk_group >= n_group``: no group limit, mapped to none).
-
-* RoPE: plain, or YaRN as released (``rope_scaling`` type ``yarn``, factor 40, ``mscale`` =
-  ``mscale_all_dim`` = 1) -> MLA's ``rope_type="yarn"`` (Megatron's ``YarnRotaryEmbedding``: the
-  same blended frequencies and cos/sin factor as transformers) with ``rotary_scaling_factor``,
-  ``mscale``, ``mscale_all_dim``, ``original_max_position_embeddings``, ``beta_fast/slow``
-  (:meth:`moe_async.models.rope.Rope.megatron_yarn`). Both sides also scale the attention
-  softmax by ``get_mscale(factor, mscale_all_dim)^2`` (about 1.87 for the release):
-  transformers in ``yarn_apply_mscale``, Megatron in ``MultiLatentAttention.softmax_scale``.
-
-Rejected with the field named (never approximated): RoPE types other than default and yarn,
-YaRN settings Megatron-Core cannot reproduce (:func:`moe_async.models.rope.read_rope`),
-``norm_topk_prob=False``,
-``attention_bias``, ``hidden_act`` other than silu, ``pretraining_tp`` != 1, group settings
-Megatron cannot reproduce (see above). HF's ``q_a_layernorm``/``kv_a_layernorm`` use a fixed
-eps 1e-6 whatever ``rms_norm_eps`` is; the local spec builds Megatron's latent norms so too.
-``num_mtp_layers`` is ignored like transformers does (no MTP head is built). A released
-checkpoint's MTP layer (``model.layers.{L}.*``, ``num_nextn_predict_layers``) and FP8
-``weight_scale_inv`` tensors are taken off before this mapping sees the keys (skipped with a
-logged list, resp. dequantized: :mod:`moe_async.models.deepseek_v3.hf_extras`).
-
-HF on-disk names (transformers 5.23 ``save_pretrained``) <-> Megatron (local spec). ``{i}``
-layer, ``{e}`` routed expert; ``A`` = ``model.layers.{i}.self_attn.``; ``n`` heads, ``dn``/``dr``/
-``dv`` = qk_nope/qk_rope/v head dims, ``rq``/``rkv`` = q/kv lora ranks.
-
-| Megatron (decoder.layers.{i}.)                        | HF                                          |
-| ----------------------------------------------------- | ------------------------------------------- |
-| input_layernorm.weight [H]                            | model.layers.{i}.input_layernorm.weight     |
-| self_attention.linear_q_proj.weight [n(dn+dr),H]      | A q_proj.weight          (q_lora_rank None) |
-| self_attention.linear_q_down_proj.weight [rq,H]       | A q_a_proj.weight        (q_lora_rank set)  |
-| self_attention.q_layernorm.weight [rq]                | A q_a_layernorm.weight   (q_lora_rank set)  |
-| self_attention.linear_q_up_proj.weight [n(dn+dr),rq]  | A q_b_proj.weight        (q_lora_rank set)  |
-| self_attention.linear_kv_down_proj.weight [rkv+dr,H]  | A kv_a_proj_with_mqa.weight                 |
-| self_attention.kv_layernorm.weight [rkv]              | A kv_a_layernorm.weight                     |
-| self_attention.linear_kv_up_proj.weight [n(dn+dv),rkv]| A kv_b_proj.weight                          |
-| self_attention.linear_proj.weight [H,n dv]            | A o_proj.weight                             |
-| pre_mlp_layernorm.weight [H]                          | post_attention_layernorm.weight             |
-| dense: mlp.linear_fc1.weight [2I,H]                   | mlp.gate_proj ; mlp.up_proj                 |
-| dense: mlp.linear_fc2.weight [H,I]                    | mlp.down_proj.weight                        |
-| moe: mlp.router.weight [E,H]                          | mlp.gate.weight                             |
-| moe: mlp.router.expert_bias [E] (fp32 buffer)         | mlp.gate.e_score_correction_bias            |
-| moe: mlp.experts.local_experts.{e}.linear_fc1 [2I',H] | mlp.experts.{e}.gate_proj ; .up_proj        |
-| moe: mlp.experts.local_experts.{e}.linear_fc2 [H,I']  | mlp.experts.{e}.down_proj.weight            |
-| moe: mlp.shared_experts.linear_fc1.weight [2Is,H]     | mlp.shared_experts.gate_proj ; .up_proj     |
-| moe: mlp.shared_experts.linear_fc2.weight [H,Is]      | mlp.shared_experts.down_proj.weight         |
-
-plus ``embedding.word_embeddings.weight`` / ``model.embed_tokens.weight``,
-``decoder.final_layernorm.weight`` / ``model.norm.weight``, ``output_layer.weight`` /
-``lm_head.weight`` (absent when tied).
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 
@@ -180,7 +113,7 @@ class DeepseekV3Args(SigmoidMoeArgs):
 
 class DeepseekV3Family(SigmoidMoeFamily):
     """DeepSeek-V3: MLA attention, first-k dense layers, sigmoid router with expert bias (see
-    the module docstring and :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
+    ``docs/design/models.md`` and :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
 
     model_types = ("deepseek_v3",)
     display_name = "DeepSeek-V3"
@@ -198,7 +131,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
         """Read and validate a DeepSeek-V3 HF config.
 
         Raises:
-            ValueError: naming an unsupported field (see the module docstring).
+            ValueError: naming an unsupported field (design notes: ``docs/design/models.md``).
             KeyError: a required field is missing.
         """
         d = self.read_hf_config(hf_config)

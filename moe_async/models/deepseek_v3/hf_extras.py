@@ -1,24 +1,11 @@
 """The two kinds of tensors a released DeepSeek-V3 HF checkpoint holds besides the model's.
 
-* **MTP layers** (``num_nextn_predict_layers`` > 0): DeepSeek-V3 stores its multi-token
-  prediction module as extra decoder layers after the last one, ``model.layers.{L + i}.*``
-  with ``L = num_hidden_layers`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.*``,
-  ``embed_tokens`` and a full decoder layer). The GRPO trainer builds no MTP block (MTP is a
-  pre-training loss; rollouts and logprobs use the main model only), so these keys are
-  **skipped through an explicit list**, logged once at WARNING with their count and the
-  first names (:attr:`HFExtras.skipped`).
-* **FP8 block-scaled weights** (``quantization_config.quant_method: fp8``, e.g.
-  ``weight_block_size: [128, 128]``): a linear ``X.weight`` stored as ``float8_e4m3fn``
-  ``[M, N]`` with ``X.weight_scale_inv`` float32 ``[ceil(M/bm), ceil(N/bn)]``; the value is
-  ``weight[i, j] * weight_scale_inv[i // bm, j // bn]`` (DeepSeek's own ``weight_dequant``).
-  Such weights are **dequantized** on read (:func:`dequantize_block_fp8`, computed in
-  float32, then cast to the checkpoint's dtype: ``torch_dtype`` / ``dtype`` of the config,
-  bfloat16 when neither is given); the ``weight_scale_inv`` keys are consumed.
+MTP layers (``model.layers.{L + i}.*``) are skipped through an explicit list, logged once;
+FP8 block-scaled weights are dequantized with their ``weight_scale_inv`` (DeepSeek's own
+``weight_dequant``) to the configured dtype. Anything else unexpected is left for the mapping's
+unused-key check.
 
-A ``weight_scale_inv`` without its ``weight`` (or the reverse for an FP8 weight), or a scale
-of the wrong shape, is a ValueError naming the key. Other families have neither kind:
-:func:`hf_extras` returns an empty :class:`HFExtras` for them.
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 

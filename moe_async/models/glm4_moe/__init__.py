@@ -1,57 +1,11 @@
-"""GLM-4.5 family (HF ``model_type="glm4_moe"``: GLM-4.5, GLM-4.5-Air; transformers'
-``Glm4MoeForCausalLM``): config reading, Megatron ``TransformerConfig`` / block spec, and
-parameter mapping.
+"""GLM-4.5 family (HF ``model_type="glm4_moe"``: GLM-4.5, GLM-4.5-Air): config reading,
+Megatron ``TransformerConfig`` / block spec, and the HF <-> Megatron parameter mapping.
 
-Architecture -> Megatron-Core 0.16.1:
+GQA with q/k/v biases and qk-norm, partial RoPE (``rotary_percent``), DeepSeek-V3's MoE with the
+fp32 sigmoid router; the MTP layers are dropped on load, logged by name. Unsupported fields
+raise ``ValueError`` naming them.
 
-* GQA attention (Megatron's local spec), q/k/v biases when ``attention_bias``
-  (``add_qkv_bias``; ``o_proj`` has none), per-head q/k RMSNorm before RoPE when
-  ``use_qk_norm`` (``qk_layernorm``).
-* Partial RoPE: HF rotates the FIRST ``int(head_dim * partial_rotary_factor)`` dims of each
-  head, in rotate-half pairs ``(j, j + r/2)`` of that part, and passes the rest through
-  (``apply_rotary_pos_emb``: ``q[..., :rotary_dim]``); frequencies ``base^(-2j/r)`` over the
-  rotated dims. Megatron's ``rotary_percent`` does the same (``RotaryEmbedding`` dim =
-  ``kv_channels * rotary_percent``; ``_apply_rotary_pos_emb_bshd`` rotates ``t[..., :rot_dim]``
-  with the same rotate-half and passes ``t[..., rot_dim:]``), so no weight permutation is
-  needed: ``partial_rotary_factor`` -> ``GPTModel(rotary_percent=...)``. The factor is read
-  from ``rope_parameters.partial_rotary_factor`` (transformers 5) or the top-level
-  ``partial_rotary_factor`` (the hub's config.json), default 0.5 as transformers'
-  ``Glm4MoeConfig``.
-* MoE as DeepSeek-V3 (:mod:`moe_async.models.sigmoid_moe`): first ``first_k_dense_replace``
-  layers dense, shared experts, sigmoid router in fp32 with ``e_score_correction_bias`` ->
-  fp32 buffer ``router.expert_bias``, ``n_group``/``topk_group`` (GLM-4.5: 1 group, no limit),
-  ``norm_topk_prob`` (must be true), ``routed_scaling_factor``.
-* MTP: ``num_nextn_predict_layers`` layers stored after the decoder as ``model.layers.{L+j}``
-  (``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm`` [, ``shared_head.head``,
-  ``embed_tokens``] and a whole MoE decoder layer). transformers builds no MTP layer and
-  ignores them on load; so does this family: :meth:`Glm4MoeFamily.mtp_hf_keys` is the exact
-  list of their names, which :meth:`~Glm4MoeFamily.normalize_hf_state` drops (logging each
-  name once); they are never read as a decoder layer, anything else under those layers (or
-  any layer past them) fails the mapping's unused-key check, and an export (Megatron -> HF)
-  holds no MTP layer (as transformers' ``save_pretrained`` of the loaded model).
-
-Rejected with the field named: scaled RoPE (``rope_parameters.rope_type`` other than
-default), ``norm_topk_prob=False``, ``hidden_act`` other than silu, a group limit Megatron
-cannot reproduce, ``n_routed_experts`` with a different ``num_experts``/``num_local_experts``,
-``partial_rotary_factor`` giving an odd or zero rotary dim.
-
-HF on-disk names (transformers 5.23 ``save_pretrained``) <-> Megatron (local spec). ``A`` =
-``model.layers.{i}.self_attn.``; the MLP rows are those of deepseek_v3 (dense layers:
-``mlp.{gate,up,down}_proj``; MoE layers: ``mlp.gate.weight`` -> ``mlp.router.weight``,
-``mlp.gate.e_score_correction_bias`` -> ``mlp.router.expert_bias`` (fp32),
-``mlp.experts.{e}.*`` -> ``mlp.experts.local_experts.{e}.linear_fc1/2``,
-``mlp.shared_experts.*`` -> ``mlp.shared_experts.linear_fc1/2``).
-
-| Megatron (decoder.layers.{i}.)                       | HF                                        |
-| ---------------------------------------------------- | ----------------------------------------- |
-| input_layernorm.weight [H]                           | model.layers.{i}.input_layernorm.weight   |
-| self_attention.linear_qkv.weight [ng(nh/ng+2)d,H]    | A {q,k,v}_proj.weight (per group [q..;k;v]) |
-| self_attention.linear_qkv.bias [ng(nh/ng+2)d]        | A {q,k,v}_proj.bias   (attention_bias)    |
-| self_attention.q_layernorm.weight [d]                | A q_norm.weight       (use_qk_norm)       |
-| self_attention.k_layernorm.weight [d]                | A k_norm.weight       (use_qk_norm)       |
-| self_attention.linear_proj.weight [H,nh d]           | A o_proj.weight                           |
-| pre_mlp_layernorm.weight [H]                         | post_attention_layernorm.weight           |
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 
@@ -148,7 +102,7 @@ def read_partial_rotary(d: Mapping[str, Any], head_dim: int) -> float:
 
 class Glm4MoeFamily(SigmoidMoeFamily):
     """GLM-4.5: GQA attention with q/k/v bias, partial rotary, first-k dense layers, MTP
-    layers on disk (see the module docstring and
+    layers on disk (design notes: ``docs/design/models.md`` and
     :class:`~moe_async.models.sigmoid_moe.SigmoidMoeFamily`)."""
 
     model_types = ("glm4_moe",)
@@ -166,7 +120,7 @@ class Glm4MoeFamily(SigmoidMoeFamily):
         """Read and validate a GLM-4.5 HF config.
 
         Raises:
-            ValueError: naming an unsupported field (see the module docstring), or
+            ValueError: naming an unsupported field (design notes: ``docs/design/models.md``), or
                 ``num_attention_heads`` not a multiple of ``num_key_value_heads``.
             KeyError: a required field is missing.
         """

@@ -1,22 +1,9 @@
 """Mixtral family (HF ``model_type="mixtral"``): config reading and parameter mapping.
 
-HF on-disk names (transformers 5.23 ``save_pretrained``) <-> Megatron (local spec,
-SequentialMLP experts). Shapes: ``H`` hidden, ``I`` expert FFN width, ``E`` experts,
-``nh``/``ng`` query/KV heads, ``d`` head dim, ``V`` vocab.
+GQA attention, every layer MoE with a softmax top-k router, SequentialMLP experts; HF's
+per-expert ``w1``/``w3``/``w2`` map to Megatron's ``linear_fc1`` (gate; up) and ``linear_fc2``.
 
-| Megatron                                                    | HF                                                      |
-| ----------------------------------------------------------- | ------------------------------------------------------- |
-| embedding.word_embeddings.weight [V,H]                      | model.embed_tokens.weight                               |
-| decoder.layers.{i}.input_layernorm.weight [H]               | model.layers.{i}.input_layernorm.weight                 |
-| decoder.layers.{i}.self_attention.linear_qkv.weight         | self_attn.{q,k,v}_proj.weight (per group [q..; k; v])   |
-| decoder.layers.{i}.self_attention.linear_proj.weight [H,nh*d]| self_attn.o_proj.weight                                |
-| decoder.layers.{i}.pre_mlp_layernorm.weight [H]             | model.layers.{i}.post_attention_layernorm.weight        |
-| decoder.layers.{i}.mlp.router.weight [E,H]                  | model.layers.{i}.block_sparse_moe.gate.weight           |
-| ...mlp.experts.local_experts.{e}.linear_fc1.weight [2I,H]   | block_sparse_moe.experts.{e}.w1 (gate) ; .w3 (up)       |
-| ...mlp.experts.local_experts.{e}.linear_fc2.weight [H,I]    | block_sparse_moe.experts.{e}.w2.weight (down)           |
-| decoder.final_layernorm.weight [H]                          | model.norm.weight                                       |
-| output_layer.weight [V,H] (absent when tied)                | lm_head.weight (absent when tied)                       |
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 

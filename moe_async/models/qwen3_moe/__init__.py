@@ -1,35 +1,9 @@
 """Qwen3-MoE family (HF ``model_type="qwen3_moe"``): config reading and parameter mapping.
 
-Architecture: GQA attention with per-head RMSNorm on queries and keys (``q_norm``/``k_norm``
-over ``head_dim``, before RoPE), every layer MoE (``decoder_sparse_step=1``, no
-``mlp_only_layers``), no shared expert, router = softmax over all experts then top-k, the
-k weights renormalised to sum 1 iff ``norm_topk_prob``.
+GQA with per-head q/k RMSNorm, every layer MoE, no shared expert, softmax router with top-k
+renormalised iff ``norm_topk_prob`` (mapped to Megatron's ``moe_router_pre_softmax``).
 
-Router mapping to Megatron (``moe_router_score_function="softmax"``):
-* ``norm_topk_prob=True``  -> ``moe_router_pre_softmax=False`` (top-k on the logits, softmax
-  over the k: equal to softmax-all, top-k, renormalise);
-* ``norm_topk_prob=False`` -> ``moe_router_pre_softmax=True`` (softmax over all experts, then
-  top-k, no renormalisation).
-
-HF on-disk names (transformers 5.23 ``save_pretrained``) <-> Megatron (local spec with
-``qk_layernorm=True``, SequentialMLP experts). ``H`` hidden, ``I`` = ``moe_intermediate_size``,
-``E`` experts, ``nh``/``ng`` query/KV heads, ``d`` head dim, ``V`` vocab.
-
-| Megatron                                                     | HF                                                  |
-| ------------------------------------------------------------ | --------------------------------------------------- |
-| embedding.word_embeddings.weight [V,H]                       | model.embed_tokens.weight                           |
-| decoder.layers.{i}.input_layernorm.weight [H]                | model.layers.{i}.input_layernorm.weight             |
-| decoder.layers.{i}.self_attention.linear_qkv.weight          | self_attn.{q,k,v}_proj.weight (per group [q..;k;v]) |
-| decoder.layers.{i}.self_attention.q_layernorm.weight [d]     | self_attn.q_norm.weight                             |
-| decoder.layers.{i}.self_attention.k_layernorm.weight [d]     | self_attn.k_norm.weight                             |
-| decoder.layers.{i}.self_attention.linear_proj.weight [H,nh*d]| self_attn.o_proj.weight                             |
-| decoder.layers.{i}.pre_mlp_layernorm.weight [H]              | model.layers.{i}.post_attention_layernorm.weight    |
-| decoder.layers.{i}.mlp.router.weight [E,H]                   | model.layers.{i}.mlp.gate.weight                    |
-| ...mlp.experts.local_experts.{e}.linear_fc1.weight [2I,H]    | mlp.experts.{e}.gate_proj ; .up_proj                |
-| ...mlp.experts.local_experts.{e}.linear_fc2.weight [H,I]     | mlp.experts.{e}.down_proj.weight                    |
-| decoder.final_layernorm.weight [H]                           | model.norm.weight                                   |
-| output_layer.weight [V,H] (absent when tied)                 | lm_head.weight (absent when tied)                   |
-"""
+Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 
@@ -75,7 +49,7 @@ class Qwen3MoeFamily(ModelFamily):
 
     def transformer_config(self, hf_config: Any, **kw: Any):
         """Mixtral's settings plus ``qk_layernorm=True`` and the router's softmax placement
-        from ``norm_topk_prob`` (see the module docstring)."""
+        from ``norm_topk_prob`` (design notes: ``docs/design/models.md``)."""
         d = hf_config_dict(hf_config)
         kw.setdefault("moe_router_pre_softmax", not bool(d.get("norm_topk_prob", False)))
         return super().transformer_config(hf_config, **kw)
