@@ -34,6 +34,16 @@ class AgentRollout:
             raise ValueError("rollout.agent needs the dataset's tokenizer (chat template) to render observations")
         self.cfg = cfg
         self.tools = resolve_tools(cfg.tools)
+        if self.tools:  # at start-up, not in every group: the parser must import and exist
+            from moe_async.agent.tools import _sglang_parser
+
+            try:
+                _sglang_parser(cfg.tool_parser, self.tools)
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"rollout.agent.tools={cfg.tools}: SGLang's function-call parsers do not import here "
+                    f"({type(exc).__name__}: {exc}); they need sglang with its runtime dependencies (the GPU "
+                    "environment)") from exc
         self.renderer = ChatRenderer(tokenizer, [t.schema for t in self.tools])
         self.messages_of = messages_of
         self.eos_token_ids = list(eos_token_ids or [])
