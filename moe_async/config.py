@@ -86,6 +86,14 @@ class ExperimentConfig(ConfigModel):
                 "group-relative (reward minus the group mean, moe_async/trainer/advantages.py), so a group "
                 "of one sample always has advantage 0 and nothing is learned; use >= 2"
             )
+        ag = self.rollout.agent  # multi-turn: every row needs an environment
+        if ag.enabled and ag.env_class is None and self.data.train is None:
+            raise ValueError("rollout.agent.enabled: set rollout.agent.env_class (generated tasks have no "
+                             "env_class column), e.g. answer_retry or skyrl_gym:gsm8k_multi_turn")
+        if ag.enabled and ag.env_class is not None:
+            from moe_async.agent.env import check_env_class
+
+            check_env_class(ag.env_class)
         # router replay: R3 replays the engine's routes (R2 uses them for the agreement metric)
         r = self.rollout
         if t.router_replay != "off" and not r.return_routed_experts:

@@ -33,6 +33,12 @@ class Sample:
         loss_weight: 1.0 normally; 0.0 for samples that must not contribute to the loss
             (e.g. 0-token completions).
         metadata: free-form task metadata (task name, problem index ...).
+        loss_mask: ``None`` (every response token is the model's) or ``[R]`` 0/1 ints: 1 for
+            tokens the engine sampled, 0 for tokens appended by the rollout (a multi-turn
+            trajectory's observations: tool results, environment replies, chat-template
+            glue). Masked tokens carry no loss, no logprob comparison; their
+            ``rollout_logprobs`` are 0.0 and their ``weight_versions`` repeat the preceding
+            sampled token's (the trajectory's staleness is its oldest sampled token's).
     """
 
     prompt_ids: list[int]
@@ -47,6 +53,7 @@ class Sample:
     routed_experts: np.ndarray | None = None
     loss_weight: float = 1.0
     metadata: dict[str, Any] = field(default_factory=dict)
+    loss_mask: list[int] | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -61,6 +68,14 @@ class Sample:
                 f"sample lengths disagree: response_ids={n}, rollout_logprobs="
                 f"{len(self.rollout_logprobs)}, weight_versions={len(self.weight_versions)}"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"sample lengths disagree: response_ids={n}, loss_mask={len(self.loss_mask)}")
+
+    def response_mask(self) -> list[float]:
+        """``[R]`` float: 1.0 where a response token carries loss (``loss_mask``; all when None)."""
+        if self.loss_mask is None:
+            return [1.0] * len(self.response_ids)
+        return [float(m) for m in self.loss_mask]
 
 
 @dataclass

@@ -145,8 +145,9 @@ class RolloutBuffer:
             self.groups_trained += 1
             self.samples_trained += len(g.samples)
             for s in g.samples:
-                for v in s.weight_versions:
-                    self.staleness_hist[trainer_version - v] += 1
+                for v, m in zip(s.weight_versions, s.response_mask()):
+                    if m:  # sampled tokens only (a trajectory's observations are not generated)
+                        self.staleness_hist[trainer_version - v] += 1
         return batch
 
     # ---- state --------------------------------------------------------------------

@@ -118,7 +118,16 @@ def _check_message_column(table: Any, col: str, spans: list, what: str) -> None:
 
 
 def to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
-    """The :class:`Row` of table row ``raw`` (already checked by :func:`check_table`)."""
+    """The :class:`Row` of table row ``raw`` (already checked by :func:`check_table`); an
+    ``env_class`` column (SkyRL's: the row's multi-turn environment, moe_async/agent) goes to
+    ``Row.metadata["env_class"]``."""
+    row = _to_row(raw, keys, index, split)
+    if raw.get("env_class"):
+        row.metadata = {**row.metadata, "env_class": str(raw["env_class"])}
+    return row
+
+
+def _to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
     if keys.format == "verl":
         rm = raw.get("reward_model") or {}
         return Row(prompt=[dict(m) for m in raw["prompt"]], answer=_label(rm.get("ground_truth")),

@@ -8,7 +8,9 @@ from collections import Counter
 
 def batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
-    stale = [trainer_version - v for s in samples for v in s.weight_versions]
+    # sampled tokens (a multi-turn trajectory's observations carry no version of their own)
+    stale = [trainer_version - v for s in samples
+             for v, m in zip(s.weight_versions, getattr(s, "loss_mask", None) or [1] * len(s.weight_versions)) if m]
     rewards = [s.reward for s in samples]
     return {
         "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
@@ -52,7 +54,8 @@ def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> d
     # rollout manager's counters only appear once incremented, and a missing key would read as
     # "not measured" in metrics.jsonl / wandb rather than 0
     m.update({k: float(rmetrics.get(k, 0.0)) for k in LOOP_COUNT_KEYS})
-    m.update({k: v for k, v in rmetrics.items() if k.startswith(("rollout/dropped/", "rollout/requests/"))})
+    m.update({k: v for k, v in rmetrics.items()
+              if k.startswith(("rollout/dropped/", "rollout/requests/", "rollout/agent/"))})
     m["rollout/engine_request_retries"] = float(rmetrics.get("rollout/engine_request_retries", 0.0))
     m["rollout/requests_in_flight"] = float(rmetrics.get("rollout/requests_in_flight", 0.0))  # at this step's end
     # mean reward of every sample scored so far, trained or not (dynamic filtering and stale

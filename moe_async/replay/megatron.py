@@ -199,7 +199,7 @@ class RouterReplayHook:
         for b, s in enumerate(samples):
             P, R = len(s.prompt_ids), len(s.response_ids)
             if R and s.rollout_logprobs and s.loss_weight > 0:
-                lp_mask[b, P - 1 : P - 1 + R] = 1.0
+                lp_mask[b, P - 1 : P - 1 + R] = torch.tensor(s.response_mask())  # sampled tokens only
         out = {"rollout_lp_mask": lp_mask}
         if not self.enabled:
             return out

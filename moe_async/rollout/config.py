@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from moe_async.agent.config import AgentConfig
 from moe_async.config_base import ConfigModel
 
 # reasoning-gym settings with GRPO signal for the CPU demo model (see shared/notes/demo.md):
@@ -96,6 +97,8 @@ class RolloutConfig(ConfigModel):
         16, ge=0, description="Resubmissions of an aborted request before its group is dropped."
     )
     return_routed_experts: bool = Field(False, description="Ask engines for routed experts (R3).")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Multi-turn trajectories: environments, "
+                               "tools, budgets (moe_async/agent).")
     max_consecutive_reward_errors: int = Field(
         100,
         ge=0,

@@ -94,6 +94,14 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
 
     async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
         kw = {} if temperature is None or greedy else {"temperature": temperature}
+        if getattr(manager, "agent", None) is not None:  # multi-turn: reward within the turn budget
+            async def turn(ids: list[int], n: int) -> Any:
+                return await manager._generate_sample(ids, n, greedy=greedy, **kw)
+
+            s = await manager.agent.sample(p, turn, max_new, count=False)
+            if greedy:
+                return float(s.reward), None, float(s.reward >= 1.0), int(sum(s.response_mask()))
+            return float(s.reward)
         s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy, **kw)
         text = manager.dataset.decode(s.response_ids)
         r = await manager.reward_pool.score(p, text)

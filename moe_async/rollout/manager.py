@@ -21,6 +21,7 @@ from moe_async.buffer.buffer import STOPPED
 from moe_async.logging.timeline import SpanRecorder
 from moe_async.protocols import GenerateEngine, GroupBuffer
 from moe_async.rollout.config import RolloutConfig
+from moe_async.rollout.reward import RewardResult
 from moe_async.rollout.reward_streak import RewardErrorStreak, RewardFailureError
 from moe_async.types import Group, Sample
 
@@ -145,6 +146,12 @@ class RolloutManager:
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
+        self.agent = None  # multi-turn trajectories (rollout.agent; moe_async/agent)
+        if cfg.agent.enabled:
+            from moe_async.agent.rollout import AgentRollout
+
+            self.agent = AgentRollout(cfg.agent, getattr(dataset, "tokenizer", None), dataset.messages,
+                                      self.eos_token_ids, self.max_context_len)
         self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source(),
                                                cfg.reward_timeout_s,
                                                first_limit=cfg.prompts_per_step * cfg.n_samples_per_prompt)
@@ -218,12 +225,16 @@ class RolloutManager:
         reasoning-gym exact-match scorer, ``dataset.score``, reported beside it; equal to
         ``accuracy`` when ``rollout.reward='reasoning_gym'``), ``reward_errors`` (samples whose
         configured reward failed or timed out, scored 0), ``n`` (scored), ``n_skipped``
-        (prompt too long or dropped) and ``mean_response_len`` (tokens).
+        (prompt too long or dropped) and ``mean_response_len`` (tokens). With ``rollout.agent``
+        each problem is a greedy trajectory: reward its environment's, task score 1.0 when it
+        reached reward 1.0 within the turn budget, length its sampled tokens.
         """
         max_new_tokens = int(max_new_tokens or self.cfg.eval_max_new_tokens)
         sem = asyncio.Semaphore(max(1, self.cfg.max_concurrent_groups * self.cfg.n_samples_per_prompt))
 
         async def one(p: Any) -> tuple[float, str | None, float, int] | None:
+            if self.agent is not None:  # multi-turn: success within the turn budget, greedy turns
+                return await agent_one(p)
             async with sem:
                 prompt_ids = self.dataset.build_prompt_ids(p)
                 max_new = self._check_length(len(prompt_ids), max_new_tokens, count=False)
@@ -237,6 +248,17 @@ class RolloutManager:
             r = await self.reward_pool.score(p, text)
             task_score = float(self.dataset.score(p, text))
             return float(r.reward), r.error, task_score, len(s.response_ids)
+
+        async def agent_one(p: Any) -> tuple[float, str | None, float, int] | None:
+            async def turn(ids: list[int], n: int) -> Sample:
+                return await self._generate_sample(ids, n, greedy=True)
+
+            async with sem:
+                try:
+                    s = await self.agent.sample(p, turn, max_new_tokens, count=False)
+                except DropGroup:
+                    return None
+            return float(s.reward), None, float(s.reward >= 1.0), int(sum(s.response_mask()))
 
         res = await asyncio.gather(*(one(p) for p in problems))
         done = [r for r in res if r is not None]
@@ -265,6 +287,8 @@ class RolloutManager:
             m[f"rollout/engine_busy_s/{i}"] = b.total()
         if hasattr(self.reward_pool, "metrics"):
             m.update(self.reward_pool.metrics())
+        if self.agent is not None:
+            m.update(self.agent.metrics())
         return m
 
     def skip_draws(self, seqs, counter: str = "skipped_settled") -> None:
@@ -398,13 +422,19 @@ class RolloutManager:
         put_attempted = False
         try:
             G = self.cfg.n_samples_per_prompt
-            samples = await _gather_or_cancel(
-                [self._generate_sample(prompt_ids, max_new, seed=self._sample_seed(seed_key, i)) for i in range(G)]
-            )
+            if self.agent is not None:  # GRPO over G trajectories, rewarded by their environment
+                samples = await _gather_or_cancel(
+                    [self._trajectory(problem, max_new, self._sample_seed(seed_key, i), gid) for i in range(G)])
+                results = [RewardResult(s.reward) for s in samples]
+            else:
+                samples = await _gather_or_cancel(
+                    [self._generate_sample(prompt_ids, max_new, seed=self._sample_seed(seed_key, i)) for i in range(G)]
+                )
             texts = [self.dataset.decode(s.response_ids) for s in samples]
-            w0 = self.trace.now()
-            results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
-            self.trace.add("reward", "reward", w0, self.trace.now(), {"group": gid})
+            if self.agent is None:
+                w0 = self.trace.now()
+                results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
+                self.trace.add("reward", "reward", w0, self.trace.now(), {"group": gid})
             for i, (s, t, r) in enumerate(zip(samples, texts, results)):
                 s.response_text = t
                 s.reward = float(r.reward)
@@ -462,6 +492,21 @@ class RolloutManager:
                 self.dropped[f"error:{type(exc).__name__}"] += 1
                 self._settle(seq, f"error:{type(exc).__name__}")
                 await self._cancel("error")
+
+    async def _trajectory(self, problem: Any, max_new: int, seed: int | None, gid: int) -> Sample:
+        """One multi-turn trajectory (moe_async/agent): each model turn is
+        :meth:`_generate_sample` on the sequence so far (partial rollouts, pause modes), the
+        turn's seed the sample's plus its turn index; tool calls are spans in the trace."""
+        turns = itertools.count()
+
+        async def turn(ids: list[int], n: int) -> Sample:
+            k = next(turns)
+            return await self._generate_sample(ids, n, seed=None if seed is None else seed + 104_729 * k)
+
+        s = await self.agent.sample(problem, turn, max_new)
+        for name, t0, t1, ok in s.metadata.pop("tool_spans", []):
+            self.trace.add("tools", f"tool {name}", t0, t1, {"group": gid, "ok": ok})
+        return s
 
     def _filter_out(self, group: Group, version: int) -> bool:
         """Dynamic filtering (``docs/design/rollout.md``, step 6): True when ``group`` is to be

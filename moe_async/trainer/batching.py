@@ -150,6 +150,8 @@ class BatchingMixin:
                     tokens[b, P : P + R] = torch.tensor(s.response_ids, dtype=torch.long)
                     # position t predicts token t+1: response token j is predicted at P-1+j
                     loss_mask[b, P - 1 : P - 1 + R] = float(s.loss_weight)
+                    if s.loss_mask is not None:  # multi-turn: observation tokens carry no loss
+                        loss_mask[b, P - 1 : P - 1 + R] *= torch.tensor(s.response_mask())
                     if advantages is not None and b < n_real:
                         adv[b, P - 1 : P - 1 + R] = float(advantages[start + b])
                     if s.rollout_logprobs:

@@ -98,7 +98,7 @@ class MicroBatch:
 
     Attributes:
         tokens: ``[B,S]`` long, prompt then response tokens, 0 after.
-        loss_mask: ``[B,S-1]`` float, each response token's ``loss_weight`` (0 elsewhere).
+        loss_mask: ``[B,S-1]`` float, each response token's ``loss_weight`` times its ``Sample.loss_mask`` (0 elsewhere).
         advantages: ``[B,S-1]`` float, the sample's advantage on its response tokens.
         rollout_logp: ``[B,S-1]`` float32, the engine's logprobs of the response tokens.
         prompt_len, resp_len: ``[B]`` long.

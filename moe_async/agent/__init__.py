@@ -1,0 +1,1 @@
+"""Multi-turn agentic rollouts: environments, tools, token-in/token-out trajectories."""

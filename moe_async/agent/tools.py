@@ -1,0 +1,155 @@
+"""Tools: OpenAI function-calling schemas, calls parsed with SGLang's own parsers, run async.
+
+A :class:`Tool` is an OpenAI function schema (``{"type": "function", "function": {name,
+description, parameters}}``) and a Python callable (sync: run in a thread; async: awaited)
+taking the call's arguments as keywords and returning a string (anything else is
+``json.dumps``-ed or ``str``-ed).
+
+Parsing (:func:`parse_tool_calls`): SGLang's ``FunctionCallParser`` with the model family's
+detector (``rollout.agent.tool_parser``: ``qwen25`` for Hermes-style ``<tool_call>`` JSON,
+``deepseekv3``, ``llama3``, ...), the code the SGLang server runs.
+
+Execution (:func:`run_tool_calls`): every call of a turn concurrently, each under its own
+timeout (``tool_timeout_s``); a call that raises, times out, names an unknown tool or has
+arguments that are not a JSON object becomes a ``tool`` message ``"Error: ..."`` for the model
+(counted in :class:`ToolStats`), never an exception of the rollout. A synchronous tool past
+its timeout keeps its worker thread until it returns (Python cannot stop a thread); the
+trajectory does not wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Tool:
+    """An OpenAI function schema and the callable that answers it."""
+
+    schema: dict[str, Any]
+    fn: Callable[..., Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.schema["function"]["name"])
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], description: str = "",
+                      parameters: dict[str, Any] | None = None) -> "Tool":
+        """A tool named after ``fn``; ``parameters`` a JSON schema (default: every argument a
+        string, all required)."""
+        if parameters is None:
+            names = list(inspect.signature(fn).parameters)
+            parameters = {"type": "object", "properties": {n: {"type": "string"} for n in names}, "required": names}
+        return cls({"type": "function", "function": {"name": fn.__name__, "description": description or
+                                                      (fn.__doc__ or "").strip(), "parameters": parameters}}, fn)
+
+
+@dataclass
+class ToolCall:
+    """A parsed call: tool name and its arguments (a dict, or the raw string when not JSON)."""
+
+    name: str
+    arguments: dict[str, Any] | str
+
+
+@dataclass
+class ToolStats:
+    """Per-trajectory tool counters: calls, errors (raised, unknown tool, bad arguments),
+    timeouts (also errors), seconds (summed over calls), spans ``(name, start, end, ok)`` in
+    ``time.time()`` seconds (the trace's clock, moe_async/logging/timeline.py)."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    seconds: float = 0.0
+    spans: list[tuple[str, float, float, bool]] = field(default_factory=list)
+
+
+_PARSERS: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
+def _sglang_parser(parser: str, tools: list[Tool]) -> Any:
+    """SGLang's ``FunctionCallParser`` for ``parser`` over ``tools`` (cached). ValueError
+    naming the parser and SGLang's known ones when it does not exist."""
+    key = (parser, tuple(t.name for t in tools))
+    if key not in _PARSERS:
+        from sglang.srt.entrypoints.openai.protocol import Tool as SGTool
+        from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+        known = FunctionCallParser.ToolCallParserEnum
+        if parser not in known:
+            raise ValueError(f"rollout.agent.tool_parser={parser!r}: SGLang has no such parser; known: {sorted(known)}")
+        _PARSERS[key] = FunctionCallParser([SGTool(**t.schema) for t in tools], parser)
+    return _PARSERS[key]
+
+
+def parse_tool_calls(text: str, tools: list[Tool], parser: str) -> tuple[str, list[ToolCall]]:
+    """``(normal text, calls)`` of one model turn, by SGLang's parser ``parser`` (module
+    docstring). No tools: ``(text, [])``."""
+    if not tools:
+        return text, []
+    p = _sglang_parser(parser, tools)
+    if not p.has_tool_call(text):
+        return text, []
+    normal, items = p.parse_non_stream(text)
+    calls = []
+    for it in items:
+        try:
+            args: dict[str, Any] | str = json.loads(it.parameters) if it.parameters else {}
+        except json.JSONDecodeError:
+            args = it.parameters
+        calls.append(ToolCall(name=str(it.name), arguments=args))
+    return normal, calls
+
+
+def _as_text(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float, stats: ToolStats) -> str:
+    t0, w0 = time.monotonic(), time.time()
+    ok = False
+    try:
+        tool = tools.get(call.name)
+        if tool is None:
+            return f"Error: unknown tool {call.name!r}; available: {sorted(tools)}"
+        if not isinstance(call.arguments, dict):
+            return f"Error: arguments of {call.name!r} are not a JSON object: {str(call.arguments)[:200]}"
+        if inspect.iscoroutinefunction(tool.fn):
+            coro = tool.fn(**call.arguments)
+        else:
+            coro = asyncio.to_thread(tool.fn, **call.arguments)
+        try:
+            out = await asyncio.wait_for(coro, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            stats.timeouts += 1
+            return f"Error: tool {call.name!r} timed out after {timeout_s} s"
+        except Exception as exc:  # noqa: BLE001 - returned to the model, counted
+            return f"Error: tool {call.name!r} raised {type(exc).__name__}: {str(exc)[:300]}"
+        ok = True
+        return _as_text(out)
+    finally:
+        stats.calls += 1
+        stats.errors += 0 if ok else 1
+        stats.seconds += time.monotonic() - t0
+        stats.spans.append((call.name, w0, time.time(), ok))
+
+
+async def run_tool_calls(calls: list[ToolCall], tools: list[Tool], timeout_s: float,
+                         stats: ToolStats) -> list[dict[str, str]]:
+    """Run ``calls`` concurrently (module docstring); one ``{"role": "tool", "name",
+    "content"}`` message per call, in call order."""
+    by_name = {t.name: t for t in tools}
+    outs = await asyncio.gather(*(_run_one(c, by_name, timeout_s, stats) for c in calls))
+    return [{"role": "tool", "name": c.name, "content": o} for c, o in zip(calls, outs)]
