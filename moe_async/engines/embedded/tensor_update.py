@@ -3,8 +3,7 @@
 The body holds SGLang's ``UpdateWeightsFromTensorReqInput`` fields only (an unknown one is a 422):
 base64 ``ForkingPickler`` handles to the sender's tensors (CUDA IPC or CPU shared memory by
 name), copied onto the engine's device and applied with the same session semantics as the
-distributed update. A bad handle, name
-or shape is a 400 naming it.
+distributed update. A bad handle, name or shape is a 400 naming it.
 
 Design notes: ``docs/design/engines.md``."""
 
