@@ -24,11 +24,12 @@ Steps (each printed PASS/FAIL with its time; the first failure ends the run):
   5. ``FlattenedTensorBucket``: SGLang's own class (``sglang/srt/weight_sync/tensor_bucket.py``;
      imports only torch) packs the exported tensors on the device into buckets of
      ``BUCKET_BYTES`` and rebuilds every one equal (name, dtype, shape, values);
-  6. ``engine sync + greedy``: the embedded engine (a server process, fp32; it generates on the
-     CPU: it has no CUDA device option yet) receives the trained weights over ``TensorTransport``
-     (CUDA IPC handles to the trainer's GPU memory, opened in the engine process; CPU shared
-     memory with ``--device cpu``); its per-tensor checksums equal the trainer's, and its greedy
-     output equals HF ``transformers``' greedy on the same weights;
+  6. ``engine sync + greedy``: the embedded engine (a server process, fp32, ``engine.device`` =
+     ``--device``: the model and every forward on that GPU; its ``/get_server_info`` must say so)
+     receives the trained weights over ``TensorTransport`` (CUDA IPC handles to the trainer's GPU
+     memory, opened in the engine process and copied into its CUDA parameters; CPU shared memory
+     with ``--device cpu``); its per-tensor checksums equal the trainer's, and its greedy output
+     equals HF ``transformers``' greedy on the same weights (HF fp32 on the CPU);
   7. ``checkpoint round trip``: ``save_checkpoint`` then a second trainer's ``load_checkpoint``:
      same version, every exported tensor equal, and the next train step's loss equal on both.
 The last line printed is one JSON object: ``device``, ``torch``, ``cuda``, ``te`` (TE importable),
@@ -278,6 +279,7 @@ def main(argv=None) -> int:
 
 
 def _run(args, facts: dict, work: Path) -> int:
+    import httpx
     import torch
     from safetensors.torch import load_file
 
@@ -324,11 +326,13 @@ def _run(args, facts: dict, work: Path) -> int:
 
     facts["buckets"] = ck.run("FlattenedTensorBucket rebuilds every tensor", bucket)
 
-    eng = make_engine(EngineConfig(backend="embedded", dtype="fp32", num_threads=1, max_running_requests=4,
-                                   startup_timeout_s=args.startup_timeout), model_dir, 0)
+    eng = make_engine(EngineConfig(backend="embedded", dtype="fp32", device=args.device, num_threads=1,
+                                   max_running_requests=4, startup_timeout_s=args.startup_timeout), model_dir, 0)
 
     def engine():
         eng.launch()
+        served_on = httpx.get(f"{eng.url}/get_server_info", timeout=30, trust_env=False).json()["device"]
+        assert served_on == args.device, f"engine runs on {served_on!r}, not --device {args.device!r}"
         c = SyncEngineClient(eng.url, timeout_s=120)
         tr = TensorTransport([c], WeightSyncConfig(transport="tensor", bucket_bytes=BUCKET_BYTES, timeout_s=120))
         try:
@@ -339,7 +343,7 @@ def _run(args, facts: dict, work: Path) -> int:
             out = c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
             want = hf_greedy(model_dir, state["trained"], prompt, 12, work / "trained_hf")
             assert list(out.output_ids) == want, f"engine greedy {list(out.output_ids)} != HF greedy {want}"
-            return f"{int(m['sync/buckets'])} buckets over {tr.device}, greedy {want}"
+            return f"engine on {served_on}, {int(m['sync/buckets'])} buckets over {tr.device}, greedy {want}"
         finally:
             tr.shutdown()
             c.close()

@@ -201,7 +201,7 @@ class _SubprocessEngine(Engine):
 
 
 class EmbeddedEngine(_SubprocessEngine):
-    """The CPU engine: ``python -m moe_async.engines.embedded.server``."""
+    """The embedded engine: ``python -m moe_async.engines.embedded.server`` (on ``engine.device``)."""
 
     name = "embedded"
 
@@ -214,6 +214,7 @@ class EmbeddedEngine(_SubprocessEngine):
             "--max-running-requests", str(self.cfg.max_running_requests),
             "--num-threads", str(self.cfg.num_threads),
             "--dtype", self.cfg.dtype,
+            "--device", self.cfg.device,
             "--weight-version", "0",  # the checkpoint is the trainer's version 0 (SGLang's default: "default")
             "--parent-pid", str(os.getpid()),
         ]

@@ -45,6 +45,11 @@ class EngineConfig(ConfigModel):
         "None = no pinning. Disjoint from trainer.cpu_affinity models engines and trainer on their own devices.",
     )
     dtype: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="Where the embedded engine holds the model and runs every forward (its --device): "
+        "'cuda' (the engine process's first visible GPU; refused at start on a host without one), 'auto' "
+        "(cuda when the engine process sees a GPU, else cpu). Only backend='embedded'; SGLang places itself.",
+    )
     startup_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for /health.")
     request_timeout_s: float = Field(600.0, gt=0)
     max_restarts: StrictInt = Field(
@@ -96,6 +101,9 @@ class EngineConfig(ConfigModel):
             if key in given:
                 raise ValueError(f"engine.sglang_args.{given[key]}: set engine.nodes_per_engine instead (node ranks and "
                                  "rank 0's address come from the engine's placement)")
+        if self.backend != "embedded" and self.device != "cpu":
+            raise ValueError(f"engine.device={self.device!r} with engine.backend={self.backend!r}: only the embedded "
+                             "engine takes a device; SGLang places its ranks on the GPUs it is given")
         if self.backend == "embedded" and tp > 1:
             raise ValueError(f"engine.tensor_parallel_size={tp} with engine.backend='embedded': the embedded CPU "
                              "engine is one process (one update-group rank); use backend='sglang' for TP > 1")

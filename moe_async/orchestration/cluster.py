@@ -42,8 +42,10 @@ def required_resources(cfg: Any, nodes: int, gpus_per_node: float = 0.0) -> dict
 
 def gpu_need(cfg: Any) -> str | None:
     """The config field that needs GPUs (``engine.backend='sglang'``: SGLang engines run on GPUs
-    only), else None."""
-    return "engine.backend='sglang'" if cfg.engine.backend == "sglang" else None
+    only; ``engine.device='cuda'``: the embedded engine on a GPU), else None."""
+    if cfg.engine.backend == "sglang":
+        return "engine.backend='sglang'"
+    return "engine.device='cuda'" if getattr(cfg.engine, "device", "cpu") == "cuda" else None
 
 
 def refuse_without_gpus(cfg: Any, gpus: float | None = None, where: str = "this host") -> None:
@@ -67,8 +69,9 @@ def refuse_without_gpus(cfg: Any, gpus: float | None = None, where: str = "this 
 
         gpus = float(torch.cuda.device_count())
     if gpus <= 0:
+        fix = "engine.device=cpu" if need.startswith("engine.device") else "engine.backend=embedded"
         raise UserInputError(f"{need} needs GPUs and {where} has 0 GPU (on Slurm: sbatch --gpus-per-node=N; "
-                             "on CPU: engine.backend=embedded)")
+                             f"on CPU: {fix})")
 
 
 def cluster_has(tag: str | None) -> dict[str, float]:

@@ -210,7 +210,7 @@ def place_engines(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement
     """The engines' slots (engine-index order), each engine on its own bundle."""
     t, e = cfg.trainer, cfg.engine
     n_total = t.resolved_world_size + e.num_engines
-    use_gpus = e.backend == "sglang" and cluster_gpus() > 0
+    use_gpus = (e.backend == "sglang" or getattr(e, "device", "cpu") != "cpu") and cluster_gpus() > 0
     what = (f"engines (engine.num_engines={e.num_engines}, engine.devices_per_engine="
             f"{e.resolved_devices_per_engine}, engine.nodes_per_engine={e.nodes_per_engine})")
     n = e.nodes_per_engine

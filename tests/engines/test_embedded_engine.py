@@ -49,7 +49,8 @@ def engine(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny_mixtral")
     model = _tiny_mixtral()
     model.save_pretrained(model_dir)
-    cfg = EngineConfig(startup_timeout_s=120, num_threads=1, max_running_requests=16)
+    # engine.device given explicitly (the default is the same): the HF parity below holds with it
+    cfg = EngineConfig(startup_timeout_s=120, num_threads=1, max_running_requests=16, device="cpu")
     eng = make_engine(cfg, str(model_dir), 0)
     assert isinstance(eng, EmbeddedEngine)
     eng.launch()
@@ -108,7 +109,8 @@ def test_greedy_concurrent_matches_hf(engine):
             ])
 
     outs = asyncio.run(run())
-    assert httpx.get(f"{eng.url}/get_server_info").json()["max_decode_batch_size"] >= 2
+    info = httpx.get(f"{eng.url}/get_server_info").json()
+    assert info["max_decode_batch_size"] >= 2 and info["device"] == "cpu"
     for p, o in zip(prompts, outs):
         assert o.prompt_tokens == len(p)
         assert o.weight_version == 0 and o.output_token_weight_versions == [0] * len(o.output_ids)

@@ -191,3 +191,89 @@ def test_identical_prompts_share_one_prefill_row(model):
         assert alone[0]["output_ids"] == outs[3]["output_ids"]
     finally:
         sched.stop()
+
+
+def _device_probe_reqs() -> list[Req]:
+    """Requests that take every scheduler/sampling path that builds a tensor: a left-padded
+    prefill with a row finishing there, penalties, logit bias, min_new_tokens over EOS and
+    stop ids, top-k/top-p/min-p sampling with a seed and its sampling mask, top-k and
+    asked-id logprobs of prompt and output, routed experts, a batched decode with padding
+    and per-row temperatures, rows leaving the batch, a prompt-only scoring call."""
+    sampled = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, max_new_tokens=8,
+                             min_new_tokens=3, frequency_penalty=0.5, presence_penalty=0.3,
+                             repetition_penalty=1.2, logit_bias={7: 2.0, 9: -1.0}, stop_token_ids=[11],
+                             sampling_seed=3)
+    return [
+        Req(input_ids=_prompt(4, 41), params=sampled, return_logprob=True, logprob_start_len=0,
+            top_logprobs_num=3, token_ids_logprob=[4, 9], return_routed_experts=True, return_sampling_mask=True),
+        Req(input_ids=_prompt(9, 42), params=_greedy(6), return_logprob=True, logprob_start_len=2,
+            top_logprobs_num=2, token_ids_logprob=[3]),
+        Req(input_ids=_prompt(6, 43), params=SamplingParams(temperature=1.3, max_new_tokens=3, ignore_eos=True,
+                                                             sampling_seed=5)),
+        Req(input_ids=_prompt(7, 44), params=_greedy(1)),  # finishes at prefill
+        Req(input_ids=_prompt(5, 45), params=SamplingParams(max_new_tokens=0), return_logprob=True,
+            logprob_start_len=0, return_routed_experts=True),  # scoring: prompt only
+    ]
+
+
+def _drive(sched: Scheduler, reqs: list[Req], default_device: str | None) -> list[dict]:
+    """Run ``reqs`` to completion on this thread (no scheduler thread) with torch's default
+    device set to ``default_device`` (thread-local) while the scheduler works."""
+    futs = [sched.submit(r) for r in reqs]
+    if default_device:
+        torch.set_default_device(default_device)
+    try:
+        while sched.waiting or sched.running:
+            sched._admit()
+            if sched.running:
+                sched._decode_step()
+    finally:
+        torch.set_default_device(None)
+    return [f.result(timeout=0) for f in futs]
+
+
+def test_no_tensor_is_made_off_the_models_device(model):
+    """Every tensor the scheduler and the sampler build (input ids, masks, positions, pads,
+    row selections, temperatures, penalty counts, stop ids, logit bias, asked ids) is made on
+    the model's device. Run with torch's default device set to ``meta``: a factory call
+    without ``device=`` makes a meta tensor, which fails against the CPU model or corrupts
+    the result; so the outputs must equal those of the same requests run normally, none
+    aborted."""
+    def fresh():
+        return Scheduler(model, context_length=128, max_running_requests=8, eos_token_ids={2})
+
+    assert fresh().device == next(model.parameters()).device
+    want = _drive(fresh(), _device_probe_reqs(), None)
+    got = _drive(fresh(), _device_probe_reqs(), "meta")
+
+    def strip(o):
+        return {**o, "meta_info": {k: v for k, v in o["meta_info"].items() if k not in ("id", "e2e_latency")}}
+
+    assert [o["meta_info"]["finish_reason"]["type"] for o in got] == ["length"] * 5
+    assert [len(o["output_ids"]) for o in got] == [8, 6, 3, 1, 0]
+    assert "output_token_sampling_mask" in got[0]["meta_info"] and "input_token_ids_logprobs" in got[1]["meta_info"]
+    assert [strip(o) for o in got] == [strip(o) for o in want]
+
+
+def test_every_tensor_factory_call_names_its_device():
+    """A static complement (it also covers ``torch.Generator``, which the default device does
+    not reach): each tensor factory or generator made in the scheduler and the sampler passes
+    ``device=``."""
+    import ast
+    import inspect
+
+    from moe_async.engines.embedded import sampling, scheduler
+
+    factories = {"tensor", "zeros", "ones", "full", "arange", "empty", "Generator", "rand", "randn",
+                 "randint", "linspace", "eye"}
+    seen, missing = 0, []
+    for mod in (scheduler, sampling):
+        for node in ast.walk(ast.parse(inspect.getsource(mod))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and node.func.attr in factories):
+                seen += 1
+                if not any(k.arg == "device" for k in node.keywords):
+                    missing.append(f"{mod.__name__}:{node.lineno} torch.{node.func.attr}")
+    assert seen >= 15, seen
+    assert not missing, missing

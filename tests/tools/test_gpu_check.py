@@ -46,6 +46,7 @@ def test_cpu_dry_run_passes_every_step(tmp_path):
     ref, loss = res["reference_loss"], res["loss"]
     assert loss != ref and abs(loss - ref) <= G.LOSS_RTOL * max(1.0, abs(ref))  # bf16 is not fp32, but close
     assert res["buckets"] > 1 and res["export"].startswith("41 tensors on cpu")
+    assert res["engine"].startswith("engine on cpu, "), res["engine"]  # engine.device follows --device
     assert (tmp_path / "w" / "ckpt").is_dir()
 
 

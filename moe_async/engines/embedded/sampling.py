@@ -254,26 +254,28 @@ def adjust_logits(logits_V: torch.Tensor, p: SamplingParams, output_ids: list[in
     ``stop_token_ids``) while ``len(output_ids) < min_new_tokens``; then the scaling one
     (``repetition_penalty`` ``r`` on seen tokens: ``logit * r`` if ``logit < 0`` else
     ``logit / r``); then ``logits += logit_bias``. Logprobs and sampling see the result.
+    Every tensor made here is on ``logits_V``'s device.
     """
     x = logits_V.clone()
     V = x.numel()
     counts = None
     if output_ids and (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0):
-        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=V)[:V].to(x.dtype)
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=x.device),
+                                minlength=V)[:V].to(x.dtype)
     if counts is not None and p.frequency_penalty:
         x -= p.frequency_penalty * counts
     if counts is not None and p.presence_penalty:
         x -= p.presence_penalty * (counts > 0).to(x.dtype)
     if len(output_ids) < p.min_new_tokens and stop_ids:
-        ids = torch.tensor(sorted(t for t in stop_ids if 0 <= t < V), dtype=torch.long)
+        ids = torch.tensor(sorted(t for t in stop_ids if 0 <= t < V), dtype=torch.long, device=x.device)
         x[ids] = float("-inf")
     if counts is not None and p.repetition_penalty != 1.0:
         seen = counts > 0
         r = p.repetition_penalty
         x = torch.where(seen, torch.where(x < 0, x * r, x / r), x)
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-        x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype)
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=x.device)
+        x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
     return x
 
 

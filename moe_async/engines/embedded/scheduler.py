@@ -111,7 +111,7 @@ class RoutingCapture:
         """``[num_tokens, L, K]`` int32 routing of the last forward (tokens in b, s order)."""
         if self.num_layers == 0:
             return np.zeros((num_tokens, 0, self.top_k), dtype=np.int32)
-        out = torch.stack([b for b in self._buf], dim=1).numpy()  # [N, L, K]
+        out = torch.stack([b for b in self._buf], dim=1).cpu().numpy()  # [N, L, K]
         self._buf = [None] * self.num_layers
         return out
 
@@ -190,6 +190,8 @@ class Scheduler:
         max_prefill_tokens: int = 8192,
     ):
         self.model = model
+        #: the model's device: every tensor built here is made on it (results leave as lists)
+        self.device = next(model.parameters()).device
         self.context_length = context_length
         self.max_running = max_running_requests
         self.eos_token_ids = eos_token_ids
@@ -238,7 +240,7 @@ class Scheduler:
         prompt_len = len(req.input_ids)
         req.max_new_tokens = max(0, min(req.params.max_new_tokens, self.context_length - prompt_len))
         if req.params.sampling_seed is not None:
-            req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
+            req.generator = torch.Generator(device=self.device).manual_seed(req.params.sampling_seed)
         if req.max_new_tokens == 0:
             # Prompt fills the context (or 0 tokens asked): nothing is generated and the prompt
             # is never cut. A forward pass still runs when the request wants what the prompt
@@ -400,7 +402,7 @@ class Scheduler:
         need_lp = self._wants_input_logprobs(req)
         ids = req.input_ids if need_lp else req.input_ids[:-1]
         self.capture.enabled = req.return_routed_experts
-        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False,
+        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False,
                          logits_to_keep=0 if need_lp else 1)
         if req.return_routed_experts:
             req.routed = [self.capture.take(len(ids))[: len(req.input_ids) - 1]]
@@ -433,12 +435,12 @@ class Scheduler:
         self.capture.enabled = routed
         cache = DynamicCache()
         if n == 1:
-            ids_NS, mask_NS, pos_NS = torch.tensor(seqs, dtype=torch.long), None, None
+            ids_NS, mask_NS, pos_NS = torch.tensor(seqs, dtype=torch.long, device=self.device), None, None
         else:
-            ids_NS = torch.zeros(n, S, dtype=torch.long)
-            mask_NS = torch.zeros(n, S, dtype=torch.long)
+            ids_NS = torch.zeros(n, S, dtype=torch.long, device=self.device)
+            mask_NS = torch.zeros(n, S, dtype=torch.long, device=self.device)
             for i, x in enumerate(seqs):
-                ids_NS[i, pads[i]:] = torch.tensor(x, dtype=torch.long)
+                ids_NS[i, pads[i]:] = torch.tensor(x, dtype=torch.long, device=self.device)
                 mask_NS[i, pads[i]:] = 1
             pos_NS = (mask_NS.cumsum(-1) - 1).clamp_(min=0)
         kw = dict(input_ids=ids_NS, attention_mask=mask_NS, position_ids=pos_NS,
@@ -472,7 +474,7 @@ class Scheduler:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         rows = [inv[j] for j in keep]
         if rows != list(range(n)):  # finished requests leave; shared rows are copied per request
-            idx = torch.tensor(rows, dtype=torch.long)
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
             kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
         pads = [pads[i] for i in rows]
         for j, p in enumerate(pads):
@@ -492,7 +494,7 @@ class Scheduler:
         start = min(req.logprob_start_len, len(prompt))
         res, top, asked = [], [], []
         k = req.top_logprobs_num
-        ids = torch.tensor(req.token_ids_logprob or [], dtype=torch.long)
+        ids = torch.tensor(req.token_ids_logprob or [], dtype=torch.long, device=self.device)
         for pos in range(start, len(prompt)):
             row = None if pos == 0 else lp_SV[pos - 1]
             res.append([None if row is None else float(row[prompt[pos]]), prompt[pos], None])
@@ -529,15 +531,16 @@ class Scheduler:
 
     def _decode_step_inner(self, B: int) -> None:
         T = self.kv[0][0].shape[2]
-        input_ids_B1 = torch.tensor([[r.output_ids[-1]] for r in self.running], dtype=torch.long)
+        dev = self.device
+        input_ids_B1 = torch.tensor([[r.output_ids[-1]] for r in self.running], dtype=torch.long, device=dev)
         if any(self.pads):
-            pads = torch.tensor(self.pads, dtype=torch.long)
+            pads = torch.tensor(self.pads, dtype=torch.long, device=dev)
             position_ids_B1 = (T - pads).unsqueeze(1)  # real tokens already cached = next position
-            cols = torch.arange(T + 1).unsqueeze(0)
+            cols = torch.arange(T + 1, device=dev).unsqueeze(0)
             attention_mask_BT = (cols >= pads.unsqueeze(1)).long()  # [B, T+1]
         else:  # no padding: what generate() passes for an unpadded batch
-            position_ids_B1 = torch.full((B, 1), T, dtype=torch.long)
-            attention_mask_BT = torch.ones(B, T + 1, dtype=torch.long)
+            position_ids_B1 = torch.full((B, 1), T, dtype=torch.long, device=dev)
+            attention_mask_BT = torch.ones(B, T + 1, dtype=torch.long, device=dev)
         routed = any(r.return_routed_experts for r in self.running)
         self.capture.enabled = routed
         cache = DynamicCache(ddp_cache_data=self.kv)
@@ -557,7 +560,7 @@ class Scheduler:
         # fused log_softmax kernel is ~2x faster than logsumexp on a CPU).
         temps = [1.0 if (r.params.greedy or self.return_original_logprob) else r.params.temperature
                  for r in self.running]
-        scaled = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps).unsqueeze(1)
+        scaled = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps, device=dev).unsqueeze(1)
         lp_BV = torch.log_softmax(scaled, dim=-1)
         argmax_B = torch.argmax(logits_BV, dim=-1).tolist()
         keep = []
@@ -595,7 +598,7 @@ class Scheduler:
         if not keep:
             self.kv, self.pads = None, []
             return
-        idx = torch.tensor(keep, dtype=torch.long)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         pads = [self.pads[i] for i in keep]
         trim = min(pads)
         self.kv = [

@@ -1,8 +1,10 @@
-"""The embedded engine's HTTP server: SGLang 0.5.23's endpoints and payloads, on a CPU.
+"""The embedded engine's HTTP server: SGLang 0.5.23's endpoints and payloads, on a CPU or one
+CUDA device.
 
-Run: ``python -m moe_async.engines.embedded.server --model-path DIR --port N``. Serves
-``/generate`` (every SGLang request and sampling field honoured or refused with a 400 naming
-it), the OpenAI-compatible ``/v1/*``, pause/continue/abort/flush, and the weight-update
+Run: ``python -m moe_async.engines.embedded.server --model-path DIR --port N [--device
+cpu|cuda|auto]`` (``cuda`` without a visible GPU: one line naming ``engine.device``, exit 2).
+Serves ``/generate`` (every SGLang request and sampling field honoured or refused with a 400
+naming it), the OpenAI-compatible ``/v1/*``, pause/continue/abort/flush, and the weight-update
 endpoints of :mod:`moe_async.engines.embedded.weight_update`.
 
 Design notes: ``docs/design/engines.md``."""
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Literal
@@ -81,16 +84,46 @@ def context_length_error(prompt_len: int, max_new_tokens: int | None, context_le
             f"of tokens in the input messages or the completion to fit within the limit.")
 
 
+class DeviceUnavailable(RuntimeError):
+    """``--device cuda`` (``engine.device``) in a process that sees no CUDA device."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device the engine runs on for ``--device`` ``name``: ``"cpu"``; ``"cuda"``: this
+    process's current CUDA device (the first visible one unless set); ``"auto"``: that when
+    CUDA is available, else the CPU.
+
+    Raises:
+        DeviceUnavailable: ``"cuda"`` without a visible CUDA device (names ``engine.device``).
+        ValueError: any other name.
+    """
+    if name not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"--device must be cpu, cuda or auto, got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            f"engine.device='cuda' (--device cuda) but this engine process sees no CUDA device "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}, torch "
+            f"{torch.__version__}, built for CUDA {torch.version.cuda}); set engine.device=cpu or run on a GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class EngineState:
-    """Everything the endpoints share: model, scheduler, weight map, staged update, groups."""
+    """Everything the endpoints share: model, scheduler, weight map, staged update, groups.
+
+    The model is loaded on the CPU, cast to ``--dtype`` and moved to ``--device``
+    (:func:`resolve_device`); the scheduler and the weight updater follow the model's device."""
 
     def __init__(self, args: argparse.Namespace):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(args.num_threads)
+        self.device = resolve_device(getattr(args, "device", "cpu"))
         self.model_path = args.model_path
         self.dtype = _DTYPES[args.dtype]
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype)
+        self.model.to(self.device)
         self.model.eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
@@ -152,6 +185,7 @@ def create_app(state: EngineState) -> FastAPI:
     async def server_info():
         return {
             "max_running_requests": sched.max_running,
+            "device": state.device.type,  # SGLang's server_args.device ("cpu" | "cuda")
             "context_length": state.context_length,
             "num_requests": sched.num_requests(),
             "paused": sched.paused,
@@ -267,6 +301,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="where the model lives and every forward runs (engine.device); cuda: refused "
+                        "at start without a visible GPU")
     p.add_argument("--context-length", type=int, default=None,
                    help="default: config.max_position_embeddings")
     p.add_argument("--return-original-logprob", action="store_true",
@@ -290,7 +327,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
-    state = EngineState(args)
+    try:
+        state = EngineState(args)
+    except DeviceUnavailable as e:
+        print(f"moe-async embedded engine: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     state.scheduler.start()
     app = create_app(state)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

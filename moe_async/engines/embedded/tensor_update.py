@@ -2,8 +2,8 @@
 
 The body holds SGLang's ``UpdateWeightsFromTensorReqInput`` fields only (an unknown one is a 422):
 base64 ``ForkingPickler`` handles to the sender's tensors (CUDA IPC or CPU shared memory by
-name), applied with the same session semantics as the distributed update. A bad handle, name
-or shape is a 400 naming it.
+name), copied onto the engine's device and applied with the same session semantics as the
+distributed update. A bad handle, name or shape is a 400 naming it.
 
 Design notes: ``docs/design/engines.md``."""
 
@@ -167,8 +167,10 @@ def decode_named_tensors(entry: str, load_format: str | None) -> list[tuple[str,
 @torch.no_grad()
 def write_standby(wu: WeightUpdater, named: list[tuple[str, torch.Tensor]]) -> list[str]:
     """Copy ``named`` into the standby parameters (one copy when they are consecutive there
-    in the engine's dtype and arrive as one span, else one per tensor, cast) and mark them;
-    returns the names. Raises KeyError/ValueError naming a tensor the engine does not have."""
+    in the engine's dtype and arrive as one span, else one per tensor, cast; from whatever
+    device the handles opened on to the engine's) and mark them; returns the names once the
+    copies are done (on CUDA: synchronized, so the sender may free its memory after the reply).
+    Raises KeyError/ValueError naming a tensor the engine does not have."""
     for n, t in named:
         wu.weight_map.check(n, list(t.shape))
     names = [n for n, _ in named]
@@ -181,6 +183,9 @@ def write_standby(wu: WeightUpdater, named: list[tuple[str, torch.Tensor]]) -> l
     else:
         for n, t in named:
             arena.standby(n).copy_(t)
+    for dev in {t.device for t in tensors} | {wu.device}:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     wu.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
     arena.mark(names)
     return names

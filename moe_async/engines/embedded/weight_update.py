@@ -120,6 +120,7 @@ class Membership:
     rank: int
     world_size: int
     master: str
+    backend: str = "gloo"  # "nccl": buffers on the engine's CUDA device; "gloo": CPU buffers
 
 
 @dataclass
@@ -138,6 +139,8 @@ class WeightUpdater:
         self.arena = ParamArena(self.weight_map)
         self.sched = scheduler
         self.dtype = dtype
+        #: the parameters' device (the engine's ``--device``): updates are written there
+        self.device = next(model.parameters()).device
         self.timeout_s = timeout_s
         self.groups: dict[str, Membership] = {}
         self.session: Session | None = None
@@ -151,14 +154,22 @@ class WeightUpdater:
         self.stall = SyncStall()  # test-only MOE_ASYNC_ENGINE_SYNC_STALL (a kill mid-sync)
 
     # ---- receiving ----
+    def recv_device(self, group_name: str) -> torch.device:
+        """Where broadcasts of group ``group_name`` are received: the engine's CUDA device for
+        an NCCL group, the CPU for gloo (then copied into the parameters' device)."""
+        return self.device if self.groups[group_name].backend == "nccl" else torch.device("cpu")
+
     def receive(self, body: UpdateWeightsFromDistributedReqInput, refuse: str | None = None) -> list[str]:
         """Receive one call's tensors from group rank 0 into the standby parameters (the live
-        ones are untouched); returns the names received. A flattened bucket whose names are
-        consecutive in the arena and in the engine's dtype lands in its standby span, any
-        other through a reused scratch buffer. The bytes are received even when the call is
-        refused (``refuse``, a bad name/shape, an earlier failure: then it raises after), so
-        the collective never desyncs."""
+        ones are untouched); returns the names received. Buffers are on :meth:`recv_device`.
+        A flattened bucket whose names are consecutive in the arena and in the engine's dtype
+        lands in its standby span when that is on the receiving device, else it is received
+        into a reused scratch buffer and copied (one copy into the span when consecutive). The
+        bytes are received even when the call is refused (``refuse``, a bad name/shape, an
+        earlier failure: then it raises after), so the collective never desyncs. On CUDA it
+        returns once the copies are done."""
         group = self.groups[body.group_name].group
+        dev = self.recv_device(body.group_name)
         if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: "
                              f"{len(body.names)}/{len(body.dtypes)}/{len(body.shapes)}")
@@ -177,31 +188,37 @@ class WeightUpdater:
         if body.load_format == "flattened_bucket":
             n_bytes = sum(nbytes_of(s, d) for s, d in zip(body.shapes, dtypes))
             span = None if error else arena.span(body.names, body.shapes, dtypes)
-            flat = span if span is not None else self._recv_buffer(n_bytes)
+            flat = span if span is not None and span.device == dev else self._recv_buffer(n_bytes, dev)
             group_broadcast(group, flat, src=0)
             self.bytes_received += flat.numel()
             if error:
                 raise error
-            if span is None:
+            if flat is not span:
                 self.recv_copies += 1
-                for n, t in unflatten(flat, body.names, body.dtypes, body.shapes):
-                    arena.standby(n).copy_(t)
+                if span is not None:
+                    span.copy_(flat)
+                else:
+                    for n, t in unflatten(flat, body.names, body.dtypes, body.shapes):
+                        arena.standby(n).copy_(t)
         else:
             for n, d, s in zip(body.names, dtypes, body.shapes):
                 dst = None if error else arena.standby(n)
-                t = dst if dst is not None and dst.dtype == d else torch.empty(s, dtype=d)
+                t = dst if dst is not None and dst.dtype == d and dst.device == dev else torch.empty(
+                    s, dtype=d, device=dev)
                 group_broadcast(group, t, src=0)
                 self.bytes_received += t.numel() * t.element_size()
                 if dst is not None and t is not dst:
                     dst.copy_(t)
             if error:
                 raise error
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         arena.mark(body.names)
         return list(body.names)
 
-    def _recv_buffer(self, n: int) -> torch.Tensor:
-        if self.recv_scratch.numel() < n:
-            self.recv_scratch = torch.empty(n, dtype=torch.uint8)
+    def _recv_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        if self.recv_scratch.numel() < n or self.recv_scratch.device != device:
+            self.recv_scratch = torch.empty(n, dtype=torch.uint8, device=device)
         return self.recv_scratch[:n]
 
     def drop_staged(self) -> None:
@@ -232,10 +249,15 @@ class WeightUpdater:
         return out
 
 
-def join_refusal(body: InitWeightsUpdateGroupReqInput, ranks: int = 1) -> str | None:
-    """Why a join cannot work, before anyone waits on the store (None when it can)."""
+def join_refusal(body: InitWeightsUpdateGroupReqInput, ranks: int = 1,
+                 device: torch.device | None = None) -> str | None:
+    """Why a join cannot work, before anyone waits on the store (None when it can); ``device``:
+    the engine's (an NCCL group needs CUDA)."""
     if body.backend not in ("gloo", "nccl"):
         return f"backend must be 'gloo' or 'nccl', got {body.backend!r}"
+    if body.backend == "nccl" and device is not None and device.type != "cuda":
+        return (f"backend 'nccl' receives into CUDA memory and this engine runs on {device.type} "
+                "(engine.device); use backend 'gloo' or engine.device=cuda")
     if not body.group_name:
         return "group_name must be non-empty"
     if body.rank_offset < 1 or body.rank_offset + ranks > body.world_size:
@@ -333,7 +355,7 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
 
     @r.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput):
-        why = join_refusal(body)
+        why = join_refusal(body, device=wu.device)
         if why:
             return _fail(f"init_weights_update_group refused: {why}")
         async with wu.join_lock:
@@ -359,7 +381,8 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
                     init_method=f"tcp://{master}")
             except Exception as e:  # noqa: BLE001 - reported to the sender, as SGLang does
                 return _fail(f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
-            wu.groups[body.group_name] = Membership(group, store, body.rank_offset, body.world_size, master)
+            wu.groups[body.group_name] = Membership(group, store, body.rank_offset, body.world_size, master,
+                                                    body.backend)
         async with wu.update_lock:  # a new sender: an update it did not finish is dropped
             wu.drop_staged()
         if not wu.arena.bound:  # live/standby buffers now, not in the first update
@@ -435,8 +458,9 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
             return _fail(f"no weight update group named {body.group_name!r}")
 
         def recv():
-            if wu.bench_buf is None or wu.bench_buf.numel() < body.nbytes:
-                wu.bench_buf = torch.ones(body.nbytes, dtype=torch.uint8)  # touched: no page faults
+            dev = wu.recv_device(body.group_name)
+            if wu.bench_buf is None or wu.bench_buf.numel() < body.nbytes or wu.bench_buf.device != dev:
+                wu.bench_buf = torch.ones(body.nbytes, dtype=torch.uint8, device=dev)  # touched: no page faults
             buf = wu.bench_buf[: body.nbytes]
             t0 = time.perf_counter()
             group_broadcast(wu.groups[body.group_name].group, buf, src=0)

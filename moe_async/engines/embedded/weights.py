@@ -158,7 +158,8 @@ class ParamArena:
         forward pass ever reads B while it is being written (atomic apply).
     :meth:`discard` forgets a half-received update (B's bytes are then unused).
 
-    Memory: two copies of the parameters (``nbytes`` each).
+    Memory: two copies of the parameters (``nbytes`` each), on the parameters' device (the
+    engine's: CPU or one CUDA device).
     """
 
     def __init__(self, weight_map: HFWeightMap):
@@ -210,8 +211,9 @@ class ParamArena:
         """Copy the parameters into buffer A and point them at it (scheduler thread only)."""
         if self.bufs is not None:
             return
-        a = torch.empty(self.nbytes, dtype=torch.uint8)
-        b = torch.empty(self.nbytes, dtype=torch.uint8)
+        dev = next(iter(self.params.values())).device
+        a = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
+        b = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
         for pname, p in self.params.items():
             v = self._param_view(a, pname)
             v.copy_(p.data)
