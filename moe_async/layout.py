@@ -17,6 +17,10 @@ Errors: :class:`LayoutError` (a ``ValueError``) naming the fields (with their ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class LayoutError(ValueError):
@@ -141,3 +145,20 @@ def resolve_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
             f"x {prefix}pipeline_model_parallel_size={pp} = {expert} (Megatron's expert rule: world = ETP x EP x "
             f"EDP x PP){hint}")
     return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp_eff)
+
+
+def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> "Tensor":
+    """Global sequence positions held by context-parallel rank ``cp_rank``, in its local
+    order: ``[seq_len // cp_size]`` long = chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank``
+    of ``2*cp_size`` equal chunks (the split Megatron-Core's ``get_batch_on_this_cp_rank`` and
+    RoPE's ``get_pos_emb_on_this_cp_rank`` make). ValueError unless ``seq_len`` is a multiple
+    of ``2*cp_size``."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside a context-parallel group of size {cp_size}")
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x context_parallel_size = {2 * cp_size}")
+    import torch
+
+    c = seq_len // (2 * cp_size)
+    a, b = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
+    return torch.cat([torch.arange(a, a + c), torch.arange(b, b + c)])

@@ -36,15 +36,14 @@ from typing import Any
 import torch
 
 from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
+from moe_async.layout import cp_positions
 
 Tensor = torch.Tensor
 
 
 def cp_chunk_positions(seq_len: int, cp_size: int, cp_rank: int) -> Tensor:
     """Global positions held by CP rank ``cp_rank`` (chunk ``cp_rank`` then chunk
-    ``2 x cp_size - 1 - cp_rank``): :func:`moe_async.megatron.sharding.cp_positions`."""
-    from moe_async.megatron.sharding import cp_positions
-
+    ``2 x cp_size - 1 - cp_rank``): :func:`moe_async.layout.cp_positions`."""
     return cp_positions(seq_len, cp_size, cp_rank)
 
 

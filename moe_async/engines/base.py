@@ -36,7 +36,7 @@ import weakref
 import httpx
 
 from moe_async.engines.config import EngineConfig
-from moe_async.megatron.parallel import free_port
+from moe_async.net import free_port
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 

@@ -49,7 +49,7 @@ class EngineHost:
 
     def pick_port(self) -> int:
         """A TCP port free on this actor's node (node rank 0's ``--dist-init-addr`` port)."""
-        from moe_async.engines.base import free_port
+        from moe_async.net import free_port
 
         return free_port("0.0.0.0")
 

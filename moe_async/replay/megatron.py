@@ -41,7 +41,7 @@ import torch
 
 from moe_async.replay.metrics import MismatchMeter
 from moe_async.replay.routes import PAD, batch_routes, fill_padding, num_pad_rows, pack_rows
-from moe_async.trainer.micro_batches import MicroBatch
+from moe_async.types import MicroBatch
 
 MODES = ("off", "R3", "R2")
 

@@ -36,7 +36,7 @@ import asyncio
 import math
 from typing import Any, Callable
 
-from moe_async.rollout.manager import DropGroup, greedy_summary  # noqa: F401 (greedy_summary: re-exported)
+from moe_async.rollout.manager import DropGroup, greedy_summary
 
 # the per-problem series an evaluation keeps (for paired gains) and reports
 SERIES = ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_reward", "sampled_reward")

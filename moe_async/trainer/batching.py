@@ -15,16 +15,9 @@ from typing import Any
 
 import torch
 
-from moe_async.megatron.sharding import cp_positions
-from moe_async.trainer.micro_batches import (
-    CpShard,
-    MicroBatch,
-    PackedRow,
-    micro_batch_ranges,
-    padded_len,
-    split_to_count,
-)
-from moe_async.types import Sample
+from moe_async.layout import cp_positions
+from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
+from moe_async.types import CpShard, MicroBatch, PackedRow, Sample
 
 Tensor = torch.Tensor
 

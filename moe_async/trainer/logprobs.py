@@ -16,8 +16,7 @@ import torch
 
 from moe_async.compat import cpu_device_scope
 from moe_async.megatron.sharding import gather_over_cp
-from moe_async.trainer.micro_batches import MicroBatch
-from moe_async.types import Sample
+from moe_async.types import MicroBatch, Sample
 
 Tensor = torch.Tensor
 

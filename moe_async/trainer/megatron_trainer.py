@@ -74,9 +74,8 @@ from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing
 from moe_async.trainer.finite import StepGuard, check_weights_finite
 from moe_async.trainer.logprobs import LogprobsMixin
 from moe_async.trainer.loss import grpo_token_loss
-from moe_async.trainer.micro_batches import MicroBatch
 from moe_async.trainer.model_setup import ModelSetupMixin
-from moe_async.types import Sample
+from moe_async.types import MicroBatch, Sample
 
 Tensor = torch.Tensor
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from moe_async.weight_sync.transport import contiguous_span
+from moe_async.weight_sync.packing import contiguous_span
 
 Tensor = torch.Tensor
 #: ``out(hf_name, shape, dtype) -> Tensor | None``: BroadcastTransport.destination

@@ -580,7 +580,7 @@ def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | s
     from moe_async.models.family import local_spec_name
     from moe_async.models.mapping import _identity_out, split_rows_2
     from moe_async.trainer.finite import check_weights_finite
-    from moe_async.trainer.sharding import VOCAB_PARAMS, local_pieces
+    from moe_async.megatron.sharding import VOCAB_PARAMS, local_pieces
 
     stats = stats if stats is not None else {}
     t0 = time.perf_counter()

@@ -68,13 +68,8 @@ from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.flush import DeferredFlushes
 from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
 from moe_async.weight_sync.membership import GroupMembership
+from moe_async.weight_sync.packing import PackPool, contiguous_span, in_layout_order, packed_buckets
 from moe_async.weight_sync.stream_export import PackedExport
-from moe_async.weight_sync.packing import (  # noqa: F401 - re-exported (callers import them from here)
-    PackPool,
-    contiguous_span,
-    in_layout_order,
-    packed_buckets,
-)
 
 log = logging.getLogger(__name__)
 
