@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from moe_async.layout import cp_positions
+from moe_async.trainer.attrs import TrainerAttrs
 from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
 from moe_async.types import CpShard, MicroBatch, PackedRow, Sample
 
@@ -54,7 +55,7 @@ def packed_row(tokens: Tensor, logit_b: Tensor, logit_s: Tensor, lens: list[int]
     )
 
 
-class BatchingMixin:
+class BatchingMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     # ------------------------------------------------------------------ batching

@@ -16,12 +16,13 @@ import torch
 
 from moe_async.compat import cpu_device_scope
 from moe_async.megatron.sharding import gather_over_cp
+from moe_async.trainer.attrs import TrainerAttrs
 from moe_async.types import MicroBatch, Sample
 
 Tensor = torch.Tensor
 
 
-class LogprobsMixin:
+class LogprobsMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     def _forward(self, model, mb: MicroBatch) -> tuple[Tensor, bool]:
