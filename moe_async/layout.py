@@ -17,10 +17,21 @@ Errors: :class:`LayoutError` (a ``ValueError``) naming the fields (with their ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+
+class MegatronSizes(TypedDict):
+    """:meth:`ParallelLayout.megatron_kwargs`: the sizes under Megatron-Core's keyword names."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
 
 
 class LayoutError(ValueError):
@@ -72,14 +83,14 @@ class ParallelLayout:
                    ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size,
                    cp=cfg.context_parallel_size, vpp=vpp if vpp is not None and vpp > 1 else None)
 
-    def megatron_kwargs(self) -> dict[str, int | None]:
+    def megatron_kwargs(self) -> MegatronSizes:
         """The sizes under Megatron-Core's names, as both ``parallel_state.initialize_model_parallel``
         and ``TransformerConfig`` (``ModelParallelConfig``) take them: ``tensor_model_parallel_size``,
         ``pipeline_model_parallel_size``, ``context_parallel_size``, ``expert_model_parallel_size``,
         ``expert_tensor_parallel_size``, ``virtual_pipeline_model_parallel_size``."""
-        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                    context_parallel_size=self.cp, expert_model_parallel_size=self.ep,
-                    expert_tensor_parallel_size=self.etp, virtual_pipeline_model_parallel_size=self.vpp)
+        return MegatronSizes(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                             context_parallel_size=self.cp, expert_model_parallel_size=self.ep,
+                             expert_tensor_parallel_size=self.etp, virtual_pipeline_model_parallel_size=self.vpp)
 
     def check_world(self, world: int) -> None:
         """Megatron-Core's rules (``parallel_state.initialize_model_parallel``) against the

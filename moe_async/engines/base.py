@@ -24,6 +24,7 @@ re-join it to the weight-update group and push the current weights.
 from __future__ import annotations
 
 import abc
+import io
 import atexit
 import os
 import signal
@@ -110,7 +111,7 @@ class _SubprocessEngine(Engine):
         self.port = port or free_port(cfg.host)
         self.proc: subprocess.Popen | None = None
         self.log_path: str | None = None
-        self._log_file = None
+        self._log_file: io.BufferedWriter | None = None
 
     @abc.abstractmethod
     def command(self) -> list[str]:
@@ -144,6 +145,13 @@ class _SubprocessEngine(Engine):
         fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log",
                                              dir=_log_dir())
         self._log_file = os.fdopen(fd, "wb")
+        preexec = self.preexec
+        if cores is not None:
+            mask = cores
+
+            def preexec() -> None:
+                os.sched_setaffinity(0, mask)
+                self.preexec()
         self.proc = subprocess.Popen(
             self.command(),
             stdout=self._log_file,
@@ -151,7 +159,7 @@ class _SubprocessEngine(Engine):
             stdin=subprocess.DEVNULL,
             env=self.env(),
             start_new_session=True,
-            preexec_fn=self.preexec if cores is None else lambda: (os.sched_setaffinity(0, cores), self.preexec()),
+            preexec_fn=preexec,
         )
         _LIVE.add(self)
         deadline = time.monotonic() + self.cfg.startup_timeout_s

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 import torch
 
@@ -132,10 +132,10 @@ def local_pieces(model: Chunks) -> list[Piece]:
     return [pc for v, m in enumerate(chunks) for pc in _chunk_pieces(m, f"chunk{v}.")]
 
 
-def _chunk_pieces(model: torch.nn.Module, tag: str) -> list[Piece]:
+def _chunk_pieces(model: Any, tag: str) -> list[Piece]:  # a megatron.core GPTModel chunk
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    params = dict(model.named_parameters())
+    params: dict[str, Tensor] = dict(model.named_parameters())
     # deepseek_v3: the router's fp32 expert bias (HF e_score_correction_bias) is a buffer that
     # is loaded and exported like a parameter.
     params.update({n: b for n, b in model.named_buffers() if n.endswith(".router.expert_bias")})

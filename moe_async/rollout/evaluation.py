@@ -124,7 +124,7 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
             return float(r.reward), getattr(r, "error", None), float(manager.dataset.score(p, text)), len(s.response_ids)
         return float(r.reward)
 
-    async def one(p: Any) -> tuple[float, list[float], int] | None:
+    async def one(p: Any) -> tuple[tuple[float, str | None, float, int], list[float], int] | None:
 
         prompt_ids = manager.dataset.build_prompt_ids(p)
         max_new = manager._check_length(len(prompt_ids), max_new_tokens, count=False)
@@ -135,7 +135,9 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
                 rs = await asyncio.gather(*(sample(p, prompt_ids, max_new, i == 0) for i in range(k + 1)))
         except DropGroup:
             return None
-        return rs[0], list(rs[1:]), int(getattr(p, "index", id(p)))
+        first = rs[0]
+        assert isinstance(first, tuple)  # the greedy sample's details
+        return first, [r for r in rs[1:] if isinstance(r, float)], int(getattr(p, "index", id(p)))
 
     res = [r for r in await asyncio.gather(*(one(p) for p in problems)) if r is not None]
     out = summarize([r[0][0] for r in res], [r[1] for r in res], [r[2] for r in res])

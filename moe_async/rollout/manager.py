@@ -409,7 +409,7 @@ class RolloutManager:
     def _reward_source(self) -> str:
         """The reward setting, as errors name it."""
         rw = getattr(self.reward_pool, "fn", None)
-        if hasattr(rw, "rewards") and hasattr(rw, "default_reward"):  # prompt files: per data_source
+        if rw is not None and hasattr(rw, "rewards") and hasattr(rw, "default_reward"):  # prompt files: per data_source
             return f"data.rewards={rw.rewards!r}, data.default_reward={rw.default_reward!r}"
         return {"function": f"rollout.reward_function={self.cfg.reward_function!r}",
                 "remote": f"rollout.reward_url={self.cfg.reward_url!r}"}.get(
@@ -601,6 +601,8 @@ class RolloutManager:
         if len(seg) == 0 and raw_n == 0:  # aborted before anything ran
             return routed
         joined = join_segments(routed, len(ids), seg, len(ids) + raw_n)
+        if joined is None:
+            return None
         return compact_routes(truncate_routes(joined, len(ids) + len(seg_ids)))
 
     def _pick_engine(self) -> int | None:

@@ -25,8 +25,8 @@ class TrainerAttrs:
     tf_config: Any  # megatron.core TransformerConfig (an untyped package)
     vocab_size: int  # the padded embedding rows
     version: int  # weight_version of the current weights
-    models: list[torch.nn.Module]  # this PP rank's model chunks
-    model: torch.nn.Module  # models[0]
+    models: list[Any]  # this PP rank's model chunks: megatron.core GPTModel (an untyped package)
+    model: Any  # models[0]
     ddp_models: list[Any]  # megatron.core DistributedDataParallel wrappers of ``models``
     optimizer: Any  # megatron.core MegatronOptimizer
     router_replay: RouterReplayHook
@@ -35,6 +35,8 @@ class TrainerAttrs:
     _cpu: bool  # the CPU mends are active
     _bias_hooks: list[Any]  # torch RemovableHandle
     _rows_hook: Any  # torch RemovableHandle or None
+    _router_pad: torch.Tensor | None  # padding positions in the router's token order, during a forward
+    _logit_rows: tuple[torch.Tensor, torch.Tensor] | None  # (positions, sequences) the output layer keeps
 
     if TYPE_CHECKING:
         def close(self) -> None: ...  # MegatronTrainer

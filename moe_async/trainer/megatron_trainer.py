@@ -315,6 +315,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
 
         def loss_func(mb: MicroBatch, rows_only: bool, logits: Tensor):
             ent, logp = self._token_logp(logits, mb, rows_only, entropy=True)
+            assert ent is not None  # asked for
             mask = mb.loss_mask
             loss_sum, m = grpo_token_loss(
                 logp,

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Set
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -107,6 +108,7 @@ class GroupMembership:
         refused: set[int] = set()  # engines that answered no: they hold nothing of this group
         group, err = self._join_as_sender(held, futs, refused)
         if err is None:
+            assert group is not None  # formed when no error
             self.group, self._store = group, held[0]
             if own_pool:
                 pool.shutdown(wait=False)
@@ -209,7 +211,7 @@ class GroupMembership:
             return one_line(str(r.get("message")), 500)
         return None
 
-    def _destroy_on_engines(self, quiet: bool, skip: set[int] = frozenset()) -> None:
+    def _destroy_on_engines(self, quiet: bool, skip: Set[int] = frozenset()) -> None:
         for i, c in enumerate(self.clients):
             if i in skip:
                 continue
@@ -232,15 +234,16 @@ def form_in_order(memberships: Sequence[GroupMembership]) -> list[dist.ProcessGr
     """Form every group one after another, in the given (global, fixed) order; if one fails,
     the ones formed before it are left again and the error re-raised."""
     done: list[GroupMembership] = []
+    groups: list[dist.ProcessGroup] = []
     try:
         for m in memberships:
-            m.form()
+            groups.append(m.form())
             done.append(m)
     except BaseException:
         for m in reversed(done):
             m.leave()
         raise
-    return [m.group for m in memberships]
+    return groups
 
 
 def form_in_turn(membership: GroupMembership | None, turn: int, turns: int, store: dist.Store,

@@ -56,6 +56,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Set
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Sequence
 
@@ -63,12 +64,12 @@ import torch
 
 from moe_async.errors import one_line
 from moe_async.protocols import WeightReceiver
-from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
+from moe_async.weight_sync.bucket import Bucket, make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.flush import DeferredFlushes
 from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
 from moe_async.weight_sync.membership import GroupMembership
-from moe_async.weight_sync.packing import PackPool, contiguous_span, in_layout_order, packed_buckets
+from moe_async.weight_sync.packing import BucketStream, PackPool, contiguous_span, in_layout_order, packed_buckets
 from moe_async.weight_sync.stream_export import PackedExport
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class BroadcastTransport(WeightTransport):
         self.membership = GroupMembership(self.clients, engine_sizes=ranks_per_engine, group_name=group_name,
                                           backend=self.backend, master_address=master_address,
                                           timeout_s=cfg.timeout_s, world_size=world_size)
-        self.group = None
+        self.group: torch.distributed.ProcessGroup | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
         # one thread per engine posts its bucket metadata in order (the engine pairs the i-th
         # call with the i-th broadcast), without the sender waiting for each reply
@@ -284,7 +285,7 @@ class BroadcastTransport(WeightTransport):
         return layouts[0]
 
     def _on_posters(self, call_engine: Callable[[WeightReceiver], Any],
-                    skip: set[int] = frozenset()) -> list[tuple[int, Any]]:
+                    skip: Set[int] = frozenset()) -> list[tuple[int, Any]]:
         """Queue ``call_engine(client)`` on every engine's poster thread (but those in
         ``skip``), after what is already queued there (so it reaches each engine in order
         with the bucket calls); each future gives ``(reply, perf_counter() at the reply)``."""
@@ -321,7 +322,7 @@ class BroadcastTransport(WeightTransport):
 
         return [(i, self._posters[i].submit(begin, i, c)) for i, c in enumerate(self.clients)]
 
-    def _end_on_posters(self, skip: set[int] = frozenset()) -> list[tuple[int, Any]]:
+    def _end_on_posters(self, skip: Set[int] = frozenset()) -> list[tuple[int, Any]]:
         """Queue ``/end_weight_update`` on every poster (but ``skip`` and sessionless engines)."""
         def end(c: Any) -> tuple[Any, float]:
             return c.end_weight_update(), time.perf_counter()
@@ -393,6 +394,7 @@ class BroadcastTransport(WeightTransport):
 
     def _transfer(self, flat: torch.Tensor, posted: list[tuple[int, Any]]) -> None:
         """Move one bucket's bytes while its calls are in flight: rank 0's broadcast."""
+        assert self.group is not None, "connect() first"
         group_broadcast(self.group, flat, src=0)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
@@ -443,7 +445,7 @@ class BroadcastTransport(WeightTransport):
         begins: list[tuple[int, Any]] = []
         ends: list[tuple[int, Any]] = []
         last_posted = False
-        buckets = None
+        buckets: BucketStream | None = None
         exported = False  # every bucket taken from the exporter
         failed = False
         broadcasting = False
@@ -452,13 +454,15 @@ class BroadcastTransport(WeightTransport):
                 t_paused = time.perf_counter()
                 pauses = self._on_posters(lambda c: c.pause_generation(mode=self.pause_mode))
             begins = self._begin_on_posters()  # SGLang 0.5.23 refuses updates outside a session
-            if streamed:  # gathered tensor by tensor into the bucket that is sent (stream_export.py)
+            if isinstance(named_tensors, PackedExport):  # gathered tensor by tensor into the bucket that is sent
                 buckets = named_tensors.open(self.cfg.bucket_bytes, device=self.device, order=self.layout,
                                              overlap=self.cfg.overlap, stats=stats)
             else:
                 buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
                                          pool=self._pack_pool, device=self.device)
             sessions_ok = False
+            bucket: Bucket | None
+            flat: torch.Tensor | None
             for bucket, flat, last in buckets:
                 if last and not pauses:  # pause_scope=last_bucket: engines stage until here
                     t_paused = time.perf_counter()
