@@ -31,12 +31,17 @@ CP layouts of tests/trainer/test_layouts.py (every model family equal to 1 proce
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
 from moe_async.layout import cp_positions
+
+if TYPE_CHECKING:  # the checker sees the mixin over the class it is mixed into
+    from megatron.core.transformer.dot_product_attention import DotProductAttention as _MixinBase
+else:
+    _MixinBase = object
 
 Tensor = torch.Tensor
 
@@ -81,7 +86,7 @@ def gather_sequence_over_cp(x: Tensor, group: Any) -> Tensor:
     return _GatherSequenceOverCP.apply(x, group)
 
 
-class _CPCoreAttentionMixin:
+class _CPCoreAttentionMixin(_MixinBase):
     """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring."""
 
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:

@@ -37,11 +37,16 @@ family: THD equals the padded path at 1 process, and 1 process at TP2+SP, EP2, P
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
+
+if TYPE_CHECKING:  # the checker sees the mixin over the class it is mixed into
+    from megatron.core.transformer.dot_product_attention import DotProductAttention as _MixinBase
+else:
+    _MixinBase = object
 
 Tensor = torch.Tensor
 
@@ -70,7 +75,7 @@ def _causal_mask(n: int, device: str) -> Tensor:
     return torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1).view(1, 1, n, n)
 
 
-class _THDCoreAttentionMixin:
+class _THDCoreAttentionMixin(_MixinBase):
     """Mixed in before a local ``DotProductAttention`` (sub)class; see the module docstring.
     Without ``packed_seq_params`` (or with a format other than ``thd``) it is the base class."""
 

@@ -25,6 +25,7 @@ launcher's head step) or a ``--watch-worker-pid`` (a worker node's step) exits f
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -155,7 +156,7 @@ def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag
                                  f"after {timeout_s:.0f} s")
         time.sleep(poll_s)
     try:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     except Exception:
         check_head()  # another process answered on the port and ours exited: HeadGone
         raise

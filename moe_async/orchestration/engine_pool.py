@@ -40,7 +40,7 @@ class EngineHost:
         self.model_path = model_path
         self.index = index
         self.node_rank = node_rank
-        self.engine = None
+        self.engine: Any = None  # the engine server (moe_async.engines.base), once launched
 
     def _make_engine(self, port: int, dist_init_addr: str | None) -> Any:
         from moe_async.engines.base import make_engine
@@ -159,7 +159,9 @@ class EnginePool:
                 self.urls[j // n] = url
         if errs:
             raise RuntimeError("; ".join(errs))
-        return list(self.urls)
+        urls = [u for u in self.urls if u is not None]
+        assert len(urls) == len(self.urls), "every engine answered"
+        return urls
 
     def dead_engines(self, timeout_s: float = 30.0) -> list[str]:
         """One line per engine whose server exited or whose actor died (index, URL, why)."""

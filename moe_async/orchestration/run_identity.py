@@ -159,7 +159,8 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     f = run_dir / "metrics.jsonl"
     if not f.is_file():
         return 0
-    keep, moved = [], []
+    keep: list[str] = []
+    moved: list[str] = []
     for line in f.read_text().splitlines(keepends=True):
         try:
             s = json.loads(line).get("step")

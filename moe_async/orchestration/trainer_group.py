@@ -137,9 +137,10 @@ class TrainerGroup:
                 self.kill()
                 from moe_async.errors import UserInputError
 
-                for _, e in failed:  # bad input (a core id this host lacks): the CLI's one line
-                    if isinstance(getattr(e, "cause", None), UserInputError):
-                        raise e.cause from e
+                for _, err in failed:  # bad input (a core id this host lacks): the CLI's one line
+                    cause = getattr(err, "cause", None)
+                    if isinstance(cause, UserInputError):
+                        raise cause from err
                 failed.sort(key=lambda x: (not isinstance(x[1], ray.exceptions.RayActorError), x[0]))
                 lines = [f"trainer rank {r} died in {what} ({type(e).__name__})"
                          if isinstance(e, ray.exceptions.RayActorError)

@@ -55,6 +55,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from moe_async.buffer.buffer import STOPPED
@@ -154,7 +155,7 @@ class RolloutManager:
         self,
         cfg: RolloutConfig,
         dataset: Any,
-        engine_clients: list[GenerateEngine],
+        engine_clients: Sequence[GenerateEngine],
         buffer: GroupBuffer,
         reward_pool: Any,
         eos_token_ids: list[int] | None = None,

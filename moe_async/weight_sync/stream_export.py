@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 
@@ -499,7 +499,7 @@ def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int,
                                        sem=sem, stats=stats), stats)
 
 
-def _timed(it: Iterator, stats: dict[str, float]) -> Iterator:
+def _timed(it: Iterator, stats: dict[str, float]) -> Generator[Any, None, None]:
     while True:
         t0 = time.perf_counter()
         item = next(it, None)
