@@ -23,19 +23,23 @@ for a node-rank-1 peer that is dead or holds the old group).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from moe_async.errors import UserInputError
 from moe_async.orchestration.placement import Placement, place_engines
 
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
+    from moe_async.engines.config import EngineConfig
+
 
 class EngineHost:
     """One engine server process on this actor's node (placed on its bundle); the body of
     :data:`EngineActor`. Engine ``index``, node rank ``node_rank`` of ``cfg.nodes_per_engine``."""
 
-    def __init__(self, cfg: Any, model_path: str, index: int, host: str | None = None, node_rank: int = 0):
+    def __init__(self, cfg: EngineConfig, model_path: str, index: int, host: str | None = None, node_rank: int = 0):
         self.cfg = cfg if host is None else cfg.model_copy(update={"host": host})
         self.model_path = model_path
         self.index = index
@@ -111,7 +115,7 @@ class EnginePool:
         actor_cls: the engine actor class (tests).
     """
 
-    def __init__(self, cfg: Any, model_path: str, *, placement: Placement | None = None, actor_cls: Any = None):
+    def __init__(self, cfg: ExperimentConfig, model_path: str, *, placement: Placement | None = None, actor_cls: Any = None):
         self.placement = placement if placement is not None else place_engines(cfg)
         multi_node = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
         cls = actor_cls or EngineActor

@@ -29,9 +29,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_async.orchestration.placement import Placement, place_trainer
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
 
 FAULT_ENV = "MOE_ASYNC_TRAINER_FAULT"
 _POLL_S = 2.0  # s: how often a waiting call checks watch()
@@ -85,7 +88,7 @@ class TrainerGroup:
     after killing every rank; RuntimeError with ``watch``'s lines.
     """
 
-    def __init__(self, cfg: Any, model_path: str, *, placement: Placement | None = None,
+    def __init__(self, cfg: ExperimentConfig, model_path: str, *, placement: Placement | None = None,
                  watch: Callable[[], list[str]] | None = None, actor_cls: Any = None):
         if actor_cls is None:
             from moe_async.orchestration.actors import TrainerActor as actor_cls

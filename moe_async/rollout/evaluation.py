@@ -36,7 +36,8 @@ import asyncio
 import math
 from typing import Any, Callable
 
-from moe_async.rollout.manager import DropGroup, greedy_summary
+from moe_async.rollout.config import RolloutConfig
+from moe_async.rollout.manager import DropGroup, RolloutManager, greedy_summary
 
 # the per-problem series an evaluation keeps (for paired gains) and reports
 SERIES = ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_reward", "sampled_reward")
@@ -98,7 +99,7 @@ def paired_gains(now: dict[str, list], base: dict[str, list]) -> dict[str, float
     return out
 
 
-async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens: int,
+async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_new_tokens: int,
                            temperature: float | None = None) -> dict[str, Any]:
     """One held-out evaluation (greedy + ``k`` samples per problem) with ``manager``'s engines
     and reward pool; returns :func:`summarize`'s dict plus ``eval/n_skipped`` (problems whose
@@ -116,8 +117,8 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     sem = asyncio.Semaphore(cfg.eval_concurrency or cfg.max_concurrent_groups)
 
     async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
-        kw = {} if temperature is None or greedy else {"temperature": temperature}
-        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy, **kw)
+        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy,
+                                           temperature=None if greedy else temperature)
         text = manager.dataset.decode(s.response_ids)
         r = await manager.reward_pool.score(p, text)
         if greedy:  # the greedy answer's details too, for the eval_before/eval_after dict
@@ -150,7 +151,7 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     return out
 
 
-async def evaluate_sets(manager: Any, sets: dict[str, list], cfgs: dict[str, Any], rollout: Any) -> dict[str, Any]:
+async def evaluate_sets(manager: RolloutManager, sets: dict[str, list], cfgs: dict[str, Any], rollout: RolloutConfig) -> dict[str, Any]:
     """Every named eval set (``data.eval``) evaluated in turn with :func:`evaluate_heldout` and
     its own ``n_samples`` (k), ``max_new_tokens`` and ``temperature`` (defaults:
     ``rollout.eval_max_new_tokens``, ``rollout.temperature``). Returns ``{"sets": {name: dict},

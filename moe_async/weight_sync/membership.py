@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from moe_async.errors import one_line
+from moe_async.protocols import WeightReceiver
 from moe_async.weight_sync.group import (
     WeightSyncError,
     bind_master_store,
@@ -70,7 +71,7 @@ class GroupMembership:
         world_size: a declared world size to check (None: derived).
     """
 
-    def __init__(self, clients: Sequence[Any], *, engine_sizes: int | Sequence[int], group_name: str,
+    def __init__(self, clients: Sequence[WeightReceiver], *, engine_sizes: int | Sequence[int], group_name: str,
                  backend: str, master_address: str, timeout_s: float, world_size: int | None = None):
         self.clients = list(clients)
         sizes = [engine_sizes] * len(self.clients) if isinstance(engine_sizes, int) else list(engine_sizes)

@@ -96,7 +96,7 @@ class WeightTransport(abc.ABC):
     #: :meth:`BroadcastTransport.destination` is one.
     destination: Callable[[str, Sequence[int], torch.dtype], torch.Tensor | None] | None = None
 
-    def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
+    def reform(self, clients: Sequence[WeightReceiver], ranks_per_engine: int | Sequence[int] | None = None) -> None:
         """Leave the current engines and connect to ``clients`` instead (the live engines and
         any restarted one: C20). Default: keep ``self.clients`` = ``clients`` and connect()."""
         self.close()
@@ -111,12 +111,12 @@ class WeightTransport(abc.ABC):
         self.close()
 
 
-def _url(client: Any) -> str:
+def _url(client: WeightReceiver) -> str:
     """An engine client's base URL (``?`` for a receiver without one)."""
     return str(getattr(client, "base_url", "?"))
 
 
-def _drain(buckets: Iterable[Any]) -> None:
+def _drain(buckets: Iterable[object]) -> None:
     """Take the rest of a streamed export without sending it (its collectives run on every
     rank); an error of the exporter itself is logged (the sync's first error propagates)."""
     n = 0
@@ -300,7 +300,7 @@ class BroadcastTransport(WeightTransport):
         (a sender that died mid-update) is closed first and opened again, logged. An engine
         without the endpoint (HTTP 404: SGLang before 0.5.23 has no sessions) is updated
         without one."""
-        def begin(i: int, c: Any) -> tuple[Any, float]:
+        def begin(i: int, c: WeightReceiver) -> tuple[Any, float]:
             try:
                 r = c.begin_weight_update(atomic=True)
             except Exception as e:  # noqa: BLE001 - an HTTP 400 of a session left open, or a 404
@@ -324,7 +324,7 @@ class BroadcastTransport(WeightTransport):
 
     def _end_on_posters(self, skip: Set[int] = frozenset()) -> list[tuple[int, Any]]:
         """Queue ``/end_weight_update`` on every poster (but ``skip`` and sessionless engines)."""
-        def end(c: Any) -> tuple[Any, float]:
+        def end(c: WeightReceiver) -> tuple[Any, float]:
             return c.end_weight_update(), time.perf_counter()
 
         return [(i, self._posters[i].submit(end, c)) for i, c in enumerate(self.clients)
@@ -374,7 +374,7 @@ class BroadcastTransport(WeightTransport):
         SGLang refuses a flush while paused requests hold KV, failing the call)."""
         return self.pause_mode != "in_place"
 
-    def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
         """Queue one bucket's update call on every engine's poster (``weight_version`` on the
         last bucket only, as a string: SGLang's ``Optional[str]``); returns the futures."""
         last = weight_version is not None
@@ -574,7 +574,7 @@ class BroadcastTransport(WeightTransport):
             **{f"sync/export_{k}": v for k, v in stats.items() if k not in ("pack_seconds", "wait_seconds")},
         }
 
-    def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
+    def reform(self, clients: Sequence[WeightReceiver], ranks_per_engine: int | Sequence[int] | None = None) -> None:
         """Re-form the update group with ``clients`` (C20): every current member leaves first
         (the engines' ``/destroy_weights_update_group``, then this side's group: a dead
         engine's refusal is logged), then a new group is formed with ``clients`` (same group
@@ -640,7 +640,7 @@ class TensorTransport(BroadcastTransport):
         WeightSyncError: before connect(), or naming the engine that answered ``success: false``.
     """
 
-    def __init__(self, clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
+    def __init__(self, clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
                  ranks_per_engine: int | Sequence[int] = 1, **kw: Any):
         super().__init__(clients, cfg, pause_mode=pause_mode, ranks_per_engine=ranks_per_engine, **kw)
         self.tp_sizes = list(self.membership.engine_sizes)
@@ -661,7 +661,7 @@ class TensorTransport(BroadcastTransport):
 
     update_call = "update_weights_from_tensor"
 
-    def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
         from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
 
         last = weight_version is not None
@@ -768,7 +768,7 @@ class DiskTransport(WeightTransport):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_transport(clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
+def make_transport(clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
                    **kw: Any) -> WeightTransport:
     """The transport ``cfg.transport`` names (``broadcast`` | ``tensor`` | ``disk``), not yet connected."""
     if cfg.transport == "disk":
@@ -778,7 +778,7 @@ def make_transport(clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode:
     return BroadcastTransport(clients, cfg, pause_mode=pause_mode, **kw)
 
 
-def check_engines(clients: Sequence[Any], trainer_checksums: dict[str, str], weight_version: int) -> dict[str, float]:
+def check_engines(clients: Sequence[WeightReceiver], trainer_checksums: dict[str, str], weight_version: int) -> dict[str, float]:
     """Check mode: every engine serves ``weight_version`` and its per-tensor checksums equal
     the trainer's, bit for bit.
 
