@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Concatenate, Coroutine, Generic, ParamSpec, TypeVar, overload
@@ -37,6 +38,8 @@ from tenacity import (
 
 R = TypeVar("R")
 P = ParamSpec("P")
+#: An engine endpoint's JSON object reply (SGLang's, or the embedded engine's same fields).
+EngineReply = dict[str, Any]
 
 
 class EngineRequestError(RuntimeError):
@@ -259,6 +262,8 @@ class _Endpoint(Generic[P, R]):
         self.spec = spec
         self.__doc__ = spec.__doc__
         self.__wrapped__ = spec
+        sig = inspect.signature(spec)
+        self.signature = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
 
     @overload
     def __get__(self, obj: None, owner: type) -> _Endpoint[P, R]: ...
@@ -278,6 +283,7 @@ class _Endpoint(Generic[P, R]):
         def method(*args: Any, **kw: Any) -> Any:
             return obj._run(spec(obj, *args, **kw))
 
+        setattr(method, "__signature__", self.signature)  # the bound method's: no self
         return method
 
 
@@ -319,7 +325,7 @@ class _Calls:
                      decode=lambda r: r.status_code == 200, recover=_unreachable_is_false)
 
     @_Endpoint
-    def get_model_info(self) -> _Call[dict[str, Any]]:
+    def get_model_info(self) -> _Call[EngineReply]:
         """``/get_model_info``'s dict."""
         return _Call("GET", "/get_model_info")
 
@@ -331,12 +337,12 @@ class _Calls:
                      recover=_not_found_then(_Call("GET", "/model_info", decode=_version_of)))
 
     @_Endpoint
-    def pause_generation(self, mode: str = "abort") -> _Call[dict[str, Any]]:
+    def pause_generation(self, mode: str = "abort") -> _Call[EngineReply]:
         """``/pause_generation`` in ``mode`` (``abort`` | ``retract`` | ``in_place``)."""
         return _Call("POST", "/pause_generation", {"mode": mode})
 
     @_Endpoint
-    def continue_generation(self) -> _Call[dict[str, Any]]:
+    def continue_generation(self) -> _Call[EngineReply]:
         """``/continue_generation``."""
         return _Call("POST", "/continue_generation", {})
 
@@ -359,7 +365,7 @@ class _Calls:
     def init_weights_update_group(self, master_address: str, master_port: int,
                                   rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group",
-                                  backend: str = "gloo") -> _Call[dict[str, Any]]:
+                                  backend: str = "gloo") -> _Call[EngineReply]:
         """Join the weight-update process group (a collective: never retried)."""
         body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                     world_size=world_size, group_name=group_name, backend=backend)
@@ -371,7 +377,7 @@ class _Calls:
                                         flush_cache: bool = True,
                                         weight_version: int | str | None = None,
                                         load_format: str | None = "flattened_bucket",
-                                        abort_all_requests: bool = False) -> _Call[dict[str, Any]]:
+                                        abort_all_requests: bool = False) -> _Call[EngineReply]:
         """Receive one bucket of ``names`` (``dtypes``, ``shapes``) over the group's broadcast
         (a collective: never retried); ``weight_version`` sent as a string."""
         body: dict[str, Any] = {
@@ -387,7 +393,7 @@ class _Calls:
 
     @_Endpoint
     def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
-                                 flush_cache: bool = True) -> _Call[dict[str, Any]]:
+                                 flush_cache: bool = True) -> _Call[EngineReply]:
         """Load the HF checkpoint directory ``model_path`` (SGLang's ``/update_weights_from_disk``)
         and serve it as ``weight_version``."""
         body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
@@ -397,7 +403,7 @@ class _Calls:
     def update_weights_from_tensor(self, serialized_named_tensors: list[str],
                                    load_format: str | None = "flattened_bucket", flush_cache: bool = True,
                                    weight_version: int | str | None = None,
-                                   abort_all_requests: bool = False) -> _Call[dict[str, Any]]:
+                                   abort_all_requests: bool = False) -> _Call[EngineReply]:
         """SGLang's colocated update: ``serialized_named_tensors`` one base64 entry per engine
         TP rank (:mod:`moe_async.weight_sync.tensor_ipc`); ``weight_version`` sent as a string."""
         body: dict[str, Any] = {
@@ -409,12 +415,12 @@ class _Calls:
         return _Call("POST", "/update_weights_from_tensor", _with_version(body, weight_version), retry=None)
 
     @_Endpoint
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> _Call[dict[str, Any]]:
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> _Call[EngineReply]:
         """Leave the weight-update group ``group_name`` (SGLang's call)."""
         return _Call("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=None)
 
     @_Endpoint
-    def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> _Call[dict[str, Any]]:
+    def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> _Call[EngineReply]:
         """Open SGLang 0.5.23's weight-update session (required around
         ``update_weights_from_distributed``); ``atomic`` (ours, SGLang ignores it): the
         embedded engine stages the session's calls until the versioned one."""
@@ -424,19 +430,19 @@ class _Calls:
         return _Call("POST", "/begin_weight_update", body, retry=None)
 
     @_Endpoint
-    def end_weight_update(self) -> _Call[dict[str, Any]]:
+    def end_weight_update(self) -> _Call[EngineReply]:
         """Close the weight-update session."""
         return _Call("POST", "/end_weight_update", {}, retry=None)
 
     @_Endpoint
-    def weights_checksum(self) -> _Call[dict[str, Any]]:
+    def weights_checksum(self) -> _Call[EngineReply]:
         """``{"weight_version": int, "checksums": {hf_name: sha256 hex}, ...}`` (embedded engine only;
         the wire's string version parsed to the trainer's int)."""
         return _Call("GET", "/weights_checksum",
                      decode=lambda r: {**(info := r.json()), "weight_version": _version(info.get("weight_version"))})
 
     @_Endpoint
-    def weights_layout(self) -> _Call[dict[str, Any] | None]:
+    def weights_layout(self) -> _Call[EngineReply | None]:
         """``{"names", "shapes", "dtypes"}``: the HF tensors in the order the engine receives
         without a copy (embedded engine's ``GET /weights_layout``); None when the engine has
         no such endpoint (SGLang)."""
