@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo smoke test test-slow docs gpu-lock gpu-check-wheels
+.PHONY: setup demo smoke test typecheck test-slow docs gpu-lock gpu-check-wheels
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile constraints/cpu.txt
@@ -37,6 +37,10 @@ test: setup
 # fails the build (never add -q: it hides the warnings --strict counts).
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# mypy on moe_async/ (configured in pyproject.toml's [tool.mypy]); zero errors expected.
+typecheck: setup
+	$(VENV)/bin/mypy
 
 # Re-resolve the GPU environment's locks (constraints/gpu-py3*.txt) against the package index
 # after a pin in pyproject.toml changed; tests/env/test_gpu_env.py checks they still agree.

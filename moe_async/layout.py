@@ -17,6 +17,21 @@ Errors: :class:`LayoutError` (a ``ValueError``) naming the fields (with their ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+class MegatronSizes(TypedDict):
+    """:meth:`ParallelLayout.megatron_kwargs`: the sizes under Megatron-Core's keyword names."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
 
 
 class LayoutError(ValueError):
@@ -68,14 +83,14 @@ class ParallelLayout:
                    ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size,
                    cp=cfg.context_parallel_size, vpp=vpp if vpp is not None and vpp > 1 else None)
 
-    def megatron_kwargs(self) -> dict[str, int | None]:
+    def megatron_kwargs(self) -> MegatronSizes:
         """The sizes under Megatron-Core's names, as both ``parallel_state.initialize_model_parallel``
         and ``TransformerConfig`` (``ModelParallelConfig``) take them: ``tensor_model_parallel_size``,
         ``pipeline_model_parallel_size``, ``context_parallel_size``, ``expert_model_parallel_size``,
         ``expert_tensor_parallel_size``, ``virtual_pipeline_model_parallel_size``."""
-        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                    context_parallel_size=self.cp, expert_model_parallel_size=self.ep,
-                    expert_tensor_parallel_size=self.etp, virtual_pipeline_model_parallel_size=self.vpp)
+        return MegatronSizes(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                             context_parallel_size=self.cp, expert_model_parallel_size=self.ep,
+                             expert_tensor_parallel_size=self.etp, virtual_pipeline_model_parallel_size=self.vpp)
 
     def check_world(self, world: int) -> None:
         """Megatron-Core's rules (``parallel_state.initialize_model_parallel``) against the
@@ -141,3 +156,20 @@ def resolve_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
             f"x {prefix}pipeline_model_parallel_size={pp} = {expert} (Megatron's expert rule: world = ETP x EP x "
             f"EDP x PP){hint}")
     return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp_eff)
+
+
+def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> "Tensor":
+    """Global sequence positions held by context-parallel rank ``cp_rank``, in its local
+    order: ``[seq_len // cp_size]`` long = chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank``
+    of ``2*cp_size`` equal chunks (the split Megatron-Core's ``get_batch_on_this_cp_rank`` and
+    RoPE's ``get_pos_emb_on_this_cp_rank`` make). ValueError unless ``seq_len`` is a multiple
+    of ``2*cp_size``."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside a context-parallel group of size {cp_size}")
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x context_parallel_size = {2 * cp_size}")
+    import torch
+
+    c = seq_len // (2 * cp_size)
+    a, b = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
+    return torch.cat([torch.arange(a, a + c), torch.arange(b, b + c)])

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+from moe_async.types import Group
+
 
 class GenerateEngine(Protocol):
     """One engine's ``/generate`` (SGLang's native API), awaited by the rollout manager."""
@@ -38,7 +40,7 @@ class GroupBuffer(Protocol):
         """A slot for one group: the weight_version it is admitted at, or None (no capacity)."""
         ...
 
-    async def put(self, group: Any) -> None:
+    async def put(self, group: Group) -> None:
         """Hand in the finished group of an admitted slot."""
         ...
 
@@ -65,7 +67,17 @@ class WeightReceiver(Protocol):
                                   backend: str = "gloo") -> dict: ...
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                        shapes: Sequence[Sequence[int]], **kw: Any) -> dict: ...
+                                        shapes: Sequence[Sequence[int]],
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        weight_version: int | str | None = None,
+                                        load_format: str | None = "flattened_bucket",
+                                        abort_all_requests: bool = False) -> dict: ...
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str],
+                                   load_format: str | None = "flattened_bucket", flush_cache: bool = True,
+                                   weight_version: int | str | None = None,
+                                   abort_all_requests: bool = False) -> dict: ...
 
     def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
                                  flush_cache: bool = True) -> dict: ...

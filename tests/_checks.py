@@ -31,6 +31,12 @@ ADAM_EPS = 1e-5
 LENS = [(5, 7), (3, 6), (8, 4), (4, 9), (6, 5), (7, 6), (2, 8), (5, 5)]
 
 
+def rel_err(a: float, b: float) -> float:
+    """The suite's one relative difference of two scalars: ``|a - b| / max(|a|, |b|, 1e-12)``
+    (symmetric; 0 when both are 0)."""
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
 def samples(seed: int = 0, lens: list[tuple[int, int]] = LENS, zero_at: int | None = 4, vocab: int = 256) -> list:
     """One ``moe_async.types.Sample`` per ``(prompt, response)`` length in ``lens``: token ids
     drawn uniformly from [3, vocab) and rollout logprobs from (-6, 0] by a ``torch.Generator``

@@ -73,7 +73,7 @@ def test_start_up_checks_raise_user_input_error(tmp_path) -> None:
     """The refusals are UserInputError, still ValueError (and FileNotFoundError where they were)."""
     from moe_async.models.config import ModelConfig
     from moe_async.models.prepare import prepare_hf_checkpoint
-    from moe_async.orchestration.affinity import check_cpu_affinity
+    from moe_async.affinity import check_cpu_affinity
     from moe_async.orchestration.driver import resolve_checkpoint
 
     with pytest.raises(UserInputError, match=r"engine\.cpu_affinity"):

@@ -1,6 +1,7 @@
 """Structure of the ``moe_async`` package, read from the source (ast; nothing is imported):
-no import cycle among its modules, no lower layer importing ``moe_async.orchestration``, no
-module over 800 lines, and ``moe_async.megatron`` importable without torch."""
+the declared layer order (:data:`LAYERS`) holds for every import, no import cycle among its
+modules, no re-export shim module, no module over 800 lines, and ``moe_async.megatron``
+importable without torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,33 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "moe_async"
 MAX_LINES = 800
+
+#: The package's layers, lowest first: a module may import only modules of its own entry or of
+#: an entry listed before it. An entry is a package or module; a module belongs to the longest
+#: entry that prefixes it (a package's leaf module that a lower layer shares is listed on its own).
+LAYERS = (
+    "moe_async.errors", "moe_async.types", "moe_async.layout", "moe_async.protocols",
+    "moe_async.config_base", "moe_async.net", "moe_async.affinity",
+    "moe_async.compat",
+    "moe_async.models",
+    "moe_async.megatron",
+    "moe_async.trainer.finite",
+    "moe_async.weight_sync",
+    "moe_async.engines",
+    "moe_async.buffer",
+    "moe_async.logging",
+    "moe_async.replay",
+    "moe_async.trainer",
+    "moe_async.rollout",
+    "moe_async.data",
+    "moe_async.plan.config",
+    "moe_async.config",
+    "moe_async.plan",
+    "moe_async.report",
+    "moe_async.orchestration",
+    "moe_async.cli",
+    "moe_async",
+)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -90,6 +118,72 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                     if len(comp) > 1:
                         out.append(sorted(comp))
     return out
+
+
+def layer_of(module: str) -> int:
+    """Index in :data:`LAYERS` of the longest entry that is ``module`` or a package above it."""
+    best = max((e for e in LAYERS if module == e or module.startswith(e + ".")), key=len, default=None)
+    if best is None:
+        raise KeyError(f"{module} is in no layer of LAYERS")
+    return LAYERS.index(best)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs whose imported module sits in a later layer than the importer
+    (the package root ``moe_async`` itself may import anything)."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps
+                  if m != "moe_async" and layer_of(d) > layer_of(m))
+
+
+def test_layer_finder_flags_a_planted_upward_import():
+    g = {"moe_async.models.family": {"moe_async.errors"}, "moe_async.errors": {"moe_async.trainer.loss"}}
+    assert upward_imports(g) == [("moe_async.errors", "moe_async.trainer.loss")]
+    assert layer_of("moe_async.trainer.finite") < layer_of("moe_async.weight_sync.bucket") < layer_of("moe_async.trainer")
+
+
+def test_every_import_follows_the_layer_order():
+    """Every module is in a layer and no import points to a later one; prints the import graph
+    between layers (``importer -> imported``, with the number of module imports behind each)."""
+    graph = import_graph(_modules())
+    for m in graph:
+        layer_of(m)  # KeyError for a module in no layer
+    arrows: dict[tuple[str, str], int] = {}
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = LAYERS[layer_of(m)], LAYERS[layer_of(d)]
+            if a != b:
+                arrows[a, b] = arrows.get((a, b), 0) + 1
+    print("\nimport graph between layers (lowest layer first):")
+    for entry in LAYERS:
+        out = sorted((LAYERS.index(b), b, n) for (a, b), n in arrows.items() if a == entry)
+        print(f"  {entry} -> " + (", ".join(f"{b} ({n})" for _, b, n in out) or "-"))
+    bad = upward_imports(graph)
+    print(f"arrows against the layer order: {len(bad)}")
+    assert bad == [], f"imports against the layer order in LAYERS: {bad}"
+
+
+def is_shim(source: str) -> bool:
+    """True for a module whose body is only imports from ``moe_async`` (plus its docstring and
+    ``__all__``): a re-export kept for callers."""
+    body = [n for n in ast.parse(source).body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    rest = [n for n in body if n not in imports and not (
+        isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"])]
+    return bool(imports) and not rest and any(
+        isinstance(n, ast.ImportFrom) and (n.module or "").startswith("moe_async") for n in imports)
+
+
+def test_shim_finder_flags_a_planted_shim():
+    shim = '"""Re-export."""\nfrom moe_async.megatron.sharding import Piece\n\n__all__ = ["Piece"]\n'
+    assert is_shim(shim)
+    assert not is_shim(shim + "\n\ndef f():\n    return Piece\n")
+
+
+def test_no_reexport_shim_modules():
+    """Callers import a name from the module that defines it: no re-export shim module
+    (package ``__init__`` files, which gather a package's API, are exempt)."""
+    shims = [name for name, path in _modules().items() if path.name != "__init__.py" and is_shim(path.read_text())]
+    assert shims == [], f"re-export shim modules: {shims}"
 
 
 def test_cycle_finder_finds_a_planted_cycle():

@@ -313,7 +313,7 @@ def main(argv=None) -> None:
                 print(f"    detail ({LABEL[key]}, median): " + json.dumps(
                     {k.removeprefix("sync/"): round(v, 4) for k, v in res[f"detail_{key}"].items()}), flush=True)
         sums = client.weights_checksum()
-        from moe_async.engines.checksum import tensor_checksum
+        from moe_async.models.checksum import tensor_checksum
 
         assert sums["checksums"] == {n: tensor_checksum(t) for n, t in named}, "engine weights differ"
         if trainer is not None:

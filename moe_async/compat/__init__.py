@@ -229,12 +229,13 @@ _CPU_STREAM = _CpuStream()
 
 
 def _patch_cuda_streams() -> None:
-    torch.cuda.Stream = _CpuStream  # type: ignore[misc, assignment]
-    torch.cuda.Event = _CpuEvent  # type: ignore[misc, assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda device=None: _CPU_STREAM  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # setattr: the replacements do not have torch's signatures (that is the point)
+    setattr(torch.cuda, "Stream", _CpuStream)
+    setattr(torch.cuda, "Event", _CpuEvent)
+    setattr(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
+    setattr(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM)
+    setattr(torch.cuda, "default_stream", lambda device=None: _CPU_STREAM)
+    setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def _patch_cuda_streams() -> None:
 # tensor_parallel/mappings.py, pipeline_parallel/p2p_communication.py, dist_checkpointing.
 # ---------------------------------------------------------------------------------------
 def _patch_current_device() -> None:
-    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+    setattr(torch.cuda, "current_device", lambda: _CPU)
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def _patch_torch_norm_sequence_parallel() -> None:
             p.sequence_parallel = True
         return norm
 
-    cls.__new__ = staticmethod(__new__)  # type: ignore[assignment]
+    cls.__new__ = staticmethod(__new__)
     cls._moe_async_sp_mend = True
 
 

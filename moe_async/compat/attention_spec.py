@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
+from typing import Any, cast
 
 
 @functools.cache
@@ -36,7 +36,7 @@ def swap_core_attention(spec: Any, mixin: type, prefix: str) -> tuple[Any, int]:
             return ca
         if isinstance(ca, type) and issubclass(ca, DotProductAttention) and not issubclass(ca, mixin):
             n += 1
-            return mixed_core_attention(mixin, ca, prefix)
+            return mixed_core_attention(mixin, cast(type, ca), prefix)
         return ca
 
     def walk(x: Any) -> None:

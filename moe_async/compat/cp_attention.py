@@ -9,20 +9,24 @@ Design notes: ``docs/design/compat.md``."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
+from moe_async.layout import cp_positions
+
+if TYPE_CHECKING:  # the checker sees the mixin over the class it is mixed into
+    from megatron.core.transformer.dot_product_attention import DotProductAttention as _MixinBase
+else:
+    _MixinBase = object
 
 Tensor = torch.Tensor
 
 
 def cp_chunk_positions(seq_len: int, cp_size: int, cp_rank: int) -> Tensor:
     """Global positions held by CP rank ``cp_rank`` (chunk ``cp_rank`` then chunk
-    ``2 x cp_size - 1 - cp_rank``): :func:`moe_async.megatron.sharding.cp_positions`."""
-    from moe_async.megatron.sharding import cp_positions
-
+    ``2 x cp_size - 1 - cp_rank``): :func:`moe_async.layout.cp_positions`."""
     return cp_positions(seq_len, cp_size, cp_rank)
 
 
@@ -60,7 +64,7 @@ def gather_sequence_over_cp(x: Tensor, group: Any) -> Tensor:
     return _GatherSequenceOverCP.apply(x, group)
 
 
-class _CPCoreAttentionMixin:
+class _CPCoreAttentionMixin(_MixinBase):
     """Mixed in before a local ``DotProductAttention`` (sub)class; design notes: ``docs/design/compat.md``."""
 
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:

@@ -52,8 +52,8 @@ def patch_dist_opt_torch_adam_step() -> bool:
             _own_step_copies(self.optimizer)
         return out
 
-    _set_main_param_and_optimizer_states._moe_async_mend = True
-    load_state_dict._moe_async_mend = True
+    setattr(_set_main_param_and_optimizer_states, "_moe_async_mend", True)
+    setattr(load_state_dict, "_moe_async_mend", True)
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     cls.load_state_dict = load_state_dict
     return True

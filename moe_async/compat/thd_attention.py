@@ -11,11 +11,16 @@ Design notes: ``docs/design/compat.md``."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
+
+if TYPE_CHECKING:  # the checker sees the mixin over the class it is mixed into
+    from megatron.core.transformer.dot_product_attention import DotProductAttention as _MixinBase
+else:
+    _MixinBase = object
 
 Tensor = torch.Tensor
 
@@ -44,7 +49,7 @@ def _causal_mask(n: int, device: str) -> Tensor:
     return torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1).view(1, 1, n, n)
 
 
-class _THDCoreAttentionMixin:
+class _THDCoreAttentionMixin(_MixinBase):
     """Mixed in before a local ``DotProductAttention`` (sub)class; design notes: ``docs/design/compat.md``.
     Without ``packed_seq_params`` (or with a format other than ``thd``) it is the base class."""
 

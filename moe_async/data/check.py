@@ -60,12 +60,12 @@ def check_data(data: DataConfig) -> dict[str, Any]:
             out["train_rows"] += len(ds)
         else:
             out["eval_rows"][what.split(".", 2)[2]] = len(ds)
-        for src, first in data_sources(ds, keys.format, keys.metadata_key).items():
+        for source, first in data_sources(ds, keys.format, keys.metadata_key).items():
             try:
-                spec, _ = spec_for(src, data)
+                spec, _ = spec_for(source, data)
             except KeyError:
                 path, r = locate(spans, first)
-                raise DataError(f"{what}: {path!r} row {r}: data_source {src!r} has no reward: add "
-                                f"data.rewards[{src!r}] or data.default_reward") from None
-            out["data_sources"][src] = spec
+                raise DataError(f"{what}: {path!r} row {r}: data_source {source!r} has no reward: add "
+                                f"data.rewards[{source!r}] or data.default_reward") from None
+            out["data_sources"][source] = spec
     return out

@@ -180,6 +180,7 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
     """
     table = ds.data.table if hasattr(ds.data, "table") else ds.data
     cols = list(ds.column_names)
+    label_col: str | None
     if keys.format == "verl":
         prompt_col, label_col = "prompt", "reward_model"
         for c in ("prompt", "reward_model"):

@@ -11,6 +11,7 @@ Design notes: ``docs/design/engines.md``."""
 from __future__ import annotations
 
 import abc
+import io
 import atexit
 import os
 import signal
@@ -23,7 +24,7 @@ import weakref
 import httpx
 
 from moe_async.engines.config import EngineConfig
-from moe_async.megatron.parallel import free_port
+from moe_async.net import free_port
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
@@ -97,7 +98,7 @@ class _SubprocessEngine(Engine):
         self.port = port or free_port(cfg.host)
         self.proc: subprocess.Popen | None = None
         self.log_path: str | None = None
-        self._log_file = None
+        self._log_file: io.BufferedWriter | None = None
 
     @abc.abstractmethod
     def command(self) -> list[str]:
@@ -131,6 +132,13 @@ class _SubprocessEngine(Engine):
         fd, self.log_path = tempfile.mkstemp(prefix=f"moe_async_{self.name}_{self.port}_", suffix=".log",
                                              dir=_log_dir())
         self._log_file = os.fdopen(fd, "wb")
+        preexec = self.preexec
+        if cores is not None:
+            mask = cores
+
+            def preexec() -> None:
+                os.sched_setaffinity(0, mask)
+                self.preexec()
         self.proc = subprocess.Popen(
             self.command(),
             stdout=self._log_file,
@@ -138,7 +146,7 @@ class _SubprocessEngine(Engine):
             stdin=subprocess.DEVNULL,
             env=self.env(),
             start_new_session=True,
-            preexec_fn=self.preexec if cores is None else lambda: (os.sched_setaffinity(0, cores), self.preexec()),
+            preexec_fn=preexec,
         )
         _LIVE.add(self)
         deadline = time.monotonic() + self.cfg.startup_timeout_s

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import base64
 import functools
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Coroutine, Generic, ParamSpec, TypeVar, overload
 
 import httpx
 import numpy as np
@@ -32,6 +34,12 @@ from tenacity import (
     stop_after_attempt,
     wait_exponential,
 )
+
+
+R = TypeVar("R")
+P = ParamSpec("P")
+#: An engine endpoint's JSON object reply (SGLang's, or the embedded engine's same fields).
+EngineReply = dict[str, Any]
 
 
 class EngineRequestError(RuntimeError):
@@ -187,7 +195,7 @@ def _with_version(body: dict[str, Any], weight_version: int | str | None) -> dic
 
 
 @dataclass(frozen=True)
-class _Call:
+class _Call(Generic[R]):
     """One engine call, described once for both clients (the sans-IO half of the client).
 
     ``retry``: the tenacity predicate of the errors worth another attempt (:func:`_transient`
@@ -202,7 +210,7 @@ class _Call:
     path: str
     json: Any = None
     retry: Callable[[BaseException], bool] | None = _transient
-    decode: Callable[[httpx.Response], Any] = _json_body
+    decode: Callable[[httpx.Response], R] = _json_body
     check: bool = True
     timeout: float | None = None
     recover: Callable[[BaseException], Any] | None = None
@@ -244,17 +252,54 @@ def _unreachable_is_false(e: BaseException) -> bool:
     raise e
 
 
+class _Endpoint(Generic[P, R]):
+    """A :class:`_Calls` method (``spec``, returning the :class:`_Call` of one endpoint) as a
+    client method of the same name, arguments and docstring that runs the call through the
+    client's ``_run``: on an :class:`EngineClient` a coroutine of the decoded result, on a
+    :class:`SyncEngineClient` the result itself (the overloads let the type checker see both)."""
+
+    def __init__(self, spec: Callable[Concatenate[Any, P], _Call[R]]) -> None:
+        self.spec = spec
+        self.__doc__ = spec.__doc__
+        self.__wrapped__ = spec
+        sig = inspect.signature(spec)
+        self.signature = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Endpoint[P, R]: ...
+
+    @overload
+    def __get__(self, obj: EngineClient, owner: type | None = None) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def __get__(self, obj: SyncEngineClient, owner: type | None = None) -> Callable[P, R]: ...
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        spec = self.spec
+
+        @functools.wraps(spec)
+        def method(*args: Any, **kw: Any) -> Any:
+            return obj._run(spec(obj, *args, **kw))
+
+        setattr(method, "__signature__", self.signature)  # the bound method's: no self
+        return method
+
+
+
 class _Calls:
-    """The engine API, one method per endpoint returning its :class:`_Call`; the clients
-    (:func:`_endpoints`) turn each into a blocking or an async method of the same name,
+    """The engine API, one method per endpoint returning its :class:`_Call`; each is an
+    :class:`_Endpoint`: on the clients a blocking or an async method of the same name,
     arguments and docstring that runs the call and returns its decoded result."""
 
     moe_shape: tuple[int, int] | None
 
+    @_Endpoint
     def generate(self, input_ids: list[int], sampling_params: dict | None = None,
                  return_logprob: bool = True, return_routed_experts: bool = False,
                  rid: str | None = None, return_sampling_mask: bool = False,
-                 sampling_logprobs_mode: str | None = None) -> _Call:
+                 sampling_logprobs_mode: str | None = None) -> _Call[GenerateOutput]:
         """SGLang's ``/generate`` of one prompt (token ids) -> :class:`GenerateOutput`; retried
         only when the connection could not be made (nothing ran)."""
         body: dict[str, Any] = {
@@ -273,30 +318,36 @@ class _Calls:
         return _Call("POST", "/generate", body, retry=_connect_only,
                      decode=lambda r: parse_generate(r.json(), moe_shape))
 
-    def health(self, timeout: float = 5.0) -> _Call:
+    @_Endpoint
+    def health(self, timeout: float = 5.0) -> _Call[bool]:
         """True when ``/health`` answers 200 within ``timeout`` s; False otherwise (no retry)."""
         return _Call("GET", "/health", retry=None, check=False, timeout=timeout,
                      decode=lambda r: r.status_code == 200, recover=_unreachable_is_false)
 
-    def get_model_info(self) -> _Call:
+    @_Endpoint
+    def get_model_info(self) -> _Call[EngineReply]:
         """``/get_model_info``'s dict."""
         return _Call("GET", "/get_model_info")
 
-    def get_weight_version(self) -> _Call:
+    @_Endpoint
+    def get_weight_version(self) -> _Call[int]:
         """The served weight version as an int (-1: SGLang's non-numeric default); from
         ``/get_weight_version``, or ``/model_info`` where that is 404 (real SGLang)."""
         return _Call("GET", "/get_weight_version", decode=_version_of,
                      recover=_not_found_then(_Call("GET", "/model_info", decode=_version_of)))
 
-    def pause_generation(self, mode: str = "abort") -> _Call:
+    @_Endpoint
+    def pause_generation(self, mode: str = "abort") -> _Call[EngineReply]:
         """``/pause_generation`` in ``mode`` (``abort`` | ``retract`` | ``in_place``)."""
         return _Call("POST", "/pause_generation", {"mode": mode})
 
-    def continue_generation(self) -> _Call:
+    @_Endpoint
+    def continue_generation(self) -> _Call[EngineReply]:
         """``/continue_generation``."""
         return _Call("POST", "/continue_generation", {})
 
-    def flush_cache(self, timeout_s: float = 0.0) -> _Call:
+    @_Endpoint
+    def flush_cache(self, timeout_s: float = 0.0) -> _Call[bool]:
         """True when flushed; False when the engine refused (requests in flight). ``timeout_s``
         > 0: SGLang's deferred flush (``?timeout=``), performed as soon as the engine is idle,
         False when it is not idle within ``timeout_s``."""
@@ -305,25 +356,28 @@ class _Calls:
                          recover=_refused_is_false, timeout=timeout_s + 30.0)
         return _Call("POST", "/flush_cache", decode=lambda r: True, recover=_refused_is_false)
 
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> _Call:
+    @_Endpoint
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> _Call[None]:
         """Abort request ``rid`` (or every request with ``abort_all``); returns None."""
         return _Call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, decode=lambda r: None)
 
+    @_Endpoint
     def init_weights_update_group(self, master_address: str, master_port: int,
                                   rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group",
-                                  backend: str = "gloo") -> _Call:
+                                  backend: str = "gloo") -> _Call[EngineReply]:
         """Join the weight-update process group (a collective: never retried)."""
         body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                     world_size=world_size, group_name=group_name, backend=backend)
         return _Call("POST", "/init_weights_update_group", body, retry=None)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes,
+    @_Endpoint
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                                         group_name: str = "weight_update_group",
                                         flush_cache: bool = True,
                                         weight_version: int | str | None = None,
                                         load_format: str | None = "flattened_bucket",
-                                        abort_all_requests: bool = False) -> _Call:
+                                        abort_all_requests: bool = False) -> _Call[EngineReply]:
         """Receive one bucket of ``names`` (``dtypes``, ``shapes``) over the group's broadcast
         (a collective: never retried); ``weight_version`` sent as a string."""
         body: dict[str, Any] = {
@@ -337,17 +391,19 @@ class _Calls:
         }
         return _Call("POST", "/update_weights_from_distributed", _with_version(body, weight_version), retry=None)
 
+    @_Endpoint
     def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
-                                 flush_cache: bool = True) -> _Call:
+                                 flush_cache: bool = True) -> _Call[EngineReply]:
         """Load the HF checkpoint directory ``model_path`` (SGLang's ``/update_weights_from_disk``)
         and serve it as ``weight_version``."""
         body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         return _Call("POST", "/update_weights_from_disk", _with_version(body, weight_version), retry=None)
 
+    @_Endpoint
     def update_weights_from_tensor(self, serialized_named_tensors: list[str],
                                    load_format: str | None = "flattened_bucket", flush_cache: bool = True,
                                    weight_version: int | str | None = None,
-                                   abort_all_requests: bool = False) -> _Call:
+                                   abort_all_requests: bool = False) -> _Call[EngineReply]:
         """SGLang's colocated update: ``serialized_named_tensors`` one base64 entry per engine
         TP rank (:mod:`moe_async.weight_sync.tensor_ipc`); ``weight_version`` sent as a string."""
         body: dict[str, Any] = {
@@ -358,11 +414,13 @@ class _Calls:
         }
         return _Call("POST", "/update_weights_from_tensor", _with_version(body, weight_version), retry=None)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> _Call:
+    @_Endpoint
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> _Call[EngineReply]:
         """Leave the weight-update group ``group_name`` (SGLang's call)."""
         return _Call("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=None)
 
-    def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> _Call:
+    @_Endpoint
+    def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> _Call[EngineReply]:
         """Open SGLang 0.5.23's weight-update session (required around
         ``update_weights_from_distributed``); ``atomic`` (ours, SGLang ignores it): the
         embedded engine stages the session's calls until the versioned one."""
@@ -371,50 +429,25 @@ class _Calls:
             body["atomic"] = True
         return _Call("POST", "/begin_weight_update", body, retry=None)
 
-    def end_weight_update(self) -> _Call:
+    @_Endpoint
+    def end_weight_update(self) -> _Call[EngineReply]:
         """Close the weight-update session."""
         return _Call("POST", "/end_weight_update", {}, retry=None)
 
-    def weights_checksum(self) -> _Call:
+    @_Endpoint
+    def weights_checksum(self) -> _Call[EngineReply]:
         """``{"weight_version": int, "checksums": {hf_name: sha256 hex}, ...}`` (embedded engine only;
         the wire's string version parsed to the trainer's int)."""
         return _Call("GET", "/weights_checksum",
                      decode=lambda r: {**(info := r.json()), "weight_version": _version(info.get("weight_version"))})
 
-    def weights_layout(self) -> _Call:
+    @_Endpoint
+    def weights_layout(self) -> _Call[EngineReply | None]:
         """``{"names", "shapes", "dtypes"}``: the HF tensors in the order the engine receives
         without a copy (embedded engine's ``GET /weights_layout``); None when the engine has
         no such endpoint (SGLang)."""
         return _Call("GET", "/weights_layout", retry=None, check=False,
                      decode=lambda r: r.json() if r.status_code == 200 else None)
-
-
-def _endpoints(wrap: Callable[[Callable[..., _Call]], Callable]):
-    """Class decorator: every public method of :class:`_Calls` as ``wrap(method)`` on the class."""
-
-    def deco(cls):
-        for name, spec in vars(_Calls).items():
-            if not name.startswith("_") and callable(spec):
-                setattr(cls, name, wrap(spec))
-        return cls
-
-    return deco
-
-
-def _blocking(spec: Callable[..., _Call]) -> Callable:
-    @functools.wraps(spec)
-    def method(self, *args, **kw):
-        return self._run(spec(self, *args, **kw))
-
-    return method
-
-
-def _awaitable(spec: Callable[..., _Call]) -> Callable:
-    @functools.wraps(spec)
-    async def method(self, *args, **kw):
-        return await self._run(spec(self, *args, **kw))
-
-    return method
 
 
 class _Base(_Calls):
@@ -450,7 +483,6 @@ class _Base(_Calls):
         return _Call(method, path, json, retry=retry, decode=lambda r: r, timeout=timeout)
 
 
-@_endpoints(_awaitable)
 class EngineClient(_Base):
     """Async client (one instance per event loop); ``await client.aclose()`` when done. Its
     methods are :class:`_Calls`'s, awaitable."""
@@ -489,7 +521,6 @@ class EngineClient(_Base):
         return await self._run(self._call(method, path, json, retry, timeout))
 
 
-@_endpoints(_blocking)
 class SyncEngineClient(_Base):
     """Blocking twin of :class:`EngineClient` (``httpx.Client``): the same :class:`_Calls`
     methods, run by the same policy."""
@@ -590,3 +621,11 @@ class MultiEngineClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+if TYPE_CHECKING:
+    from moe_async.protocols import GenerateEngine, WeightReceiver
+
+    def _clients_bind(sync: SyncEngineClient, aio: EngineClient) -> tuple[WeightReceiver, GenerateEngine]:
+        """Never called: the type checker proves the generated methods satisfy the Protocols."""
+        return sync, aio

@@ -15,7 +15,10 @@ import sys
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 # kind -> pattern (searched in the line with ANSI colours and Ray's "(Actor pid=N) " prefix removed)
 EXPECTED: dict[str, re.Pattern] = {
@@ -98,8 +101,8 @@ class RunConsole:
         self._log: TextIO | None = None
         self._pending: list[str] = []
         self._skip_continuation: set[str] = set()
-        self._progress = None
-        self._task = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
         self._installed = False
         self.log_path: Path | None = None
         if install:
@@ -189,6 +192,7 @@ class RunConsole:
                 self._progress.start()
                 self._task = self._progress.add_task(label, total=None)
             else:
+                assert self._task is not None  # added with the progress view
                 self._progress.reset(self._task, description=label)
 
     def close(self) -> None:

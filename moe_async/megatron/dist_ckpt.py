@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -90,6 +90,7 @@ def _in_process_classes() -> tuple:
     from torch.distributed.checkpoint.planner import WriteItemType
 
     write_kw: dict[str, Any] = {}
+    write_item: Callable[..., Any] = _write_item  # its arguments differ between torch versions
     if "serialization_format" in inspect.signature(_write_item).parameters:
         from torch.distributed.checkpoint.filesystem import SerializationFormat
 
@@ -140,7 +141,7 @@ def _in_process_classes() -> tuple:
                             pad = -f.tell() % ITEM_ALIGN
                             if pad:  # items start aligned: a mapped read can use the data in place
                                 f.write(b"\0" * pad)
-                            results.append(_write_item(*transforms, f, data, item, key, **write_kw))
+                            results.append(write_item(*transforms, f, data, item, key, **write_kw))
                         if self.fsync:
                             f.flush()
                             os.fsync(f.fileno())
@@ -358,7 +359,7 @@ def _mmap_classes() -> tuple:
                 del mapped
             if stock:
                 return super().read_data(dataclasses.replace(plan, items=stock), planner)
-            fut = torch.futures.Future()
+            fut: torch.futures.Future[None] = torch.futures.Future()
             fut.set_result(None)
             return fut
 
@@ -402,8 +403,8 @@ def _mmap_classes() -> tuple:
                 checkpoint.load_state_dict(pyt_state_dict, reader, planner=MCoreLoadPlanner(
                     shapes_validation_sharded_tensors=shape_checked, allow_shape_mismatch_sharded_tensors=shape_free))
             except CheckpointException as e:  # DCP wraps each rank's error: raise a file-naming one as is
-                for exc in e.failures.values():
-                    exc = exc[0] if isinstance(exc, tuple) else exc
+                for failure in e.failures.values():
+                    exc = failure[0] if isinstance(failure, tuple) else failure
                     if isinstance(exc, ValueError):
                         raise exc from None
                 raise

@@ -13,16 +13,9 @@ import contextlib
 import functools
 import math
 import os
-import socket
 
 from moe_async.layout import ParallelLayout
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (bound and released; another process may take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from moe_async.net import free_port
 
 
 def have_te() -> bool:

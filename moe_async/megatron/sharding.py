@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 import torch
+
+from moe_async.layout import cp_positions
 
 Tensor = torch.Tensor
 Chunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -106,10 +108,10 @@ def local_pieces(model: Chunks) -> list[Piece]:
     return [pc for v, m in enumerate(chunks) for pc in _chunk_pieces(m, f"chunk{v}.")]
 
 
-def _chunk_pieces(model: torch.nn.Module, tag: str) -> list[Piece]:
+def _chunk_pieces(model: Any, tag: str) -> list[Piece]:  # a megatron.core GPTModel chunk
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    params = dict(model.named_parameters())
+    params: dict[str, Tensor] = dict(model.named_parameters())
     # deepseek_v3: the router's fp32 expert bias (HF e_score_correction_bias) is a buffer that
     # is loaded and exported like a parameter.
     params.update({n: b for n, b in model.named_buffers() if n.endswith(".router.expert_bias")})
@@ -266,21 +268,6 @@ def _glob(rank: int, group) -> int:
 # Context parallelism: the load-balanced sequence split (Megatron-LM get_batch_on_this_cp_rank,
 # Megatron-Core megatron.core.utils.get_batch_on_this_cp_rank / get_pos_emb_on_this_cp_rank)
 # ---------------------------------------------------------------------------------------
-def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> Tensor:
-    """Global sequence positions held by context-parallel rank ``cp_rank``, in its local
-    order: ``[seq_len // cp_size]`` long = chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank``
-    of ``2*cp_size`` equal chunks (the split Megatron-Core's ``get_batch_on_this_cp_rank`` and
-    RoPE's ``get_pos_emb_on_this_cp_rank`` make). ValueError unless ``seq_len`` is a multiple
-    of ``2*cp_size``."""
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} outside a context-parallel group of size {cp_size}")
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x context_parallel_size = {2 * cp_size}")
-    c = seq_len // (2 * cp_size)
-    a, b = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
-    return torch.cat([torch.arange(a, a + c), torch.arange(b, b + c)])
-
-
 class _GatherReplicatedOverCP(torch.autograd.Function):
     """``[B, S/CP, ...]`` (this CP rank's positions, local order) -> ``[B, S, ...]`` in global
     order, all-gathered over the CP group. For a value that EVERY CP rank then consumes
@@ -310,7 +297,7 @@ class _GatherReplicatedOverCP(torch.autograd.Function):
 
 def gather_over_cp(x: Tensor, group) -> Tensor:
     """``x [B, S/CP, ...]`` of every rank of the context-parallel ``group`` -> ``[B, S, ...]``
-    in global sequence order (see :func:`cp_positions`); differentiable, the backward keeping
+    in global sequence order (see :func:`moe_async.layout.cp_positions`); differentiable, the backward keeping
     this rank's rows (for a loss computed identically on every CP rank). Collective over
     ``group``."""
     return _GatherReplicatedOverCP.apply(x, group)

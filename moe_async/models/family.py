@@ -29,11 +29,11 @@ def register_family(family: "ModelFamily") -> "ModelFamily":
     return family
 
 
-def get_family(model_type: str) -> "ModelFamily":
+def get_family(model_type: str | None) -> "ModelFamily":
     """The family registered for HF ``model_type`` (exact key); ValueError listing the known
     ones otherwise."""
     try:
-        return _REGISTRY[model_type]
+        return _REGISTRY[model_type or ""]
     except KeyError:
         raise ValueError(
             f"unsupported HF model_type {model_type!r}; supported: {sorted(_REGISTRY)}"

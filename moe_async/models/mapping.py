@@ -14,7 +14,7 @@ Tensors are full (unsharded): TP/EP/PP gathering happens before (export) or slic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -44,8 +44,8 @@ class Rule:
 
     megatron: str
     hf: tuple[str, ...]
-    fuse: Callable[[Sequence[Tensor], object], Tensor] = _identity_in
-    split: Callable[[Tensor, object], list[Tensor]] = _identity_out
+    fuse: Callable[[Sequence[Tensor], Any], Tensor] = _identity_in  # (tensors, the family's ArchArgs)
+    split: Callable[[Tensor, Any], list[Tensor]] = _identity_out
     scope: str = "global"
 
 
@@ -73,7 +73,7 @@ def expand(
     num_layers: int,
     num_experts: int,
     cfg,
-    skip: Callable[[Rule, object], bool] | None = None,
+    skip: Callable[[Rule, Any], bool] | None = None,
     scopes: Mapping[str, Sequence[Mapping[str, int]]] | None = None,
 ) -> ExpandedTable:
     """Expand rule templates over layers/experts into an exact-name table.

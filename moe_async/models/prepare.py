@@ -167,7 +167,7 @@ def build_random_moe(cfg: ModelConfig, vocab_size: int = _SMOLLM2_VOCAB, bos_tok
     mcfg = random_moe_config(cfg, vocab_size, bos_token_id, eos_token_id, pad_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
-        model = MixtralForCausalLM(mcfg).to(torch.float32)
+        model = MixtralForCausalLM(mcfg).float()
         gen = torch.Generator().manual_seed(cfg.init_seed + 1)
         with torch.no_grad():
             for layer in model.model.layers:
@@ -241,6 +241,7 @@ def configured_hf_config(cfg: ModelConfig) -> dict | None:
     cannot be known yet (``smollm2_upcycled`` not made, an unreadable ``config.json``)."""
     try:
         if cfg.source == "hf":
+            assert cfg.hf_path is not None  # required with source: hf
             p = Path(cfg.hf_path).expanduser() / "config.json"
         else:
             root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
@@ -267,6 +268,7 @@ def prepare_hf_checkpoint(cfg: ModelConfig) -> Path:
         when ``hf_path`` is no loadable HF model directory (see :func:`_check_hf_dir`).
     """
     if cfg.source == "hf":
+        assert cfg.hf_path is not None  # required with source: hf
         p = Path(cfg.hf_path).expanduser()
         if not p.is_dir():
             raise UserInputFileNotFoundError(f"model.hf_path {p} is not a directory")

@@ -74,12 +74,13 @@ class Rope:
         if not self.is_yarn:
             return dict(rope_type="rope", rotary_base=self.theta, rotary_scaling_factor=1.0, mscale=1.0,
                         mscale_all_dim=0.0)
-        both = bool(self.mscale and self.mscale_all_dim)
+        ms, ms_all = self.mscale or 0.0, self.mscale_all_dim or 0.0
+        both = bool(ms and ms_all)
         return dict(
             rope_type="yarn", rotary_base=self.theta, rotary_scaling_factor=self.factor,
             # both set: HF's own ratio; else HF's factor is get_mscale(f) = get_mscale(f, 1) / get_mscale(f, 0)
-            mscale=float(self.mscale) if both else 1.0,
-            mscale_all_dim=float(self.mscale_all_dim) if both else 0.0,
+            mscale=float(ms) if both else 1.0,
+            mscale_all_dim=float(ms_all) if both else 0.0,
             original_max_position_embeddings=self.original_max_position_embeddings,
             beta_fast=self.beta_fast, beta_slow=self.beta_slow,
         )

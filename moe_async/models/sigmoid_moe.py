@@ -111,7 +111,7 @@ def moe_scopes(a: SigmoidMoeArgs) -> dict[str, list[dict[str, int]]]:
     return {
         "dense": [{"i": i} for i in range(a.first_k_dense)],
         "moe": [{"i": i} for i in a.moe_layers],
-        "expert": [{"i": i, "e": e} for i in a.moe_layers for e in range(a.num_experts)],
+        "expert": [{"i": i, "e": e} for i in a.moe_layers for e in range(a.num_experts or 0)],
     }
 
 
@@ -186,9 +186,11 @@ class SigmoidMoeFamily(ModelFamily):
 
     fused_expert_names = FUSED_EXPERT_NAMES
 
-    def scopes(self, a: SigmoidMoeArgs) -> dict[str, list[dict[str, int]]]:
+    def scopes(self, a: ArchArgs) -> dict[str, list[dict[str, int]]]:
+        assert isinstance(a, SigmoidMoeArgs)
         return moe_scopes(a)
 
-    def skip_rule(self, r: Rule, a: SigmoidMoeArgs) -> bool:
+    def skip_rule(self, r: Rule, a: ArchArgs) -> bool:
         """Also the shared-expert rules when the config has no shared experts."""
+        assert isinstance(a, SigmoidMoeArgs)
         return super().skip_rule(r, a) or skip_shared(r, a)

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from moe_async.config import ExperimentConfig
 from moe_async.types import Group
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.weight_sync.transport import WeightTransport
 
 
 @ray.remote(num_cpus=0)
@@ -126,9 +132,23 @@ class TrainerActor:
         self.rank, self.world_size = rank, world_size
         self.fault = fault
         self._calls: dict[str, int] = {}
-        self._store = None
-        self.trainer = None
-        self.transport = None
+        self._store: TCPStore | None = None
+        self.trainer: MegatronTrainer | None = None
+        self.transport: WeightTransport | None = None
+
+    @property
+    def _trainer(self) -> MegatronTrainer:
+        """The trainer; RuntimeError before :meth:`init_trainer`."""
+        if self.trainer is None:
+            raise RuntimeError("TrainerActor: init_trainer() first")
+        return self.trainer
+
+    @property
+    def _transport(self) -> WeightTransport:
+        """The weight transport; RuntimeError before :meth:`connect_engines`."""
+        if self.transport is None:
+            raise RuntimeError("TrainerActor: connect_engines() first")
+        return self.transport
 
     def _enter(self, method: str) -> None:
         """Count the call; raise the test-only injected fault when it is due."""
@@ -146,9 +166,9 @@ class TrainerActor:
         import torch.distributed as dist
 
         ip = host
-        self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout_s))
-        return ip, int(self._store.port)
+        self._store = store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=timeout_s))
+        return ip, int(store.port)
 
     def setup(self, env: dict[str, str], timeout_s: float = 600.0) -> int:
         """Join the process group as ``env["RANK"]`` and build this rank's trainer; returns the
@@ -176,7 +196,7 @@ class TrainerActor:
         return os.getpid()
 
     def version(self) -> int:
-        return self.trainer.version
+        return self._trainer.version
 
     def connect_engines(self, urls: list[str]) -> None:
         """Rank 0 joins the weight-update group with every engine; the other ranks only
@@ -195,7 +215,7 @@ class TrainerActor:
         kw = {} if self.cfg.weight_sync.transport == "disk" else dict(
             master_address=os.environ["MASTER_ADDR"], ranks_per_engine=self.cfg.engine.tensor_parallel_size)
         self.transport = make_transport(clients, self.cfg.weight_sync, pause_mode=self.cfg.engine.pause_mode, **kw)
-        self.transport.connect()
+        self._transport.connect()
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """GRPO advantages per group, then one optimizer step on all samples (the same global
@@ -206,7 +226,7 @@ class TrainerActor:
         adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
         samples = [s for g in groups for s in g.samples]
         flat_adv = [a for ga in adv for a in ga]
-        return {f"train/{k}": v for k, v in self.trainer.train_step(samples, flat_adv).items()}
+        return {f"train/{k}": v for k, v in self._trainer.train_step(samples, flat_adv).items()}
 
     def reconnect_engines(self, urls: list[str]) -> None:
         """Rank 0 re-forms the weight-update group with ``urls`` (the engines in it from now
@@ -220,7 +240,7 @@ class TrainerActor:
 
         assert self.transport is not None, "connect_engines() first"
         clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
-        self.transport.reform(clients)
+        self._transport.reform(clients)
 
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version (rank 0 sends;
@@ -229,7 +249,7 @@ class TrainerActor:
         each tensor is gathered into the bucket that is sent, so rank 0 never holds the model.
         Returns rank 0's sync metrics."""
         self._enter("sync_weights")
-        return self._sync(lambda export, v: self.transport.send(export, v))
+        return self._sync(lambda export, v: self._transport.send(export, v))
 
     def sync_weights_outcome(self) -> Any:
         """:meth:`sync_weights` (counted as it for the test-only fault hook) as a
@@ -241,7 +261,7 @@ class TrainerActor:
         from moe_async.weight_sync.outcome import SyncOutcome, send_or_lost
 
         self._enter("sync_weights")
-        out = self._sync(lambda export, v: send_or_lost(self.transport, export, v))
+        out = self._sync(lambda export, v: send_or_lost(self._transport, export, v))
         return out if isinstance(out, SyncOutcome) else SyncOutcome(out)
 
     def _sync(self, send: Any) -> Any:
@@ -251,22 +271,22 @@ class TrainerActor:
             from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
 
             if self.rank != 0:
-                for _ in trainer_buckets(self.trainer, self.cfg.weight_sync.bucket_bytes):
+                for _ in trainer_buckets(self._trainer, self.cfg.weight_sync.bucket_bytes):
                     pass
                 return {}
             assert self.transport is not None, "connect_engines() first"
-            return send(trainer_export(self.trainer), self.trainer.version)
+            return send(trainer_export(self._trainer), self._trainer.version)
         if self.rank != 0:
-            for _ in self.trainer.export_hf_weights():
+            for _ in self._trainer.export_hf_weights():
                 pass
             return {}
         assert self.transport is not None, "connect_engines() first"
         # The exporter writes each tensor straight into the transport's send buffer when the
         # engines publish their layout (embedded engines), so buckets go out without packing.
-        return send(self.trainer.export_hf_weights(out=self.transport.destination), self.trainer.version)
+        return send(self._trainer.export_hf_weights(out=self._transport.destination), self._trainer.version)
 
     def checksums(self) -> dict[str, str]:
-        return self.trainer.hf_checksums()
+        return self._trainer.hf_checksums()
 
     def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
         """Write ``<save_dir>/step_<step>`` (torch_dist model + optimizer, RNG, version and
@@ -292,7 +312,7 @@ class TrainerActor:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         if multi:
             dist.barrier()
-        self.trainer.save_checkpoint(tmp, extra={**extra, "step": step})
+        self._trainer.save_checkpoint(tmp, extra={**extra, "step": step})
         from moe_async.orchestration.preemption import stall_if_due
 
         stall_if_due(self.rank, self._calls["save_checkpoint"], tmp)  # test-only crash point
@@ -316,7 +336,7 @@ class TrainerActor:
         """Load model, optimizer, version (hence LR schedule) and RNG from ``path``; returns
         the ``extra`` dict saved with it (``step``, ``dataset``). Collective."""
         self._enter("load_checkpoint")
-        return self.trainer.load_checkpoint(path)
+        return self._trainer.load_checkpoint(path)
 
     def check_engines(self, urls: list[str]) -> dict[str, float]:
         """Check mode: compare per-tensor checksums of every engine with the trainer's
@@ -328,10 +348,10 @@ class TrainerActor:
         from moe_async.weight_sync.transport import check_engines
 
         t0 = time.perf_counter()
-        mine = self.trainer.hf_checksums()
+        mine = self._trainer.hf_checksums()
         if self.rank != 0:
             return {}
-        m = check_engines([SyncEngineClient(u) for u in urls], mine, self.trainer.version)
+        m = check_engines([SyncEngineClient(u) for u in urls], mine, self._trainer.version)
         m["sync/check_seconds"] = time.perf_counter() - t0  # including the trainer's checksums
         return m
 
@@ -351,7 +371,7 @@ class TrainerActor:
 
     def shutdown(self) -> None:
         if self.transport is not None:
-            self.transport.shutdown()
+            self._transport.shutdown()
 
 
 @ray.remote(num_cpus=0)
@@ -374,7 +394,7 @@ class RolloutActor:
         if cfg.data.enabled:  # prompt files (moe_async/data), rewards per data_source
             from moe_async.data.dataset import FileDataset
 
-            self.dataset = FileDataset(cfg.data, tok, system_prompt=cfg.rollout.system_prompt)
+            self.dataset: FileDataset | TaskDataset = FileDataset(cfg.data, tok, system_prompt=cfg.rollout.system_prompt)
         else:
             self.dataset = TaskDataset(cfg.rollout, tok)
         hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -419,9 +439,12 @@ class RolloutActor:
         :func:`moe_async.rollout.evaluation.evaluate_heldout`."""
         from moe_async.rollout.evaluation import evaluate_heldout
 
+        from moe_async.data.dataset import FileDataset
+
         r = self.cfg.rollout
-        sets = getattr(self.dataset, "eval_sets", None)
+        sets = self.dataset.eval_sets if isinstance(self.dataset, FileDataset) else None
         if sets:  # named eval sets (data.eval): each with its k, max new tokens and temperature
+            assert isinstance(self.dataset, FileDataset)
             from moe_async.rollout.evaluation import evaluate_sets
 
             return await evaluate_sets(self.manager, sets, self.dataset.eval_cfgs, r)

@@ -13,11 +13,15 @@ Design notes: ``docs/design/orchestration.md``."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
 
 EXIT_TIMEOUT, EXIT_HEAD_GONE = 1, 3
 
@@ -30,7 +34,7 @@ class HeadGone(RuntimeError):
     """The watched head process exited before the cluster answered."""
 
 
-def required_resources(cfg: Any, nodes: int, gpus_per_node: float = 0.0) -> dict[str, float]:
+def required_resources(cfg: ExperimentConfig, nodes: int, gpus_per_node: float = 0.0) -> dict[str, float]:
     """What a run of ``cfg`` needs from the cluster: ``{"nodes": n}`` plus ``"GPU"`` when the
     nodes have GPUs (one device per trainer rank, ``devices per engine`` per engine)."""
     need: dict[str, float] = {"nodes": float(max(nodes, cfg.trainer.nodes))}
@@ -40,7 +44,7 @@ def required_resources(cfg: Any, nodes: int, gpus_per_node: float = 0.0) -> dict
     return need
 
 
-def gpu_need(cfg: Any) -> str | None:
+def gpu_need(cfg: ExperimentConfig) -> str | None:
     """The config field that needs GPUs (``engine.backend='sglang'``: SGLang engines run on GPUs
     only; ``engine.device='cuda'``: the embedded engine on a GPU), else None."""
     if cfg.engine.backend == "sglang":
@@ -48,7 +52,7 @@ def gpu_need(cfg: Any) -> str | None:
     return "engine.device='cuda'" if getattr(cfg.engine, "device", "cpu") == "cuda" else None
 
 
-def refuse_without_gpus(cfg: Any, gpus: float | None = None, where: str = "this host") -> None:
+def refuse_without_gpus(cfg: ExperimentConfig, gpus: float | None = None, where: str = "this host") -> None:
     """Refuse a config that needs GPUs (:func:`gpu_need`) where there are none, instead of
     placing its engines on CPU-only bundles. ``gpus`` None: this host's CUDA devices for a local
     run; skipped when attached to a cluster (``RAY_ADDRESS``; the driver counts its GPUs after
@@ -146,7 +150,7 @@ def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag
                                  f"after {timeout_s:.0f} s")
         time.sleep(poll_s)
     try:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     except Exception:
         check_head()  # another process answered on the port and ours exited: HeadGone
         raise

@@ -167,8 +167,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             summary["resume_sync"] = sync_m
             print(f"[moe-async] resumed from {load_path} at step {start_step} "
                   f"(weight_version {trainer.version()})", flush=True)
-        buffer = BufferActor.remote(B, K, trainer.version())  # v0 = loaded version
-        rollout = RolloutActor.remote(cfg, model_path, urls, buffer)
+        buffer = BufferActor.remote(B, K, trainer.version())  # type: ignore[attr-defined]  # v0 = loaded version
+        rollout = RolloutActor.remote(cfg, model_path, urls, buffer)  # type: ignore[attr-defined]
         # engine failures: dead engines restarted/retired between waits, and one lost during a weight
         # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
         recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)

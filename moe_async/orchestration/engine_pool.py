@@ -10,24 +10,28 @@ Design notes: ``docs/design/orchestration.md``."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from moe_async.errors import UserInputError
 from moe_async.orchestration.placement import Placement, place_engines
 
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
+    from moe_async.engines.config import EngineConfig
+
 
 class EngineHost:
     """One engine server process on this actor's node (placed on its bundle); the body of
     :data:`EngineActor`. Engine ``index``, node rank ``node_rank`` of ``cfg.nodes_per_engine``."""
 
-    def __init__(self, cfg: Any, model_path: str, index: int, host: str | None = None, node_rank: int = 0):
+    def __init__(self, cfg: EngineConfig, model_path: str, index: int, host: str | None = None, node_rank: int = 0):
         self.cfg = cfg if host is None else cfg.model_copy(update={"host": host})
         self.model_path = model_path
         self.index = index
         self.node_rank = node_rank
-        self.engine = None
+        self.engine: Any = None  # the engine server (moe_async.engines.base), once launched
 
     def _make_engine(self, port: int, dist_init_addr: str | None) -> Any:
         from moe_async.engines.base import make_engine
@@ -36,7 +40,7 @@ class EngineHost:
 
     def pick_port(self) -> int:
         """A TCP port free on this actor's node (node rank 0's ``--dist-init-addr`` port)."""
-        from moe_async.engines.base import free_port
+        from moe_async.net import free_port
 
         return free_port("0.0.0.0")
 
@@ -98,7 +102,7 @@ class EnginePool:
         actor_cls: the engine actor class (tests).
     """
 
-    def __init__(self, cfg: Any, model_path: str, *, placement: Placement | None = None, actor_cls: Any = None):
+    def __init__(self, cfg: ExperimentConfig, model_path: str, *, placement: Placement | None = None, actor_cls: Any = None):
         self.placement = placement if placement is not None else place_engines(cfg)
         multi_node = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
         cls = actor_cls or EngineActor
@@ -146,7 +150,9 @@ class EnginePool:
                 self.urls[j // n] = url
         if errs:
             raise RuntimeError("; ".join(errs))
-        return list(self.urls)
+        urls = [u for u in self.urls if u is not None]
+        assert len(urls) == len(self.urls), "every engine answered"
+        return urls
 
     def dead_engines(self, timeout_s: float = 30.0) -> list[str]:
         """One line per engine whose server exited or whose actor died (index, URL, why)."""

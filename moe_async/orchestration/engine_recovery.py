@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_async.orchestration.supervisor import RestartPolicy
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ class EngineRecovery:
         ray_timeout_s: bound on each Ray call to the rollout/buffer actors (named on expiry).
     """
 
-    def __init__(self, cfg: Any, pool: Any, trainer: Any, rollout: Any, buffer: Any, ray_timeout_s: float = 120.0):
+    def __init__(self, cfg: ExperimentConfig, pool: Any, trainer: Any, rollout: Any, buffer: Any, ray_timeout_s: float = 120.0):
         self.cfg = cfg
         self.pool = pool
         self.trainer = trainer

@@ -54,7 +54,7 @@ def sigterm_to_exit() -> Any:
     return signal.signal(signal.SIGTERM, _raise)
 
 
-_STOP = {"signal": None}
+_STOP: dict[str, str | None] = {"signal": None}
 
 
 def sigterm_to_checkpoint() -> Any:
@@ -105,9 +105,11 @@ def evaluate(rollout, summary: dict, key: str, label: str, timeout_s: float = 36
     report_eval(summary, key, label, eval_get(rollout.evaluate.remote(), f"held-out eval ({label})", timeout_s))
 
 
-def report_eval(summary: dict, key: str, label: str, ev: dict) -> None:
+def report_eval(summary: dict, key: str, label: str, ev: dict[str, Any] | None) -> None:
     """Keep a greedy held-out eval dict (``accuracy``, ``reward_mean``, ``n``, ...) as
-    ``summary[key]`` and print its line (``label``: before/after)."""
+    ``summary[key]`` and print its line (``label``: before/after); nothing for None (no eval)."""
+    if ev is None:
+        return
     summary[key] = ev
     extra = ""
     if "task_accuracy" in ev and ev["task_accuracy"] != ev["accuracy"]:

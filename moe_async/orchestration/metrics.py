@@ -78,7 +78,6 @@ def prompt_accounting(bstats: dict) -> dict:
     # groups_put: put into the buffer, then trained, dropped as stale (in reasons) or buffered
     pending = int(bstats["buffered_groups"]) + int(bstats["in_flight"]) + int(bstats["in_flight_at_stop"])
     dropped = sum(int(v) for v in reasons.values())
-    out = {"drawn": int(bstats["admitted"]), "trained": int(bstats["groups_trained"]), "dropped": dropped,
-           "dropped_by_reason": reasons, "pending": pending}
-    out["balanced"] = out["drawn"] == out["trained"] + dropped + pending
-    return out
+    drawn, trained = int(bstats["admitted"]), int(bstats["groups_trained"])
+    return {"drawn": drawn, "trained": trained, "dropped": dropped, "dropped_by_reason": reasons, "pending": pending,
+            "balanced": drawn == trained + dropped + pending}

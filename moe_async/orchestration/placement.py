@@ -10,7 +10,10 @@ Design notes: ``docs/design/orchestration.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
 
 #: seconds to wait for a placement group's resources before failing
 PLACEMENT_TIMEOUT_S = 300.0
@@ -197,7 +200,7 @@ def engine_bundles(num_engines: int, devices: int, threads: int, use_gpus: bool,
     return [{"CPU": c, **({"GPU": float(devices)} if use_gpus else {})} for _ in range(num_engines)]
 
 
-def place_trainer(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
+def place_trainer(cfg: ExperimentConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
     """The trainer's rank slots for an :class:`~moe_async.config.ExperimentConfig` (rank order)."""
     t, e = cfg.trainer, cfg.engine
     n_total = t.resolved_world_size + e.num_engines
@@ -206,7 +209,7 @@ def place_trainer(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement
                  f"trainer.nodes={t.nodes})", timeout_s, by_node=True)
 
 
-def place_engines(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
+def place_engines(cfg: ExperimentConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
     """The engines' slots (engine-index order), each engine on its own bundle."""
     t, e = cfg.trainer, cfg.engine
     n_total = t.resolved_world_size + e.num_engines
@@ -221,7 +224,7 @@ def place_engines(cfg: Any, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement
     return place([per_node] * e.num_engines, "STRICT_SPREAD", what, timeout_s)
 
 
-def check_tensor_transport_nodes(cfg: Any, trainer: Placement, engines: Placement) -> None:
+def check_tensor_transport_nodes(cfg: ExperimentConfig, trainer: Placement, engines: Placement) -> None:
     """``weight_sync.transport: tensor`` hands each engine handles to the sending rank's memory
     (CUDA IPC, CPU shared memory by name), which only processes on that rank's node can open.
     The sending rank is trainer rank 0 (slot 0 of ``trainer``); ``engines`` is in engine-major

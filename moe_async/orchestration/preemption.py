@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-_RANK = {"signal": None, "prev": None}
+_RANK: dict[str, Any] = {"signal": None, "prev": None}  # the signal name; the handler it replaced
 
 
 def arm_rank_sigterm(rank: int) -> bool:

@@ -14,9 +14,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from moe_async.errors import UserInputError
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
 
 OWNER_FILE = "moe_async_owner.json"
 RUN_ID_ENV = "MOE_ASYNC_RUN_ID"
@@ -72,7 +75,7 @@ def _has_checkpoints(save_dir: Path) -> bool:
     return bool(step_dirs(save_dir)) or (save_dir / "latest").is_file()
 
 
-def plan_start(cfg: Any, resolve_checkpoint) -> StartPlan:
+def plan_start(cfg: ExperimentConfig, resolve_checkpoint: Callable[[ExperimentConfig], tuple[str | None, int]]) -> StartPlan:
     """Decide run dir, save_dir and checkpoint (``docs/design/orchestration.md``). ``resolve_checkpoint(cfg)``
     is the driver's ``trainer.load`` resolver (``(path, step)``, raising UserInputError).
 
@@ -142,7 +145,8 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     f = run_dir / "metrics.jsonl"
     if not f.is_file():
         return 0
-    keep, moved = [], []
+    keep: list[str] = []
+    moved: list[str] = []
     for line in f.read_text().splitlines(keepends=True):
         try:
             s = json.loads(line).get("step")

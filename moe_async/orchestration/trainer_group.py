@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_async.orchestration.placement import Placement, place_trainer
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
 
 FAULT_ENV = "MOE_ASYNC_TRAINER_FAULT"
 _POLL_S = 2.0  # s: how often a waiting call checks watch()
@@ -68,7 +71,7 @@ class TrainerGroup:
     after killing every rank; RuntimeError with ``watch``'s lines.
     """
 
-    def __init__(self, cfg: Any, model_path: str, *, placement: Placement | None = None,
+    def __init__(self, cfg: ExperimentConfig, model_path: str, *, placement: Placement | None = None,
                  watch: Callable[[], list[str]] | None = None, actor_cls: Any = None):
         if actor_cls is None:
             from moe_async.orchestration.actors import TrainerActor as actor_cls
@@ -120,9 +123,10 @@ class TrainerGroup:
                 self.kill()
                 from moe_async.errors import UserInputError
 
-                for _, e in failed:  # bad input (a core id this host lacks): the CLI's one line
-                    if isinstance(getattr(e, "cause", None), UserInputError):
-                        raise e.cause from e
+                for _, err in failed:  # bad input (a core id this host lacks): the CLI's one line
+                    cause = getattr(err, "cause", None)
+                    if isinstance(cause, UserInputError):
+                        raise cause from err
                 failed.sort(key=lambda x: (not isinstance(x[1], ray.exceptions.RayActorError), x[0]))
                 lines = [f"trainer rank {r} died in {what} ({type(e).__name__})"
                          if isinstance(e, ray.exceptions.RayActorError)

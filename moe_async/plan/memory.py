@@ -146,6 +146,7 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = 
     """
     t, e, c = cfg.trainer, cfg.engine, cfg.cluster
     lay = t.layout
+    assert lay.world_size is not None  # the trainer's layout has its world size
     errs: list[str] = []
     src = shape.source
 
@@ -363,6 +364,7 @@ def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstim
     :func:`check_layout`."""
     t, c = cfg.trainer, cfg.cluster
     lay = t.layout
+    assert lay.world_size is not None  # the trainer's layout has its world size
     vpp = t.virtual_pipeline_model_parallel_size or 1
     vocab_pad = padded_vocab(shape.vocab_size, t.make_vocab_size_divisible_by, lay.tp)
     w_bytes = _DTYPE_BYTES[t.params_dtype]
@@ -376,7 +378,7 @@ def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstim
     # weight sync: the bucket being sent and, with overlap, the next one being packed, on a sender
     sync = cfg.weight_sync.bucket_bytes * (2 if cfg.weight_sync.overlap else 1)
     offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
-    best = None
+    best: TrainerEstimate | None = None
     for stage in range(lay.pp):
         dense, expert = _stage_params(shape, lay, vpp, vocab_pad, stage, counts)
         layers = _stage_layers(shape, lay, vpp, stage, counts)
@@ -402,6 +404,7 @@ def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstim
         if best is None or est.total > best.total:
             best = est
     # the offloaded share of the largest stage's distributed optimizer, on every rank of a node
+    assert best is not None  # at least one stage
     host = int(best.optimizer_distributed * (offload or 1.0)) * best.ranks_per_node
     return replace(best, host_optimizer_per_node=host)
 

@@ -95,6 +95,7 @@ def make_plan(cfg, *, family_check: bool = True) -> Plan:
         raise PlanError("layout does not fit the model or cluster:\n  " + "\n  ".join(errs))
     tr, en, sy = estimate_trainer(shape, cfg), estimate_engine(shape, cfg), estimate_sync(shape, cfg)
     c = cfg.cluster
+    assert tr.layout.world_size is not None  # the trainer's layout has its world size
     gpus = tr.layout.world_size + en.num_engines * en.devices
     plan = Plan(shape, tr, en, sy, nodes_needed=-(-gpus // c.gpus_per_node))
     if family_check and (w := _family_warning(d, source)):
@@ -108,7 +109,7 @@ def make_plan(cfg, *, family_check: bool = True) -> Plan:
             f"{tr.usable / GiB:.1f} GiB usable ({budget}); it fits ({tr.total_balanced / GiB:.1f} GiB) only with "
             "balanced routing (moe_imbalance 1): hot experts early in RL would run out of memory")
     elif tr.total > tr.usable:
-        options = []
+        options: list[tuple[str, int | None]] = []
         if not tr.distributed:
             options.append(("trainer.use_distributed_optimizer=true",
                             tr.total - tr.optimizer + tr.optimizer_distributed))

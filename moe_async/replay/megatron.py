@@ -17,7 +17,7 @@ import torch
 
 from moe_async.replay.metrics import MismatchMeter
 from moe_async.replay.routes import PAD, batch_routes, fill_padding, num_pad_rows, pack_rows
-from moe_async.trainer.micro_batches import MicroBatch
+from moe_async.types import MicroBatch
 
 MODES = ("off", "R3", "R2")
 
@@ -59,6 +59,7 @@ def _measured_replay_class():
             if ref.shape != natural.shape:
                 raise ValueError(f"MoE layer {self.moe_index}: reference routes {tuple(ref.shape)} vs router {tuple(natural.shape)}")
             same = (torch.sort(natural, -1).values == torch.sort(ref, -1).values).all(-1)
+            assert self.reference_real is not None  # set together with reference
             real = self.reference_real.to(natural.device)
             self.agree += int((same & real).sum())
             self.count += int(real.sum())
@@ -85,6 +86,7 @@ def _measured_replay_class():
                 if act == RouterReplayAction.REPLAY_FORWARD and self.reference is not None:
                     ref = self.reference.to(idx.device)
                     same = (torch.sort(idx.detach(), -1).values == torch.sort(ref, -1).values).all(-1)
+                    assert self.reference_real is not None  # set together with reference
                     self.replayed += int((same & self.reference_real.to(idx.device)).sum())
             self.used = idx.detach()
             return probs, idx
@@ -256,6 +258,7 @@ class RouterReplayHook:
             self._strict = forward_fn is not None  # a train step: R3 routes are mandatory
             r2_replay = self.enabled and self.mode == "R2" and forward_fn is not None
             if r2_replay:
+                assert forward_fn is not None
                 if self.config.pipeline_model_parallel_size > 1:
                     raise NotImplementedError("R2 with pipeline parallelism is not implemented")
                 for r in self.routers:
@@ -290,6 +293,7 @@ class RouterReplayHook:
         routes = mb.routes_BSLK
         if routes is not None:
             rows = self._token_rows(routes)  # [N, L, K]
+            assert mb.routes_real_BS is not None  # set with routes_BSLK
             real = self._token_rows(mb.routes_real_BS)  # [N]
             for r in routers:
                 r.reference = rows[:, r.moe_index]
@@ -349,7 +353,7 @@ class RouterReplayHook:
         for j in range(self.num_moe_layers):
             self._meter.set_layer(j, agree[j], count[j])
         out = self._meter.result()
-        if self.mode == "R3" and sum(count):
+        if self.mode == "R3" and any(count):
             # R3: share of (real token, MoE layer) pairs whose experts were the replayed ones
             out["replay_agreement"] = sum(replayed) / sum(count)
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from moe_async.errors import UserInputError
 from moe_async.report.runs import Run, load_run
@@ -61,7 +61,7 @@ def summary_markdown(numbers: list[dict[str, Any]], plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> dict[str, Any]:
+def make_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> dict[str, Any]:
     """Write the report of ``run_dirs`` into ``out``; returns ``{"out", "plots", "numbers",
     "notes", "damaged"}`` (``notes``: what :func:`load_run` left out, e.g. a half-written last
     record; ``damaged``: files that could not be read, each named, the report made without them).

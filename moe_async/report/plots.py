@@ -222,16 +222,16 @@ def timeline_plot(runs: list[Run], path: Path, max_steps: int = 3) -> Path | Non
     colors = {"wait": "0.85", "filling": "C0", "straggler": "C1", "train": "C2", "sync": "C3", "save": "C4",
               "generate": "C9", "reward": "C6"}
     bars: list[tuple[str, float, float, float, str]] = []  # row, start s, length s, height, colour
-    for e in xs:
-        if e["ts"] + e["dur"] < t0 or e["ts"] > t1:
+    for x in xs:
+        if x["ts"] + x["dur"] < t0 or x["ts"] > t1:
             continue
-        if e.get("cat") == "phase":
-            if e.get("args", {}).get("step") not in keep:
+        if x.get("cat") == "phase":
+            if x.get("args", {}).get("step") not in keep:
                 continue
-            row, h = "trainer loop", (0.8 if e["name"] == "wait" else 0.5)
+            row, h = "trainer loop", (0.8 if x["name"] == "wait" else 0.5)
         else:
-            row, h = threads.get((e["pid"], e["tid"]), str(e["tid"])), 0.7
-        bars.append((row, (e["ts"] - t0) / 1e6, e["dur"] / 1e6, h, colors.get(e["name"], "0.5")))
+            row, h = threads.get((x["pid"], x["tid"]), str(x["tid"])), 0.7
+        bars.append((row, (x["ts"] - t0) / 1e6, x["dur"] / 1e6, h, colors.get(x["name"], "0.5")))
 
     def order(row: str):
         lane = row.rsplit(" ", 1)[-1]

@@ -4,7 +4,10 @@ resume at the same draw the same way."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class DrawCursor:
@@ -12,7 +15,7 @@ class DrawCursor:
     through it and on into the next epoch's. The draw number of the next draw is
     ``epoch * n + pos`` (:meth:`position`); :meth:`state_dict` is ``{"epoch", "pos"}``."""
 
-    def __init__(self, n: int, order_of: Callable[[int], Sequence[int]]):
+    def __init__(self, n: int, order_of: Callable[[int], Sequence[int] | np.ndarray]):
         self.n = n
         self._order_of = order_of
         self.load_state_dict({"epoch": 0, "pos": 0})

@@ -13,7 +13,8 @@ import asyncio
 import math
 from typing import Any, Callable
 
-from moe_async.rollout.manager import DropGroup, greedy_summary  # noqa: F401 (greedy_summary: re-exported)
+from moe_async.rollout.config import RolloutConfig
+from moe_async.rollout.manager import DropGroup, RolloutManager, greedy_summary
 
 # the per-problem series an evaluation keeps (for paired gains) and reports
 SERIES = ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_reward", "sampled_reward")
@@ -75,7 +76,7 @@ def paired_gains(now: dict[str, list], base: dict[str, list]) -> dict[str, float
     return out
 
 
-async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens: int,
+async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_new_tokens: int,
                            temperature: float | None = None) -> dict[str, Any]:
     """One held-out evaluation (greedy + ``k`` samples per problem) with ``manager``'s engines
     and reward pool; returns :func:`summarize`'s dict plus ``eval/n_skipped`` (problems whose
@@ -93,23 +94,23 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     sem = asyncio.Semaphore(cfg.eval_concurrency or cfg.max_concurrent_groups)
 
     async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
-        kw = {} if temperature is None or greedy else {"temperature": temperature}
+        temp = None if greedy else temperature
         if getattr(manager, "agent", None) is not None:  # multi-turn: reward within the turn budget
             async def turn(ids: list[int], n: int) -> Any:
-                return await manager._generate_sample(ids, n, greedy=greedy, **kw)
+                return await manager._generate_sample(ids, n, greedy=greedy, temperature=temp)
 
             s = await manager.agent.sample(p, turn, max_new, count=False)
             if greedy:
                 return float(s.reward), None, float(s.reward >= 1.0), int(sum(s.response_mask()))
             return float(s.reward)
-        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy, **kw)
+        s = await manager._generate_sample(prompt_ids, max_new, greedy=greedy, temperature=temp)
         text = manager.dataset.decode(s.response_ids)
         r = await manager.reward_pool.score(p, text)
         if greedy:  # the greedy answer's details too, for the eval_before/eval_after dict
             return float(r.reward), getattr(r, "error", None), float(manager.dataset.score(p, text)), len(s.response_ids)
         return float(r.reward)
 
-    async def one(p: Any) -> tuple[float, list[float], int] | None:
+    async def one(p: Any) -> tuple[tuple[float, str | None, float, int], list[float], int] | None:
 
         prompt_ids = manager.dataset.build_prompt_ids(p)
         max_new = manager._check_length(len(prompt_ids), max_new_tokens, count=False)
@@ -120,7 +121,9 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
                 rs = await asyncio.gather(*(sample(p, prompt_ids, max_new, i == 0) for i in range(k + 1)))
         except DropGroup:
             return None
-        return rs[0], list(rs[1:]), int(getattr(p, "index", id(p)))
+        first = rs[0]
+        assert isinstance(first, tuple)  # the greedy sample's details
+        return first, [r for r in rs[1:] if isinstance(r, float)], int(getattr(p, "index", id(p)))
 
     res = [r for r in await asyncio.gather(*(one(p) for p in problems)) if r is not None]
     out = summarize([r[0][0] for r in res], [r[1] for r in res], [r[2] for r in res])
@@ -133,7 +136,7 @@ async def evaluate_heldout(manager: Any, problems: list, k: int, max_new_tokens:
     return out
 
 
-async def evaluate_sets(manager: Any, sets: dict[str, list], cfgs: dict[str, Any], rollout: Any) -> dict[str, Any]:
+async def evaluate_sets(manager: RolloutManager, sets: dict[str, list], cfgs: dict[str, Any], rollout: RolloutConfig) -> dict[str, Any]:
     """Every named eval set (``data.eval``) evaluated in turn with :func:`evaluate_heldout` and
     its own ``n_samples`` (k), ``max_new_tokens`` and ``temperature`` (defaults:
     ``rollout.eval_max_new_tokens``, ``rollout.temperature``). Returns ``{"sets": {name: dict},

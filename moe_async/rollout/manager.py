@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from moe_async.buffer.buffer import STOPPED
@@ -115,7 +116,7 @@ class RolloutManager:
         self,
         cfg: RolloutConfig,
         dataset: Any,
-        engine_clients: list[GenerateEngine],
+        engine_clients: Sequence[GenerateEngine],
         buffer: GroupBuffer,
         reward_pool: Any,
         eos_token_ids: list[int] | None = None,
@@ -393,7 +394,7 @@ class RolloutManager:
     def _reward_source(self) -> str:
         """The reward setting, as errors name it."""
         rw = getattr(self.reward_pool, "fn", None)
-        if hasattr(rw, "rewards") and hasattr(rw, "default_reward"):  # prompt files: per data_source
+        if rw is not None and hasattr(rw, "rewards") and hasattr(rw, "default_reward"):  # prompt files: per data_source
             return f"data.rewards={rw.rewards!r}, data.default_reward={rw.default_reward!r}"
         return {"function": f"rollout.reward_function={self.cfg.reward_function!r}",
                 "remote": f"rollout.reward_url={self.cfg.reward_url!r}"}.get(
@@ -606,6 +607,8 @@ class RolloutManager:
         if len(seg) == 0 and raw_n == 0:  # aborted before anything ran
             return routed
         joined = join_segments(routed, len(ids), seg, len(ids) + raw_n)
+        if joined is None:
+            return None
         return compact_routes(truncate_routes(joined, len(ids) + len(seg_ids)))
 
     def _pick_engine(self) -> int | None:

@@ -9,6 +9,7 @@ Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import re
@@ -73,6 +74,8 @@ def _load_verl(path: str, fn: str, field: str) -> Callable[..., Any]:
     if not p.is_file():
         raise RewardConfigError(f"{field}: verl reward file {path!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"moe_async_user_reward_{abs(hash(str(p.resolve())))}", p)
+    if spec is None or spec.loader is None:
+        raise RewardConfigError(f"{field}: verl reward file {path!r} cannot be loaded as a Python module")
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
@@ -159,7 +162,7 @@ class RowReward:
         if spec not in self._fns:
             kind, _, rest = spec.partition(":")
             if spec in BUILTIN:
-                self._fns[spec] = lambda row, resp, k=spec: _builtin(k, row, resp)
+                self._fns[spec] = functools.partial(_builtin, spec)
             elif kind == "verl":
                 path, _, name = rest.partition(":")
                 f = _load_verl(path, name or "compute_score", spec)

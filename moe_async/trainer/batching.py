@@ -15,16 +15,10 @@ from typing import Any
 
 import torch
 
-from moe_async.megatron.sharding import cp_positions
-from moe_async.trainer.micro_batches import (
-    CpShard,
-    MicroBatch,
-    PackedRow,
-    micro_batch_ranges,
-    padded_len,
-    split_to_count,
-)
-from moe_async.types import Sample
+from moe_async.layout import cp_positions
+from moe_async.trainer.attrs import TrainerAttrs
+from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
+from moe_async.types import CpShard, MicroBatch, PackedRow, Sample
 
 Tensor = torch.Tensor
 
@@ -61,7 +55,7 @@ def packed_row(tokens: Tensor, logit_b: Tensor, logit_s: Tensor, lens: list[int]
     )
 
 
-class BatchingMixin:
+class BatchingMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     # ------------------------------------------------------------------ batching
@@ -114,9 +108,10 @@ class BatchingMixin:
         pp = self.cfg.pipeline_model_parallel_size
         fixed_len = max(lens) if pp > 1 and not thd else None
         # S (padded) or T (thd): SP splits it over TP ranks; CP into 2*CP chunks (see _seq_multiple)
-        pad = dict(min_len=MIN_SEQ_LEN, multiple=self._seq_multiple(), fixed_len=fixed_len)
+        multiple = self._seq_multiple()
         budget = self.cfg.max_tokens_per_micro_batch
-        ranges = micro_batch_ranges(lens, mbs, budget, packed=thd, **pad)
+        ranges = micro_batch_ranges(lens, mbs, budget, packed=thd, min_len=MIN_SEQ_LEN, multiple=multiple,
+                                    fixed_len=fixed_len)
         if equalize_dp and budget is not None and self._dp_size() > 1:
             ranges = split_to_count(ranges, int(self._dp_max(len(ranges))))
         # thd: the packed row's length T per micro-batch; with PP > 1 and without Megatron's
@@ -135,7 +130,8 @@ class BatchingMixin:
             n_real = len(chunk)
             if b_step is not None and n_real < b_step:
                 chunk = chunk + [dataclasses.replace(chunk[0], loss_weight=0.0)] * (b_step - n_real)
-            S = max(lens[start:end]) if thd else padded_len(lens[start:end], **pad)
+            S = max(lens[start:end]) if thd else padded_len(lens[start:end], min_len=MIN_SEQ_LEN, multiple=multiple,
+                                                            fixed_len=fixed_len)
             B = len(chunk)
             tokens = torch.zeros(B, S, dtype=torch.long)
             loss_mask = torch.zeros(B, S - 1)
@@ -171,7 +167,8 @@ class BatchingMixin:
                               attention_mask=causal.expand(B, 1, S, S).contiguous(),
                               padding_mask=torch.arange(S).unsqueeze(0) >= (plen + rlen).unsqueeze(1))
             # router replay: routes (thd: in the packed row's order), masks
-            mb = MicroBatch(**fields, **self.router_replay.pack(chunk, S, packed_len=T_rows[i] if thd else None))
+            fields.update(self.router_replay.pack(chunk, S, packed_len=T_rows[i] if thd else None))
+            mb = MicroBatch(**fields)
             if self.cfg.context_parallel_size > 1:
                 mb = dataclasses.replace(mb, cp=self._cp_split(mb))
             out.append(mb)
@@ -184,6 +181,7 @@ class BatchingMixin:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         row = mb.thd
+        assert row is not None, "a packed (thd) micro-batch"
         return PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
@@ -198,7 +196,7 @@ class BatchingMixin:
         every micro-batch has at PP > 1, :attr:`MicroBatch.n_real`),
         packed ones' ``(T, 1)``."""
         if self._thd:
-            return max(mb.thd.tokens.shape[1] for mb in mbs_list), 1
+            return max(mb.thd.tokens.shape[1] for mb in mbs_list if mb.thd is not None), 1
         if self.cfg.max_tokens_per_micro_batch is not None:  # cut by the budget: the step's one B at PP > 1
             return max(mb.tokens.shape[1] for mb in mbs_list), max(mb.tokens.shape[0] for mb in mbs_list)
         return max(mb.tokens.shape[1] for mb in mbs_list), self.cfg.micro_batch_size

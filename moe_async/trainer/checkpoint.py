@@ -20,13 +20,14 @@ import torch
 from moe_async.compat import cpu_device_scope
 from moe_async.megatron.sharding import padded_vocab_size
 from moe_async.models import get_family
+from moe_async.trainer.attrs import TrainerAttrs
 
 Tensor = torch.Tensor
 # the trainer's logger: these records keep the name they had before the trainer was split
 _LOG = logging.getLogger("moe_async.trainer.megatron_trainer")
 
 
-class CheckpointMixin:
+class CheckpointMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     # ------------------------------------------------------------------ checkpoints

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-from moe_async.trainer.micro_batches import MicroBatch
+from moe_async.types import MicroBatch
 
 Tensor = torch.Tensor
 

@@ -16,13 +16,13 @@ import torch
 
 from moe_async.compat import cpu_device_scope
 from moe_async.megatron.sharding import gather_over_cp
-from moe_async.trainer.micro_batches import MicroBatch
-from moe_async.types import Sample
+from moe_async.trainer.attrs import TrainerAttrs
+from moe_async.types import MicroBatch, Sample
 
 Tensor = torch.Tensor
 
 
-class LogprobsMixin:
+class LogprobsMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     def _forward(self, model, mb: MicroBatch) -> tuple[Tensor, bool]:
@@ -34,6 +34,8 @@ class LogprobsMixin:
         sequence parallelism its input is this rank's sequence shard and all rows go."""
         rows_only = self._rows_hook is not None
         extra: dict[str, Any] = {}
+        inputs: tuple[Tensor, Tensor | None, Tensor | None]
+        padding_mask: Tensor | None
         if mb.cp is not None:  # CP: this rank's chunks; causal attention over CP (no dense mask)
             self._logit_rows = (mb.cp.logit_s, mb.cp.logit_b) if rows_only else None
             inputs = (mb.cp.tokens, mb.cp.position_ids, None)
@@ -156,6 +158,7 @@ class LogprobsMixin:
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
+        assert mb.cp is not None, "a micro-batch with its context-parallel shard"
         labels = mb.cp.labels
         B, S_loc = labels.shape
         wide = torch.promote_types(logits.dtype, torch.float32)

@@ -178,6 +178,7 @@ def grpo_token_loss(
         w = torch.ones_like(logp).detach()
         rejected = torch.zeros_like(logp, dtype=torch.bool)
     else:
+        assert rollout_logp is not None  # refused above
         w, rejected = off_policy_weight(
             off_policy_correction, logp, logp_old, rollout_logp, advantages, mask,
             tis_cap=tis_cap, mis_low=mis_low, mis_high=mis_high, icepop_beta=icepop_beta,

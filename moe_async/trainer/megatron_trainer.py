@@ -30,9 +30,8 @@ from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing
 from moe_async.trainer.finite import StepGuard, check_weights_finite
 from moe_async.trainer.logprobs import LogprobsMixin
 from moe_async.trainer.loss import grpo_token_loss
-from moe_async.trainer.micro_batches import MicroBatch
 from moe_async.trainer.model_setup import ModelSetupMixin
-from moe_async.types import Sample
+from moe_async.types import MicroBatch, Sample
 
 Tensor = torch.Tensor
 
@@ -272,6 +271,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
 
         def loss_func(mb: MicroBatch, rows_only: bool, logits: Tensor):
             ent, logp = self._token_logp(logits, mb, rows_only, entropy=True)
+            assert ent is not None  # asked for
             mask = mb.loss_mask
             loss_sum, m = grpo_token_loss(
                 logp,

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from moe_async.layout import ParallelLayout
+from moe_async.trainer.attrs import TrainerAttrs
 from moe_async.trainer.config import unsupported_combination
 
 Tensor = torch.Tensor
 
 
-class ModelSetupMixin:
+class ModelSetupMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     def _layout_overrides(self) -> dict[str, Any]:

@@ -55,7 +55,7 @@ class WeightSyncConfig(ConfigModel):
         default, naming it (not silently ignored): ``disk_dir`` (only ``disk`` writes files),
         ``backend`` with ``tensor`` (no process group: memory handles in
         ``/update_weights_from_tensor``). Raises ValueError."""
-        unused = []
+        unused: list[tuple[str, str | None, str]] = []
         if self.disk_dir is not None and self.transport != "disk":
             unused.append(("disk_dir", None, "only transport 'disk' writes files"))
         if self.backend != "auto" and self.transport == "tensor":

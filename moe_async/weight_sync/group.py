@@ -117,7 +117,7 @@ def create_update_group(
             used by a live group of this process.
         RuntimeError / DistStoreError (torch): peers missing past ``timeout_s``.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
 
     if (store is None) == (init_method is None):
         raise ValueError("create_update_group: pass exactly one of init_method= (engines) and store= (sender)")
@@ -129,12 +129,13 @@ def create_update_group(
     backend = resolve_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
+        assert init_method is not None  # exactly one of the two, checked above
         store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), prefixed,
-        group_name=group_name, backend_options=None, timeout=timeout, device_id=None,
+        group_name=GroupName(group_name), backend_options=None, timeout=timeout, device_id=None,
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg, store

@@ -15,11 +15,13 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Set
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
 from moe_async.errors import one_line
+from moe_async.protocols import WeightReceiver
 from moe_async.weight_sync.group import (
     WeightSyncError,
     bind_master_store,
@@ -51,7 +53,7 @@ class GroupMembership:
         world_size: a declared world size to check (None: derived).
     """
 
-    def __init__(self, clients: Sequence[Any], *, engine_sizes: int | Sequence[int], group_name: str,
+    def __init__(self, clients: Sequence[WeightReceiver], *, engine_sizes: int | Sequence[int], group_name: str,
                  backend: str, master_address: str, timeout_s: float, world_size: int | None = None):
         self.clients = list(clients)
         sizes = [engine_sizes] * len(self.clients) if isinstance(engine_sizes, int) else list(engine_sizes)
@@ -89,6 +91,7 @@ class GroupMembership:
         refused: set[int] = set()  # engines that answered no: they hold nothing of this group
         group, err = self._join_as_sender(held, futs, refused)
         if err is None:
+            assert group is not None  # formed when no error
             self.group, self._store = group, held[0]
             if own_pool:
                 pool.shutdown(wait=False)
@@ -191,7 +194,7 @@ class GroupMembership:
             return one_line(str(r.get("message")), 500)
         return None
 
-    def _destroy_on_engines(self, quiet: bool, skip: set[int] = frozenset()) -> None:
+    def _destroy_on_engines(self, quiet: bool, skip: Set[int] = frozenset()) -> None:
         for i, c in enumerate(self.clients):
             if i in skip:
                 continue
@@ -214,15 +217,16 @@ def form_in_order(memberships: Sequence[GroupMembership]) -> list[dist.ProcessGr
     """Form every group one after another, in the given (global, fixed) order; if one fails,
     the ones formed before it are left again and the error re-raised."""
     done: list[GroupMembership] = []
+    groups: list[dist.ProcessGroup] = []
     try:
         for m in memberships:
-            m.form()
+            groups.append(m.form())
             done.append(m)
     except BaseException:
         for m in reversed(done):
             m.leave()
         raise
-    return [m.group for m in memberships]
+    return groups
 
 
 def form_in_turn(membership: GroupMembership | None, turn: int, turns: int, store: dist.Store,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Generator, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -106,7 +106,7 @@ def contiguous_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
             return None
         end += t.numel() * t.element_size()
     start = t0.data_ptr() - st.data_ptr()
-    return torch.empty(0, dtype=torch.uint8, device=t0.device).set_(st, start, (end - t0.data_ptr(),))
+    return torch.empty(0, dtype=torch.uint8, device=t0.device).set_(st, start, (end - t0.data_ptr(),), (1,))
 
 
 def in_layout_order(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -136,6 +136,17 @@ def in_layout_order(named_tensors: Iterable[tuple[str, torch.Tensor]],
     yield from extra
 
 
+class BucketStream(Protocol):
+    """Buckets ready to send: iterates ``(bucket, flat_uint8, is_last)``; ``close()`` stops a
+    producer that runs ahead (safe to call at any point, also twice)."""
+
+    def __iter__(self) -> Iterator[tuple[Bucket, torch.Tensor, bool]]: ...
+
+    def __next__(self) -> tuple[Bucket, torch.Tensor, bool]: ...
+
+    def close(self) -> None: ...
+
+
 def packed_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     bucket_bytes: int,
@@ -144,7 +155,7 @@ def packed_buckets(
     stats: dict[str, float] | None = None,
     pool: PackPool | None = None,
     device: torch.device | None = None,
-) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
+) -> BucketStream:
     """Yield ``(bucket, flat_uint8, is_last)`` for every bucket of ``named_tensors``.
 
     With ``overlap`` the producer (pulling from ``named_tensors``: for the trainer, the
@@ -171,7 +182,7 @@ def packed_buckets(
 
 
 def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool,
-            device: torch.device | None = None) -> Iterator[tuple[Bucket, torch.Tensor, bool]]:
+            device: torch.device | None = None) -> Generator[tuple[Bucket, torch.Tensor, bool], None, None]:
     while True:
         t0 = time.perf_counter()
         b = next(it, None)
@@ -179,7 +190,7 @@ def _serial(it: Iterator[tuple[Bucket, bool]], stats: dict, pool: PackPool,
         dt = time.perf_counter() - t0
         stats["pack_seconds"] += dt
         stats["wait_seconds"] += dt
-        if b is None:
+        if b is None or flat is None:
             return
         yield b[0], flat, b[1]
 

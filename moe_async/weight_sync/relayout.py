@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from moe_async.weight_sync.transport import contiguous_span
+from moe_async.weight_sync.packing import contiguous_span
 
 Tensor = torch.Tensor
 #: ``out(hf_name, shape, dtype) -> Tensor | None``: BroadcastTransport.destination
@@ -83,7 +83,7 @@ def whole_tensors(models: Sequence[torch.nn.Module], vocab_size: int) -> dict[st
     if len(models) != 1:
         return None
     m = models[0]
-    tensors = dict(m.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(m.named_parameters())
     tensors.update({n: b for n, b in m.named_buffers() if n.endswith(".router.expert_bias")})
     by_name: dict[str, list] = {}
     for pc in local_pieces(m):
@@ -237,8 +237,9 @@ class WholeTensorExport:
                     st["relaid_bytes"] += nb
                     continue
                 dsts = [out(h, shape, dt) for h, shape, dt in e.hf]
-                if all(d is not None for d in dsts):
-                    span = contiguous_span(dsts)
+                present = [d for d in dsts if d is not None]
+                if len(present) == len(dsts):
+                    span = contiguous_span(present)
             if span is None or span.numel() != nb or span.device != p.device:
                 st["copied_tensors"] += 1
                 st["copied_bytes"] += nb

@@ -14,11 +14,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
+from moe_async.weight_sync.packing import BucketStream
 
 Tensor = torch.Tensor
 #: ``convert(megatron_name, full_tensor) -> [(hf_name, hf_tensor), ...]`` (the family's split)
@@ -168,16 +169,16 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
     cur_n = 0
     budget = min(bucket_bytes, first_bucket_bytes or bucket_bytes)
     for t in tensors:
-        for j, p in enumerate(t.parts):
-            need = t.nbytes if t.direct else p.nbytes  # a direct tensor's parts stay together
+        for j, part in enumerate(t.parts):
+            need = t.nbytes if t.direct else part.nbytes  # a direct tensor's parts stay together
             if cur and (not t.direct or j == 0) and cur_n + need > budget:
                 buckets.append(cur)
                 sizes.append(cur_n)
                 cur, cur_n = [], 0
                 budget = min(bucket_bytes, 2 * budget)
-            p.bucket, p.offset = len(buckets), cur_n
-            cur.append(p)
-            cur_n += p.nbytes
+            part.bucket, part.offset = len(buckets), cur_n
+            cur.append(part)
+            cur_n += part.nbytes
     if cur:
         buckets.append(cur)
         sizes.append(cur_n)
@@ -217,9 +218,10 @@ class _Buffers:
         self.k += 1
         if nbytes > self.capacity:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if self.bufs[i] is None:
-            self.bufs[i] = _kept_buffer(i, self.capacity, self.device)
-        return self.bufs[i][:nbytes]
+        buf = self.bufs[i]
+        if buf is None:
+            buf = self.bufs[i] = _kept_buffer(i, self.capacity, self.device)
+        return buf[:nbytes]
 
 
 #: CPU bucket buffers kept between syncs, per slot: glibc hands blocks this large back to the
@@ -271,7 +273,7 @@ def _write(flat: Tensor, p: _Part, t: Tensor) -> None:
 
 def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, device: torch.device,
              slots: int = 1, group=None, dst: int = 0, sem: threading.Semaphore | None = None,
-             stats: dict[str, float] | None = None) -> Iterator[tuple[Bucket, Tensor, bool]]:
+             stats: dict[str, float] | None = None) -> BucketStream:
     """Execute ``plan``: collective over ``group`` (every rank exhausts the iterator, in the
     same plan); rank ``dst`` yields ``(bucket, flat, is_last)``, ``flat`` valid until the next
     item is asked for (with ``sem``: until the consumer releases the semaphore once more); the
@@ -356,6 +358,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                     flat = None
                 cur += 1
                 flat = bufs.acquire(plan.bucket_nbytes[cur])
+            assert flat is not None  # acquired above
             receive(t, _whole(flat, t))
             continue
         if flat is not None and cur < first:  # hand the finished bucket over before the scratch exists
@@ -364,6 +367,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
         got = split(t)  # the scratch lives only in ``got``'s parts (views or the rule's copies)
         for i, p in enumerate(t.parts):
             v = got[i]
+            assert v is not None  # released only after its part is written
             own = (len(plan.buckets[p.bucket]) == 1 and plan.bucket_nbytes[p.bucket] > plan.bucket_bytes
                    and v.dtype == p.dtype and v.is_contiguous())
             while cur < p.bucket:
@@ -377,6 +381,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                 else:
                     flat = bufs.acquire(plan.bucket_nbytes[cur])
             if not own:
+                assert flat is not None
                 t0 = clock()
                 _write(flat, p, v)
                 st["convert_seconds"] += clock() - t0
@@ -440,7 +445,7 @@ def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int,
                      order: Sequence[str] | None = None, direct: Callable[[str], bool] = lambda n: False,
                      vocab: dict[str, int] | None = None, expected: set[str] | None = None,
                      overlap: bool = False, stats: dict[str, float] | None = None, group=None, dst: int = 0,
-                     ) -> Iterator[tuple[Bucket, Tensor, bool]]:
+                     ) -> BucketStream:
     """Plan (:func:`gather_plan`) and stream (:func:`run_plan`) the export; collective.
 
     Serial (``overlap=False``): one bucket buffer; each ``flat`` valid until the next item
@@ -467,7 +472,7 @@ def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int,
                                        sem=sem, stats=stats), stats)
 
 
-def _timed(it: Iterator, stats: dict[str, float]) -> Iterator:
+def _timed(it: Iterator, stats: dict[str, float]) -> Generator[Any, None, None]:
     while True:
         t0 = time.perf_counter()
         item = next(it, None)
@@ -542,7 +547,7 @@ class _Ahead:
 def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
                     overlap: bool = False, stats: dict[str, float] | None = None,
-                    ) -> Iterator[tuple[Bucket, Tensor, bool]]:
+                    ) -> BucketStream:
     """:func:`streamed_buckets` of a ``MegatronTrainer`` (its ``models``, ``family``,
     ``hf_config``, ``vocab_size``, ``version``) over the whole world, global rank 0 yielding.
     Refuses non-finite weights first (no NaN/inf to an engine). Collective: every rank exhausts it.
@@ -553,7 +558,7 @@ def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | s
     from moe_async.models.family import local_spec_name
     from moe_async.models.mapping import _identity_out, split_rows_2
     from moe_async.trainer.finite import check_weights_finite
-    from moe_async.trainer.sharding import VOCAB_PARAMS, local_pieces
+    from moe_async.megatron.sharding import VOCAB_PARAMS, local_pieces
 
     stats = stats if stats is not None else {}
     t0 = time.perf_counter()
@@ -605,11 +610,11 @@ class PackedExport:
     ``open(bucket_bytes, *, device, order, overlap, stats)`` -> iterator of
     ``(bucket, flat, is_last)`` with ``close()``."""
 
-    def __init__(self, open_fn: Callable[..., Iterator[tuple[Bucket, Tensor, bool]]]):
+    def __init__(self, open_fn: Callable[..., BucketStream]):
         self._open = open_fn
 
     def open(self, bucket_bytes: int, *, device: torch.device, order: Sequence[str] | None,
-             overlap: bool, stats: dict[str, float]) -> Iterator[tuple[Bucket, Tensor, bool]]:
+             overlap: bool, stats: dict[str, float]) -> BucketStream:
         return self._open(bucket_bytes, device=device, order=order, overlap=overlap, stats=stats)
 
 

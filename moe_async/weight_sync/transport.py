@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Set
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Sequence
 
@@ -22,18 +23,13 @@ import torch
 
 from moe_async.errors import one_line
 from moe_async.protocols import WeightReceiver
-from moe_async.weight_sync.bucket import make_buckets, nbytes_of, str_to_dtype
+from moe_async.weight_sync.bucket import Bucket, make_buckets, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.flush import DeferredFlushes
 from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
 from moe_async.weight_sync.membership import GroupMembership
+from moe_async.weight_sync.packing import BucketStream, PackPool, contiguous_span, in_layout_order, packed_buckets
 from moe_async.weight_sync.stream_export import PackedExport
-from moe_async.weight_sync.packing import (  # noqa: F401 - re-exported (callers import them from here)
-    PackPool,
-    contiguous_span,
-    in_layout_order,
-    packed_buckets,
-)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +55,7 @@ class WeightTransport(abc.ABC):
     #: :meth:`BroadcastTransport.destination` is one.
     destination: Callable[[str, Sequence[int], torch.dtype], torch.Tensor | None] | None = None
 
-    def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
+    def reform(self, clients: Sequence[WeightReceiver], ranks_per_engine: int | Sequence[int] | None = None) -> None:
         """Leave the current engines and connect to ``clients`` instead (the live engines and
         any restarted one, after a crash). Default: keep ``self.clients`` = ``clients`` and connect()."""
         self.close()
@@ -74,12 +70,12 @@ class WeightTransport(abc.ABC):
         self.close()
 
 
-def _url(client: Any) -> str:
+def _url(client: WeightReceiver) -> str:
     """An engine client's base URL (``?`` for a receiver without one)."""
     return str(getattr(client, "base_url", "?"))
 
 
-def _drain(buckets: Iterable[Any]) -> None:
+def _drain(buckets: Iterable[object]) -> None:
     """Take the rest of a streamed export without sending it (its collectives run on every
     rank); an error of the exporter itself is logged (the sync's first error propagates)."""
     n = 0
@@ -137,7 +133,7 @@ class BroadcastTransport(WeightTransport):
         self.membership = GroupMembership(self.clients, engine_sizes=ranks_per_engine, group_name=group_name,
                                           backend=self.backend, master_address=master_address,
                                           timeout_s=cfg.timeout_s, world_size=world_size)
-        self.group = None
+        self.group: torch.distributed.ProcessGroup | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
         # one thread per engine posts its bucket metadata in order (the engine pairs the i-th
         # call with the i-th broadcast), without the sender waiting for each reply
@@ -248,7 +244,7 @@ class BroadcastTransport(WeightTransport):
         return layouts[0]
 
     def _on_posters(self, call_engine: Callable[[WeightReceiver], Any],
-                    skip: set[int] = frozenset()) -> list[tuple[int, Any]]:
+                    skip: Set[int] = frozenset()) -> list[tuple[int, Any]]:
         """Queue ``call_engine(client)`` on every engine's poster thread (but those in
         ``skip``), after what is already queued there (so it reaches each engine in order
         with the bucket calls); each future gives ``(reply, perf_counter() at the reply)``."""
@@ -263,7 +259,7 @@ class BroadcastTransport(WeightTransport):
         (a sender that died mid-update) is closed first and opened again, logged. An engine
         without the endpoint (HTTP 404: SGLang before 0.5.23 has no sessions) is updated
         without one."""
-        def begin(i: int, c: Any) -> tuple[Any, float]:
+        def begin(i: int, c: WeightReceiver) -> tuple[Any, float]:
             try:
                 r = c.begin_weight_update(atomic=True)
             except Exception as e:  # noqa: BLE001 - an HTTP 400 of a session left open, or a 404
@@ -285,9 +281,9 @@ class BroadcastTransport(WeightTransport):
 
         return [(i, self._posters[i].submit(begin, i, c)) for i, c in enumerate(self.clients)]
 
-    def _end_on_posters(self, skip: set[int] = frozenset()) -> list[tuple[int, Any]]:
+    def _end_on_posters(self, skip: Set[int] = frozenset()) -> list[tuple[int, Any]]:
         """Queue ``/end_weight_update`` on every poster (but ``skip`` and sessionless engines)."""
-        def end(c: Any) -> tuple[Any, float]:
+        def end(c: WeightReceiver) -> tuple[Any, float]:
             return c.end_weight_update(), time.perf_counter()
 
         return [(i, self._posters[i].submit(end, c)) for i, c in enumerate(self.clients)
@@ -337,7 +333,7 @@ class BroadcastTransport(WeightTransport):
         SGLang refuses a flush while paused requests hold KV, failing the call)."""
         return self.pause_mode != "in_place"
 
-    def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
         """Queue one bucket's update call on every engine's poster (``weight_version`` on the
         last bucket only, as a string: SGLang's ``Optional[str]``); returns the futures."""
         last = weight_version is not None
@@ -357,6 +353,7 @@ class BroadcastTransport(WeightTransport):
 
     def _transfer(self, flat: torch.Tensor, posted: list[tuple[int, Any]]) -> None:
         """Move one bucket's bytes while its calls are in flight: rank 0's broadcast."""
+        assert self.group is not None, "connect() first"
         group_broadcast(self.group, flat, src=0)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
@@ -407,7 +404,7 @@ class BroadcastTransport(WeightTransport):
         begins: list[tuple[int, Any]] = []
         ends: list[tuple[int, Any]] = []
         last_posted = False
-        buckets = None
+        buckets: BucketStream | None = None
         exported = False  # every bucket taken from the exporter
         failed = False
         broadcasting = False
@@ -416,13 +413,15 @@ class BroadcastTransport(WeightTransport):
                 t_paused = time.perf_counter()
                 pauses = self._on_posters(lambda c: c.pause_generation(mode=self.pause_mode))
             begins = self._begin_on_posters()  # SGLang 0.5.23 refuses updates outside a session
-            if streamed:  # gathered tensor by tensor into the bucket that is sent (stream_export.py)
+            if isinstance(named_tensors, PackedExport):  # gathered tensor by tensor into the bucket that is sent
                 buckets = named_tensors.open(self.cfg.bucket_bytes, device=self.device, order=self.layout,
                                              overlap=self.cfg.overlap, stats=stats)
             else:
                 buckets = packed_buckets(named_tensors, self.cfg.bucket_bytes, overlap=self.cfg.overlap, stats=stats,
                                          pool=self._pack_pool, device=self.device)
             sessions_ok = False
+            bucket: Bucket | None
+            flat: torch.Tensor | None
             for bucket, flat, last in buckets:
                 if last and not pauses:  # pause_scope=last_bucket: engines stage until here
                     t_paused = time.perf_counter()
@@ -534,7 +533,7 @@ class BroadcastTransport(WeightTransport):
             **{f"sync/export_{k}": v for k, v in stats.items() if k not in ("pack_seconds", "wait_seconds")},
         }
 
-    def reform(self, clients: Sequence[Any], ranks_per_engine: int | Sequence[int] | None = None) -> None:
+    def reform(self, clients: Sequence[WeightReceiver], ranks_per_engine: int | Sequence[int] | None = None) -> None:
         """Re-form the update group with ``clients`` (after an engine crash): every current member leaves first
         (the engines' ``/destroy_weights_update_group``, then this side's group: a dead
         engine's refusal is logged), then a new group is formed with ``clients`` (same group
@@ -600,7 +599,7 @@ class TensorTransport(BroadcastTransport):
         WeightSyncError: before connect(), or naming the engine that answered ``success: false``.
     """
 
-    def __init__(self, clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
+    def __init__(self, clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
                  ranks_per_engine: int | Sequence[int] = 1, **kw: Any):
         super().__init__(clients, cfg, pause_mode=pause_mode, ranks_per_engine=ranks_per_engine, **kw)
         self.tp_sizes = list(self.membership.engine_sizes)
@@ -621,7 +620,7 @@ class TensorTransport(BroadcastTransport):
 
     update_call = "update_weights_from_tensor"
 
-    def _post_bucket(self, bucket: Any, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
         from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
 
         last = weight_version is not None
@@ -728,7 +727,7 @@ class DiskTransport(WeightTransport):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_transport(clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
+def make_transport(clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
                    **kw: Any) -> WeightTransport:
     """The transport ``cfg.transport`` names (``broadcast`` | ``tensor`` | ``disk``), not yet connected."""
     if cfg.transport == "disk":
@@ -738,7 +737,7 @@ def make_transport(clients: Sequence[Any], cfg: WeightSyncConfig, *, pause_mode:
     return BroadcastTransport(clients, cfg, pause_mode=pause_mode, **kw)
 
 
-def check_engines(clients: Sequence[Any], trainer_checksums: dict[str, str], weight_version: int) -> dict[str, float]:
+def check_engines(clients: Sequence[WeightReceiver], trainer_checksums: dict[str, str], weight_version: int) -> dict[str, float]:
     """Check mode: every engine serves ``weight_version`` and its per-tensor checksums equal
     the trainer's, bit for bit.
 

@@ -28,7 +28,7 @@ def main(out: str) -> None:
     from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
     from moe_async.compat.cp_attention import cp_core_attention, cp_layer_spec
     from moe_async.compat.mla_local_attention import MLADotProductAttention
-    from moe_async.trainer.sharding import cp_positions
+    from moe_async.layout import cp_positions
 
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(context_parallel_size=2)

@@ -47,7 +47,7 @@ def test_spec_substitution(res):
 
 
 def test_cp_positions_and_gather_layout():
-    from moe_async.trainer.sharding import cp_positions
+    from moe_async.layout import cp_positions
 
     assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_async.engines.base import EmbeddedEngine, make_engine
-from moe_async.engines.checksum import tensor_checksum
+from moe_async.models.checksum import tensor_checksum
 from moe_async.engines.client import EngineClient, EngineRequestError, SyncEngineClient
 from moe_async.engines.config import EngineConfig
 from moe_async.weight_sync.bucket import make_buckets

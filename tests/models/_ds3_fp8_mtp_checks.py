@@ -62,7 +62,7 @@ def make_fp8_mtp(src: str, dst: str) -> dict[str, torch.Tensor]:
 
     from safetensors.torch import save_file
 
-    from moe_async.models.convert import iter_hf_tensors
+    from moe_async.megatron.hf_io import iter_hf_tensors
 
     os.makedirs(dst)
     g = torch.Generator().manual_seed(0)
@@ -118,8 +118,8 @@ def main(tmp: str) -> None:
     from _tiny_deepseek_v3 import make_tiny_deepseek_v3
 
     from moe_async.models import get_family
-    from moe_async.models.convert import (check_hf_keys, hf_to_megatron_checkpoint, iter_hf_tensors,
-                                          megatron_to_hf_checkpoint, read_hf_config, read_hf_index)
+    from moe_async.megatron.hf_io import check_hf_keys, iter_hf_tensors, read_hf_config, read_hf_index
+    from moe_async.megatron.convert import hf_to_megatron_checkpoint, megatron_to_hf_checkpoint
 
     records: list[str] = []
 

@@ -47,7 +47,7 @@ def strict_load(hf_dir: str, ckpt_dir: str, strict: str, padded_vocab: int) -> d
     from safetensors.torch import load_file
 
     from moe_async.models import get_family, hf_config_dict
-    from moe_async.models.convert import parallel_layout
+    from moe_async.megatron.parallel import parallel_layout
 
     cfg = hf_config_dict(hf_dir)
     out: dict = {}

@@ -25,6 +25,7 @@ import pytest
 import torch
 from _launch import merged_json, selected_params, slow_marked, torchrun
 from _launch import run as _run
+from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_family_layouts.py")
@@ -59,10 +60,6 @@ def res(request, tmp_path_factory):
     return out
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-30)
-
-
 def _maxdiff(a, b) -> float:
     assert [len(x) for x in a] == [len(y) for y in b]
     return max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p, q))
@@ -79,7 +76,7 @@ def test_two_steps_equal_one_process(res, case):
     for s, r in zip(got, ref):
         assert s["num_tokens"] == r["num_tokens"] == 45  # 50 response tokens, sample 4 (5) has weight 0
         for k in ("loss", "grad_norm", "entropy"):
-            assert _rel(s[k], r[k]) <= REL, (case, k, s[k], r[k])
+            assert rel_err(s[k], r[k]) <= REL, (case, k, s[k], r[k])
     assert got[0]["loss"] != got[1]["loss"]  # the second step sees the first update
 
 
@@ -101,5 +98,5 @@ def test_local_mla_down_proj_mend_still_needed(res):
     forward right, k_pos_emb's gradient not summed over TP (grad norm off by > 0.1%). When
     this fails, Megatron has fixed it and local_mla_submodules need not swap the Linears."""
     got, ref = res["ds3cpl-tp2pp1ep1"]["steps"][0], res["ds3-tp1pp1ep1"]["steps"][0]
-    assert _rel(got["loss"], ref["loss"]) <= REL
-    assert _rel(got["grad_norm"], ref["grad_norm"]) > 1e-3, (got["grad_norm"], ref["grad_norm"])
+    assert rel_err(got["loss"], ref["loss"]) <= REL
+    assert rel_err(got["grad_norm"], ref["grad_norm"]) > 1e-3, (got["grad_norm"], ref["grad_norm"])

@@ -12,7 +12,7 @@ import pytest
 from moe_async.config import ConfigError, load_config
 from moe_async.engines.base import _SubprocessEngine
 from moe_async.engines.config import EngineConfig
-from moe_async.orchestration.affinity import check_cpu_affinity, pin_this_process
+from moe_async.affinity import check_cpu_affinity, pin_this_process
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 

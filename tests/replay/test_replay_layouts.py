@@ -27,6 +27,7 @@ import pytest
 import torch
 from _launch import merged_json, torchrun
 from _launch import run as _run
+from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_replay_layout_checks.py")
@@ -55,10 +56,6 @@ def res(tmp_path_factory):
     out["times"] = times
     print("replay layout check wall times (s):", times)
     return out
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
 def test_routes_differ_without_replay(res):
@@ -108,7 +105,7 @@ def test_r3_loss_and_grad_norm_equal_one_process(res, run):
     for s, r in zip(res[run]["steps"], ref["steps"]):
         assert s["num_tokens"] == r["num_tokens"] == 45
         for k in ("loss", "grad_norm", "entropy"):
-            assert _rel(s[k], r[k]) <= REL, (k, s[k], r[k])
+            assert rel_err(s[k], r[k]) <= REL, (k, s[k], r[k])
     assert res[run]["steps"][0]["loss"] != res[run]["steps"][1]["loss"]
     for x, y in zip(res[run]["logp_first"], ref["logp_first"]):
         assert max(abs(a - b) for a, b in zip(x, y)) < 1e-4
@@ -116,7 +113,7 @@ def test_r3_loss_and_grad_norm_equal_one_process(res, run):
 
 def test_r3_changes_the_step(res):
     for p in ("", "ds_"):
-        assert _rel(res[p + "R3_mbs2"]["steps"][0]["loss"], res[p + "off_mbs2"]["steps"][0]["loss"]) > 1e-3
+        assert rel_err(res[p + "R3_mbs2"]["steps"][0]["loss"], res[p + "off_mbs2"]["steps"][0]["loss"]) > 1e-3
 
 
 @pytest.mark.parametrize("run", LAYOUTS)
@@ -133,4 +130,4 @@ def test_mismatch_metrics_reduced_over_ranks(res, run):
             assert s[k] == pytest.approx(r[k], rel=1e-12), k
         assert s["routing_agreement"] < 0.5
         for k in ("mismatch_logp_absdiff_mean", "mismatch_logp_absdiff_max", "mismatch_kl_k3"):
-            assert _rel(s[k], r[k]) <= 1e-4, (k, s[k], r[k])
+            assert rel_err(s[k], r[k]) <= 1e-4, (k, s[k], r[k])

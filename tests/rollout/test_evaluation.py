@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from moe_async.rollout.evaluation import EvalCurve, evaluate_heldout, greedy_summary, mean_se, paired_gains, summarize
+from moe_async.rollout.evaluation import EvalCurve, evaluate_heldout, mean_se, paired_gains, summarize
+from moe_async.rollout.manager import greedy_summary
 
 
 def test_mean_se_is_the_sample_std_over_sqrt_n():

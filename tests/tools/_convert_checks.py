@@ -56,7 +56,7 @@ def make_checkpoints(tmp: str) -> None:
     from _tiny import make_tiny_mixtral, make_tiny_qwen3_moe
     from transformers import AutoModelForCausalLM
 
-    from moe_async.models.convert import ShardWriter
+    from moe_async.megatron.export import ShardWriter
 
     make_tiny_mixtral(p(tmp, "mix_single"), tie=False)
     make_tiny_qwen3_moe(p(tmp, "qwen_single"), tie=True, norm_topk_prob=False)
@@ -97,7 +97,7 @@ def make_tiny_llama_bf16(path: str) -> None:
 
 
 def hf_tensors(d: str) -> dict:
-    from moe_async.models.convert import iter_hf_tensors
+    from moe_async.megatron.hf_io import iter_hf_tensors
 
     return dict(iter_hf_tensors(d))
 
@@ -105,7 +105,9 @@ def hf_tensors(d: str) -> dict:
 def megatron_logits(meg: str, hf_dir: str) -> torch.Tensor:
     """Logits [1,S,V] of the 1-process Megatron model loaded from torch_dist ``meg``."""
     from moe_async.models import hf_config_dict
-    from moe_async.models.convert import build_model, load_megatron_into_model, parallel_layout
+    from moe_async.megatron.build import build_model
+    from moe_async.megatron.dist_ckpt import load_megatron_into_model
+    from moe_async.megatron.parallel import parallel_layout
 
     from moe_async.megatron.container import resolve
 
@@ -137,7 +139,7 @@ def expect_error(fn, *needles) -> dict:
 
 def rewrite_hf(src: str, dst: str, edit) -> None:
     """Copy HF dir ``src`` to ``dst`` with its tensors edited by ``edit(dict)`` (re-sharded)."""
-    from moe_async.models.convert import ShardWriter
+    from moe_async.megatron.export import ShardWriter
 
     os.makedirs(dst)
     shutil.copy(p(src, "config.json"), dst)
@@ -152,11 +154,9 @@ def rewrite_hf(src: str, dst: str, edit) -> None:
 def error_cases(tmp: str) -> dict:
     import convert_hf_to_megatron as h2m_cli
 
-    from moe_async.models.convert import (
-        build_model,
-        megatron_to_hf_checkpoint,
-        parallel_layout,
-    )
+    from moe_async.megatron.build import build_model
+    from moe_async.megatron.convert import megatron_to_hf_checkpoint
+    from moe_async.megatron.parallel import parallel_layout
 
     res = {}
     extra = "model.layers.1.mlp.extra_bias"

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from moe_async.models.convert import prefault_read
+from moe_async.megatron.hf_io import prefault_read
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 

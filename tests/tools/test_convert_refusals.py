@@ -60,7 +60,7 @@ def test_cli_refuses_ep_not_dividing_experts(mix, tmp_path):
 ])
 def test_layout_refused_naming_flag_and_field(mix, layout, world, needles):
     from moe_async.models import hf_config_dict
-    from moe_async.models.convert import check_layout
+    from moe_async.megatron.parallel import check_layout
 
     lay = {"tp": 1, "pp": 1, "ep": 1, **layout}
     with pytest.raises(ValueError) as ei:
@@ -73,14 +73,14 @@ def test_layout_refused_naming_flag_and_field(mix, layout, world, needles):
                                             (2, 1, 2, 2), (2, 2, 2, 4), (1, 1, 4, 4), (2, 1, 1, 4)])
 def test_layout_accepted(mix, tp, pp, ep, world):
     from moe_async.models import hf_config_dict
-    from moe_async.models.convert import check_layout
+    from moe_async.megatron.parallel import check_layout
 
     check_layout(hf_config_dict(mix), tp, pp, ep, world=world)  # no error
 
 
 def test_dense_model_refuses_ep(llama):
     from moe_async.models import hf_config_dict
-    from moe_async.models.convert import check_layout
+    from moe_async.megatron.parallel import check_layout
 
     with pytest.raises(ValueError, match=r"--ep 2: llama has no experts"):
         check_layout(hf_config_dict(llama), 1, 1, 2, world=2)
@@ -90,7 +90,7 @@ def test_dense_model_refuses_ep(llama):
 def test_corrupt_json_in_megatron_checkpoint_is_named(mix, tmp_path, name):
     """A corrupt hf_config.json / moe_async_convert.json inside a Megatron checkpoint: a
     ValueError naming the file (was an unnamed JSONDecodeError), before any model exists."""
-    from moe_async.models.convert import megatron_to_hf_checkpoint
+    from moe_async.megatron.convert import megatron_to_hf_checkpoint
 
     meg = tmp_path / "meg"
     meg.mkdir()
@@ -108,7 +108,8 @@ def test_corrupt_json_in_megatron_checkpoint_is_named(mix, tmp_path, name):
 def test_corrupt_hf_config_and_index_are_named(mix, tmp_path):
     import shutil
 
-    from moe_async.models.convert import hf_to_megatron_checkpoint, read_hf_index
+    from moe_async.megatron.convert import hf_to_megatron_checkpoint
+    from moe_async.megatron.hf_io import read_hf_index
 
     bad = tmp_path / "hf"
     shutil.copytree(mix, bad)
@@ -130,7 +131,7 @@ def test_tensor_in_both_expert_layouts_is_refused(mix, tmp_path, fused_first):
     from safetensors.torch import load_file, save_file
 
     from moe_async.models import get_family
-    from moe_async.models.convert import check_hf_keys, read_hf_config, read_hf_index
+    from moe_async.megatron.hf_io import check_hf_keys, read_hf_config, read_hf_index
 
     sd = load_file(os.path.join(mix, "model.safetensors"))
     pre, E = "model.layers.0.block_sparse_moe.experts.", 4
@@ -174,7 +175,8 @@ def test_cli_out_is_a_file_is_named(mix, tmp_path):
 def test_out_is_a_file_or_under_one_megatron_to_hf(mix, tmp_path):
     """The same for convert_megatron_to_hf (checked before the checkpoint is even looked at),
     and an --out below a file."""
-    from moe_async.models.convert import check_out_dir, megatron_to_hf_checkpoint
+    from moe_async.megatron.export import check_out_dir
+    from moe_async.megatron.convert import megatron_to_hf_checkpoint
 
     f = tmp_path / "f"
     f.write_text("x")
@@ -192,7 +194,7 @@ def test_out_is_a_file_or_under_one_megatron_to_hf(mix, tmp_path):
 @pytest.fixture(scope="module")
 def meg(mix, tmp_path_factory) -> str:
     """The tiny Mixtral as a torch_dist checkpoint (1 process, in this process)."""
-    from moe_async.models.convert import hf_to_megatron_checkpoint
+    from moe_async.megatron.convert import hf_to_megatron_checkpoint
 
     out = str(tmp_path_factory.mktemp("meg") / "meg")
     hf_to_megatron_checkpoint(mix, out, progress=False)
@@ -217,7 +219,7 @@ def test_truncated_checkpoint_file_is_named(mix, meg, tmp_path, name, needle):
     per rank), nothing written."""
     import shutil
 
-    from moe_async.models.convert import megatron_to_hf_checkpoint
+    from moe_async.megatron.convert import megatron_to_hf_checkpoint
 
     root = tmp_path / "meg"
     shutil.copytree(meg, root)
@@ -236,7 +238,7 @@ def test_corrupt_distcp_item_is_named(mix, meg, tmp_path):
     are named (the zip reader's own error says neither)."""
     import shutil
 
-    from moe_async.models.convert import megatron_to_hf_checkpoint
+    from moe_async.megatron.convert import megatron_to_hf_checkpoint
 
     bad = tmp_path / "meg"
     shutil.copytree(meg, bad)
@@ -302,7 +304,7 @@ def test_shard_writer_files_get_the_umask_mode(tmp_path):
 
     import torch
 
-    from moe_async.models.convert import ShardWriter
+    from moe_async.megatron.export import ShardWriter
 
     old = os.umask(0o022)
     try:

@@ -35,7 +35,7 @@ def main(tmp: str, out: str) -> None:
     from moe_async.trainer.ckpt_shapes import (first_shape_difference, megatron_shapes, saved_tensor_shapes,
                                                torch_dist_shapes)
     from moe_async.trainer.megatron_trainer import MegatronTrainer
-    from moe_async.trainer.sharding import padded_vocab_size
+    from moe_async.megatron.sharding import padded_vocab_size
 
     res: dict = {}
     for fam, (make, field, value) in FAMILIES.items():

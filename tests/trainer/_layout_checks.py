@@ -464,7 +464,7 @@ def r3_run(tmp: str, cp: int = 1, th: bool = False) -> dict:
     from megatron.core.transformer.moe.router import TopKRouter
 
     from moe_async.trainer.megatron_trainer import MegatronTrainer
-    from moe_async.trainer.sharding import cp_positions
+    from moe_async.layout import cp_positions
 
     E, K, L = R3_DIMS
     ss = r3_samples()

@@ -119,7 +119,7 @@ def main(tmp: str) -> None:
     import convert_megatron_to_hf as m2h_cli
 
     from moe_async.models import tensor_checksum
-    from moe_async.models.convert import iter_hf_tensors
+    from moe_async.megatron.hf_io import iter_hf_tensors
 
     m2h_cli.main(["--megatron", trained, "--hf-config", orig, "--out", os.path.join(tmp, "trained_hf"),
                   "--ep", "2", "--no-progress"])

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 from _launch import merged_json, torchrun
+from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_dist_opt_reshard_checks.py")
@@ -33,10 +34,6 @@ def res(tmp_path_factory):
     return merged_json(tmp, "out")
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_next_steps_equal_uninterrupted_run(res, layout):
     """The two steps after loading the DP2 'fully_reshardable' checkpoint: loss and grad norm
@@ -50,7 +47,7 @@ def test_next_steps_equal_uninterrupted_run(res, layout):
         return
     for got, want in zip(r["next"], ref, strict=True):
         for k in ("loss", "grad_norm"):
-            assert _rel(got[k], want[k]) <= 1e-5, (layout, k, got[k], want[k])
+            assert rel_err(got[k], want[k]) <= 1e-5, (layout, k, got[k], want[k])
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "dp_format"])

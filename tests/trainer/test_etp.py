@@ -22,6 +22,7 @@ import pytest
 import torch
 from _launch import merged_json, torchrun
 from _launch import run as _run
+from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_etp_checks.py")
@@ -47,10 +48,6 @@ def res(tmp_path_factory):
     return out
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
-
-
 def _ref(res, case: str) -> dict:
     return res[case.split("-")[0] + "-tp1ep1etp1"]
 
@@ -61,9 +58,9 @@ def test_etp_equals_one_process(res, case):
     assert len(got["steps"]) == 2
     for s, r in zip(got["steps"], ref["steps"]):
         assert s["num_tokens"] == r["num_tokens"] == 45  # 50 response tokens, sample 4 (5 tokens) has weight 0
-        assert _rel(s["loss"], r["loss"]) <= REL, (s["loss"], r["loss"])
-        assert _rel(s["grad_norm"], r["grad_norm"]) <= REL, (s["grad_norm"], r["grad_norm"])
-        assert _rel(s["entropy"], r["entropy"]) <= REL
+        assert rel_err(s["loss"], r["loss"]) <= REL, (s["loss"], r["loss"])
+        assert rel_err(s["grad_norm"], r["grad_norm"]) <= REL, (s["grad_norm"], r["grad_norm"])
+        assert rel_err(s["entropy"], r["entropy"]) <= REL
     assert got["steps"][0]["loss"] != got["steps"][1]["loss"]  # step 2 sees the first update
     for x, y in zip(got["logp"], ref["logp"]):  # after two steps, returned on every rank
         assert len(x) == len(y) and max(abs(a - b) for a, b in zip(x, y)) < 1e-4

@@ -34,6 +34,7 @@ import pytest
 import torch
 from _launch import merged_json, selected_params, slow_marked, torchrun
 from _launch import run as _run
+from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_layout_checks.py")
@@ -94,10 +95,6 @@ def res(request, tmp_path_factory):
     return out
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
-
-
 def _ref_key(layout: str) -> str:
     """1-process reference: the checkpoint's, on the long samples ("<ckpt>L") for CP layouts,
     "<ckpt>M" (long samples, aux 0) for token-budget ("mt") layouts."""
@@ -115,9 +112,9 @@ def test_layout_equals_one_process(res, layout):
     n_tok = 279 if layout in CP + MT + TH2 else 45
     for s, r in zip(got["steps"], ref["steps"]):
         assert s["num_tokens"] == r["num_tokens"] == n_tok
-        assert _rel(s["loss"], r["loss"]) <= REL, (s["loss"], r["loss"])
-        assert _rel(s["grad_norm"], r["grad_norm"]) <= REL, (s["grad_norm"], r["grad_norm"])
-        assert _rel(s["entropy"], r["entropy"]) <= REL
+        assert rel_err(s["loss"], r["loss"]) <= REL, (s["loss"], r["loss"])
+        assert rel_err(s["grad_norm"], r["grad_norm"]) <= REL, (s["grad_norm"], r["grad_norm"])
+        assert rel_err(s["entropy"], r["entropy"]) <= REL
     # the second step sees the first update (otherwise step 2 would repeat step 1)
     assert got["steps"][0]["loss"] != got["steps"][1]["loss"]
     # logprobs after two steps, returned on every rank
@@ -143,8 +140,8 @@ def test_c10_aux_loss_on_every_layout(res, layout):
             assert m["loss"] - m["pg_loss"] == pytest.approx(float(coeff) * m["moe_aux_loss"], rel=1e-9, abs=1e-12)
         assert c[coeff]["zero_adv"]["pg_loss"] == 0.0
     assert c["0.01"]["zero_adv"]["grad_norm"] > 0
-    assert _rel(c["0.02"]["zero_adv"]["grad_norm"], 2 * c["0.01"]["zero_adv"]["grad_norm"]) <= REL
-    assert _rel(c["0.02"]["zero_adv"]["moe_aux_loss"], c["0.01"]["zero_adv"]["moe_aux_loss"]) <= REL
+    assert rel_err(c["0.02"]["zero_adv"]["grad_norm"], 2 * c["0.01"]["zero_adv"]["grad_norm"]) <= REL
+    assert rel_err(c["0.02"]["zero_adv"]["moe_aux_loss"], c["0.01"]["zero_adv"]["moe_aux_loss"]) <= REL
 
 
 @pytest.mark.parametrize("mbs", ["1", "4"])
@@ -155,7 +152,7 @@ def test_c10_aux_loss_each_micro_batching(res, mbs):
             m = c[coeff][kind]
             assert m["moe_aux_loss"] > 0
             assert m["loss"] - m["pg_loss"] == pytest.approx(float(coeff) * m["moe_aux_loss"], rel=1e-9, abs=1e-12)
-    assert _rel(c["0.02"]["zero_adv"]["grad_norm"], 2 * c["0.01"]["zero_adv"]["grad_norm"]) <= REL
+    assert rel_err(c["0.02"]["zero_adv"]["grad_norm"], 2 * c["0.01"]["zero_adv"]["grad_norm"]) <= REL
 
 
 def test_c4_experts_saved_once_and_reloaded_at_other_ep(res):
@@ -188,7 +185,7 @@ def test_vpp_checkpoint_round_trip(res):
     ref, v, w = res["vpp_ckpt_ref"], res["vppck"], res["vppck_load"]
     assert v["loaded"] == ref["saved"] and v["version"] == 1
     for k in ("loss", "grad_norm"):
-        assert _rel(v["next"][k], ref["next"][k]) <= REL, (k, v["next"][k], ref["next"][k])
+        assert rel_err(v["next"][k], ref["next"][k]) <= REL, (k, v["next"][k], ref["next"][k])
     assert v["saved"] != v["loaded"]  # the step changed the weights
     assert w["loaded"] == v["saved"] and w["version"] == 2
 
@@ -225,7 +222,7 @@ def test_distributed_optimizer_checkpoint(res):
     assert d["version"] == d4["version"] == 1
     assert d["resumed"] == d["next"]
     for k in ("loss", "grad_norm"):
-        assert _rel(d4["resumed"][k], d["next"][k]) <= 1e-6, (k, d4["resumed"][k], d["next"][k])
+        assert rel_err(d4["resumed"][k], d["next"][k]) <= 1e-6, (k, d4["resumed"][k], d["next"][k])
     assert "use_distributed_optimizer=false" in d["refused_plain_opt"]
     assert "TP/PP/EP" in d["refused_ep2"] and "'ep': (1, 2)" in d["refused_ep2"]
 
@@ -239,7 +236,7 @@ def test_cp_aux_loss_equals_one_process(res, layout):
     got, ref = res[layout], res[_ref_key(layout)]
     for s, r in zip(got["steps"], ref["steps"]):
         assert r["moe_aux_loss"] > 0
-        assert _rel(s["moe_aux_loss"], r["moe_aux_loss"]) <= REL, (s["moe_aux_loss"], r["moe_aux_loss"])
+        assert rel_err(s["moe_aux_loss"], r["moe_aux_loss"]) <= REL, (s["moe_aux_loss"], r["moe_aux_loss"])
 
 
 @pytest.mark.parametrize("layout", slow_marked(CP, SLOW))
@@ -280,7 +277,7 @@ def _assert_r3_as_reference(got: dict, ref: dict) -> None:
         assert g["num_tokens"] == r["num_tokens"]
         assert g["routing_agreement"] == pytest.approx(r["routing_agreement"], abs=1e-12)
         for k in ("loss", "grad_norm"):
-            assert _rel(g[k], r[k]) <= REL, (k, g[k], r[k])
+            assert rel_err(g[k], r[k]) <= REL, (k, g[k], r[k])
 
 
 def test_cp_router_replay_r3(res):
@@ -298,7 +295,7 @@ def test_cp_checkpoint_loads_at_one_process(res):
     c, l1 = res["cpck"], res["cpck_load"]
     assert l1["loaded"] == c["saved"] and l1["version"] == c["version"] == 1
     for k in ("loss", "grad_norm"):
-        assert _rel(l1["next"][k], c["next"][k]) <= REL, (k, l1["next"][k], c["next"][k])
+        assert rel_err(l1["next"][k], c["next"][k]) <= REL, (k, l1["next"][k], c["next"][k])
 
 
 @pytest.mark.parametrize("layout,want", [("tie0M", 4), ("tp1pp1ep1mt-tie0", 3), ("tp1pp1ep2mt-tie0", 2),
@@ -326,7 +323,7 @@ def test_thd_equals_padded_one_process(res, ck):
     for s, r in zip(got["steps"], ref["steps"]):
         assert s["num_tokens"] == r["num_tokens"] == 279
         for k in ("loss", "grad_norm", "entropy"):
-            assert _rel(s[k], r[k]) <= REL, (k, s[k], r[k])
+            assert rel_err(s[k], r[k]) <= REL, (k, s[k], r[k])
     assert got["steps"][0]["loss"] != got["steps"][1]["loss"]
     assert [len(x) for x in got["logp_all"]] == [len(x) for x in ref["logp_all"]]
     assert max(abs(a - b) for x, y in zip(got["logp_all"], ref["logp_all"]) for a, b in zip(x, y)) <= 1e-5
@@ -370,9 +367,9 @@ def test_uneven_pipeline_stages(res):
     assert u["stage_layers"] == [[1, 2, 3], [4]]  # global layer numbers per PP rank
     assert u["export_equals_disk"] is True
     for s, r in zip(u["steps"], ref["steps"]):
-        assert _rel(s["loss"], r["loss"]) <= REL and _rel(s["grad_norm"], r["grad_norm"]) <= REL
+        assert rel_err(s["loss"], r["loss"]) <= REL and rel_err(s["grad_norm"], r["grad_norm"]) <= REL
     nxt = res["vpp_ckpt_ref"]["next"]
     assert u["loaded"] == res["vpp_ckpt_ref"]["saved"]
-    assert _rel(u["next"]["loss"], nxt["loss"]) <= REL and _rel(u["next"]["grad_norm"], nxt["grad_norm"]) <= REL
+    assert rel_err(u["next"]["loss"], nxt["loss"]) <= REL and rel_err(u["next"]["grad_norm"], nxt["grad_norm"]) <= REL
     back = res["unpp_load"]
     assert back["loaded"] == u["saved"] and back["version"] == 2

@@ -45,7 +45,7 @@ def _rank_main(local_rank: int, conn) -> None:
         wu_mod = importlib.import_module("sglang.srt.model_executor.model_runner_components.weight_updater")
     finally:
         sys.meta_path.remove(finder)
-    from moe_async.engines.checksum import tensor_checksum
+    from moe_async.models.checksum import tensor_checksum
 
     # SGLang's joins wait torch's default_pg_timeout (30 min): a join reaching this rank
     # after its sender died would block it that long; 20 s here keeps the tests bounded

@@ -50,7 +50,7 @@ def _rand(shapes, seed):
 
 
 def _sums(ts):
-    from moe_async.engines.checksum import tensor_checksum
+    from moe_async.models.checksum import tensor_checksum
 
     return {n: tensor_checksum(t) for n, t in ts.items()}
 

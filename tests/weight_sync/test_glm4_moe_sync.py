@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 from moe_async.engines.base import make_engine  # noqa: E402
-from moe_async.engines.checksum import tensor_checksum  # noqa: E402
+from moe_async.models.checksum import tensor_checksum  # noqa: E402
 from moe_async.engines.client import SyncEngineClient  # noqa: E402
 from moe_async.engines.config import EngineConfig  # noqa: E402
 from moe_async.weight_sync.config import WeightSyncConfig  # noqa: E402

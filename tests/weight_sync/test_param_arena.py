@@ -50,7 +50,7 @@ def test_layout_is_a_tiling_of_the_arena(model):
 
 
 def test_standby_swap_partial_update_and_spans(model):
-    from moe_async.engines.checksum import tensor_checksum
+    from moe_async.models.checksum import tensor_checksum
 
     wm, arena = _fresh(model)
     before = {n: wm.view(n).clone() for n in wm.names()}

@@ -41,7 +41,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("mode,scope", [("abort", "sync"), ("retract", "sync"), ("in_place", "sync"),
                                         ("abort", "last_bucket"), ("in_place", "last_bucket")])
 def test_requests_in_flight_during_sync(tiny_engine, broadcast, mode, scope):
-    from moe_async.engines.checksum import tensor_checksum
+    from moe_async.models.checksum import tensor_checksum
 
     eng, model_dir = tiny_engine
     shapes = {n: t.shape for n, t in _disk_tensors(model_dir).items()}
@@ -107,7 +107,7 @@ def test_disk_fallback_serves_the_new_weights(tiny_engine, tmp_path):
     equal transformers' on the same new tensors (nothing derived from the old weights kept)."""
     from transformers import AutoModelForCausalLM
 
-    from moe_async.engines.checksum import tensor_checksum
+    from moe_async.models.checksum import tensor_checksum
     from moe_async.engines.embedded.weights import HFWeightMap
     from moe_async.weight_sync.transport import make_transport
 

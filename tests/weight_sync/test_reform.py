@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_async.engines.checksum import tensor_checksum
+from moe_async.models.checksum import tensor_checksum
 
 pytestmark = pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 

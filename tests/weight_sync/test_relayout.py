@@ -9,7 +9,8 @@ import torch
 
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.relayout import WholeTensorExport, same_memory, strided_layout
-from moe_async.weight_sync.transport import BroadcastTransport, contiguous_span, in_layout_order, packed_buckets
+from moe_async.weight_sync.packing import contiguous_span, in_layout_order, packed_buckets
+from moe_async.weight_sync.transport import BroadcastTransport
 
 NG, HPG, D, H = 2, 2, 3, 4  # query groups, heads per group, head dim, hidden
 

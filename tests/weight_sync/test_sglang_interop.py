@@ -66,7 +66,7 @@ def _tensors(seed: int, prefix: str = "w") -> dict[str, torch.Tensor]:
 
 
 def _sums(ts):
-    from moe_async.engines.checksum import tensor_checksum
+    from moe_async.models.checksum import tensor_checksum
 
     return {n: tensor_checksum(t) for n, t in ts.items()}
 

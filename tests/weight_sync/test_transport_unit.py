@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from moe_async.weight_sync.config import WeightSyncConfig
-from moe_async.weight_sync.transport import (
-    BroadcastTransport, DiskTransport, PackPool, WeightSyncError, check_engines, make_transport, packed_buckets,
-)
+from moe_async.weight_sync.group import WeightSyncError
+from moe_async.weight_sync.packing import PackPool, packed_buckets
+from moe_async.weight_sync.transport import BroadcastTransport, DiskTransport, check_engines, make_transport
 
 
 def _named(n=7):
@@ -95,7 +95,7 @@ def test_check_engines_fails_loudly():
 
 def test_contiguous_span_and_zero_copy_pack():
     from moe_async.weight_sync.bucket import make_buckets
-    from moe_async.weight_sync.transport import contiguous_span
+    from moe_async.weight_sync.packing import contiguous_span
 
     buf = torch.arange(40, dtype=torch.float32)
     a, b, c = buf[2:10].view(2, 4), buf[10:16], buf[17:20]
@@ -111,7 +111,7 @@ def test_contiguous_span_and_zero_copy_pack():
 
 
 def test_in_layout_order():
-    from moe_async.weight_sync.transport import in_layout_order
+    from moe_async.weight_sync.packing import in_layout_order
 
     pulled = []
 
@@ -146,7 +146,7 @@ def test_destination_views_follow_the_engine_layout():
     a.copy_(torch.arange(4.0))
     got = list(packed_buckets(iter([("a", a), ("b", b)]), 10**6, overlap=False))  # unordered: packed
     assert got[0][1].data_ptr() != b.data_ptr()
-    from moe_async.weight_sync.transport import in_layout_order
+    from moe_async.weight_sync.packing import in_layout_order
 
     got = list(packed_buckets(in_layout_order(iter([("a", a), ("b", b)]), tr.layout), 10**6, overlap=False))
     assert got[0][0].names == ["b", "a"] and got[0][1].data_ptr() == b.data_ptr()  # sent in place

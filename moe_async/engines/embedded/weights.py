@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_async.engines.checksum import tensor_checksum
+from moe_async.models.checksum import tensor_checksum
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,9 @@ class DeepseekV3Family(SigmoidMoeFamily):
         return DEEPSEEK_V3_RULES
 
     # ---- mapping -------------------------------------------------------------------------
-    def scopes(self, a: DeepseekV3Args) -> dict[str, list[dict[str, int]]]:
+    def scopes(self, a: ArchArgs) -> dict[str, list[dict[str, int]]]:
         """The layer scopes of :data:`DEEPSEEK_V3_RULES` (see the comment above it)."""
+        assert isinstance(a, DeepseekV3Args)
         every = [{"i": i} for i in range(a.num_layers)]
         return {
             "q_lora": every if a.q_lora_rank is not None else [],
@@ -168,9 +169,10 @@ class DeepseekV3Family(SigmoidMoeFamily):
 
         return MLATransformerConfig
 
-    def model_config_kwargs(self, a: DeepseekV3Args, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
         """MLA fields of ``MLATransformerConfig``, then the dense/MoE layer pattern and the
         sigmoid group-limited router (:func:`sigmoid_moe.sigmoid_moe_kwargs`)."""
+        assert isinstance(a, DeepseekV3Args) and a.rope is not None
         return dict(
             # MLA
             multi_latent_attention=True,

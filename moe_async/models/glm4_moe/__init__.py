@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from moe_async.models.family import (
     EMBEDDING_RULE,
+    ArchArgs,
     FINAL_RULES,
     HF_LAYER as _L,
     MG_LAYER as _M,
@@ -141,9 +142,10 @@ class Glm4MoeFamily(SigmoidMoeFamily):
         return GLM4_MOE_RULES
 
     # ---- mapping -------------------------------------------------------------------------
-    def skip_rule(self, r: Rule, a: Glm4MoeArgs) -> bool:
+    def skip_rule(self, r: Rule, a: ArchArgs) -> bool:
         """Also the shared-expert rules without shared experts, the qkv bias without
         ``attention_bias`` and the q/k norms without ``use_qk_norm``."""
+        assert isinstance(a, Glm4MoeArgs)
         return (super().skip_rule(r, a) or (r is _QKV_BIAS and not a.attention_bias)
                 or (r.megatron in _QK_NORM and not a.qk_norm))
 
@@ -155,15 +157,16 @@ class Glm4MoeFamily(SigmoidMoeFamily):
         for j in range(a.mtp_layers):
             i = a.num_layers + j
             moe = replace(a, num_layers=i + 1, first_k_dense=i, mtp_layers=0)
-            layer = [h for h in expand(self.rules(), i + 1, a.num_experts, moe, skip=self.skip_rule,
+            layer = [h for h in expand(self.rules(), i + 1, a.num_experts or 0, moe, skip=self.skip_rule,
                                        scopes={**moe_scopes(moe), "layer": [{"i": i}]}).hf_keys
                      if h.startswith(f"model.layers.{i}.")]
             out += [f"model.layers.{i}.{n}" for n in MTP_EXTRA] + layer
         return tuple(out)
 
-    def normalize_hf_state(self, hf_state: Mapping[str, Tensor], a: Glm4MoeArgs) -> dict[str, Tensor]:
+    def normalize_hf_state(self, hf_state: Mapping[str, Tensor], a: ArchArgs) -> dict[str, Tensor]:
         """Drop the MTP layer's tensors (:meth:`mtp_hf_keys`, each name logged once per
         family instance), then the fused-expert rewrite of the base class."""
+        assert isinstance(a, Glm4MoeArgs)
         mtp = set(self.mtp_hf_keys(a)) if a.mtp_layers else set()
         state = {k: v for k, v in hf_state.items() if k not in mtp}
         dropped = sorted(set(hf_state) - set(state) - self._mtp_logged)
@@ -174,9 +177,10 @@ class Glm4MoeFamily(SigmoidMoeFamily):
         return super().normalize_hf_state(state, a)
 
     # ---- Megatron model ------------------------------------------------------------------
-    def model_config_kwargs(self, a: Glm4MoeArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
         """GQA attention (q/k/v bias, q/k norm) and the dense/MoE sigmoid router fields
         (:func:`sigmoid_moe.sigmoid_moe_kwargs`)."""
+        assert isinstance(a, Glm4MoeArgs)
         return dict(
             num_query_groups=a.num_key_value_heads,
             kv_channels=a.head_dim,
