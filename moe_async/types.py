@@ -33,6 +33,9 @@ class Sample:
         loss_weight: 1.0 normally; 0.0 for samples that must not contribute to the loss
             (e.g. 0-token completions).
         metadata: free-form task metadata (task name, problem index ...).
+        teacher_logprobs: ``None`` (no teacher, or it failed on this sample) or ``[R]`` float
+            logprob (natural log) of each response token under the distillation teacher
+            (moe_async/distill), given the teacher's prompt.
     """
 
     prompt_ids: list[int]
@@ -47,6 +50,7 @@ class Sample:
     routed_experts: np.ndarray | None = None
     loss_weight: float = 1.0
     metadata: dict[str, Any] = field(default_factory=dict)
+    teacher_logprobs: list[float] | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -56,10 +60,12 @@ class Sample:
     def validate(self) -> None:
         """Raise ``ValueError`` when per-token lists disagree in length."""
         n = len(self.response_ids)
-        if len(self.rollout_logprobs) != n or len(self.weight_versions) != n:
+        t = self.teacher_logprobs
+        if len(self.rollout_logprobs) != n or len(self.weight_versions) != n or (t is not None and len(t) != n):
             raise ValueError(
                 f"sample lengths disagree: response_ids={n}, rollout_logprobs="
                 f"{len(self.rollout_logprobs)}, weight_versions={len(self.weight_versions)}"
+                + ("" if t is None else f", teacher_logprobs={len(t)}")
             )
 
 

@@ -6,6 +6,8 @@ rollouts, each token keeping its ``weight_version``), score rewards with a timeo
 group into the buffer. Engines: :class:`moe_async.protocols.GenerateEngine`; buffer:
 :class:`moe_async.protocols.GroupBuffer`.
 
+With a distillation teacher (``teacher``) every sample is also scored by it, beside the reward.
+
 Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class RolloutManager:
         eos_token_ids: list[int] | None = None,
         max_context_len: int = 2048,
         no_engine_wait_s: float = 600.0,
+        teacher: Any = None,
     ):
         if not engine_clients:
             raise ValueError("RolloutManager needs at least one engine client")
@@ -145,6 +148,7 @@ class RolloutManager:
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
+        self.teacher = teacher  # distillation: a moe_async.distill.teacher.TeacherScorer, scores beside the reward
         self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source(),
                                                cfg.reward_timeout_s,
                                                first_limit=cfg.prompts_per_step * cfg.n_samples_per_prompt)
@@ -160,6 +164,8 @@ class RolloutManager:
                 tasks = {t for t in tasks if not t.done()}
                 if self.reward_streak.failure is not None:  # the reward never returns a number
                     raise self.reward_streak.failure
+                if self.teacher is not None and self.teacher.failure is not None:  # the teacher never scores
+                    raise self.teacher.failure
                 if len(tasks) >= self.cfg.max_concurrent_groups:
                     await self._wait_any(tasks, stop_event)
                     continue
@@ -265,6 +271,8 @@ class RolloutManager:
             m[f"rollout/engine_busy_s/{i}"] = b.total()
         if hasattr(self.reward_pool, "metrics"):
             m.update(self.reward_pool.metrics())
+        if self.teacher is not None:
+            m.update(self.teacher.metrics())
         return m
 
     def skip_draws(self, seqs, counter: str = "skipped_settled") -> None:
@@ -403,7 +411,10 @@ class RolloutManager:
             )
             texts = [self.dataset.decode(s.response_ids) for s in samples]
             w0 = self.trace.now()
-            results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
+            jobs = [self.reward_pool.score(problem, t) for t in texts]
+            if self.teacher is not None:  # distillation: the teacher scores every token meanwhile
+                jobs.append(self.teacher.score_group(problem, samples, self.trace))
+            results = (await _gather_or_cancel(jobs))[: len(texts)]
             self.trace.add("reward", "reward", w0, self.trace.now(), {"group": gid})
             for i, (s, t, r) in enumerate(zip(samples, texts, results)):
                 s.response_text = t
