@@ -82,6 +82,7 @@ def main(tmp: str) -> None:
     b = torch.cat([ref_grad[n].flatten().double() for n in names])
     res["grad_max_abs_diff"] = float((a - b).abs().max())
     res["grad_abs_max"] = float(b.abs().max())
+    res["grad_rel_l2"] = float((a - b).norm() / b.norm())
     res["grad_cos"] = float(a @ b / (a.norm() * b.norm()))
     res["grad_norm_ratio"] = float(a.norm() / b.norm())
     tr.close()
