@@ -52,7 +52,8 @@ def distill_advantages(groups: list[Group], kl_coef: float, reward_coef: float) 
 
 def distill_metrics(groups: list[Group]) -> dict[str, float]:
     """Of a trained batch: ``teacher/batch_kl_per_token`` (mean over the tokens the teacher
-    scored of ``logp_student - logp_teacher``) and ``teacher/batch_failed_samples``."""
+    scored of ``logp_student - logp_teacher``), ``teacher/batch_tokens`` (tokens it scored) and
+    ``teacher/batch_failed_samples``."""
     kl, n, failed = 0.0, 0, 0
     for g in groups:
         for s in g.samples:
@@ -61,4 +62,5 @@ def distill_metrics(groups: list[Group]) -> dict[str, float]:
                 continue
             kl += sum(a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs))
             n += len(s.teacher_logprobs)
-    return {"teacher/batch_kl_per_token": kl / n if n else 0.0, "teacher/batch_failed_samples": float(failed)}
+    return {"teacher/batch_kl_per_token": kl / n if n else 0.0, "teacher/batch_tokens": float(n),
+            "teacher/batch_failed_samples": float(failed)}

@@ -39,8 +39,10 @@ def start_teacher(cfg: Any, student_path: str) -> tuple[Any, list[str] | None]:
     if t.urls:
         return None, list(t.urls)
     from moe_async.orchestration.engine_pool import EnginePool
+    from moe_async.orchestration.placement import place_engines
 
-    pool = EnginePool(cfg.model_copy(update={"engine": t.engine}), teacher_model_path(cfg, student_path))
+    path = teacher_model_path(cfg, student_path)
+    pool = EnginePool(cfg.model_copy(update={"engine": t.engine}), path, placement=place_engines(cfg, engine=t.engine))
     try:
         return pool, pool.launch()
     except BaseException:
