@@ -141,3 +141,18 @@ def test_failures_are_counted_and_a_dead_teacher_stops(served):
     m = sc.metrics()
     assert m["teacher/requests"] == 3 and m["teacher/failures"] == 1 and m["teacher/errors"] == 1
     assert sum(s.teacher_logprobs is None for s in samples) == 1
+
+
+def test_one_shot_teacher_sees_exactly_the_one_shot_prompt():
+    """``few_shot: 1`` (the demo's teacher) is the ``one_shot`` prompt style token for token, so
+    the teacher's held-out accuracy is that prompt's (a run with rollout.prompt_style=one_shot)."""
+    from moe_async.models.prepare import load_smollm2_tokenizer
+
+    tok = load_smollm2_tokenizer()
+    kw = dict(task="basic_arithmetic", task_kwargs=TASK_KW, train_size=5, eval_size=0)
+    student = TaskDataset(RolloutConfig(prompt_style="plain", **kw), tok)
+    one_shot = TaskDataset(RolloutConfig(prompt_style="one_shot", **kw), tok)
+    fn = make_teacher_prompt_fn(TeacherConfig(enabled=True, few_shot=1), student, "basic_arithmetic", TASK_KW)
+    for p in student.train:
+        ids = student.build_prompt_ids(p)
+        assert fn(p, ids) == one_shot.build_prompt_ids(p) != ids
