@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import Counter
 from typing import Any, Callable
 
 from moe_async.distill.config import TeacherConfig
 from moe_async.types import Sample
+
+log = logging.getLogger(__name__)
+_MAX_LOGGED_ERRORS = 5
 
 
 class TeacherFailureError(RuntimeError):
@@ -165,6 +169,11 @@ class TeacherScorer:
         if err is not None:
             self.counters["failures"] += 1
             s.metadata["teacher_error"] = err
+            seen = self.__dict__.setdefault("_errors_seen", set())
+            if err not in seen and len(seen) < _MAX_LOGGED_ERRORS:  # each distinct error once, the first few
+                seen.add(err)
+                log.warning("teacher (%s) failed to score a sample (its distillation advantage is 0): %s",
+                            self.source, err)
             return err
         R = len(s.response_ids)
         self.counters["tokens"] += R
