@@ -16,6 +16,7 @@ from moe_async.config_base import ConfigModel
 
 from moe_async.buffer.config import AsyncConfig
 from moe_async.data.config import DataConfig
+from moe_async.distill.config import TeacherConfig
 from moe_async.engines.config import EngineConfig
 from moe_async.logging.config import LoggingConfig
 from moe_async.models.config import ModelConfig
@@ -48,6 +49,7 @@ class ExperimentConfig(ConfigModel):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines, for `moe-async plan`.")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="On-policy distillation (moe_async/distill).")
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
@@ -80,7 +82,18 @@ class ExperimentConfig(ConfigModel):
             )
         # GRPO (moe_async/trainer/advantages.py, the only advantage estimator) normalises each
         # reward against its own group: a group of one sample has advantage 0, no gradient
-        if self.rollout.n_samples_per_prompt < 2:
+        tch = self.teacher
+        if tch.enabled and self.rollout.temperature != 1.0:
+            raise ValueError(
+                f"teacher.enabled with rollout.temperature={self.rollout.temperature}: the reverse-KL advantage "
+                "compares the student's sampling logprobs (log_softmax(logits / temperature)) with the teacher's "
+                "(temperature 1); set rollout.temperature=1.0"
+            )
+        if tch.enabled and self.rollout.agent.enabled:
+            raise ValueError("teacher.enabled with rollout.agent.enabled: a teacher scores single-turn responses "
+                             "only (a trajectory's observation tokens are not the student's); use one of them")
+        distill_only = tch.enabled and tch.reward_coef == 0  # per-token advantages need no group
+        if self.rollout.n_samples_per_prompt < 2 and not distill_only:
             raise ValueError(
                 f"rollout.n_samples_per_prompt={self.rollout.n_samples_per_prompt}: GRPO's advantage is "
                 "group-relative (reward minus the group mean, moe_async/trainer/advantages.py), so a group "

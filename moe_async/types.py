@@ -44,6 +44,9 @@ class Sample:
             glue). Masked tokens carry no loss, no logprob comparison; their
             ``rollout_logprobs`` are 0.0 and their ``weight_versions`` repeat the preceding
             sampled token's (the trajectory's staleness is its oldest sampled token's).
+        teacher_logprobs: ``None`` (no teacher, or it failed on this sample) or ``[R]`` float
+            logprob (natural log) of each response token under the distillation teacher
+            (moe_async/distill), given the teacher's prompt.
     """
 
     prompt_ids: list[int]
@@ -59,6 +62,7 @@ class Sample:
     loss_weight: float = 1.0
     metadata: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[int] | None = None
+    teacher_logprobs: list[float] | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -68,10 +72,12 @@ class Sample:
     def validate(self) -> None:
         """Raise ``ValueError`` when per-token lists disagree in length."""
         n = len(self.response_ids)
-        if len(self.rollout_logprobs) != n or len(self.weight_versions) != n:
+        t = self.teacher_logprobs
+        if len(self.rollout_logprobs) != n or len(self.weight_versions) != n or (t is not None and len(t) != n):
             raise ValueError(
                 f"sample lengths disagree: response_ids={n}, rollout_logprobs="
                 f"{len(self.rollout_logprobs)}, weight_versions={len(self.weight_versions)}"
+                + ("" if t is None else f", teacher_logprobs={len(t)}")
             )
         if self.loss_mask is not None and len(self.loss_mask) != n:
             raise ValueError(f"sample lengths disagree: response_ids={n}, loss_mask={len(self.loss_mask)}")

@@ -38,7 +38,7 @@ def sample_from_dict(d: dict[str, Any]) -> Sample:
 
     Raises: ValueError naming the missing or unknown field, or the per-token lists that disagree."""
     names = {f.name for f in fields(Sample)}
-    d = {"loss_mask": None, **d}  # snapshots written before multi-turn samples have none
+    d = {"loss_mask": None, "teacher_logprobs": None, **d}  # snapshots written before multi-turn samples or distillation
     if set(d) != names:
         raise ValueError(f"buffer snapshot: sample fields differ: missing {sorted(names - set(d))}, "
                          f"unknown {sorted(set(d) - names)}")

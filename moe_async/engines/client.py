@@ -93,6 +93,36 @@ class GenerateOutput:
     sampling_logprobs: list | None = None
 
 
+@dataclass
+class ScoreOutput:
+    """A scoring call's result (:meth:`_Calls.score`).
+
+    Attributes:
+        token_logprobs: ``[n]`` logprob (natural log, raw ``log_softmax``, no temperature) of
+            each scored token ``input_ids[logprob_start_len:]`` given the tokens before it.
+        top_logprobs: ``None`` or, per scored position, ``[(token_id, logprob)]`` of the
+            ``top_logprobs_num`` most likely tokens, best first.
+    """
+
+    token_logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def parse_score(resp: dict, n: int) -> ScoreOutput:
+    """SGLang ``/generate`` response of a scoring call -> :class:`ScoreOutput`.
+
+    Raises: ValueError when the engine returned other than ``n`` input logprobs or a null one."""
+    meta = resp["meta_info"]
+    rows = meta.get("input_token_logprobs") or []
+    lps = [r[0] for r in rows]
+    if len(lps) != n or any(v is None for v in lps):
+        raise ValueError(f"scoring call: expected {n} input logprobs, the engine returned {len(lps)} "
+                         f"({sum(v is None for v in lps)} null)")
+    top = meta.get("input_top_logprobs")
+    tops = None if top is None else [[(int(e[1]), float(e[0])) for e in (r or [])] for r in top]
+    return ScoreOutput([float(v) for v in lps], tops)
+
+
 def _version(v: Any) -> int:
     try:
         return int(v)
@@ -317,6 +347,25 @@ class _Calls:
         moe_shape = self.moe_shape
         return _Call("POST", "/generate", body, retry=_connect_only,
                      decode=lambda r: parse_generate(r.json(), moe_shape))
+
+    @_Endpoint
+    def score(self, input_ids: list[int], logprob_start_len: int, top_logprobs_num: int = 0) -> _Call[ScoreOutput]:
+        """SGLang's ``/generate`` as a scoring call (a teacher's): nothing generated
+        (``max_new_tokens: 0``), the logprobs of ``input_ids[logprob_start_len:]`` under the
+        served weights -> :class:`ScoreOutput`; ``0 < logprob_start_len < len(input_ids)``.
+        Retried only when the connection could not be made."""
+        n = len(input_ids) - int(logprob_start_len)
+        if not 0 < logprob_start_len < len(input_ids):
+            raise ValueError(f"logprob_start_len={logprob_start_len} must be in (0, {len(input_ids)})")
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": int(logprob_start_len),
+        }
+        if top_logprobs_num:
+            body["top_logprobs_num"] = int(top_logprobs_num)
+        return _Call("POST", "/generate", body, retry=_connect_only, decode=lambda r: parse_score(r.json(), n))
 
     @_Endpoint
     def health(self, timeout: float = 5.0) -> _Call[bool]:

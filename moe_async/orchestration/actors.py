@@ -223,8 +223,14 @@ class TrainerActor:
         from moe_async.trainer.advantages import compute_grpo_advantages
 
         self._enter("train_step")
-        adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
         samples = [s for g in groups for s in g.samples]
+        t = self.cfg.teacher
+        if t.enabled:  # on-policy distillation: per-token reverse-KL advantages (moe_async/distill)
+            from moe_async.distill.advantages import distill_advantages, distill_metrics
+
+            m = self.trainer.train_step(samples, distill_advantages(groups, t.kl_coef, t.reward_coef))
+            return {**{f"train/{k}": v for k, v in m.items()}, **distill_metrics(groups)}
+        adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
         flat_adv = [a for ga in adv for a in ga]
         return {f"train/{k}": v for k, v in self._trainer.train_step(samples, flat_adv).items()}
 
@@ -379,7 +385,8 @@ class RolloutActor:
     """Runs :class:`moe_async.rollout.manager.RolloutManager` in an event loop: generation
     keeps going while the trainer trains; the buffer's admission rule paces it."""
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str, urls: list[str], buffer: Any):
+    def __init__(self, cfg: ExperimentConfig, model_path: str, urls: list[str], buffer: Any,
+                 teacher_urls: list[str] | None = None):
         from moe_async.engines.client import EngineClient
         from moe_async.models.prepare import load_tokenizer
         from moe_async.rollout.manager import RolloutManager
@@ -427,9 +434,23 @@ class RolloutActor:
             eos_token_ids=eos,
             max_context_len=int(hf_cfg.get("max_position_embeddings", 2048)),
             no_engine_wait_s=cfg.engine.startup_timeout_s + 60.0,  # an engine restart (engine_recovery)
+            teacher=self._teacher(teacher_urls),
         )
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+
+    def _teacher(self, urls: list[str] | None) -> Any:
+        """The distillation teacher's scorer over ``urls`` (None without a teacher)."""
+        t = self.cfg.teacher
+        if not t.enabled:
+            return None
+        from moe_async.distill.teacher import TeacherScorer, make_teacher_prompt_fn
+        from moe_async.engines.client import EngineClient
+
+        self.teacher_clients = [EngineClient(u, timeout_s=t.timeout_s) for u in urls or []]
+        r = self.cfg.rollout
+        fn = make_teacher_prompt_fn(t, self.dataset, r.task, r.task_kwargs)
+        return TeacherScorer(t, self.teacher_clients, fn, source=t.model_path or f"the student's checkpoint, {urls}")
 
     async def evaluate(self) -> dict[str, float]:
         return await self.manager.evaluate(self.dataset.eval_problems(), self.cfg.rollout.eval_max_new_tokens)

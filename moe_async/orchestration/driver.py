@@ -134,7 +134,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
 
     init_ray(engine_log_dir=str(run_dir / "logs"))
     prev_sigterm = sigterm_to_checkpoint() if on_sigterm == "checkpoint" else sigterm_to_exit()
-    engines = trainer = None
+    engines = trainer = teacher_pool = None
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
     if data_checked is not None:
@@ -148,6 +148,12 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         engines = EnginePool(cfg, model_path, placement=engine_slots)
         timeline.phase("start engines")
         urls = engines.launch()
+        if cfg.teacher.enabled:  # distillation: the teacher's own servers (moe_async/distill)
+            from moe_async.orchestration.teacher_pool import start_teacher
+
+            timeline.phase("start teacher")
+            teacher_pool, teacher_urls = start_teacher(cfg, model_path)
+            print(f"[moe-async] teacher: {', '.join(teacher_urls or [])}", flush=True)
         timeline.phase("build trainer")
         trainer = TrainerGroup(cfg, model_path, placement=trainer_slots, watch=engines.dead_engines)
         lay = cfg.trainer.layout
@@ -168,7 +174,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             print(f"[moe-async] resumed from {load_path} at step {start_step} "
                   f"(weight_version {trainer.version()})", flush=True)
         buffer = BufferActor.remote(B, K, trainer.version())  # type: ignore[attr-defined]  # v0 = loaded version
-        rollout = RolloutActor.remote(cfg, model_path, urls, buffer)  # type: ignore[attr-defined]
+        rollout = RolloutActor.remote(cfg, model_path, urls, buffer,  # type: ignore[attr-defined]
+                                      teacher_urls if cfg.teacher.enabled else None)
         # engine failures: dead engines restarted/retired between waits, and one lost during a weight
         # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
         recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
@@ -352,6 +359,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 trainer.kill()  # no rank left blocked in a collective
             if engines is not None:
                 engines.shutdown()
+            if teacher_pool is not None:
+                teacher_pool.shutdown()
         finally:
             logger.close()
             timeline.write()

@@ -56,6 +56,7 @@ def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> d
     m.update({k: float(rmetrics.get(k, 0.0)) for k in LOOP_COUNT_KEYS})
     m.update({k: v for k, v in rmetrics.items()
               if k.startswith(("rollout/dropped/", "rollout/requests/", "rollout/agent/"))})
+    m.update({k: v for k, v in rmetrics.items() if k.startswith("teacher/")})  # distillation (cumulative)
     m["rollout/engine_request_retries"] = float(rmetrics.get("rollout/engine_request_retries", 0.0))
     m["rollout/requests_in_flight"] = float(rmetrics.get("rollout/requests_in_flight", 0.0))  # at this step's end
     # mean reward of every sample scored so far, trained or not (dynamic filtering and stale

@@ -200,19 +200,29 @@ def engine_bundles(num_engines: int, devices: int, threads: int, use_gpus: bool,
     return [{"CPU": c, **({"GPU": float(devices)} if use_gpus else {})} for _ in range(num_engines)]
 
 
+def bundle_count(cfg: ExperimentConfig) -> int:
+    """Bundles that share the cluster's CPUs: trainer ranks, engines and the distillation
+    teacher's engines (``teacher``, when it starts its own)."""
+    tch = getattr(cfg, "teacher", None)
+    extra = tch.engine.num_engines if tch is not None and tch.enabled and not tch.urls else 0
+    return cfg.trainer.resolved_world_size + cfg.engine.num_engines + extra
+
+
 def place_trainer(cfg: ExperimentConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
     """The trainer's rank slots for an :class:`~moe_async.config.ExperimentConfig` (rank order)."""
-    t, e = cfg.trainer, cfg.engine
-    n_total = t.resolved_world_size + e.num_engines
+    t = cfg.trainer
+    n_total = bundle_count(cfg)
     bundles = trainer_bundles(t.resolved_world_size, t.nodes, t.num_threads, cluster_gpus() > 0, n_total)
     return place(bundles, "STRICT_PACK", f"trainer (trainer.world_size={t.resolved_world_size}, "
                  f"trainer.nodes={t.nodes})", timeout_s, by_node=True)
 
 
-def place_engines(cfg: ExperimentConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
-    """The engines' slots (engine-index order), each engine on its own bundle."""
-    t, e = cfg.trainer, cfg.engine
-    n_total = t.resolved_world_size + e.num_engines
+def place_engines(cfg: ExperimentConfig, timeout_s: float = PLACEMENT_TIMEOUT_S,
+                  engine: EngineConfig | None = None) -> Placement:
+    """The engines' slots (engine-index order), each engine on its own bundle; ``engine``: the
+    pool's :class:`~moe_async.engines.config.EngineConfig` (default ``cfg.engine``; the teacher's)."""
+    e = engine if engine is not None else cfg.engine
+    n_total = bundle_count(cfg)
     use_gpus = (e.backend == "sglang" or getattr(e, "device", "cpu") != "cpu") and cluster_gpus() > 0
     what = (f"engines (engine.num_engines={e.num_engines}, engine.devices_per_engine="
             f"{e.resolved_devices_per_engine}, engine.nodes_per_engine={e.nodes_per_engine})")

@@ -6,6 +6,8 @@ rollouts, each token keeping its ``weight_version``), score rewards with a timeo
 group into the buffer. Engines: :class:`moe_async.protocols.GenerateEngine`; buffer:
 :class:`moe_async.protocols.GroupBuffer`.
 
+With a distillation teacher (``teacher``) every sample is also scored by it, beside the reward.
+
 Design notes: ``docs/design/rollout.md``."""
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class RolloutManager:
         eos_token_ids: list[int] | None = None,
         max_context_len: int = 2048,
         no_engine_wait_s: float = 600.0,
+        teacher: Any = None,
     ):
         if not engine_clients:
             raise ValueError("RolloutManager needs at least one engine client")
@@ -153,6 +156,7 @@ class RolloutManager:
 
             self.agent = AgentRollout(cfg.agent, getattr(dataset, "tokenizer", None), dataset.messages,
                                       self.eos_token_ids, self.max_context_len)
+        self.teacher = teacher  # distillation: a moe_async.distill.teacher.TeacherScorer, scores beside the reward
         self.reward_streak = RewardErrorStreak(cfg.max_consecutive_reward_errors, self._reward_source(),
                                                cfg.reward_timeout_s,
                                                first_limit=cfg.prompts_per_step * cfg.n_samples_per_prompt)
@@ -168,6 +172,8 @@ class RolloutManager:
                 tasks = {t for t in tasks if not t.done()}
                 if self.reward_streak.failure is not None:  # the reward never returns a number
                     raise self.reward_streak.failure
+                if self.teacher is not None and self.teacher.failure is not None:  # the teacher never scores
+                    raise self.teacher.failure
                 if len(tasks) >= self.cfg.max_concurrent_groups:
                     await self._wait_any(tasks, stop_event)
                     continue
@@ -290,6 +296,8 @@ class RolloutManager:
             m.update(self.reward_pool.metrics())
         if self.agent is not None:
             m.update(self.agent.metrics())
+        if self.teacher is not None:
+            m.update(self.teacher.metrics())
         return m
 
     def skip_draws(self, seqs, counter: str = "skipped_settled") -> None:
@@ -434,7 +442,10 @@ class RolloutManager:
             texts = [self.dataset.decode(s.response_ids) for s in samples]
             if self.agent is None:
                 w0 = self.trace.now()
-                results = await asyncio.gather(*(self.reward_pool.score(problem, t) for t in texts))
+                jobs = [self.reward_pool.score(problem, t) for t in texts]
+                if self.teacher is not None:  # distillation: the teacher scores every token meanwhile
+                    jobs.append(self.teacher.score_group(problem, samples, self.trace))
+                results = (await _gather_or_cancel(jobs))[: len(texts)]
                 self.trace.add("reward", "reward", w0, self.trace.now(), {"group": gid})
             for i, (s, t, r) in enumerate(zip(samples, texts, results)):
                 s.response_text = t

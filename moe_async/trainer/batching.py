@@ -59,7 +59,7 @@ class BatchingMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     # ------------------------------------------------------------------ batching
-    def _pack(self, samples: list[Sample], advantages: list[float] | None,
+    def _pack(self, samples: list[Sample], advantages: list[float] | list[list[float]] | None,
               equalize_dp: bool = False) -> list[MicroBatch]:
         """Right-padded micro-batches of at most ``cfg.micro_batch_size`` sequences and, with
         ``cfg.max_tokens_per_micro_batch``, at most that many padded positions ``B x S``
@@ -148,8 +148,10 @@ class BatchingMixin(TrainerAttrs):
                     loss_mask[b, P - 1 : P - 1 + R] = float(s.loss_weight)
                     if s.loss_mask is not None:  # multi-turn: observation tokens carry no loss
                         loss_mask[b, P - 1 : P - 1 + R] *= torch.tensor(s.response_mask())
-                    if advantages is not None and b < n_real:
-                        adv[b, P - 1 : P - 1 + R] = float(advantages[start + b])
+                    if advantages is not None and b < n_real:  # one per sample, or [R] per token
+                        a = advantages[start + b]
+                        adv[b, P - 1 : P - 1 + R] = torch.tensor(a, dtype=torch.float32) if isinstance(
+                            a, (list, tuple)) else float(a)
                     if s.rollout_logprobs:
                         rlp[b, P - 1 : P - 1 + R] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
                 plen[b], rlen[b] = P, R

@@ -222,8 +222,9 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             self._owns_dist = False
 
     # ------------------------------------------------------------------ train
-    def train_step(self, batch: list[Sample], advantages: list[float]) -> dict[str, float]:
-        """One GRPO optimizer step over ``batch`` (one advantage per sample).
+    def train_step(self, batch: list[Sample], advantages: list[float] | list[list[float]]) -> dict[str, float]:
+        """One GRPO optimizer step over ``batch`` (one advantage per sample, or per response
+        token: a ``[R]`` list per sample, as on-policy distillation's).
 
         The loss is the per-token mean over the WHOLE batch: each micro-batch contributes
         ``sum(token losses) / N_total`` where ``N_total`` is the number of loss-bearing
@@ -243,6 +244,9 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         """
         if len(advantages) != len(batch):
             raise ValueError(f"{len(advantages)} advantages for {len(batch)} samples")
+        for i, (a, s) in enumerate(zip(advantages, batch)):  # per token (distillation): one per response token
+            if isinstance(a, (list, tuple)) and len(a) != len(s.response_ids):
+                raise ValueError(f"sample {i}: {len(a)} per-token advantages for {len(s.response_ids)} response tokens")
         t0 = time.perf_counter()
         with cpu_device_scope():
             out = self._train_step(batch, advantages)

@@ -1,0 +1,191 @@
+"""The teacher pool's client side: score every sampled response token with the teacher.
+
+Data path per group: the teacher's prompt for the problem (:func:`teacher_prompt_ids`; the
+student's own prompt when the teacher is another model) + each sample's exact response token
+ids -> one SGLang ``/generate`` scoring call per sample (``max_new_tokens: 0``,
+``return_logprob``, ``logprob_start_len`` = teacher prompt length;
+:meth:`moe_async.engines.client.EngineClient.score`), round-robin over the teacher engines,
+at most ``teacher.max_concurrent_requests`` in flight, each bounded by ``teacher.timeout_s``
+-> ``sample.teacher_logprobs`` ``[R]``. No re-tokenisation: the response ids are the student's.
+
+Failures are like rewards': a call that raises or times out leaves ``teacher_logprobs`` None
+(that sample trains with a zero distillation advantage, :mod:`.advantages`) and is counted
+(``teacher/failures``, ``teacher/timeouts``); ``teacher.max_consecutive_failures`` failed
+samples in a row raise :class:`TeacherFailureError` naming the teacher and the last error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from moe_async.distill.config import TeacherConfig
+from moe_async.types import Sample
+
+log = logging.getLogger(__name__)
+_MAX_LOGGED_ERRORS = 5
+
+
+class TeacherFailureError(RuntimeError):
+    """The teacher failed to score too many samples in a row; the message names it and the last error."""
+
+
+def few_shot_examples(task: str, task_kwargs: dict, k: int) -> list[tuple[str, str]]:
+    """``k`` worked ``(question, answer)`` pairs of a reasoning-gym task, the same for every
+    prompt: the task's one-shot example first (``rollout.prompt_style='one_shot'``'s, so
+    ``few_shot: 1`` shows the teacher exactly that prompt), then problems drawn with a fixed
+    seed apart from the train/eval seeds, answered ``"The answer is A."``."""
+    from moe_async.rollout.tasks import ONE_SHOT_EXAMPLES
+
+    out = [ONE_SHOT_EXAMPLES[task]] if task in ONE_SHOT_EXAMPLES and k else []
+    if k > len(out):
+        import reasoning_gym
+
+        ds = reasoning_gym.create_dataset(task, seed=987_654_323, size=k - len(out), **task_kwargs)
+        out += [(e["question"], f"The answer is {e['answer']}.") for e in ds]
+    return out
+
+
+def teacher_messages(student: list[dict[str, str]], examples: list[tuple[str, str]],
+                     system_prompt: str | None) -> list[dict[str, str]]:
+    """The teacher's chat: the student's messages with the system message's content replaced by
+    ``system_prompt`` (when given) and the ``examples`` as user/assistant turns right after it."""
+    msgs = [dict(m) for m in student]
+    head = 1 if msgs and msgs[0]["role"] == "system" else 0
+    if system_prompt is not None:
+        if head:
+            msgs[0]["content"] = system_prompt
+        else:
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+            head = 1
+    shots = [m for q, a in examples for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    return msgs[:head] + shots + msgs[head:]
+
+
+def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwargs: dict
+                           ) -> Callable[[Any, list[int]], list[int]]:
+    """``fn(problem, student_prompt_ids) -> teacher prompt ids``. Without ``few_shot`` and
+    ``system_prompt`` the teacher sees the student's prompt ids unchanged; otherwise the
+    dataset's chat messages (``dataset.messages(problem)``, task prompts) are rebuilt by
+    :func:`teacher_messages` and tokenised with the student's tokenizer's chat template.
+
+    Raises: ValueError naming ``teacher.few_shot`` / ``teacher.system_prompt`` for a dataset
+    without chat messages (prompt files)."""
+    if cfg.few_shot == 0 and cfg.system_prompt is None:
+        return lambda problem, ids: list(ids)
+    if not hasattr(dataset, "messages"):
+        raise ValueError("teacher.few_shot / teacher.system_prompt need task prompts (rollout.task): prompt files "
+                         "(data.*) give no chat messages to extend; use a teacher model (teacher.model_path) instead")
+    examples = few_shot_examples(task, task_kwargs, cfg.few_shot)
+    tok = dataset.tokenizer
+
+    def fn(problem: Any, ids: list[int]) -> list[int]:
+        out = tok.apply_chat_template(teacher_messages(dataset.messages(problem), examples, cfg.system_prompt),
+                                      add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+    return fn
+
+
+class TeacherScorer:
+    """Scores groups' samples with the teacher engines (see the module docstring).
+
+    Args:
+        cfg: the ``teacher`` section.
+        clients: async engine clients of the teacher servers (their ``score`` method).
+        prompt_fn: ``(problem, student_prompt_ids) -> teacher prompt ids`` (:func:`make_teacher_prompt_fn`).
+        source: how errors name the teacher (its model or URLs).
+    """
+
+    def __init__(self, cfg: TeacherConfig, clients: list[Any], prompt_fn: Callable[[Any, list[int]], list[int]],
+                 source: str = "teacher"):
+        if not clients:
+            raise ValueError("TeacherScorer needs at least one teacher engine client")
+        self.cfg = cfg
+        self.clients = list(clients)
+        self.prompt_fn = prompt_fn
+        self.source = source
+        self._rr = itertools.count()
+        self._sem: asyncio.Semaphore | None = None
+        self.counters: Counter = Counter()
+        self.streak = 0
+        self.failure: TeacherFailureError | None = None
+
+    async def score_group(self, problem: Any, samples: list[Sample], trace: Any = None) -> None:
+        """Set ``teacher_logprobs`` of every sample (None where the teacher failed); spans
+        ``teacher <i>`` / ``score`` into ``trace`` (a :class:`~moe_async.logging.timeline.SpanRecorder`).
+
+        Raises: TeacherFailureError at ``teacher.max_consecutive_failures`` failures in a row."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.cfg.max_concurrent_requests)
+        prompt = self.prompt_fn(problem, samples[0].prompt_ids) if samples else []
+        errors = await asyncio.gather(*(self._score_one(prompt, s, trace) for s in samples))
+        for err in errors:
+            if err is None:
+                self.streak = 0
+                continue
+            self.streak += 1
+            lim = self.cfg.max_consecutive_failures
+            if lim and self.streak >= lim and self.failure is None:
+                self.failure = TeacherFailureError(
+                    f"teacher ({self.source}) failed to score {self.streak} samples in a row "
+                    f"(teacher.max_consecutive_failures={lim}); last error: {err}")
+        if self.failure is not None:
+            raise self.failure
+
+    async def _score_one(self, prompt: list[int], s: Sample, trace: Any) -> str | None:
+        """Score one sample; returns None or the error."""
+        s.teacher_logprobs = None
+        if not s.response_ids:  # nothing to score: an empty list, not a failure
+            s.teacher_logprobs = []
+            return None
+        assert self._sem is not None
+        async with self._sem:
+            i = next(self._rr) % len(self.clients)
+            t0 = time.monotonic()
+            w0 = trace.now() if trace is not None else 0.0
+            err = None
+            try:
+                out = await asyncio.wait_for(self.clients[i].score(list(prompt) + list(s.response_ids), len(prompt)),
+                                             self.cfg.timeout_s)
+                s.teacher_logprobs = out.token_logprobs
+            except (asyncio.TimeoutError, TimeoutError):
+                err = f"timeout: no result within teacher.timeout_s={self.cfg.timeout_s:g} s"
+                self.counters["timeouts"] += 1
+            except Exception as exc:  # noqa: BLE001 - a failed teacher call is counted, not fatal
+                err = f"{type(exc).__name__}: {exc}"[:300]
+                self.counters["errors"] += 1
+            finally:
+                self.counters["seconds"] += time.monotonic() - t0
+                self.counters["requests"] += 1
+                if trace is not None:
+                    trace.add(f"teacher {i}", "score", w0, trace.now())
+        if err is not None:
+            self.counters["failures"] += 1
+            s.metadata["teacher_error"] = err
+            seen = self.__dict__.setdefault("_errors_seen", set())
+            if err not in seen and len(seen) < _MAX_LOGGED_ERRORS:  # each distinct error once, the first few
+                seen.add(err)
+                log.warning("teacher (%s) failed to score a sample (its distillation advantage is 0): %s",
+                            self.source, err)
+            return err
+        R = len(s.response_ids)
+        self.counters["tokens"] += R
+        self.counters["kl_sum"] += sum(a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs))
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative: ``teacher/requests``, ``teacher/failures`` (errors + timeouts),
+        ``teacher/timeouts``, ``teacher/seconds`` (summed over requests), ``teacher/tokens``
+        scored and ``teacher/kl_per_token`` (mean over scored tokens of ``logp_student -
+        logp_teacher``, the student's sampling logprobs: a reverse-KL estimate)."""
+        c = self.counters
+        out = {f"teacher/{k}": float(c[k]) for k in ("requests", "failures", "timeouts", "errors", "seconds", "tokens")}
+        out["teacher/kl_per_token"] = float(c["kl_sum"]) / c["tokens"] if c["tokens"] else 0.0
+        return out

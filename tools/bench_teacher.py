@@ -1,0 +1,146 @@
+"""Benchmark: does fully asynchronous training hide a slow distillation teacher?
+
+A teacher that takes 0.5 s per scoring request (``--delay``), however many are in flight: an
+embedded engine serving the student's starting checkpoint behind a proxy that sleeps before
+forwarding each ``/generate``. The same config and seed then run twice in this invocation,
+``moe-async train`` with ``teacher.urls`` pointing at the proxy, once with ``async.mode=sync``
+and once ``fully_async`` (``--staleness``), and the trainer idle fraction (time the trainer
+waited for a batch / loop time, ``perf/trainer_idle_frac``) of each is printed with the
+async/sync ratio. Absolute numbers on a shared CPU mean little; the ratio measured in the same
+run is the result. Also printed: samples/s, teacher requests/failures, teacher seconds.
+
+    .venv/bin/python tools/bench_teacher.py                     # cpu_smoke, 6 steps, 0.5 s
+    .venv/bin/python tools/bench_teacher.py --steps 8 --delay 1.0 --json out.json
+
+Exit status 1 when a run fails (its output tail is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_delay_proxy(target: str, delay_s: float) -> tuple[str, object]:
+    """A loopback HTTP server forwarding every request to ``target`` (the teacher engine), each
+    ``/generate`` after sleeping ``delay_s`` (concurrent requests sleep concurrently). Returns
+    its URL and the uvicorn server (``server.should_exit = True`` stops it)."""
+    import httpx
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from moe_async.engines.base import free_port
+
+    client = httpx.AsyncClient(base_url=target, timeout=600, trust_env=False)
+
+    async def forward(request):  # every path, as the engine answers it
+        path = request.url.path
+        if path == "/generate":
+            await asyncio.sleep(delay_s)
+        r = await client.request(request.method, path, params=request.query_params, content=await request.body(),
+                                 headers={"content-type": request.headers.get("content-type", "application/json")})
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+    port = free_port("127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+def run_mode(config: str, mode: str, staleness: int, steps: int, url: str, sets: list[str], out: Path) -> dict:
+    """One ``moe-async train`` run; its summary and per-step metrics."""
+    k = 0 if mode == "sync" else staleness
+    cmd = [sys.executable, "-m", "moe_async.cli", "train", config, f"logging.output_dir={out}",
+           f"num_steps={steps}", f"async.mode={mode}", f"async.max_staleness={k}", "teacher.enabled=true",
+           f"teacher.urls=[{url}]", "eval_before=false", "eval_after=false", "weight_sync.check=false", *sets]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(p.stdout[-3000:] + p.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(1)
+    (run_dir,) = list(out.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps_m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"summary": summary, "steps": steps_m}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs/cpu_smoke.yaml"))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--delay", type=float, default=0.5, help="seconds the teacher sleeps per request")
+    ap.add_argument("--staleness", type=int, default=2, help="fully_async's max_staleness")
+    ap.add_argument("--set", action="append", default=[], help="a.b=value override for both runs")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from moe_async.config import load_config
+    from moe_async.engines.base import make_engine
+    from moe_async.engines.config import EngineConfig
+    from moe_async.models.prepare import prepare_hf_checkpoint
+
+    cfg = load_config(args.config, args.set)
+    path = str(prepare_hf_checkpoint(cfg.model))  # the student's starting checkpoint (cached)
+    eng = make_engine(EngineConfig(num_threads=1, max_running_requests=32), path, 0)
+    eng.launch()
+    proxy, server = start_delay_proxy(eng.url, args.delay)
+    rows = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in ("sync", "fully_async"):
+                out = Path(tmp) / mode
+                out.mkdir()
+                rows[mode] = run_mode(args.config, mode, args.staleness, args.steps, proxy, args.set, out)
+    finally:
+        server.should_exit = True
+        eng.shutdown()
+    res = {}
+    for mode, r in rows.items():
+        s, last = r["summary"], r["steps"][-1]
+        ro = s["rollout"]
+        res[mode] = {
+            "trainer_idle_frac": s["perf"]["perf/trainer_idle_frac"],
+            "samples_per_s": s["perf"]["perf/samples_per_s"],
+            "loop_seconds": s["perf"]["loop_seconds"],
+            "teacher_requests": ro.get("teacher/requests", 0.0),
+            "teacher_failures": ro.get("teacher/failures", 0.0),
+            "teacher_seconds": ro.get("teacher/seconds", 0.0),
+            "kl_per_token_last": last.get("teacher/batch_kl_per_token"),
+        }
+        print(f"{mode:12s} trainer idle {res[mode]['trainer_idle_frac']:.3f}  samples/s "
+              f"{res[mode]['samples_per_s']:.2f}  loop {res[mode]['loop_seconds']:.1f} s  teacher "
+              f"{res[mode]['teacher_requests']:.0f} requests, {res[mode]['teacher_failures']:.0f} failed, "
+              f"{res[mode]['teacher_seconds']:.1f} s summed")
+    if any(r["teacher_failures"] for r in res.values()):
+        print("the teacher failed requests: the comparison is void (see the runs' console.log)", file=sys.stderr)
+        raise SystemExit(1)
+    a, b = res["fully_async"], res["sync"]
+    ratios = {"trainer_idle_frac": a["trainer_idle_frac"] / b["trainer_idle_frac"] if b["trainer_idle_frac"] else None,
+              "samples_per_s": a["samples_per_s"] / b["samples_per_s"]}
+    print(f"fully_async / sync: trainer idle fraction x{ratios['trainer_idle_frac']:.3f}, "
+          f"samples/s x{ratios['samples_per_s']:.3f} (teacher delay {args.delay} s per request, "
+          f"K={args.staleness}, {args.steps} steps)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"modes": res, "ratios": ratios, "delay_s": args.delay,
+                                               "steps": args.steps, "staleness": args.staleness}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
