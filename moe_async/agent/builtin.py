@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import operator
 import time
+from collections.abc import Callable
 from typing import Any
 
 from moe_async.agent.env_base import EnvStep, TextEnv, register_env
@@ -44,7 +45,7 @@ class AnswerRetryEnv(TextEnv):
                        metadata={"correct": False})
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+_OPS: dict[type, Callable[..., float]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 

@@ -12,7 +12,7 @@ trajectories).
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import defaultdict
 from typing import Any
 
 from moe_async.agent.builtin import resolve_tools
@@ -48,7 +48,7 @@ class AgentRollout:
         self.messages_of = messages_of
         self.eos_token_ids = list(eos_token_ids or [])
         self.max_context_len = max_context_len
-        self.counters: Counter = Counter()
+        self.counters: defaultdict[str, float] = defaultdict(float)
         self._mismatch_logged = False
 
     def env_class(self, problem: Any) -> str | None:

@@ -79,6 +79,7 @@ class Trajectory:
 
             prev = self.routed_experts if self._routed_len else None
             joined = join_segments(prev, self._routed_len, turn.routed_experts, n_in + len(turn.response_ids))
+            assert joined is not None  # this turn's routes were joined
             self.routed_experts = compact_routes(joined)
             self._routed_len = n_in + len(turn.response_ids)
 

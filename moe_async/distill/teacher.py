@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import defaultdict
 from typing import Any, Callable
 
 from moe_async.distill.config import TeacherConfig
@@ -113,7 +113,7 @@ class TeacherScorer:
         self.source = source
         self._rr = itertools.count()
         self._sem: asyncio.Semaphore | None = None
-        self.counters: Counter = Counter()
+        self.counters: defaultdict[str, float] = defaultdict(float)
         self.streak = 0
         self.failure: TeacherFailureError | None = None
 
@@ -177,6 +177,7 @@ class TeacherScorer:
             return err
         R = len(s.response_ids)
         self.counters["tokens"] += R
+        assert s.teacher_logprobs is not None  # set by the scoring call above
         self.counters["kl_sum"] += sum(a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs))
         return None
 

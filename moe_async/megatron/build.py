@@ -100,7 +100,7 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
     kw = fam.gpt_model_kwargs(d)
     vocab = int(kw["vocab_size"])
     kw["vocab_size"] = padded_vocab if padded_vocab is not None else padded_vocab_size(vocab, tp, vocab_div)
-    (model,) = model_chunks(fam, d, tf, kw, **({"wrap_spec": wrap_spec} if wrap_spec else {}))
+    (model,) = model_chunks(fam, d, tf, kw, wrap_spec=wrap_spec) if wrap_spec else model_chunks(fam, d, tf, kw)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model, vocab

@@ -277,9 +277,9 @@ def check_layout(hf_cfg: dict, tp: int, pp: int, ep: int, world: int | None = No
     for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
-    for flag, v in ((FIRST_FLAG, first), (LAST_FLAG, last)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+    for flag, n in ((FIRST_FLAG, first), (LAST_FLAG, last)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{flag} must be a positive integer, got {n!r}")
     from moe_async.models import get_family
 
     world = _layout_world() if world is None else world

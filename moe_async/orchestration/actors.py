@@ -228,7 +228,7 @@ class TrainerActor:
         if t.enabled:  # on-policy distillation: per-token reverse-KL advantages (moe_async/distill)
             from moe_async.distill.advantages import distill_advantages, distill_metrics
 
-            m = self.trainer.train_step(samples, distill_advantages(groups, t.kl_coef, t.reward_coef))
+            m = self._trainer.train_step(samples, distill_advantages(groups, t.kl_coef, t.reward_coef))
             return {**{f"train/{k}": v for k, v in m.items()}, **distill_metrics(groups)}
         adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
         flat_adv = [a for ga in adv for a in ga]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moe_async.config import ExperimentConfig
+    from moe_async.engines.config import EngineConfig
 
 #: seconds to wait for a placement group's resources before failing
 PLACEMENT_TIMEOUT_S = 300.0

@@ -95,11 +95,12 @@ async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_
 
     async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
         temp = None if greedy else temperature
-        if getattr(manager, "agent", None) is not None:  # multi-turn: reward within the turn budget
+        agent = getattr(manager, "agent", None)
+        if agent is not None:  # multi-turn: reward within the turn budget
             async def turn(ids: list[int], n: int) -> Any:
                 return await manager._generate_sample(ids, n, greedy=greedy, temperature=temp)
 
-            s = await manager.agent.sample(p, turn, max_new, count=False)
+            s = await agent.sample(p, turn, max_new, count=False)
             if greedy:
                 return float(s.reward), None, float(s.reward >= 1.0), int(sum(s.response_mask()))
             return float(s.reward)

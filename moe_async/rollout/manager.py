@@ -262,6 +262,7 @@ class RolloutManager:
 
             async with sem:
                 try:
+                    assert self.agent is not None
                     s = await self.agent.sample(p, turn, max_new_tokens, count=False)
                 except DropGroup:
                     return None
@@ -515,6 +516,7 @@ class RolloutManager:
             k = next(turns)
             return await self._generate_sample(ids, n, seed=None if seed is None else seed + 104_729 * k)
 
+        assert self.agent is not None  # only called for rollout.agent
         s = await self.agent.sample(problem, turn, max_new)
         for name, t0, t1, ok in s.metadata.pop("tool_spans", []):
             self.trace.add("tools", f"tool {name}", t0, t1, {"group": gid, "ok": ok})

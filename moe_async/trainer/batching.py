@@ -11,6 +11,7 @@ iterators (:meth:`_data_iterators`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ class BatchingMixin(TrainerAttrs):
     """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
 
     # ------------------------------------------------------------------ batching
-    def _pack(self, samples: list[Sample], advantages: list[float] | list[list[float]] | None,
+    def _pack(self, samples: list[Sample], advantages: Sequence[float | list[float]] | None,
               equalize_dp: bool = False) -> list[MicroBatch]:
         """Right-padded micro-batches of at most ``cfg.micro_batch_size`` sequences and, with
         ``cfg.max_tokens_per_micro_batch``, at most that many padded positions ``B x S``
@@ -264,7 +265,8 @@ class BatchingMixin(TrainerAttrs):
 
         return ps.get_data_parallel_world_size()
 
-    def _dp_local(self, batch: list[Sample], advantages: list[float]) -> tuple[list[Sample], list[float]]:
+    def _dp_local(self, batch: list[Sample], advantages: Sequence[float | list[float]]
+                  ) -> tuple[list[Sample], list[float | list[float]]]:
         """This DP rank's contiguous slice of the global batch (every rank is given the same
         global batch). Slices are padded to ``ceil(len/dp)`` with zero-weight copies of the
         first sample (no loss, no token count) so that every DP rank runs the same number of
@@ -272,7 +274,8 @@ class BatchingMixin(TrainerAttrs):
         from megatron.core import parallel_state as ps
 
         dp = self._dp_size()
-        b, a = list(batch), list(advantages)
+        b: list[Sample] = list(batch)
+        a: list[float | list[float]] = list(advantages)
         if dp > 1:
             r = ps.get_data_parallel_rank()
             per = -(-len(batch) // dp)

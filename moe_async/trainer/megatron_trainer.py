@@ -253,14 +253,14 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         out["step_time_s"] = time.perf_counter() - t0
         return out
 
-    def _train_step(self, batch: list[Sample], advantages: list[float]) -> dict[str, float]:
+    def _train_step(self, batch: list[Sample], advantages: list[float] | list[list[float]]) -> dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         cfg = self.cfg
         guard = StepGuard(batch, self.version)  # non-finite loss/grad fails before the optimizer
-        batch, advantages = self._dp_local(batch, advantages)  # DP: this replica's slice
-        mbs_list = self._pack(batch, advantages, equalize_dp=True)
+        batch, local_adv = self._dp_local(batch, advantages)  # DP: this replica's slice
+        mbs_list = self._pack(batch, local_adv, equalize_dp=True)
         guard.bind(mbs_list)
         # --- off-policy correction: decoupled PPO's proximal policy ---
         if cfg.off_policy_correction == "decoupled_ppo":
