@@ -104,7 +104,7 @@ class _FakeManager:
     def _check_length(self, n, max_new, count=False):
         return None if n == 0 else max_new
 
-    async def _generate_sample(self, ids, max_new, greedy=False):
+    async def _generate_sample(self, ids, max_new, greedy=False, temperature=None):  # the manager's signature
         self.n += 1
         ok = greedy or self.n % 2 == 0
         self.in_flight += 1
