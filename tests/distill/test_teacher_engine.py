@@ -72,7 +72,7 @@ def score(cfg, urls, fn, problem, samples, **client_kw):
 
 def test_scoring_request_is_one_sglang_accepts():
     io = load_io_struct()
-    call = _Calls.score(_Calls(), [5, 6, 7, 8], 2, top_logprobs_num=3)
+    call = _Calls.score.spec(_Calls(), [5, 6, 7, 8], 2, top_logprobs_num=3)  # the request the endpoint sends
     ref = io.GenerateReqInput(**call.json)
     ref.normalize_batch_and_arguments()  # SGLang's own decoding of the request
     assert ref.return_logprob and ref.logprob_start_len == 2 and ref.top_logprobs_num == 3
