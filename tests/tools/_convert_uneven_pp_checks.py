@@ -38,7 +38,7 @@ def _cfg(**fields):
 
 def _checksums(d: str) -> dict:
     from moe_async.models import tensor_checksum
-    from moe_async.models.convert import iter_hf_tensors
+    from moe_async.megatron.hf_io import iter_hf_tensors
 
     return {k: tensor_checksum(t) for k, t in iter_hf_tensors(d)}
 

@@ -66,7 +66,7 @@ def mix4(tmp_path_factory) -> str:
 ])
 def test_stage_sizes_refused_naming_the_flag(mix4, pp, first, last, needles):
     from moe_async.models import hf_config_dict
-    from moe_async.models.convert import check_layout
+    from moe_async.megatron.parallel import check_layout
 
     with pytest.raises(ValueError) as ei:
         check_layout(hf_config_dict(mix4), 1, pp, 1, world=pp, first=first, last=last)
@@ -77,7 +77,7 @@ def test_stage_sizes_refused_naming_the_flag(mix4, pp, first, last, needles):
 @pytest.mark.parametrize("pp,first,last", [(2, 3, None), (2, None, 1), (2, 1, 3), (3, 2, 1), (4, 1, 1)])
 def test_stage_sizes_accepted(mix4, pp, first, last):
     from moe_async.models import hf_config_dict
-    from moe_async.models.convert import check_layout
+    from moe_async.megatron.parallel import check_layout
 
     check_layout(hf_config_dict(mix4), 1, pp, 1, world=pp, first=first, last=last)  # no error
 

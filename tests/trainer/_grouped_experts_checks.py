@@ -47,7 +47,7 @@ def main(tmp: str) -> dict:
 
     import moe_async.trainer.moe_kernels as mk
     from moe_async.models import tensor_checksum
-    from moe_async.models.convert import iter_hf_tensors
+    from moe_async.megatron.hf_io import iter_hf_tensors
     from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
