@@ -20,5 +20,5 @@ def record_trained(run_dir: str | Path, step: int, groups: list[Any]) -> None:
         for g in groups:
             s = g.samples[0]
             fh.write(json.dumps({"step": int(step), "draw": s.metadata.get("draw_seq"),
-                                 "row": s.metadata.get("problem_index"), "data_source": s.metadata.get("task"),
+                                 "row": s.metadata.get("problem_index"), "data_source": s.metadata.get("data_source"),
                                  "prompt_ids": [int(t) for t in s.prompt_ids]}) + "\n")

@@ -195,9 +195,11 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
         for c, field_ in ((keys.input_key, "data.input_key"), (keys.label_key, "data.label_key")):
             if c not in cols and (c == keys.input_key or need_label):
                 raise DataError(f"{what}: {_where(spans, 0)}: missing key {c!r} ({field_}); columns: {cols}")
+    renamable = keys.format not in ("verl", "messages")  # slime's keys: data.input_key / data.label_key
     bad = _first_null(table, prompt_col)
     if bad is not None:
-        raise DataError(f"{what}: {_where(spans, bad)}: missing key {prompt_col!r}")
+        raise DataError(f"{what}: {_where(spans, bad)}: missing key {prompt_col!r}"
+                        + (" (data.input_key names the prompt's key)" if renamable else ""))
     if need_label and label_col is not None:
         bad = _first_null(table, label_col)
         if bad is None and keys.format == "verl":
@@ -211,7 +213,8 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
                 bad = int(pc.indices_nonzero(pc.is_null(gt))[0].as_py())
                 raise DataError(f"{what}: {_where(spans, bad)}: missing key 'reward_model.ground_truth'")
         if bad is not None:
-            raise DataError(f"{what}: {_where(spans, bad)}: missing key {label_col!r}")
+            raise DataError(f"{what}: {_where(spans, bad)}: missing key {label_col!r}"
+                            + (" (data.label_key names the label's key)" if renamable else ""))
     _check_prompt_types(ds, table, prompt_col, spans, what, keys, chat_template)
 
 

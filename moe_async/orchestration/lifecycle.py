@@ -111,6 +111,10 @@ def report_eval(summary: dict, key: str, label: str, ev: dict[str, Any] | None) 
     if ev is None:
         return
     summary[key] = ev
+    if not ev.get("n"):  # no held-out problems: no accuracy to state (it would read as 0.000)
+        print(f"[moe-async] held-out accuracy {label}: no held-out problems (n=0: no data.eval set, or eval_size 0)",
+              flush=True)
+        return
     extra = ""
     if "task_accuracy" in ev and ev["task_accuracy"] != ev["accuracy"]:
         extra = f", task scorer accuracy {ev['task_accuracy']:.3f}"

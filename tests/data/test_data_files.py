@@ -110,13 +110,13 @@ def test_missing_prompt_or_label_key_names_row_and_key(tmp_path) -> None:
     p = tmp_path / "noprompt.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _refused(DataConfig(train=str(p), default_reward="exact_match"), "noprompt.jsonl", "row 3 (line 4)",
-             "missing key 'prompt'")
+             "missing key 'prompt' (data.input_key names the prompt's key)")
     rows = slime_rows(5)
     del rows[1]["label"]
     p = tmp_path / "nolabel.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _refused(DataConfig(train=str(p), default_reward="exact_match"), "nolabel.jsonl", "row 1 (line 2)",
-             "missing key 'label'")
+             "missing key 'label' (data.label_key names the label's key)")
     p = write_jsonl(tmp_path / "renamed.jsonl", [{"q": "x", "a": "1"}])
     _refused(DataConfig(train=str(p), input_key="q", default_reward="exact_match"), "renamed.jsonl",
              "missing key 'label'", "data.label_key")
