@@ -353,7 +353,8 @@ class _Calls:
         """SGLang's ``/generate`` as a scoring call (a teacher's): nothing generated
         (``max_new_tokens: 0``), the logprobs of ``input_ids[logprob_start_len:]`` under the
         served weights -> :class:`ScoreOutput`; ``0 < logprob_start_len < len(input_ids)``.
-        Retried only when the connection could not be made."""
+        Nothing is generated, so the call is idempotent: retried on transient errors (a
+        dropped keep-alive connection, a 5xx), like the other idempotent calls."""
         n = len(input_ids) - int(logprob_start_len)
         if not 0 < logprob_start_len < len(input_ids):
             raise ValueError(f"logprob_start_len={logprob_start_len} must be in (0, {len(input_ids)})")
@@ -365,7 +366,7 @@ class _Calls:
         }
         if top_logprobs_num:
             body["top_logprobs_num"] = int(top_logprobs_num)
-        return _Call("POST", "/generate", body, retry=_connect_only, decode=lambda r: parse_score(r.json(), n))
+        return _Call("POST", "/generate", body, retry=_transient, decode=lambda r: parse_score(r.json(), n))
 
     @_Endpoint
     def health(self, timeout: float = 5.0) -> _Call[bool]:

@@ -187,3 +187,28 @@ def test_both_clients_run_one_retry_and_recovery_policy(kind):
     spec = inspect.signature(EngineClient.generate.spec)
     assert inspect.signature(c.generate) == spec.replace(parameters=list(spec.parameters.values())[1:])
     assert list(inspect.signature(c.generate).parameters)[:2] == ["input_ids", "sampling_params"]
+
+
+def test_scoring_call_is_retried_after_a_dropped_connection():
+    """A teacher's scoring call generates nothing: a keep-alive connection the server dropped
+    (httpx.ReadError) is retried, not counted as a teacher failure; generate is not retried."""
+    import httpx
+
+    from moe_async.engines.client import SyncEngineClient
+
+    calls: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append(req.url.path)
+        if len(calls) == 1:
+            raise httpx.ReadError("connection closed", request=req)
+        return httpx.Response(200, json={"meta_info": {"input_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]]}})
+
+    c = SyncEngineClient("http://engine", retries=3, backoff_s=0.0)
+    c._http = httpx.Client(base_url=c.base_url, transport=httpx.MockTransport(handler))
+    out = c.score([5, 6, 7, 8], 2)
+    assert calls == ["/generate", "/generate"] and out.token_logprobs == [-0.5, -1.5]
+    calls.clear()
+    with pytest.raises(httpx.ReadError):
+        c.generate([5, 6], {"max_new_tokens": 1})
+    assert calls == ["/generate"]
