@@ -107,6 +107,10 @@ class ExperimentConfig(ConfigModel):
             from moe_async.agent.env import check_env_class
 
             check_env_class(ag.env_class)
+        if ag.enabled and ag.tools:  # an unknown tool: refused here, not in the rollout actor after start-up
+            from moe_async.agent.builtin import resolve_tools
+
+            resolve_tools(list(ag.tools))
         # router replay: R3 replays the engine's routes (R2 uses them for the agreement metric)
         r = self.rollout
         if t.router_replay != "off" and not r.return_routed_experts:

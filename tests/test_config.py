@@ -175,3 +175,19 @@ def test_booleans_still_set_boolean_fields_and_numbers_numbers():
                                                     "rollout.eval_concurrency=3"])
     assert cfg.eval_before is False and cfg.weight_sync.check is True
     assert cfg.trainer.lr == 1.0 and cfg.rollout.eval_concurrency == 3
+
+
+def test_unknown_agent_tool_is_refused_at_load():
+    """An unknown rollout.agent.tools entry: refused naming the field and the known tools (it
+    used to fail inside the rollout actor after the engines and trainer had started)."""
+    from pathlib import Path
+
+    import pytest
+
+    from moe_async.config import ConfigError, load_config
+
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "cpu_smoke.yaml"
+    base = ["rollout.agent.enabled=true", "rollout.agent.env_class=answer_retry"]
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.tools: 'nosuchtool' is neither a built-in tool \['calculator'\]"):
+        load_config(smoke, base + ['rollout.agent.tools=["nosuchtool"]'])
+    assert load_config(smoke, base + ['rollout.agent.tools=["calculator"]']).rollout.agent.tools == ["calculator"]

@@ -32,11 +32,26 @@ def start_teacher(cfg: Any, student_path: str) -> tuple[Any, list[str] | None]:
     """``(pool, urls)``: with ``teacher.urls`` no pool and those URLs; else an
     :class:`~moe_async.orchestration.engine_pool.EnginePool` of ``teacher.engine`` serving
     :func:`teacher_model_path`, launched (the caller shuts it down). ``(None, None)`` without a
-    teacher. Raises what :meth:`EnginePool.launch` raises (the pool is shut down first)."""
+    teacher. Raises UserInputError naming ``teacher.urls`` when one does not answer ``/health``,
+    and what :meth:`EnginePool.launch` raises (the pool is shut down first)."""
     t = cfg.teacher
     if not t.enabled:
         return None, None
-    if t.urls:
+    if t.urls:  # servers already running: each must answer /health now, not fail every sample later
+        from moe_async.engines.client import SyncEngineClient
+        from moe_async.errors import UserInputError
+
+        down = []
+        for u in t.urls:
+            c = SyncEngineClient(u, timeout_s=10.0)
+            try:
+                if not c.health(timeout=10.0):
+                    down.append(u)
+            finally:
+                c.close()
+        if down:
+            raise UserInputError(f"teacher.urls: {', '.join(down)} did not answer /health (start the teacher "
+                                 "servers first, or leave teacher.urls empty to start teacher.engine)")
         return None, list(t.urls)
     from moe_async.orchestration.engine_pool import EnginePool
     from moe_async.orchestration.placement import place_engines

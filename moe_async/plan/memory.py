@@ -175,10 +175,11 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = 
     if first is not None or last is not None:
         rest = shape.num_layers - (first or 0) - (last or 0)
         others = lay.pp - (first is not None) - (last is not None)
-        need(rest >= 0 and (rest % others == 0 if others else rest == 0),
+        # every other stage holds at least one layer (Megatron-Core refuses an empty middle stage)
+        need(rest >= 0 and (rest % others == 0 and rest >= others if others else rest == 0),
              f"{shape.num_layers} layers ({src}: num_hidden_layers) less trainer.num_layers_in_first_pipeline_stage="
              f"{first} and num_layers_in_last_pipeline_stage={last} leave {rest} layers for {others} other "
-             f"stage(s) of trainer.pipeline_model_parallel_size={lay.pp}: they must split evenly "
+             f"stage(s) of trainer.pipeline_model_parallel_size={lay.pp}: they must split evenly, at least one each "
              "(Megatron-Core's TransformerConfig)")
     else:
         need(shape.num_layers % (lay.pp * vpp) == 0,

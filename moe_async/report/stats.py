@@ -83,8 +83,20 @@ def held_out(run: Run) -> list[tuple[int, float]]:
 def held_out_curve(run: Run, name: str) -> list[tuple[int, float, float]]:
     """``(step, value, standard error)`` of the held-out curve's ``eval/<name>`` records
     (``greedy_accuracy``, ``mean_at_k``, ...; se 0 where ``eval/<name>_se`` is absent)."""
-    return [(int(r["step"]), float(r[f"eval/{name}"]), float(r.get(f"eval/{name}_se", 0.0)))
-            for r in run.steps if isinstance(r.get(f"eval/{name}"), (int, float))]
+    out = []
+    for r in run.steps:
+        v, se = r.get(f"eval/{name}"), r.get(f"eval/{name}_se", 0.0)
+        if v is None or not _finite(v):  # a point that is missing, not a number, NaN or inf is not drawn
+            continue
+        out.append((int(r["step"]), float(v), float(se) if _finite(se) and se >= 0 else 0.0))
+    return out
+
+
+def _finite(v: Any) -> bool:
+    """A real number (not a bool), finite."""
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _curve_numbers(run: Run) -> dict[str, Any]:

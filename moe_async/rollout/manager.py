@@ -47,6 +47,15 @@ class PromptsAllDroppedError(ValueError):
     """Every train prompt of an epoch was too long to generate from (a data or config error)."""
 
 
+class GroupsFailingError(RuntimeError):
+    """Group after group failed with an error (not a drop by a rule): a config, data, environment
+    or tool error that every group hits, so the run stops instead of drawing forever."""
+
+
+#: consecutive groups failing with an error that stop the run (:class:`GroupsFailingError`)
+MAX_GROUP_ERRORS_IN_A_ROW = 16
+
+
 class EngineTimeoutError(TimeoutError):
     """An engine request that timed out, naming the engine (index, URL) and the limit."""
 
@@ -150,6 +159,8 @@ class RolloutManager:
         self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
+        self._error_run = 0  # groups failed with an error since the last one produced
+        self._group_error: GroupsFailingError | None = None
         self.agent = None  # multi-turn trajectories (rollout.agent; moe_async/agent)
         if cfg.agent.enabled:
             from moe_async.agent.rollout import AgentRollout
@@ -174,6 +185,8 @@ class RolloutManager:
                     raise self.reward_streak.failure
                 if self.teacher is not None and self.teacher.failure is not None:  # the teacher never scores
                     raise self.teacher.failure
+                if self._group_error is not None:  # every group hits the same error
+                    raise self._group_error
                 if len(tasks) >= self.cfg.max_concurrent_groups:
                     await self._wait_any(tasks, stop_event)
                     continue
@@ -481,6 +494,7 @@ class RolloutManager:
             put_attempted = True
             await self.buffer.put(group)
             self.counters["groups_produced"] += 1
+            self._error_run = 0
         except DropGroup as exc:
             self.dropped[exc.reason] += 1
             self._settle(seq, exc.reason)
@@ -505,6 +519,11 @@ class RolloutManager:
                 self.dropped[f"error:{type(exc).__name__}"] += 1
                 self._settle(seq, f"error:{type(exc).__name__}")
                 await self._cancel("error")
+                self._error_run += 1
+                if self._error_run >= MAX_GROUP_ERRORS_IN_A_ROW and self._group_error is None:
+                    self._group_error = GroupsFailingError(
+                        f"{self._error_run} groups in a row failed with an error, the last: "
+                        f"{type(exc).__name__}: {exc}")
 
     async def _trajectory(self, problem: Any, max_new: int, seed: int | None, gid: int) -> Sample:
         """One multi-turn trajectory (moe_async/agent): each model turn is

@@ -297,7 +297,7 @@ class TrainerConfig(ConfigModel):
     )
     num_layers_in_first_pipeline_stage: StrictInt | None = Field(
         None,
-        ge=0,
+        ge=1,
         description=(
             "Uneven pipeline stages (Megatron-Core's field; slime's --decoder-first-pipeline-num-layers): "
             "layers on the first PP stage; the other stages share the rest evenly. None: even split. "
@@ -306,7 +306,7 @@ class TrainerConfig(ConfigModel):
     )
     num_layers_in_last_pipeline_stage: StrictInt | None = Field(
         None,
-        ge=0,
+        ge=1,
         description=(
             "Layers on the last PP stage (slime's --decoder-last-pipeline-num-layers); the middle stages "
             "share the rest evenly. None: even split."

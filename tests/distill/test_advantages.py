@@ -88,3 +88,19 @@ def test_teacher_config_checks():
     with pytest.raises(ConfigError, match="n_samples_per_prompt"):
         load_config("configs/cpu_smoke.yaml", ["teacher.enabled=true", "teacher.reward_coef=1",
                                                "rollout.n_samples_per_prompt=1"])
+
+
+def test_teacher_urls_that_do_not_answer_are_refused_at_start():
+    """teacher.urls pointing at nothing: refused at start naming the field and the URL (it used
+    to train every step on zero distillation advantages and exit 0)."""
+    import pytest
+
+    from moe_async.config import ExperimentConfig
+    from moe_async.errors import UserInputError
+    from moe_async.orchestration.teacher_pool import start_teacher
+    from moe_async.net import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = ExperimentConfig.model_validate({"teacher": {"enabled": True, "urls": [url]}})
+    with pytest.raises(UserInputError, match=rf"teacher\.urls: {url} did not answer /health"):
+        start_teacher(cfg, "unused")

@@ -119,3 +119,22 @@ def test_arch_only_with_hf_source():
 
     with pytest.raises(ConfigError, match="model.arch describes an HF checkpoint"):
         load_config(CONFIG, ["model.source=random_moe", "model.hf_path=null"])
+
+
+def test_uneven_stages_leaving_a_stage_empty_are_refused():
+    """Megatron-Core refuses a first/last stage size of 0 and an empty middle stage; so do the
+    config (sizes >= 1) and plan (48 layers at PP4 with 24 + 24 on the first and last stages
+    leave the 2 middle stages none); 46 + 1 at PP3 (one layer in the middle) still fits."""
+    from pydantic import ValidationError
+
+    from moe_async.trainer.config import TrainerConfig
+
+    for f in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        with pytest.raises(ValidationError, match="greater than or equal to 1"):
+            TrainerConfig(**{f: 0})
+    with pytest.raises(PlanError, match="leave 0 layers for 2 other stage") as e:
+        _plan("trainer.pipeline_model_parallel_size=4", "trainer.nodes=4", "trainer.num_layers_in_first_pipeline_stage=24",
+              "trainer.num_layers_in_last_pipeline_stage=24")
+    assert "at least one each" in str(e.value)
+    _plan("trainer.pipeline_model_parallel_size=3", "trainer.num_layers_in_first_pipeline_stage=46",
+          "trainer.num_layers_in_last_pipeline_stage=1", "trainer.nodes=3")

@@ -196,3 +196,20 @@ def test_named_eval_sets_plot_draws_each_sets_points(tmp_path):
                      ("held-out: b", "mean at k"): ([1, 2], [0.1, 0.3], [0.0, 0.0])}
     recs_plain = _write_run(tmp_path / "run_q", [0.2])
     assert recs_plain and eval_sets_plot([load_run(tmp_path / "run_q")], tmp_path / "none.png") is None
+
+
+def test_named_eval_set_points_with_bad_values_are_skipped_not_a_traceback(tmp_path):
+    """A null or negative standard error draws the point with no error bar; a NaN, inf or
+    non-number value is not drawn (these used to raise TypeError / ValueError mid-report)."""
+    from moe_async.report.runs import load_run
+    from moe_async.report.stats import held_out_curve
+
+    recs = _write_run(tmp_path / "run_b", [0.2, 0.4, 0.6, 0.8])
+    recs[0].update({"eval/a/mean_at_k": 0.25, "eval/a/mean_at_k_se": None})
+    recs[1].update({"eval/a/mean_at_k": 0.5, "eval/a/mean_at_k_se": -1.0})
+    recs[2].update({"eval/a/mean_at_k": float("nan")})
+    recs[3].update({"eval/a/mean_at_k": True, "eval/a/greedy_accuracy": 0.5})
+    (tmp_path / "run_b" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in recs))
+    assert held_out_curve(load_run(tmp_path / "run_b"), "a/mean_at_k") == [(1, 0.25, 0.0), (2, 0.5, 0.0)]
+    r = make_report([tmp_path / "run_b"])
+    assert "eval_sets.png" in r["plots"]

@@ -409,3 +409,24 @@ def test_a_whole_epoch_of_prompts_too_long_stops_the_loop_instead_of_drawing_for
     with pytest.raises(PromptsAllDroppedError, match=r"last 3 train prompts \(3 rows an epoch\).*context of 64 tokens: 3"):
         _run(m, buf, 1)
     assert eng.calls == [] and buf.groups == []
+
+
+def test_groups_failing_one_after_another_stop_the_loop_naming_the_error() -> None:
+    """A fault every group hits (an environment or tool setting, a bad row format) used to be
+    logged group after group forever with no step trained; after MAX_GROUP_ERRORS_IN_A_ROW the
+    loop raises, naming the last error."""
+    from moe_async.rollout.manager import MAX_GROUP_ERRORS_IN_A_ROW, GroupsFailingError
+
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=1, max_new_tokens=8)
+    eng = FakeEngine()
+    buf = FakeBuffer(capacity=10_000, version=0)
+    m = _manager(cfg, FakeDataset([5, 6, 7]), [eng], buf)
+
+    async def broken(*a, **kw):
+        raise ValueError("no environment for this row")
+
+    m._generate_sample = broken
+    with pytest.raises(GroupsFailingError, match=rf"{MAX_GROUP_ERRORS_IN_A_ROW} groups in a row failed with an error, "
+                                                 r"the last: ValueError: no environment for this row"):
+        _run(m, buf, 10_000)
+    assert buf.groups == [] and m.dropped["error:ValueError"] >= MAX_GROUP_ERRORS_IN_A_ROW
