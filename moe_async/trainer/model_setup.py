@@ -82,12 +82,9 @@ class ModelSetupMixin(TrainerAttrs):
         if not self.family.arch_args(self.hf_config).num_experts:
             return out
         if cfg.moe_grouped_gemm:
-            from moe_async.trainer.moe_kernels import grouped_gemm_available
+            from moe_async.trainer.moe_kernels import check_grouped_gemm
 
-            if not grouped_gemm_available():  # refused before the model is built, naming the field
-                raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
-                                 "TEGroupedMLP; the legacy GroupedMLP needs the grouped_gemm CUDA package); set "
-                                 "it false here (the sequential expert MLP: same checkpoints and HF export)")
+            check_grouped_gemm()  # refused before the model is built, naming the field
             out["moe_grouped_gemm"] = True
         if cfg.moe_token_dispatcher_type == "flex":
             from moe_async.trainer.moe_kernels import check_flex_dispatcher

@@ -39,6 +39,15 @@ def grouped_gemm_available() -> bool:
     return have_te()
 
 
+def check_grouped_gemm() -> None:
+    """Refuse ``trainer.moe_grouped_gemm=true`` where :func:`grouped_gemm_available` is False
+    (ValueError naming the field and the fix)."""
+    if not grouped_gemm_available():
+        raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
+                         "TEGroupedMLP; the legacy GroupedMLP needs the grouped_gemm CUDA package); set "
+                         "it false here (the sequential expert MLP: same checkpoints and HF export)")
+
+
 def refuse_unavailable_kernels(trainer_cfg: Any) -> None:
     """A local run's check, before Ray or any process starts: ``trainer.moe_grouped_gemm=true``
     or ``trainer.moe_token_dispatcher_type='flex'`` where this host cannot build them (the
@@ -50,7 +59,5 @@ def refuse_unavailable_kernels(trainer_cfg: Any) -> None:
     """
     if trainer_cfg.moe_token_dispatcher_type == "flex":
         check_flex_dispatcher()
-    if trainer_cfg.moe_grouped_gemm and not grouped_gemm_available():
-        raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
-                         "TEGroupedMLP; the legacy GroupedMLP needs the grouped_gemm CUDA package); set "
-                         "it false here (the sequential expert MLP: same checkpoints and HF export)")
+    if trainer_cfg.moe_grouped_gemm:
+        check_grouped_gemm()
