@@ -7,9 +7,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from moe_async.errors import UserInputError
+
+
+def finite_number(v: Any) -> TypeGuard[float]:
+    """A real number (not a bool), finite: a value a curve can draw."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -35,7 +40,7 @@ class Run:
         xs, ys = [], []
         for r in self.steps:
             v = r.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            if finite_number(v):
                 xs.append(int(r["step"]))
                 ys.append(float(v))
         return xs, ys

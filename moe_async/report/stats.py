@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_async.report.runs import Run
+from moe_async.report.runs import Run, finite_number
 
 # per-step time parts of the stacked breakdown: (label, metric), all seconds
 TIME_PARTS = (("wait: filling", "perf/wait_filling_seconds"), ("wait: straggler", "perf/wait_straggler_seconds"),
@@ -86,17 +86,11 @@ def held_out_curve(run: Run, name: str) -> list[tuple[int, float, float]]:
     out = []
     for r in run.steps:
         v, se = r.get(f"eval/{name}"), r.get(f"eval/{name}_se", 0.0)
-        if v is None or not _finite(v):  # a point that is missing, not a number, NaN or inf is not drawn
+        if not finite_number(v):  # a point that is missing, not a number, NaN or inf is not drawn
             continue
-        out.append((int(r["step"]), float(v), float(se) if _finite(se) and se >= 0 else 0.0))
+        out.append((int(r["step"]), float(v), float(se) if finite_number(se) and se >= 0 else 0.0))
     return out
 
-
-def _finite(v: Any) -> bool:
-    """A real number (not a bool), finite."""
-    import math
-
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _curve_numbers(run: Run) -> dict[str, Any]:
