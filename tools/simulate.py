@@ -252,6 +252,11 @@ class _Sample:
     def validate(self) -> None:
         pass
 
+    def response_mask(self) -> list[float]:
+        """One 1.0 per run in ``weight_versions`` (every simulated token is sampled; the
+        token-weighted histogram is the simulator's own, from ``segments``)."""
+        return [1.0] * len(self.weight_versions)
+
 
 class _Req:
     """One sample's request: ``target`` response tokens, ``segments`` [[version, n], ...] kept."""
