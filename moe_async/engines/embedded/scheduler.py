@@ -19,7 +19,7 @@ import traceback
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -111,7 +111,7 @@ class RoutingCapture:
         """``[num_tokens, L, K]`` int32 routing of the last forward (tokens in b, s order)."""
         if self.num_layers == 0:
             return np.zeros((num_tokens, 0, self.top_k), dtype=np.int32)
-        out = torch.stack([b for b in self._buf], dim=1).cpu().numpy()  # [N, L, K]
+        out = torch.stack(cast("list[torch.Tensor]", self._buf), dim=1).cpu().numpy()  # [N, L, K]
         self._buf = [None] * self.num_layers
         return out
 
@@ -137,9 +137,10 @@ class LogitsHead:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         cfg = model.config
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.base = getattr(model, "model", None)
-        self.head = head
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        self.base: Any = getattr(model, "model", None)
+        self.head: Any = head
         self.enabled = (
             getattr(cfg, "model_type", "") in self._FAMILIES
             and isinstance(head, torch.nn.Linear) and head.bias is None
@@ -162,16 +163,23 @@ class LogitsHead:
         """``[N, V]`` logits of ``[N, H]`` hidden states."""
         w = self.head.weight
         key = (w.data_ptr(), tuple(w.shape), w.dtype)
-        if key != self._key:
-            self._wt, self._key = w.detach().t().contiguous(), key
+        wt = self._wt
+        if key != self._key or wt is None:
+            wt = self._wt = w.detach().t().contiguous()
+            self._key = key
         h_NH = h_NH.contiguous()
         n = h_NH.shape[0]
         ok = self._exact.get(n)
         if ok is None:
             ref = F.linear(h_NH, w)
-            self._exact[n] = bool(torch.equal(ref, h_NH @ self._wt))
+            self._exact[n] = bool(torch.equal(ref, h_NH @ wt))
             return ref
-        return h_NH @ self._wt if ok else F.linear(h_NH, w)
+        return h_NH @ wt if ok else F.linear(h_NH, w)
+
+
+def _cache_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(keys, values)]`` per layer of a filled full-attention cache (``[B, heads, T, D]``)."""
+    return [(cast(Any, layer).keys, cast(Any, layer).values) for layer in cache.layers]
 
 
 class Scheduler:
@@ -280,7 +288,7 @@ class Scheduler:
         if len(keep) != len(self.running):
             self._keep_rows(keep)
         with self._lock:
-            remaining = deque()
+            remaining: deque[Req] = deque()
             for r in self.waiting:
                 if rid is None or r.rid == rid:
                     self._finish(r, self._abort_reason(message))
@@ -471,7 +479,7 @@ class Scheduler:
                 keep.append(j)
         if not keep:
             return
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = _cache_kv(cache)
         rows = [inv[j] for j in keep]
         if rows != list(range(n)):  # finished requests leave; shared rows are copied per request
             idx = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -530,6 +538,7 @@ class Scheduler:
             st["decode_cpu_s"] += time.thread_time() - c0
 
     def _decode_step_inner(self, B: int) -> None:
+        assert self.kv is not None  # a decode step runs only with requests running
         T = self.kv[0][0].shape[2]
         dev = self.device
         input_ids_B1 = torch.tensor([[r.output_ids[-1]] for r in self.running], dtype=torch.long, device=dev)
@@ -550,7 +559,7 @@ class Scheduler:
             logits_BV = self.head.project(self.head.hidden(**kw)[:, -1])
         else:
             logits_BV = self.model(**kw).logits[:, -1]
-        self.kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self.kv = _cache_kv(cache)
         routing_BLK = self.capture.take(B) if routed else None
         logits_BV = logits_BV.float()
         for b, r in enumerate(self.running):
@@ -566,6 +575,7 @@ class Scheduler:
         keep = []
         for b, r in enumerate(self.running):
             if r.return_routed_experts:
+                assert routing_BLK is not None
                 r.routed.append(routing_BLK[b : b + 1])
             self._append(r, logits_BV[b : b + 1], lp_BV[b], argmax_B[b])
             if r.finish is None:
@@ -598,6 +608,7 @@ class Scheduler:
         if not keep:
             self.kv, self.pads = None, []
             return
+        assert self.kv is not None
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         pads = [self.pads[i] for i in keep]
         trim = min(pads)
@@ -636,8 +647,10 @@ class Scheduler:
         else:
             lp = torch.log_softmax(logits_V / p.temperature, dim=-1)[tok]
         if req.top_logprobs_num:
+            assert lp_V is not None  # computed above whenever asked
             req.output_top.append(_topk(lp_V, req.top_logprobs_num))
         if req.token_ids_logprob is not None:
+            assert lp_V is not None
             req.output_ids_lp.append((lp_V[req.token_ids_logprob].tolist(), list(req.token_ids_logprob)))
         req.output_ids.append(tok)
         req.output_logprobs.append(float(lp))

@@ -123,8 +123,9 @@ class EngineState:
         self.model_path = args.model_path
         self.dtype = _DTYPES[args.dtype]
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype)
-        self.model.to(self.device)
+        torch.nn.Module.to(self.model, self.device)
         self.model.eval()
+        self.tokenizer: Any
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         except Exception:

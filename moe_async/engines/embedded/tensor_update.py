@@ -83,7 +83,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
     for n in ("dict", "list", "tuple", "int", "float", "bool", "str", "bytes", "bytearray"):
         ok[("builtins", n)] = getattr(builtins, n)
     ok[("collections", "OrderedDict")] = collections.OrderedDict
-    ok[("copyreg", "__newobj__")] = copyreg.__newobj__
+    ok[("copyreg", "__newobj__")] = getattr(copyreg, "__newobj__")
     ok[("types", "SimpleNamespace")] = types.SimpleNamespace
     ok[("torch", "Tensor")] = torch.Tensor
     ok[("torch", "Size")] = torch.Size
@@ -178,7 +178,7 @@ def write_standby(wu: WeightUpdater, named: list[tuple[str, torch.Tensor]]) -> l
     tensors = [t for _, t in named]
     span = arena.span(names, [list(t.shape) for t in tensors], [t.dtype for t in tensors])
     src = contiguous_span(tensors) if span is not None else None
-    if src is not None and src.numel() == span.numel():
+    if src is not None and span is not None and src.numel() == span.numel():
         span.copy_(src)
     else:
         for n, t in named:

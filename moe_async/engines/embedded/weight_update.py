@@ -326,6 +326,7 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
         # call, which fails and clears this (the first failure is the one named)
         wu.update_error = (wu.update_error or msg) if atomic and version is None else None
         return _fail(f"{msg} (staged update of {dropped} tensors discarded)" if atomic else msg)
+    assert session is not None  # receive() raises the outside-session refusal without one
     session.calls += 1
     if atomic and version is None:
         return {"success": True, "message": f"staged {len(names)} tensors ({len(wu.arena.fresh)} in total)"}

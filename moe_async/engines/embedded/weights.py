@@ -62,7 +62,7 @@ class HFWeightMap:
         model_type = getattr(model.config, "model_type", "")
         # parameters, then the buffers a checkpoint holds that weight sync updates (the router's
         # e_score_correction_bias of deepseek_v3 and glm4_moe: the trainer syncs it like a weight)
-        self._params = dict(model.named_parameters())
+        self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self._params.update({n: b for n, b in model.named_buffers() if n.endswith(_SYNCED_BUFFERS)})
         self._slots: dict[str, _Slot] = {}
         naming = EXPERT_NAMING.get(model_type)
@@ -191,6 +191,12 @@ class ParamArena:
     def bound(self) -> bool:
         return self.bufs is not None
 
+    def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(live, standby)``; RuntimeError before :meth:`bind`."""
+        if self.bufs is None:
+            raise RuntimeError("the weight arena is not bound yet (bind() allocates it)")
+        return self.bufs[0], self.bufs[1]
+
     def names(self) -> list[str]:
         """HF on-disk names in arena order."""
         return list(self._order)
@@ -223,7 +229,7 @@ class ParamArena:
     def standby(self, name: str) -> torch.Tensor:
         """The standby tensor behind on-disk ``name`` (its dtype and shape)."""
         s = self.map._slots[name]
-        return self._param_view(self.bufs[1], s.param_name)[s.index]
+        return self._param_view(self._pair()[1], s.param_name)[s.index]
 
     def span(self, names: list[str], shapes: list, dtypes: list[torch.dtype]) -> torch.Tensor | None:
         """The standby ``uint8`` span holding ``names`` end to end, or None when they are not
@@ -231,6 +237,7 @@ class ParamArena:
         Names and shapes must already be checked."""
         if not names or self.bufs is None:
             return None
+        standby = self.bufs[1]
         off, _ = self.slot[names[0]]
         start = end = off
         for n, s, d in zip(names, shapes, dtypes):
@@ -239,7 +246,7 @@ class ParamArena:
             if o != end or d != p.dtype:
                 return None
             end = o + nb
-        return self.bufs[1][start:end]
+        return standby[start:end]
 
     def mark(self, names) -> None:
         self.fresh.update(names)
@@ -254,7 +261,7 @@ class ParamArena:
         differ from the live ones (:attr:`dirty`); returns how many. Right after a swap the
         standby differs only at the names that update carried, so an update applied call by
         call (every call versioned) copies each call's bytes once more, never the model."""
-        live, standby = self.bufs
+        live, standby = self._pair()
         todo = self.dirty - self.fresh
         for name in todo:
             o, nb = self.slot[name]
@@ -273,7 +280,7 @@ class ParamArena:
         them: an update applied at once (SGLang's semantics for a call outside an atomic
         update), costing the bytes of ``names`` only, never a copy of the whole model.
         Scheduler thread only (between two forward passes). Returns the bytes copied."""
-        live, standby = self.bufs
+        live, standby = self._pair()
         n = 0
         for name in names:
             o, nb = self.slot[name]
@@ -285,7 +292,7 @@ class ParamArena:
 
     def swap(self) -> None:
         """Point every parameter at the standby buffer; it becomes live (scheduler thread)."""
-        live, standby = self.bufs
+        live, standby = self._pair()
         for pname, p in self.params.items():
             p.data = self._param_view(standby, pname)
         self.bufs = [standby, live]
