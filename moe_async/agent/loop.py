@@ -112,7 +112,7 @@ async def run_trajectory(env: Any, env_name: str, prompt: list[dict], renderer: 
                     error = (f"environment {env_name!r}: step() timed out (rollout.agent.env_step_timeout_s="
                              f"{cfg.env_step_timeout_s:g}): {exc}")
                     break
-                step = as_step(out, env_name)
+                step = as_step(out, env_name, type(env).__name__)
                 stats.env_steps += 1
                 reward += step.reward
                 obs, done = step.observations, step.done
