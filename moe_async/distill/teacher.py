@@ -79,13 +79,20 @@ def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwa
     dataset's chat messages (``dataset.messages(problem)``, task prompts) are rebuilt by
     :func:`teacher_messages` and tokenised with the student's tokenizer's chat template.
 
-    Raises: ValueError naming ``teacher.few_shot`` / ``teacher.system_prompt`` for a dataset
-    without chat messages (prompt files)."""
+    Raises: ValueError naming ``teacher.few_shot`` for a dataset other than rollout.task's
+    generated problems (prompt files: the examples are the generator's, not the rows'), and
+    ``teacher.system_prompt`` for one without chat messages."""
+    from moe_async.rollout.tasks import TaskDataset
+
     if cfg.few_shot == 0 and cfg.system_prompt is None:
         return lambda problem, ids: list(ids)
+    if cfg.few_shot and not isinstance(dataset, TaskDataset):
+        raise ValueError(f"teacher.few_shot={cfg.few_shot} needs rollout.task's generated problems: its worked examples "
+                         f"are the {task!r} generator's, not your rows ({type(dataset).__name__}); set "
+                         "teacher.few_shot=0 and use teacher.system_prompt or a teacher model (teacher.model_path)")
     if not hasattr(dataset, "messages"):
-        raise ValueError("teacher.few_shot / teacher.system_prompt need task prompts (rollout.task): prompt files "
-                         "(data.*) give no chat messages to extend; use a teacher model (teacher.model_path) instead")
+        raise ValueError("teacher.system_prompt needs a dataset with chat messages to extend; use a teacher model "
+                         "(teacher.model_path) instead")
     examples = few_shot_examples(task, task_kwargs, cfg.few_shot)
     tok = dataset.tokenizer
 
