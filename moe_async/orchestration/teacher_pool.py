@@ -123,3 +123,45 @@ def start_teacher(cfg: Any, student_path: str) -> tuple[Any, list[str] | None]:
     except BaseException:
         pool.shutdown()
         raise
+
+
+class TeacherRecovery:
+    """Restarts the teacher engines (their own pool, never weight-synced: a restarted one serves
+    the same frozen checkpoint at the same URL, so the scorer's clients need nothing new).
+
+    :meth:`check` (called between the driver's waits, at most every ``interval_s``) restarts
+    each engine whose server process exited, up to ``teacher.engine.max_restarts`` restarts
+    per engine; one more death raises RuntimeError naming the teacher engine, why it died and
+    the limit. ``pool``: ``dead_engines() -> ["engine <i> at <url> <why>"]``,
+    ``restart(i, timeout_s) -> url`` (:class:`~moe_async.orchestration.engine_pool.EnginePool`).
+    """
+
+    def __init__(self, pool: Any, max_restarts: int, startup_timeout_s: float, interval_s: float = 5.0):
+        self.pool = pool
+        self.max_restarts = int(max_restarts)
+        self.timeout_s = float(startup_timeout_s) + 120.0
+        self.interval_s = interval_s
+        self.restarts: dict[int, int] = {}
+        self.events: list[str] = []
+        self._last = float("-inf")
+
+    def check(self, now: float | None = None) -> list[int]:
+        """Restart the dead teacher engines (class docstring); their indices."""
+        import time
+
+        now = time.monotonic() if now is None else now
+        if now - self._last < self.interval_s:
+            return []
+        self._last = now
+        out = []
+        for line in self.pool.dead_engines():
+            i = int(line.split()[1])
+            n = self.restarts.get(i, 0)
+            if n >= self.max_restarts:
+                raise RuntimeError(f"teacher {line}; it was restarted {n} times already "
+                                   f"(teacher.engine.max_restarts={self.max_restarts})")
+            self.restarts[i] = n + 1
+            self.pool.restart(i, self.timeout_s)
+            self.events.append(f"teacher {line}: restarted ({n + 1}/{self.max_restarts})")
+            out.append(i)
+        return out
