@@ -43,8 +43,8 @@ class AgentRollout:
             except ImportError as exc:
                 raise RuntimeError(
                     f"rollout.agent.tools={cfg.tools}: SGLang's function-call parsers do not import here "
-                    f"({type(exc).__name__}: {exc}); they need sglang with its runtime dependencies (the GPU "
-                    "environment)") from exc
+                    f"({type(exc).__name__}: {exc}); install them: pip install -e '.[agent]' and pip install "
+                    "--no-deps sglang==0.5.23 xgrammar==0.2.7 (docs/features.md, multi-turn rollouts)") from exc
         self.renderer = ChatRenderer(tokenizer, [t.schema for t in self.tools])
         self.messages_of = messages_of
         self.eos_token_ids = list(eos_token_ids or [])

@@ -9,7 +9,8 @@ executor.
 
 Parsing (:func:`parse_tool_calls`): SGLang's ``FunctionCallParser`` with the model family's
 detector (``rollout.agent.tool_parser``: ``qwen25`` for Hermes-style ``<tool_call>`` JSON,
-``deepseekv3``, ``llama3``, ...), the code the SGLang server runs.
+``deepseekv3``, ``llama3``, ...), the code the SGLang server runs; on a CPU host imported
+through :func:`moe_async.compat.sglang_cpu.import_sglang`.
 
 Execution (:func:`run_tool_calls`): every call of a turn concurrently, each under its own
 timeout (``tool_timeout_s``); a call that raises, times out, names an unknown tool or has
@@ -84,8 +85,11 @@ def _sglang_parser(parser: str, tools: list[Tool]) -> Any:
     naming the parser and SGLang's known ones when it does not exist."""
     key = (parser, tuple(t.name for t in tools))
     if key not in _PARSERS:
-        from sglang.srt.entrypoints.openai.protocol import Tool as SGTool
-        from sglang.srt.function_call.function_call_parser import FunctionCallParser
+        from moe_async.compat.sglang_cpu import import_sglang
+
+        # on a CPU host: with SGLang's GPU-only imports stubbed (moe_async/compat/sglang_cpu.py)
+        SGTool = import_sglang("sglang.srt.entrypoints.openai.protocol").Tool
+        FunctionCallParser = import_sglang("sglang.srt.function_call.function_call_parser").FunctionCallParser
 
         known = FunctionCallParser.ToolCallParserEnum
         if parser not in known:
