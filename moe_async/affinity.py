@@ -31,8 +31,10 @@ def check_cpu_affinity(cores: Sequence[int] | None, field: str) -> set[int] | No
     return set(cores)
 
 
-def check_run_placement(trainer_cores: Sequence[int] | None, engine_cores: Sequence[int] | None) -> None:
-    """Launch-time check of ``trainer.cpu_affinity`` and ``engine.cpu_affinity`` on this host.
+def check_run_placement(trainer_cores: Sequence[int] | None, engine_cores: Sequence[int] | None,
+                        teacher_engine_cores: Sequence[int] | None = None) -> None:
+    """Launch-time check of ``trainer.cpu_affinity``, ``engine.cpu_affinity`` and the
+    distillation teacher's ``teacher.engine.cpu_affinity`` on this host.
 
     Called by the driver of a local run (no ``RAY_ADDRESS``) before any process or actor is
     created, so a core id that is valid for the schema but absent here (e.g. ``[7]`` on a
@@ -48,6 +50,7 @@ def check_run_placement(trainer_cores: Sequence[int] | None, engine_cores: Seque
     """
     check_cpu_affinity(trainer_cores, "trainer.cpu_affinity")
     check_cpu_affinity(engine_cores, "engine.cpu_affinity")
+    check_cpu_affinity(teacher_engine_cores, "teacher.engine.cpu_affinity")
 
 
 def pin_this_process(cores: Sequence[int] | None, field: str) -> set[int] | None:

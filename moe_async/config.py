@@ -92,6 +92,11 @@ class ExperimentConfig(ConfigModel):
         if tch.enabled and self.rollout.agent.enabled:
             raise ValueError("teacher.enabled with rollout.agent.enabled: a teacher scores single-turn responses "
                              "only (a trajectory's observation tokens are not the student's); use one of them")
+        if tch.enabled and tch.few_shot and self.data.train is not None:
+            raise ValueError(
+                f"teacher.few_shot={tch.few_shot} with prompt files (data.train): the worked examples are drawn from "
+                f"rollout.task's generator ({self.rollout.task!r}), not from your rows; set teacher.few_shot=0 and "
+                "give the teacher its context with teacher.system_prompt, or another model (teacher.model_path)")
         distill_only = tch.enabled and tch.reward_coef == 0  # per-token advantages need no group
         if self.rollout.n_samples_per_prompt < 2 and not distill_only:
             raise ValueError(

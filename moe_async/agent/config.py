@@ -29,3 +29,8 @@ class AgentConfig(ConfigModel):
     tool_parser: str = Field("qwen25", description="SGLang function-call parser (sglang/srt/function_call): "
                              "'qwen25' (Qwen2.5/Qwen3 Hermes-style <tool_call>), 'deepseekv3', 'llama3', ...")
     tool_timeout_s: float = Field(10.0, gt=0, description="Per tool call; a call past it is an error observation.")
+    env_step_timeout_s: float = Field(
+        60.0, gt=0, description="Per environment step (env.step); a step past it ends the trajectory with an "
+        "error (the sample's reward_error, counted in rollout/reward_errors and rollout/agent/env_timeouts).")
+    workers: int = Field(32, ge=1, description="Threads of the dedicated pool running synchronous tools and "
+                         "environment steps (daemon threads: a hung call never blocks shutdown).")

@@ -3,9 +3,13 @@ selection and construction live in moe_async/agent/env.py."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 
 @dataclass
@@ -37,28 +41,49 @@ class TextEnv(ABC):
         """Release what the environment holds (default: nothing)."""
 
 
-def as_step(out: Any, env_name: str) -> EnvStep:
+def as_step(out: Any, env_name: str, env_type: str | None = None) -> EnvStep:
     """An :class:`EnvStep` from what ``step`` returned (an EnvStep or a SkyRL-gym dict).
-    ValueError naming the environment and the field when it is malformed."""
+
+    ``reward``: a finite real number (None counts as 0.0; bool, str, NaN, inf are refused);
+    ``done``: a bool (or 0/1); ``observations``: chat messages ``{role: str, content: str}``.
+    ValueError naming the environment (``env_name`` and its Python class ``env_type``), the
+    field and the value when it is malformed."""
+    who = f"environment {env_name!r}" + (f" ({env_type})" if env_type else "")
     if isinstance(out, EnvStep):
         step = out
     elif isinstance(out, dict):
         missing = [k for k in ("observations", "reward", "done") if k not in out]
         if missing:
-            raise ValueError(f"environment {env_name!r}: step() result lacks {missing}")
-        step = EnvStep(observations=list(out["observations"] or []), reward=out["reward"],
-                       done=bool(out["done"]), metadata=dict(out.get("metadata") or {}))
+            raise ValueError(f"{who}: step() result lacks {missing}")
+        obs = out["observations"]
+        if obs is not None and not isinstance(obs, (list, tuple)):
+            raise ValueError(f"{who}: step() observations={obs!r} is not a list of chat messages")
+        meta = out.get("metadata")
+        if meta is not None and not isinstance(meta, dict):
+            raise ValueError(f"{who}: step() metadata={meta!r} is not a dict")
+        step = EnvStep(observations=list(obs or []), reward=out["reward"], done=out["done"],
+                       metadata=dict(meta or {}))
     else:
-        raise ValueError(f"environment {env_name!r}: step() returned {type(out).__name__}, "
+        raise ValueError(f"{who}: step() returned {type(out).__name__}, "
                          "want a dict {observations, reward, done, metadata} or an EnvStep")
-    try:
-        step.reward = float(step.reward if step.reward is not None else 0.0)
-    except (TypeError, ValueError):
-        raise ValueError(f"environment {env_name!r}: step() reward {step.reward!r} is not a number") from None
+    r = step.reward
+    if r is None:
+        r = 0.0
+    if isinstance(r, (bool, np.bool_)) or not isinstance(r, (numbers.Real, np.number)) or not math.isfinite(float(r)):
+        raise ValueError(f"{who}: step() reward={step.reward!r} ({type(step.reward).__name__}) is not a finite number")
+    step.reward = float(r)
+    d = step.done
+    if isinstance(d, (bool, np.bool_)) or (isinstance(d, (int, np.integer)) and d in (0, 1)):
+        step.done = bool(d)
+    else:
+        raise ValueError(f"{who}: step() done={d!r} ({type(d).__name__}) is not a bool")
     for i, m in enumerate(step.observations):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"environment {env_name!r}: observation {i} is not a chat message "
-                             f"{{role, content}}: {m!r}")
+            raise ValueError(f"{who}: step() observations[{i}] is not a chat message {{role, content}}: {m!r}")
+        for k in ("role", "content"):
+            if not isinstance(m[k], str):
+                raise ValueError(f"{who}: step() observations[{i}].{k}={m[k]!r} ({type(m[k]).__name__}) "
+                                 "is not a string")
     return step
 
 

@@ -10,8 +10,11 @@ Per turn::
           : observations, reward, done = env.step(text)
     trajectory += chat-template tokens of the observations (checked against the full render)
 
-Each turn is its own request, so a trajectory waiting on a tool or on ``env.step`` (run in a
-worker thread) holds no engine request and stalls no other trajectory. It ends when the
+Each turn is its own request, so a trajectory waiting on a tool or on ``env.step`` (run on
+the dedicated worker pool, :mod:`moe_async.agent.workers`) holds no engine request and stalls
+no other trajectory. A step past ``agent.env_step_timeout_s`` ends the trajectory: the sample
+keeps the rewards so far, ``metadata['agent_error']`` names the environment and the timeout
+(the manager records it as the sample's ``reward_error``), ``env_timeouts`` counts it. It ends when the
 environment says done, after ``agent.max_turns`` model turns, or when the next turn would
 pass ``agent.max_trajectory_tokens`` (``finish_reason`` ``'length'``). Its reward is the sum
 of the environment's step rewards.
@@ -19,7 +22,7 @@ of the environment's step rewards.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -28,6 +31,7 @@ from moe_async.agent.env_base import as_step
 from moe_async.agent.template import ChatRenderer, TemplateMismatch
 from moe_async.agent.tools import Tool, ToolStats, parse_tool_calls, run_tool_calls
 from moe_async.agent.trajectory import Trajectory
+from moe_async.agent.workers import WorkerPool, WorkerTimeout
 from moe_async.types import Sample
 
 GenerateTurn = Callable[[list[int], int], Awaitable[Sample]]
@@ -41,6 +45,7 @@ class TrajectoryStats:
     turns: int = 0
     obs_tokens: int = 0
     env_steps: int = 0
+    env_timeouts: int = 0
     template_mismatches: int = 0
     mismatch_notes: list[str] = field(default_factory=list)
     tools: ToolStats = field(default_factory=ToolStats)
@@ -49,7 +54,7 @@ class TrajectoryStats:
         return {"turns": self.turns, "tool_calls": self.tools.calls, "tool_errors": self.tools.errors,
                 "tool_timeouts": self.tools.timeouts, "tool_seconds": self.tools.seconds,
                 "observation_tokens": self.obs_tokens, "template_mismatches": self.template_mismatches,
-                "env_steps": self.env_steps}
+                "env_steps": self.env_steps, "env_timeouts": self.env_timeouts}
 
 
 def assistant_text(tokenizer: Any, ids: list[int], eos_ids: set[int]) -> str:
@@ -62,15 +67,19 @@ def assistant_text(tokenizer: Any, ids: list[int], eos_ids: set[int]) -> str:
 async def run_trajectory(env: Any, env_name: str, prompt: list[dict], renderer: ChatRenderer,
                          generate_turn: GenerateTurn, cfg: AgentConfig, max_new_tokens: int,
                          tools: list[Tool] | None = None, eos_token_ids: list[int] | None = None,
-                         max_context_len: int | None = None) -> tuple[Sample, TrajectoryStats]:
+                         max_context_len: int | None = None, pool: WorkerPool | None = None
+                         ) -> tuple[Sample, TrajectoryStats]:
     """Run one trajectory (module docstring); ``env`` is closed before returning. Returns
     the trainable sample (``loss_mask`` over the sampled tokens, ``reward`` the summed step
-    rewards, ``metadata['agent']`` the stats) and the stats."""
+    rewards, ``metadata['agent']`` the stats) and the stats. ``pool``: where synchronous tools
+    and ``env.step`` run (default: one of ``agent.workers`` threads for this trajectory)."""
     tools = list(tools or [])
     eos = {int(t) for t in (eos_token_ids or [])}
     tok = renderer.tokenizer
     stats = TrajectoryStats()
     reward, finish = 0.0, "stop"
+    error: str | None = None
+    pool = pool or WorkerPool(cfg.workers, "agent-worker")
     try:
         conversation, _ = env.init(list(prompt))
         conversation = list(conversation)
@@ -91,12 +100,19 @@ async def run_trajectory(env: Any, env_name: str, prompt: list[dict], renderer: 
             conversation.append({"role": "assistant", "content": text})
             _, calls = parse_tool_calls(text, tools, cfg.tool_parser)
             if calls:
-                obs = await run_tool_calls(calls, tools, cfg.tool_timeout_s, stats.tools)
+                obs = await run_tool_calls(calls, tools, cfg.tool_timeout_s, stats.tools, pool)
             else:
                 action = tok.decode(turn.response_ids, skip_special_tokens=True)
-                # in a worker thread: a slow environment (a sandbox, a judge) holds neither the
+                # on a worker thread: a slow environment (a sandbox, a judge) holds neither the
                 # event loop nor an engine slot while other trajectories generate
-                step = as_step(await asyncio.to_thread(env.step, action), env_name)
+                try:
+                    out = await pool.run(functools.partial(env.step, action), timeout_s=cfg.env_step_timeout_s)
+                except WorkerTimeout as exc:
+                    stats.env_timeouts += 1
+                    error = (f"environment {env_name!r}: step() timed out (rollout.agent.env_step_timeout_s="
+                             f"{cfg.env_step_timeout_s:g}): {exc}")
+                    break
+                step = as_step(out, env_name, type(env).__name__)
                 stats.env_steps += 1
                 reward += step.reward
                 obs, done = step.observations, step.done
@@ -115,6 +131,8 @@ async def run_trajectory(env: Any, env_name: str, prompt: list[dict], renderer: 
     sample = traj.to_sample(finish if finish in ("stop", "length") else "length")
     sample.reward = reward
     sample.metadata["agent"] = stats.as_metrics()
+    if error is not None:
+        sample.metadata["agent_error"] = error
     if stats.mismatch_notes:
         sample.metadata["template_mismatch"] = stats.mismatch_notes[0]
     sample.metadata["tool_spans"] = [list(s) for s in stats.tools.spans]

@@ -6,7 +6,7 @@ environment (moe_async/agent/env.py), runs :func:`~moe_async.agent.loop.run_traj
 with the manager's own per-turn generation (partial rollouts, pause modes, engine routing)
 and keeps the counters the manager reports as ``rollout/agent/<name>`` (turns, tool calls,
 tool errors, tool timeouts, tool seconds, observation tokens, template mismatches,
-trajectories).
+environment steps and step timeouts, trajectories).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from moe_async.agent.config import AgentConfig
 from moe_async.agent.env import env_class_of, make_env
 from moe_async.agent.loop import GenerateTurn, run_trajectory
 from moe_async.agent.template import ChatRenderer
+from moe_async.agent.workers import WorkerPool
 from moe_async.types import Sample
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,15 @@ class AgentRollout:
             except ImportError as exc:
                 raise RuntimeError(
                     f"rollout.agent.tools={cfg.tools}: SGLang's function-call parsers do not import here "
-                    f"({type(exc).__name__}: {exc}); they need sglang with its runtime dependencies (the GPU "
-                    "environment)") from exc
+                    f"({type(exc).__name__}: {exc}); install them: pip install -e '.[agent]' and pip install "
+                    "--no-deps sglang==0.5.23 xgrammar==0.2.7 (docs/features.md, multi-turn rollouts)") from exc
         self.renderer = ChatRenderer(tokenizer, [t.schema for t in self.tools])
         self.messages_of = messages_of
         self.eos_token_ids = list(eos_token_ids or [])
         self.max_context_len = max_context_len
         self.counters: defaultdict[str, float] = defaultdict(float)
         self._mismatch_logged = False
+        self.pool = WorkerPool(cfg.workers, "agent-worker")  # sync tools and env.step, all trajectories
 
     def env_class(self, problem: Any) -> str | None:
         """The environment of ``problem``'s trajectory, or None (single-turn)."""
@@ -66,7 +68,7 @@ class AgentRollout:
         env = make_env(name, problem, self.cfg.env_config)
         s, st = await run_trajectory(env, name, self.messages_of(problem), self.renderer, generate_turn, self.cfg,
                                      max_new_tokens, tools=self.tools, eos_token_ids=self.eos_token_ids,
-                                     max_context_len=self.max_context_len)
+                                     max_context_len=self.max_context_len, pool=self.pool)
         if count:
             self.counters["trajectories"] += 1
             for k, v in st.as_metrics().items():

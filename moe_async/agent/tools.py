@@ -3,28 +3,34 @@
 A :class:`Tool` is an OpenAI function schema (``{"type": "function", "function": {name,
 description, parameters}}``) and a Python callable (sync: run in a thread; async: awaited)
 taking the call's arguments as keywords and returning a string (anything else is
-``json.dumps``-ed or ``str``-ed).
+``json.dumps``-ed or ``str``-ed). Synchronous tools run on a dedicated bounded pool of
+daemon threads (:class:`moe_async.agent.workers.WorkerPool`), never the event loop's default
+executor.
 
 Parsing (:func:`parse_tool_calls`): SGLang's ``FunctionCallParser`` with the model family's
 detector (``rollout.agent.tool_parser``: ``qwen25`` for Hermes-style ``<tool_call>`` JSON,
-``deepseekv3``, ``llama3``, ...), the code the SGLang server runs.
+``deepseekv3``, ``llama3``, ...), the code the SGLang server runs; on a CPU host imported
+through :func:`moe_async.compat.sglang_cpu.import_sglang`.
 
 Execution (:func:`run_tool_calls`): every call of a turn concurrently, each under its own
 timeout (``tool_timeout_s``); a call that raises, times out, names an unknown tool or has
 arguments that are not a JSON object becomes a ``tool`` message ``"Error: ..."`` for the model
 (counted in :class:`ToolStats`), never an exception of the rollout. A synchronous tool past
 its timeout keeps its worker thread until it returns (Python cannot stop a thread); the
-trajectory does not wait for it.
+trajectory does not wait for it, and the thread does not keep the process alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from moe_async.agent.workers import WorkerPool, WorkerTimeout
 
 
 @dataclass
@@ -79,8 +85,11 @@ def _sglang_parser(parser: str, tools: list[Tool]) -> Any:
     naming the parser and SGLang's known ones when it does not exist."""
     key = (parser, tuple(t.name for t in tools))
     if key not in _PARSERS:
-        from sglang.srt.entrypoints.openai.protocol import Tool as SGTool
-        from sglang.srt.function_call.function_call_parser import FunctionCallParser
+        from moe_async.compat.sglang_cpu import import_sglang
+
+        # on a CPU host: with SGLang's GPU-only imports stubbed (moe_async/compat/sglang_cpu.py)
+        SGTool = import_sglang("sglang.srt.entrypoints.openai.protocol").Tool
+        FunctionCallParser = import_sglang("sglang.srt.function_call.function_call_parser").FunctionCallParser
 
         known = FunctionCallParser.ToolCallParserEnum
         if parser not in known:
@@ -117,7 +126,8 @@ def _as_text(v: Any) -> str:
         return str(v)
 
 
-async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float, stats: ToolStats) -> str:
+async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float, stats: ToolStats,
+                   pool: WorkerPool) -> str:
     t0, w0 = time.monotonic(), time.time()
     ok = False
     try:
@@ -126,13 +136,12 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float, sta
             return f"Error: unknown tool {call.name!r}; available: {sorted(tools)}"
         if not isinstance(call.arguments, dict):
             return f"Error: arguments of {call.name!r} are not a JSON object: {str(call.arguments)[:200]}"
-        if inspect.iscoroutinefunction(tool.fn):
-            coro = tool.fn(**call.arguments)
-        else:
-            coro = asyncio.to_thread(tool.fn, **call.arguments)
         try:
-            out = await asyncio.wait_for(coro, timeout=timeout_s)
-        except asyncio.TimeoutError:
+            if inspect.iscoroutinefunction(tool.fn):
+                out = await asyncio.wait_for(tool.fn(**call.arguments), timeout=timeout_s)
+            else:
+                out = await pool.run(functools.partial(tool.fn, **call.arguments), timeout_s=timeout_s)
+        except (asyncio.TimeoutError, WorkerTimeout):
             stats.timeouts += 1
             return f"Error: tool {call.name!r} timed out after {timeout_s} s"
         except Exception as exc:  # noqa: BLE001 - returned to the model, counted
@@ -147,9 +156,11 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float, sta
 
 
 async def run_tool_calls(calls: list[ToolCall], tools: list[Tool], timeout_s: float,
-                         stats: ToolStats) -> list[dict[str, str]]:
+                         stats: ToolStats, pool: WorkerPool | None = None) -> list[dict[str, str]]:
     """Run ``calls`` concurrently (module docstring); one ``{"role": "tool", "name",
-    "content"}`` message per call, in call order."""
+    "content"}`` message per call, in call order. ``pool``: where synchronous tools run
+    (default: a pool of ``len(calls)`` threads of its own)."""
     by_name = {t.name: t for t in tools}
-    outs = await asyncio.gather(*(_run_one(c, by_name, timeout_s, stats) for c in calls))
+    pool = pool or WorkerPool(max(1, len(calls)), "agent-tool")
+    outs = await asyncio.gather(*(_run_one(c, by_name, timeout_s, stats, pool) for c in calls))
     return [{"role": "tool", "name": c.name, "content": o} for c, o in zip(calls, outs)]

@@ -8,10 +8,15 @@ ids -> one SGLang ``/generate`` scoring call per sample (``max_new_tokens: 0``,
 at most ``teacher.max_concurrent_requests`` in flight, each bounded by ``teacher.timeout_s``
 -> ``sample.teacher_logprobs`` ``[R]``. No re-tokenisation: the response ids are the student's.
 
-Failures are like rewards': a call that raises or times out leaves ``teacher_logprobs`` None
-(that sample trains with a zero distillation advantage, :mod:`.advantages`) and is counted
-(``teacher/failures``, ``teacher/timeouts``); ``teacher.max_consecutive_failures`` failed
-samples in a row raise :class:`TeacherFailureError` naming the teacher and the last error.
+Failures are like rewards': a call that raises, times out, or replies other than one finite
+logprob <= 0 per scored token (a bad reply, ``teacher/bad_replies``) leaves
+``teacher_logprobs`` None (that sample trains with a zero distillation advantage,
+:mod:`.advantages`) and is counted (``teacher/failures``, ``teacher/timeouts``); each error
+names the teacher URL, and a bad reply the problem and sample. ``teacher.max_consecutive_failures``
+failed samples in a row raise :class:`TeacherFailureError` naming the teacher and the last
+error; until the teacher has scored its first sample the limit is ``first_limit`` (one
+training step's samples) when smaller, so a teacher that never scores stops the run before
+its first step, however large ``max_consecutive_failures`` is.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -73,13 +79,20 @@ def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwa
     dataset's chat messages (``dataset.messages(problem)``, task prompts) are rebuilt by
     :func:`teacher_messages` and tokenised with the student's tokenizer's chat template.
 
-    Raises: ValueError naming ``teacher.few_shot`` / ``teacher.system_prompt`` for a dataset
-    without chat messages (prompt files)."""
+    Raises: ValueError naming ``teacher.few_shot`` for a dataset other than rollout.task's
+    generated problems (prompt files: the examples are the generator's, not the rows'), and
+    ``teacher.system_prompt`` for one without chat messages."""
+    from moe_async.rollout.tasks import TaskDataset
+
     if cfg.few_shot == 0 and cfg.system_prompt is None:
         return lambda problem, ids: list(ids)
+    if cfg.few_shot and not isinstance(dataset, TaskDataset):
+        raise ValueError(f"teacher.few_shot={cfg.few_shot} needs rollout.task's generated problems: its worked examples "
+                         f"are the {task!r} generator's, not your rows ({type(dataset).__name__}); set "
+                         "teacher.few_shot=0 and use teacher.system_prompt or a teacher model (teacher.model_path)")
     if not hasattr(dataset, "messages"):
-        raise ValueError("teacher.few_shot / teacher.system_prompt need task prompts (rollout.task): prompt files "
-                         "(data.*) give no chat messages to extend; use a teacher model (teacher.model_path) instead")
+        raise ValueError("teacher.system_prompt needs a dataset with chat messages to extend; use a teacher model "
+                         "(teacher.model_path) instead")
     examples = few_shot_examples(task, task_kwargs, cfg.few_shot)
     tok = dataset.tokenizer
 
@@ -101,10 +114,12 @@ class TeacherScorer:
         clients: async engine clients of the teacher servers (their ``score`` method).
         prompt_fn: ``(problem, student_prompt_ids) -> teacher prompt ids`` (:func:`make_teacher_prompt_fn`).
         source: how errors name the teacher (its model or URLs).
+        first_limit: the failure limit until the first sample is scored (one training step's
+            samples; 0: ``teacher.max_consecutive_failures`` throughout).
     """
 
     def __init__(self, cfg: TeacherConfig, clients: list[Any], prompt_fn: Callable[[Any, list[int]], list[int]],
-                 source: str = "teacher"):
+                 source: str = "teacher", first_limit: int = 0):
         if not clients:
             raise ValueError("TeacherScorer needs at least one teacher engine client")
         self.cfg = cfg
@@ -115,6 +130,9 @@ class TeacherScorer:
         self._sem: asyncio.Semaphore | None = None
         self.counters: defaultdict[str, float] = defaultdict(float)
         self.streak = 0
+        self.first_limit = int(first_limit)
+        self.ever_scored = False
+        self.first_error: str | None = None
         self.failure: TeacherFailureError | None = None
 
     async def score_group(self, problem: Any, samples: list[Sample], trace: Any = None) -> None:
@@ -125,22 +143,30 @@ class TeacherScorer:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.cfg.max_concurrent_requests)
         prompt = self.prompt_fn(problem, samples[0].prompt_ids) if samples else []
-        errors = await asyncio.gather(*(self._score_one(prompt, s, trace) for s in samples))
-        for err in errors:
+        where = getattr(problem, "index", None)
+        errors = await asyncio.gather(*(self._score_one(prompt, s, trace, f"problem {where} sample {i}")
+                                        for i, s in enumerate(samples)))
+        for err, s in zip(errors, samples):
             if err is None:
                 self.streak = 0
+                self.ever_scored = self.ever_scored or bool(s.response_ids)
                 continue
             self.streak += 1
+            self.first_error = self.first_error or err
             lim = self.cfg.max_consecutive_failures
+            if lim and self.first_limit and not self.ever_scored:
+                lim = min(lim, self.first_limit)
             if lim and self.streak >= lim and self.failure is None:
+                never = "" if self.ever_scored else ", every sample of the run so far"
+                first = "" if self.first_error == err else f"; first error: {self.first_error}"
                 self.failure = TeacherFailureError(
-                    f"teacher ({self.source}) failed to score {self.streak} samples in a row "
-                    f"(teacher.max_consecutive_failures={lim}); last error: {err}")
+                    f"teacher ({self.source}) failed to score {self.streak} samples in a row{never} "
+                    f"(teacher.max_consecutive_failures={self.cfg.max_consecutive_failures}); last error: {err}{first}")
         if self.failure is not None:
             raise self.failure
 
-    async def _score_one(self, prompt: list[int], s: Sample, trace: Any) -> str | None:
-        """Score one sample; returns None or the error."""
+    async def _score_one(self, prompt: list[int], s: Sample, trace: Any, where: str) -> str | None:
+        """Score one sample (``where``: how a bad reply names it); returns None or the error."""
         s.teacher_logprobs = None
         if not s.response_ids:  # nothing to score: an empty list, not a failure
             s.teacher_logprobs = []
@@ -148,18 +174,24 @@ class TeacherScorer:
         assert self._sem is not None
         async with self._sem:
             i = next(self._rr) % len(self.clients)
+            url = getattr(self.clients[i], "base_url", f"teacher engine {i}")
             t0 = time.monotonic()
             w0 = trace.now() if trace is not None else 0.0
             err = None
             try:
                 out = await asyncio.wait_for(self.clients[i].score(list(prompt) + list(s.response_ids), len(prompt)),
                                              self.cfg.timeout_s)
-                s.teacher_logprobs = out.token_logprobs
+                err = _bad_reply(out.token_logprobs, len(s.response_ids))
+                if err is None:
+                    s.teacher_logprobs = [float(v) for v in out.token_logprobs]
+                else:
+                    err = f"{url}: bad reply for {where}: {err}"
+                    self.counters["bad_replies"] += 1
             except (asyncio.TimeoutError, TimeoutError):
-                err = f"timeout: no result within teacher.timeout_s={self.cfg.timeout_s:g} s"
+                err = f"{url}: timeout: no result within teacher.timeout_s={self.cfg.timeout_s:g} s"
                 self.counters["timeouts"] += 1
             except Exception as exc:  # noqa: BLE001 - a failed teacher call is counted, not fatal
-                err = f"{type(exc).__name__}: {exc}"[:300]
+                err = f"{url}: {type(exc).__name__}: {exc}"[:300]
                 self.counters["errors"] += 1
             finally:
                 self.counters["seconds"] += time.monotonic() - t0
@@ -182,11 +214,26 @@ class TeacherScorer:
         return None
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative: ``teacher/requests``, ``teacher/failures`` (errors + timeouts),
-        ``teacher/timeouts``, ``teacher/seconds`` (summed over requests), ``teacher/tokens``
+        """Cumulative: ``teacher/requests``, ``teacher/failures`` (errors + timeouts + bad replies),
+        ``teacher/timeouts``, ``teacher/errors``, ``teacher/bad_replies``, ``teacher/seconds`` (summed over requests), ``teacher/tokens``
         scored and ``teacher/kl_per_token`` (mean over scored tokens of ``logp_student -
         logp_teacher``, the student's sampling logprobs: a reverse-KL estimate)."""
         c = self.counters
-        out = {f"teacher/{k}": float(c[k]) for k in ("requests", "failures", "timeouts", "errors", "seconds", "tokens")}
+        out = {f"teacher/{k}": float(c[k])
+               for k in ("requests", "failures", "timeouts", "errors", "bad_replies", "seconds", "tokens")}
         out["teacher/kl_per_token"] = float(c["kl_sum"]) / c["tokens"] if c["tokens"] else 0.0
         return out
+
+
+def _bad_reply(logprobs: Any, n: int) -> str | None:
+    """Why ``logprobs`` is not one finite logprob <= 0 for each of ``n`` scored tokens, or None."""
+    try:
+        vals = [float(v) for v in logprobs]
+    except (TypeError, ValueError):
+        return f"logprobs {str(logprobs)[:80]} are not numbers"
+    if len(vals) != n:
+        return f"{len(vals)} logprobs for {n} scored tokens"
+    for t, v in enumerate(vals):
+        if not math.isfinite(v) or v > 1e-6:
+            return f"logprob {v!r} of scored token {t} is not a finite number <= 0"
+    return None

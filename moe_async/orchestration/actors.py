@@ -450,7 +450,8 @@ class RolloutActor:
         self.teacher_clients = [EngineClient(u, timeout_s=t.timeout_s) for u in urls or []]
         r = self.cfg.rollout
         fn = make_teacher_prompt_fn(t, self.dataset, r.task, r.task_kwargs)
-        return TeacherScorer(t, self.teacher_clients, fn, source=t.model_path or f"the student's checkpoint, {urls}")
+        return TeacherScorer(t, self.teacher_clients, fn, source=t.model_path or f"the student's checkpoint, {urls}",
+                             first_limit=r.prompts_per_step * r.n_samples_per_prompt)
 
     async def evaluate(self) -> dict[str, float]:
         return await self.manager.evaluate(self.dataset.eval_problems(), self.cfg.rollout.eval_max_new_tokens)

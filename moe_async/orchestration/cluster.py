@@ -36,20 +36,33 @@ class HeadGone(RuntimeError):
 
 def required_resources(cfg: ExperimentConfig, nodes: int, gpus_per_node: float = 0.0) -> dict[str, float]:
     """What a run of ``cfg`` needs from the cluster: ``{"nodes": n}`` plus ``"GPU"`` when the
-    nodes have GPUs (one device per trainer rank, ``devices per engine`` per engine)."""
+    nodes have GPUs (one device per trainer rank, ``devices per engine`` per engine, and per
+    teacher engine when the distillation teacher's own engines run on GPUs)."""
     need: dict[str, float] = {"nodes": float(max(nodes, cfg.trainer.nodes))}
     if gpus_per_node > 0:
         need["GPU"] = float(cfg.trainer.resolved_world_size
                             + cfg.engine.num_engines * cfg.engine.resolved_devices_per_engine)
+        tch = getattr(cfg, "teacher", None)
+        if tch is not None and tch.enabled and not tch.urls and (tch.engine.backend == "sglang"
+                                                                 or tch.engine.device != "cpu"):
+            need["GPU"] += tch.engine.num_engines * tch.engine.resolved_devices_per_engine
     return need
 
 
 def gpu_need(cfg: ExperimentConfig) -> str | None:
     """The config field that needs GPUs (``engine.backend='sglang'``: SGLang engines run on GPUs
-    only; ``engine.device='cuda'``: the embedded engine on a GPU), else None."""
-    if cfg.engine.backend == "sglang":
-        return "engine.backend='sglang'"
-    return "engine.device='cuda'" if getattr(cfg.engine, "device", "cpu") == "cuda" else None
+    only; ``engine.device='cuda'``: the embedded engine on a GPU; the same two of
+    ``teacher.engine`` when the distillation teacher starts its own engines), else None."""
+    pools = [("engine", cfg.engine)]
+    tch = getattr(cfg, "teacher", None)
+    if tch is not None and tch.enabled and not tch.urls:
+        pools.append(("teacher.engine", tch.engine))
+    for name, e in pools:
+        if e.backend == "sglang":
+            return f"{name}.backend='sglang'"
+        if getattr(e, "device", "cpu") == "cuda":
+            return f"{name}.device='cuda'"
+    return None
 
 
 def refuse_without_gpus(cfg: ExperimentConfig, gpus: float | None = None, where: str = "this host") -> None:
@@ -73,7 +86,8 @@ def refuse_without_gpus(cfg: ExperimentConfig, gpus: float | None = None, where:
 
         gpus = float(torch.cuda.device_count())
     if gpus <= 0:
-        fix = "engine.device=cpu" if need.startswith("engine.device") else "engine.backend=embedded"
+        field = need.split("=")[0]
+        fix = f"{field}=cpu" if field.endswith(".device") else f"{field}=embedded"
         raise UserInputError(f"{need} needs GPUs and {where} has 0 GPU (on Slurm: sbatch --gpus-per-node=N; "
                              f"on CPU: {fix})")
 

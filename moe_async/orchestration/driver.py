@@ -61,12 +61,14 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     """
     t_launch = time.perf_counter()
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
-        check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity)  # before any process
+        tch = cfg.teacher
+        check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity,  # before any process
+                            tch.engine.cpu_affinity if tch.enabled and not tch.urls else None)
     # the run's id, run dir and save_dir's owner, trainer.resume=auto, trainer.load: refused here,
     # before Ray or any process starts
     plan = plan_start(cfg, resolve_checkpoint)
     load_path, start_step = plan.load_path, plan.start_step
-    refuse_without_gpus(cfg)  # engine.backend=sglang on a host without GPUs (a local run)
+    refuse_without_gpus(cfg)  # engine.backend=sglang (or the teacher's) on a host without GPUs (a local run)
     if not os.environ.get("RAY_ADDRESS"):  # the trainer runs on this host: its MoE kernels must build here
         from moe_async.trainer.moe_kernels import refuse_unavailable_kernels
 
@@ -134,7 +136,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
 
     init_ray(engine_log_dir=str(run_dir / "logs"))
     prev_sigterm = sigterm_to_checkpoint() if on_sigterm == "checkpoint" else sigterm_to_exit()
-    engines = trainer = teacher_pool = None
+    engines = trainer = teacher_pool = teacher_recovery = None
     K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
     summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
     if data_checked is not None:
@@ -154,6 +156,11 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             timeline.phase("start teacher")
             teacher_pool, teacher_urls = start_teacher(cfg, model_path)
             print(f"[moe-async] teacher: {', '.join(teacher_urls or [])}", flush=True)
+            if teacher_pool is not None:  # a dead teacher engine: restarted (same URL), or the run stops
+                from moe_async.orchestration.teacher_pool import TeacherRecovery
+
+                te = cfg.teacher.engine
+                teacher_recovery = TeacherRecovery(teacher_pool, te.max_restarts, te.startup_timeout_s)
         timeline.phase("build trainer")
         trainer = TrainerGroup(cfg, model_path, placement=trainer_slots, watch=engines.dead_engines)
         lay = cfg.trainer.layout
@@ -224,6 +231,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             groups = None
             while groups is None:
                 rec = recovery.check()  # a dead engine: restarted and re-synced, or retired
+                if teacher_recovery is not None:
+                    teacher_recovery.check()
                 synced_version = int(rec.get("engine/weight_version", synced_version))
                 # a bounded wait for the buffer's own wait: a lost reply (seen once in CI
                 # after an engine was killed) must fail the run instead of hanging it

@@ -448,7 +448,8 @@ class RolloutManager:
             if self.agent is not None:  # GRPO over G trajectories, rewarded by their environment
                 samples = await _gather_or_cancel(
                     [self._trajectory(problem, max_new, self._sample_seed(seed_key, i), gid) for i in range(G)])
-                results = [RewardResult(s.reward) for s in samples]
+                # a trajectory cut by a hung environment: its error is the sample's reward_error
+                results = [RewardResult(s.reward, s.metadata.get("agent_error")) for s in samples]
             else:
                 samples = await _gather_or_cancel(
                     [self._generate_sample(prompt_ids, max_new, seed=self._sample_seed(seed_key, i)) for i in range(G)]

@@ -187,6 +187,6 @@ def test_bad_environment_step_is_named(tok):
         return await m._generate_sample(ids, n)
 
     env = Bad()
-    with pytest.raises(ValueError, match=r"environment 'bad_env': step\(\) result lacks \['reward'\]"):
+    with pytest.raises(ValueError, match=r"environment 'bad_env' \(Bad\): step\(\) result lacks \['reward'\]"):
         asyncio.run(run_trajectory(env, "bad_env", [{"role": "user", "content": "q"}], ChatRenderer(tok), turn,
                                    AgentConfig(enabled=True), 8))

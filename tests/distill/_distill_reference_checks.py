@@ -65,6 +65,24 @@ def main(tmp: str) -> None:
     hf.save_pretrained(os.path.join(tmp, "grad"))
     ref_grad = load_dir(os.path.join(tmp, "grad"))
 
+    # the same reference in float64 (weights upcast; rollout/teacher logprobs and advantages as
+    # above): the exact gradient, to which each fp32 implementation's own rounding is compared
+    hf64 = MixtralForCausalLM.from_pretrained(path, experts_implementation="eager").double()
+    hf64.zero_grad()
+    loss64 = 0.0
+    for (p, r), a, rl in zip(pairs, ref_adv, rollout):
+        lp = hf64(torch.tensor([p + r])).logits[0].log_softmax(-1)[len(p) - 1: len(p) - 1 + len(r)]
+        lp = lp.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1)
+        w = torch.clamp(torch.exp(lp.detach() - torch.tensor(rl, dtype=torch.float64)), max=CAP)
+        loss64 = loss64 + (-w * torch.tensor(a, dtype=torch.float64) * torch.exp(lp - lp.detach())).sum()
+    (loss64 / N).backward()
+    res["ref64_loss"] = float(loss64 / N)
+    with torch.no_grad():
+        for prm in hf64.parameters():
+            prm.copy_(prm.grad if prm.grad is not None else torch.zeros_like(prm))
+    hf64.save_pretrained(os.path.join(tmp, "grad64"))  # checkpoint names, as the fp32 reference's
+    g64 = load_dir(os.path.join(tmp, "grad64"))
+
     tr = MegatronTrainer(TrainerConfig(lr=1e-3, moe_aux_loss_coeff=0.0, clip_grad=1e9, micro_batch_size=3,
                                        off_policy_correction="tis", tis_cap=CAP), path)
     m = tr.train_step(samples, adv)
@@ -85,6 +103,10 @@ def main(tmp: str) -> None:
     res["grad_rel_l2"] = float((a - b).norm() / b.norm())
     res["grad_cos"] = float(a @ b / (a.norm() * b.norm()))
     res["grad_norm_ratio"] = float(a.norm() / b.norm())
+    c = torch.cat([g64[n].flatten().double() for n in names])
+    res["grad64_max_abs_diff"] = float((a - c).abs().max())  # the trainer (fp32) against the exact gradient
+    res["grad64_rel_l2"] = float((a - c).norm() / c.norm())
+    res["hf32_vs_64_max_abs_diff"] = float((b - c).abs().max())  # the fp32 reference's own rounding
     tr.close()
     print(json.dumps(res))
 

@@ -104,3 +104,22 @@ def test_teacher_urls_that_do_not_answer_are_refused_at_start():
     cfg = ExperimentConfig.model_validate({"teacher": {"enabled": True, "urls": [url]}})
     with pytest.raises(UserInputError, match=rf"teacher\.urls: {url} did not answer /health"):
         start_teacher(cfg, "unused")
+
+
+def test_few_shot_teacher_with_prompt_files_is_refused():
+    """teacher.few_shot's worked examples come from rollout.task's generator: with prompt files
+    they would be another task's (it used to show them silently); refused at config load and
+    by the prompt builder, naming the field."""
+    from types import SimpleNamespace
+
+    from moe_async.distill.config import TeacherConfig
+    from moe_async.distill.teacher import make_teacher_prompt_fn
+
+    with pytest.raises(ConfigError, match=r"teacher.few_shot=1 with prompt files \(data.train\): the worked examples "
+                       r"are drawn from rollout.task's generator"):
+        load_config("configs/cpu_demo_file.yaml", ["teacher.enabled=true", "teacher.few_shot=1"])
+    c = load_config("configs/cpu_demo_file.yaml", ["teacher.enabled=true", "teacher.system_prompt=Think."])
+    assert c.teacher.few_shot == 0 and c.teacher.system_prompt == "Think."
+    rows = SimpleNamespace(messages=lambda row: [{"role": "user", "content": "q"}], tokenizer=None)
+    with pytest.raises(ValueError, match=r"teacher.few_shot=2 needs rollout.task's generated problems"):
+        make_teacher_prompt_fn(TeacherConfig(enabled=True, few_shot=2), rows, "basic_arithmetic", {})
