@@ -61,7 +61,7 @@ class LoraAdapter(torch.nn.Module):
         split = kind == "row" and self.tp > 1
         full_in = in_local * (self.tp if split else 1)
         bound = 1.0 / math.sqrt(full_in)
-        g = torch.Generator().manual_seed(1234 + seed_offset)
+        g = torch.Generator().manual_seed(seed_offset)
         full = torch.empty(cfg.rank, full_in).uniform_(-bound, bound, generator=g)
         if split:
             r = tp_group.rank()
@@ -166,7 +166,7 @@ def add_lora(model: Any, cfg: LoraConfig, *, layer_offset: int = 0) -> list[Adap
             peft = _MEGATRON_TARGETS.get(key)
             if peft is None or not (set(peft) <= wanted) or ".experts." in f".{name}.":
                 continue
-            a = _new_adapter(mod, cfg, seed=gl * 100 + len(out))
+            a = _new_adapter(mod, cfg, seed=_seed(gl, name))
             _attach(mod, a)
             out.append(AdaptedLinear(prefix + name + ".weight", peft, a, None))
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
@@ -195,18 +195,26 @@ def add_lora(model: Any, cfg: LoraConfig, *, layer_offset: int = 0) -> list[Adap
                 lin = getattr(expert, fc)
                 if cfg.experts == "shared":
                     if fc not in shared:
-                        shared[fc] = _new_adapter(lin, cfg, seed=gl * 100 + 50 + len(shared))
+                        shared[fc] = _new_adapter(lin, cfg, seed=_seed(gl, f"mlp.experts.shared.{fc}"))
                         setattr(experts, f"lora_{fc}", shared[fc])
                     a = shared[fc]
                     _attach(lin, a, register=False)
                 else:
-                    a = _new_adapter(lin, cfg, seed=gl * 100 + 60 + 2 * _global_expert(experts, e) + (fc == "linear_fc2"))
+                    a = _new_adapter(lin, cfg, seed=_seed(gl, f"mlp.experts.{_global_expert(experts, e)}.{fc}"))
                     _attach(lin, a)
                 for p in a.parameters():
                     p.allreduce = False  # type: ignore[attr-defined]  # reduced over expert-DP, like expert weights
                 wn = f"{prefix}mlp.experts.local_experts.{e}.{fc}.weight"
                 out.append(AdaptedLinear(wn, peft, a, _global_expert(experts, e)))
     return out
+
+
+def _seed(layer: int, name: str) -> int:
+    """A's init seed from the global layer and the module's layout-free name (every TP/EP/PP
+    layout draws the same A for the same module)."""
+    import zlib
+
+    return zlib.crc32(f"{layer}.{name}".encode())
 
 
 def _global_expert(experts: Any, local: int) -> int:
