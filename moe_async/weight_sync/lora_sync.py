@@ -2,8 +2,8 @@
 under versioned names, with no pause.
 
 Data path: ``MegatronTrainer.export_lora()`` (PEFT names, fp32) -> cast to the engine dtype ->
-one ``ForkingPickler`` ``{name: tensor}`` entry per engine TP rank (base64; SGLang's
-``serialized_named_tensors`` convention) -> ``/load_lora_adapter_from_tensors`` under the name
+one flattened bucket (all tensors in one buffer), one ``ForkingPickler`` entry per engine TP rank
+(base64; SGLang's ``serialized_named_tensors``, ``load_format="flattened_bucket"``) -> ``/load_lora_adapter_from_tensors`` under the name
 ``{base}@{version}`` -> new requests use the newest name (``lora_path``) -> versions older than
 ``version - max_staleness`` are unloaded (an engine keeps one still in use until its last request
 ends). Tokens generated on ``{base}@{version}`` record ``weight_version`` = version.
@@ -28,6 +28,21 @@ def lora_entries(tensors: dict[str, torch.Tensor], copies: int = 1, dtype: torch
     named = {n: (t if dtype is None else t.to(dtype)).contiguous() for n, t in tensors.items()}
     raw = base64.b64encode(forking_pickle(named)).decode()
     return [raw] * copies
+
+
+def lora_bucket_entries(tensors: dict[str, torch.Tensor], copies: int = 1,
+                        dtype: torch.dtype | None = None) -> tuple[list[str], torch.Tensor]:
+    """As :func:`lora_entries` with ``load_format="flattened_bucket"``: every tensor end to end in
+    ONE uint8 buffer (one shared-memory segment instead of one per tensor; SGLang's tp_worker
+    rebuilds the dict with ``FlattenedTensorBucket``). Returns ``(entries, buffer)``: keep the
+    buffer alive until the engines answered."""
+    from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
+
+    ts = [(n, (t if dtype is None else t.to(dtype)).contiguous()) for n, t in tensors.items()]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in ts]) if ts else torch.empty(0, dtype=torch.uint8)
+    entries = serialize_flattened_bucket(flat, [n for n, _ in ts], [t.dtype for _, t in ts],
+                                         [tuple(t.shape) for _, t in ts], copies=copies)
+    return entries, flat
 
 
 def adapter_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
@@ -55,7 +70,9 @@ class AdapterVersions:
 
     def synced(self, version: int) -> list[str]:
         """Record ``version`` as loaded; returns the names to unload now."""
-        if self.loaded and version <= self.loaded[-1]:
+        if self.loaded and version == self.loaded[-1]:
+            return []  # the same version again (a re-sync after an engine restart)
+        if self.loaded and version < self.loaded[-1]:
             raise ValueError(f"adapter version {version} after {self.loaded[-1]}: versions must increase")
         self.loaded.append(version)
         old = [v for v in self.loaded if v < version - self.max_staleness]
@@ -69,17 +86,27 @@ def sync_adapter(clients: Sequence[Any], versions: AdapterVersions, version: int
     """Load ``tensors`` as ``versions.name(version)`` on every engine (blocking clients), then
     unload the versions beyond ``max_staleness``. Returns ``{"name", "bytes", "unloaded"}``.
 
+    An engine that holds ``version`` already (a re-sync) or lacks an old one (restarted) is fine.
+
     Raises:
         RuntimeError: an engine refused the adapter (its ``error_message``), naming the engine.
     """
+    from moe_async.engines.client import EngineRequestError
+
     name = versions.name(version)
     for i, c in enumerate(clients):
-        entries = lora_entries(tensors, copies=(tp_sizes[i] if tp_sizes else 1), dtype=dtype)
-        reply = c.load_lora_adapter_from_tensors(name, config, entries)
-        if not reply.get("success", False):
-            raise RuntimeError(f"engine {i}: /load_lora_adapter_from_tensors {name!r}: {reply.get('error_message')}")
+        entries, _flat = lora_bucket_entries(tensors, copies=(tp_sizes[i] if tp_sizes else 1), dtype=dtype)
+        try:
+            c.load_lora_adapter_from_tensors(name, config, entries, load_format="flattened_bucket")
+        except EngineRequestError as e:
+            if "already loaded" not in str(e):  # a re-sync: the engine holds this version already
+                raise RuntimeError(f"engine {i}: /load_lora_adapter_from_tensors {name!r}: {e}") from e
     unloaded = versions.synced(version)
     for c in clients:
         for old in unloaded:
-            c.unload_lora_adapter(old)
+            try:
+                c.unload_lora_adapter(old)
+            except EngineRequestError as e:  # a restarted engine never had it
+                if "not loaded" not in str(e):
+                    raise
     return {"name": name, "bytes": adapter_bytes(tensors, dtype), "unloaded": unloaded}

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from moe_async.engines.client import EngineRequestError, SyncEngineClient
-from moe_async.weight_sync.lora_sync import AdapterVersions, lora_entries, sync_adapter
+from moe_async.weight_sync.lora_sync import AdapterVersions, lora_bucket_entries, lora_entries, sync_adapter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -173,13 +173,22 @@ try:
 finally:
     sys.meta_path.remove(finder)
 from pydantic import TypeAdapter
-body = json.load(open(sys.argv[2]))
-obj = TypeAdapter(io.LoadLoRAAdapterFromTensorsReqInput).validate_python(body)   # the HTTP decoder
-assert obj.lora_name == body["lora_name"] and obj.config_dict == body["config_dict"] and obj.load_format is None
-raw = common.normalize_serialized_named_tensor_payload(obj.serialized_named_tensors[0])
-patch.monkey_patch_torch_reductions()
-data = common.MultiprocessingSerializer.deserialize(raw)   # tp_worker: tensors = data
-torch.save({k: v.clone() for k, v in data.items()}, sys.argv[3])
+tb = importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
+out = []
+for body in json.load(open(sys.argv[2])):
+    obj = TypeAdapter(io.LoadLoRAAdapterFromTensorsReqInput).validate_python(body)   # the HTTP decoder
+    assert obj.lora_name == body["lora_name"] and obj.config_dict == body["config_dict"]
+    assert obj.load_format == body["load_format"]
+    raw = common.normalize_serialized_named_tensor_payload(obj.serialized_named_tensors[0])
+    patch.monkey_patch_torch_reductions()
+    data = common.MultiprocessingSerializer.deserialize(raw)   # tp_worker.load_lora_adapter_from_tensors:
+    if obj.load_format == "flattened_bucket":
+        bucket = tb.FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+        tensors = dict(bucket.reconstruct_tensors())
+    else:
+        tensors = data
+    out.append({k: v.clone() for k, v in tensors.items()})
+torch.save(out, sys.argv[3])
 print("OK", flush=True)
 """
 
@@ -200,12 +209,14 @@ def test_sglang_decodes_our_adapter_body(eng, tmp_path):
     c._http = httpx.Client(base_url=c.base_url, transport=httpx.MockTransport(handler))
     keep = {k: v.clone() for k, v in tensors.items()}  # shared memory stays alive until read
     c.load_lora_adapter_from_tensors("policy@3", cfg, lora_entries(keep, copies=2))
-    (tmp_path / "body.json").write_text(json.dumps(sent[0]))
+    entries, flat = lora_bucket_entries(keep, copies=2)  # what sync_adapter sends
+    c.load_lora_adapter_from_tensors("policy@4", cfg, entries, load_format="flattened_bucket")
+    (tmp_path / "body.json").write_text(json.dumps(sent))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", _SGLANG_RECEIVER, HERE, str(tmp_path / "body.json"), str(tmp_path / "o.pt")],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
-    got = torch.load(tmp_path / "o.pt")
-    assert sorted(got) == sorted(keep)
-    assert all(torch.equal(got[k], keep[k]) for k in keep)
+    for got in torch.load(tmp_path / "o.pt"):
+        assert sorted(got) == sorted(keep)
+        assert all(torch.equal(got[k], keep[k]) for k in keep)
     assert len(sent[0]["serialized_named_tensors"]) == 2 and base64.b64decode(sent[0]["serialized_named_tensors"][1])
