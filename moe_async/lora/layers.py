@@ -1,10 +1,7 @@
 """LoRA adapters on Megatron-Core linear layers (ColumnParallelLinear / RowParallelLinear and
 the local experts of a ``SequentialMLP``), attached by forward hook so the base module, its
-parameter names and its checkpoint entries stay as they are.
-
-Data path of one adapted linear (``x`` its input, ``W`` its frozen weight)::
-
-    y = W x  (+)  scaling * B (A dropout(x))        scaling = alpha / rank (PEFT)
+parameter names and its checkpoint entries stay as they are. One adapted linear (``x`` its
+input, ``W`` its frozen weight): ``y = W x + scaling * B (A dropout(x))``, scaling = alpha / rank.
 
 Tensor parallelism, as Megatron-Bridge's LoRA shards it:
 
@@ -15,9 +12,8 @@ Tensor parallelism, as Megatron-Bridge's LoRA shards it:
 - RowParallelLinear (``W`` split on in): ``A [r, in/TP]`` split on in, ``B [out, r]`` whole;
   ``x A^T`` partial sums are reduced (reduce-scattered with sequence parallelism) over TP.
 
-Expert adapters of an expert live on its EP rank (``allreduce=False``: their gradients are
-reduced over the expert data-parallel group, like the expert weights); dense and shared-expert
-adapters are reduced over DP like the rest.
+Expert adapters live on the expert's EP rank, reduced over expert-DP (``allreduce=False``).
+Design notes: ``docs/lora.md``.
 """
 
 from __future__ import annotations

@@ -381,7 +381,10 @@ class TrainerActor:
         mine = self._trainer.hf_checksums()
         if self.rank != 0:
             return {}
-        m = check_engines([SyncEngineClient(u) for u in urls], mine, self._trainer.version)
+        # LoRA: the engines' base weights stay those they started with (version 0) and equal the
+        # trainer's frozen base; the adapter went under its own version (policy@V)
+        base_version = 0 if self._trainer.cfg.lora is not None else self._trainer.version
+        m = check_engines([SyncEngineClient(u) for u in urls], mine, base_version)
         m["sync/check_seconds"] = time.perf_counter() - t0  # including the trainer's checksums
         return m
 

@@ -91,22 +91,20 @@ def sync_adapter(clients: Sequence[Any], versions: AdapterVersions, version: int
     Raises:
         RuntimeError: an engine refused the adapter (its ``error_message``), naming the engine.
     """
-    from moe_async.engines.client import EngineRequestError
-
     name = versions.name(version)
     for i, c in enumerate(clients):
         entries, _flat = lora_bucket_entries(tensors, copies=(tp_sizes[i] if tp_sizes else 1), dtype=dtype)
         try:
             c.load_lora_adapter_from_tensors(name, config, entries, load_format="flattened_bucket")
-        except EngineRequestError as e:
-            if "already loaded" not in str(e):  # a re-sync: the engine holds this version already
+        except Exception as e:  # the client's EngineRequestError (a 400), duck-typed: engines is a higher layer
+            if getattr(e, "status_code", None) != 400 or "already loaded" not in str(e):  # a re-sync: the engine holds this version already
                 raise RuntimeError(f"engine {i}: /load_lora_adapter_from_tensors {name!r}: {e}") from e
     unloaded = versions.synced(version)
     for c in clients:
         for old in unloaded:
             try:
                 c.unload_lora_adapter(old)
-            except EngineRequestError as e:  # a restarted engine never had it
-                if "not loaded" not in str(e):
+            except Exception as e:  # a restarted engine never had it
+                if getattr(e, "status_code", None) != 400 or "not loaded" not in str(e):
                     raise
     return {"name": name, "bytes": adapter_bytes(tensors, dtype), "unloaded": unloaded}
