@@ -22,6 +22,7 @@ LAYERS = (
     "moe_async.config_base", "moe_async.net", "moe_async.affinity",
     "moe_async.compat",
     "moe_async.models",
+    "moe_async.lora",
     "moe_async.megatron",
     "moe_async.trainer.finite",
     "moe_async.weight_sync",

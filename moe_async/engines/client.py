@@ -329,9 +329,10 @@ class _Calls:
     def generate(self, input_ids: list[int], sampling_params: dict | None = None,
                  return_logprob: bool = True, return_routed_experts: bool = False,
                  rid: str | None = None, return_sampling_mask: bool = False,
-                 sampling_logprobs_mode: str | None = None) -> _Call[GenerateOutput]:
+                 sampling_logprobs_mode: str | None = None, lora_path: str | None = None) -> _Call[GenerateOutput]:
         """SGLang's ``/generate`` of one prompt (token ids) -> :class:`GenerateOutput`; retried
-        only when the connection could not be made (nothing ran)."""
+        only when the connection could not be made (nothing ran). ``lora_path``: the name of a
+        loaded LoRA adapter to generate with."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params or {}),
@@ -340,6 +341,8 @@ class _Calls:
         }
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         if return_sampling_mask:
             body["return_sampling_mask"] = True
             if sampling_logprobs_mode is not None:
@@ -463,6 +466,27 @@ class _Calls:
             "abort_all_requests": abort_all_requests,
         }
         return _Call("POST", "/update_weights_from_tensor", _with_version(body, weight_version), retry=None)
+
+    @_Endpoint
+    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict[str, Any],
+                                       serialized_named_tensors: list[str],
+                                       load_format: str | None = None) -> _Call[EngineReply]:
+        """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT ``adapter_config.json`` dict and one
+        base64 entry of ``(name, tensor)`` pairs per engine TP rank (:mod:`moe_async.weight_sync.lora_sync`)."""
+        return _Call("POST", "/load_lora_adapter_from_tensors",
+                     {"lora_name": lora_name, "config_dict": config_dict,
+                      "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format},
+                     retry=None)
+
+    @_Endpoint
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> _Call[EngineReply]:
+        """SGLang's ``/load_lora_adapter`` from a PEFT directory the engine can read."""
+        return _Call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, retry=None)
+
+    @_Endpoint
+    def unload_lora_adapter(self, lora_name: str) -> _Call[EngineReply]:
+        """SGLang's ``/unload_lora_adapter``."""
+        return _Call("POST", "/unload_lora_adapter", {"lora_name": lora_name}, retry=None)
 
     @_Endpoint
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> _Call[EngineReply]:

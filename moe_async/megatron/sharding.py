@@ -111,7 +111,10 @@ def local_pieces(model: Chunks) -> list[Piece]:
 def _chunk_pieces(model: Any, tag: str) -> list[Piece]:  # a megatron.core GPTModel chunk
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    params: dict[str, Tensor] = dict(model.named_parameters())
+    from moe_async.lora.layers import is_adapter_param
+
+    # LoRA adapters are not base weights (moe_async.lora exports them on their own)
+    params: dict[str, Tensor] = {n: p for n, p in model.named_parameters() if not is_adapter_param(n)}
     # deepseek_v3: the router's fp32 expert bias (HF e_score_correction_bias) is a buffer that
     # is loaded and exported like a parameter.
     params.update({n: b for n, b in model.named_buffers() if n.endswith(".router.expert_bias")})

@@ -271,7 +271,10 @@ class TrainerActor:
         return out if isinstance(out, SyncOutcome) else SyncOutcome(out)
 
     def _sync(self, send: Any) -> Any:
-        """The export of :meth:`sync_weights`; rank 0 hands it to ``send(export, version)``."""
+        """The export of :meth:`sync_weights`; rank 0 hands it to ``send(export, version)``.
+        With ``trainer.lora`` only the adapter goes (:meth:`_sync_adapter`), no pause."""
+        if self._trainer.cfg.lora is not None:
+            return self._sync_adapter()
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
             # streamed export: each tensor gathered straight into the bucket that is sent (stream_export.py)
             from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
@@ -290,6 +293,27 @@ class TrainerActor:
         # The exporter writes each tensor straight into the transport's send buffer when the
         # engines publish their layout (embedded engines), so buckets go out without packing.
         return send(self._trainer.export_hf_weights(out=self._transport.destination), self._trainer.version)
+
+    def _sync_adapter(self) -> dict[str, float]:
+        """Adapter-only sync (:mod:`moe_async.weight_sync.lora_sync`): every rank gathers the
+        PEFT tensors, rank 0 loads them on every engine as ``policy@<version>`` and unloads the
+        versions beyond ``async.max_staleness``; rollouts then ask for that name."""
+        import time
+
+        from moe_async.lora.peft_export import peft_config_dict
+        from moe_async.weight_sync.lora_sync import AdapterVersions, sync_adapter
+
+        t0 = time.perf_counter()
+        tensors, config = self._trainer.export_lora(with_config=True)
+        version = self._trainer.version
+        if self.rank != 0:
+            return {}
+        assert self.transport is not None, "connect_engines() first"
+        if getattr(self, "_adapters", None) is None:
+            self._adapters = AdapterVersions(base="policy", max_staleness=self.cfg.async_.max_staleness)
+        out = sync_adapter(self._transport.clients, self._adapters, version, tensors, config)
+        return {"sync/bytes": float(out["bytes"]), "sync/seconds": time.perf_counter() - t0,
+                "sync/pause_seconds": 0.0, "sync/adapter_unloaded": float(len(out["unloaded"]))}
 
     def checksums(self) -> dict[str, str]:
         return self._trainer.hf_checksums()
@@ -357,7 +381,10 @@ class TrainerActor:
         mine = self._trainer.hf_checksums()
         if self.rank != 0:
             return {}
-        m = check_engines([SyncEngineClient(u) for u in urls], mine, self._trainer.version)
+        # LoRA: the engines' base weights stay those they started with (version 0) and equal the
+        # trainer's frozen base; the adapter went under its own version (policy@V)
+        base_version = 0 if self._trainer.cfg.lora is not None else self._trainer.version
+        m = check_engines([SyncEngineClient(u) for u in urls], mine, base_version)
         m["sync/check_seconds"] = time.perf_counter() - t0  # including the trainer's checksums
         return m
 
@@ -438,6 +465,10 @@ class RolloutActor:
         )
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+
+    def set_lora_path(self, name: str | None) -> None:
+        """New requests run on the LoRA adapter ``name`` (adapter-only sync's newest version)."""
+        self.manager.lora_path = name
 
     def _teacher(self, urls: list[str] | None) -> Any:
         """The distillation teacher's scorer over ``urls`` (None without a teacher)."""

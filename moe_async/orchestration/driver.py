@@ -183,6 +183,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         buffer = BufferActor.remote(B, K, trainer.version())  # type: ignore[attr-defined]  # v0 = loaded version
         rollout = RolloutActor.remote(cfg, model_path, urls, buffer,  # type: ignore[attr-defined]
                                       teacher_urls if cfg.teacher.enabled else None)
+        if cfg.trainer.lora is not None and load_path is not None:  # the resumed adapter, synced above
+            _rget(rollout.set_lora_path.remote(f"policy@{trainer.version()}"), "rollout.set_lora_path")
         # engine failures: dead engines restarted/retired between waits, and one lost during a weight
         # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
         recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
@@ -271,6 +273,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 m.update(recovery.check())  # the group's members are the live engines
                 m.update(recovery.sync())  # an engine lost during it: restarted/retired, all re-synced
                 synced_version = int(m["engine/weight_version"])
+                if cfg.trainer.lora is not None:  # adapter-only sync: new requests on the newest adapter
+                    _rget(rollout.set_lora_path.remote(f"policy@{synced_version}"), "rollout.set_lora_path")
             if saving:
                 t_save = time.perf_counter()
                 timeline.phase("save", step, label=f"step {step}/{cfg.num_steps}: checkpoint")

@@ -140,6 +140,8 @@ class RolloutManager:
         self.cfg = cfg
         self.dataset = dataset
         self.engines = list(engine_clients)
+        #: the LoRA adapter new requests run on (adapter-only sync's newest ``policy@V``); None: the base weights
+        self.lora_path: str | None = None
         self.buffer = buffer
         self.reward_pool = reward_pool
         self.eos_token_ids = [int(t) for t in (eos_token_ids or [])]
@@ -689,8 +691,9 @@ class RolloutManager:
         self._gen_busy.enter()
         t0, w0 = time.monotonic(), self.trace.now()
         try:
+            lora = {"lora_path": self.lora_path} if self.lora_path is not None else {}
             return await self.engines[i].generate(
-                ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts
+                ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts, **lora
             )
         except Exception as exc:
             if not _is_timeout(exc) or isinstance(exc, EngineTimeoutError):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from moe_async.config_base import ConfigModel
+from moe_async.lora.config import LoraConfig
 
 if TYPE_CHECKING:
     from moe_async.layout import ParallelLayout
@@ -313,6 +314,9 @@ class TrainerConfig(ConfigModel):
         ),
     )
     seed: int = 1234
+    lora: LoraConfig | None = Field(None, description=(
+        "LoRA adapters (rank, alpha, dropout, PEFT target_modules, routed experts per_expert|shared|off): "
+        "the base frozen, the optimizer over adapter parameters only; None trains every parameter."))
     # --- checkpoints (driver: moe_async/orchestration/driver.py) ---
     save_interval: int = Field(
         0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -181,6 +181,14 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             if torch.cuda.is_available():
                 m.cuda(torch.cuda.current_device())
         self._load_hf_weights(hf_path)
+        # LoRA: adapters hooked on the loaded model, every base parameter frozen (DDP and the
+        # optimizer then hold the adapters only)
+        self.lora_linears: list = []
+        if cfg.lora is not None:
+            from moe_async.lora.layers import add_lora
+
+            for m in self.models:
+                self.lora_linears.append(add_lora(m, cfg.lora))
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -466,6 +474,25 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             g["lr"] = lr
 
     # ------------------------------------------------------------------ export
+    def export_lora(self, out_dir: str | None = None, with_config: bool = False) -> Any:
+        """The LoRA adapters as Hugging Face PEFT tensors (``base_model.model.<hf module>.lora_A/B.weight``,
+        fp32, :mod:`moe_async.lora.peft_export`); ``with_config``: ``(tensors, adapter_config dict)``.
+        With ``out_dir``, global rank 0 also writes ``adapter_model.safetensors`` +
+        ``adapter_config.json`` there. Collective at world size > 1. Raises ValueError without
+        ``trainer.lora``."""
+        import torch.distributed as dist
+
+        from moe_async.lora.peft_export import megatron_adapter_state, peft_config_dict, peft_state, write_peft
+
+        if self.cfg.lora is None:
+            raise ValueError("export_lora: trainer.lora is not set (no adapters to export)")
+        state = megatron_adapter_state(self.models, self.lora_linears)
+        tensors, modules, params = peft_state(state, self.family, self.hf_config)
+        config = peft_config_dict(self.cfg.lora, modules, params, self.hf_path)
+        if out_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            write_peft(out_dir, tensors, config)
+        return (tensors, config) if with_config else tensors
+
     def export_hf_weights(self, dtype: torch.dtype | None = None,
                           out: Callable[[str, tuple[int, ...], torch.dtype], Tensor | None] | None = None,
                           ) -> Iterator[tuple[str, Tensor]]:

@@ -14,6 +14,7 @@ tokenizer (ChatML; vocab 49152), so text, stop strings and special tokens are re
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 
@@ -529,7 +530,16 @@ def g_return_prompt_token_ids(served):
     assert "prompt_token_ids" not in gen(served, GREEDY)
 
 
+def g_lora_path(served):
+    """The name of a loaded LoRA adapter (tests/engines/test_embedded_lora.py runs them against
+    peft); here: null is the base model, and a name that is not loaded is a 400 naming it."""
+    assert gen(served, GREEDY, lora_path=None)["output_ids"] == gen(served, GREEDY)["output_ids"]
+    out = post(served, {"input_ids": PROMPT, "sampling_params": GREEDY, "lora_path": "nope"}, status=400)
+    assert "lora_path" in json.dumps(out) and "nope" in json.dumps(out)
+
+
 GEN = {
+    "lora_path": g_lora_path,
     "rid": g_rid, "text": g_text, "input_ids": g_input_ids, "sampling_params": g_sampling_params,
     "return_logprob": g_return_logprob, "logprob_start_len": g_logprob_start_len,
     "top_logprobs_num": g_top_logprobs_num, "token_ids_logprob": g_token_ids_logprob,

@@ -15,7 +15,7 @@ from typing import Any
 from moe_async.engines.embedded.sampling import RequestError, SamplingParams, decode_sampling_params, unknown_field
 
 HONOURED: tuple[str, ...] = (
-    "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+    "lora_path", "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
     "return_text_in_logprobs", "stream", "log_metrics", "return_routed_experts",
     "routed_experts_start_len", "no_logs", "return_prompt_token_ids",
@@ -42,7 +42,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "return_hidden_states": (False, "hidden states are not returned"),
     "return_indexer_topk": (False, "no sparse-attention indexer"),
     "session_params": (None, "sessions are not supported"),
-    "lora_path": (None, "LoRA adapters are not supported"),
     "lora_id": (None, "LoRA adapters are not supported"),
     "custom_logit_processor": (None, "custom logit processors are not implemented"),
     "positional_embed_overrides": (None, "embedding overrides are not supported"),
@@ -88,6 +87,7 @@ class ItemSpec:
     return_sampling_mask: bool
     sampling_logprobs_mode: str
     return_prompt_token_ids: bool
+    lora_path: str | None = None  # the loaded LoRA adapter's name (SGLang's lora_path)
 
 
 def _bool(name: str, v: Any) -> bool:
@@ -161,6 +161,7 @@ def decode_generate(body: Any, *, tokenizer: Any, vocab_size: int) -> tuple[list
             return [default if x is None else check(f"{name}[{i}]", x) for i, x in enumerate(v)]
         return [default if v is None else check(name, v)] * B
 
+    lora = per_item("lora_path", None, _lora_name)
     return_logprob = per_item("return_logprob", False, _bool)
     start_len = per_item("logprob_start_len", -1, _int)
     top_num = per_item("top_logprobs_num", 0, _int)
@@ -223,8 +224,15 @@ def decode_generate(body: Any, *, tokenizer: Any, vocab_size: int) -> tuple[list
                 return_text_in_logprobs=text_in_lp, return_routed_experts=routed,
                 routed_experts_start_len=routed_start, return_sampling_mask=sampling_mask[i],
                 sampling_logprobs_mode=modes[i] or "selected", return_prompt_token_ids=prompt_ids,
+                lora_path=lora[i],
             ))
     return out, single and n_total == 1
+
+
+def _lora_name(name: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise RequestError(f"{name}: expected the name of a loaded LoRA adapter, got {v!r}")
+    return v
 
 
 def _mode(name: str, v: Any) -> str:

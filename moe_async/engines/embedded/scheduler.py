@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from moe_async.engines.embedded.lora import EngineLora
 from moe_async.engines.embedded.response import build_response
 from moe_async.engines.embedded.sampling import SamplingParams, adjust_logits, check_finish
 
@@ -49,6 +50,7 @@ class Req:
     return_text_in_logprobs: bool = False
     routed_experts_start_len: int = 0
     return_prompt_token_ids: bool = False
+    lora_name: str | None = None  # the LoRA adapter this request runs on (held until it finishes)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     max_new_tokens: int = 0  # after clamping to the context
     output_ids: list[int] = field(default_factory=list)
@@ -210,6 +212,7 @@ class Scheduler:
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.capture = RoutingCapture(model, self.top_k)
         self.head = LogitsHead(model)
+        self.lora = EngineLora(model)  # LoRA adapters by name; each forward's rows choose theirs
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = "default"  # any string, as SGLang's (its --weight-version default)
         self.paused = False
@@ -246,6 +249,8 @@ class Scheduler:
     def submit(self, req: Req) -> concurrent.futures.Future:
         """Queue ``req``; returns the future resolving to its response dict."""
         prompt_len = len(req.input_ids)
+        if req.lora_name is not None:
+            self.lora.acquire(req.lora_name)  # LoraError (a 400) when it is not loaded
         req.max_new_tokens = max(0, min(req.params.max_new_tokens, self.context_length - prompt_len))
         if req.params.sampling_seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.params.sampling_seed)
@@ -410,6 +415,7 @@ class Scheduler:
         need_lp = self._wants_input_logprobs(req)
         ids = req.input_ids if need_lp else req.input_ids[:-1]
         self.capture.enabled = req.return_routed_experts
+        self.lora.rows = [req.lora_name]
         out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False,
                          logits_to_keep=0 if need_lp else 1)
         if req.return_routed_experts:
@@ -429,9 +435,10 @@ class Scheduler:
         input logits and routed experts (``prefill_shared_reqs`` counts the rows saved); each
         request then samples its first token with its own parameters."""
         seqs_all = [r.input_ids + r.output_ids for r in reqs]  # re-prefill after a retract includes outputs
-        row_of: dict[tuple[int, ...], int] = {}
-        inv = [row_of.setdefault(tuple(x), len(row_of)) for x in seqs_all]  # request -> distinct row
-        seqs = [list(x) for x in row_of]
+        row_of: dict[tuple, int] = {}  # (adapter, sequence) -> row: rows are shared within one adapter
+        inv = [row_of.setdefault((r.lora_name, tuple(x)), len(row_of)) for r, x in zip(reqs, seqs_all)]
+        seqs = [list(x) for _, x in row_of]
+        self.lora.rows = [name for name, _ in row_of]
         self.stats["prefill_shared_reqs"] += len(reqs) - len(seqs)
         n, S = len(seqs), max(len(x) for x in seqs)
         pads = [S - len(x) for x in seqs]
@@ -552,6 +559,7 @@ class Scheduler:
             attention_mask_BT = torch.ones(B, T + 1, dtype=torch.long, device=dev)
         routed = any(r.return_routed_experts for r in self.running)
         self.capture.enabled = routed
+        self.lora.rows = [r.lora_name for r in self.running]
         cache = DynamicCache(ddp_cache_data=self.kv)
         kw = dict(input_ids=input_ids_B1, attention_mask=attention_mask_BT,
                   position_ids=position_ids_B1, past_key_values=cache, use_cache=True)
@@ -654,7 +662,7 @@ class Scheduler:
             req.output_ids_lp.append((lp_V[req.token_ids_logprob].tolist(), list(req.token_ids_logprob)))
         req.output_ids.append(tok)
         req.output_logprobs.append(float(lp))
-        req.output_versions.append(self.weight_version)
+        req.output_versions.append(self.weight_version if req.lora_name is None else self.lora.version_of(req.lora_name))
         finish = check_finish(p, req.output_ids, req.max_new_tokens, self.eos_token_ids, self.tokenizer)
         if finish is not None:
             self._finish(req, finish)
@@ -709,6 +717,8 @@ class Scheduler:
         if req.finish is not None:
             return
         req.finish = reason
+        if req.lora_name is not None:
+            self.lora.release(req.lora_name)
         if not req.future.done():
             req.future.set_result(self.response(req))
 

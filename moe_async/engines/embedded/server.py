@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from moe_async.engines.embedded.admission import Admission
+from moe_async.engines.embedded.lora_routes import lora_router
 from moe_async.engines.embedded.openai_api import register_openai_routes
 from moe_async.engines.embedded.request import decode_generate
 from moe_async.engines.embedded.sampling import RequestError
@@ -211,7 +212,11 @@ def create_app(state: EngineState) -> FastAPI:
                    or context_length_error(len(it.input_ids), asked, state.context_length))
             if err:
                 raise RequestError(err)
-        reqs = [Req(input_ids=it.input_ids, params=it.params, rid=it.rid, return_logprob=it.return_logprob,
+        for it in items:
+            if it.lora_path is not None and it.lora_path not in sched.lora.names():
+                raise RequestError(f"lora_path: the LoRA adapter {it.lora_path!r} is not loaded "
+                                   f"(loaded: {sched.lora.names()})")
+        reqs = [Req(input_ids=it.input_ids, lora_name=it.lora_path, params=it.params, rid=it.rid, return_logprob=it.return_logprob,
                     logprob_start_len=it.logprob_start_len, top_logprobs_num=it.top_logprobs_num,
                     token_ids_logprob=it.token_ids_logprob, return_text_in_logprobs=it.return_text_in_logprobs,
                     return_routed_experts=it.return_routed_experts,
@@ -279,6 +284,7 @@ def create_app(state: EngineState) -> FastAPI:
 
     app.include_router(weight_update_router(state.weights))
     app.include_router(tensor_update_router(state.weights))
+    app.include_router(lora_router(sched, state.dtype))  # LoRA adapters (SGLang's --enable-lora endpoints)
     return app
 
 

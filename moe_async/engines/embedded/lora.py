@@ -1,0 +1,273 @@
+"""LoRA adapters in the embedded engine, as SGLang 0.5.23 serves them (``--enable-lora``):
+adapters in PEFT format loaded under a name, chosen per request by ``lora_path``.
+
+Data path of one forward: the scheduler sets :attr:`EngineLora.rows` (each batch row's adapter
+name or None) -> a forward hook on every adapted ``nn.Linear`` adds
+``scaling * B (A x)`` to the rows of each adapter -> routed experts (transformers' fused
+``mlp.experts`` parameters ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) run an
+eager per-expert loop that adds each token's adapter to ``gate_up`` and ``down``. PEFT layouts
+(``peft.tuners.lora.layer.ParamWrapper``): expert ``lora_A [E*r, in]`` expert-major,
+``lora_B [out, r*E]`` with expert ``e``'s column ``j`` at ``j*E + e``.
+
+Versions: an adapter is held by each request that uses it (:meth:`acquire` / :meth:`release`);
+:meth:`unload` of a held adapter only marks it, and it leaves when its last request finishes,
+so an unload never waits for (or aborts) a request in flight.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moe_async.engines.embedded.sampling import RequestError
+
+Tensor = torch.Tensor
+PEFT_PREFIX = "base_model.model."
+
+
+class LoraError(RequestError):
+    """A bad adapter (name, config, tensor) or a request naming an adapter that is not loaded."""
+
+
+@dataclass
+class EngineAdapter:
+    """One loaded adapter: ``linear[module] = (A [r, in], B [out, r])``;
+    ``experts[module][param] = (A [E, r, in], B [E, out, r])``; ``scaling`` = alpha / r."""
+
+    name: str
+    scaling: float
+    linear: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    experts: dict[str, dict[str, tuple[Tensor, Tensor]]] = field(default_factory=dict)
+    holders: int = 0
+    unloading: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        ts = [t for a, b in self.linear.values() for t in (a, b)]
+        ts += [t for d in self.experts.values() for a, b in d.values() for t in (a, b)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def parse_peft(name: str, config: dict[str, Any], tensors: dict[str, Tensor], model: torch.nn.Module,
+               dtype: torch.dtype) -> EngineAdapter:
+    """PEFT ``adapter_config.json`` + ``adapter_model.safetensors`` tensors -> an adapter for ``model``.
+
+    Raises:
+        LoraError: an unsupported config field (DoRA, rsLoRA is taken, bias, dropout is ignored at
+            inference), a tensor whose module is not in the model or whose shape does not fit it,
+            a module with lora_A but no lora_B; each naming the tensor or field.
+    """
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}, only LORA")
+    if config.get("use_dora"):
+        raise LoraError(f"adapter {name!r}: use_dora is not supported")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise LoraError(f"adapter {name!r}: LoRA bias is not supported")
+    try:
+        r, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise LoraError(f"adapter {name!r}: adapter config needs r and lora_alpha ({e})") from None
+    scaling = alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
+    params = list(config.get("target_parameters") or [])
+    modules = dict(model.named_modules())
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for key, t in tensors.items():
+        m = re.match(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.default)?\.weight$", key)
+        if m is None:
+            raise LoraError(f"adapter {name!r}: tensor {key!r} is not a PEFT lora_A/lora_B weight")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = t
+    ad = EngineAdapter(name, scaling)
+    for path, ab in sorted(pairs.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise LoraError(f"adapter {name!r}: {path} has {sorted(ab)} only")
+        A, B = ab["lora_A"].to(dtype), ab["lora_B"].to(dtype)
+        depth = 0
+        base = path
+        while base.endswith(".base_layer"):
+            base, depth = base[: -len(".base_layer")], depth + 1
+        mod = modules.get(base)
+        if mod is None:
+            raise LoraError(f"adapter {name!r}: tensor {PEFT_PREFIX}{path}.lora_A.weight: the model has no module {base!r}")
+        if isinstance(mod, torch.nn.Linear):
+            if A.shape != (r, mod.in_features) or B.shape != (mod.out_features, r):
+                raise LoraError(f"adapter {name!r}: {path}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not fit "
+                                f"Linear({mod.in_features}, {mod.out_features}) at r={r}")
+            ad.linear[base] = (A.contiguous(), B.contiguous())
+            continue
+        # fused experts: PEFT nests one wrapper per target parameter, the first innermost
+        mine = [p for p in params if base.endswith("." + p.rsplit(".", 1)[0]) or base == p.rsplit(".", 1)[0]]
+        if not mine or depth >= len(mine):
+            raise LoraError(f"adapter {name!r}: {path}: not a Linear and no target_parameters entry names it")
+        pname = mine[len(mine) - 1 - depth].rsplit(".", 1)[1]
+        W = getattr(mod, pname, None)
+        if not isinstance(W, torch.Tensor) or W.dim() != 3:
+            raise LoraError(f"adapter {name!r}: {base}.{pname} is not a 3-D expert parameter")
+        E, out, inn = W.shape
+        if A.shape != (E * r, inn) or B.shape != (out, r * E):
+            raise LoraError(f"adapter {name!r}: {path}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not fit "
+                            f"{base}.{pname} {tuple(W.shape)} at r={r}")
+        ad.experts.setdefault(base, {})[pname] = (A.reshape(E, r, inn).contiguous(),
+                                                  B.reshape(out, r, E).permute(2, 0, 1).contiguous())
+    if not ad.linear and not ad.experts:
+        raise LoraError(f"adapter {name!r}: no lora_A/lora_B tensors")
+    return ad
+
+
+class EngineLora:
+    """The engine's adapters and the hooks that apply them. All methods run on the scheduler
+    thread (no lock needed) except :meth:`get` lookups from request decoding."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int = 64):
+        self.model = model
+        self.max_loras = max_loras
+        self.adapters: dict[str, EngineAdapter] = {}
+        self.rows: list[str | None] = []  # the current forward's adapter per batch row
+        self._hooked: set[str] = set()
+        self._modules = dict(model.named_modules())
+        self._lock = threading.Lock()  # acquire runs on request threads, the rest on the scheduler's
+
+    # -------------------------------------------------------------- registry
+    def load(self, ad: EngineAdapter) -> None:
+        """Add ``ad`` under its name. Raises LoraError if the name is taken or too many are loaded."""
+        with self._lock:
+            if ad.name in self.adapters:
+                raise LoraError(f"The LoRA adapter {ad.name!r} is already loaded")
+            if len(self.adapters) >= self.max_loras:
+                raise LoraError(f"{len(self.adapters)} LoRA adapters loaded (max_loras_per_batch {self.max_loras}); unload one")
+            for path in ad.linear:
+                self._hook_linear(path)
+            for path in ad.experts:
+                self._hook_experts(path)
+            self.adapters[ad.name] = ad
+
+    def unload(self, name: str) -> bool:
+        """Remove ``name`` now if no request holds it (True), else when the last one finishes (False).
+        Raises LoraError if it is not loaded."""
+        with self._lock:
+            ad = self.adapters.get(name)
+            if ad is None or ad.unloading:
+                raise LoraError(f"The LoRA adapter {name!r} is not loaded")
+            if ad.holders:
+                ad.unloading = True
+                return False
+            del self.adapters[name]
+            return True
+
+    def acquire(self, name: str) -> None:
+        """A request starts on ``name``. Raises LoraError if it is not loaded (or being unloaded)."""
+        with self._lock:
+            ad = self.adapters.get(name)
+            if ad is None or ad.unloading:
+                raise LoraError(f"The LoRA adapter {name!r} is not loaded (loaded: {self.names()})")
+            ad.holders += 1
+
+    def release(self, name: str) -> None:
+        """A request on ``name`` finished; an adapter marked for unloading leaves with its last request."""
+        with self._lock:
+            ad = self.adapters.get(name)
+            if ad is None:
+                return
+            ad.holders -= 1
+            if ad.unloading and ad.holders <= 0:
+                del self.adapters[name]
+
+    @staticmethod
+    def version_of(name: str) -> str:
+        """The ``weight_version`` tokens generated on adapter ``name`` record: ``V`` for a name
+        ``BASE@V`` (the adapter sync's names), else the name itself."""
+        return name.rsplit("@", 1)[1] if "@" in name else name
+
+    def names(self) -> list[str]:
+        return [n for n, a in self.adapters.items() if not a.unloading]
+
+    # -------------------------------------------------------------- forward
+    def _active(self) -> list[tuple[EngineAdapter, Tensor]]:
+        """(adapter, row indices) of each adapter in the current rows."""
+        by: dict[str, list[int]] = {}
+        for i, n in enumerate(self.rows):
+            if n is not None:
+                by.setdefault(n, []).append(i)
+        return [(self.adapters[n], torch.tensor(ix, dtype=torch.long)) for n, ix in by.items()]
+
+    def _hook_linear(self, path: str) -> None:
+        if path in self._hooked:
+            return
+        mod = self._modules[path]
+
+        def hook(_m: Any, args: tuple, y: Tensor) -> Tensor:
+            active = self._active()
+            if not active:
+                return y
+            x = args[0]
+            y = y.clone()
+            for ad, rows in active:
+                ab = ad.linear.get(path)
+                if ab is None:
+                    continue
+                A, B = ab
+                rows = rows.to(x.device)
+                xr = x.index_select(0, rows)
+                y.index_add_(0, rows, ((xr.to(A.dtype) @ A.t()) @ B.t() * ad.scaling).to(y.dtype))
+            return y
+
+        mod.register_forward_hook(hook)
+        self._hooked.add(path)
+
+    def _hook_experts(self, path: str) -> None:
+        if path in self._hooked:
+            return
+        mod = self._modules[path]
+        base_forward = mod.forward
+
+        def forward(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+            active = [(ad, rows) for ad, rows in self._active() if path in ad.experts]
+            if not active:
+                return base_forward(hidden, top_k_index, top_k_weights)
+            return self._experts_forward(mod, path, active, hidden, top_k_index, top_k_weights)
+
+        mod.forward = forward
+        self._hooked.add(path)
+
+    def _experts_forward(self, mod: Any, path: str, active: list, hidden_TH: Tensor, idx_TK: Tensor,
+                         w_TK: Tensor) -> Tensor:
+        """transformers' eager expert loop (``MixtralExperts.forward``) with each token's adapter
+        added to ``gate_up`` and ``down``; tokens are ``[rows * S]`` in row order."""
+        T = hidden_TH.shape[0]
+        n_rows = len(self.rows)
+        tok_ad = torch.full((T,), -1, dtype=torch.long, device=hidden_TH.device)
+        S = T // max(n_rows, 1)
+        for k, (_, rows) in enumerate(active):
+            for r in rows.tolist():
+                tok_ad[r * S:(r + 1) * S] = k
+        out = torch.zeros_like(hidden_TH)
+        E = mod.gate_up_proj.shape[0]
+        for e in range(E):
+            pos, tok = torch.where(idx_TK.t() == e)  # [K, T] -> (k, token)
+            if tok.numel() == 0:
+                continue
+            x = hidden_TH[tok]
+            gu = F.linear(x, mod.gate_up_proj[e])
+            ads = tok_ad[tok]
+            for k, (ad, _) in enumerate(active):
+                ab = ad.experts[path].get("gate_up_proj")
+                sel = (ads == k).nonzero().flatten()
+                if ab is not None and sel.numel():
+                    A, B = ab
+                    gu.index_add_(0, sel, ((x[sel].to(A.dtype) @ A[e].t()) @ B[e].t() * ad.scaling).to(gu.dtype))
+            gate, up = gu.chunk(2, dim=-1)
+            h = mod.act_fn(gate) * up
+            d = F.linear(h, mod.down_proj[e])
+            for k, (ad, _) in enumerate(active):
+                ab = ad.experts[path].get("down_proj")
+                sel = (ads == k).nonzero().flatten()
+                if ab is not None and sel.numel():
+                    A, B = ab
+                    d.index_add_(0, sel, ((h[sel].to(A.dtype) @ A[e].t()) @ B[e].t() * ad.scaling).to(d.dtype))
+            d = d * w_TK[tok, pos, None]
+            out.index_add_(0, tok, d.to(out.dtype))
+        return out

@@ -1,0 +1,145 @@
+"""The embedded engine's LoRA endpoints, SGLang 0.5.23's (``http_server.py``, bodies from
+``managers/io_struct.py``): ``/load_lora_adapter`` (a PEFT directory), ``/load_lora_adapter_from_tensors``
+(the PEFT config + serialized tensors, one entry per TP rank: this engine is one rank and reads
+entry 0), ``/unload_lora_adapter``. Success: SGLang's ``LoRAUpdateOutput`` (``success``,
+``loaded_adapters``); a bad body, adapter or tensor: 400 naming it. Loads and unloads run on the
+scheduler thread between forward passes; an unload of an adapter still in use returns at once
+and the adapter leaves with its last request (no wait, no abort)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from moe_async.engines.embedded.lora import LoraError, parse_peft
+from moe_async.engines.embedded.tensor_update import decode_named_tensors
+from moe_async.engines.embedded.weight_update import _Req
+
+
+class LoadLoRAAdapterReqInput(_Req):
+    """SGLang's fields."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class LoadLoRAAdapterFromTensorsReqInput(_Req):
+    """SGLang's fields; ``serialized_named_tensors`` entries are base64 text on the wire."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    added_tokens_config: dict[str, int] | None = None
+    lora_id: str | None = None
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None
+
+
+class UnloadLoRAAdapterReqInput(_Req):
+    """SGLang's fields."""
+
+    lora_name: str
+    lora_id: str | None = None
+
+
+def _out(ok: bool, message: str | None, loaded: list[str]) -> JSONResponse:
+    return JSONResponse({"success": ok, "error_message": message, "loaded_adapters": {n: n for n in loaded}},
+                        status_code=200 if ok else 400)
+
+
+def read_peft_dir(path: str) -> tuple[dict[str, Any], dict]:
+    """``adapter_config.json`` and ``adapter_model.safetensors`` of a PEFT directory.
+    Raises LoraError naming the missing or unreadable file."""
+    from safetensors.torch import load_file
+
+    cfg_p, w_p = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
+    for p in (cfg_p, w_p):
+        if not os.path.isfile(p):
+            raise LoraError(f"lora_path {path!r}: {os.path.basename(p)} not found")
+    try:
+        with open(cfg_p) as f:
+            cfg = json.load(f)
+        return cfg, load_file(w_p)
+    except Exception as e:  # noqa: BLE001 - a bad file is the caller's
+        raise LoraError(f"lora_path {path!r}: cannot read the adapter: {type(e).__name__}: {e}") from None
+
+
+def decode_adapter_tensors(entry: str, load_format: str | None) -> dict:
+    """One ``serialized_named_tensors`` entry -> ``{name: tensor}`` (copies): with ``load_format``
+    None a pickled dict of tensors (SGLang's tp_worker uses the object as the dict), with
+    ``"flattened_bucket"`` a bucket (:func:`~moe_async.engines.embedded.tensor_update.decode_named_tensors`).
+    Raises ValueError naming what is wrong."""
+    import base64
+    import binascii
+    import io
+
+    import torch
+
+    from moe_async.engines.embedded.tensor_update import RestrictedUnpickler
+
+    if load_format == "flattened_bucket":
+        return {n: t.clone() for n, t in decode_named_tensors(entry, load_format)}
+    if load_format is not None:
+        raise ValueError(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
+    try:
+        obj = RestrictedUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"serialized_named_tensors[0] is not base64: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is the sender's
+        raise ValueError(f"serialized_named_tensors[0] cannot be deserialised: {type(e).__name__}: {e}") from None
+    if not (isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())):
+        raise ValueError(f"serialized_named_tensors[0] must hold a dict of name -> tensor, got {type(obj).__name__}")
+    return {k: v.clone() for k, v in obj.items()}
+
+
+def lora_router(scheduler: Any, dtype: Any) -> APIRouter:
+    """The three endpoints over ``scheduler.lora`` (:class:`~moe_async.engines.embedded.lora.EngineLora`)."""
+    router = APIRouter()
+    lora = scheduler.lora
+
+    async def on_sched(fn):
+        return await asyncio.wrap_future(scheduler.call(fn))
+
+    async def load(name: str, config: dict, tensors: dict) -> JSONResponse:
+        try:
+            ad = parse_peft(name, config, tensors, scheduler.model, dtype)
+            await on_sched(lambda: lora.load(ad))
+        except LoraError as e:
+            return _out(False, str(e), lora.names())
+        return _out(True, None, lora.names())
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterReqInput):
+        try:
+            cfg, tensors = read_peft_dir(body.lora_path)
+        except LoraError as e:
+            return _out(False, str(e), lora.names())
+        return await load(body.lora_name, cfg, tensors)
+
+    @router.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(body: LoadLoRAAdapterFromTensorsReqInput):
+        if not body.serialized_named_tensors:
+            return _out(False, "serialized_named_tensors is empty (one entry per TP rank)", lora.names())
+        try:
+            tensors = decode_adapter_tensors(body.serialized_named_tensors[0], body.load_format)
+        except ValueError as e:
+            return _out(False, str(e), lora.names())
+        return await load(body.lora_name, body.config_dict, tensors)
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterReqInput):
+        try:
+            await on_sched(lambda: lora.unload(body.lora_name))
+        except LoraError as e:
+            return _out(False, str(e), lora.names())
+        return _out(True, None, lora.names())
+
+    return router

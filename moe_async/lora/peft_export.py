@@ -1,0 +1,167 @@
+"""LoRA adapters of a Megatron-Core model -> Hugging Face PEFT tensors and files.
+
+Data path: each rank's adapters (:class:`~moe_async.lora.layers.AdaptedLinear`) -> whole factors
+(TP pieces all-gathered inside their TP group: a ColumnParallel ``B`` on out, a RowParallel ``A``
+on in; a gated ``linear_fc1``'s ``B`` pieces are ``[gate_r; up_r]``, reassembled as
+``[gate; up]``) -> keyed by the global Megatron weight name (global layer index, global expert
+index) -> all ranks' dicts gathered (adapters are small) -> HF PEFT names via the family's
+mapping table: a fused Megatron weight (``linear_qkv``, ``linear_fc1``) gives its ``B`` to the
+HF names through the same split as the weight, and the shared ``A`` to each of them; routed
+experts become PEFT's adapters on transformers' fused expert parameters
+(``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``; ``lora_A``
+``[E*r, in]`` expert-major, ``lora_B`` ``[out, r*E]`` with expert ``e``'s column ``j`` at
+``j*E + e``, as ``peft.tuners.lora.layer.ParamWrapper`` reads them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Sequence
+
+import torch
+
+from moe_async.lora.config import LoraConfig
+from moe_async.lora.layers import AdaptedLinear
+
+Tensor = torch.Tensor
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# transformers' fused expert parameters, in PEFT target_parameters order (the first is wrapped
+# innermost: its tensors are keyed ``experts.base_layer.lora_*`` when both are adapted)
+EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+
+
+def _whole(t: Tensor, dim: int, group: Any, gated: bool) -> Tensor:
+    """All-gather TP pieces of ``t`` along ``dim`` in ``group`` (size 1: ``t``); ``gated``: each
+    piece is ``[gate_r; up_r]`` along dim 0, reassembled as ``[gate; up]``."""
+    import torch.distributed as dist
+
+    n = group.size() if group is not None else 1
+    if n == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    if gated:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=dim)
+
+
+def megatron_adapter_state(models: Sequence[Any], linears: Sequence[Sequence[AdaptedLinear]]) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{global Megatron weight name: (A [r, in], B [out, r])}`` of every adapter of the whole
+    model, on every rank (collective at world size > 1: every rank calls it).
+
+    ``models``: this rank's chunks; ``linears``: :func:`~moe_async.lora.layers.add_lora`'s result
+    per chunk. A shared expert adapter appears once per expert (same tensors)."""
+    import torch.distributed as dist
+
+    local: dict[str, tuple[Tensor, Tensor]] = {}
+    for model, lins in zip(models, linears):
+        layers = model.decoder.layers
+        for al in lins:
+            m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", al.weight_name)
+            assert m is not None
+            gl = layers[int(m.group(1))].layer_number - 1
+            rest = m.group(2)
+            if al.expert is not None:
+                rest = re.sub(r"local_experts\.\d+\.", f"local_experts.{al.expert}.", rest)
+            a = al.adapter
+            gated = rest.endswith("linear_fc1.weight") and a.kind == "column"
+            A = _whole(a.A, 1, a.tp_group, False) if a.kind == "row" else a.A.detach().clone()
+            B = _whole(a.B, 0, a.tp_group, gated) if a.kind == "column" else a.B.detach().clone()
+            local[f"decoder.layers.{gl}.{rest}"] = (A.float().cpu(), B.float().cpu())
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return local
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    out: dict[str, tuple[Tensor, Tensor]] = {}
+    for d in every:
+        for k, v in d.items():
+            out.setdefault(k, v)
+    return out
+
+
+def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: Any, hf_config: dict) -> tuple[dict[str, Tensor], list[str], list[str]]:
+    """Megatron adapters (:func:`megatron_adapter_state`) -> ``(PEFT tensors, target_modules,
+    target_parameters)`` under the HF names of ``family``'s mapping table.
+
+    Raises:
+        KeyError: an adapted Megatron weight with no HF name in the table.
+        ValueError: some but not all experts of a layer adapted.
+    """
+    a = family.arch_args(hf_config)
+    table = family.table(a).by_megatron
+    out: dict[str, Tensor] = {}
+    modules: set[str] = set()
+    experts: dict[tuple[str, str], dict[int, tuple[Tensor, Tensor]]] = {}
+    for name in sorted(state):
+        A, B = state[name]
+        if name not in table:
+            raise KeyError(f"LoRA adapter on {name!r}: the family's mapping table has no such Megatron weight")
+        rule, hf_names = table[name]
+        m = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", name)
+        if m is not None:
+            e, fc = int(m.group(1)), m.group(2)
+            # transformers 5 holds every family's routed experts fused at ``model.layers.{i}.mlp.experts``
+            # (whatever the on-disk names, e.g. Mixtral's block_sparse_moe.experts.N.w1): PEFT's names
+            layer = re.match(r"decoder\.layers\.(\d+)\.", name)
+            assert layer is not None
+            module = f"model.layers.{layer.group(1)}.mlp.experts"
+            experts.setdefault((module, fc), {})[e] = (A, B)
+            continue
+        bs = rule.split(B, a)
+        for hf, b in zip(hf_names, bs):
+            base = hf[: -len(".weight")]
+            out[f"{PEFT_PREFIX}{base}.lora_A.weight"] = A.clone()
+            out[f"{PEFT_PREFIX}{base}.lora_B.weight"] = b.contiguous()
+            modules.add(base.rsplit(".", 1)[1])
+    params: list[str] = []
+    fcs_by_module: dict[str, list[str]] = {}
+    for module, fc in experts:
+        fcs_by_module.setdefault(module, []).append(fc)
+    for (module, fc), per in sorted(experts.items()):
+        n = a.num_experts
+        if sorted(per) != list(range(n)):
+            raise ValueError(f"{module}: LoRA adapters on experts {sorted(per)} of {n}; PEFT adapts all of them")
+        As = torch.cat([per[e][0] for e in range(n)], dim=0)  # [E*r, in]
+        Bs = torch.stack([per[e][1] for e in range(n)], dim=-1)  # [out, r, E]
+        Bs = Bs.reshape(Bs.shape[0], -1)  # column j*E + e
+        both = len(fcs_by_module[module]) == 2
+        key = f"{module}.base_layer" if both and fc == "linear_fc1" else module
+        out[f"{PEFT_PREFIX}{key}.lora_A.weight"] = As.contiguous()
+        out[f"{PEFT_PREFIX}{key}.lora_B.weight"] = Bs.contiguous()
+        pname = "mlp.experts." + EXPERT_PARAMS[fc]
+        if pname not in params:
+            params.append(pname)
+    params.sort(key=lambda p: list(EXPERT_PARAMS.values()).index(p.rsplit(".", 1)[1]))
+    return out, sorted(modules), params
+
+
+def peft_config_dict(cfg: LoraConfig, target_modules: list[str], target_parameters: list[str],
+                     base_model: str) -> dict[str, Any]:
+    """``adapter_config.json`` contents (PEFT ``LoraConfig`` fields) for the exported adapter."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
+        "target_modules": target_modules, "target_parameters": target_parameters or None,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+    }
+
+
+def write_peft(out_dir: str, tensors: dict[str, Tensor], config: dict[str, Any], dtype: torch.dtype = torch.float32) -> int:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out_dir`` (created;
+    FileExistsError if it holds an adapter already). Returns the tensor bytes written."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, ADAPTER_WEIGHTS)):
+        raise FileExistsError(f"{out_dir} already holds {ADAPTER_WEIGHTS}")
+    ts = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    save_file(ts, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    return sum(t.numel() * t.element_size() for t in ts.values())

@@ -1,0 +1,110 @@
+"""Adapter-only weight sync: the trainer's LoRA adapter (PEFT tensors) to engines that serve it
+under versioned names, with no pause.
+
+Data path: ``MegatronTrainer.export_lora()`` (PEFT names, fp32) -> cast to the engine dtype ->
+one flattened bucket (all tensors in one buffer), one ``ForkingPickler`` entry per engine TP rank
+(base64; SGLang's ``serialized_named_tensors``, ``load_format="flattened_bucket"``) -> ``/load_lora_adapter_from_tensors`` under the name
+``{base}@{version}`` -> new requests use the newest name (``lora_path``) -> versions older than
+``version - max_staleness`` are unloaded (an engine keeps one still in use until its last request
+ends). Tokens generated on ``{base}@{version}`` record ``weight_version`` = version.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from moe_async.weight_sync.tensor_ipc import forking_pickle
+
+
+def lora_entries(tensors: dict[str, torch.Tensor], copies: int = 1, dtype: torch.dtype | None = None) -> list[str]:
+    """``serialized_named_tensors`` for ``/load_lora_adapter_from_tensors``: ``copies`` (engine TP
+    size) base64 entries, each a ``ForkingPickler`` dict ``{name: tensor}`` (SGLang's tp_worker
+    takes the deserialized object as the tensor dict when ``load_format`` is None; tensors in
+    shared memory: keep ``tensors`` alive until the engines answered)."""
+    named = {n: (t if dtype is None else t.to(dtype)).contiguous() for n, t in tensors.items()}
+    raw = base64.b64encode(forking_pickle(named)).decode()
+    return [raw] * copies
+
+
+def lora_bucket_entries(tensors: dict[str, torch.Tensor], copies: int = 1,
+                        dtype: torch.dtype | None = None) -> tuple[list[str], torch.Tensor]:
+    """As :func:`lora_entries` with ``load_format="flattened_bucket"``: every tensor end to end in
+    ONE uint8 buffer (one shared-memory segment instead of one per tensor; SGLang's tp_worker
+    rebuilds the dict with ``FlattenedTensorBucket``). Returns ``(entries, buffer)``: keep the
+    buffer alive until the engines answered."""
+    from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
+
+    ts = [(n, (t if dtype is None else t.to(dtype)).contiguous()) for n, t in tensors.items()]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in ts]) if ts else torch.empty(0, dtype=torch.uint8)
+    entries = serialize_flattened_bucket(flat, [n for n, _ in ts], [t.dtype for _, t in ts],
+                                         [tuple(t.shape) for _, t in ts], copies=copies)
+    return entries, flat
+
+
+def adapter_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
+    """Bytes of the adapter on the wire (in ``dtype`` when given)."""
+    size = (lambda t: torch.empty(0, dtype=dtype).element_size()) if dtype is not None else (lambda t: t.element_size())
+    return sum(t.numel() * size(t) for t in tensors.values())
+
+
+@dataclass
+class AdapterVersions:
+    """Which adapter names engines hold: ``newest`` (what new requests use) and the names to
+    unload after each sync (older than ``version - max_staleness``, so every request the buffer
+    may still admit finishes on its own version)."""
+
+    base: str = "policy"
+    max_staleness: int = 1
+    loaded: list[int] = field(default_factory=list)
+
+    def name(self, version: int) -> str:
+        return f"{self.base}@{version}"
+
+    @property
+    def newest(self) -> str | None:
+        return self.name(self.loaded[-1]) if self.loaded else None
+
+    def synced(self, version: int) -> list[str]:
+        """Record ``version`` as loaded; returns the names to unload now."""
+        if self.loaded and version == self.loaded[-1]:
+            return []  # the same version again (a re-sync after an engine restart)
+        if self.loaded and version < self.loaded[-1]:
+            raise ValueError(f"adapter version {version} after {self.loaded[-1]}: versions must increase")
+        self.loaded.append(version)
+        old = [v for v in self.loaded if v < version - self.max_staleness]
+        self.loaded = [v for v in self.loaded if v not in old]
+        return [self.name(v) for v in old]
+
+
+def sync_adapter(clients: Sequence[Any], versions: AdapterVersions, version: int, tensors: dict[str, torch.Tensor],
+                 config: dict[str, Any], tp_sizes: Sequence[int] | None = None,
+                 dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Load ``tensors`` as ``versions.name(version)`` on every engine (blocking clients), then
+    unload the versions beyond ``max_staleness``. Returns ``{"name", "bytes", "unloaded"}``.
+
+    An engine that holds ``version`` already (a re-sync) or lacks an old one (restarted) is fine.
+
+    Raises:
+        RuntimeError: an engine refused the adapter (its ``error_message``), naming the engine.
+    """
+    name = versions.name(version)
+    for i, c in enumerate(clients):
+        entries, _flat = lora_bucket_entries(tensors, copies=(tp_sizes[i] if tp_sizes else 1), dtype=dtype)
+        try:
+            c.load_lora_adapter_from_tensors(name, config, entries, load_format="flattened_bucket")
+        except Exception as e:  # the client's EngineRequestError (a 400), duck-typed: engines is a higher layer
+            if getattr(e, "status_code", None) != 400 or "already loaded" not in str(e):  # a re-sync: the engine holds this version already
+                raise RuntimeError(f"engine {i}: /load_lora_adapter_from_tensors {name!r}: {e}") from e
+    unloaded = versions.synced(version)
+    for c in clients:
+        for old in unloaded:
+            try:
+                c.unload_lora_adapter(old)
+            except Exception as e:  # a restarted engine never had it
+                if getattr(e, "status_code", None) != 400 or "not loaded" not in str(e):
+                    raise
+    return {"name": name, "bytes": adapter_bytes(tensors, dtype), "unloaded": unloaded}
