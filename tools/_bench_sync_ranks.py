@@ -5,7 +5,7 @@ torchrun/gloo; not a command of its own).
 
 Every rank builds a ``MegatronTrainer`` of MODEL_DIR at LAYOUT (``tp2`` or ``ep2``); global rank 0
 connects one ``BroadcastTransport`` to every engine of URLS (comma-separated) and sends, the
-other rank takes part in the streamed export (``stream_export.trainer_buckets``), as the trainer
+other rank takes part in the streamed export (``stream_export.source_buckets`` of ``trainer.hf_exporter()``), as the trainer
 actors do. Per repeat: one raw broadcast of the model's bytes from rank 0 into every engine over
 the same weight-update group (``/debug_receive_broadcast``; the slowest receiver's time), the
 sync, another raw broadcast; ratio = sync GB/s / mean raw GB/s. Then one more sync with each
@@ -49,7 +49,7 @@ def main() -> None:
     from moe_async.weight_sync.alive_bytes import AliveBytes
     from moe_async.weight_sync.config import WeightSyncConfig
     from moe_async.weight_sync.group import group_broadcast
-    from moe_async.weight_sync.stream_export import release_kept_buffers, trainer_buckets, trainer_export
+    from moe_async.weight_sync.stream_export import release_kept_buffers, source_buckets, source_export
     from moe_async.weight_sync.transport import BroadcastTransport, check_engines
 
     model_dir, urls, out, layout, bucket_mib, repeats = sys.argv[1:7]
@@ -98,11 +98,11 @@ def main() -> None:
         nonlocal version
         version += 1
         if rank != 0:
-            for _ in trainer_buckets(tr, bucket):
+            for _ in source_buckets(tr.hf_exporter(), bucket):
                 pass
             return {}
         transport.cfg = cfg.model_copy(update={"overlap": overlap})
-        return transport.send(trainer_export(tr), version)
+        return transport.send(source_export(tr.hf_exporter()), version)
 
     raw_once()  # warm-up
     sync()  # cold: the engines' first update allocates their standby copies

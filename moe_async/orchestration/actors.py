@@ -274,14 +274,14 @@ class TrainerActor:
         """The export of :meth:`sync_weights`; rank 0 hands it to ``send(export, version)``."""
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
             # streamed export: each tensor gathered straight into the bucket that is sent (stream_export.py)
-            from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
+            from moe_async.weight_sync.stream_export import source_buckets, source_export
 
             if self.rank != 0:
-                for _ in trainer_buckets(self._trainer, self.cfg.weight_sync.bucket_bytes):
+                for _ in source_buckets(self._trainer.hf_exporter(), self.cfg.weight_sync.bucket_bytes):
                     pass
                 return {}
             assert self.transport is not None, "connect_engines() first"
-            return send(trainer_export(self._trainer), self._trainer.version)
+            return send(source_export(self._trainer.hf_exporter()), self._trainer.version)
         if self.rank != 0:
             for _ in self._trainer.export_hf_weights():
                 pass
