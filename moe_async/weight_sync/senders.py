@@ -314,23 +314,24 @@ def connect_senders(rank: int, world: int, store: Any, *, transport: Any = None,
 
 
 def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport: Any = None,
-                      link: SenderLink | None = None, group=None) -> dict[str, float]:
-    """One sync from every rank (collective): rank 0 ``transport.send`` of :func:`sender_export`
+                      link: SenderLink | None = None, group=None, send: Callable[[Any, int], Any] | None = None) -> Any:
+    """One sync from every rank (collective): rank 0 ``send(export, version)`` (default
+    ``transport.send``) of :func:`sender_export`
     (pause, sessions, every bucket's update call, its own broadcasts, versioned last call,
     continue), every other rank ``link.send``. Every rank agrees on the outcome: the errors of
     all ranks are exchanged, and any one fails the sync on every rank (WeightSyncError naming
-    each failing rank). Returns this rank's metrics."""
+    each failing rank). Returns this rank's metrics (rank 0: what ``send`` returned)."""
     import torch.distributed as dist
 
     from moe_async.errors import one_line
     from moe_async.weight_sync.group import WeightSyncError
 
-    out: dict[str, float] = {}
+    out: Any = {}
     err: str | None = None
     try:
         if rank == 0:
             assert transport is not None
-            out = transport.send(sender_export(source, transport.group_name, group=group), version)
+            out = (send or transport.send)(sender_export(source, transport.group_name, group=group), version)
         else:
             assert link is not None
             out = link.send(source, group=group)
