@@ -177,26 +177,54 @@ def two_engines(tiny_engine):
         other.shutdown()
 
 
-@pytest.fixture(scope="module")
-def layouts(two_engines, tmp_path_factory):
+W4 = ["tp2pp1ep2", "tp1pp1ep4"]
+
+
+def _launch_layouts(two_engines, tmp, n: int, lays: list[str]) -> dict:
     import json
 
     from _launch import torchrun
 
     urls, model_dir = two_engines
-    out = str(tmp_path_factory.mktemp("senders") / "w2.json")
-    torchrun(2, os.path.join(os.path.dirname(__file__), "_senders_checks.py"), ",".join(urls), model_dir, out,
-             *W2, timeout=600)
+    out = str(tmp / f"w{n}.json")
+    torchrun(n, os.path.join(os.path.dirname(__file__), "_senders_checks.py"), ",".join(urls), model_dir, out,
+             *lays, timeout=600)
     with open(out) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def layouts(two_engines, tmp_path_factory):
+    return _launch_layouts(two_engines, tmp_path_factory.mktemp("senders"), 2, W2)
+
+
+@pytest.fixture(scope="module")
+def layouts4(two_engines, tmp_path_factory):
+    return _launch_layouts(two_engines, tmp_path_factory.mktemp("senders4"), 4, W4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
 @pytest.mark.parametrize("layout", W2)
 def test_every_rank_sends_its_shards_and_both_engines_equal_the_trainer(layouts, layout):
-    r = layouts[layout]
+    _check_layout(layouts[layout], layout, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
+@pytest.mark.parametrize("layout", W4)
+def test_four_senders_into_two_engines_equal_the_trainer(layouts4, layout):
+    r = layouts4[layout]
+    _check_layout(r, layout, 4)
+    if layout == "tp1pp1ep4":  # each EP rank sends its own expert, and only rank 0 the shared tensors
+        for k in range(1, 4):
+            assert r["senders_of"][str(k)] and all(f".experts.{k}." in n for n in r["senders_of"][str(k)])
+
+
+def _check_layout(r: dict, layout: str, world: int) -> None:
     total = sum(r["sent_bytes"].values())
-    assert set(r["sent_bytes"]) == {"0", "1"} and all(n > 0 for n in r["sent_bytes"].values())  # two senders
+    # every rank that holds a primary shard sends (at TP2 x EP2 the data-parallel replicas hold none)
+    assert set(r["sent_bytes"]) == ({"0", "1"} if layout == "tp2pp1ep2" else {str(k) for k in range(world)})
+    assert all(n > 0 for n in r["sent_bytes"].values())
     assert r["sync"]["sync/bytes"] == total  # rank 0 posted every bucket, each sent once
     for e in r["engines"]:  # the check mode on each engine: every tensor equals the trainer's
         assert "check_error" not in e, e["check_error"]
@@ -209,4 +237,4 @@ def test_every_rank_sends_its_shards_and_both_engines_equal_the_trainer(layouts,
     if layout == "tp1pp2ep1":  # stage 1 sends layer 1 (and the final norm / output layer)
         assert all(".layers.1." in n or not n.startswith("model.layers.") for n in mine)
         assert "lm_head.weight" in mine and not any(".layers.0." in n for n in mine)
-    assert r["group_names"][1] != r["group_names"][0]  # one update group per sender
+    assert len(set(r["group_names"])) == world  # one update group per rank
