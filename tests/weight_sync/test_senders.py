@@ -158,6 +158,77 @@ def test_every_rank_sends_its_own_buckets_bit_exact_over_gloo():
     assert all(has == (s == 0) for s, _, has, _ in res[0]["seen"])
 
 
+class _Source:
+    """A ShardSource over _pieces (the family's split: _gate_up)."""
+
+    expected = frozenset({"w", "v", "e0", "e1", "n"})
+    vocab: dict = {}
+
+    def __init__(self, rank):
+        self._pieces = _pieces(rank)
+
+    def check(self):
+        pass
+
+    def shards(self):
+        return self._pieces
+
+    def convert(self, name, t):
+        return _gate_up(name, t)
+
+    def direct(self, name):
+        return False
+
+
+class _Posting:
+    """Rank 0's transport stand-in: walks the export (every bucket posted, none broadcast)."""
+
+    group_name = "g"
+
+    def send(self, export, version):
+        n = sum(1 for _ in export.open(96, device=torch.device("cpu"), order=None, overlap=False, stats={}))
+        return {"sync/buckets": float(n)}
+
+
+def _agree(rank, port, q):
+    import torch.distributed as dist
+
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.senders import SenderLink, sync_from_senders
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # rank 1's link never formed its group: its broadcasts fail, its pieces still reach rank 0
+        link = None if rank == 0 else SenderLink([], WeightSyncConfig(bucket_bytes=96, backend="gloo"), rank=1)
+        try:
+            sync_from_senders(rank, _Source(rank), 1, transport=_Posting() if rank == 0 else None, link=link)
+            q.put((rank, "no error"))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_failing_sender_fails_the_sync_on_every_rank():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_agree, args=(r, port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    res = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    for r in (0, 1):  # rank 0's own part succeeded, yet it fails too, naming rank 1's error
+        assert res[r].startswith("WeightSyncError: weight sync failed on rank 1: RuntimeError: sender 1: no update "
+                                 "group"), res
+
+
 # ------------------------------------ torchrun: a MegatronTrainer's ranks into two engines
 W2 = ["tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1"]
 
