@@ -23,9 +23,9 @@ LAYERS = (
     "moe_async.compat",
     "moe_async.models",
     "moe_async.lora",
-    "moe_async.megatron",
     "moe_async.trainer.finite",
     "moe_async.weight_sync",
+    "moe_async.megatron",
     "moe_async.engines",
     "moe_async.buffer",
     "moe_async.logging",
@@ -214,6 +214,32 @@ def test_no_module_over_800_lines():
     long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"files over {MAX_LINES} lines: {long}"
+
+
+def megatron_imports(package: pathlib.Path) -> list[tuple[str, str]]:
+    """(file, imported module) for every import in ``package`` (function-level included) of
+    Megatron-Core (``megatron.*``) or of this project's Megatron side (``moe_async.megatron``,
+    ``moe_async.trainer``)."""
+    bad = ("megatron", "moe_async.megatron", "moe_async.trainer")
+    out = []
+    for p in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            out += [(p.name, n) for n in names if any(n == b or n.startswith(b + ".") for b in bad)]
+    return out
+
+
+def test_megatron_import_finder_flags_a_planted_import(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from megatron.core import parallel_state\n")
+    (tmp_path / "b.py").write_text("import moe_async.trainer.finite\nimport megatron_like\n")
+    assert megatron_imports(tmp_path) == [("a.py", "megatron.core"), ("b.py", "moe_async.trainer.finite")]
+
+
+def test_weight_sync_holds_no_megatron_code():
+    """The transports (groups, buckets, engine calls) read the model only through their
+    source interface; the HF view of the Megatron model lives in moe_async.megatron."""
+    assert megatron_imports(PKG / "weight_sync") == []
 
 
 def test_megatron_package_import_is_light():

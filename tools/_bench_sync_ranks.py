@@ -1,11 +1,14 @@
 """The 2-rank trainer side of ``tools/bench_weight_sync.py --trainer-layouts`` (run by it under
 torchrun/gloo; not a command of its own).
 
-    torchrun --nproc_per_node 2 tools/_bench_sync_ranks.py MODEL_DIR URLS OUT.json LAYOUT BUCKET_MIB REPEATS
+    torchrun --nproc_per_node N tools/_bench_sync_ranks.py MODEL_DIR URLS OUT.json LAYOUT BUCKET_MIB REPEATS [SENDERS]
 
-Every rank builds a ``MegatronTrainer`` of MODEL_DIR at LAYOUT (``tp2`` or ``ep2``); global rank 0
-connects one ``BroadcastTransport`` to every engine of URLS (comma-separated) and sends, the
-other rank takes part in the streamed export (``stream_export.trainer_buckets``), as the trainer
+Every rank builds a ``MegatronTrainer`` of MODEL_DIR at LAYOUT (``tp2``, ``ep2``, ``ep4``: N = 2 or
+4); global rank 0 connects one ``BroadcastTransport`` to every engine of URLS (comma-separated).
+SENDERS ``all`` (default; ``weight_sync.senders: all``): every other rank connects a
+``SenderLink`` (its own update group, formed in rank order) and every rank sends the shards it
+holds (``senders.sync_from_senders``); ``one``: rank 0 sends, the other ranks take part in the
+streamed export (``stream_export.source_buckets`` of ``trainer.hf_exporter()``), as the trainer
 actors do. Per repeat: one raw broadcast of the model's bytes from rank 0 into every engine over
 the same weight-update group (``/debug_receive_broadcast``; the slowest receiver's time), the
 sync, another raw broadcast; ratio = sync GB/s / mean raw GB/s. Then one more sync with each
@@ -49,15 +52,20 @@ def main() -> None:
     from moe_async.weight_sync.alive_bytes import AliveBytes
     from moe_async.weight_sync.config import WeightSyncConfig
     from moe_async.weight_sync.group import group_broadcast
-    from moe_async.weight_sync.stream_export import release_kept_buffers, trainer_buckets, trainer_export
+    from moe_async.weight_sync.stream_export import release_kept_buffers, source_buckets, source_export
     from moe_async.weight_sync.transport import BroadcastTransport, check_engines
 
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from moe_async.weight_sync import senders
+
     model_dir, urls, out, layout, bucket_mib, repeats = sys.argv[1:7]
+    several = (sys.argv[7] if len(sys.argv) > 7 else "all") == "all"
     urls, bucket, repeats = urls.split(","), int(float(bucket_mib) * MiB), int(repeats)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tp, ep = {"tp2": (2, 1), "ep2": (1, 2)}[layout]
+    tp, ep = {"tp2": (2, 1), "ep2": (1, 2), "ep4": (1, 4)}[layout]
     t0 = time.perf_counter()
     tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                        moe_aux_loss_coeff=0.0, num_threads=1), model_dir)
@@ -69,12 +77,18 @@ def main() -> None:
     total, largest = sum(sizes.values()), max(sizes.values())
     fused = max((3 * v for n, v in sizes.items() if n.endswith("q_proj.weight")), default=0)  # q+k+v (MHA)
     cfg = WeightSyncConfig(bucket_bytes=bucket, backend="gloo", timeout_s=600)
-    transport = clients = None
+    transport = clients = link = None
     version = 0
     if rank == 0:
         clients = [SyncEngineClient(u, timeout_s=600) for u in urls]
         transport = BroadcastTransport(clients, cfg, pause_mode="in_place")
+    elif several:
+        link = senders.SenderLink([SyncEngineClient(u, timeout_s=600) for u in urls], cfg, rank=rank)
+    if several:
+        senders.connect_senders(rank, dist.get_world_size(), _get_default_store(), transport=transport, link=link)
+    elif rank == 0:
         transport.connect()
+    if rank == 0:
         version = max(c.get_weight_version() for c in clients)
         raw_buf = torch.full((total,), 7, dtype=torch.uint8)
 
@@ -97,12 +111,15 @@ def main() -> None:
     def sync(overlap: bool = True) -> dict:
         nonlocal version
         version += 1
+        if several:  # every rank sends its own buckets (serial export per sender)
+            m = senders.sync_from_senders(rank, tr.hf_exporter(), version, transport=transport, link=link)
+            return m if rank == 0 else {}
         if rank != 0:
-            for _ in trainer_buckets(tr, bucket):
+            for _ in source_buckets(tr.hf_exporter(), bucket):
                 pass
             return {}
         transport.cfg = cfg.model_copy(update={"overlap": overlap})
-        return transport.send(trainer_export(tr), version)
+        return transport.send(source_export(tr.hf_exporter()), version)
 
     raw_once()  # warm-up
     sync()  # cold: the engines' first update allocates their standby copies
@@ -129,16 +146,24 @@ def main() -> None:
     if rank == 0:
         chk = check_engines(clients, sums, version)
         rows.sort(key=lambda r: r["ratio"])
+        plan = next(iter(senders._PLANS.values()), None) if several else None
         res = {"layout": layout, "engines": len(urls), "bucket_bytes": bucket, "total_bytes": total,
+               "senders": "all" if several else "one",
+               "sent_bytes": {str(k): v for k, v in plan.sent_bytes.items()} if plan is not None else {"0": total},
                "phases_median": {k: sorted(r["phases"][k] for r in rows)[len(rows) // 2] for k in rows[0]["phases"]},
                "largest_bytes": largest, "fused_bytes": fused, "build_s": build_s, "peaks": peaks,
                "bound": bucket + largest + fused, "median": rows[len(rows) // 2], "best": rows[-1], "rows": rows,
                "check_tensors": chk["sync/check_tensors"]}
-        transport.shutdown()
-        for c in clients:
-            c.close()
         with open(out, "w") as f:
             json.dump(res, f)
+    for r in reversed(range(dist.get_world_size())):  # every sender leaves its group, last formed first
+        if r == rank and transport is not None:
+            transport.shutdown()
+            for c in clients:
+                c.close()
+        elif r == rank and link is not None:
+            link.close()
+        dist.barrier()
     tr.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -51,9 +51,11 @@ stall (``sync/pause_seconds``: engines paused) for both pause scopes.
     python tools/bench_weight_sync.py --model-path demo     # the CPU demo's model (1.5 GB fp32)
     python tools/bench_weight_sync.py --trainer-layouts tp2 ep2 --engines 2 --bucket-mib 64
 
-``--trainer-layouts``: instead of the 1-process paths, a 2-rank MegatronTrainer (TP2 and/or EP2,
-torchrun/gloo, tools/_bench_sync_ranks.py) syncs into ``--engines`` embedded engines through the
-streamed export (bounded memory: each tensor gathered into the bucket that is sent); ratio = sync GB/s over
+``--trainer-layouts``: instead of the 1-process paths, a 2-rank MegatronTrainer (TP2, EP2; EP4: 4
+ranks; torchrun/gloo, tools/_bench_sync_ranks.py) syncs into ``--engines`` embedded engines, every
+rank sending the shards it holds over its own update group (``--senders all``, the default) or
+rank 0 sending the streamed export (``--senders one``: each tensor gathered into the bucket that
+is sent); ratio = sync GB/s over
 a raw broadcast of the same bytes from rank 0 to the same engines over the same group, just
 before and after each sync; each rank's peak extra tensor bytes during a sync printed beside the
 streamed-export bound (one bucket + the largest tensor + a fused QKV's split copies).
@@ -125,9 +127,11 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=["on", "off", "last", "flat", "export", "trainer", "versioned"],
                     choices=["on", "off", "last", "flat", "export", "trainer", "versioned", "atomic_versioned"],
                     help="sender paths to measure (on = pack, off = serial pack)")
-    ap.add_argument("--trainer-layouts", nargs="+", choices=["tp2", "ep2"], default=None,
-                    help="a 2-rank trainer at these layouts into --engines engines (streamed export); "
+    ap.add_argument("--trainer-layouts", nargs="+", choices=["tp2", "ep2", "ep4"], default=None,
+                    help="a 2-rank (ep4: 4-rank) trainer at these layouts into --engines engines; "
                          "replaces the 1-process paths")
+    ap.add_argument("--senders", choices=["all", "one"], default="all",
+                    help="--trainer-layouts: every rank sends its own shards (all) or rank 0 gathers and sends (one)")
     ap.add_argument("--engines", type=int, default=2, help="engines for --trainer-layouts")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -387,14 +391,17 @@ def multi_rank(args, path: str, total: int) -> None:
                     port = sk.getsockname()[1]
                 with tempfile.NamedTemporaryFile(suffix=".json") as f:
                     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-                    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    nproc = 4 if layout == "ep4" else 2
+                    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                                     "--master_addr=127.0.0.1", f"--master_port={port}",
                                     os.path.join(here, "_bench_sync_ranks.py"), path, urls, f.name, layout,
-                                    str(mib), str(args.repeats)], check=True, env=env)
+                                    str(mib), str(args.repeats), args.senders], check=True, env=env)
                     r = json.load(open(f.name))
                 out_all.append(r)
                 md, b = r["median"], r["best"]
-                print(f"{layout} -> {r['engines']} engines, bucket {mib:g} MiB ({int(md['buckets'])} buckets): "
+                print(f"{layout} ({r['senders']} senders: bytes per sender "
+                      f"{ {k: round(v / MiB, 1) for k, v in r['sent_bytes'].items()} } MiB) -> "
+                      f"{r['engines']} engines, bucket {mib:g} MiB ({int(md['buckets'])} buckets): "
                       f"sync / raw broadcast median {md['ratio']:.3f} (best {b['ratio']:.3f}; goal >= 0.9), "
                       f"sync {md['sync_gbps']:.2f} GB/s, raw {md['raw_gbps']:.2f} GB/s, stall {md['stall_s']:.3f}s "
                       f"(sync {md['seconds']:.3f}s: broadcasts {md['broadcast_s']:.3f}s, waiting for the export "

@@ -26,7 +26,8 @@ from moe_async.megatron.dist_ckpt import (
     saved_vocab_rows,
     whole_glu_tensors,
 )
-from moe_async.megatron.export import check_out_dir, full_hf_state, write_hf
+from moe_async.megatron.export import check_out_dir, write_hf
+from moe_async.megatron.hf_export import HFExporter
 from moe_async.megatron.hf_io import (
     check_hf_keys,
     hf_checkpoint_dtype,
@@ -208,18 +209,18 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
         clock.mark("build_s")
         load_megatron_into_model(model, megatron_dir, ckpt_md)
         clock.mark("torch_dist_load_s")
-        full = full_hf_state(model, vocab)
+        hf = HFExporter([model], fam, hf_cfg, vocab).hf_tensors()  # collective; rank 0 yields
         if global_rank() == 0:
-            written, nbytes = write_hf(full, fam, hf_cfg, dtype, hf_config_dir, out_dir, max_shard_size, fsync,
+            written, nbytes = write_hf(hf, fam, hf_cfg, dtype, hf_config_dir, out_dir, max_shard_size, fsync,
                                         progress)
         else:
-            for _ in full:  # collective: take part in the gather
+            for _ in hf:  # collective: take part in the gather
                 pass
         clock.mark("gather_map_write_s")
         dist.barrier()
         world = world_size()
         clock.mark("finish_s")
-        del model, full
+        del model, hf
         clock.mark("free_s")
     clock.mark("teardown_s")
     return {"seconds": clock.total(), "phases": clock.phases, "files": written, "bytes_written": nbytes,

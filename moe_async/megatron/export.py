@@ -2,7 +2,7 @@
 
 - :func:`full_hf_state`: full (unsharded) Megatron tensors to rank 0
   (``sharding.gather_full_state``; copy-free views at world size 1), in the mapping table's order.
-- :func:`write_hf`: full tensors -> HF names (family mapping) -> :class:`ShardWriter`
+- :func:`write_hf`: HF tensors (:class:`moe_async.megatron.hf_export.HFExporter`) -> :class:`ShardWriter`
   (safetensors files of at most ``max_shard_size`` bytes + ``model.safetensors.index.json``),
   side files (:data:`HF_SIDE_FILES`) copied from the reference HF dir.
 - :func:`check_out_dir` (``FileExistsError`` naming the flag), :func:`parse_size` ("5GB" -> bytes).
@@ -170,12 +170,12 @@ def full_hf_state(model, vocab_size: int) -> Iterator[tuple[str, Tensor]]:
 
 
 @cpu_tensors_only
-def write_hf(full: Iterator[tuple[str, Tensor]], fam, hf_cfg: dict, dtype: str, hf_config_dir: str, out_dir: str,
+def write_hf(hf: Iterator[tuple[str, Tensor]], fam, hf_cfg: dict, dtype: str, hf_config_dir: str, out_dir: str,
               max_shard_size: str | int, fsync: bool, progress: bool) -> tuple[list[str], int]:
-    """Rank 0 of :func:`megatron_to_hf_checkpoint`: the full Megatron tensors ``full`` mapped to
-    HF names and written as sharded safetensors (+ index, + the side files of
-    ``hf_config_dir``) into ``out_dir`` (FileExistsError if it is not empty). Returns (file
-    names, tensor bytes)."""
+    """Rank 0 of :func:`megatron_to_hf_checkpoint`: the HF tensors ``hf`` (e.g.
+    :meth:`moe_async.megatron.hf_export.HFExporter.hf_tensors`) written as sharded safetensors
+    (+ index, + the side files of ``hf_config_dir``) into ``out_dir`` (FileExistsError if it
+    is not empty). Returns (file names, tensor bytes)."""
     from tqdm import tqdm
 
     check_out_dir(out_dir)
@@ -184,7 +184,7 @@ def write_hf(full: Iterator[tuple[str, Tensor]], fam, hf_cfg: dict, dtype: str, 
     n_hf = len(fam.hf_keys(hf_cfg))
     out_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     with tqdm(total=n_hf, desc="Megatron->HF", unit="tensor", disable=not progress, leave=False) as bar:
-        for name, t in fam.megatron_to_hf(full, hf_cfg):
+        for name, t in hf:
             # Megatron keeps some params in fp32 in a bf16 model (the torch norms): back to the
             # checkpoint dtype (they were loaded from it: lossless)
             if t.dtype != out_dtype and not name.endswith(FP32_ANYWAY):

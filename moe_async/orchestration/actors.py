@@ -135,6 +135,7 @@ class TrainerActor:
         self._store: TCPStore | None = None
         self.trainer: MegatronTrainer | None = None
         self.transport: WeightTransport | None = None
+        self._link: Any = None  # weight_sync.senders: all, ranks > 0: this rank's SenderLink
 
     @property
     def _trainer(self) -> MegatronTrainer:
@@ -202,6 +203,9 @@ class TrainerActor:
         """Rank 0 joins the weight-update group with every engine; the other ranks only
         take part in the export (:meth:`sync_weights`)."""
         self._enter("connect_engines")
+        if self._several_senders():
+            self._connect_senders(urls)
+            return
         if self.rank != 0:
             return
         import os
@@ -240,6 +244,9 @@ class TrainerActor:
         (``/destroy_weights_update_group``; a dead one's failure is logged), then the group
         is formed again with the same transport (its send buffer kept). Collective."""
         self._enter("reconnect_engines")
+        if self._several_senders():  # every sender leaves its group, then all form again in turn
+            self._connect_senders(urls)
+            return
         if self.rank != 0:
             return
         from moe_async.engines.client import SyncEngineClient
@@ -247,6 +254,40 @@ class TrainerActor:
         assert self.transport is not None, "connect_engines() first"
         clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
         self._transport.reform(clients)
+
+    def _several_senders(self) -> bool:
+        ws = self.cfg.weight_sync
+        return ws.senders == "all" and ws.transport == "broadcast" and self.world_size > 1
+
+    def _connect_senders(self, urls: list[str]) -> None:
+        """weight_sync.senders: all: rank 0's transport and every other rank's SenderLink, each
+        with its own update group, formed in rank order (a fresh store key per connect);
+        a previous group of this rank is left first. Collective."""
+        import os
+
+        import ray
+
+        from moe_async.engines.client import SyncEngineClient
+        from moe_async.weight_sync.senders import SenderLink, connect_senders
+        from moe_async.weight_sync.transport import BroadcastTransport
+
+        ws = self.cfg.weight_sync
+        clients = [SyncEngineClient(u, timeout_s=ws.timeout_s) for u in urls]
+        tp = self.cfg.engine.tensor_parallel_size
+        key = f"moe_async/sender_groups/{sum(self._calls.get(m, 0) for m in ('connect_engines', 'reconnect_engines'))}"
+        if self.rank == 0:
+            if self.transport is not None:
+                self.transport.shutdown()
+            self.transport = BroadcastTransport(clients, ws, pause_mode=self.cfg.engine.pause_mode,
+                                                master_address=os.environ["MASTER_ADDR"], ranks_per_engine=tp)
+        else:
+            if self._link is not None:
+                self._link.close()
+            # the engines reach this sender's store on this rank's node
+            self._link = SenderLink(clients, ws, rank=self.rank, ranks_per_engine=tp,
+                                    master_address=ray.util.get_node_ip_address())
+        connect_senders(self.rank, self.world_size, self._store, transport=self.transport, link=self._link, key=key,
+                        timeout_s=ws.timeout_s)
 
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version (rank 0 sends;
@@ -272,19 +313,26 @@ class TrainerActor:
 
     def _sync(self, send: Any) -> Any:
         """The export of :meth:`sync_weights`; rank 0 hands it to ``send(export, version)``.
-        With ``trainer.lora`` only the adapter goes (:meth:`_sync_adapter`), no pause."""
+        With ``trainer.lora`` only the adapter goes (:meth:`_sync_adapter`), no pause; else with
+        ``weight_sync.senders: all`` every rank sends its own shards (weight_sync/senders.py)."""
         if self._trainer.cfg.lora is not None:
             return self._sync_adapter()
+        if self._several_senders():
+            from moe_async.weight_sync.senders import sync_from_senders
+
+            out = sync_from_senders(self.rank, self._trainer.hf_exporter(), self._trainer.version,
+                                    transport=self.transport, link=self._link, send=send)
+            return out if self.rank == 0 else {}
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
             # streamed export: each tensor gathered straight into the bucket that is sent (stream_export.py)
-            from moe_async.weight_sync.stream_export import trainer_buckets, trainer_export
+            from moe_async.weight_sync.stream_export import source_buckets, source_export
 
             if self.rank != 0:
-                for _ in trainer_buckets(self._trainer, self.cfg.weight_sync.bucket_bytes):
+                for _ in source_buckets(self._trainer.hf_exporter(), self.cfg.weight_sync.bucket_bytes):
                     pass
                 return {}
             assert self.transport is not None, "connect_engines() first"
-            return send(trainer_export(self._trainer), self._trainer.version)
+            return send(source_export(self._trainer.hf_exporter()), self._trainer.version)
         if self.rank != 0:
             for _ in self._trainer.export_hf_weights():
                 pass
@@ -405,6 +453,8 @@ class TrainerActor:
     def shutdown(self) -> None:
         if self.transport is not None:
             self._transport.shutdown()
+        if self._link is not None:
+            self._link.close()
 
 
 @ray.remote(num_cpus=0)

@@ -108,15 +108,25 @@ class EngineEstimate:
 
 @dataclass(frozen=True)
 class SyncEstimate:
-    """One weight sync: ``bytes`` over a link of ``bandwidth`` bytes/s, ``buckets`` of ``bucket_bytes``."""
+    """One weight sync: ``bytes`` over a link of ``bandwidth`` bytes/s, ``buckets`` of ``bucket_bytes``;
+    ``sender_bytes``: what each sending trainer rank sends (``weight_sync.senders``: ``one``:
+    rank 0 all of it; ``all``: every rank its own shards)."""
 
     bytes: int
     bandwidth: float
     bucket_bytes: int
+    sender_bytes: tuple[int, ...] = ()
 
     @property
     def seconds(self) -> float:
+        """Lower bound: every engine rank receives every byte over its link (and no sender
+        sends more than all of them)."""
         return self.bytes / self.bandwidth
+
+    @property
+    def sender_seconds(self) -> float:
+        """The busiest sender's bytes over its link (rank 0's whole model with one sender)."""
+        return max(self.sender_bytes or (self.bytes,)) / self.bandwidth
 
     @property
     def buckets(self) -> int:
@@ -444,6 +454,35 @@ def estimate_engine(shape: ModelShape, cfg: "ExperimentConfig") -> EngineEstimat
 
 
 def estimate_sync(shape: ModelShape, cfg: "ExperimentConfig") -> SyncEstimate:
-    """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``."""
-    return SyncEstimate(bytes=shape.total * _DTYPE_BYTES[cfg.engine.dtype],
-                        bandwidth=cfg.cluster.link_bandwidth_gb_s * 1e9, bucket_bytes=cfg.weight_sync.bucket_bytes)
+    """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``;
+    with ``weight_sync.senders: all`` the bytes per sender (moe_async.weight_sync.senders:
+    each pipeline stage its layers, routed experts by their EP rank (/EP x ETP), tensor-split
+    tensors spread over the TP group, replicated ones by one TP rank; embedding on the first
+    stage, output layer and final norm on the last), listed per stage, TP rank, EP rank
+    (ranks that send nothing left out)."""
+    w = _DTYPE_BYTES[cfg.engine.dtype]
+    total = shape.total * w
+    sync = SyncEstimate(bytes=total, bandwidth=cfg.cluster.link_bandwidth_gb_s * 1e9,
+                        bucket_bytes=cfg.weight_sync.bucket_bytes)
+    t = cfg.trainer
+    lay = t.layout
+    if cfg.weight_sync.senders != "all" or lay.world_size in (None, 1):
+        return sync
+    uneven = t.num_layers_in_first_pipeline_stage is not None or t.num_layers_in_last_pipeline_stage is not None
+    counts = stage_layer_counts(shape.num_layers, lay.pp, t.num_layers_in_first_pipeline_stage,
+                                t.num_layers_in_last_pipeline_stage) if uneven else None
+    vpp = t.virtual_pipeline_model_parallel_size or 1
+    per: list[int] = []
+    for stage in range(lay.pp):
+        layers = _stage_layers(shape, lay, vpp, stage, counts)
+        split = sum(lp.attn_tp + lp.attn_kv + lp.mlp_tp for lp in layers)
+        split += (shape.embedding if stage == 0 else 0) + (shape.output if stage == lay.pp - 1 else 0)
+        held = sum(lp.replicated for lp in layers) + (shape.final_norm if stage == lay.pp - 1 else 0)
+        expert = sum(lp.expert for lp in layers)
+        for tp in range(lay.tp):
+            for ep in range(lay.ep):
+                mine = (expert // (lay.ep * lay.etp)) * (lay.etp if tp == 0 else 0)  # ETP pieces: one rank
+                if ep == 0:
+                    mine += split // lay.tp + (held if tp == 0 else 0)
+                per.append(mine * w)
+    return replace(sync, sender_bytes=tuple(b for b in per if b))  # ranks holding no primary shard send nothing

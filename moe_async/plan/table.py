@@ -70,8 +70,14 @@ def format_plan(plan, cfg, config_name: str) -> str:
         "",
         f"weight sync  {w.bytes / 1e9:.2f} GB ({w.bytes / GiB:.2f} GiB, {cfg.engine.dtype}) in {w.buckets} buckets of "
         f"{w.bucket_bytes / 2**20:g} MiB; lower bound {w.seconds:.2f} s at cluster.link_bandwidth_gb_s="
-        f"{c.link_bandwidth_gb_s:g} GB/s",
+        f"{c.link_bandwidth_gb_s:g} GB/s (every engine rank receives every byte)",
     ]
+    if w.sender_bytes:
+        out.append(f"  weight_sync.senders: all: {len(w.sender_bytes)} senders (by stage, TP, EP rank), GB each: "
+                   + " ".join(f"{b / 1e9:.2f}" for b in w.sender_bytes)
+                   + f"; the busiest sends for {w.sender_seconds:.2f} s (one sender: {w.bytes / w.bandwidth:.2f} s)")
+    else:
+        out.append(f"  weight_sync.senders: one: rank 0 sends all {w.bytes / 1e9:.2f} GB")
     for x in plan.warnings:
         out.append(f"warning: {x}")
     for x in plan.refusals:

@@ -21,13 +21,13 @@ from moe_async.layout import ParallelLayout
 from moe_async.megatron.build import model_chunks
 from moe_async.megatron.hf_io import load_hf_weights
 from moe_async.megatron.parallel import check_model_parallel, init_distributed, init_model_parallel
-from moe_async.megatron.sharding import gather_full_state, padded_vocab_size
-from moe_async.models import get_family, hf_config_dict, local_spec_name, tensor_checksum
+from moe_async.megatron.sharding import padded_vocab_size
+from moe_async.models import get_family, hf_config_dict, tensor_checksum
 from moe_async.replay.megatron import RouterReplayHook, transformer_overrides as replay_overrides  # router replay
 from moe_async.trainer.batching import BatchingMixin
 from moe_async.trainer.checkpoint import CheckpointMixin
 from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing
-from moe_async.trainer.finite import StepGuard, check_weights_finite
+from moe_async.trainer.finite import StepGuard
 from moe_async.trainer.logprobs import LogprobsMixin
 from moe_async.trainer.loss import grpo_token_loss
 from moe_async.trainer.model_setup import ModelSetupMixin
@@ -498,11 +498,11 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
                           ) -> Iterator[tuple[str, Tensor]]:
         """Current weights as ``(hf_name, full_tensor)`` under HF on-disk names.
 
-        Data path: every rank's primary shards (TP slices, EP experts under their global ids,
-        PP stages' layers under their global layer index) -> point-to-point to global rank 0
-        -> full 1-process Megatron tensor, vocab padding dropped
-        (:func:`sharding.gather_full_state`) -> rename to HF (the family's mapping table:
-        split qkv and gate/up) -> cast to ``dtype`` (default: the model's dtype) -> yield.
+        Data path (:meth:`hf_exporter`'s ``hf_tensors``): every rank's primary shards (TP
+        slices, EP experts under their global ids, PP stages' layers under their global layer
+        index) -> point-to-point to global rank 0 -> full 1-process Megatron tensor, vocab
+        padding dropped -> rename to HF (the family's mapping table: split qkv and gate/up)
+        -> cast to ``dtype`` (default: the model's dtype) -> yield.
 
         Collective at world size > 1: EVERY rank must exhaust the iterator. Global rank 0
         yields every HF tensor (detached CPU copies, safe to keep); other ranks yield nothing.
@@ -519,10 +519,8 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         Raises KeyError if a parameter has no HF name or an HF tensor is left unset (rank 0),
         ValueError if shards do not tile a tensor exactly once.
         """
-        import torch.distributed as dist
-
-        check_weights_finite(self.models, self.version)  # nothing non-finite reaches an engine
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        ex = self.hf_exporter()
+        ex.check()  # nothing non-finite reaches an engine
         self.relayout_params(out)  # 1 process: builds the plan; with out, moves parameters once
         plan = self.__dict__.get("_hf_export_plan")
         if plan is not None:  # 1 process: the parameters are the full tensors (views); no
@@ -530,12 +528,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             yield from plan.export(plan.order(out) if out is not None else sorted(plan.entries), out, dtype)
             return
         with cpu_device_scope():
-            full = gather_full_state(self.models, self.vocab_size, dst=0)
-            if rank != 0:
-                for _ in full:  # take part in the collectives
-                    pass
-                return
-            for hf_name, t in self.family.megatron_to_hf(full, self.hf_config):
+            for hf_name, t in ex.hf_tensors():  # global rank 0 only (the others take part)
                 dst = out(hf_name, tuple(t.shape), dtype or t.dtype) if out is not None else None
                 if dst is not None:  # one copy (with the cast) into the caller's buffer
                     dst.copy_(t)
@@ -543,6 +536,18 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
                     continue
                 t = t.to(dtype) if dtype is not None else t
                 yield hf_name, t.clone()
+
+    def hf_exporter(self):
+        """This rank's :class:`~moe_async.megatron.hf_export.HFExporter` (one per trainer): the
+        HF view of its model chunks that the weight sync (any world size), the checksums and
+        the export share; also the ``ShardSource`` of the streamed sync."""
+        from moe_async.megatron.hf_export import HFExporter
+
+        ex = self.__dict__.get("_hf_exporter")
+        if ex is None:
+            ex = self.__dict__["_hf_exporter"] = HFExporter(self.models, self.family, self.hf_config,
+                                                            self.vocab_size, version=lambda: self.version)
+        return ex
 
     def relayout_params(self, out: Callable[[str, tuple[int, ...], torch.dtype], Tensor | None] | None = None,
                         ) -> dict[str, int] | None:
@@ -565,27 +570,10 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         ``relaid_tensors``/``relaid_bytes`` (living in ``out``'s buffer), ``moved_tensors``
         (moved by this call), ``copied_tensors``/``copied_bytes`` (copied at each export).
         """
-        import torch.distributed as dist
+        from moe_async.weight_sync.relayout import describe
 
-        from moe_async.weight_sync.relayout import WholeTensorExport, describe, whole_tensors
-
-        if "_hf_export_plan" not in self.__dict__:  # once
-            plan = None
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            a = self.family.arch_args(self.hf_config)
-            table = self.family.table(a)
-            with cpu_device_scope():  # Megatron's sharded_state_dict
-                whole = whole_tensors(self.models, self.vocab_size) if world == 1 else None
-            if whole is not None and {local_spec_name(n) for n in whole} != set(table.by_megatron):
-                whole = None  # not the mapping's names: the gather path names the difference
-            if whole is not None:
-
-                def split(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
-                    rule, hs = table.by_megatron[local_spec_name(name)]
-                    return list(zip(hs, rule.split(t, a)))
-
-                plan = WholeTensorExport(whole, split)
-            self.__dict__["_hf_export_plan"] = plan
+        if "_hf_export_plan" not in self.__dict__:  # once (None: the gather path)
+            self.__dict__["_hf_export_plan"] = self.hf_exporter().whole_export()
         plan = self.__dict__["_hf_export_plan"]
         if plan is None or out is None or self.cfg.use_distributed_optimizer:
             return None

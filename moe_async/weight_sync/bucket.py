@@ -51,6 +51,9 @@ class Bucket:
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+    #: the update group it is broadcast over (several senders, moe_async.weight_sync.senders);
+    #: None: the transport's own
+    group_name: str | None = None
 
     @property
     def dtypes(self) -> list[str]:

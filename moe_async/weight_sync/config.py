@@ -45,6 +45,12 @@ class WeightSyncConfig(ConfigModel):
         "for the last bucket (engines that stage buckets and apply on the versioned last call, e.g. "
         "the embedded engine: generation goes on while the other buckets arrive; shorter stall).",
     )
+    senders: Literal["one", "all"] = Field(
+        "one",
+        description="one: global rank 0 sends every tensor (the other ranks' shards gathered to it); all: every "
+        "trainer rank sends the shards it holds, once, over its own update group (moe_async.weight_sync.senders; "
+        "broadcast transport only).",
+    )
     disk_dir: str | None = Field(
         None, description="Directory the disk transport writes (must be readable by the engines); default: a temp dir."
     )
@@ -61,6 +67,8 @@ class WeightSyncConfig(ConfigModel):
         if self.backend != "auto" and self.transport == "tensor":
             unused.append(("backend", "auto", "it forms no process group: each bucket goes as memory handles "
                                               "in /update_weights_from_tensor"))
+        if self.senders != "one" and self.transport != "broadcast":
+            unused.append(("senders", "one", "only the broadcast transport has several senders"))
         for name, default, reason in unused:
             raise ValueError(
                 f"weight_sync.{name}={getattr(self, name)!r} is unused with weight_sync.transport="

@@ -72,38 +72,12 @@ def _read(t: Tensor, lay: Strided) -> Tensor:
     return t.as_strided(sizes, strides, t.storage_offset() + off)
 
 
-def whole_tensors(models: Sequence[torch.nn.Module], vocab_size: int) -> dict[str, tuple[Tensor, int | None]] | None:
-    """``{1-process Megatron name: (parameter or buffer, vocab rows or None)}`` when this
-    rank holds every tensor of the model whole (one model chunk, each name's shards all from
-    one local tensor of the full shape: TP = PP = EP = 1, one process); None otherwise.
-    Vocab tensors (:data:`~moe_async.megatron.sharding.VOCAB_PARAMS`) may hold Megatron's
-    padded rows after the ``vocab_size`` HF rows."""
-    from moe_async.megatron.sharding import VOCAB_PARAMS, local_pieces
-
-    if len(models) != 1:
-        return None
-    m = models[0]
-    tensors: dict[str, torch.Tensor] = dict(m.named_parameters())
-    tensors.update({n: b for n, b in m.named_buffers() if n.endswith(".router.expert_bias")})
-    by_name: dict[str, list] = {}
-    for pc in local_pieces(m):
-        by_name.setdefault(pc.name, []).append(pc)
-    out: dict[str, tuple[Tensor, int | None]] = {}
-    for name, pcs in by_name.items():
-        if len({pc.param for pc in pcs}) != 1 or not all(pc.primary for pc in pcs):
-            return None
-        p = tensors[pcs[0].param]
-        if tuple(p.shape) != pcs[0].full_shape or sum(pc.data.numel() for pc in pcs) != p.numel():
-            return None
-        out[name] = (p, vocab_size if name in VOCAB_PARAMS else None)
-    return out
-
-
 class WholeTensorExport:
     """Export plan of a 1-process trainer (design notes: ``docs/design/weight_sync.md``).
 
     Args:
-        whole: :func:`whole_tensors`.
+        whole: ``{1-process name: (tensor holding it whole, vocab rows or None)}``
+            (:func:`moe_async.megatron.hf_export.whole_tensors`).
         split: ``split(megatron_name, full_tensor) -> [(hf_name, tensor), ...]`` (the
             family's mapping rule for that name, e.g. ``rule.split``); called once per name
             here to learn the HF names/shapes and whether they are views of the parameter.

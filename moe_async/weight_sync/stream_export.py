@@ -12,9 +12,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generator, Iterator, Sequence
+from collections.abc import Set
+from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
 import torch
 
@@ -119,7 +119,7 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
               dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
               direct: Callable[[str], bool] = lambda name: False,
               vocab: dict[str, int] | None = None, expected: set[str] | None = None,
-              first_bucket_bytes: int | None = None) -> ExportPlan:
+              first_bucket_bytes: int | None = None, only: Set[str] | None = None) -> ExportPlan:
     """The common plan from every rank's piece metadata ``all_meta[rank] = [(name, full_shape,
     offset, shape, dtype_str), ...]``. ``order``: HF names in the engines' buffer order (Megatron
     tensors follow their first HF part's position; names not in it last, sorted). ``direct(name)``:
@@ -131,13 +131,16 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
     next one's twice the previous up to ``bucket_bytes`` (a pipeline's fill: the broadcast
     starts after a small first bucket). ``vocab``: ``{name: rows kept}`` for padded
     vocab tensors. ``expected``: every Megatron name the conversion needs (KeyError naming the
-    missing ones). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
+    missing ones). ``only``: plan just these tensors (one sender's share; the pieces keep
+    their indices in each rank's list). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
     if bucket_bytes <= 0:
         raise ValueError(f"weight_sync.bucket_bytes must be > 0, got {bucket_bytes}")
     vocab = vocab or {}
     by_name: dict[str, _Tensor] = {}
     for r, rank_meta in enumerate(all_meta):
         for i, (name, fs, off, shape, dts) in enumerate(rank_meta):
+            if only is not None and name not in only:
+                continue
             t = by_name.get(name)
             src_dtype = getattr(torch, str(dts).split(".")[-1])
             if t is None:
@@ -147,7 +150,7 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
             elif tuple(fs) != t.full_shape:
                 raise ValueError(f"{name}: ranks disagree on the full shape ({tuple(fs)} vs {t.full_shape})")
             t.sources.append(_Source(r, i, tuple(off), tuple(shape)))
-    if expected is not None and set(expected) - set(by_name):
+    if expected is not None and only is None and set(expected) - set(by_name):
         miss = sorted(set(expected) - set(by_name))
         raise KeyError(f"Megatron -> HF conversion: Megatron tensors missing {miss[:20]} (of {len(miss)})")
     for t in by_name.values():
@@ -273,7 +276,7 @@ def _write(flat: Tensor, p: _Part, t: Tensor) -> None:
 
 def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, device: torch.device,
              slots: int = 1, group=None, dst: int = 0, sem: threading.Semaphore | None = None,
-             stats: dict[str, float] | None = None) -> BucketStream:
+             stats: dict[str, float] | None = None, steps: bool = False) -> BucketStream:
     """Execute ``plan``: collective over ``group`` (every rank exhausts the iterator, in the
     same plan); rank ``dst`` yields ``(bucket, flat, is_last)``, ``flat`` valid until the next
     item is asked for (with ``sem``: until the consumer releases the semaphore once more); the
@@ -294,11 +297,21 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
     me = dist.get_rank(group) if multi else 0
     gdst = dst if group is None or not multi else dist.get_global_rank(group, dst)
     if me != dst:
+        # in bucket order: a tensor's shards when rank dst receives them (with its first part's
+        # bucket); with ``steps`` one None per bucket once its shards are sent
+        by_bucket: list[list[_Tensor]] = [[] for _ in plan.buckets]
+        b = 0
         for t in plan.tensors:
-            for s in t.sources:
-                n = s.rows(t.keep_rows)
-                if s.rank == me and n:  # padded vocab rows are not sent
-                    dist.send(pieces[s.index].data[:n].contiguous(), dst=gdst, group=group)
+            b = t.parts[0].bucket if t.parts else b
+            by_bucket[b].append(t)
+        for ts in by_bucket:
+            for t in ts:
+                for s in t.sources:
+                    n = s.rows(t.keep_rows)
+                    if s.rank == me and n:  # padded vocab rows are not sent
+                        dist.send(pieces[s.index].data[:n].contiguous(), dst=gdst, group=group)
+            if steps:
+                yield None
         return
     # per slot one reused buffer of the largest bucket within bucket_bytes; a lone tensor over
     # it gets its own
@@ -544,64 +557,57 @@ class _Ahead:
         self.sem.release()
 
 
-def trainer_buckets(trainer: Any, bucket_bytes: int, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
-                    overlap: bool = False, stats: dict[str, float] | None = None,
-                    ) -> BucketStream:
-    """:func:`streamed_buckets` of a ``MegatronTrainer`` (its ``models``, ``family``,
-    ``hf_config``, ``vocab_size``, ``version``) over the whole world, global rank 0 yielding.
-    Refuses non-finite weights first (no NaN/inf to an engine). Collective: every rank exhausts it.
-    ``stats`` also gets ``finite_seconds`` (that check) and ``pieces_seconds`` (the shards'
-    metadata from Megatron's sharded state dict).
-    KeyError if a parameter has no HF name (every rank, before anything is sent)."""
-    from moe_async.compat import cpu_device_scope
-    from moe_async.models.family import local_spec_name
-    from moe_async.models.mapping import _identity_out, split_rows_2
-    from moe_async.trainer.finite import check_weights_finite
-    from moe_async.megatron.sharding import VOCAB_PARAMS, local_pieces
+class Shard(Protocol):
+    """One primary shard of a 1-process tensor held by this rank."""
 
+    name: str  # the 1-process tensor's name
+    full_shape: tuple[int, ...]
+    offset: tuple[int, ...]  # of the shard in the full tensor, per dim
+    data: Tensor  # the shard (a view of the model's storage)
+
+
+class ShardSource(Protocol):
+    """What the streamed export needs of a model (e.g.
+    :class:`moe_async.megatron.hf_export.HFExporter`): this rank's shards and the rule that
+    turns a full tensor into its HF tensors. The same on every rank except ``shards()``."""
+
+    #: every tensor name the conversion needs (KeyError in the plan naming the missing ones)
+    expected: frozenset[str]
+    #: ``{name: rows kept}`` of padded vocab tensors (rows beyond are never sent)
+    vocab: dict[str, int]
+
+    def check(self) -> None:
+        """Refuse weights that must not reach an engine (e.g. non-finite), before any byte moves."""
+
+    def shards(self) -> Sequence[Shard]:
+        """This rank's primary shards, in an order fixed while the model keeps its storage."""
+
+    def convert(self, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+        """``[(hf_name, hf_tensor), ...]`` of the full tensor ``t`` (also on ``meta`` tensors)."""
+
+    def direct(self, name: str) -> bool:
+        """The HF parts, concatenated along dim 0 in order, are the tensor itself."""
+
+
+def source_buckets(source: ShardSource, bucket_bytes: int, *, device: torch.device | str = "cpu",
+                   dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
+                   overlap: bool = False, stats: dict[str, float] | None = None,
+                   ) -> BucketStream:
+    """:func:`streamed_buckets` of ``source``'s shards over the whole world, global rank 0
+    yielding. ``source.check()`` first (e.g. non-finite weights refused on every rank before
+    anything is sent). Collective: every rank exhausts it. ``stats`` also gets
+    ``finite_seconds`` (the check) and ``pieces_seconds`` (``source.shards()``).
+    KeyError if a tensor has no HF name (every rank, before anything is sent)."""
     stats = stats if stats is not None else {}
     t0 = time.perf_counter()
-    check_weights_finite(trainer.models, trainer.version)
+    source.check()
     t1 = time.perf_counter()
-    # the shards' metadata (Megatron's sharded_state_dict: ms per parameter) and the conversion
-    # functions are kept while every parameter keeps its storage, shape and dtype (the pieces'
-    # views stay valid); the same functions let gather_plan reuse its plan
-    key = tuple((n, p.data_ptr(), tuple(p.shape), p.dtype) for m in trainer.models for n, p in m.named_parameters())
-    cached = _PIECES.get(trainer)
-    if cached is None or cached[0] != key:
-        a = trainer.family.arch_args(trainer.hf_config)
-        table = trainer.family.table(a)
-
-        def rule(name: str):
-            k = local_spec_name(name)
-            if k not in table.by_megatron:
-                raise KeyError(f"Megatron -> HF conversion: unknown/unused Megatron tensor {name!r}")
-            return table.by_megatron[k]
-
-        def convert(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
-            r, hs = rule(name)
-            return list(zip(hs, r.split(t, a)))
-
-        def direct(name: str) -> bool:  # the parts, concatenated, are the tensor (make_plan)
-            return rule(name)[0].split in (_identity_out, split_rows_2)
-
-        with cpu_device_scope():  # Megatron's sharded_state_dict
-            # detached: a view that autograd made (e.g. under no_grad) would be refused once the
-            # optimizer has written its base in place; a detached view shares the storage, so it
-            # reads each sync's weights
-            pieces = [replace(pc, data=pc.data.detach())
-                      for pc in local_pieces(trainer.models) if pc.primary]
-        cached = _PIECES[trainer] = (key, pieces, convert, direct, set(table.by_megatron))
-    _, pieces, convert, direct, expected = cached
+    pieces = source.shards()
     stats["finite_seconds"] = stats.get("finite_seconds", 0.0) + t1 - t0
     stats["pieces_seconds"] = stats.get("pieces_seconds", 0.0) + time.perf_counter() - t1
-    return streamed_buckets(pieces, convert, bucket_bytes, device=device, dtype=dtype, order=order, direct=direct,
-                            vocab={n: trainer.vocab_size for n in VOCAB_PARAMS}, expected=expected,
+    return streamed_buckets(pieces, source.convert, bucket_bytes, device=device, dtype=dtype, order=order,
+                            direct=source.direct, vocab=dict(source.vocab), expected=set(source.expected),
                             overlap=overlap, stats=stats)
-
-
-_PIECES: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 class PackedExport:
@@ -618,6 +624,6 @@ class PackedExport:
         return self._open(bucket_bytes, device=device, order=order, overlap=overlap, stats=stats)
 
 
-def trainer_export(trainer: Any, dtype: torch.dtype | None = None) -> PackedExport:
-    """The streamed export of ``trainer`` for ``BroadcastTransport.send`` (global rank 0)."""
-    return PackedExport(lambda bucket_bytes, **kw: trainer_buckets(trainer, bucket_bytes, dtype=dtype, **kw))
+def source_export(source: ShardSource, dtype: torch.dtype | None = None) -> PackedExport:
+    """The streamed export of ``source`` for ``BroadcastTransport.send`` (global rank 0)."""
+    return PackedExport(lambda bucket_bytes, **kw: source_buckets(source, bucket_bytes, dtype=dtype, **kw))

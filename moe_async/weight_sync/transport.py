@@ -333,7 +333,8 @@ class BroadcastTransport(WeightTransport):
         SGLang refuses a flush while paused requests hold KV, failing the call)."""
         return self.pause_mode != "in_place"
 
-    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor | None,
+                     weight_version: int | None) -> list[tuple[int, Any]]:
         """Queue one bucket's update call on every engine's poster (``weight_version`` on the
         last bucket only, as a string: SGLang's ``Optional[str]``); returns the futures."""
         last = weight_version is not None
@@ -343,7 +344,7 @@ class BroadcastTransport(WeightTransport):
                 names=bucket.names,
                 dtypes=bucket.dtypes,
                 shapes=bucket.shapes,
-                group_name=self.group_name,
+                group_name=bucket.group_name or self.group_name,
                 weight_version=str(weight_version) if last else None,
                 flush_cache=last and self.flush_with_update,
                 load_format="flattened_bucket",
@@ -450,11 +451,13 @@ class BroadcastTransport(WeightTransport):
                     if pauses:
                         resumes = self._on_posters(lambda c: c.continue_generation())
                 tb = time.perf_counter()
-                broadcasting = True
-                self._transfer(flat, posted)
-                broadcasting = False
+                if flat is not None:
+                    broadcasting = True
+                    self._transfer(flat, posted)
+                    broadcasting = False
+                # else another sender's bucket (its metadata posted here, its bytes broadcast by it)
                 bcast_s += time.perf_counter() - tb
-                nbytes += flat.numel()
+                nbytes += bucket.nbytes
                 nbuckets += 1
                 if self.on_bucket is not None:
                     self.on_bucket(bucket, last)
@@ -620,9 +623,13 @@ class TensorTransport(BroadcastTransport):
 
     update_call = "update_weights_from_tensor"
 
-    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor, weight_version: int | None) -> list[tuple[int, Any]]:
+    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor | None,
+                     weight_version: int | None) -> list[tuple[int, Any]]:
         from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
 
+        if flat is None:
+            raise WeightSyncError("the tensor transport sends from one process: a bucket of another sender "
+                                  "(weight_sync.transport: broadcast has several senders)")
         last = weight_version is not None
         dtypes = [str_to_dtype(d) for d in bucket.dtypes]
         payloads: dict[int, list[str]] = {}

@@ -102,6 +102,20 @@ def test_engine_and_weight_sync():
     assert p4.engine.kv_pool == int(0.85 * 79.6 * GiB) - p4.engine.weights
 
 
+def test_weight_sync_bytes_per_sender():
+    """weight_sync.senders: all at TP4 EP8: rank (TP 0, EP 0) sends its experts, the TP-split
+    tensors' quarter and the replicated ones; EP ranks 1-7 their experts; TP ranks 1-3 their
+    quarter of the split tensors (attention 48 x 18,874,368 + embedding and lm_head 622,329,856)."""
+    one = _plan([]).sync
+    assert one.sender_bytes == () and one.sender_seconds == one.seconds
+    p = _plan(["weight_sync.senders=all"]).sync
+    expert, split, held = 28_991_029_248 // 8, (48 * 18_874_368 + 622_329_856) // 4, 48 * (4_352 + 262_144) + 2048
+    assert p.sender_bytes == tuple(2 * b for b in [expert + split + held] + [expert] * 7 + [split] * 3)
+    assert sum(p.sender_bytes) == p.bytes == 2 * TOTAL  # every byte sent once
+    assert p.seconds == pytest.approx(2 * TOTAL / 50e9)  # every engine rank still receives every byte
+    assert p.sender_seconds == pytest.approx(2 * (expert + split + held) / 50e9)  # 0.16 s
+
+
 def test_plan_refuses_what_exceeds_the_device(capsys):
     # 8 H100: 65 GiB static + 22.5 GiB of activations at 16384 tokens + 2 GiB of sync buckets
     # (1 GiB, overlapped) > 75.6 GiB usable

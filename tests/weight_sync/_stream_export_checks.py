@@ -140,7 +140,7 @@ def run_trainer(model_dir: str, layout: str) -> dict:
 
     from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
-    from moe_async.weight_sync.stream_export import trainer_buckets
+    from moe_async.weight_sync.stream_export import source_buckets
 
     tp, pp, ep = (int(layout.split(k)[1][0]) for k in ("tp", "pp", "ep"))
     tr = MegatronTrainer(TrainerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -158,7 +158,7 @@ def run_trainer(model_dir: str, layout: str) -> dict:
     for label, order in (("export_order", None), ("reversed", [n for n, _ in reversed(ref)] if rank == 0 else None)):
         release_kept_buffers()  # allocated inside the count (kept between syncs otherwise)
         with AliveBytes() as ab:
-            names, raw, sizes = _flat_of(trainer_buckets(tr, bucket, order=order))
+            names, raw, sizes = _flat_of(source_buckets(tr.hf_exporter(), bucket, order=order))
             peak = ab.peak
         if rank == 0:
             want = ref if order is None else _in_plan_order(tr, ref, order)
@@ -169,7 +169,7 @@ def run_trainer(model_dir: str, layout: str) -> dict:
                 "buckets": len(sizes), "max_bucket": max(sizes),
             }
     # overlap: a thread one bucket ahead, two buffers: same bytes
-    names, raw, _ = _flat_of(trainer_buckets(tr, bucket, overlap=rank == 0))
+    names, raw, _ = _flat_of(source_buckets(tr.hf_exporter(), bucket, overlap=rank == 0))
     if rank == 0:
         res["overlap_bit_identical"] = raw == b"".join(bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                                                        for _, t in ref)

@@ -206,3 +206,53 @@ def test_join_that_never_returns(engines):
         release.set()
         engines[1].before_join = None
         tr.shutdown()
+
+
+def test_a_second_senders_group_into_sglang_receivers(engines):
+    """Several senders: rank 0's transport posts a bucket of another sender's group (its own
+    name, joined by SGLang's ``init_custom_process_group`` on every engine rank, formed after
+    rank 0's in the fixed order); that sender broadcasts it as rank 0 of its group (a thread
+    here, a trainer rank in a run); every engine rank receives both senders' tensors
+    bit-identical, the version on the last bucket, inside one session."""
+    from moe_async.weight_sync.bucket import Bucket
+    from moe_async.weight_sync.group import group_broadcast
+    from moe_async.weight_sync.membership import form_in_order
+    from moe_async.weight_sync.senders import SenderLink
+    from moe_async.weight_sync.stream_export import PackedExport
+    from moe_async.weight_sync.transport import BroadcastTransport
+
+    for e in engines:
+        e.joins.clear()
+        e.calls.clear()
+        e.checksums.clear()
+    tr = BroadcastTransport(engines, _cfg(timeout_s=30), ranks_per_engine=[1, 2], group_name="multi")
+    link = SenderLink(engines, _cfg(timeout_s=30), rank=1, ranks_per_engine=[1, 2], group_name="multi")
+    try:
+        form_in_order([tr.membership, link.membership])
+        tr.group, link.group = tr.membership.group, link.membership.group
+        assert [(j["rank"], j["world"]) for j in engines[0].joins] == [(1, 4), (1, 4)]  # a group per sender
+        assert link.group_name == "multi-s1"
+        own, other = _tensors(20, "s0"), _tensors(21, "s1")
+        b0 = Bucket(names=list(own), tensors=list(own.values()), nbytes=sum(t.nbytes for t in own.values()))
+        b1 = Bucket(names=list(other), tensors=list(other.values()), nbytes=sum(t.nbytes for t in other.values()),
+                    group_name=link.group_name)
+        flat1 = b1.flatten()
+        th = threading.Thread(target=group_broadcast, args=(link.group, flat1, 0))
+
+        def items(bucket_bytes, *, stats, **kw):
+            stats.update(pack_seconds=0.0, wait_seconds=0.0)  # what an export reports (nothing packed here)
+            yield b0, b0.flatten(), False
+            th.start()  # the other sender broadcasts its bucket over its own group
+            yield b1, None, True
+
+        m = tr.send(PackedExport(items), 9)
+        th.join(30)
+        assert m["sync/buckets"] == 2 and m["sync/bytes"] == b0.nbytes + b1.nbytes
+        for e in engines:
+            assert e.checksums == {**_sums(own), **_sums(other)}  # every rank of every engine
+            assert e.version == "9"
+            calls = [c for c in e.calls if not c.startswith("init")]  # one session, both senders' buckets
+            assert calls == ["begin", f"update:{len(own)}:None", f"update:{len(other)}:9", "end"]
+    finally:
+        tr.shutdown()
+        link.close()

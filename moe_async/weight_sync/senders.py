@@ -1,0 +1,348 @@
+"""Several senders: each unique shard leaves the rank that holds it, once, over its own group.
+
+Data path (every trainer rank; collective): this rank's shards' metadata -> one
+``all_gather_object`` (+ rank 0's engine order) -> the same :class:`SenderPlan` on every rank:
+
+- each tensor's sender (:func:`assign_senders`): a tensor whose primary shards all lie on one
+  rank is sent by that rank (expert weights by the expert-parallel rank that owns them, each
+  pipeline stage its own layers); a tensor split over several ranks (tensor-parallel pieces)
+  is gathered point-to-point by one of its holders (the least loaded so far, ties to the
+  lowest rank) and sent from there;
+- each sender's own buckets (:func:`~moe_async.weight_sync.stream_export.make_plan` over its
+  tensors);
+- one global bucket order, round robin over the senders (bucket 0 of every sender, then
+  bucket 1, ...), walked by every rank (:func:`sender_buckets`): the sender of a bucket
+  gathers and yields it (to broadcast over its own update group, rank 0 of that group),
+  the holders of its pieces send them, and global rank 0 also yields the other senders'
+  buckets as metadata, so that it posts every bucket's update call to every engine in that
+  one order (an engine receives one broadcast at a time; all engines receiving the senders'
+  broadcasts in one order is what keeps two senders from waiting on each other).
+
+Memory per rank: its own shards + one bucket buffer (+ the largest tensor it gathers).
+Lower bound of a sync: ``max(bytes per sender) / link bandwidth`` (:meth:`SenderPlan.lower_bound_s`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Set
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Iterator, NamedTuple, Sequence
+
+import torch
+
+from moe_async.weight_sync.bucket import Bucket, nbytes_of
+from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan
+
+Tensor = torch.Tensor
+#: ``all_meta[rank] = [(name, full_shape, offset, shape, dtype_str), ...]`` (stream_export)
+Meta = Sequence[Sequence[tuple]]
+
+
+def assign_senders(all_meta: Meta) -> dict[str, int]:
+    """``{tensor name: sending rank}`` from every rank's primary-shard metadata: a tensor held
+    by one rank is sent by it; a tensor split over several ranks by the holder with the fewest
+    bytes assigned so far (held tensors counted first, then split ones largest first; ties:
+    lowest rank), so the sending of a tensor-parallel group's pieces is spread over it."""
+    holders: dict[str, set[int]] = {}
+    size: dict[str, int] = {}
+    for r, rank_meta in enumerate(all_meta):
+        for name, fs, _off, _shape, dts in rank_meta:
+            holders.setdefault(name, set()).add(r)
+            size[name] = nbytes_of(tuple(fs), getattr(torch, str(dts).split(".")[-1]))
+    load = [0] * len(all_meta)
+    owner: dict[str, int] = {}
+    for name in sorted(holders):
+        if len(holders[name]) == 1:
+            (owner[name],) = holders[name]
+            load[owner[name]] += size[name]
+    for name in sorted((n for n in holders if len(holders[n]) > 1), key=lambda n: (-size[n], n)):
+        r = min(holders[name], key=lambda x: (load[x], x))
+        owner[name] = r
+        load[r] += size[name]
+    return owner
+
+
+@dataclass
+class SenderPlan:
+    """What every rank agrees on before any byte moves (see the module's docstring)."""
+
+    plans: dict[int, ExportPlan]  # sender rank -> its tensors and buckets
+    order: list[tuple[int, int]]  # the global bucket order: (sender rank, its bucket index)
+
+    @property
+    def sent_bytes(self) -> dict[int, int]:
+        """Bytes each sender broadcasts (to every engine)."""
+        return {s: p.total_bytes for s, p in sorted(self.plans.items())}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sent_bytes.values())
+
+    def lower_bound_s(self, link_bytes_per_s: float) -> float:
+        """The sync's lower bound with these senders: the busiest sender's bytes over its link."""
+        return max(self.sent_bytes.values(), default=0) / link_bytes_per_s
+
+
+def make_sender_plan(all_meta: Meta, convert: Convert, bucket_bytes: int, *, dtype: torch.dtype | None = None,
+                     order: Sequence[str] | None = None, direct: Callable[[str], bool] = lambda n: False,
+                     vocab: dict[str, int] | None = None, expected: Set[str] | None = None,
+                     first_bucket_bytes: int | None = None) -> SenderPlan:
+    """:class:`SenderPlan` from every rank's metadata (arguments as
+    :func:`~moe_async.weight_sync.stream_export.make_plan`, whose checks each sender's plan
+    runs). KeyError naming the tensors in ``expected`` that no rank holds."""
+    owner = assign_senders(all_meta)
+    if expected is not None and set(expected) - set(owner):
+        miss = sorted(set(expected) - set(owner))
+        raise KeyError(f"Megatron -> HF conversion: Megatron tensors missing {miss[:20]} (of {len(miss)})")
+    plans: dict[int, ExportPlan] = {}
+    for s in sorted(set(owner.values())):
+        plans[s] = make_plan(all_meta, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
+                             first_bucket_bytes=first_bucket_bytes, only={n for n, r in owner.items() if r == s})
+    glob = sorted((b, s) for s, p in plans.items() for b in range(len(p.buckets)))
+    return SenderPlan(plans, [(s, b) for b, s in glob])
+
+
+_PLANS: dict[tuple, SenderPlan] = {}
+
+
+def gather_sender_plan(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *,
+                       dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
+                       direct: Callable[[str], bool] = lambda n: False, vocab: dict[str, int] | None = None,
+                       expected: Set[str] | None = None, group=None) -> SenderPlan:
+    """Collective over ``group``: every rank's ``pieces`` metadata (one ``all_gather_object``)
+    and rank 0's ``order`` (one ``broadcast_object_list``), then :func:`make_sender_plan` on
+    every rank (kept for the next call with the same inputs)."""
+    import torch.distributed as dist
+
+    meta = [(pc.name, tuple(pc.full_shape), tuple(pc.offset), tuple(pc.data.shape), str(pc.data.dtype))
+            for pc in pieces]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        all_meta: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(all_meta, meta, group=group)
+        box = [list(order) if order is not None else None]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(box, src=src, group=group)
+        order = box[0]
+    else:
+        all_meta = [meta]
+    key = (repr(all_meta), None if order is None else tuple(order), bucket_bytes, dtype, convert, direct,
+           None if vocab is None else tuple(sorted(vocab.items())), None if expected is None else frozenset(expected))
+    hit = _PLANS.get(key)
+    if hit is None:
+        hit = make_sender_plan(all_meta, convert, bucket_bytes, dtype=dtype, order=order, direct=direct,
+                               vocab=vocab, expected=expected)
+        _PLANS.clear()
+        _PLANS[key] = hit
+    return hit
+
+
+class SenderItem(NamedTuple):
+    """One bucket of the global order. ``flat`` (its bytes, valid until the next item is asked
+    for) only on its sender; global rank 0 gets every item (``flat`` None for the others')."""
+
+    sender: int
+    bucket: Bucket
+    flat: Tensor | None
+    last: bool  # the last bucket of the sync (carries the weight version)
+
+
+def _meta_bucket(plan: ExportPlan, b: int) -> Bucket:
+    ps = plan.buckets[b]
+    return Bucket(names=[p.hf_name for p in ps],
+                  tensors=[torch.empty(p.shape, dtype=p.dtype, device="meta") for p in ps],
+                  nbytes=plan.bucket_nbytes[b])
+
+
+def sender_buckets(plan: SenderPlan, pieces: Sequence[Any], convert: Convert, *,
+                   device: torch.device | str = "cpu", group=None, coordinator: int = 0,
+                   stats: dict[str, float] | None = None) -> Iterator[SenderItem]:
+    """Walk ``plan.order`` on this rank (collective over ``group``: every rank exhausts it):
+    for each bucket, its holders send their pieces to its sender, which yields it; rank
+    ``coordinator`` also yields the other senders' buckets (metadata only). ``stats``: the
+    per-phase seconds of :func:`~moe_async.weight_sync.stream_export.run_plan` on the senders."""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    me = dist.get_rank(group) if dist.is_initialized() else 0
+    st = stats if stats is not None else {}
+    its = {s: run_plan(p, pieces, convert, device=device, slots=1, group=group, dst=s, stats=st, steps=True)
+           for s, p in plan.plans.items()}
+    n = len(plan.order)
+    for k, (s, b) in enumerate(plan.order):
+        item = next(its[s])
+        if s == me:
+            yield SenderItem(s, item[0], item[1], k == n - 1)
+            del item  # the buffer is reused by this sender's next bucket
+        elif me == coordinator:
+            yield SenderItem(s, _meta_bucket(plan.plans[s], b), None, k == n - 1)
+    for it in its.values():  # every plan ended (its generator returns)
+        for _ in it:  # pragma: no cover - plan invariant
+            raise RuntimeError("weight export: a sender's plan has buckets beyond the global order")
+
+
+def source_sender_items(source: ShardSource, bucket_bytes: int, *, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
+                        group=None, stats: dict[str, float] | None = None) -> Iterator[SenderItem]:
+    """:func:`sender_buckets` of ``source`` (checked first: e.g. non-finite weights refused on
+    every rank before anything moves). Collective: every rank exhausts it."""
+    st = stats if stats is not None else {}
+    t0 = time.perf_counter()
+    source.check()
+    pieces = source.shards()
+    plan = gather_sender_plan(pieces, source.convert, bucket_bytes, dtype=dtype, order=order,
+                              direct=source.direct, vocab=dict(source.vocab), expected=set(source.expected),
+                              group=group)
+    st["plan_seconds"] = st.get("plan_seconds", 0.0) + time.perf_counter() - t0
+    return sender_buckets(plan, pieces, source.convert, device=device, group=group, stats=st)
+
+
+# ---- the transport side: rank 0 posts every bucket, each sender broadcasts its own --------
+
+def sender_group_name(base: str, sender: int) -> str:
+    """Update-group name of sender ``sender`` (rank 0: the transport's own ``base``)."""
+    return base if sender == 0 else f"{base}-s{sender}"
+
+
+def sender_export(source: ShardSource, group_name: str, *, dtype: torch.dtype | None = None, group=None) -> Any:
+    """Global rank 0's several-sender export for ``BroadcastTransport.send``: every bucket of
+    the global order, each named with its sender's group (:func:`sender_group_name` of the
+    transport's ``group_name``); this rank's own buckets with their bytes (broadcast by the
+    transport), the others' as metadata (posted to the engines only)."""
+    from moe_async.weight_sync.stream_export import PackedExport
+
+    def open_fn(bucket_bytes: int, *, device: torch.device, order: Sequence[str] | None, overlap: bool,
+                stats: dict[str, float]) -> Generator[tuple[Bucket, Tensor | None, bool], None, None]:
+        stats.setdefault("pack_seconds", 0.0)
+        stats.setdefault("wait_seconds", 0.0)
+        items = source_sender_items(source, bucket_bytes, device=device, dtype=dtype, order=order, group=group,
+                                    stats=stats)
+        return _named(items, group_name, stats)
+
+    return PackedExport(open_fn)
+
+
+def _named(items: Iterator[SenderItem], base: str, stats: dict[str, float]
+           ) -> Generator[tuple[Bucket, Tensor | None, bool], None, None]:
+    while True:
+        t0 = time.perf_counter()
+        it = next(items, None)
+        dt = time.perf_counter() - t0
+        stats["pack_seconds"] += dt
+        stats["wait_seconds"] += dt
+        if it is None:
+            return
+        it.bucket.group_name = sender_group_name(base, it.sender)
+        yield it.bucket, it.flat, it.last
+        del it  # the bucket buffer is reused for the next one
+
+
+class SenderLink:
+    """A sender other than global rank 0: its own update group with every engine (rank 0 of
+    it), formed in turn after the lower ranks' (:func:`connect_senders`); it broadcasts its
+    own buckets only (rank 0 posts every bucket's update call to the engines).
+
+    Args: as :class:`~moe_async.weight_sync.transport.BroadcastTransport` (``group_name``: the
+    coordinator's; this link's group is :func:`sender_group_name` of it and ``rank``).
+    """
+
+    def __init__(self, clients: Sequence[Any], cfg: Any, *, rank: int, ranks_per_engine: int | Sequence[int] = 1,
+                 master_address: str = "127.0.0.1", group_name: str = "moe_async_weight_sync"):
+        from moe_async.weight_sync.group import resolve_backend, transport_device
+        from moe_async.weight_sync.membership import GroupMembership
+
+        self.cfg, self.rank = cfg, rank
+        self.backend = resolve_backend(cfg.backend)
+        self.device = transport_device(self.backend)
+        self.group_name = sender_group_name(group_name, rank)
+        self.membership = GroupMembership(clients, engine_sizes=ranks_per_engine, group_name=self.group_name,
+                                          backend=self.backend, master_address=master_address,
+                                          timeout_s=cfg.timeout_s)
+        self.group: Any = None
+
+    def send(self, source: ShardSource, *, dtype: torch.dtype | None = None, group=None) -> dict[str, float]:
+        """This rank's part of a sync (collective with every trainer rank): its pieces to their
+        senders, its own buckets over its group. After a failure the walk goes on without
+        broadcasting (the other ranks' gathers complete), then the error is raised."""
+        from moe_async.weight_sync.group import group_broadcast
+
+        stats: dict[str, float] = {}
+        err: BaseException | None = None
+        nbytes = 0
+        t0 = time.perf_counter()
+        for it in source_sender_items(source, self.cfg.bucket_bytes, device=self.device, dtype=dtype, group=group,
+                                      stats=stats):
+            if it.flat is not None and err is None:
+                try:
+                    if self.group is None:
+                        raise RuntimeError(f"sender {self.rank}: no update group (connect_senders() first)")
+                    group_broadcast(self.group, it.flat, src=0)
+                    nbytes += it.flat.numel()
+                except BaseException as e:  # noqa: BLE001 - raised after the walk
+                    err = e
+            del it
+        if err is not None:
+            raise err
+        return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0,
+                **{f"sync/export_{k}": v for k, v in stats.items()}}
+
+    def close(self) -> None:
+        self.membership.leave()
+        self.group = None
+
+
+def connect_senders(rank: int, world: int, store: Any, *, transport: Any = None, link: SenderLink | None = None,
+                    key: str = "moe_async/sender_groups", timeout_s: float = 600.0) -> None:
+    """Form every sender's update group in rank order (engines serve one join at a time:
+    groups formed concurrently in different orders would wait on each other): rank 0 connects
+    ``transport`` (its group, turn 0), every other rank its ``link`` in its turn. ``store``:
+    shared by every trainer rank (e.g. the default process group's); ``key``: fresh per
+    connect. Raises GroupFormationError naming the first group that failed, on every later rank."""
+    from moe_async.weight_sync.membership import GroupFormationError, form_in_turn
+
+    if rank == 0:
+        assert transport is not None
+        try:
+            transport.connect()
+        except GroupFormationError as e:
+            store.set(f"{key}/0", f"group 0 failed: {e}")
+            raise
+        store.set(f"{key}/0", "ok")
+        return
+    assert link is not None
+    link.group = form_in_turn(link.membership, rank, world, store, key=key, timeout_s=timeout_s)
+
+
+def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport: Any = None,
+                      link: SenderLink | None = None, group=None, send: Callable[[Any, int], Any] | None = None) -> Any:
+    """One sync from every rank (collective): rank 0 ``send(export, version)`` (default
+    ``transport.send``) of :func:`sender_export`
+    (pause, sessions, every bucket's update call, its own broadcasts, versioned last call,
+    continue), every other rank ``link.send``. Every rank agrees on the outcome: the errors of
+    all ranks are exchanged, and any one fails the sync on every rank (WeightSyncError naming
+    each failing rank). Returns this rank's metrics (rank 0: what ``send`` returned)."""
+    import torch.distributed as dist
+
+    from moe_async.errors import one_line
+    from moe_async.weight_sync.group import WeightSyncError
+
+    out: Any = {}
+    err: str | None = None
+    try:
+        if rank == 0:
+            assert transport is not None
+            out = (send or transport.send)(sender_export(source, transport.group_name, group=group), version)
+        else:
+            assert link is not None
+            out = link.send(source, group=group)
+    except Exception as e:  # noqa: BLE001 - agreed on below
+        err = f"rank {rank}: {type(e).__name__}: {one_line(str(e))}"
+    errs: list = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
+    if len(errs) > 1:
+        dist.all_gather_object(errs, err, group=group)
+    else:
+        errs = [err]
+    bad = [e for e in errs if e]
+    if bad:
+        raise WeightSyncError("weight sync failed on " + "; ".join(bad))
+    return out

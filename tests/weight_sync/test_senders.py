@@ -1,0 +1,311 @@
+"""Several senders (moe_async/weight_sync/senders.py): who sends what, and the walk of the
+global bucket order by every rank (2 gloo processes, synthetic shards: no Megatron)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from moe_async.weight_sync.senders import assign_senders, make_sender_plan
+from moe_async.weight_sync.stream_export import make_plan
+
+
+def _meta(name, full, off, shape, dt="torch.float32"):
+    return (name, tuple(full), tuple(off), tuple(shape), dt)
+
+
+def _ident(name, t):
+    return [(name, t)]
+
+
+def _gate_up(name, t):  # a row split, as a SwiGLU fc1's gate;up
+    h = t.shape[0] // 2
+    return [(f"{name}.gate", t[:h]), (f"{name}.up", t[h:])]
+
+
+def _ep2():
+    """EP2 + DP: rank 0 holds experts 0-1 and the shared tensors' primary shards, rank 1 experts 2-3."""
+    shared = [_meta("emb", (16, 8), (0, 0), (16, 8)), _meta("norm", (8,), (0,), (8,))]
+    experts = [[_meta(f"e{e}.fc1", (8, 8), (0, 0), (8, 8)) for e in es] for es in ((0, 1), (2, 3))]
+    return [shared + experts[0], experts[1]]
+
+
+def test_experts_leave_the_rank_that_owns_them_and_each_stage_its_layers():
+    owner = assign_senders(_ep2())
+    assert owner == {"emb": 0, "norm": 0, "e0.fc1": 0, "e1.fc1": 0, "e2.fc1": 1, "e3.fc1": 1}
+    pp2 = [[_meta(f"layers.{i}.w", (4, 4), (0, 0), (4, 4)) for i in r] for r in ((0, 1), (2, 3))]
+    assert assign_senders(pp2) == {"layers.0.w": 0, "layers.1.w": 0, "layers.2.w": 1, "layers.3.w": 1}
+
+
+def test_tensor_parallel_pieces_are_sent_once_by_one_rank_of_the_group_spread_over_it():
+    # four TP2-split tensors of 256 B + one replicated norm (primary on TP rank 0 only)
+    tp = [[_meta(f"w{i}", (8, 8), (4 * r, 0), (4, 8)) for i in range(4)] for r in (0, 1)]
+    tp[0].append(_meta("norm", (8,), (0,), (8,)))
+    owner = assign_senders(tp)
+    assert owner["norm"] == 0
+    # the held norm (32 B) counted first, then each split tensor to the least loaded holder
+    assert owner == {"norm": 0, "w0": 1, "w1": 0, "w2": 1, "w3": 0}
+
+
+def test_sender_plans_partition_the_single_sender_plan_and_interleave_their_buckets():
+    meta = _ep2()
+    one = make_plan(meta, _gate_up, 256)
+    plan = make_sender_plan(meta, _gate_up, 256)
+    parts = sorted((p.hf_name, p.shape) for b in one.buckets for p in b)
+    split = sorted((p.hf_name, p.shape) for s in plan.plans.values() for b in s.buckets for p in b)
+    assert split == parts  # every HF tensor exactly once, by one sender
+    assert plan.total_bytes == one.total_bytes == sum(plan.sent_bytes.values())
+    assert plan.sent_bytes == {0: 16 * 8 * 4 + 8 * 4 + 2 * 256, 1: 2 * 256}
+    # round robin: bucket b of every sender before bucket b + 1 of any
+    assert plan.order[:2] == [(0, 0), (1, 0)]
+    assert [b for _, b in plan.order] == sorted(b for _, b in plan.order)
+    assert plan.lower_bound_s(1e3) == pytest.approx(plan.sent_bytes[0] / 1e3)
+    with pytest.raises(KeyError, match=r"missing \['gone'\]"):
+        make_sender_plan(meta, _gate_up, 256, expected={"gone", "emb"})
+
+
+# ------------------------------------------------------------------ 2 processes, gloo
+class _P:
+    def __init__(self, name, data, full, off):
+        self.name, self.data, self.full_shape, self.offset = name, data, tuple(full), tuple(off)
+
+
+def _full():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(8, 6, generator=g), "v": torch.randn(6, 4, generator=g),
+            "e0": torch.randn(4, 6, generator=g), "e1": torch.randn(4, 6, generator=g),
+            "n": torch.randn(6, generator=g)}
+
+
+def _pieces(rank):
+    f = _full()
+    ps = [_P("w", f["w"][4 * rank: 4 * rank + 4].clone(), (8, 6), (4 * rank, 0)),  # TP rows
+          _P("v", f["v"][:, 2 * rank: 2 * rank + 2].clone(), (6, 4), (0, 2 * rank)),  # TP columns
+          _P(f"e{rank}", f[f"e{rank}"].clone(), (4, 6), (0, 0))]  # an expert per EP rank
+    if rank == 0:
+        ps.append(_P("n", f["n"].clone(), (6,), (0,)))
+    return ps
+
+
+def _walk(rank, port, out):
+    import torch.distributed as dist
+
+    from moe_async.weight_sync.senders import gather_sender_plan, sender_buckets
+    from moe_async.weight_sync.stream_export import _typed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        pieces = _pieces(rank)
+        plan = gather_sender_plan(pieces, _gate_up, 96, direct=lambda n: n != "v")
+        got, seen = {}, []
+        mine = iter([b for s, b in plan.order if s == rank])
+        for it in sender_buckets(plan, pieces, _gate_up):
+            seen.append((it.sender, it.bucket.names, it.flat is not None, it.last))
+            if it.flat is not None:
+                for p in plan.plans[rank].buckets[next(mine)]:
+                    got[p.hf_name] = _typed(it.flat, p).clone()
+        out[rank] = {"got": got, "seen": seen, "order": plan.order}
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank, port, q):
+    out: dict = {}
+    try:
+        import io
+
+        _walk(rank, port, out)
+        buf = io.BytesIO()
+        torch.save(out[rank], buf)  # bytes: the process may end before shared tensors are read
+        q.put((rank, buf.getvalue()))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, repr(e)))
+
+
+def test_every_rank_sends_its_own_buckets_bit_exact_over_gloo():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_run, args=(r, port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    import io
+
+    res = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert all(isinstance(r, bytes) for r in res.values()), res
+    res = {r: torch.load(io.BytesIO(b)) for r, b in res.items()}
+    ref = dict(kv for n, t in _full().items() for kv in _gate_up(n, t))
+    r0, r1 = res[0]["got"], res[1]["got"]
+    assert set(r0).isdisjoint(r1) and set(r0) | set(r1) == set(ref)  # each HF tensor once
+    for n, t in {**r0, **r1}.items():
+        assert torch.equal(t, ref[n]), n
+    assert {"e0.gate", "n.gate"} <= set(r0) and {"e1.gate", "e1.up"} <= set(r1)  # experts by their owner
+    assert any(n.startswith(("w.", "v.")) for n in r1)  # a split tensor sent by rank 1 of the TP group
+    # rank 0 sees every bucket of the global order (posts them), rank 1 only its own
+    assert [(s, last) for s, _, _, last in res[0]["seen"]] == [(s, k == len(res[0]["order"]) - 1)
+                                                                 for k, (s, _) in enumerate(res[0]["order"])]
+    assert all(s == 1 and has for s, _, has, _ in res[1]["seen"])
+    assert all(has == (s == 0) for s, _, has, _ in res[0]["seen"])
+
+
+class _Source:
+    """A ShardSource over _pieces (the family's split: _gate_up)."""
+
+    expected = frozenset({"w", "v", "e0", "e1", "n"})
+    vocab: dict = {}
+
+    def __init__(self, rank):
+        self._pieces = _pieces(rank)
+
+    def check(self):
+        pass
+
+    def shards(self):
+        return self._pieces
+
+    def convert(self, name, t):
+        return _gate_up(name, t)
+
+    def direct(self, name):
+        return False
+
+
+class _Posting:
+    """Rank 0's transport stand-in: walks the export (every bucket posted, none broadcast)."""
+
+    group_name = "g"
+
+    def send(self, export, version):
+        n = sum(1 for _ in export.open(96, device=torch.device("cpu"), order=None, overlap=False, stats={}))
+        return {"sync/buckets": float(n)}
+
+
+def _agree(rank, port, q):
+    import torch.distributed as dist
+
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.senders import SenderLink, sync_from_senders
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # rank 1's link never formed its group: its broadcasts fail, its pieces still reach rank 0
+        link = None if rank == 0 else SenderLink([], WeightSyncConfig(bucket_bytes=96, backend="gloo"), rank=1)
+        try:
+            sync_from_senders(rank, _Source(rank), 1, transport=_Posting() if rank == 0 else None, link=link)
+            q.put((rank, "no error"))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_failing_sender_fails_the_sync_on_every_rank():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_agree, args=(r, port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    res = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    for r in (0, 1):  # rank 0's own part succeeded, yet it fails too, naming rank 1's error
+        assert res[r].startswith("WeightSyncError: weight sync failed on rank 1: RuntimeError: sender 1: no update "
+                                 "group"), res
+
+
+# ------------------------------------ torchrun: a MegatronTrainer's ranks into two engines
+W2 = ["tp2pp1ep1", "tp1pp1ep2", "tp1pp2ep1"]
+
+
+@pytest.fixture(scope="module")
+def two_engines(tiny_engine):
+    """The shared tiny engine and a second one serving the same checkpoint."""
+    from moe_async.engines.base import make_engine
+    from moe_async.engines.config import EngineConfig
+
+    eng, model_dir = tiny_engine
+    other = make_engine(EngineConfig(startup_timeout_s=180, num_threads=1, max_running_requests=16), model_dir, 0)
+    other.launch()
+    try:
+        yield [eng.url, other.url], model_dir
+    finally:
+        other.shutdown()
+
+
+W4 = ["tp2pp1ep2", "tp1pp1ep4"]
+
+
+def _launch_layouts(two_engines, tmp, n: int, lays: list[str]) -> dict:
+    import json
+
+    from _launch import torchrun
+
+    urls, model_dir = two_engines
+    out = str(tmp / f"w{n}.json")
+    torchrun(n, os.path.join(os.path.dirname(__file__), "_senders_checks.py"), ",".join(urls), model_dir, out,
+             *lays, timeout=600)
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def layouts(two_engines, tmp_path_factory):
+    return _launch_layouts(two_engines, tmp_path_factory.mktemp("senders"), 2, W2)
+
+
+@pytest.fixture(scope="module")
+def layouts4(two_engines, tmp_path_factory):
+    return _launch_layouts(two_engines, tmp_path_factory.mktemp("senders4"), 4, W4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
+@pytest.mark.parametrize("layout", W2)
+def test_every_rank_sends_its_shards_and_both_engines_equal_the_trainer(layouts, layout):
+    _check_layout(layouts[layout], layout, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
+@pytest.mark.parametrize("layout", W4)
+def test_four_senders_into_two_engines_equal_the_trainer(layouts4, layout):
+    r = layouts4[layout]
+    _check_layout(r, layout, 4)
+    if layout == "tp1pp1ep4":  # each EP rank sends its own expert, and only rank 0 the shared tensors
+        for k in range(1, 4):
+            assert r["senders_of"][str(k)] and all(f".experts.{k}." in n for n in r["senders_of"][str(k)])
+
+
+def _check_layout(r: dict, layout: str, world: int) -> None:
+    total = sum(r["sent_bytes"].values())
+    # every rank that holds a primary shard sends (at TP2 x EP2 the data-parallel replicas hold none)
+    assert set(r["sent_bytes"]) == ({"0", "1"} if layout == "tp2pp1ep2" else {str(k) for k in range(world)})
+    assert all(n > 0 for n in r["sent_bytes"].values())
+    assert r["sync"]["sync/bytes"] == total  # rank 0 posted every bucket, each sent once
+    for e in r["engines"]:  # the check mode on each engine: every tensor equals the trainer's
+        assert "check_error" not in e, e["check_error"]
+        assert e["checksums_equal"] and e["sync/check_tensors"] == r["n_tensors"] == 41
+        assert e["version_after"] == r["version"] and e["changed"] > 0
+        assert e["bytes_received"] == total
+    mine = set(r["senders_of"]["1"])
+    if layout == "tp1pp1ep2":  # rank 1's experts (2, 3) leave rank 1, nothing else does
+        assert mine == {n for n in r["senders_of"]["0"] + r["senders_of"]["1"] if ".experts.2." in n or ".experts.3." in n}
+    if layout == "tp1pp2ep1":  # stage 1 sends layer 1 (and the final norm / output layer)
+        assert all(".layers.1." in n or not n.startswith("model.layers.") for n in mine)
+        assert "lm_head.weight" in mine and not any(".layers.0." in n for n in mine)
+    assert len(set(r["group_names"])) == world  # one update group per rank
