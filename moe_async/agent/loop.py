@@ -3,22 +3,19 @@ environment, appended token in / token out (moe_async/agent/trajectory.py).
 
 Per turn::
 
-    turn  = await generate_turn(trajectory.ids, max_new)   # one /generate (partial rollouts,
-                                                           # every pause mode: the manager's)
+    turn  = await generate_turn(trajectory.ids, max_new)   # one /generate (the manager's
+                                                           # partial rollouts and pause modes)
     calls = SGLang's parser on the turn's text
     calls ? observations = await tools (concurrent, per-call timeout)
           : observations, reward, done = env.step(text)
     trajectory += chat-template tokens of the observations (checked against the full render)
 
-Each turn is its own request, so a trajectory waiting on a tool or on ``env.step`` (run on
-the dedicated worker pool, :mod:`moe_async.agent.workers`) holds no engine request and stalls
-no other trajectory. A step past ``agent.env_step_timeout_s`` ends the trajectory: the sample
-keeps the rewards so far, ``metadata['agent_error']`` names the environment and the timeout
-(the manager records it as the sample's ``reward_error``), ``env_timeouts`` counts it. It ends when the
-environment says done, after ``agent.max_turns`` model turns, or when the next turn would
-pass ``agent.max_trajectory_tokens`` (``finish_reason`` ``'length'``). Its reward is the sum
-of the environment's step rewards.
-"""
+Each turn is its own request: a trajectory waiting on a tool or ``env.step`` (on the worker
+pool, :mod:`moe_async.agent.workers`) holds no engine request. A step past
+``agent.env_step_timeout_s`` ends the trajectory with ``metadata['agent_error']`` (recorded
+as the sample's ``reward_error``; counted in ``env_timeouts``). It also ends when the
+environment says done, after ``agent.max_turns`` turns, or when the next turn would pass
+``agent.max_trajectory_tokens`` (``'length'``). Reward: the sum of step rewards."""
 
 from __future__ import annotations
 

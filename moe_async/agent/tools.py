@@ -1,23 +1,20 @@
 """Tools: OpenAI function-calling schemas, calls parsed with SGLang's own parsers, run async.
 
 A :class:`Tool` is an OpenAI function schema (``{"type": "function", "function": {name,
-description, parameters}}``) and a Python callable (sync: run in a thread; async: awaited)
-taking the call's arguments as keywords and returning a string (anything else is
-``json.dumps``-ed or ``str``-ed). Synchronous tools run on a dedicated bounded pool of
-daemon threads (:class:`moe_async.agent.workers.WorkerPool`), never the event loop's default
-executor.
+description, parameters}}``) and a Python callable (sync: run on the bounded daemon pool
+:class:`moe_async.agent.workers.WorkerPool`; async: awaited) taking the call's arguments as
+keywords and returning a string (anything else is ``json.dumps``-ed or ``str``-ed).
 
-Parsing (:func:`parse_tool_calls`): SGLang's ``FunctionCallParser`` with the model family's
-detector (``rollout.agent.tool_parser``: ``qwen25`` for Hermes-style ``<tool_call>`` JSON,
-``deepseekv3``, ``llama3``, ...), the code the SGLang server runs; on a CPU host imported
-through :func:`moe_async.compat.sglang_cpu.import_sglang`.
+Parsing (:func:`parse_tool_calls`): SGLang's ``FunctionCallParser`` with the family's
+detector (``rollout.agent.tool_parser``: ``qwen25``, ``deepseekv3``, ``llama3``, ...); on a
+CPU host imported through :func:`moe_async.compat.sglang_cpu.import_sglang`.
 
-Execution (:func:`run_tool_calls`): every call of a turn concurrently, each under its own
-timeout (``tool_timeout_s``); a call that raises, times out, names an unknown tool or has
-arguments that are not a JSON object becomes a ``tool`` message ``"Error: ..."`` for the model
+Execution (:func:`run_tool_calls`): every call of a turn concurrently, each under
+``tool_timeout_s``; a call that raises, times out, names an unknown tool or has arguments
+that are not a JSON object becomes a ``tool`` message ``"Error: ..."`` for the model
 (counted in :class:`ToolStats`), never an exception of the rollout. A synchronous tool past
-its timeout keeps its worker thread until it returns (Python cannot stop a thread); the
-trajectory does not wait for it, and the thread does not keep the process alive.
+its timeout keeps its thread until it returns; the trajectory does not wait for it and the
+thread does not keep the process alive.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """The teacher pool's client side: score every sampled response token with the teacher.
 
-Data path per group: the teacher's prompt for the problem (:func:`teacher_prompt_ids`; the
-student's own prompt when the teacher is another model) + each sample's exact response token
-ids -> one SGLang ``/generate`` scoring call per sample (``max_new_tokens: 0``,
-``return_logprob``, ``logprob_start_len`` = teacher prompt length;
-:meth:`moe_async.engines.client.EngineClient.score`), round-robin over the teacher engines,
-at most ``teacher.max_concurrent_requests`` in flight, each bounded by ``teacher.timeout_s``
--> ``sample.teacher_logprobs`` ``[R]``. No re-tokenisation: the response ids are the student's.
+Per sample: the teacher's prompt (:func:`teacher_prompt_ids`) + the sample's exact response
+token ids -> one SGLang ``/generate`` scoring call (``max_new_tokens: 0``, ``return_logprob``,
+``logprob_start_len`` = teacher prompt length; :meth:`moe_async.engines.client.EngineClient.score`),
+round-robin over the teacher engines, at most ``teacher.max_concurrent_requests`` in flight,
+each bounded by ``teacher.timeout_s`` -> ``sample.teacher_logprobs`` ``[R]``. No re-tokenisation.
 
-Failures are like rewards': a call that raises, times out, or replies other than one finite
-logprob <= 0 per scored token (a bad reply, ``teacher/bad_replies``) leaves
-``teacher_logprobs`` None (that sample trains with a zero distillation advantage,
-:mod:`.advantages`) and is counted (``teacher/failures``, ``teacher/timeouts``); each error
-names the teacher URL, and a bad reply the problem and sample. ``teacher.max_consecutive_failures``
-failed samples in a row raise :class:`TeacherFailureError` naming the teacher and the last
-error; until the teacher has scored its first sample the limit is ``first_limit`` (one
-training step's samples) when smaller, so a teacher that never scores stops the run before
-its first step, however large ``max_consecutive_failures`` is.
+Failures: a call that raises, times out, or replies other than one finite logprob <= 0 per
+scored token (``teacher/bad_replies``) leaves ``teacher_logprobs`` None (a zero distillation
+advantage, :mod:`.advantages`) and is counted (``teacher/failures``, ``teacher/timeouts``);
+each error names the teacher URL. ``teacher.max_consecutive_failures`` failures in a row
+raise :class:`TeacherFailureError`; before the teacher's first scored sample the limit is
+``first_limit`` (one step's samples) when smaller, so a teacher that never scores stops the
+run before its first step.
 """
 
 from __future__ import annotations

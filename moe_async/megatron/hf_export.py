@@ -2,21 +2,18 @@
 size), the converter and the checks.
 
 Data path: this rank's model chunks -> Megatron-Core's ``sharded_state_dict`` metadata (the
-primary shard of every 1-process tensor this rank holds: TP slices, EP experts under their
-global ids, PP stages' layers under their global layer index; :func:`sharding.local_pieces`)
--> the family's mapping table (1-process Megatron name -> HF names, split rule) -> either
+primary shard of every 1-process tensor this rank holds; :func:`sharding.local_pieces`) ->
+the family's mapping table (Megatron name -> HF names, split rule) -> one of
 
-- :meth:`HFExporter.shards` + :meth:`HFExporter.convert`: this rank's shards and the rule
-  that turns a full tensor into its HF parts, for a plan that every rank computes from all
-  ranks' metadata (the streamed weight sync, :mod:`moe_async.weight_sync.stream_export`,
-  reads them through its ``ShardSource`` protocol, which this class satisfies);
-- :meth:`HFExporter.hf_tensors`: full HF tensors on global rank 0 (the converter, the
-  checksums, the export at world size 1 without a send buffer);
+- :meth:`HFExporter.shards` + :meth:`HFExporter.convert`: this rank's shards and the split
+  rule, for a plan every rank computes from all ranks' metadata (the streamed sync reads
+  them through :mod:`moe_async.weight_sync.stream_export`'s ``ShardSource`` protocol);
+- :meth:`HFExporter.hf_tensors`: full HF tensors on global rank 0 (converter, checksums);
 - :meth:`HFExporter.whole_export`: at world size 1, the zero-copy plan whose HF tensors are
   views of the parameters (:class:`moe_async.weight_sync.relayout.WholeTensorExport`).
 
 Errors: KeyError naming a Megatron tensor the mapping does not know; ValueError if shards do
-not tile a tensor; :class:`moe_async.trainer.finite` errors on non-finite weights
+not tile a tensor; :mod:`moe_async.trainer.finite` errors on non-finite weights
 (:meth:`HFExporter.check`).
 """
 

@@ -1,22 +1,15 @@
 """Several senders: each unique shard leaves the rank that holds it, once, over its own group.
 
 Data path (every trainer rank; collective): this rank's shards' metadata -> one
-``all_gather_object`` (+ rank 0's engine order) -> the same :class:`SenderPlan` on every rank:
-
-- each tensor's sender (:func:`assign_senders`): a tensor whose primary shards all lie on one
-  rank is sent by that rank (expert weights by the expert-parallel rank that owns them, each
-  pipeline stage its own layers); a tensor split over several ranks (tensor-parallel pieces)
-  is gathered point-to-point by one of its holders (the least loaded so far, ties to the
-  lowest rank) and sent from there;
-- each sender's own buckets (:func:`~moe_async.weight_sync.stream_export.make_plan` over its
-  tensors);
-- one global bucket order, round robin over the senders (bucket 0 of every sender, then
-  bucket 1, ...), walked by every rank (:func:`sender_buckets`): the sender of a bucket
-  gathers and yields it (to broadcast over its own update group, rank 0 of that group),
-  the holders of its pieces send them, and global rank 0 also yields the other senders'
-  buckets as metadata, so that it posts every bucket's update call to every engine in that
-  one order (an engine receives one broadcast at a time; all engines receiving the senders'
-  broadcasts in one order is what keeps two senders from waiting on each other).
+``all_gather_object`` (+ rank 0's engine order) -> the same :class:`SenderPlan` everywhere:
+each tensor's sender (:func:`assign_senders`: the one rank holding all its primary shards,
+e.g. an expert's EP rank or a layer's PP stage; for a tensor split over ranks, the least
+loaded holder, ties to the lowest rank, which gathers it point-to-point); each sender's
+buckets (:func:`~moe_async.weight_sync.stream_export.make_plan`); one global bucket order,
+round robin over the senders, walked by every rank (:func:`sender_buckets`). A bucket's
+sender broadcasts it over its own update group (rank 0 of that group); global rank 0 also
+posts every bucket's update call to every engine in that one order, so that two senders
+never wait on each other (an engine receives one broadcast at a time).
 
 Memory per rank: its own shards + one bucket buffer (+ the largest tensor it gathers).
 Lower bound of a sync: ``max(bytes per sender) / link bandwidth`` (:meth:`SenderPlan.lower_bound_s`).
