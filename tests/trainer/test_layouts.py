@@ -90,7 +90,8 @@ def res(request, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("layouts"))
     want = selected_params(request, "layout")
     times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
-    w2 = [x for x in [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2, "unpp"] if x not in SLOW or x in want]
+    w2 = [x for x in [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2, "unpp"]
+          if x not in SLOW or x in want]
     times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), w2)
     times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=300)  # + the uneven-PP load
     w4 = [x for x in [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4] if x not in SLOW or x in want]
