@@ -1,7 +1,7 @@
 """`moe-async train configs/cpu_smoke.yaml` on prompt files written by datasets/pyarrow: a verl
 Parquet and a slime JSONL train in one run (prompt ids = the chat-templated rows, rewards from
 each row's data_source); a run killed mid-epoch and resumed trains every row of a 40-row file
-exactly once; a reward that never returns a number fails a 3-step run (exit status != 0)."""
+exactly once (`pytest -m slow`); a reward that never returns a number fails a 3-step run (exit status != 0)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+import pytest
 
 from tests.data._fixtures import slime_rows, verl_rows, write_jsonl, write_parquet
 from tests.orchestration._train_proc import launch_train, left_running
@@ -87,6 +89,11 @@ def test_verl_parquet_and_slime_jsonl_train_with_rewards_per_data_source(tmp_pat
     assert last["eval/held/n"] == 3.0 and last["eval/held/k"] == 2.0 and "eval/held/mean_at_k" in last
 
 
+# `pytest -m slow` only (two 10-step runs): the default run proves its parts one by one: prompt
+# files training end to end (above), a killed run resumed with no draw trained twice
+# (tests/orchestration/test_ckpt_crash_resume.py, test_resume.py) and the file's position
+# restored to the same rows (test_data_files.py::test_epochs_are_seeded_permutations_and_seek_resumes_the_same_rows)
+@pytest.mark.slow
 def test_resume_mid_epoch_trains_every_row_of_the_file_exactly_once(tmp_path) -> None:
     data = write_jsonl(tmp_path / "forty.jsonl", slime_rows(40, source="exact"))
     common = [f"data.train={data}", "data.default_reward=exact_match", "rollout.prompts_per_step=4",

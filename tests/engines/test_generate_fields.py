@@ -37,11 +37,9 @@ PROMPT = [1, 504, 3458, 314, 253, 1159, 28, 339, 6171]  # arbitrary real token i
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from _tiny_engine import launch_tiny_chat_engine
-
-    with launch_tiny_chat_engine(tmp_path_factory.mktemp("gen_fields")) as s:
-        yield s
+def served(tiny_chat_engine):
+    """The shared tiny chat engine (conftest.py)."""
+    return tiny_chat_engine
 
 
 def post(served, body, status=200):

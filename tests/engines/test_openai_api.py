@@ -7,6 +7,7 @@ package: each field is honoured or refused with a 400 naming it."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -25,12 +26,11 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from _tiny_engine import launch_tiny_chat_engine
-
-    with launch_tiny_chat_engine(tmp_path_factory.mktemp("openai_api")) as s:
-        s.client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=120)
-        yield s
+def served(tiny_chat_engine):
+    """The shared tiny chat engine (conftest.py) with an OpenAI client on it."""
+    return SimpleNamespace(**vars(tiny_chat_engine),
+                           client=openai.OpenAI(base_url=f"{tiny_chat_engine.url}/v1", api_key="none",
+                                                max_retries=0, timeout=120))
 
 
 def _greedy(served, ids, n):

@@ -27,11 +27,9 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from _tiny_engine import launch_tiny_chat_engine
-
-    with launch_tiny_chat_engine(tmp_path_factory.mktemp("frontend")) as s:
-        yield s
+def served(tiny_chat_engine):
+    """The shared tiny chat engine (conftest.py)."""
+    return tiny_chat_engine
 
 
 def _lp(served, ids):

@@ -1,6 +1,6 @@
-"""A short smoke run (3 steps, router replay R3 so that routing agreement is logged), then
-`moe-async report` on it: every plot and the summary exist and hold the run's own numbers;
-the run's trace parses and has events of every kind; the console is short and clean."""
+"""The shared smoke run (conftest.py: 5 steps, router replay R3 so that routing agreement is
+logged), then `moe-async report` on it: every plot and the summary exist and hold the run's own
+numbers; the run's trace parses and has events of every kind; the console is short and clean."""
 
 import json
 import os
@@ -11,24 +11,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+N = 5  # steps of the shared smoke run (conftest.SMOKE_STEPS)
 PLOTS = ["reward.png", "staleness.png", "time_breakdown.png", "routing_agreement.png", "mismatch.png", "utilisation.png",
          "timeline.png"]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
-           f"logging.output_dir={out}", "num_steps=3", "trainer.router_replay=R3"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (run_dir,) = list(out.iterdir())
+def run(smoke_r3_run, tmp_path_factory):
+    proc, run_dir, _, steps = smoke_r3_run
     rep = tmp_path_factory.mktemp("report")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     r = subprocess.run([sys.executable, "-m", "moe_async.cli", "report", str(run_dir), "--out", str(rep)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return proc, run_dir, rep, steps
 
 
@@ -47,15 +42,15 @@ def test_every_plot_and_the_summary_hold_the_run_numbers(run):
         assert (rep / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
     t = _table((rep / "summary.md").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert t["steps logged"] == "3"
+    assert len(steps) == N and t["steps logged"] == str(N)
     assert _close(t["reward, last step (trained batch)"], steps[-1]["rollout/reward_mean"])
-    assert _close(t["accuracy, mean over steps"], sum(m["rollout/accuracy"] for m in steps) / 3)
+    assert _close(t["accuracy, mean over steps"], sum(m["rollout/accuracy"] for m in steps) / N)
     assert _close(t["tokens/s (trained, loop)"], steps[-1]["perf/tokens_per_s"])
     assert _close(t["trainer idle fraction"], steps[-1]["perf/trainer_idle_frac"])
     assert _close(t["engine idle fraction"], steps[-1]["perf/engine_idle_frac"])
-    assert _close(t["wait s, mean"], sum(m["perf/wait_seconds"] for m in steps) / 3)
-    assert _close(t["train s, mean"], sum(m["train/step_time_s"] for m in steps) / 3)
-    assert _close(t["sync s, mean"], sum(m["sync/seconds"] for m in steps) / 3)
+    assert _close(t["wait s, mean"], sum(m["perf/wait_seconds"] for m in steps) / N)
+    assert _close(t["train s, mean"], sum(m["train/step_time_s"] for m in steps) / N)
+    assert _close(t["sync s, mean"], sum(m["sync/seconds"] for m in steps) / N)
     assert _close(t["held-out accuracy after"], summary["eval_after"]["accuracy"])
     hist = summary["buffer"]["staleness_hist"]  # the buffer's own count over every trained token
     mean = sum(int(k) * n for k, n in hist.items()) / sum(hist.values())
@@ -81,7 +76,7 @@ def test_trace_parses_and_has_every_kind(run):
     names = {e["name"] for e in x if e["cat"] == "phase"}
     assert {"generate", "reward", "phase"} <= cats
     assert {"start engines", "build trainer", "eval_before", "wait", "filling", "train", "sync", "eval_after"} <= names
-    assert {e["args"]["step"] for e in x if e["name"] == "train"} == {1, 2, 3}
+    assert {e["args"]["step"] for e in x if e["name"] == "train"} == set(range(1, N + 1))
     assert any(e["ph"] == "C" and e["name"] == "requests in flight/engine 0" for e in ev)
     assert all(e["dur"] >= 0 for e in x)
     # the trainer loop's phases follow one another
@@ -98,4 +93,4 @@ def test_console_is_short_and_clean(run):
     hidden = next(line for line in proc.stdout.splitlines() if "expected CPU warnings hidden" in line)
     assert "Transformer Engine/Apex fallback" in hidden and str(run_dir / "console.log") in hidden
     log = (run_dir / "console.log").read_text()
-    assert "Transformer Engine and Apex are not installed" in log and "step   3/3" in log
+    assert "Transformer Engine and Apex are not installed" in log and f"step   {N}/{N}" in log

@@ -1,10 +1,7 @@
 """`moe-async train configs/cpu_smoke.yaml` end to end: Ray actors, the embedded engine
-server, the Megatron trainer, bucketed gloo weight sync and the async buffer."""
+server, the Megatron trainer, bucketed gloo weight sync and the async buffer (the 5-step run of
+conftest.py, which test_e2e_report.py reports on)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,17 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
-           f"logging.output_dir={out}", "num_steps=5"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (run_dir,) = list(out.iterdir())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return proc, run_dir, summary, steps
+def smoke_run(smoke_r3_run):
+    """The shared 5-step smoke run (conftest.py; router replay R3 on, for test_e2e_report.py)."""
+    return smoke_r3_run
 
 
 def test_trained_tokens_within_staleness_bound(smoke_run):

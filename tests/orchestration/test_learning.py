@@ -54,7 +54,9 @@ def learning_run(tmp_path: Path, mode: str, lr: float = LR, seed: int = 1234,
     return r, summary, proc.stdout
 
 
-@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+# fully_async learning is `pytest -m slow` only (a second 60-step run): the default run keeps
+# sync (with the held-out curve); fully_async runs end to end in test_e2e_smoke.py
+@pytest.mark.parametrize("mode", ["sync", pytest.param("fully_async", marks=pytest.mark.slow)])
 def test_reward_per_generated_sample_rises(tmp_path, mode):
     # sync also runs the held-out curve (rollout.eval_interval) through the driver, with
     # eval_before/eval_after taken from its first and last points (not asked twice)

@@ -14,11 +14,17 @@ import signal
 import time
 import uuid
 
+import pytest
+
 from tests.orchestration._train_proc import launch_train, left_running
 from tests.orchestration.test_resume import _train
 from tests.orchestration.test_trainer_rank_fault import _descendants
 
 
+# `pytest -m slow` only: the default run proves checkpoint-then-stop on SIGTERM and the resume
+# through the driver (test_preemption_resume.py) and under Slurm (tests/launch/test_slurm.py);
+# the rank handler and the driver-then-ranks stop check are test_preemption_unit.py
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_every_rank_at_one_step_with_its_checkpoint(tmp_path) -> None:
     tag = uuid.uuid4().hex
     ckpt = tmp_path / "ckpt"

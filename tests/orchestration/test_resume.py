@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -47,17 +48,35 @@ def _train(out: Path, *overrides: str, cwd: Path = ROOT) -> tuple[dict, list[dic
     return summary, steps
 
 
-def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> None:
-    ckpt = tmp_path.resolve() / "ckpt"  # given relative to the driver's cwd: resolved by the driver
-    s1, steps1 = _train(tmp_path / "a", "num_steps=2", "trainer.save_interval=1", "trainer.save_dir=ckpt",
-                        cwd=tmp_path)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "iter_0000002", "latest",
-                                                     "latest_checkpointed_iteration.txt", "moe_async_owner.json",
-                                                     "step_1", "step_2"]  # no *.tmp
-    assert (ckpt / "latest").read_text().strip() == "step_2"
+@pytest.fixture(scope="module")
+def save_resume(tmp_path_factory) -> dict:
+    """Two runs shared by this module's resume tests: the smoke config (fully_async, K=1) for 2
+    steps saving every step into ``ckpt`` (given relative to the driver's cwd), then a run
+    resumed from that save_dir up to num_steps=3 saving into ``ckpt2``. ``ckpt``'s listing and
+    tracker files are read between the two runs."""
+    tmp = tmp_path_factory.mktemp("resume")
+    ckpt = tmp.resolve() / "ckpt"  # given relative to the driver's cwd: resolved by the driver
+    s1, _ = _train(tmp / "a", "num_steps=2", "trainer.save_interval=1", "trainer.save_dir=ckpt", cwd=tmp)
+    after_1 = {"names": sorted(p.name for p in ckpt.iterdir()), "latest": (ckpt / "latest").read_text(),
+               "tracker": (ckpt / "latest_checkpointed_iteration.txt").read_text(),
+               "links": [os.readlink(ckpt / f"iter_000000{n}") for n in (1, 2)]}
+    # resume from the save_dir (its `latest`) up to num_steps=3 in total: one more step
+    ckpt2 = tmp / "ckpt2"
+    s2, steps2 = _train(tmp / "b", "num_steps=3", f"trainer.load={ckpt}", "trainer.save_interval=5",
+                        f"trainer.save_dir={ckpt2}")  # saves at its last step only
+    return {"ckpt": ckpt, "ckpt2": ckpt2, "s1": s1, "s2": s2, "steps2": steps2, "after_1": after_1}
+
+
+def test_save_then_resume_continues_weights_version_and_prompts(save_resume) -> None:
+    r = save_resume
+    ckpt, ckpt2, s1, s2, steps2, after_1 = r["ckpt"], r["ckpt2"], r["s1"], r["s2"], r["steps2"], r["after_1"]
+    assert after_1["names"] == ["iter_0000001", "iter_0000002", "latest",
+                                "latest_checkpointed_iteration.txt", "moe_async_owner.json",
+                                "step_1", "step_2"]  # no *.tmp
+    assert after_1["latest"].strip() == "step_2"
     # Megatron-LM's container (its --load reads the tracker, then iter_<N:07d>): links to the step dirs
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert [os.readlink(ckpt / f"iter_000000{n}") for n in (1, 2)] == ["step_1", "step_2"]
+    assert after_1["tracker"].strip() == "2"
+    assert after_1["links"] == ["step_1", "step_2"]
     for n in (1, 2):
         assert (ckpt / f"step_{n}" / "moe_async_version.txt").read_text() == str(n)
         state = json.loads((ckpt / f"step_{n}" / "moe_async_state.json").read_text())
@@ -67,10 +86,7 @@ def test_save_then_resume_continues_weights_version_and_prompts(tmp_path) -> Non
     pos = json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]["dataset"]
     assert pos["epoch"] * 200 + pos["pos"] >= 2 * 2  # at least the 2 steps x 2 prompts trained
 
-    # resume from the save_dir (its `latest`) up to num_steps=3 in total: one more step
-    ckpt2 = tmp_path / "ckpt2"
-    s2, steps2 = _train(tmp_path / "b", "num_steps=3", f"trainer.load={ckpt}", "trainer.save_interval=5",
-                        f"trainer.save_dir={ckpt2}")  # saves at its last step only
+    # the resumed run (num_steps=3: one more step)
     assert s2["resumed_from"] == str(ckpt / "step_2") and s2["start_step"] == 2
     # the trainer right after the load holds the saved run's final weights, bit for bit
     assert s2["loaded_weights_digest"] == s1["final_weights_digest"]
@@ -179,3 +195,47 @@ def test_rng_restored_at_same_layout_only(tmp_path) -> None:
     assert res["equal"] is True  # random, numpy, torch and the Megatron tracker stream continue
     assert res["other_untouched"] is True and res["other_differs"] is True
     assert any("RNG state not restored, the layout changed" in m for m in res["logs"])
+
+
+def test_restored_buffered_groups_are_trained_after_resume_not_redrawn(save_resume) -> None:
+    """The buffer's contents in the whole-run checkpoint, end to end: the fully_async run (K=1)
+    saves at step 2 with groups buffered (generated ahead under version 1 or 2); the run
+    resumed from it puts them back (stale ones at the loaded version dropped, reason ``stale``),
+    trains the oldest fresh ones in its first step (their rewards and per-token staleness are
+    that batch's) and never draws them again (``rollout/skipped_restored``; the draw ledger
+    refuses a draw settled twice): over both runs every prompt is trained once, dropped with a
+    reason, or pending."""
+    ckpt, s2, steps2 = save_resume["ckpt"], save_resume["s2"], save_resume["steps2"]
+    extra = json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]
+    snap, rs = extra["buffer"], extra["run_state"]
+    groups = snap["groups"]
+    assert groups, f"the checkpoint's buffer held no group (generation did not run ahead): {snap['counters']}"
+    assert snap["counters"]["buffered_groups"] == len(groups)
+    seqs = [g["samples"][0]["metadata"]["draw_seq"] for g in groups]
+    assert all(s >= rs["frontier"] and str(s) not in rs["settled"] for s in seqs)  # pending in the ledger
+    stale = [g for g in groups if 2 - min(v for s in g["samples"] for v in s["weight_versions"]) > 1]
+    fresh = [g for g in groups if g not in stale]
+    assert fresh, groups  # at K=1 a group generated under version >= 1 is fresh at version 2
+
+    assert s2["start_step"] == 2 and [m["step"] for m in steps2] == [3]
+    assert s2["buffer_restored"] == {"restored": len(groups), "dropped_stale": len(stale)}
+    # step 3's batch (B=2, FIFO) begins with the restored fresh groups: their tokens are the only
+    # ones at staleness >= 1 (the resumed engines generate at the loaded version 2)
+    first = fresh[:2]
+    want = Counter(2 - v for g in first for s in g["samples"] for v in s["weight_versions"])
+    got = {int(k.rsplit("/", 1)[1]): v for k, v in steps2[0].items() if k.startswith("buffer/staleness_hist/")}
+    assert {k: v for k, v in got.items() if k >= 1} == {k: float(v) for k, v in want.items() if k >= 1}
+    if len(first) == 2:  # the whole batch restored: its rewards are the saved ones
+        rewards = [s["reward"] for g in first for s in g["samples"]]
+        assert steps2[0]["rollout/reward_mean"] == sum(rewards) / len(rewards)
+        assert got == {k: float(v) for k, v in want.items()}
+    # not drawn again: each restored draw passed over by the resumed prompts at most once, and
+    # the ledger (which refuses a second settle) counts 3 steps x 2 prompts trained, the stale ones dropped
+    assert s2["rollout"].get("rollout/skipped_restored", 0.0) <= len(groups)
+    d = s2["draws"]
+    assert d["counts"]["trained"] == 3 * 2 and d["counts"].get("stale", 0) >= len(stale)
+    for g in first:
+        seq = g["samples"][0]["metadata"]["draw_seq"]
+        assert seq < d["frontier"] or d["settled"].get(str(seq)) == "trained", (seq, d)
+    acc = s2["accounting"]
+    assert acc["balanced"] and acc["drawn"] >= len(groups), acc

@@ -5,7 +5,8 @@ Every run: ``async.mode=sync``, seeded sampling (``rollout.sampling_seed``: the 
 whatever the layout, engine count or timing), a reward that is not constant on a random
 model's text (so GRPO advantages are not all 0), router replay R3, check mode on.
 
-- reference: 1 process, 1 engine, 4 steps;
+- reference: 1 process, 1 engine, 4 steps; also the run that shows ``async.mode=sync`` through
+  the driver loop trains only fresh tokens (staleness 0) and reports the loop's metrics;
 - TP2 (default run): 2 engines, 3 steps, a checkpoint at step 3: per-step loss and grad norm
   equal to the reference's within 1e-5, both engines served requests and hold the trainer's
   weights, sample accounting, staleness bound, R3 replayed on every real token;
@@ -102,6 +103,24 @@ def test_reference_is_informative(reference):
     assert len(steps) == 4
     assert any(0 < m["rollout/reward_mean"] < 1 for m in steps)
     assert all(m["train/replay_agreement"] == 1.0 for m in steps)
+
+
+def test_sync_mode_trains_only_fresh_tokens(reference):
+    """`async.mode=sync` through the same driver loop: every trained token is on-policy
+    (staleness 0), and the loop's metrics (staleness histogram, idle fractions, samples/s) are
+    reported."""
+    summary, steps = reference["summary"], reference["steps"]
+    assert len(steps) == 4
+    hist = summary["buffer"]["staleness_hist"]
+    assert set(map(int, hist)) == {0} and sum(hist.values()) > 0  # every trained token: staleness 0
+    for m in steps:
+        assert m["buffer/staleness_max"] == 0
+        assert m["buffer/staleness_hist/0"] == m["train/response_tokens"]
+        assert not any(k.startswith("buffer/staleness_hist/") and k != "buffer/staleness_hist/0" for k in m)
+        assert 0 <= m["perf/trainer_idle_frac"] <= 1 and 0 <= m["perf/engine_idle_frac"] <= 1
+        assert m["perf/samples_per_s"] > 0
+    assert summary["buffer"]["samples_dropped"] == 0
+    assert summary["perf"]["perf/samples_per_s"] > 0
 
 
 def test_tp2_two_engines_equal_one_process(tp2, reference):
