@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +29,20 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def _completed(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env))
+    """Run ``cmd`` in its own process group; past ``timeout`` the whole group is killed (a
+    launcher's rank processes too, not only the launcher) and ``TimeoutExpired`` raised."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=child_env(**env), start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+            raise
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
     return p
 
