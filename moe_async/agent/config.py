@@ -25,7 +25,7 @@ class AgentConfig(ConfigModel):
         1024, ge=1, description="Response tokens per trajectory (model turns + observations); the "
         "turn that would pass it is cut, and the trajectory ends (finish_reason 'length').")
     tools: list[str] = Field(default_factory=list, description="Tools offered to the model: names in "
-                             "moe_async.agent.builtin_tools.TOOLS or 'module:attribute' of a Tool.")
+                             "moe_async.agent.builtin.TOOLS or 'module:attribute' of a Tool.")
     tool_parser: str = Field("qwen25", description="SGLang function-call parser (sglang/srt/function_call): "
                              "'qwen25' (Qwen2.5/Qwen3 Hermes-style <tool_call>), 'deepseekv3', 'llama3', ...")
     tool_timeout_s: float = Field(10.0, gt=0, description="Per tool call; a call past it is an error observation.")
