@@ -10,12 +10,12 @@ Per turn::
           : observations, reward, done = env.step(text)
     trajectory += chat-template tokens of the observations (checked against the full render)
 
-Each turn is its own request: a trajectory waiting on a tool or ``env.step`` (on the worker
-pool, :mod:`moe_async.agent.workers`) holds no engine request. A step past
-``agent.env_step_timeout_s`` ends the trajectory with ``metadata['agent_error']`` (recorded
-as the sample's ``reward_error``; counted in ``env_timeouts``). It also ends when the
-environment says done, after ``agent.max_turns`` turns, or when the next turn would pass
-``agent.max_trajectory_tokens`` (``'length'``). Reward: the sum of step rewards."""
+Each turn is its own request (a trajectory waiting on a tool or ``env.step``, run on
+:mod:`moe_async.agent.workers`, holds none). A step past ``agent.env_step_timeout_s``, or
+one that raises or returns a malformed result, ends the trajectory with
+``metadata['agent_error']`` (the sample's ``reward_error``; ``env_timeouts`` / ``env_errors``);
+so do done, ``agent.max_turns`` turns, or ``agent.max_trajectory_tokens`` (``'length'``).
+Reward: the sum of step rewards."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class TrajectoryStats:
     obs_tokens: int = 0
     env_steps: int = 0
     env_timeouts: int = 0
+    env_errors: int = 0
     template_mismatches: int = 0
     mismatch_notes: list[str] = field(default_factory=list)
     tools: ToolStats = field(default_factory=ToolStats)
@@ -51,7 +52,7 @@ class TrajectoryStats:
         return {"turns": self.turns, "tool_calls": self.tools.calls, "tool_errors": self.tools.errors,
                 "tool_timeouts": self.tools.timeouts, "tool_seconds": self.tools.seconds,
                 "observation_tokens": self.obs_tokens, "template_mismatches": self.template_mismatches,
-                "env_steps": self.env_steps, "env_timeouts": self.env_timeouts}
+                "env_steps": self.env_steps, "env_timeouts": self.env_timeouts, "env_errors": self.env_errors}
 
 
 def assistant_text(tokenizer: Any, ids: list[int], eos_ids: set[int]) -> str:
@@ -109,7 +110,16 @@ async def run_trajectory(env: Any, env_name: str, prompt: list[dict], renderer: 
                     error = (f"environment {env_name!r}: step() timed out (rollout.agent.env_step_timeout_s="
                              f"{cfg.env_step_timeout_s:g}): {exc}")
                     break
-                step = as_step(out, env_name, type(env).__name__)
+                except Exception as exc:  # the environment's own failure ends this trajectory only
+                    stats.env_errors += 1
+                    error = f"environment {env_name!r}: step() raised {type(exc).__name__}: {exc}"
+                    break
+                try:
+                    step = as_step(out, env_name, type(env).__name__)
+                except ValueError as exc:  # a malformed step result: named, this trajectory only
+                    stats.env_errors += 1
+                    error = str(exc)
+                    break
                 stats.env_steps += 1
                 reward += step.reward
                 obs, done = step.observations, step.done

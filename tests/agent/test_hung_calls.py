@@ -182,3 +182,41 @@ def test_manager_records_the_env_timeout_as_the_samples_reward_error(tok):
         assert s.reward_error is not None and "'answer_retry': step() timed out" in s.reward_error
     met = m.metrics()
     assert met["rollout/reward_errors"] == 2 and met["rollout/agent/env_timeouts"] == 2
+
+
+class _BadEnv(TextEnv):
+    """``step`` raises (``mode='raise'``) or returns a NaN reward (``mode='nan'``)."""
+
+    def __init__(self, mode: str):
+        self.mode, self.closed = mode, False
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        if self.mode == "raise":
+            raise RuntimeError("sandbox exploded")
+        return {"observations": [], "reward": float("nan"), "done": True, "metadata": {}}
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("mode,error", [
+    ("raise", "environment 'bad_env': step() raised RuntimeError: sandbox exploded"),
+    ("nan", "environment 'bad_env'"),
+])
+def test_failing_env_step_ends_only_its_trajectory_with_a_named_counted_error(tok, mode, error):
+    ids = tok("The answer is 7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    eng = ScriptedEngine([(ids, "stop", [0] * len(ids))])
+    m = RolloutManager(RolloutConfig(), None, [eng], None, None, eos_token_ids=[tok.eos_token_id])
+    env = _BadEnv(mode)
+
+    async def turn(i, n):
+        return await m._generate_sample(i, n)
+
+    s, st = asyncio.run(run_trajectory(env, "bad_env", [{"role": "user", "content": "q"}], ChatRenderer(tok), turn,
+                                       AgentConfig(enabled=True), 32, eos_token_ids=[tok.eos_token_id]))
+    assert s.metadata["agent_error"].startswith(error)
+    assert st.env_errors == 1 and s.metadata["agent"]["env_errors"] == 1 and st.env_steps == 0
+    assert s.reward == 0.0 and env.closed and s.response_ids == ids

@@ -7,6 +7,7 @@ weight update in the middle of turn 2 in each pause mode keeps all of that true.
 from __future__ import annotations
 
 import asyncio
+import re
 import os
 import sys
 
@@ -187,6 +188,8 @@ def test_bad_environment_step_is_named(tok):
         return await m._generate_sample(ids, n)
 
     env = Bad()
-    with pytest.raises(ValueError, match=r"environment 'bad_env' \(Bad\): step\(\) result lacks \['reward'\]"):
-        asyncio.run(run_trajectory(env, "bad_env", [{"role": "user", "content": "q"}], ChatRenderer(tok), turn,
-                                   AgentConfig(enabled=True), 8))
+    s, st = asyncio.run(run_trajectory(env, "bad_env", [{"role": "user", "content": "q"}], ChatRenderer(tok), turn,
+                                       AgentConfig(enabled=True), 8))
+    # the malformed result ends this trajectory only, named and counted (the rest of its group is scored)
+    assert re.match(r"environment 'bad_env' \(Bad\): step\(\) result lacks \['reward'\]", s.metadata["agent_error"])
+    assert st.env_errors == 1 and s.reward == 0.0

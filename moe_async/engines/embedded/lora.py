@@ -16,6 +16,7 @@ so an unload never waits for (or aborts) a request in flight.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -68,10 +69,17 @@ def parse_peft(name: str, config: dict[str, Any], tensors: dict[str, Tensor], mo
         raise LoraError(f"adapter {name!r}: use_dora is not supported")
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         raise LoraError(f"adapter {name!r}: LoRA bias is not supported")
+    for key in ("alpha_pattern", "rank_pattern", "modules_to_save"):
+        if config.get(key):
+            raise LoraError(f"adapter {name!r}: {key}={config[key]!r} is not supported (one r and lora_alpha for every module)")
     try:
         r, alpha = int(config["r"]), float(config["lora_alpha"])
     except (KeyError, TypeError, ValueError) as e:
         raise LoraError(f"adapter {name!r}: adapter config needs r and lora_alpha ({e})") from None
+    if r < 1 or r != config["r"]:
+        raise LoraError(f"adapter {name!r}: r={config['r']!r} must be a positive integer")
+    if not math.isfinite(alpha):
+        raise LoraError(f"adapter {name!r}: lora_alpha={config['lora_alpha']!r} must be finite")
     scaling = alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
     params = list(config.get("target_parameters") or [])
     modules = dict(model.named_modules())
@@ -85,6 +93,9 @@ def parse_peft(name: str, config: dict[str, Any], tensors: dict[str, Tensor], mo
     for path, ab in sorted(pairs.items()):
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoraError(f"adapter {name!r}: {path} has {sorted(ab)} only")
+        for which in ("lora_A", "lora_B"):
+            if not bool(torch.isfinite(ab[which]).all()):
+                raise LoraError(f"adapter {name!r}: tensor {PEFT_PREFIX}{path}.{which}.weight holds non-finite values")
         A, B = ab["lora_A"].to(dtype), ab["lora_B"].to(dtype)
         depth = 0
         base = path
@@ -99,11 +110,16 @@ def parse_peft(name: str, config: dict[str, Any], tensors: dict[str, Tensor], mo
                                 f"Linear({mod.in_features}, {mod.out_features}) at r={r}")
             ad.linear[base] = (A.contiguous(), B.contiguous())
             continue
-        # fused experts: PEFT nests one wrapper per target parameter, the first innermost
-        mine = [p for p in params if base.endswith("." + p.rsplit(".", 1)[0]) or base == p.rsplit(".", 1)[0]]
+        # fused experts: PEFT nests one wrapper per target parameter; which parameter a nesting
+        # level adapts is told by the shapes (target_parameters is a set in PEFT: its saved
+        # order varies with the hash seed), by the order only where the shapes cannot tell
+        mine = [p.rsplit(".", 1)[1] for p in params if base.endswith("." + p.rsplit(".", 1)[0]) or base == p.rsplit(".", 1)[0]]
         if not mine or depth >= len(mine):
             raise LoraError(f"adapter {name!r}: {path}: not a Linear and no target_parameters entry names it")
-        pname = mine[len(mine) - 1 - depth].rsplit(".", 1)[1]
+        fits = [q for q in mine if _fits_expert(getattr(mod, q, None), A, B, r)]
+        pname = fits[0] if len(fits) == 1 else mine[len(mine) - 1 - depth]
+        if pname in ad.experts.get(base, {}):
+            raise LoraError(f"adapter {name!r}: {path}: a second adapter for {base}.{pname}")
         W = getattr(mod, pname, None)
         if not isinstance(W, torch.Tensor) or W.dim() != 3:
             raise LoraError(f"adapter {name!r}: {base}.{pname} is not a 3-D expert parameter")
@@ -116,6 +132,14 @@ def parse_peft(name: str, config: dict[str, Any], tensors: dict[str, Tensor], mo
     if not ad.linear and not ad.experts:
         raise LoraError(f"adapter {name!r}: no lora_A/lora_B tensors")
     return ad
+
+
+def _fits_expert(W: Any, A: Tensor, B: Tensor, r: int) -> bool:
+    """PEFT's expert layout: ``A [E*r, in]``, ``B [out, r*E]`` for ``W [E, out, in]``."""
+    if not isinstance(W, torch.Tensor) or W.dim() != 3:
+        return False
+    E, out, inn = W.shape
+    return tuple(A.shape) == (E * r, inn) and tuple(B.shape) == (out, r * E)
 
 
 class EngineLora:
