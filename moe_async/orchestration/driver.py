@@ -355,6 +355,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["final_weights_digest"] = weights_digest(trainer_sums)
         summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
         summary["engine_weights_match"] = [e["checksums"] == trainer_sums for e in engine_sums]
+        if cfg.trainer.lora is not None:  # the run's product: the last trained adapter, PEFT format
+            summary["adapter_dir"] = trainer.export_adapter(str(run_dir / "adapter"))
+            print(f"[moe-async] LoRA adapter (PEFT, step {summary.get('stopped_at_step', cfg.num_steps)}, "
+                  f"weight_version {version}): {summary['adapter_dir']}", flush=True)
         summary["trainer_world_size"] = trainer.world_size
         summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
         summary["startup_seconds"] = t_loop0 - t_launch
