@@ -490,8 +490,9 @@ def sender_meta(shape: ModelShape, cfg: "ExperimentConfig", dtype: str) -> list[
     counts = stage_layer_counts(shape.num_layers, lay.pp, t.num_layers_in_first_pipeline_stage,
                                 t.num_layers_in_last_pipeline_stage) if uneven else None
     vpp = t.virtual_pipeline_model_parallel_size or 1
-    per_stage = lay.world_size // lay.pp
-    meta: list[list[tuple]] = [[] for _ in range(lay.world_size)]
+    world = t.resolved_world_size
+    per_stage = world // lay.pp
+    meta: list[list[tuple]] = [[] for _ in range(world)]
 
     def add(name: str, numel: int, ranks) -> None:
         for r in ranks:
