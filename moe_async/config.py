@@ -80,6 +80,9 @@ class ExperimentConfig(ConfigModel):
                 "versioned last one (engine.backend='embedded'); SGLang applies each bucket at once, so "
                 "requests would be served from half-updated weights: use pause_scope='sync'"
             )
+        if t.lora is not None and w.senders == "all":  # the adapter sync gathers the adapter on rank 0
+            raise ValueError("weight_sync.senders='all' with trainer.lora: the adapter-only sync gathers the "
+                             "adapter on trainer rank 0 and sends it from there; set weight_sync.senders='one'")
         # GRPO (moe_async/trainer/advantages.py, the only advantage estimator) normalises each
         # reward against its own group: a group of one sample has advantage 0, no gradient
         tch = self.teacher

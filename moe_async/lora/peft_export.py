@@ -152,16 +152,33 @@ def peft_config_dict(cfg: LoraConfig, target_modules: list[str], target_paramete
     }
 
 
-def write_peft(out_dir: str, tensors: dict[str, Tensor], config: dict[str, Any], dtype: torch.dtype = torch.float32) -> int:
-    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out_dir`` (created;
-    FileExistsError if it holds an adapter already). Returns the tensor bytes written."""
+def write_peft(out_dir: str, tensors: dict[str, Tensor], config: dict[str, Any], dtype: torch.dtype = torch.float32,
+               replace: bool = False) -> int:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out_dir`` (created),
+    each file with the mode any new file gets here (0666 less the umask; safetensors alone makes
+    0600). FileExistsError if ``out_dir`` holds an adapter already, unless ``replace``: then the
+    files are written under ``<out_dir>.tmp`` and that directory replaces ``out_dir`` (an
+    interrupted write leaves the old adapter whole). Returns the tensor bytes written."""
+    import shutil
+
     from safetensors.torch import save_file
 
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(out_dir, ADAPTER_WEIGHTS)):
+    final = out_dir
+    if replace:
+        out_dir = final.rstrip(os.sep) + ".tmp"
+        shutil.rmtree(out_dir, ignore_errors=True)
+    elif os.path.exists(os.path.join(out_dir, ADAPTER_WEIGHTS)):
         raise FileExistsError(f"{out_dir} already holds {ADAPTER_WEIGHTS}")
+    os.makedirs(out_dir, exist_ok=True)
+    mask = os.umask(0)
+    os.umask(mask)
     ts = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
     save_file(ts, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        os.chmod(os.path.join(out_dir, name), 0o666 & ~mask)
+    if replace:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(out_dir, final)
     return sum(t.numel() * t.element_size() for t in ts.values())

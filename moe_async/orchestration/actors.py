@@ -364,6 +364,13 @@ class TrainerActor:
         return {"sync/bytes": float(out["bytes"]), "sync/seconds": time.perf_counter() - t0,
                 "sync/pause_seconds": 0.0, "sync/adapter_unloaded": float(len(out["unloaded"]))}
 
+    def export_adapter(self, out_dir: str) -> str | None:
+        """Write the LoRA adapter in PEFT format (``adapter_model.safetensors`` +
+        ``adapter_config.json``) into ``out_dir``, replacing one there; rank 0 writes and
+        returns ``out_dir``, other ranks None. Collective."""
+        self._trainer.export_lora(out_dir, replace=True)
+        return out_dir if self.rank == 0 else None
+
     def checksums(self) -> dict[str, str]:
         return self._trainer.hf_checksums()
 

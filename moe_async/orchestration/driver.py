@@ -102,6 +102,9 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
     # plan's model rules on the config.json known without making the model: before the run dir
     layout_checked = refuse_layout_before_run_dir(cfg)
+    from moe_async.agent.start_up import check_template_shows_tools, check_tool_parser
+
+    check_tool_parser(cfg.rollout.agent)  # before the run dir: SGLang's parser names, no model needed
     fresh_run_dir = plan.run_dir is None or not plan.run_dir.exists()
     run_dir = make_run_dir(cfg.logging, cfg.name, plan.run_dir)
     console = console or RunConsole(install=False)
@@ -132,6 +135,15 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         if fresh_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
         raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
+    if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's own chat template shows the tools
+        from moe_async.models.prepare import load_tokenizer
+
+        try:
+            check_template_shows_tools(cfg.rollout.agent, load_tokenizer(model_path), model_path)
+        except UserInputError:
+            if fresh_run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     init_ray(engine_log_dir=str(run_dir / "logs"))
@@ -355,6 +367,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         summary["final_weights_digest"] = weights_digest(trainer_sums)
         summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
         summary["engine_weights_match"] = [e["checksums"] == trainer_sums for e in engine_sums]
+        if cfg.trainer.lora is not None:  # the run's product: the last trained adapter, PEFT format
+            summary["adapter_dir"] = trainer.export_adapter(str(run_dir / "adapter"))
+            print(f"[moe-async] LoRA adapter (PEFT, step {summary.get('stopped_at_step', cfg.num_steps)}, "
+                  f"weight_version {version}): {summary['adapter_dir']}", flush=True)
         summary["trainer_world_size"] = trainer.world_size
         summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
         summary["startup_seconds"] = t_loop0 - t_launch

@@ -171,6 +171,10 @@ class TrainerGroup:
     def checksums(self) -> dict[str, str]:
         return self._call("checksums")
 
+    def export_adapter(self, out_dir: str) -> str:
+        """Every rank's :meth:`TrainerActor.export_adapter`; returns rank 0's ``out_dir``."""
+        return self._call("export_adapter", out_dir)
+
     def check_engines(self, urls: list[str]) -> dict[str, float]:
         return self._call("check_engines", urls)
 

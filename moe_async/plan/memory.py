@@ -455,34 +455,70 @@ def estimate_engine(shape: ModelShape, cfg: "ExperimentConfig") -> EngineEstimat
 
 def estimate_sync(shape: ModelShape, cfg: "ExperimentConfig") -> SyncEstimate:
     """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``;
-    with ``weight_sync.senders: all`` the bytes per sender (moe_async.weight_sync.senders:
-    each pipeline stage its layers, routed experts by their EP rank (/EP x ETP), tensor-split
-    tensors spread over the TP group, replicated ones by one TP rank; embedding on the first
-    stage, output layer and final norm on the last), listed per stage, TP rank, EP rank
-    (ranks that send nothing left out)."""
+    with ``weight_sync.senders: all`` the bytes per sender as
+    :func:`moe_async.weight_sync.senders.assign_senders` gives them for the primary shards of
+    Megatron's rank grids (:func:`sender_meta`), listed by global rank (ranks that send
+    nothing left out; never more senders than trainer ranks)."""
+    from moe_async.weight_sync.senders import assign_senders
+
     w = _DTYPE_BYTES[cfg.engine.dtype]
     total = shape.total * w
     sync = SyncEstimate(bytes=total, bandwidth=cfg.cluster.link_bandwidth_gb_s * 1e9,
                         bucket_bytes=cfg.weight_sync.bucket_bytes)
-    t = cfg.trainer
-    lay = t.layout
+    lay = cfg.trainer.layout
     if cfg.weight_sync.senders != "all" or lay.world_size in (None, 1):
         return sync
+    meta = sender_meta(shape, cfg, {2: "bfloat16", 4: "float32", 1: "uint8"}[w])
+    per = [0] * len(meta)
+    sizes = {name: fs[0] * w for rank_meta in meta for name, fs, *_ in rank_meta}
+    for name, r in assign_senders(meta).items():
+        per[r] += sizes[name]
+    return replace(sync, sender_bytes=tuple(b for b in per if b))  # ranks holding no primary shard send nothing
+
+
+def sender_meta(shape: ModelShape, cfg: "ExperimentConfig", dtype: str) -> list[list[tuple]]:
+    """Every trainer rank's primary shards, in the metadata form ``assign_senders`` reads
+    (``(name, (numel,), (0,), (numel,), dtype)`` per holder), one pseudo tensor per layer and
+    kind: TP-split attention / dense MLP (and embedding on the first stage, output layer on the
+    last) held by the TP ranks of data-parallel rank 0, norms by its TP rank 0, each routed
+    expert by the ETP ranks of its EP rank (expert data-parallel rank 0). Global ranks by
+    Megatron-Core's order ``tp-cp-ep-dp-pp``: dense ``tp + TP*(cp + CP*(dp + DP*pp))``,
+    expert ``etp + ETP*(ep + EP*(edp + EDP*pp))``."""
+    t = cfg.trainer
+    lay = t.layout
     uneven = t.num_layers_in_first_pipeline_stage is not None or t.num_layers_in_last_pipeline_stage is not None
     counts = stage_layer_counts(shape.num_layers, lay.pp, t.num_layers_in_first_pipeline_stage,
                                 t.num_layers_in_last_pipeline_stage) if uneven else None
     vpp = t.virtual_pipeline_model_parallel_size or 1
-    per: list[int] = []
+    world = t.resolved_world_size
+    per_stage = world // lay.pp
+    meta: list[list[tuple]] = [[] for _ in range(world)]
+
+    def add(name: str, numel: int, ranks) -> None:
+        for r in ranks:
+            meta[r].append((name, (numel,), (0,), (numel,), dtype))
+
     for stage in range(lay.pp):
-        layers = _stage_layers(shape, lay, vpp, stage, counts)
-        split = sum(lp.attn_tp + lp.attn_kv + lp.mlp_tp for lp in layers)
-        split += (shape.embedding if stage == 0 else 0) + (shape.output if stage == lay.pp - 1 else 0)
-        held = sum(lp.replicated for lp in layers) + (shape.final_norm if stage == lay.pp - 1 else 0)
-        expert = sum(lp.expert for lp in layers)
-        for tp in range(lay.tp):
-            for ep in range(lay.ep):
-                mine = (expert // (lay.ep * lay.etp)) * (lay.etp if tp == 0 else 0)  # ETP pieces: one rank
-                if ep == 0:
-                    mine += split // lay.tp + (held if tp == 0 else 0)
-                per.append(mine * w)
-    return replace(sync, sender_bytes=tuple(b for b in per if b))  # ranks holding no primary shard send nothing
+        base = stage * per_stage
+        tp_ranks = [base + i for i in range(lay.tp)]
+        for li, lp in enumerate(_stage_layers(shape, lay, vpp, stage, counts)):
+            pre = f"pp{stage}.{li}."
+            for kind in ("attn_tp", "attn_kv", "mlp_tp"):
+                if getattr(lp, kind):
+                    add(pre + kind, getattr(lp, kind), tp_ranks)
+            if lp.replicated:
+                add(pre + "replicated", lp.replicated, tp_ranks[:1])
+            if lp.expert:
+                e_total = max(shape.num_experts, 1)
+                for e in range(e_total):
+                    ep = e * lay.ep // e_total
+                    add(pre + f"expert{e}", lp.expert // e_total,
+                        [base + i + lay.etp * ep for i in range(lay.etp)])
+        if stage == 0 and shape.embedding:
+            add("embedding", shape.embedding, tp_ranks)
+        if stage == lay.pp - 1:
+            if shape.output:
+                add("output_layer", shape.output, tp_ranks)
+            if shape.final_norm:
+                add("final_norm", shape.final_norm, tp_ranks[:1])
+    return meta

@@ -73,7 +73,7 @@ def format_plan(plan, cfg, config_name: str) -> str:
         f"{c.link_bandwidth_gb_s:g} GB/s (every engine rank receives every byte)",
     ]
     if w.sender_bytes:
-        out.append(f"  weight_sync.senders: all: {len(w.sender_bytes)} senders (by stage, TP, EP rank), GB each: "
+        out.append(f"  weight_sync.senders: all: {len(w.sender_bytes)} senders (by trainer rank), GB each: "
                    + " ".join(f"{b / 1e9:.2f}" for b in w.sender_bytes)
                    + f"; the busiest sends for {w.sender_seconds:.2f} s (one sender: {w.bytes / w.bandwidth:.2f} s)")
     else:

@@ -414,6 +414,8 @@ class TrainerConfig(ConfigModel):
             )
         if (why := memory_feature_refusal(self)) is not None:
             raise ValueError(why)
+        if (why := lora_refusal(self)) is not None:
+            raise ValueError(why)
         if self.context_parallel_size > 1 and _cuda_available() and not _have_transformer_engine():
             raise ValueError(
                 f"trainer.context_parallel_size={self.context_parallel_size} with CUDA needs Transformer Engine "
@@ -505,6 +507,35 @@ def memory_feature_refusal(cfg: TrainerConfig) -> str | None:
         if (cfg.virtual_pipeline_model_parallel_size or 1) > 1:
             return ("trainer.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage with "
                     "trainer.virtual_pipeline_model_parallel_size: not supported here")
+    return None
+
+
+def lora_refusal(cfg: TrainerConfig) -> str | None:
+    """The refusal, naming the fields, of a ``trainer.lora`` setting the adapters cannot run
+    with (checked before any process starts), or None: dropout or the grouped expert MLP or
+    ETP > 1 with routed-expert adapters, one ``shared`` expert adapter at EP > 1, and PP > 1
+    (adapter export and sync over pipeline stages not tested yet)."""
+    lo = cfg.lora
+    if lo is None:
+        return None
+    if cfg.pipeline_model_parallel_size > 1:
+        return (f"trainer.lora with trainer.pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: "
+                "not supported yet (adapter export and sync over pipeline stages are untested); use PP 1")
+    if lo.experts == "off":
+        return None
+    if lo.dropout > 0:
+        return (f"trainer.lora.dropout={lo.dropout} with trainer.lora.experts={lo.experts!r}: PEFT's adapters on "
+                "fused expert parameters take no dropout; set dropout 0 or experts 'off'")
+    if cfg.moe_grouped_gemm:
+        return (f"trainer.lora.experts={lo.experts!r} with trainer.moe_grouped_gemm=true: LoRA adapts the "
+                "sequential expert MLP; set moe_grouped_gemm=false or trainer.lora.experts='off'")
+    if cfg.expert_tensor_parallel_size > 1:
+        return (f"trainer.lora.experts={lo.experts!r} with trainer.expert_tensor_parallel_size="
+                f"{cfg.expert_tensor_parallel_size}: not supported; set it to 1 or trainer.lora.experts='off'")
+    if lo.experts == "shared" and cfg.expert_model_parallel_size > 1:
+        return (f"trainer.lora.experts='shared' with trainer.expert_model_parallel_size="
+                f"{cfg.expert_model_parallel_size}: one adapter for all experts needs EP 1 (use 'per_expert': "
+                "each expert's adapter lives on its EP rank)")
     return None
 
 

@@ -474,12 +474,13 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             g["lr"] = lr
 
     # ------------------------------------------------------------------ export
-    def export_lora(self, out_dir: str | None = None, with_config: bool = False) -> Any:
+    def export_lora(self, out_dir: str | None = None, with_config: bool = False, replace: bool = False) -> Any:
         """The LoRA adapters as Hugging Face PEFT tensors (``base_model.model.<hf module>.lora_A/B.weight``,
         fp32, :mod:`moe_async.lora.peft_export`); ``with_config``: ``(tensors, adapter_config dict)``.
         With ``out_dir``, global rank 0 also writes ``adapter_model.safetensors`` +
-        ``adapter_config.json`` there. Collective at world size > 1. Raises ValueError without
-        ``trainer.lora``."""
+        ``adapter_config.json`` there (``replace``: over an adapter already there,
+        :func:`~moe_async.lora.peft_export.write_peft`). Collective at world size > 1. Raises
+        ValueError without ``trainer.lora``."""
         import torch.distributed as dist
 
         from moe_async.lora.peft_export import megatron_adapter_state, peft_config_dict, peft_state, write_peft
@@ -490,7 +491,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         tensors, modules, params = peft_state(state, self.family, self.hf_config)
         config = peft_config_dict(self.cfg.lora, modules, params, self.hf_path)
         if out_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            write_peft(out_dir, tensors, config)
+            write_peft(out_dir, tensors, config, replace=replace)
         return (tensors, config) if with_config else tensors
 
     def export_hf_weights(self, dtype: torch.dtype | None = None,

@@ -59,6 +59,8 @@ def main(tmp: str, layout: str) -> None:
     n_opt = sum(p.numel() for g in tr.optimizer.param_groups for p in g["params"])
     res["adapter_numel"], res["optimizer_numel"] = n_adapter, n_opt
     res["n_adapted"] = sum(len(x) for x in tr.lora_linears)
+    out_dir = os.path.join(tmp, f"adapter_{layout}")
+    tr.export_lora(out_dir)  # B = 0; replaced below by the trained adapter (as a run's end does)
     before = tr.hf_checksums()
     m = tr.train_step(ss, ADV)
     res["grad_norm"] = m["grad_norm"]
@@ -66,8 +68,7 @@ def main(tmp: str, layout: str) -> None:
     res["base_changed"] = sum(before[k] != after[k] for k in before)
     step_lp = tr.compute_logprobs(ss)
     res["step_moved"] = max(abs(a - b) for x, y in zip(step_lp, init_lp) for a, b in zip(x, y))
-    out_dir = os.path.join(tmp, f"adapter_{layout}")
-    tensors = tr.export_lora(out_dir)
+    tensors = tr.export_lora(out_dir, replace=True)
     res["n_peft_tensors"] = len(tensors)
     tr.close()
     if rank == 0:
@@ -75,6 +76,11 @@ def main(tmp: str, layout: str) -> None:
         from safetensors.torch import load_file
         from transformers import MixtralForCausalLM
 
+        mask = os.umask(0)
+        os.umask(mask)
+        res["file_modes_ok"] = all(os.stat(os.path.join(out_dir, n)).st_mode & 0o777 == 0o666 & ~mask
+                                   for n in ("adapter_model.safetensors", "adapter_config.json"))
+        res["tmp_left"] = os.path.exists(out_dir + ".tmp")
         hf = MixtralForCausalLM.from_pretrained(path).eval()
         pm = PeftModel.from_pretrained(hf, out_dir).eval()
         ref = hf_response_logprobs(pm, ss)

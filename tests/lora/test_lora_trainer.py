@@ -21,6 +21,8 @@ def _check(res: dict) -> None:
     assert res["base_changed"] == 0  # frozen base: no HF tensor moved
     assert res["grad_norm"] > 0 and res["step_moved"] > 1e-2
     assert res["peft_keys_match"]  # every exported tensor is one peft placed
+    # written over the step-0 export (replace), readable like any other run file (not 0600)
+    assert res["file_modes_ok"] and not res["tmp_left"]
     assert res["b_nonzero"] == res["n_b"] == 12  # q/k/v/o + 2 fused expert params, x 2 layers
     assert res["peft_maxdiff"] < 1e-5  # the trainer's logprobs == HF + peft on the export
 

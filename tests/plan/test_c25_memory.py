@@ -103,17 +103,58 @@ def test_engine_and_weight_sync():
 
 
 def test_weight_sync_bytes_per_sender():
-    """weight_sync.senders: all at TP4 EP8: rank (TP 0, EP 0) sends its experts, the TP-split
-    tensors' quarter and the replicated ones; EP ranks 1-7 their experts; TP ranks 1-3 their
-    quarter of the split tensors (attention 48 x 18,874,368 + embedding and lm_head 622,329,856)."""
+    """weight_sync.senders: all at TP4 EP8 on 8 ranks: Megatron lays EP over the TP x DP ranks,
+    so 8 senders, not TP x EP: every rank sends its 16 experts; ranks 0-3 (TP group of DP rank 0)
+    also the TP-split tensors (attention 48 x 18,874,368 + embedding and lm_head 622,329,856,
+    each sent whole by the least loaded holder) and rank 0 the replicated norms."""
     one = _plan([]).sync
     assert one.sender_bytes == () and one.sender_seconds == one.seconds
     p = _plan(["weight_sync.senders=all"]).sync
-    expert, split, held = 28_991_029_248 // 8, (48 * 18_874_368 + 622_329_856) // 4, 48 * (4_352 + 262_144) + 2048
-    assert p.sender_bytes == tuple(2 * b for b in [expert + split + held] + [expert] * 7 + [split] * 3)
+    expert, split, held = 28_991_029_248 // 8, 48 * 18_874_368 + 622_329_856, 48 * (4_352 + 262_144) + 2048
+    assert len(p.sender_bytes) == 8  # never more senders than trainer ranks (TP x EP = 32 was counted)
+    assert p.sender_bytes[4:] == (2 * expert,) * 4  # ranks 4-7 (DP rank 1): experts only
+    assert sum(p.sender_bytes[:4]) == 2 * (4 * expert + split + held)
+    assert max(p.sender_bytes[:4]) - min(p.sender_bytes[:4]) < 2 * 311_164_928  # spread (the largest split tensor)
     assert sum(p.sender_bytes) == p.bytes == 2 * TOTAL  # every byte sent once
     assert p.seconds == pytest.approx(2 * TOTAL / 50e9)  # every engine rank still receives every byte
-    assert p.sender_seconds == pytest.approx(2 * (expert + split + held) / 50e9)  # 0.16 s
+    assert p.sender_seconds == pytest.approx(max(p.sender_bytes) / 50e9)
+
+
+@pytest.mark.parametrize("tp, ep, etp, pp, world", [(4, 8, 1, 1, 8), (2, 2, 1, 2, 8), (2, 4, 2, 1, 8)])
+def test_sender_ranks_follow_megatrons_rank_grids(tp, ep, etp, pp, world):
+    """The holders the plan gives ``assign_senders`` are Megatron-Core's own groups
+    (``RankGenerator``, order tp-cp-ep-dp-pp): dense TP-split tensors on the TP group of data
+    parallel rank 0, each expert on an expert-TP group of expert data-parallel rank 0."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from moe_async.plan.memory import sender_meta
+
+    cfg = load_config(CONFIG, [*C25, f"trainer.devices_per_node={world}", f"trainer.tensor_model_parallel_size={tp}",
+                               f"trainer.expert_model_parallel_size={ep}", f"trainer.expert_tensor_parallel_size={etp}",
+                               f"trainer.pipeline_model_parallel_size={pp}"])
+    lay = cfg.trainer.layout
+    dense = RankGenerator(tp=tp, ep=1, dp=lay.dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=etp, ep=ep, dp=lay.edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    tp_groups = [g for g in dense.get_ranks("tp")]
+    dp0 = {g[0] for g in dense.get_ranks("dp")}  # data-parallel rank 0 of each (tp, pp) position
+    etp_groups = [g for g in expert.get_ranks("tp") if g[0] in {x[0] for x in expert.get_ranks("dp")}]
+    meta = sender_meta(_plan().shape, cfg, "bfloat16")
+    holders: dict[str, set[int]] = {}
+    for r, rank_meta in enumerate(meta):
+        for name, *_ in rank_meta:
+            holders.setdefault(name, set()).add(r)
+    stage_of = {r: st for g in dense.get_ranks("pp") for st, r in enumerate(g)}
+    for name, rs in holders.items():
+        if ".expert" in name:
+            assert sorted(rs) in [sorted(g) for g in etp_groups], (name, rs)
+        elif "replicated" in name or name == "final_norm":
+            assert len(rs) == 1 and rs <= dp0
+        else:
+            assert sorted(rs) in [sorted(g) for g in tp_groups if g[0] in dp0], (name, rs)
+    experts_per_rank = [sum(".expert" in m[0] for m in rank_meta) for rank_meta in meta]
+    assert sum(experts_per_rank) == 48 * 128 * etp and max(experts_per_rank) == 48 // pp * 128 // ep
+    assert {stage_of[r] for r in holders["embedding"]} == {0}
+    assert {stage_of[r] for r in holders["output_layer"] | holders["final_norm"]} == {pp - 1}
 
 
 def test_plan_refuses_what_exceeds_the_device(capsys):
