@@ -129,6 +129,7 @@ def test_resume_mid_epoch_trains_every_row_of_the_file_exactly_once(tmp_path) ->
     assert summary["draws"]["counts"] == {"trained": 40}
 
 
+@pytest.mark.slow  # the stop rule is unit-tested in tests/rollout/test_reward_failure.py
 def test_rewards_that_always_fail_stop_a_short_run(tmp_path) -> None:
     """A 3-step run whose rewards raise (a verl file) or return a string (a function) on every
     sample stops with a non-zero exit naming the rewards and errors; it never trains on zeros."""

@@ -174,6 +174,7 @@ def test_sbatch_train_completes_and_leaves_nothing_running(slurm, tmp_path) -> N
     _assert_nothing_left(tag, watch, log)
 
 
+@pytest.mark.slow  # pre-emption -> checkpoint -> resume runs by default in tests/orchestration/test_preemption_resume.py; sbatch end to end in the test above
 def test_preemption_signal_checkpoints_requeues_and_continues(slurm, tmp_path) -> None:
     """``scancel --batch --signal=TERM`` is what ``#SBATCH --signal=B:TERM@LEAD`` delivers: the
     driver checkpoints after its step and stops, the script requeues the job, and the requeued
@@ -224,6 +225,7 @@ def test_sglang_config_on_an_allocation_without_gpus_is_refused(slurm, tmp_path)
     assert _tagged(tag) == {}
 
 
+@pytest.mark.slow  # the cleanup path of the sbatch test above, failing
 def test_failing_driver_still_stops_the_ray_head(slurm, tmp_path) -> None:
     """The driver refuses ``trainer.load`` after the Ray head is up (exit 2): ``set -e`` does
     not skip the cleanup, the job fails with the driver's status and the head is gone."""
@@ -237,6 +239,7 @@ def test_failing_driver_still_stops_the_ray_head(slurm, tmp_path) -> None:
     _assert_nothing_left(tag, watch, log, {"raylet", "gcs_server", "ray.scripts.scripts start"})
 
 
+@pytest.mark.slow  # the wait's timeout is unit-tested in tests/launch/test_cluster_wait.py
 def test_cluster_wait_times_out_naming_need_and_have(slurm, tmp_path) -> None:
     """C23 under Slurm: the config needs 2 nodes (trainer.nodes=2), the allocation has 1: the
     wait gives up after MOE_ASYNC_CLUSTER_TIMEOUT saying what it needs and has; no driver runs."""
