@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, Iterator, NamedTuple, Sequence
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
-from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan
+from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan, timed_items
 
 Tensor = torch.Tensor
 #: ``all_meta[rank] = [(name, full_shape, offset, shape, dtype_str), ...]`` (stream_export)
@@ -217,14 +217,7 @@ def sender_export(source: ShardSource, group_name: str, *, dtype: torch.dtype | 
 
 def _named(items: Iterator[SenderItem], base: str, stats: dict[str, float]
            ) -> Generator[tuple[Bucket, Tensor | None, bool], None, None]:
-    while True:
-        t0 = time.perf_counter()
-        it = next(items, None)
-        dt = time.perf_counter() - t0
-        stats["pack_seconds"] += dt
-        stats["wait_seconds"] += dt
-        if it is None:
-            return
+    for it in timed_items(items, stats):
         it.bucket.group_name = sender_group_name(base, it.sender)
         yield it.bucket, it.flat, it.last
         del it  # the bucket buffer is reused for the next one

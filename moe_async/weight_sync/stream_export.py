@@ -479,13 +479,15 @@ def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int,
                        first_bucket_bytes=max(1, bucket_bytes // RAMP) if overlap else None)
     stats["plan_seconds"] = stats.get("plan_seconds", 0.0) + time.perf_counter() - t0
     if not overlap:
-        return _timed(run_plan(plan, pieces, convert, device=device, slots=1, group=group, dst=dst, stats=stats),
+        return timed_items(run_plan(plan, pieces, convert, device=device, slots=1, group=group, dst=dst, stats=stats),
                       stats)
     return _Ahead(lambda sem: run_plan(plan, pieces, convert, device=device, slots=2, group=group, dst=dst,
                                        sem=sem, stats=stats), stats)
 
 
-def _timed(it: Iterator, stats: dict[str, float]) -> Generator[Any, None, None]:
+def timed_items(it: Iterator, stats: dict[str, float]) -> Generator[Any, None, None]:
+    """``it``'s items, the time spent waiting for each added to ``stats['pack_seconds']`` and
+    ``stats['wait_seconds']``; an item is not held while the next one is made."""
     while True:
         t0 = time.perf_counter()
         item = next(it, None)
