@@ -275,23 +275,22 @@ class EngineLora:
             if tok.numel() == 0:
                 continue
             x = hidden_TH[tok]
-            gu = F.linear(x, mod.gate_up_proj[e])
             ads = tok_ad[tok]
-            for k, (ad, _) in enumerate(active):
-                ab = ad.experts[path].get("gate_up_proj")
-                sel = (ads == k).nonzero().flatten()
-                if ab is not None and sel.numel():
-                    A, B = ab
-                    gu.index_add_(0, sel, ((x[sel].to(A.dtype) @ A[e].t()) @ B[e].t() * ad.scaling).to(gu.dtype))
+
+            def adapted(y: Tensor, inp: Tensor, pname: str) -> Tensor:
+                """``y`` plus each row's adapter delta on expert ``e``'s ``pname``."""
+                for k, (ad, _) in enumerate(active):
+                    ab = ad.experts[path].get(pname)
+                    sel = (ads == k).nonzero().flatten()
+                    if ab is not None and sel.numel():
+                        A, B = ab
+                        y.index_add_(0, sel, ((inp[sel].to(A.dtype) @ A[e].t()) @ B[e].t() * ad.scaling).to(y.dtype))
+                return y
+
+            gu = adapted(F.linear(x, mod.gate_up_proj[e]), x, "gate_up_proj")
             gate, up = gu.chunk(2, dim=-1)
             h = mod.act_fn(gate) * up
-            d = F.linear(h, mod.down_proj[e])
-            for k, (ad, _) in enumerate(active):
-                ab = ad.experts[path].get("down_proj")
-                sel = (ads == k).nonzero().flatten()
-                if ab is not None and sel.numel():
-                    A, B = ab
-                    d.index_add_(0, sel, ((h[sel].to(A.dtype) @ A[e].t()) @ B[e].t() * ad.scaling).to(d.dtype))
+            d = adapted(F.linear(h, mod.down_proj[e]), h, "down_proj")
             d = d * w_TK[tok, pos, None]
             out.index_add_(0, tok, d.to(out.dtype))
         return out
