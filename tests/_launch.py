@@ -109,3 +109,21 @@ def slow_marked(values: list, slow: set) -> list:
     import pytest
 
     return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
+
+
+def finished_train(out, *overrides: str, timeout: float = 900):
+    """``moe-async train configs/cpu_smoke.yaml logging.output_dir=out *overrides`` to completion
+    (exit 0 asserted; wandb offline, one thread per process): ``(process, run dir, summary.json,
+    the metrics.jsonl records)``."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(root / "configs/cpu_smoke.yaml"),
+           f"logging.output_dir={out}", *overrides]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (run_dir,) = list(Path(out).iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return proc, run_dir, summary, steps

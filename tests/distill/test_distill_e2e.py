@@ -4,28 +4,14 @@ student does not see; every sampled token is scored, the per-token reverse-KL ad
 the student through the async buffer, and the teacher's metrics and spans are recorded."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _launch import finished_train
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
-           f"logging.output_dir={out}", "num_steps=3", "teacher.enabled=true", "teacher.few_shot=1"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (run_dir,) = list(out.iterdir())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return proc, run_dir, summary, steps
+    return finished_train(tmp_path_factory.mktemp("runs"), "num_steps=3", "teacher.enabled=true", "teacher.few_shot=1")
 
 
 def test_every_generated_token_is_scored_by_the_teacher(run):
