@@ -257,8 +257,7 @@ class TrainerActor:
 
     def _several_senders(self) -> bool:
         ws = self.cfg.weight_sync
-        return (ws.senders == "all" and ws.transport == "broadcast" and self.world_size > 1
-                and self.cfg.trainer.lora is None)  # an adapter sync gathers to rank 0
+        return ws.senders == "all" and ws.transport == "broadcast" and self.world_size > 1
 
     def _connect_senders(self, urls: list[str]) -> None:
         """weight_sync.senders: all: rank 0's transport and every other rank's SenderLink, each
