@@ -1,23 +1,19 @@
 """The teacher pool's client side: score every sampled response token with the teacher.
 
-Per sample: the teacher's prompt (:func:`teacher_prompt_ids`) + the sample's exact response
-token ids -> one SGLang ``/generate`` scoring call (``max_new_tokens: 0``, ``return_logprob``,
-``logprob_start_len`` = teacher prompt length; :meth:`moe_async.engines.client.EngineClient.score`),
-round-robin over the teacher engines, at most ``teacher.max_concurrent_requests`` in flight,
-each bounded by ``teacher.timeout_s`` -> ``sample.teacher_logprobs`` ``[R]``. No re-tokenisation.
-
-With ``teacher.topk_forward_kl_coef > 0`` the call also asks for the teacher's ``teacher.top_k``
-most likely tokens per position (``top_logprobs_num``) -> ``sample.teacher_topk_ids`` /
-``teacher_topk_logprobs`` ``[R, k]`` (the trainer's top-k forward KL term).
+Per sample: the teacher's prompt + the sample's exact response token ids -> one SGLang
+``/generate`` scoring call (:meth:`moe_async.engines.client.EngineClient.score`), round-robin
+over the teacher engines, at most ``teacher.max_concurrent_requests`` in flight, each bounded by
+``teacher.timeout_s`` -> ``sample.teacher_logprobs`` ``[R]``; with ``teacher.topk_forward_kl_coef
+> 0`` also the teacher's ``teacher.top_k`` best tokens per position (``top_logprobs_num``) ->
+``sample.teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[R, k]``. No re-tokenisation.
 
 Failures: a call that raises, times out, or replies other than one finite logprob <= 0 per
-scored token (and, asked for top-k, ``k`` distinct ids with finite logprobs <= 0 per token)
-(``teacher/bad_replies``) leaves ``teacher_logprobs`` None (a zero distillation
-advantage, :mod:`.advantages`) and is counted (``teacher/failures``, ``teacher/timeouts``);
-each error names the teacher URL. ``teacher.max_consecutive_failures`` failures in a row
-raise :class:`TeacherFailureError`; before the teacher's first scored sample the limit is
-``first_limit`` (one step's samples) when smaller, so a teacher that never scores stops the
-run before its first step.
+scored token (asked for top-k: and ``k`` distinct ids with finite logprobs <= 0 per token;
+``teacher/bad_replies``) leaves them None (a zero distillation advantage, :mod:`.advantages`)
+and is counted (``teacher/failures``, ``teacher/timeouts``); each error names the teacher URL.
+``teacher.max_consecutive_failures`` failures in a row raise :class:`TeacherFailureError`;
+before the teacher's first scored sample the limit is ``first_limit`` (one step's samples) when
+smaller, so a teacher that never scores stops the run before its first step.
 """
 
 from __future__ import annotations
