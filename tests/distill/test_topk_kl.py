@@ -194,3 +194,17 @@ def test_metrics_name_the_top_k_forward_kl():
     g = [Group(0, [Sample([1], [2], [-0.5], [0], teacher_logprobs=[-0.25])])]
     assert "teacher/topk_forward_kl" not in distill_metrics(g, {"topk_tokens": 0.0, "topk_forward_kl": 0.0})
     assert distill_metrics(g, {"topk_tokens": 3.0, "topk_forward_kl": 0.125})["teacher/topk_forward_kl"] == 0.125
+
+
+def test_top_k_above_the_vocabulary_is_refused_naming_the_field(tmp_path):
+    from moe_async.config import ExperimentConfig
+    from moe_async.errors import UserInputError
+    from moe_async.orchestration.teacher_pool import check_teacher_top_k
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 16}))
+    cfg = ExperimentConfig.model_validate({"teacher": {"enabled": True, "topk_forward_kl_coef": 1.0, "top_k": 17}})
+    with pytest.raises(UserInputError, match=r"teacher.top_k=17 exceeds the vocabulary \(.*config.json: vocab_size 16\)"):
+        check_teacher_top_k(cfg, str(tmp_path))
+    check_teacher_top_k(cfg.model_copy(update={"teacher": cfg.teacher.model_copy(update={"top_k": 16})}), str(tmp_path))
+    off = ExperimentConfig.model_validate({"teacher": {"enabled": True, "top_k": 17}})  # no top-k term: not checked
+    check_teacher_top_k(off, str(tmp_path))
