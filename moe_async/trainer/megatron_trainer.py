@@ -246,7 +246,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         The MoE load-balancing aux loss is added by Megatron (``MoEAuxLossAutoScaler``);
         its value comes from Megatron's aux-loss tracker.
 
-        Returns (floats): ``loss`` (= pg_loss + moe_aux_loss_coeff * moe_aux_loss),
+        Returns (floats): ``loss`` (= pg_loss + topk_kl_loss + moe_aux_loss_coeff * moe_aux_loss),
         ``pg_loss``, ``moe_aux_loss`` (unscaled, summed over MoE layers, averaged over
         micro-batches), ``grad_norm`` (before clipping), ``clipfrac``, ``tis_mean``,
         ``logp_diff_mean``, ``kl_k3``, ``entropy`` (token means), ``topk_kl_loss`` (the loss's
