@@ -208,3 +208,19 @@ def test_top_k_above_the_vocabulary_is_refused_naming_the_field(tmp_path):
     check_teacher_top_k(cfg.model_copy(update={"teacher": cfg.teacher.model_copy(update={"top_k": 16})}), str(tmp_path))
     off = ExperimentConfig.model_validate({"teacher": {"enabled": True, "top_k": 17}})  # no top-k term: not checked
     check_teacher_top_k(off, str(tmp_path))
+
+
+def test_scoring_reply_drops_sglangs_leading_null():
+    """SGLang 0.5.23 answers ``logprob_start_len = s`` with ``[None] + logprobs[:-1]`` (the token
+    AT ``s`` has none): the client asks from one before the scored tokens and drops that entry,
+    top rows included; a reply of only the scored tokens is refused, naming the count."""
+    from moe_async.engines.client import _Calls, parse_score
+
+    call = _Calls.score.spec(_Calls(), [5, 6, 7, 8], 2, top_logprobs_num=2)
+    assert call.json["logprob_start_len"] == 1
+    meta = {"input_token_logprobs": [[None, 6, None], [-0.5, 7, None], [-1.5, 8, None]],
+            "input_top_logprobs": [None, [[-0.25, 3, None], [-0.5, 7, None]], [[-1.0, 4, None], [-1.5, 8, None]]]}
+    out = parse_score({"meta_info": meta}, 2)
+    assert out.token_logprobs == [-0.5, -1.5] and out.top_logprobs == [[(3, -0.25), (7, -0.5)], [(4, -1.0), (8, -1.5)]]
+    with pytest.raises(ValueError, match=r"expected 3 input logprobs \(the first null\), the engine returned 2"):
+        parse_score({"meta_info": {"input_token_logprobs": meta["input_token_logprobs"][1:]}}, 2)
