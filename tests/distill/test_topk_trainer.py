@@ -52,7 +52,7 @@ def test_topk_tp2_and_cp2_equal_one_process(ref, tmp_path):
     log-softmax (``parallel_output=False``) and, at CP, split and gathered as the labels."""
     tmp, r = ref
     out = tmp_path / "run.json"
-    torchrun(2, SCRIPT, "run", str(tmp), str(out), "tp2", "cp2", timeout=600, OMP_NUM_THREADS="1")
+    torchrun(2, SCRIPT, "run", str(tmp), str(out), "tp2", "cp2", timeout=600)
     res = json.loads(out.read_text())
     one = r["train"]
     for case in ("tp2", "cp2"):
