@@ -47,6 +47,10 @@ class Sample:
         teacher_logprobs: ``None`` (no teacher, or it failed on this sample) or ``[R]`` float
             logprob (natural log) of each response token under the distillation teacher
             (moe_async/distill), given the teacher's prompt.
+        teacher_topk_ids, teacher_topk_logprobs: ``None`` (no top-k asked, or the teacher
+            failed) or ``[R, k]`` int64 token ids / float32 logprobs (natural log, the
+            teacher's full-vocabulary log-softmax) of the teacher's ``k`` most likely tokens at
+            each response position, best first (SGLang's ``input_top_logprobs``).
     """
 
     prompt_ids: list[int]
@@ -63,6 +67,8 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[int] | None = None
     teacher_logprobs: list[float] | None = None
+    teacher_topk_ids: np.ndarray | None = None
+    teacher_topk_logprobs: np.ndarray | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -81,6 +87,12 @@ class Sample:
             )
         if self.loss_mask is not None and len(self.loss_mask) != n:
             raise ValueError(f"sample lengths disagree: response_ids={n}, loss_mask={len(self.loss_mask)}")
+        ti, tl = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if (ti is None) != (tl is None):
+            raise ValueError("teacher_topk_ids and teacher_topk_logprobs must be set together")
+        if ti is not None and tl is not None and (ti.ndim != 2 or ti.shape[0] != n or ti.shape != tl.shape):
+            raise ValueError(f"sample lengths disagree: response_ids={n}, teacher_topk_ids {tuple(ti.shape)}, "
+                             f"teacher_topk_logprobs {tuple(tl.shape)} (want [{n}, k] each)")
 
     def response_mask(self) -> list[float]:
         """``[R]`` float: 1.0 where a response token carries loss (``loss_mask``; all when None)."""
@@ -172,6 +184,8 @@ class CpShard:
             replay; None without routes).
         logit_b, logit_s: ``[N_local]`` long, the response-predicting rows of
             ``MicroBatch.logit_b/logit_s`` this rank holds, as (sequence, local position).
+        topk_ids: ``[B,S/CP,k]`` long, ``MicroBatch.topk_ids`` at this rank's positions (as
+            ``labels``), or None.
     """
 
     tokens: Tensor
@@ -182,6 +196,7 @@ class CpShard:
     logit_s: Tensor
     routes_BSLK: Tensor | None = None
     routes_real_BS: Tensor | None = None
+    topk_ids: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +230,10 @@ class MicroBatch:
         n_real: the sequences of the packed list in this micro-batch (rows ``[0, n_real)``); the
             rows after them are zero-weight fillers (padded micro-batches at PP > 1 with a token
             budget: one ``[B,S]`` shape per step). None: every row is real.
+        topk_ids, topk_logp: ``[B,S-1,k]`` long / float32, the distillation teacher's top-k
+            token ids and logprobs at each response-predicting position (``Sample.teacher_topk_*``;
+            0 elsewhere); topk_mask: ``[B,S-1]`` float, 1 on the response tokens that have them.
+            None when no sample of the batch has them.
     """
 
     tokens: Tensor
@@ -237,6 +256,9 @@ class MicroBatch:
     cp: CpShard | None = None
     logp_old: Tensor | None = None
     n_real: int | None = None
+    topk_ids: Tensor | None = None
+    topk_logp: Tensor | None = None
+    topk_mask: Tensor | None = None
 
     def map_tensors(self, fn: Callable[["Tensor"], "Tensor"]) -> "MicroBatch":
         """A copy with ``fn`` applied to every tensor (those of ``thd`` and ``cp`` too)."""

@@ -20,16 +20,31 @@ from moe_async.types import Group, Sample
 FORMAT = 1
 
 
+_ARRAYS = ("routed_experts", "teacher_topk_ids", "teacher_topk_logprobs")  # numpy fields: dtype, shape, base64
+
+
+def _encode(a: np.ndarray | None) -> dict[str, Any] | None:
+    if a is None:
+        return None
+    b64 = base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
+    return {"dtype": str(a.dtype), "shape": list(a.shape), "b64": b64}
+
+
+def _decode(r: dict[str, Any] | None) -> np.ndarray | None:
+    if r is None:
+        return None
+    return np.frombuffer(base64.b64decode(r["b64"]), dtype=np.dtype(r["dtype"])).reshape(r["shape"]).copy()
+
+
 def sample_to_dict(s: Sample) -> dict[str, Any]:
-    """Every field of ``s`` as JSON-able values (``routed_experts``: dtype, shape, base64 bytes)."""
-    d = {f.name: getattr(s, f.name) for f in fields(Sample) if f.name != "routed_experts"}
+    """Every field of ``s`` as JSON-able values (numpy fields ``routed_experts`` and
+    ``teacher_topk_*``: dtype, shape, base64 bytes)."""
+    d = {f.name: getattr(s, f.name) for f in fields(Sample) if f.name not in _ARRAYS}
     d["response_ids"], d["prompt_ids"] = [int(t) for t in s.response_ids], [int(t) for t in s.prompt_ids]
     d["rollout_logprobs"] = [float(x) for x in s.rollout_logprobs]
     d["weight_versions"] = [int(v) for v in s.weight_versions]
     d["metadata"] = dict(s.metadata)
-    r = s.routed_experts
-    d["routed_experts"] = None if r is None else {
-        "dtype": str(r.dtype), "shape": list(r.shape), "b64": base64.b64encode(np.ascontiguousarray(r).tobytes()).decode()}
+    d.update({k: _encode(getattr(s, k)) for k in _ARRAYS})
     return d
 
 
@@ -38,15 +53,13 @@ def sample_from_dict(d: dict[str, Any]) -> Sample:
 
     Raises: ValueError naming the missing or unknown field, or the per-token lists that disagree."""
     names = {f.name for f in fields(Sample)}
-    d = {"loss_mask": None, "teacher_logprobs": None, **d}  # snapshots written before multi-turn samples or distillation
+    # snapshots written before multi-turn samples, distillation or its top-k
+    d = {"loss_mask": None, "teacher_logprobs": None, "teacher_topk_ids": None, "teacher_topk_logprobs": None, **d}
     if set(d) != names:
         raise ValueError(f"buffer snapshot: sample fields differ: missing {sorted(names - set(d))}, "
                          f"unknown {sorted(set(d) - names)}")
     kw = dict(d)
-    r = kw.pop("routed_experts")
-    if r is not None:
-        kw["routed_experts"] = np.frombuffer(base64.b64decode(r["b64"]), dtype=np.dtype(r["dtype"])).reshape(
-            r["shape"]).copy()
+    kw.update({k: _decode(kw[k]) for k in _ARRAYS})
     s = Sample(**kw)
     s.validate()
     return s

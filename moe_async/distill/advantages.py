@@ -50,10 +50,12 @@ def distill_advantages(groups: list[Group], kl_coef: float, reward_coef: float) 
     return out
 
 
-def distill_metrics(groups: list[Group]) -> dict[str, float]:
+def distill_metrics(groups: list[Group], train: dict[str, float] | None = None) -> dict[str, float]:
     """Of a trained batch: ``teacher/batch_kl_per_token`` (mean over the tokens the teacher
     scored of ``logp_student - logp_teacher``), ``teacher/batch_tokens`` (tokens it scored) and
-    ``teacher/batch_failed_samples``."""
+    ``teacher/batch_failed_samples``; with the trainer's step metrics ``train`` holding a top-k
+    forward KL (``topk_tokens > 0``), ``teacher/topk_forward_kl``: its mean per token with the
+    teacher's top-k, under the weights before the step."""
     kl, n, failed = 0.0, 0, 0
     for g in groups:
         for s in g.samples:
@@ -62,5 +64,8 @@ def distill_metrics(groups: list[Group]) -> dict[str, float]:
                 continue
             kl += sum(a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs))
             n += len(s.teacher_logprobs)
-    return {"teacher/batch_kl_per_token": kl / n if n else 0.0, "teacher/batch_tokens": float(n),
-            "teacher/batch_failed_samples": float(failed)}
+    out = {"teacher/batch_kl_per_token": kl / n if n else 0.0, "teacher/batch_tokens": float(n),
+           "teacher/batch_failed_samples": float(failed)}
+    if train and train.get("topk_tokens"):
+        out["teacher/topk_forward_kl"] = float(train["topk_forward_kl"])
+    return out

@@ -36,6 +36,12 @@ class TeacherConfig(ConfigModel):
                            "-(logp_student - logp_teacher).")
     reward_coef: float = Field(0.0, ge=0, description="Weight of the task reward's GRPO advantage added to it "
                                "(0: pure distillation; the reward is still scored and reported).")
+    topk_forward_kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the top-k forward KL loss term sum_j p_T(j) (log p_T(j) - log p_S(j)) over "
+        "the teacher's top_k tokens at each response position (moe_async/trainer/loss.py), added to the policy loss "
+        "with the same token mean; 0: off (the teacher is then asked for no top-k).")
+    top_k: int = Field(20, ge=1, description="Teacher tokens per response position for the top-k forward KL (SGLang's "
+                       "top_logprobs_num); at most the vocabulary size. Unused while topk_forward_kl_coef is 0.")
     timeout_s: float = Field(60.0, gt=0, description="Per-sample teacher scoring timeout (s).")
     max_concurrent_requests: int = Field(16, ge=1, description="Teacher requests in flight at once (all engines).")
     max_consecutive_failures: int = Field(
@@ -44,9 +50,10 @@ class TeacherConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TeacherConfig":
-        if self.enabled and self.kl_coef == 0 and self.reward_coef == 0:
-            raise ValueError("teacher.kl_coef and teacher.reward_coef are both 0: the advantage would be 0 for every "
-                             "token; set teacher.kl_coef > 0 (distillation) or disable the teacher")
+        if self.enabled and self.kl_coef == 0 and self.reward_coef == 0 and self.topk_forward_kl_coef == 0:
+            raise ValueError("teacher.kl_coef, teacher.reward_coef and teacher.topk_forward_kl_coef are all 0: nothing "
+                             "would be learned; set teacher.kl_coef > 0 (reverse-KL advantage) or "
+                             "teacher.topk_forward_kl_coef > 0 (top-k forward KL loss), or disable the teacher")
         if self.urls is not None and not self.urls:
             raise ValueError("teacher.urls is an empty list: name at least one server, or leave it unset to start "
                              "teacher engines")

@@ -1,18 +1,19 @@
 """The teacher pool's client side: score every sampled response token with the teacher.
 
-Per sample: the teacher's prompt (:func:`teacher_prompt_ids`) + the sample's exact response
-token ids -> one SGLang ``/generate`` scoring call (``max_new_tokens: 0``, ``return_logprob``,
-``logprob_start_len`` = teacher prompt length; :meth:`moe_async.engines.client.EngineClient.score`),
-round-robin over the teacher engines, at most ``teacher.max_concurrent_requests`` in flight,
-each bounded by ``teacher.timeout_s`` -> ``sample.teacher_logprobs`` ``[R]``. No re-tokenisation.
+Per sample: the teacher's prompt + the sample's exact response token ids -> one SGLang
+``/generate`` scoring call (:meth:`moe_async.engines.client.EngineClient.score`), round-robin
+over the teacher engines, at most ``teacher.max_concurrent_requests`` in flight, each bounded by
+``teacher.timeout_s`` -> ``sample.teacher_logprobs`` ``[R]``; with ``teacher.topk_forward_kl_coef
+> 0`` also the teacher's ``teacher.top_k`` best tokens per position (``top_logprobs_num``) ->
+``sample.teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[R, k]``. No re-tokenisation.
 
 Failures: a call that raises, times out, or replies other than one finite logprob <= 0 per
-scored token (``teacher/bad_replies``) leaves ``teacher_logprobs`` None (a zero distillation
-advantage, :mod:`.advantages`) and is counted (``teacher/failures``, ``teacher/timeouts``);
-each error names the teacher URL. ``teacher.max_consecutive_failures`` failures in a row
-raise :class:`TeacherFailureError`; before the teacher's first scored sample the limit is
-``first_limit`` (one step's samples) when smaller, so a teacher that never scores stops the
-run before its first step.
+scored token (asked for top-k: and ``k`` distinct ids with finite logprobs <= 0 per token;
+``teacher/bad_replies``) leaves them None (a zero distillation advantage, :mod:`.advantages`)
+and is counted (``teacher/failures``, ``teacher/timeouts``); each error names the teacher URL.
+``teacher.max_consecutive_failures`` failures in a row raise :class:`TeacherFailureError`;
+before the teacher's first scored sample the limit is ``first_limit`` (one step's samples) when
+smaller, so a teacher that never scores stops the run before its first step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import math
 import time
 from collections import defaultdict
 from typing import Any, Callable
+
+import numpy as np
 
 from moe_async.distill.config import TeacherConfig
 from moe_async.types import Sample
@@ -163,9 +166,12 @@ class TeacherScorer:
 
     async def _score_one(self, prompt: list[int], s: Sample, trace: Any, where: str) -> str | None:
         """Score one sample (``where``: how a bad reply names it); returns None or the error."""
-        s.teacher_logprobs = None
+        s.teacher_logprobs = s.teacher_topk_ids = s.teacher_topk_logprobs = None
+        k = self.cfg.top_k if self.cfg.topk_forward_kl_coef > 0 else 0
         if not s.response_ids:  # nothing to score: an empty list, not a failure
             s.teacher_logprobs = []
+            if k:
+                s.teacher_topk_ids, s.teacher_topk_logprobs = np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
             return None
         assert self._sem is not None
         async with self._sem:
@@ -175,11 +181,17 @@ class TeacherScorer:
             w0 = trace.now() if trace is not None else 0.0
             err = None
             try:
-                out = await asyncio.wait_for(self.clients[i].score(list(prompt) + list(s.response_ids), len(prompt)),
+                ids = list(prompt) + list(s.response_ids)
+                out = await asyncio.wait_for(self.clients[i].score(ids, len(prompt), top_logprobs_num=k),
                                              self.cfg.timeout_s)
                 err = _bad_reply(out.token_logprobs, len(s.response_ids))
+                top = None
+                if err is None and k:
+                    top, err = _topk_arrays(getattr(out, "top_logprobs", None), len(s.response_ids), k)
                 if err is None:
                     s.teacher_logprobs = [float(v) for v in out.token_logprobs]
+                    if top is not None:
+                        s.teacher_topk_ids, s.teacher_topk_logprobs = top
                 else:
                     err = f"{url}: bad reply for {where}: {err}"
                     self.counters["bad_replies"] += 1
@@ -219,6 +231,28 @@ class TeacherScorer:
                for k in ("requests", "failures", "timeouts", "errors", "bad_replies", "seconds", "tokens")}
         out["teacher/kl_per_token"] = float(c["kl_sum"]) / c["tokens"] if c["tokens"] else 0.0
         return out
+
+
+def _topk_arrays(rows: Any, n: int, k: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+    """``((ids [n,k] int64, logprobs [n,k] float32), None)`` from a scoring reply's top
+    logprobs (per position ``[(token_id, logprob)]``, best first), or ``(None, why)`` when they
+    are not ``k`` distinct non-negative ids with finite logprobs <= 0 at each of ``n`` positions."""
+    if rows is None:
+        return None, f"no top logprobs (asked for top_logprobs_num={k})"
+    if len(rows) != n:
+        return None, f"{len(rows)} top-logprob rows for {n} scored tokens"
+    try:
+        ids = np.array([[int(e[0]) for e in (r or [])] for r in rows], dtype=np.int64)
+        lps = np.array([[float(e[1]) for e in (r or [])] for r in rows], dtype=np.float64)
+    except (TypeError, ValueError, IndexError):
+        return None, "top logprobs are not (token id, logprob) rows of equal length"
+    if ids.shape != (n, k):
+        return None, f"top logprobs of shape {ids.shape}, want ({n}, {k}) (teacher.top_k={k})"
+    for t in range(n):
+        bad = not (np.isfinite(lps[t]).all() and (lps[t] <= 1e-6).all() and (ids[t] >= 0).all())
+        if bad or len(set(ids[t].tolist())) != k:
+            return None, f"top logprobs of scored token {t} are not {k} distinct ids with finite logprobs <= 0"
+    return (ids, np.minimum(lps, 0.0).astype(np.float32)), None
 
 
 def _bad_reply(logprobs: Any, n: int) -> str | None:

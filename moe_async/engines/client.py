@@ -109,17 +109,21 @@ class ScoreOutput:
 
 
 def parse_score(resp: dict, n: int) -> ScoreOutput:
-    """SGLang ``/generate`` response of a scoring call -> :class:`ScoreOutput`.
+    """SGLang ``/generate`` response of a scoring call sent with ``logprob_start_len`` one before
+    the first scored token (:meth:`_Calls.score`) -> :class:`ScoreOutput` of the ``n`` tokens
+    after it: SGLang's first input entry (the token at ``logprob_start_len``) has no logprob
+    (``null``) and is dropped.
 
-    Raises: ValueError when the engine returned other than ``n`` input logprobs or a null one."""
+    Raises: ValueError when the engine returned other than ``n + 1`` input logprobs or a null
+    one after the first."""
     meta = resp["meta_info"]
     rows = meta.get("input_token_logprobs") or []
-    lps = [r[0] for r in rows]
-    if len(lps) != n or any(v is None for v in lps):
-        raise ValueError(f"scoring call: expected {n} input logprobs, the engine returned {len(lps)} "
-                         f"({sum(v is None for v in lps)} null)")
+    lps = [r[0] for r in rows[1:]]
+    if len(rows) != n + 1 or any(v is None for v in lps):
+        raise ValueError(f"scoring call: expected {n + 1} input logprobs (the first null), the engine returned "
+                         f"{len(rows)} ({sum(v is None for v in lps)} null after the first)")
     top = meta.get("input_top_logprobs")
-    tops = None if top is None else [[(int(e[1]), float(e[0])) for e in (r or [])] for r in top]
+    tops = None if top is None else [[(int(e[1]), float(e[0])) for e in (r or [])] for r in top[1:]]
     return ScoreOutput([float(v) for v in lps], tops)
 
 
@@ -354,10 +358,13 @@ class _Calls:
     @_Endpoint
     def score(self, input_ids: list[int], logprob_start_len: int, top_logprobs_num: int = 0) -> _Call[ScoreOutput]:
         """SGLang's ``/generate`` as a scoring call (a teacher's): nothing generated
-        (``max_new_tokens: 0``), the logprobs of ``input_ids[logprob_start_len:]`` under the
-        served weights -> :class:`ScoreOutput`; ``0 < logprob_start_len < len(input_ids)``.
-        Nothing is generated, so the call is idempotent: retried on transient errors (a
-        dropped keep-alive connection, a 5xx), like the other idempotent calls."""
+        (``max_new_tokens: 0``), the logprobs (and with ``top_logprobs_num`` the top ones) of
+        ``input_ids[logprob_start_len:]`` under the served weights -> :class:`ScoreOutput`;
+        ``0 < logprob_start_len < len(input_ids)``. The request's ``logprob_start_len`` is one
+        less: SGLang 0.5.23 gives the token AT ``logprob_start_len`` no logprob (its prefill
+        computes logits from there on; see :func:`parse_score`). Nothing is generated, so the
+        call is idempotent: retried on transient errors (a dropped keep-alive connection, a
+        5xx), like the other idempotent calls."""
         n = len(input_ids) - int(logprob_start_len)
         if not 0 < logprob_start_len < len(input_ids):
             raise ValueError(f"logprob_start_len={logprob_start_len} must be in (0, {len(input_ids)})")
@@ -365,7 +372,7 @@ class _Calls:
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
-            "logprob_start_len": int(logprob_start_len),
+            "logprob_start_len": int(logprob_start_len) - 1,
         }
         if top_logprobs_num:
             body["top_logprobs_num"] = int(top_logprobs_num)

@@ -232,8 +232,10 @@ class TrainerActor:
         if t.enabled:  # on-policy distillation: per-token reverse-KL advantages (moe_async/distill)
             from moe_async.distill.advantages import distill_advantages, distill_metrics
 
-            m = self._trainer.train_step(samples, distill_advantages(groups, t.kl_coef, t.reward_coef))
-            return {**{f"train/{k}": v for k, v in m.items()}, **distill_metrics(groups)}
+            # and, with teacher.topk_forward_kl_coef, the top-k forward KL loss term
+            m = self._trainer.train_step(samples, distill_advantages(groups, t.kl_coef, t.reward_coef),
+                                         topk_kl_coef=t.topk_forward_kl_coef)
+            return {**{f"train/{k}": v for k, v in m.items()}, **distill_metrics(groups, m)}
         adv = compute_grpo_advantages([[s.reward for s in g.samples] for g in groups])
         flat_adv = [a for ga in adv for a in ga]
         return {f"train/{k}": v for k, v in self._trainer.train_step(samples, flat_adv).items()}

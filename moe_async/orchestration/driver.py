@@ -135,6 +135,15 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         if fresh_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
         raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
+    if cfg.teacher.enabled:  # teacher.top_k against the vocabulary: before any Ray process
+        from moe_async.orchestration.teacher_pool import check_teacher_top_k
+
+        try:
+            check_teacher_top_k(cfg, model_path)
+        except UserInputError:
+            if fresh_run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
     if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's own chat template shows the tools
         from moe_async.models.prepare import load_tokenizer
 

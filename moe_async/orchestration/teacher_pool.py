@@ -59,6 +59,20 @@ def tokenizer_difference(student: Any, teacher: Any) -> str | None:
     return None
 
 
+def check_teacher_top_k(cfg: Any, student_path: str) -> None:
+    """With ``teacher.topk_forward_kl_coef > 0``: ``teacher.top_k`` must not exceed the
+    student's ``vocab_size`` (the vocabulary the top-k forward KL is taken over; the teacher
+    shares it). Raises UserInputError naming ``teacher.top_k`` and the checkpoint."""
+    t = cfg.teacher
+    if not (t.enabled and t.topk_forward_kl_coef > 0):
+        return
+    cj = Path(student_path) / "config.json"
+    v = _vocab_size(cj, "the student's checkpoint")
+    if t.top_k > v:
+        raise UserInputError(f"teacher.top_k={t.top_k} exceeds the vocabulary ({cj}: vocab_size {v}); the top-k "
+                             "forward KL takes at most every token: set teacher.top_k <= vocab_size")
+
+
 def teacher_model_path(cfg: Any, student_path: str) -> str:
     """The checkpoint the teacher engines serve: ``teacher.model_path``, else the student's.
 

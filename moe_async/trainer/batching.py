@@ -98,6 +98,7 @@ class BatchingMixin(TrainerAttrs):
         """
         mbs = self.cfg.micro_batch_size
         lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        k = self._topk_width(samples)
         for i, s in enumerate(samples):
             if len(s.prompt_ids) == 0:
                 raise ValueError(f"sample {i} has an empty prompt")
@@ -140,6 +141,9 @@ class BatchingMixin(TrainerAttrs):
             rlp = torch.zeros(B, S - 1)
             plen = torch.zeros(B, dtype=torch.long)
             rlen = torch.zeros(B, dtype=torch.long)
+            tk_ids = torch.zeros(B, S - 1, k, dtype=torch.long) if k else None
+            tk_lp = torch.zeros(B, S - 1, k) if k else None
+            tk_mask = torch.zeros(B, S - 1) if k else None
             for b, s in enumerate(chunk):
                 P, R = len(s.prompt_ids), len(s.response_ids)
                 tokens[b, :P] = torch.tensor(s.prompt_ids, dtype=torch.long)
@@ -155,13 +159,19 @@ class BatchingMixin(TrainerAttrs):
                             a, (list, tuple)) else float(a)
                     if s.rollout_logprobs:
                         rlp[b, P - 1 : P - 1 + R] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+                    if tk_ids is not None and s.teacher_topk_ids is not None:  # distillation: teacher top-k
+                        assert tk_lp is not None and tk_mask is not None and s.teacher_topk_logprobs is not None
+                        tk_ids[b, P - 1 : P - 1 + R] = torch.as_tensor(s.teacher_topk_ids, dtype=torch.long)
+                        tk_lp[b, P - 1 : P - 1 + R] = torch.as_tensor(s.teacher_topk_logprobs, dtype=torch.float32)
+                        tk_mask[b, P - 1 : P - 1 + R] = 1.0
                 plen[b], rlen[b] = P, R
             # response positions (b, t): the only rows whose logits the loss and logprobs use
             rows = [(b, t) for b in range(B) for t in range(int(plen[b]) - 1, int(plen[b] + rlen[b]) - 1)]
             fields: dict[str, Any] = dict(
                 tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logp=rlp, prompt_len=plen,
                 resp_len=rlen, first=start, n_real=n_real if len(chunk) > n_real else None, logit_b=torch.tensor([b for b, _ in rows], dtype=torch.long),
-                logit_s=torch.tensor([t for _, t in rows], dtype=torch.long))
+                logit_s=torch.tensor([t for _, t in rows], dtype=torch.long),
+                topk_ids=tk_ids, topk_logp=tk_lp, topk_mask=tk_mask)
             if thd:
                 fields["thd"] = packed_row(tokens, fields["logit_b"], fields["logit_s"], lens[start:end], T_rows[i])
             else:
@@ -176,6 +186,26 @@ class BatchingMixin(TrainerAttrs):
                 mb = dataclasses.replace(mb, cp=self._cp_split(mb))
             out.append(mb)
         return out
+
+    def _topk_width(self, samples: list[Sample]) -> int:
+        """``k`` of the samples' distillation teacher top-k (``Sample.teacher_topk_ids [R, k]``),
+        0 when none has them. Raises ValueError naming the sample whose ``k`` differs from the
+        first's, whose shapes disagree with its response, or whose ids are outside the
+        student's vocabulary ``[0, V)``."""
+        k = 0
+        for i, s in enumerate(samples):
+            if s.teacher_topk_ids is None:
+                continue
+            s.validate()
+            kk = int(s.teacher_topk_ids.shape[1])
+            if k and kk != k:
+                raise ValueError(f"sample {i}: teacher top-k of {kk} tokens per position, earlier samples {k}")
+            k = kk
+            ids = s.teacher_topk_ids
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+                raise ValueError(f"sample {i}: teacher top-k token id {int(ids.max())} (or {int(ids.min())}) is outside "
+                                 f"the student's vocabulary [0, {self.vocab_size})")
+        return k
 
     @staticmethod
     def _packed_seq_params(mb: MicroBatch) -> Any:
@@ -219,7 +249,7 @@ class BatchingMixin(TrainerAttrs):
     def _cp_split(self, mb: MicroBatch) -> CpShard:
         """CP > 1: this context-parallel rank's part of a padded micro-batch (which keeps its
         whole-sequence tensors for the loss; fields in :class:`CpShard`'s docstring): tokens,
-        positions, padding mask, labels and (router replay) routes split by Megatron-Core's
+        positions, padding mask, labels, the teacher's top-k ids and (router replay) routes split by Megatron-Core's
         ``get_batch_on_this_cp_rank``, and the response-predicting rows this rank holds. The
         loss side (loss mask, advantages, rollout/old logprobs) stays whole: logprobs are
         gathered over CP before the loss (:meth:`_cp_token_logp`)."""
@@ -232,6 +262,8 @@ class BatchingMixin(TrainerAttrs):
         labels[:, :-1] = tokens[:, 1:]
         seq = {k: getattr(mb, k).contiguous() for k in self._CP_SEQ_KEYS if getattr(mb, k) is not None}
         seq["labels"] = labels
+        if mb.topk_ids is not None:  # position t's teacher top-k ids, aligned with labels
+            seq["topk_ids"] = torch.cat([mb.topk_ids, torch.zeros_like(mb.topk_ids[:, :1])], 1)
         local = get_batch_on_this_cp_rank(seq, ps.get_context_parallel_group())
         cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         inv = torch.full((S,), -1, dtype=torch.long)

@@ -2,7 +2,8 @@
 
 :class:`LogprobsMixin` (a base of the trainer): one micro-batch through a model chunk
 (:meth:`_forward`: logits of the response positions only where the output layer allows),
-token logprobs from the logits (:meth:`_token_logp`; gathered over CP by
+token logprobs from the logits (:meth:`_token_logp`, with the distillation teacher's top-k
+ids :meth:`_token_logps`; gathered over CP by
 :meth:`_cp_token_logp`), the expert-bias routers' padding correction, and the public
 :meth:`compute_logprobs` (forward only through Megatron's schedule).
 """
@@ -118,56 +119,79 @@ class LogprobsMixin(TrainerAttrs):
 
     def _token_logp(self, logits: Tensor, mb: MicroBatch, rows_only: bool,
                     entropy: bool = False) -> tuple[Tensor | None, Tensor]:
-        """``(entropy [B,S-1] or None, logp [B,S-1])``: fp32 (fp64 for fp64 logits) log-softmax over the HF vocab V
-        (the padded vocab rows are dropped first); ``logp[b,t]`` = log-prob of token t+1,
-        ``entropy[b,t]`` of the predicted distribution (no grad). With ``rows_only``
-        (``logits [1,N,V_padded]``) positions other than the response rows hold 0."""
+        """``(entropy [B,S-1] or None, logp [B,S-1])``: :meth:`_token_logps` without the top-k."""
+        ent, logp, _ = self._token_logps(logits, mb, rows_only, entropy)
+        return ent, logp
+
+    def _token_logps(self, logits: Tensor, mb: MicroBatch, rows_only: bool, entropy: bool = False,
+                     topk: bool = False) -> tuple[Tensor | None, Tensor, Tensor | None]:
+        """``(entropy [B,S-1] or None, logp [B,S-1], topk_logp [B,S-1,k] or None)``: fp32 (fp64
+        for fp64 logits) log-softmax over the HF vocab V (the padded vocab rows are dropped
+        first); ``logp[b,t]`` = log-prob of token t+1, ``entropy[b,t]`` of the predicted
+        distribution (no grad), ``topk_logp[b,t,j]`` = log-prob of token ``mb.topk_ids[b,t,j]``
+        (with ``topk`` and ``mb.topk_ids``; the distillation teacher's top-k ids, with grad).
+        The logits hold the whole vocabulary on every TP rank (``parallel_output=False``: the
+        output layer all-gathers its vocab shards, and its backward keeps each rank's shard),
+        so every id is gathered locally. With ``rows_only`` (``logits [1,N,V_padded]``)
+        positions other than the response rows hold 0."""
         if mb.cp is not None:
-            return self._cp_token_logp(logits, mb, rows_only, entropy)
+            return self._cp_token_logp(logits, mb, rows_only, entropy, topk)
         if mb.thd is not None and not rows_only:  # packed [1,T,V]: the response rows, in logit_b/s order
             logits, rows_only = logits[:, mb.thd.logit_s], True
         tokens = mb.tokens
         B, S = tokens.shape
+        ids = mb.topk_ids if topk else None
         wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        tk = None
         if rows_only:
             b, s = mb.logit_b, mb.logit_s
             logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
             lp = logp_NV.gather(-1, tokens[b, s + 1].unsqueeze(-1)).squeeze(-1)
             logp = torch.zeros(B, S - 1, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
+            if ids is not None:
+                t = logp_NV.gather(-1, ids[b, s])
+                tk = torch.zeros(B, S - 1, ids.shape[-1], dtype=t.dtype, device=t.device).index_put((b, s), t)
             ent = None
             if entropy:
                 with torch.no_grad():
                     e = -(logp_NV.exp() * logp_NV).sum(-1)
                     ent = torch.zeros(B, S - 1, dtype=e.dtype, device=e.device).index_put((b, s), e)
-            return ent, logp
+            return ent, logp, tk
         logp_BSV = torch.log_softmax(logits[:, :-1, : self.vocab_size].to(wide), dim=-1)
         logp = logp_BSV.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        if ids is not None:
+            tk = logp_BSV.gather(-1, ids)
         ent = None
         if entropy:
             with torch.no_grad():
                 ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
-        return ent, logp
+        return ent, logp, tk
 
-    def _cp_token_logp(self, logits: Tensor, mb: MicroBatch, rows_only: bool,
-                       entropy: bool = False) -> tuple[Tensor | None, Tensor]:
-        """:meth:`_token_logp` with CP > 1: logits of this rank's positions (``[1,N_local,V_padded]``
+    def _cp_token_logp(self, logits: Tensor, mb: MicroBatch, rows_only: bool, entropy: bool = False,
+                       topk: bool = False) -> tuple[Tensor | None, Tensor, Tensor | None]:
+        """:meth:`_token_logps` with CP > 1: logits of this rank's positions (``[1,N_local,V_padded]``
         rows ``mb.cp.logit_b/logit_s`` when ``rows_only``, else ``[B,S/CP,V_padded]``) -> this rank's
-        ``[B,S/CP]`` logprobs of ``mb.cp.labels`` -> all-gathered over the CP group into global
-        order ``[B,S]`` (differentiable; each rank back-propagates its own positions, see
-        :func:`sharding.gather_over_cp`) -> ``[B,S-1]``, equal on every CP rank."""
+        ``[B,S/CP]`` logprobs of ``mb.cp.labels`` (and ``[B,S/CP,k]`` of ``mb.cp.topk_ids``) ->
+        all-gathered over the CP group into global order ``[B,S]`` (differentiable; each rank
+        back-propagates its own positions, see :func:`sharding.gather_over_cp`) -> ``[B,S-1]``,
+        equal on every CP rank."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
         assert mb.cp is not None, "a micro-batch with its context-parallel shard"
         labels = mb.cp.labels
+        ids = mb.cp.topk_ids if topk else None
         B, S_loc = labels.shape
         wide = torch.promote_types(logits.dtype, torch.float32)
-        ent_loc = None
+        ent_loc = tk_loc = None
         if rows_only:
             b, s = mb.cp.logit_b, mb.cp.logit_s
             logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
             lp = logp_NV.gather(-1, labels[b, s].unsqueeze(-1)).squeeze(-1)
             logp_loc = torch.zeros(B, S_loc, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
+            if ids is not None:
+                t = logp_NV.gather(-1, ids[b, s])
+                tk_loc = torch.zeros(B, S_loc, ids.shape[-1], dtype=t.dtype, device=t.device).index_put((b, s), t)
             if entropy:
                 with torch.no_grad():
                     e = -(logp_NV.exp() * logp_NV).sum(-1)
@@ -175,15 +199,18 @@ class LogprobsMixin(TrainerAttrs):
         else:
             logp_BSV = torch.log_softmax(logits[:, :, : self.vocab_size].to(wide), dim=-1)
             logp_loc = logp_BSV.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            if ids is not None:
+                tk_loc = logp_BSV.gather(-1, ids)
             if entropy:
                 with torch.no_grad():
                     ent_loc = -(logp_BSV.exp() * logp_BSV).sum(-1)
         logp = gather_over_cp(logp_loc, group)[:, :-1]
+        tk = gather_over_cp(tk_loc, group)[:, :-1] if tk_loc is not None else None
         ent = None
         if ent_loc is not None:
             with torch.no_grad():
                 ent = gather_over_cp(ent_loc, group)[:, :-1]
-        return ent, logp
+        return ent, logp, tk
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()

@@ -5,6 +5,8 @@ logprobs, ``loss_mask``; the loss is ``sum(w * pg * loss_mask)`` with ``pg`` the
 surrogate (GRPO, DAPO's clip-higher) and ``w`` the detached weight of the configured correction
 (``none``, ``tis``, ``tis_seq``, ``mis``, ``mis_seq``, ``icepop``, ``opsm``, ``decoupled_ppo``).
 Masked positions are selected out, never multiplied by 0: they contribute exactly 0.
+On-policy distillation may add a top-k forward KL term per token (:func:`topk_forward_kl`),
+weighted by the same ``w``.
 
 Design notes: ``docs/design/trainer.md``."""
 
@@ -45,6 +47,24 @@ def _row_mean(x: Tensor, m: Tensor) -> Tensor:
 def _select(x: Tensor, keep: Tensor) -> Tensor:
     """``x`` where ``keep`` (bool, broadcastable), else 0: the masked inputs of the loss."""
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def topk_forward_kl(student_topk_logp: Tensor, teacher_topk_logp: Tensor) -> Tensor:
+    """Forward KL over the teacher's top-k support, per token: ``[..., k]`` -> ``[...]``::
+
+        KL_t = sum_{j in topk_t} p_T(j) * (log p_T(j) - log p_S(j))
+
+    ``teacher_topk_logp``: the teacher's logprobs (natural log, its full-vocabulary log-softmax)
+    of its ``k`` most likely tokens, NOT renormalised over the top-k (as verl's
+    ``forward_kl_topk``; miles' top-k OPD instead renormalises its weights over the selected ids,
+    and uses them in the advantage), detached; ``student_topk_logp``: the student's
+    full-vocabulary log-softmax at the same ids, with grad. Its gradient w.r.t. the student's
+    logits ``z`` is ``M * softmax(z) - p_T`` (``p_T`` 0 outside the top-k, ``M = sum_j p_T(j)``):
+    the minimum is ``p_S = p_T / M`` on the top-k, where ``KL_t = M log M <= 0`` (0 when the
+    top-k holds all the teacher's mass). Not clamped at 0 (verl clamps; that stops the gradient
+    of tokens below 0 before that minimum). Same dtype as the inputs."""
+    t = teacher_topk_logp.detach()
+    return (t.exp() * (t - student_topk_logp)).sum(-1)
 
 
 def off_policy_weight(
@@ -116,8 +136,12 @@ def grpo_token_loss(
     mis_high: float = 2.0,
     icepop_beta: float = 2.0,
     opsm_delta: float = 1e-4,
+    topk_kl: Tensor | None = None,
+    topk_kl_mask: Tensor | None = None,
+    topk_kl_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO clipped loss with one off-policy correction, summed over masked tokens.
+    """GRPO clipped loss with one off-policy correction, summed over masked tokens; with
+    ``topk_kl`` the loss of token ``t`` is ``w_t * (pg_t + topk_kl_coef * topk_kl_t)``.
 
     Args:
         logp: ``[B, T]`` float, current-policy logprob (natural log) of each taken token,
@@ -135,6 +159,9 @@ def grpo_token_loss(
         mis_low, mis_high: band ``[low, high]`` of the ratio kept by mis / mis_seq.
         icepop_beta: ``beta > 1``; IcePop keeps ratios in ``[1/beta, beta]``.
         opsm_delta: OPSM threshold ``delta`` (nats per token) on the sequence KL estimate.
+        topk_kl: ``[B, T]`` per-token top-k forward KL (:func:`topk_forward_kl`, with grad) or
+            None; topk_kl_mask: ``[B, T]``, > 0 where a token has it (required with it);
+            topk_kl_coef: its weight (distillation's ``teacher.topk_forward_kl_coef``).
 
     Returns:
         ``(loss_sum, metrics)``: ``loss_sum`` a 0-d tensor (sum over tokens, NOT averaged;
@@ -147,7 +174,9 @@ def grpo_token_loss(
         ``tis_mean`` (mean off-policy weight ``w``), ``is_masked_frac`` (fraction of tokens
         the correction zeroed), ``logp_diff_mean`` (|logp - rollout_logp|), ``kl_k3``
         (Schulman's k3 estimator of KL(pi_rollout || pi_theta): ``exp(d) - 1 - d`` with
-        ``d = logp - rollout_logp``).
+        ``d = logp - rollout_logp``); ``topk_kl_loss`` (the mean of ``topk_kl_coef * w *
+        topk_kl``: the loss's part from it), and the sums ``topk_kl_sum`` (of ``topk_kl``,
+        unweighted) and ``topk_kl_tokens`` over the loss-bearing tokens that have it (0 without).
 
     Raises:
         ValueError: a correction other than "none" without ``rollout_logp``,
@@ -185,7 +214,15 @@ def grpo_token_loss(
             opsm_delta=opsm_delta,
         )
         pg = pg * w
-    loss_sum = masked_sum(pg, mask)
+    term = pg
+    kl_keep = torch.zeros_like(keep)
+    if topk_kl is not None:
+        if topk_kl_mask is None:
+            raise ValueError("topk_kl needs topk_kl_mask (the tokens that have the teacher's top-k)")
+        kl_keep = keep & (topk_kl_mask > 0)
+        kl = _select(topk_kl, kl_keep)
+        term = pg + topk_kl_coef * w * kl
+    loss_sum = masked_sum(term, mask)
 
     with torch.no_grad():
         n = mask.sum()
@@ -194,17 +231,24 @@ def grpo_token_loss(
         def mmean(x: Tensor) -> Tensor:
             return masked_sum(x, mask) / denom
 
-        term = torch.where(keep, pg.detach() * mask, torch.zeros((), dtype=pg.dtype, device=pg.device))
-        nonfinite_rows = ~torch.isfinite(term).all(-1) if term.ndim else ~torch.isfinite(term)
+        fin = torch.where(keep, term.detach() * mask, torch.zeros((), dtype=pg.dtype, device=pg.device))
+        nonfinite_rows = ~torch.isfinite(fin).all(-1) if fin.ndim else ~torch.isfinite(fin)
 
         metrics = {
-            "pg_loss": loss_sum.detach() / denom,
+            "pg_loss": masked_sum(pg.detach(), mask) / denom,
             "clipfrac": mmean((pg2 > pg1).to(mask.dtype)),
             "tis_mean": mmean(w),
             "is_masked_frac": mmean(rejected.to(mask.dtype)),
             "num_tokens": n,
             "nonfinite_rows": nonfinite_rows,
         }
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        metrics["topk_kl_loss"], metrics["topk_kl_sum"], metrics["topk_kl_tokens"] = zero, zero, zero
+        if topk_kl is not None:
+            kl_d = _select(topk_kl.detach(), kl_keep)
+            metrics["topk_kl_loss"] = mmean(topk_kl_coef * w * kl_d)
+            metrics["topk_kl_sum"] = kl_d.sum()
+            metrics["topk_kl_tokens"] = kl_keep.sum().to(logp.dtype)
         if rollout_logp is not None:
             d = logp.detach() - rollout_logp
             metrics["logp_diff_mean"] = mmean(d.abs())

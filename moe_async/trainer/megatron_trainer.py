@@ -29,7 +29,7 @@ from moe_async.trainer.checkpoint import CheckpointMixin
 from moe_async.trainer.config import TrainerConfig, resolve_sequence_packing
 from moe_async.trainer.finite import StepGuard
 from moe_async.trainer.logprobs import LogprobsMixin
-from moe_async.trainer.loss import grpo_token_loss
+from moe_async.trainer.loss import grpo_token_loss, topk_forward_kl
 from moe_async.trainer.model_setup import ModelSetupMixin
 from moe_async.types import MicroBatch, Sample
 
@@ -38,7 +38,8 @@ Tensor = torch.Tensor
 # trainer.* fields that Megatron-Core's OptimizerConfig takes under the same names
 _OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
                      "use_distributed_optimizer", "optimizer_cpu_offload", "optimizer_offload_fraction")
-_METRIC_KEYS = ("pg_loss", "clipfrac", "tis_mean", "is_masked_frac", "logp_diff_mean", "kl_k3", "entropy")
+_METRIC_KEYS = ("pg_loss", "clipfrac", "tis_mean", "is_masked_frac", "logp_diff_mean", "kl_k3", "entropy",
+                "topk_kl_loss")
 
 
 class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointMixin):
@@ -230,9 +231,13 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             self._owns_dist = False
 
     # ------------------------------------------------------------------ train
-    def train_step(self, batch: list[Sample], advantages: list[float] | list[list[float]]) -> dict[str, float]:
+    def train_step(self, batch: list[Sample], advantages: list[float] | list[list[float]],
+                   topk_kl_coef: float = 0.0) -> dict[str, float]:
         """One GRPO optimizer step over ``batch`` (one advantage per sample, or per response
-        token: a ``[R]`` list per sample, as on-policy distillation's).
+        token: a ``[R]`` list per sample, as on-policy distillation's). ``topk_kl_coef > 0``:
+        plus that times the top-k forward KL to the teacher on the tokens of samples with
+        ``teacher_topk_ids`` (:func:`~moe_async.trainer.loss.topk_forward_kl`, weighted and
+        averaged as the policy loss).
 
         The loss is the per-token mean over the WHOLE batch: each micro-batch contributes
         ``sum(token losses) / N_total`` where ``N_total`` is the number of loss-bearing
@@ -241,10 +246,12 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         The MoE load-balancing aux loss is added by Megatron (``MoEAuxLossAutoScaler``);
         its value comes from Megatron's aux-loss tracker.
 
-        Returns (floats): ``loss`` (= pg_loss + moe_aux_loss_coeff * moe_aux_loss),
+        Returns (floats): ``loss`` (= pg_loss + topk_kl_loss + moe_aux_loss_coeff * moe_aux_loss),
         ``pg_loss``, ``moe_aux_loss`` (unscaled, summed over MoE layers, averaged over
         micro-batches), ``grad_norm`` (before clipping), ``clipfrac``, ``tis_mean``,
-        ``logp_diff_mean``, ``kl_k3``, ``entropy`` (token means), ``num_tokens``,
+        ``logp_diff_mean``, ``kl_k3``, ``entropy`` (token means), ``topk_kl_loss`` (the loss's
+        top-k KL part), ``topk_forward_kl`` (its mean over the tokens with the teacher's top-k,
+        unweighted) and ``topk_tokens`` (those tokens), ``num_tokens``,
         ``num_microbatches``, ``step_time_s``, ``lr``, ``weight_version`` (after the step).
         Raises ValueError for mismatched lengths or a batch with no loss-bearing token;
         :class:`~moe_async.trainer.finite.NonFiniteError` (all ranks) for a NaN/inf loss or
@@ -257,11 +264,12 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
                 raise ValueError(f"sample {i}: {len(a)} per-token advantages for {len(s.response_ids)} response tokens")
         t0 = time.perf_counter()
         with cpu_device_scope():
-            out = self._train_step(batch, advantages)
+            out = self._train_step(batch, advantages, float(topk_kl_coef))
         out["step_time_s"] = time.perf_counter() - t0
         return out
 
-    def _train_step(self, batch: list[Sample], advantages: list[float] | list[list[float]]) -> dict[str, float]:
+    def _train_step(self, batch: list[Sample], advantages: list[float] | list[list[float]],
+                    topk_kl_coef: float = 0.0) -> dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
@@ -282,7 +290,8 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         seq_length, mb_size = self._schedule_shape(mbs_list)
 
         def loss_func(mb: MicroBatch, rows_only: bool, logits: Tensor):
-            ent, logp = self._token_logp(logits, mb, rows_only, entropy=True)
+            use_topk = topk_kl_coef > 0 and mb.topk_ids is not None  # distillation: teacher top-k
+            ent, logp, tk = self._token_logps(logits, mb, rows_only, entropy=True, topk=use_topk)
             assert ent is not None  # asked for
             mask = mb.loss_mask
             loss_sum, m = grpo_token_loss(
@@ -299,6 +308,8 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
                 mis_high=cfg.mis_high,
                 icepop_beta=cfg.icepop_beta,
                 opsm_delta=cfg.opsm_delta,
+                topk_kl=topk_forward_kl(tk, mb.topk_logp) if tk is not None and mb.topk_logp is not None else None,
+                topk_kl_mask=mb.topk_mask, topk_kl_coef=topk_kl_coef,
             )
             guard.record(mb, m["nonfinite_rows"], loss_sum)
             with torch.no_grad():
@@ -306,6 +317,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
                 sums = {k: m[k] * n for k in _METRIC_KEYS if k in m}
                 sums["entropy"] = (ent * (mask > 0)).sum()
                 sums["num_tokens"] = (mask > 0).sum().to(torch.float32)
+                sums["topk_kl_sum"], sums["topk_tokens"] = m["topk_kl_sum"], m["topk_kl_tokens"]
             # Megatron divides by num_microbatches and DDP averages over DP: multiply both
             # back, divide by the global (all DP ranks) token count.
             loss = loss_sum * (num_mb * dp / n_total)
@@ -349,7 +361,7 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
             raise RuntimeError("optimizer step skipped (non-finite gradients)")
         self.version += 1
 
-        tot = {k: 0.0 for k in (*_METRIC_KEYS, "num_tokens")}
+        tot = {k: 0.0 for k in (*_METRIC_KEYS, "num_tokens", "topk_kl_sum", "topk_tokens")}
         for d in reduced or []:
             for k, v in d.items():
                 tot[k] += float(v)
@@ -360,7 +372,9 @@ class MegatronTrainer(ModelSetupMixin, BatchingMixin, LogprobsMixin, CheckpointM
         clear_aux_losses_tracker()
         out.update(
             moe_aux_loss=aux,
-            loss=out["pg_loss"] + cfg.moe_aux_loss_coeff * aux,
+            loss=out["pg_loss"] + out["topk_kl_loss"] + cfg.moe_aux_loss_coeff * aux,
+            topk_forward_kl=tot["topk_kl_sum"] / max(tot["topk_tokens"], 1.0),
+            topk_tokens=tot["topk_tokens"],
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             num_tokens=tot["num_tokens"],
             num_microbatches=float(num_mb),

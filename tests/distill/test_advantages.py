@@ -83,8 +83,13 @@ def test_teacher_config_checks():
     assert c.teacher.kl_coef == 1.0  # distillation alone needs no group
     with pytest.raises(ConfigError, match="rollout.temperature=1.0"):
         load_config("configs/cpu_smoke.yaml", ["teacher.enabled=true", "rollout.temperature=0.7"])
-    with pytest.raises(ConfigError, match="kl_coef and teacher.reward_coef are both 0"):
+    with pytest.raises(ConfigError, match="kl_coef, teacher.reward_coef and teacher.topk_forward_kl_coef are all 0"):
         load_config("configs/cpu_smoke.yaml", ["teacher.enabled=true", "teacher.kl_coef=0"])
+    c = load_config("configs/cpu_smoke.yaml", ["teacher.enabled=true", "teacher.kl_coef=0",
+                                               "teacher.topk_forward_kl_coef=0.5"])  # top-k forward KL alone
+    assert (c.teacher.topk_forward_kl_coef, c.teacher.top_k) == (0.5, 20)
+    with pytest.raises(ConfigError, match="teacher.top_k"):
+        load_config("configs/cpu_smoke.yaml", ["teacher.enabled=true", "teacher.top_k=0"])
     with pytest.raises(ConfigError, match="n_samples_per_prompt"):
         load_config("configs/cpu_smoke.yaml", ["teacher.enabled=true", "teacher.reward_coef=1",
                                                "rollout.n_samples_per_prompt=1"])

@@ -75,7 +75,8 @@ def test_scoring_request_is_one_sglang_accepts():
     call = _Calls.score.spec(_Calls(), [5, 6, 7, 8], 2, top_logprobs_num=3)  # the request the endpoint sends
     ref = io.GenerateReqInput(**call.json)
     ref.normalize_batch_and_arguments()  # SGLang's own decoding of the request
-    assert ref.return_logprob and ref.logprob_start_len == 2 and ref.top_logprobs_num == 3
+    # one before the first scored token: SGLang gives the token AT logprob_start_len no logprob
+    assert ref.return_logprob and ref.logprob_start_len == 1 and ref.top_logprobs_num == 3
     assert ref.sampling_params == {"max_new_tokens": 0} and ref.input_ids == [5, 6, 7, 8]
 
 
@@ -101,6 +102,28 @@ def test_different_teacher_model_equals_transformers(served, tmp_path):
     assert m["teacher/requests"] == 3 and m["teacher/failures"] == 0 and m["teacher/tokens"] == 30
     kl = sum(a - b for s in samples for a, b in zip(s.rollout_logprobs, s.teacher_logprobs)) / 30
     assert m["teacher/kl_per_token"] == pytest.approx(kl, rel=1e-12)
+
+
+def test_teacher_top_k_equals_transformers(served):
+    """``top_logprobs_num`` on the scoring call: per response token the teacher's k best ids equal
+    transformers' top-k of the same log-softmax (float64) and their logprobs agree within 1e-4;
+    the first response token is scored too (the call asks from one position earlier)."""
+    tok = served.tokenizer
+    prompt = tok("Two plus three is")["input_ids"]
+    resp = tok(" five, and six minus one is five.", add_special_tokens=False)["input_ids"]
+    samples = [Sample(list(prompt), list(resp), [0.0] * len(resp), [0] * len(resp))]
+    k = 8
+    sc = score(TeacherConfig(enabled=True, topk_forward_kl_coef=1.0, top_k=k), [served.url], lambda p, ids: list(ids),
+               None, samples)
+    s = samples[0]
+    assert sc.metrics()["teacher/failures"] == 0 and s.teacher_topk_ids.shape == (len(resp), k)
+    with torch.no_grad():
+        lp = served.model(torch.tensor([prompt + resp])).logits[0].double().log_softmax(-1)
+    v, i = torch.topk(lp[len(prompt) - 1: len(prompt) - 1 + len(resp)], k + 1)
+    assert float((v[:, k - 1] - v[:, k]).min()) > 1e-3  # no near-tie at the k-th place: the ids are well defined
+    assert s.teacher_topk_ids.tolist() == i[:, :k].tolist()
+    assert float((torch.from_numpy(s.teacher_topk_logprobs).double() - v[:, :k]).abs().max()) < 1e-4
+    assert float((torch.tensor(s.teacher_logprobs, dtype=torch.float64) - hf_logp(served.model, prompt, resp)).abs().max()) < 1e-4
 
 
 def test_teacher_prompt_equals_transformers(served):

@@ -57,7 +57,8 @@ def _select_reference(served, text, choices):
     for c in choices:
         ids = tok(text + c)["input_ids"]
         lp = _lp(served, ids)
-        itl = [[None if p == 0 else float(lp[p - 1, ids[p]]), ids[p], tok.decode([ids[p]])]
+        # SGLang 0.5.23 gives the token AT logprob_start_len no logprob (null)
+        itl = [[None if p == start else float(lp[p - 1, ids[p]]), ids[p], tok.decode([ids[p]])]
                for p in range(start, len(ids))]
         norm = compute_normalized_prompt_logprobs(itl)
         if text.endswith(itl[0][-1]):

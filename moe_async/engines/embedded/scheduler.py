@@ -503,7 +503,9 @@ class Scheduler:
     def _input_logprobs(self, req: Req, logits_SV: torch.Tensor) -> None:
         """``input_token_logprobs`` (and top / asked-id logprobs) of the prompt positions
         ``[logprob_start_len, P)``: position ``pos`` scored by the logits at ``pos - 1`` (the
-        raw ``log_softmax``); position 0 has none (``null``)."""
+        raw ``log_softmax``); the first, ``logprob_start_len`` itself, has none (``null``), as
+        in SGLang 0.5.23, whose prefill computes logits from ``logprob_start_len`` on (the
+        scheduler's ``[None] + logprobs[:-1]``): score ``input_ids[s:]`` with ``s - 1``."""
         prompt = req.input_ids
         lp_SV = torch.log_softmax(logits_SV[: len(prompt)], dim=-1)
         start = min(req.logprob_start_len, len(prompt))
@@ -511,7 +513,7 @@ class Scheduler:
         k = req.top_logprobs_num
         ids = torch.tensor(req.token_ids_logprob or [], dtype=torch.long, device=self.device)
         for pos in range(start, len(prompt)):
-            row = None if pos == 0 else lp_SV[pos - 1]
+            row = None if pos == start else lp_SV[pos - 1]
             res.append([None if row is None else float(row[prompt[pos]]), prompt[pos], None])
             if k:
                 top.append(None if row is None else _topk(row, k))
