@@ -460,6 +460,10 @@ def apply_cpu_compat() -> bool:
 
             if patch_dist_opt_torch_adam_step():  # optimizer/distrib_optimizer.py (torch Adam's step)
                 _APPLIED.append("dist_opt_torch_adam_step")
+            from moe_async.compat.grouped_gemm import patch_grouped_mlp
+
+            if patch_grouped_mlp():  # transformer/moe/grouped_gemm_util.py, experts.py (GroupedMLP)
+                _APPLIED.append("grouped_gemm")
             _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
         if not _mode_active():
             CudaToCpuMode().__enter__()
