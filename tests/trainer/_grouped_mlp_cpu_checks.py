@@ -15,7 +15,8 @@ it equal ``src`` only through a load):
 * the sequential trainer's checkpoint ``seq_ckpt`` loads into a grouped trainer built from
   ``other`` (export checksums; Megatron-Core's strict ``dist_checkpointing.load`` of the grouped
   model's own sharded state dict), which steps and saves ``grp_ckpt``; a sequential trainer from
-  ``other`` loads ``grp_ckpt`` (checksums, and the next step equals the grouped one's).
+  ``other`` loads ``grp_ckpt`` (checksums, and the next step equals the grouped one's);
+* a grouped trainer's distributed-optimizer checkpoint offered to a sequential one: the refusal.
 """
 
 from __future__ import annotations
@@ -147,6 +148,20 @@ def main(tmp: str) -> dict:
     res["seq2_step2"] = {k: m[k] for k in ("loss", "grad_norm", "num_tokens")}
     res["seq2_after_step2"] = seq2.hf_checksums()
     seq2.close()
+
+    # --- the distributed optimizer's state does not cross layouts: refused, trainer unchanged ---
+    grp = MegatronTrainer(_cfg(moe_grouped_gemm=True, use_distributed_optimizer=True), src)
+    grp.train_step(ss, ADV)
+    grp.save_checkpoint(os.path.join(tmp, "grp_do_ckpt"))
+    grp.close()
+    seq3 = MegatronTrainer(_cfg(use_distributed_optimizer=True), other)
+    try:
+        seq3.load_checkpoint(os.path.join(tmp, "grp_do_ckpt"))
+        res["do_refusal"] = None
+    except ValueError as e:
+        res["do_refusal"] = [type(e).__name__, str(e)]
+    res["do_after_refusal"] = seq3.hf_checksums()
+    seq3.close()
     return res
 
 

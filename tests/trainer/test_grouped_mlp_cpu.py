@@ -1,8 +1,8 @@
 """The grouped expert MLP as this host builds it (``trainer.moe_grouped_gemm=true`` without CUDA:
 Megatron-Core's own legacy ``GroupedMLP`` over the compat grouped GEMM, nothing stood in) equals
 the sequential expert MLP on the same weights (logprobs, loss, every gradient, the step: fp32
-and bf16), and their torch_dist checkpoints load into each other bit-exact (weights and the
-optimizer's state), Megatron-Core's strict load of the grouped model's own sharded state dict
+and bf16), and their torch_dist checkpoints load into each other bit-exact (weights and the plain
+optimizer's state; the distributed optimizer's is refused across), Megatron-Core's strict load of the grouped model's own sharded state dict
 from a sequential checkpoint finding every key; the HF export is the same. One process (see
 _grouped_mlp_cpu_checks.py); the TE layout (``TEGroupedMLP``) is test_grouped_experts.py's."""
 
@@ -72,6 +72,17 @@ def test_grouped_checkpoint_loads_into_sequential_and_steps_equal(res):
     a, b = res["seq2_step2"], res["grp_step2"]  # and the optimizer's state: the next step equal
     assert a["loss"] == b["loss"] and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"]
     assert res["seq2_after_step2"] == res["grp_after_step2"]
+
+
+def test_distributed_optimizer_state_across_the_expert_layout_is_refused(res):
+    """Its buffers follow the parameters, so its state read across would land on other ones
+    (measured: every tensor of the next step differed): refused naming the field, the trainer
+    unchanged."""
+    kind, msg = res["do_refusal"]
+    assert kind == "UserInputError"
+    assert ("saved with the grouped expert MLP and this trainer has trainer.moe_grouped_gemm=false; resume with "
+            "trainer.moe_grouped_gemm=true") in msg
+    assert res["do_after_refusal"] == res["other"]
 
 
 @pytest.mark.slow
