@@ -12,6 +12,7 @@ it equal ``src`` only through a load):
 
 * a sequential and a grouped trainer both load ``src`` (HF), fp32 and bf16: logprobs, one GRPO
   step's loss and every parameter's gradient under 1-process names, the weights after the step;
+  the grouped one with selective recompute of ``moe_act``: gradients, saved-activation peaks;
 * the sequential trainer's checkpoint ``seq_ckpt`` loads into a grouped trainer built from
   ``other`` (export checksums; Megatron-Core's strict ``dist_checkpointing.load`` of the grouped
   model's own sharded state dict), which steps and saves ``grp_ckpt``; a sequential trainer from
@@ -102,6 +103,27 @@ def parity(src: str, dtype: str, ss) -> dict:
             "after_step_changed": s["after_sums"] != s["export"]}
 
 
+def moe_act_recompute(src: str, ss) -> dict:
+    """Selective recompute of the grouped expert MLP's activation (``recompute_modules:
+    [moe_act]``, Megatron's ``CheckpointWithoutOutput``) against none: gradient difference and
+    the peak bytes of saved activations of each."""
+    from moe_async.trainer.activation_meter import SavedActivationMeter
+    from moe_async.trainer.megatron_trainer import MegatronTrainer
+
+    out: dict = {}
+    ref = None
+    for name, kw in (("none", {}), ("moe_act", dict(recompute_granularity="selective", recompute_modules=["moe_act"]))):
+        tr = MegatronTrainer(_cfg(moe_grouped_gemm=True, **kw), src)
+        with SavedActivationMeter(tr.model.parameters()) as meter:
+            loss = tr.train_step(ss, ADV)["loss"]
+        g = full_grads(tr)
+        ref = ref or g
+        out[name] = {"loss": loss, "peak_bytes": meter.peak_bytes, "modules": list(tr.tf_config.recompute_modules or []),
+                     "grad_maxdiff": max(float((g[k] - ref[k]).abs().max()) for k in g)}
+        tr.close()
+    return out
+
+
 def main(tmp: str) -> dict:
     from _grouped_experts_checks import strict_load
     from _tiny import make_tiny_mixtral
@@ -120,6 +142,7 @@ def main(tmp: str) -> dict:
     res: dict = {n: {k: tensor_checksum(t) for k, t in iter_hf_tensors(d)} for n, d in (("src", src), ("other", other))}
     res["parity"] = {dtype: parity(src, dtype, ss) for dtype in ("fp32", "bf16")}
     res["mends"] = applied_mends()
+    res["recompute"] = moe_act_recompute(src, ss)
 
     # --- checkpoints, both ways (weights and the plain optimizer's state) -------------------
     seq = MegatronTrainer(_cfg(), src)
