@@ -168,3 +168,16 @@ def test_recompute_num_layers_above_a_stage_is_refused():
                                    "/tiny/config.json")
     assert any("trainer.recompute_num_layers=3 exceeds the 2 layers" in e and "/tiny/config.json" in e
                for e in errs), errs
+
+
+def test_router_bias_update_without_an_expert_bias_is_refused():
+    """``trainer.moe_router_bias_update_rate > 0`` on a model whose router has no expert bias
+    (Qwen3's softmax router) is refused by plan's model rules, naming the field (before the run
+    dir and Ray in ``moe-async train``; the trainer used to refuse it only when built, inside
+    its actor); a deepseek_v3 model takes it."""
+    with pytest.raises(PlanError, match=r"trainer.moe_router_bias_update_rate=0.001: model_type='qwen3_moe' "
+                                        r"\(model.arch\) has no router expert bias"):
+        _plan("trainer.moe_router_bias_update_rate=0.001")
+    _plan("trainer.moe_router_bias_update_rate=0")
+    ds3 = load_config(CONFIG.parent / "deepseek_v3.yaml", ["trainer.moe_router_bias_update_rate=0.001"])
+    make_plan(ds3, family_check=False)  # no error
