@@ -198,6 +198,9 @@ def _format_error(err: ValidationError, source: str) -> str:
         elif e["type"] == "value_error":  # our validators' messages name their fields themselves
             msg = msg.removeprefix("Value error, ")
         got = f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""
+        if isinstance(e.get("input"), bool) and e["type"] != "extra_forbidden":  # YAML 1.1: yes/no/on/off
+            got = (f" (got the boolean {str(e['input']).lower()}: YAML reads unquoted yes/no/on/off/true/false as "
+                   "booleans; quote a word meant as text, e.g. 'yes')")
         named = not loc or msg.startswith(loc + ".")  # the message names the field already
         lines.append(f"  {'' if named else loc + ': '}{msg}{got}")
     return "\n".join(lines)

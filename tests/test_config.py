@@ -191,3 +191,19 @@ def test_unknown_agent_tool_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"rollout\.agent\.tools: 'nosuchtool' is neither a built-in tool \['calculator'\]"):
         load_config(smoke, base + ['rollout.agent.tools=["nosuchtool"]'])
     assert load_config(smoke, base + ['rollout.agent.tools=["calculator"]']).rollout.agent.tools == ["calculator"]
+
+
+@pytest.mark.parametrize("text,word", [("yes", "true"), ("off", "false")])
+def test_a_yaml_boolean_for_a_word_is_named_as_one(tmp_path, text, word):
+    """``trainer.resume=yes`` (override or file): YAML 1.1 reads the unquoted word as a boolean;
+    the error names the field and says so, instead of '(got True)'."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"trainer.resume={text}"])
+    msg = str(e.value)
+    assert "trainer.resume: Input should be 'never' or 'auto'" in msg and "(got True)" not in msg
+    assert f"got the boolean {word}: YAML reads unquoted yes/no/on/off/true/false as booleans" in msg
+    p = tmp_path / "c.yaml"
+    p.write_text(f"trainer:\n  resume: {text}\n")
+    with pytest.raises(ConfigError, match=f"trainer.resume: .*got the boolean {word}"):
+        load_config(p)
+    assert load_config(None, ["trainer.resume='auto'"]).trainer.resume == "auto"

@@ -424,6 +424,30 @@ def _patch_recompute_rng_state() -> None:
     mrandom._set_cuda_rng_state = _set_cuda_rng_state
 
 
+# ---------------------------------------------------------------------------------------
+# Mend 18: ``CheckpointWithoutOutput`` (selective recompute of 'moe_act' in the grouped expert
+# MLP, and the other modules that discard their output) without Transformer Engine. Answers
+# tensor_parallel/random.py: ``__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None`` (True
+# for False), so its forward calls TE's ``FP8GlobalStateManager`` and
+# ``activation_recompute_forward``, which are undefined without TE (NameError). Without TE
+# there is no FP8: the object keeps ``fp8=False`` and the non-FP8 branches (Megatron's own) run.
+# ---------------------------------------------------------------------------------------
+def _patch_checkpoint_without_output_fp8() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CheckpointWithoutOutput
+    if getattr(mrandom, "HAVE_TE", True) or getattr(cls, "_moe_async_fp8_mend", False):
+        return
+    orig_init = cls.__init__
+
+    def __init__(self, fp8: Any = False) -> None:
+        orig_init(self, fp8)
+        self.fp8 = bool(fp8)  # no TE: no FP8 (False or None alike)
+
+    cls.__init__ = __init__
+    cls._moe_async_fp8_mend = True
+
+
 def apply_cpu_compat() -> bool:
     """Apply every CPU mend once (idempotent). Returns True when the mends are active,
     False (and changes nothing) when CUDA is available.
@@ -452,6 +476,8 @@ def apply_cpu_compat() -> bool:
             _APPLIED.append("uneven_first_dim_gather")  # tensor_parallel/mappings.py (ETP > 1)
             _patch_recompute_rng_state()
             _APPLIED.append("recompute_rng_state")  # tensor_parallel/random.py (activation recompute)
+            _patch_checkpoint_without_output_fp8()
+            _APPLIED.append("checkpoint_without_output_fp8")  # tensor_parallel/random.py (moe_act recompute)
             from moe_async.compat.hybrid_offload import patch_hybrid_device_optimizer
 
             if patch_hybrid_device_optimizer():  # optimizer/cpu_offloading/hybrid_optimizer.py
@@ -460,6 +486,10 @@ def apply_cpu_compat() -> bool:
 
             if patch_dist_opt_torch_adam_step():  # optimizer/distrib_optimizer.py (torch Adam's step)
                 _APPLIED.append("dist_opt_torch_adam_step")
+            from moe_async.compat.grouped_gemm import patch_grouped_mlp
+
+            if patch_grouped_mlp():  # transformer/moe/grouped_gemm_util.py, experts.py (GroupedMLP)
+                _APPLIED.append("grouped_gemm")
             _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
         if not _mode_active():
             CudaToCpuMode().__enter__()

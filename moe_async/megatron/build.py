@@ -108,32 +108,39 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
 
 def grouped_experts_spec(spec: Any) -> tuple[Any, int]:
     """A copy of the layer spec (or decoder block spec) ``spec`` whose routed experts are
-    Megatron-Core's grouped expert MLP (``TEGroupedMLP`` from ``TESpecProvider.grouped_mlp_modules``,
-    as ``get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=True)`` builds it); shared
-    experts are left as they are. Returns ``(copy, number of MoE layers changed)``.
+    Megatron-Core's grouped expert MLP: ``TEGroupedMLP`` (from ``TESpecProvider.grouped_mlp_modules``,
+    as ``get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=True)`` builds it) where
+    Transformer Engine's ``GroupedLinear`` exists, else the legacy ``GroupedMLP`` (as the local
+    spec builds it), whose grouped GEMM is the ``grouped_gemm`` package's or, without CUDA, the
+    compat stand-in (:mod:`moe_async.compat.grouped_gemm`); shared experts are left as they
+    are. Returns ``(copy, number of MoE layers changed)``.
 
     Raises:
-        ValueError: Megatron-Core's ``TESpecProvider`` gives no ``TEGroupedMLP`` here (no
-            Transformer Engine ``GroupedLinear``; naming ``trainer.moe_grouped_gemm``):
-            Megatron-Core 0.16.1's other grouped MLP (the legacy ``GroupedMLP``) needs the
-            ``grouped_gemm`` CUDA package.
+        ValueError: neither can run here (CUDA without Transformer Engine and without the
+            ``grouped_gemm`` package), naming ``trainer.moe_grouped_gemm``.
     """
     import copy
     import warnings
 
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe import grouped_gemm_util
+    from megatron.core.transformer.moe.experts import GroupedMLP, TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    with warnings.catch_warnings():  # its legacy-GroupedMLP deprecation warning: refused below
+    from moe_async.compat import apply_cpu_compat
+
+    with warnings.catch_warnings():  # its legacy-GroupedMLP deprecation warning: that case is handled below
         warnings.simplefilter("ignore")
         module, submodules = TESpecProvider().grouped_mlp_modules(True, False)
     if module is not TEGroupedMLP:
-        raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
-                         "TEGroupedMLP; its legacy GroupedMLP needs the grouped_gemm CUDA package): not available "
-                         "on this host; set trainer.moe_grouped_gemm=false (the sequential expert MLP, same "
-                         "checkpoints and HF export)")
+        apply_cpu_compat()  # without CUDA: the stand-in grouped GEMM (no-op with CUDA)
+        if not grouped_gemm_util.grouped_gemm_is_available():
+            raise ValueError("trainer.moe_grouped_gemm=true needs Transformer Engine (Megatron-Core's TEGroupedMLP) "
+                             "or the grouped_gemm package (its legacy GroupedMLP) on a CUDA host: neither is "
+                             "installed here; set trainer.moe_grouped_gemm=false (the sequential expert MLP, same "
+                             "checkpoints and HF export)")
+        module, submodules = GroupedMLP, None
     spec = copy.deepcopy(spec)
     n = 0
     seen: set[int] = set()

@@ -25,6 +25,9 @@ _EXPERT_RE = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
 # the grouped expert MLP (Megatron-Core's TEGroupedMLP): local expert i's weight is
 # ``experts.linear_fc1.weight<i>``; its sharded-state key and offsets are the sequential one's
 _GROUPED_RE = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+# Megatron-Core's legacy GroupedMLP: all local experts in ``experts.weight1`` [H, E_l x fc1 out]
+# and ``experts.weight2`` [E_l x fc2 in, H] (transposed to the sequential layout on save)
+_LEGACY_GROUPED_RE = re.compile(r"^(.*\.experts\.)weight([12])$")
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int) -> int:
@@ -130,6 +133,9 @@ def _chunk_pieces(model: Any, tag: str) -> list[Piece]:  # a megatron.core GPTMo
             shs = [entry]
         else:
             raise ValueError(f"parameter {pname!r}: unexpected sharded entry {type(entry).__name__}")
+        if (g := _LEGACY_GROUPED_RE.match(pname)) is not None:
+            out.extend(_legacy_grouped_pieces(pname, g, p, shs, tag))
+            continue
         covered = 0
         for sh in shs:
             if sh.flattened_range is not None:
@@ -153,6 +159,39 @@ def _chunk_pieces(model: Any, tag: str) -> list[Piece]:  # a megatron.core GPTMo
             covered += data.numel()
         if covered != p.numel():
             raise ValueError(f"{pname!r}: sharded pieces cover {covered} of {p.numel()} elements")
+    return out
+
+
+def _legacy_grouped_pieces(pname: str, g: "re.Match[str]", p: Tensor, shs: Any, tag: str) -> list[Piece]:
+    """Pieces of a legacy ``GroupedMLP`` weight, one per local expert (and GLU half), named and
+    placed as the sequential expert MLP's. Megatron's factory builds each shard as a transposed
+    copy, ``[E_l, fc1 out, H]`` (split into its gate/up halves with GLU) or ``[E_l, H, fc2 in]``;
+    the pieces are the same slices as views of ``p`` (checked equal to the built shards), so a
+    load writes the parameter. Raises ValueError if the built shards are not those slices."""
+    shs = list(shs) if isinstance(shs, (list, tuple)) else [shs]
+    w1 = g.group(2) == "1"
+    hidden = p.shape[0] if w1 else p.shape[1]
+    if not shs:
+        raise ValueError(f"{pname!r}: no sharded tensors")
+    n_local = int(shs[0].local_shape[0])
+    t = (p.view(n_local, hidden, -1) if w1 else p.view(n_local, -1, hidden)).transpose(-1, -2)
+    views = list(t.chunk(len(shs), dim=-2)) if w1 else [t]
+    if len(views) != len(shs) or any(tuple(v.shape) != tuple(sh.data.shape) or not torch.equal(v, sh.data)
+                                     for v, sh in zip(views, shs)):
+        raise ValueError(f"{pname!r}: GroupedMLP's sharded tensors are not the expected slices of the parameter")
+    fc = "linear_fc1" if w1 else "linear_fc2"
+    out: list[Piece] = []
+    for v, sh in zip(views, shs):
+        if sh.flattened_range is not None:
+            raise ValueError(f"{pname!r}: flattened (distributed-optimizer) shards not supported here")
+        k = sh.prepend_axis_num
+        gofs = tuple(int(x) for x in sh.global_offset)
+        primary = all(int(r) == 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)))
+        for e in range(n_local):
+            local = f"{g.group(1)}local_experts.{e}.{fc}.weight"
+            out.append(Piece(name=_global_name(local, sh.key, k + 1, (*gofs[:k], gofs[k] + e)), data=v[e],
+                             full_shape=tuple(int(x) for x in sh.global_shape[k + 1:]), offset=gofs[k + 1:],
+                             primary=primary, param=tag + pname))
     return out
 
 

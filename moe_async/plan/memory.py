@@ -149,8 +149,9 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = 
     its own machines, not ``cluster.*``'s).
 
     Trainer (Megatron-Core): attention heads and KV groups divisible by TP, experts by EP, the
-    expert FFN by ETP, dense / shared FFN widths by TP, layers by PP x VPP, and its ranks per
-    node at most ``cluster.gpus_per_node``. Engine (SGLang): heads divisible by its TP, KV heads
+    expert FFN by ETP, dense / shared FFN widths by TP, layers by PP x VPP, full recompute's
+    ``recompute_num_layers`` within a stage, ``moe_router_bias_update_rate`` only with a router expert
+    bias, and its ranks per node at most ``cluster.gpus_per_node``. Engine (SGLang): heads divisible by its TP, KV heads
     and TP one a multiple of the other, experts by its EP, an engine within a node or on
     ``engine.nodes_per_engine`` whole nodes. Devices: trainer + engines within ``cluster.nodes x gpus_per_node`` when nodes is set.
     """
@@ -196,6 +197,24 @@ def check_layout(shape: ModelShape, cfg: "ExperimentConfig", *, cluster: bool = 
              f"{shape.num_layers} layers ({src}: num_hidden_layers) are not divisible by trainer."
              f"pipeline_model_parallel_size={lay.pp} x virtual_pipeline_model_parallel_size={vpp} = {lay.pp * vpp} "
              "(each pipeline chunk holds the same number of layers)")
+    n_rec = t.recompute_num_layers
+    if t.recompute_granularity == "full" and n_rec is not None:
+        counts = stage_layer_counts(shape.num_layers, lay.pp, first, last)
+        most = max(counts) // vpp  # the layers of one model chunk (Megatron recomputes per chunk)
+        need(n_rec <= most,
+             f"trainer.recompute_num_layers={n_rec} exceeds the {most} layers of the largest pipeline "
+             f"{'chunk' if vpp > 1 else 'stage'} ({shape.num_layers} layers, {src}: num_hidden_layers, over "
+             f"trainer.pipeline_model_parallel_size={lay.pp}{f' x virtual stages {vpp}' if vpp > 1 else ''}); "
+             "Megatron-Core takes 1 to the layers per pipeline rank")
+    rate = t.moe_router_bias_update_rate
+    if rate > 0:
+        from moe_async.models import get_family
+        from moe_async.models.sigmoid_moe import SigmoidMoeFamily  # the routers with an expert bias
+
+        need(isinstance(get_family(shape.model_type), SigmoidMoeFamily),
+             f"trainer.moe_router_bias_update_rate={rate}: model_type={shape.model_type!r} ({src}) has no router "
+             "expert bias (only the sigmoid routers of deepseek_v3-style models update one aux-loss-free); "
+             "set it to 0")
     per_node = lay.world_size // t.nodes
     need(not cluster or per_node <= c.gpus_per_node,
          f"trainer: {per_node} ranks per node (trainer.world_size={lay.world_size} / trainer.nodes={t.nodes}) exceed "

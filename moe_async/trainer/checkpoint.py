@@ -212,7 +212,7 @@ class CheckpointMixin(TrainerAttrs):
 
     # layout keys a checkpoint records; absent from checkpoints written before they were added
     # (virtual pipeline, context parallel, expert tensor parallel): those were saved at 1
-    _LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1, "etp": 1}
+    _LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1, "etp": 1, "grouped": 0}
     # the layout a 'dp_reshardable' distributed-optimizer checkpoint (per-bucket state) needs
     _DIST_OPT_LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "vpp", "cp")
 
@@ -247,6 +247,16 @@ class CheckpointMixin(TrainerAttrs):
             raise UserInputError(
                 f"checkpoint {path}: its distributed-optimizer state is in Megatron's {fmt!r} format, which "
                 f"this trainer does not read (it reads {' and '.join(map(repr, self._DIST_OPT_FORMATS))})")
+        # the grouped and the sequential expert MLP share the weights' keys, not the distributed
+        # optimizer's state (its buffers follow the parameters: read across, it lands on other ones)
+        saved_grouped = int({**self._LAYOUT_DEFAULTS, **((state or {}).get("layout") or {})}["grouped"])
+        if isinstance((state or {}).get("layout"), dict) and saved_grouped != self._ckpt_layout()["grouped"]:
+            raise UserInputError(
+                f"checkpoint {path}: its distributed-optimizer state was saved with the "
+                f"{'grouped' if saved_grouped else 'sequential'} expert MLP and this trainer has "
+                f"trainer.moe_grouped_gemm={str(not saved_grouped).lower()}; resume with "
+                f"trainer.moe_grouped_gemm={str(bool(saved_grouped)).lower()} (the weights of either load into the "
+                "other; the distributed optimizer's state does not)")
         if fmt == "fully_reshardable":
             return  # keyed per parameter like the weights: any layout
         saved = (state or {}).get("layout")
@@ -270,8 +280,10 @@ class CheckpointMixin(TrainerAttrs):
 
     def _ckpt_layout(self) -> dict[str, int]:
         """The world layout RNG states and distributed-optimizer state belong to: world size,
-        TP, PP, EP, ETP, VPP (model chunks per PP rank, 1 without a virtual pipeline), CP, DP."""
-        return {"world_size": torch.distributed.get_world_size(),
+        TP, PP, EP, ETP, VPP (model chunks per PP rank, 1 without a virtual pipeline), CP, DP,
+        and ``grouped`` (1: a MoE model's experts are the grouped expert MLP)."""
+        grouped = int(bool(self.cfg.moe_grouped_gemm and self.family.arch_args(self.hf_config).num_experts))
+        return {"world_size": torch.distributed.get_world_size(), "grouped": grouped,
                 "tp": self.cfg.tensor_model_parallel_size, "pp": self.cfg.pipeline_model_parallel_size,
                 "ep": self.cfg.expert_model_parallel_size,
                 "etp": getattr(self.cfg, "expert_tensor_parallel_size", 1) or 1,

@@ -264,10 +264,11 @@ class TrainerConfig(ConfigModel):
         False,
         description=(
             "Grouped expert MLP (Megatron-Core's moe_grouped_gemm): the local experts of a rank run as one "
-            "grouped GEMM (Transformer Engine's TEGroupedMLP, CUDA + TE only; refused elsewhere, naming this "
-            "field: Megatron-Core 0.16.1's legacy GroupedMLP needs the grouped_gemm CUDA package). False: "
-            "the sequential expert MLP. Not tested here (no GPU): checkpoint interchange with the "
-            "sequential layout rests on Megatron-Core's sharded state dict."
+            "grouped GEMM: Transformer Engine's TEGroupedMLP where TE is installed, else Megatron-Core's legacy "
+            "GroupedMLP (the grouped_gemm package on a GPU; without CUDA the CPU grouped GEMM of "
+            "moe_async.compat); a CUDA host with neither is refused naming this field. Checkpoints (weights, "
+            "the plain optimizer's state) and the HF export are the sequential expert MLP's; the distributed "
+            "optimizer's state resumes only into the saving layout. False: the sequential expert MLP."
         ),
     )
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = Field(

@@ -1,5 +1,6 @@
 """MoE kernel choices of the trainer that depend on what the host has: the token dispatcher
-('flex' needs DeepEP and CUDA) and the grouped expert MLP (Transformer Engine's grouped GEMM).
+('flex' needs DeepEP and CUDA) and the grouped expert MLP (Transformer Engine's grouped GEMM, the
+``grouped_gemm`` package's, or without CUDA the compat stand-in).
 
 :func:`check_flex_dispatcher` returns the extra ``TransformerConfig`` fields of Megatron-Core's
 flex dispatcher or refuses, naming ``trainer.moe_token_dispatcher_type``;
@@ -32,20 +33,23 @@ def check_flex_dispatcher() -> dict[str, Any]:
 
 
 def grouped_gemm_available() -> bool:
-    """True when the grouped expert MLP can be built: CUDA and Transformer Engine (Megatron-Core
-    0.16.1's ``TEGroupedMLP``; its legacy ``GroupedMLP`` needs the ``grouped_gemm`` CUDA package)."""
+    """True when the grouped expert MLP can be built: Transformer Engine (Megatron-Core 0.16.1's
+    ``TEGroupedMLP``), the ``grouped_gemm`` package (its legacy ``GroupedMLP``), or no CUDA (the
+    legacy ``GroupedMLP`` over the CPU grouped GEMM of :mod:`moe_async.compat.grouped_gemm`)."""
+    import torch
+
     from moe_async.megatron.parallel import have_te
 
-    return have_te()
+    return not torch.cuda.is_available() or have_te() or importlib.util.find_spec("grouped_gemm") is not None
 
 
 def check_grouped_gemm() -> None:
     """Refuse ``trainer.moe_grouped_gemm=true`` where :func:`grouped_gemm_available` is False
     (ValueError naming the field and the fix)."""
     if not grouped_gemm_available():
-        raise ValueError("trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine (Megatron-Core's "
-                         "TEGroupedMLP; the legacy GroupedMLP needs the grouped_gemm CUDA package); set "
-                         "it false here (the sequential expert MLP: same checkpoints and HF export)")
+        raise ValueError("trainer.moe_grouped_gemm=true needs Transformer Engine (Megatron-Core's TEGroupedMLP) "
+                         "or the grouped_gemm package (its legacy GroupedMLP) on a CUDA host: neither is installed "
+                         "here; set it false (the sequential expert MLP: same checkpoints and HF export)")
 
 
 def refuse_unavailable_kernels(trainer_cfg: Any) -> None:

@@ -39,6 +39,14 @@ def main() -> None:
                                  use_cpu_initialization=True)
 
     r["before_norm_sp"] = raises(lambda: WrappedTorchNorm(_tcfg(True), 8, eps=1e-5))
+    # mend 17: the legacy GroupedMLP needs the grouped_gemm CUDA package; mend 18: Megatron's
+    # CheckpointWithoutOutput(fp8=False) takes fp8 on (``fp8 is not None``) and then needs TE
+    from megatron.core.transformer.moe import experts
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    r["before_grouped_gemm"] = gg.grouped_gemm_is_available()
+    r["before_jit_fuser"] = experts.jit_fuser.__name__
+    r["before_cwo_fp8"] = mrandom.CheckpointWithoutOutput(fp8=False).fp8
 
     from moe_async import compat
 
@@ -51,6 +59,11 @@ def main() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     r["te_general_gemm"] = moe_utils.te_general_gemm is None
+    from moe_async.compat.grouped_gemm import cpu_gmm_installed, gmm
+
+    r["grouped_gemm"] = [gg.grouped_gemm_is_available(), gg.ops.gmm is gmm, cpu_gmm_installed(),
+                         experts.jit_fuser.__name__]
+    r["cwo_fp8"] = [mrandom.CheckpointWithoutOutput(fp8=False).fp8, mrandom.CheckpointWithoutOutput(fp8=True).fp8]
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         pass

@@ -25,13 +25,17 @@ def test_mends_still_needed(r):
     assert r["before_recompute_rng"] is not None  # random.py: recompute saves torch.cuda's RNG state
     assert r["before_move_numpy"] == "Tensor"  # moe_utils.maybe_move_tensor_to_cpu on CPU
     assert r["before_norm_sp"] == "AssertionError"  # torch_norm.py: no sequence parallel
+    assert r["before_grouped_gemm"] is False  # grouped_gemm_util.py: GroupedMLP asserts the CUDA package
+    assert r["before_jit_fuser"] == "compile"  # experts.py: GroupedMLP's activations via torch.compile
+    assert r["before_cwo_fp8"] is True  # random.py: fp8=False turns FP8 on (then TE's NameError)
 
 
 def test_applied_and_idempotent(r):
     assert r["apply1"] is True and r["apply2"] is True
     assert r["mends"] == ["rng_tracker", "cuda_streams", "current_device", "te_general_gemm",
                           "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "uneven_first_dim_gather",
-                          "recompute_rng_state", "hybrid_device_optimizer", "dist_opt_torch_adam_step", "cuda_to_cpu_mode"]
+                          "recompute_rng_state", "checkpoint_without_output_fp8", "hybrid_device_optimizer",
+                          "dist_opt_torch_adam_step", "grouped_gemm", "cuda_to_cpu_mode"]
     assert r["modes_on_stack"] == 1
 
 
@@ -43,6 +47,8 @@ def test_mends_work(r):
     assert r["type_name"] == "torch.cuda.FloatTensor"  # clip_grads.py / optimizer.py checks
     assert r["type_name_bf16"] == "torch.cuda.BFloat16Tensor" and r["type_cast_ok"]
     assert r["move_numpy"] == "ndarray" and r["move_numpy_utils"] == "ndarray"
+    assert r["grouped_gemm"] == [True, True, True, "noop_decorator"]  # mend 17
+    assert r["cwo_fp8"] == [False, True]  # mend 18
 
 
 def test_cpu_rng_tracker(r):

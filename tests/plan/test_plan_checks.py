@@ -138,3 +138,46 @@ def test_uneven_stages_leaving_a_stage_empty_are_refused():
     assert "at least one each" in str(e.value)
     _plan("trainer.pipeline_model_parallel_size=3", "trainer.num_layers_in_first_pipeline_stage=46",
           "trainer.num_layers_in_last_pipeline_stage=1", "trainer.nodes=3")
+
+
+def test_recompute_num_layers_above_a_stage_is_refused():
+    """Full recompute's ``recompute_num_layers`` counts layers of one pipeline stage (Megatron-Core:
+    1 to the layers per pipeline rank): above the largest stage it is refused, naming the field
+    (by plan, and by ``moe-async train`` before the run dir or Ray: the same model rules)."""
+    from moe_async.plan.report import hf_config_layout_errors
+
+    full = ("trainer.recompute_granularity=full", "trainer.recompute_method=block")
+    with pytest.raises(PlanError, match=r"trainer.recompute_num_layers=49 exceeds the 48 layers of the largest "
+                                        r"pipeline stage \(48 layers, model.arch: num_hidden_layers"):
+        _plan(*full, "trainer.recompute_num_layers=49")
+    _plan(*full, "trainer.recompute_num_layers=48")
+    with pytest.raises(PlanError, match="recompute_num_layers=25 exceeds the 24 layers of the largest pipeline stage"):
+        _plan(*full, "trainer.recompute_num_layers=25", "trainer.pipeline_model_parallel_size=2", "trainer.nodes=4")
+    uneven = (*full, "trainer.pipeline_model_parallel_size=2", "trainer.nodes=4",
+              "trainer.num_layers_in_first_pipeline_stage=30")  # stages of 30 + 18
+    _plan(*uneven, "trainer.recompute_num_layers=30")
+    with pytest.raises(PlanError, match="recompute_num_layers=31 exceeds the 30 layers"):
+        _plan(*uneven, "trainer.recompute_num_layers=31")
+    with pytest.raises(PlanError, match=r"exceeds the 12 layers of the largest pipeline chunk .* x virtual stages 2"):
+        _plan(*full, "trainer.recompute_num_layers=13", "trainer.pipeline_model_parallel_size=2", "trainer.nodes=4",
+              "trainer.virtual_pipeline_model_parallel_size=2")
+    cfg = load_config(None, [*full, "trainer.recompute_num_layers=3"])
+    errs = hf_config_layout_errors(cfg, {"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 64,
+                                         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                                         "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256},
+                                   "/tiny/config.json")
+    assert any("trainer.recompute_num_layers=3 exceeds the 2 layers" in e and "/tiny/config.json" in e
+               for e in errs), errs
+
+
+def test_router_bias_update_without_an_expert_bias_is_refused():
+    """``trainer.moe_router_bias_update_rate > 0`` on a model whose router has no expert bias
+    (Qwen3's softmax router) is refused by plan's model rules, naming the field (before the run
+    dir and Ray in ``moe-async train``; the trainer used to refuse it only when built, inside
+    its actor); a deepseek_v3 model takes it."""
+    with pytest.raises(PlanError, match=r"trainer.moe_router_bias_update_rate=0.001: model_type='qwen3_moe' "
+                                        r"\(model.arch\) has no router expert bias"):
+        _plan("trainer.moe_router_bias_update_rate=0.001")
+    _plan("trainer.moe_router_bias_update_rate=0")
+    ds3 = load_config(CONFIG.parent / "deepseek_v3.yaml", ["trainer.moe_router_bias_update_rate=0.001"])
+    make_plan(ds3, family_check=False)  # no error

@@ -86,21 +86,26 @@ def test_memory_settings_are_checked():
         TrainerConfig(moe_expert_capacity_factor=1.0, router_replay="R3")
 
 
-def test_unavailable_kernels_are_refused_naming_the_field(tmp_path):
-    """Where CUDA / Transformer Engine / DeepEP are absent (this machine): the flex dispatcher and
-    the grouped expert MLP are refused before any model is built, naming the field."""
+def test_unavailable_kernels_are_refused_naming_the_field(monkeypatch):
+    """Where CUDA / DeepEP are absent (this machine): the flex dispatcher is refused before any
+    model is built, naming the field. The grouped expert MLP builds here (the legacy GroupedMLP
+    over the compat grouped GEMM); on a CUDA host with neither Transformer Engine nor the
+    grouped_gemm package it is refused, naming the field."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("refusals of the CPU host")
-    from moe_async.megatron.build import grouped_experts_spec
-    from moe_async.trainer.moe_kernels import check_flex_dispatcher, grouped_gemm_available
+    from moe_async.trainer.moe_kernels import check_flex_dispatcher, check_grouped_gemm, grouped_gemm_available
 
     with pytest.raises(ValueError, match="trainer.moe_token_dispatcher_type='flex' needs CUDA"):
         check_flex_dispatcher()
+    assert grouped_gemm_available() is True
+    check_grouped_gemm()  # no error without CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA host without TE / grouped_gemm
     assert grouped_gemm_available() is False
-    with pytest.raises(ValueError, match="trainer.moe_grouped_gemm=true needs CUDA and Transformer Engine"):
-        grouped_experts_spec(None)
+    with pytest.raises(ValueError, match=r"trainer.moe_grouped_gemm=true needs Transformer Engine .* or the "
+                                         r"grouped_gemm package .* on a CUDA host"):
+        check_grouped_gemm()
 
 
 def test_dispatcher_and_expert_capacity(res):
