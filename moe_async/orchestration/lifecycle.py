@@ -1,5 +1,5 @@
 """Process-level helpers of the driver: Ray start/attach, SIGTERM handling, held-out eval
-printing, naming dead engines."""
+printing, naming dead engines, the prompt files' room in the model's context."""
 
 from __future__ import annotations
 
@@ -129,3 +129,29 @@ def dead_engines(engines) -> list[str]:
         return engines.dead_engines()
     except Exception:  # noqa: BLE001
         return []
+
+
+def refuse_prompt_room(cfg: Any, model_path: str | None) -> bool:
+    """``data.max_prompt_length`` plus ``rollout.max_new_tokens`` within the model's context
+    (:func:`moe_async.data.check.check_prompt_room`), the HF config read from ``model_path`` or,
+    None, as known before the model is made. Returns False when it cannot be known yet.
+    Raises UserInputError naming both numbers."""
+    import json
+    from pathlib import Path
+
+    from moe_async.data.check import check_prompt_room
+    from moe_async.errors import UserInputError
+    from moe_async.models.prepare import configured_hf_config
+
+    if not cfg.data.enabled or cfg.data.max_prompt_length is None:
+        return True
+    hf = json.loads((Path(model_path) / "config.json").read_text()) if model_path else configured_hf_config(cfg.model)
+    if hf is None:
+        return False
+    where = model_path or (cfg.model.hf_path if cfg.model.source == "hf" else f"model.source={cfg.model.source}")
+    try:
+        check_prompt_room(cfg.data, cfg.rollout.max_new_tokens, hf, str(where))
+    except ValueError as e:
+        raise UserInputError(str(e)) from None
+    return True
+

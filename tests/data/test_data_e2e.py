@@ -76,6 +76,8 @@ def test_verl_parquet_and_slime_jsonl_train_with_rewards_per_data_source(tmp_pat
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": slime[i - len(verl)]["prompt"]}]
         assert r["prompt_ids"] == _template(tok, msgs), i
         assert r["data_source"] == (verl[i]["data_source"] if i < len(verl) else "const_three_quarters")
+        f, fr = (pq, i) if i < len(verl) else (js, i - len(verl))  # row counts over both files; file_row within one
+        assert (Path(r["file"]).resolve(), r["file_row"]) == (f.resolve(), fr), r
     trained = [m for m in steps if "rollout/reward_mean" in m]  # not the step-0 held-out record
     assert [m["step"] for m in trained] == [1, 2, 3]
     for m in trained:  # the verl file's compute_score for its sources; gsm8k's built-in scores 0 or 1
