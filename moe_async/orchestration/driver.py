@@ -24,7 +24,7 @@ from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.affinity import check_run_placement
 from moe_async.orchestration.engine_recovery import EngineRecovery
-from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate, init_ray,
+from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate, first_run_eval_before, init_ray,
                                                refuse_prompt_room, report_eval, sigterm_to_checkpoint,
                                                sigterm_to_exit)
 from moe_async.orchestration.preemption import sigterm_mode, stop_check
@@ -224,7 +224,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 evaluate(rollout, summary, "eval_before", "before", eval_s)
         ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
         if cfg.eval_before and curve.enabled:  # its greedy answers are eval_before's: not asked twice
-            report_eval(summary, "eval_before", "before", curve.last_greedy)
+            first = first_run_eval_before(run_dir) if load_path is not None else None  # resumed: step 0's
+            if first is not None:
+                summary["eval_at_resume"] = curve.last_greedy
+            report_eval(summary, "eval_before", "before", first or curve.last_greedy)
         if ev0:
             logger.log(ev0, start_step)
         rm0 = _rget(rollout.metrics.remote(), "rollout.metrics")  # after eval_before: its requests are not the loop's

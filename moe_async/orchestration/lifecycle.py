@@ -1,5 +1,6 @@
 """Process-level helpers of the driver: Ray start/attach, SIGTERM handling, held-out eval
-printing, naming dead engines, the prompt files' room in the model's context."""
+printing (a resumed run's ``eval_before`` from the first run's step 0), naming dead engines,
+the prompt files' room in the model's context."""
 
 from __future__ import annotations
 
@@ -155,3 +156,34 @@ def refuse_prompt_room(cfg: Any, model_path: str | None) -> bool:
         raise UserInputError(str(e)) from None
     return True
 
+
+def first_run_eval_before(run_dir: Any) -> dict[str, Any] | None:
+    """A resumed run's ``eval_before``: the held-out curve's step-0 record in the run dir's
+    ``metrics.jsonl`` (written by the run before the resume; ``trainer.resume=auto`` keeps it)
+    as an ``eval_before`` dict (``accuracy`` = ``eval/greedy_accuracy``, ``reward_mean`` =
+    ``eval/greedy_reward``, ``n``, ``n_skipped``, ``step`` 0; named eval sets weighted by their
+    ``n``). None when there is no such record (a fresh run dir, ``trainer.load``)."""
+    import json
+    from pathlib import Path
+
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    for line in f.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(r, dict) or r.get("step") != 0:
+            continue
+        sets = sorted({k.split("/")[1] for k in r if k.count("/") == 2 and k.endswith("/greedy_accuracy")})
+        prefixes = [f"eval/{s}/" for s in sets] or (["eval/"] if "eval/greedy_accuracy" in r else [])
+        if not prefixes:
+            continue
+        n = sum(float(r.get(p + "n", 0.0)) for p in prefixes)
+        mean = (lambda key: sum(float(r.get(p + key, 0.0)) * float(r.get(p + "n", 0.0)) for p in prefixes) / n
+                if n else 0.0)
+        return {"accuracy": mean("greedy_accuracy"), "reward_mean": mean("greedy_reward"), "n": n,
+                "n_skipped": sum(float(r.get(p + "n_skipped", 0.0)) for p in prefixes), "step": 0,
+                "from": "metrics.jsonl step 0 (the run before the resume)"}
+    return None
