@@ -73,8 +73,10 @@ class FileDataset:
         """Train row ``index`` (its place in the concatenated train files)."""
         index = int(index)
         k = int(np.searchsorted(self._starts, index, side="right")) - 1
-        ds, _, keys = self._parts[k]
-        return to_row(ds[index - int(self._starts[k])], keys, index, "train")
+        ds, spans, keys = self._parts[k]
+        row = to_row(ds[index - int(self._starts[k])], keys, index, "train")
+        row.file, row.file_row = spans[0][0], index - int(self._starts[k])
+        return row
 
     def next_train(self) -> Row:
         return self.row(self.cursor.next_index())

@@ -4,7 +4,10 @@
 A :class:`Row` is what the rollout side needs of a prompt: ``prompt`` (a string, or a list of
 ``{"role", "content"}`` messages), ``answer`` (the label / ground truth as a string),
 ``data_source`` (selects the reward; None: the default reward), ``extra_info`` and ``metadata``
-(dicts, passed to reward functions), ``index`` (the row in its table) and ``split``.
+(dicts, passed to reward functions), ``index`` (the row in its table), ``split`` and
+``has_label`` (False: a ``messages`` row with neither a label nor a final assistant message;
+``answer`` is then ""; :func:`unlabelled` finds such rows column-wise at start-up), and for a
+train row ``file`` / ``file_row`` (its ``data.train`` entry and the row within it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class Row:
     metadata: dict[str, Any] = field(default_factory=dict)
     index: int = 0
     split: str = "train"
+    has_label: bool = True
+    file: str | None = None  # the data.train entry (file or folder) of a train row
+    file_row: int | None = None  # the row within that entry
 
     @property
     def question(self) -> str:
@@ -93,27 +99,27 @@ def _check_message_column(table: Any, col: str, spans: list, what: str) -> None:
     empty = pc.equal(pc.list_value_length(arr), 0)
     if pc.any(empty).as_py():
         row = int(pc.indices_nonzero(empty)[0].as_py())
-        raise DataError(f"{what}: {_where(spans, row)}: key {col!r} is an empty message list")
+        raise DataError(f"{what}: {where_row(spans, row)}: key {col!r} is an empty message list")
     flat, parents = pc.list_flatten(arr), pc.list_parent_indices(arr)
 
     def row_of(mask: Any) -> int:
         return int(parents[int(pc.indices_nonzero(mask)[0].as_py())].as_py())
 
     if flat.null_count:
-        raise DataError(f"{what}: {_where(spans, row_of(pc.is_null(flat)))}: key {col!r} holds a null message")
+        raise DataError(f"{what}: {where_row(spans, row_of(pc.is_null(flat)))}: key {col!r} holds a null message")
     for name in ("role", "content"):
         f = pc.struct_field(flat, name)
         if not (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)):
-            raise DataError(f"{what}: {_where(spans, 0)}: key {col!r}: a message's {name!r} has type {f.type}; "
+            raise DataError(f"{what}: {where_row(spans, 0)}: key {col!r}: a message's {name!r} has type {f.type}; "
                             "expected a string")
         if f.null_count:
-            raise DataError(f"{what}: {_where(spans, row_of(pc.is_null(f)))}: key {col!r}: a message's {name!r} "
+            raise DataError(f"{what}: {where_row(spans, row_of(pc.is_null(f)))}: key {col!r}: a message's {name!r} "
                             "is null; expected a string")
     roles = pc.struct_field(flat, "role")
     bad = pc.invert(pc.is_in(roles, value_set=pa.array(sorted(ROLES))))
     if pc.any(bad).as_py():
         i = int(pc.indices_nonzero(bad)[0].as_py())
-        raise DataError(f"{what}: {_where(spans, int(parents[i].as_py()))}: key {col!r}: role "
+        raise DataError(f"{what}: {where_row(spans, int(parents[i].as_py()))}: key {col!r}: role "
                         f"{roles[i].as_py()!r} is not one of {sorted(ROLES)}")
 
 
@@ -140,12 +146,41 @@ def _to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
             label = msgs.pop()["content"]
         meta = _as_dict(raw.get(keys.metadata_key))
         return Row(prompt=msgs, answer=_label(label), data_source=raw.get("data_source") or meta.get("data_source"),
-                   extra_info=_as_dict(raw.get("extra_info")), metadata=meta, index=index, split=split)
+                   extra_info=_as_dict(raw.get("extra_info")), metadata=meta, index=index, split=split,
+                   has_label=label is not None)
     p = raw[keys.input_key]
     meta = _as_dict(raw.get(keys.metadata_key))
     return Row(prompt=p if isinstance(p, str) else [dict(m) for m in p], answer=_label(raw[keys.label_key]),
                data_source=raw.get("data_source") or meta.get("data_source"),
                extra_info=_as_dict(raw.get("extra_info")) or meta, metadata=meta, index=index, split=split)
+
+
+def unlabelled(ds: Any, keys: Keys) -> Any:
+    """A pyarrow boolean array, True for each row with no label: only a ``messages`` table can
+    have such rows (no ``label_key`` value and a last message that is not the assistant's); the
+    other formats require their label (:func:`check_table`), so None for them, or when every
+    row is labelled."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if keys.format != "messages":
+        return None
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    n = table.num_rows
+    no_label = pc.is_null(table.column(keys.label_key)).combine_chunks() if keys.label_key in ds.column_names \
+        else pa.array([True] * n)
+    t = table.schema.field("messages").type
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type):
+        arr = table.column("messages").combine_chunks()
+        last = pc.subtract(arr.offsets[1:], 1)  # lists are non-empty (check_table)
+        roles = pc.take(pc.struct_field(arr.values, "role"), last)
+        not_assistant = pc.fill_null(pc.not_equal(roles, "assistant"), True)
+    else:  # a column of mixed JSON values: row by row
+        flags = [not (isinstance(v, list) and v and isinstance(v[-1], dict) and v[-1].get("role") == "assistant")
+                 for b in ds.select_columns(["messages"]).iter(batch_size=10_000) for v in b["messages"]]
+        not_assistant = pa.array(flags, pa.bool_())
+    mask = pc.and_(no_label, not_assistant)
+    return mask if pc.any(mask).as_py() else None
 
 
 def _label(v: Any) -> str:
@@ -154,7 +189,8 @@ def _label(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _where(spans: list[tuple[str, int]], i: int) -> str:
+def where_row(spans: list[tuple[str, int]], i: int) -> str:
+    """``'file' row r`` (plus ``(line r+1)`` for JSON files) of concatenated row ``i``."""
     path, r = locate(spans, i)
     line = f" (line {r + 1})" if path.endswith((".jsonl", ".json")) else ""
     return f"{path!r} row {r}{line}"
@@ -173,7 +209,8 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
                 chat_template: bool = True) -> None:
     """Refuse a table the format cannot read, naming ``what`` (the config field), the file, the
     row (the line of a JSONL file) and the key: a missing column, a row without the prompt or
-    label, a prompt that is neither a string nor a list of ``{"role", "content"}`` messages.
+    label (a ``messages`` row's label is checked per reward by :mod:`moe_async.data.check`), a
+    prompt that is neither a string nor a list of ``{"role", "content"}`` messages.
     Column-wise on the Arrow table; row by row only for a column of mixed JSON types.
 
     Raises: :class:`DataError`.
@@ -186,19 +223,19 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
         for c in ("prompt", "reward_model"):
             if c not in cols:
                 raise DataError(f"{what}: {spans[0][0]!r}: verl format needs column {c!r}; columns: {cols}")
-    elif keys.format == "messages":
-        prompt_col, label_col = "messages", (keys.label_key if keys.label_key in cols else None)
+    elif keys.format == "messages":  # a row's label may be its last (assistant) message, or none:
+        prompt_col, label_col = "messages", None  # moe_async.data.check refuses that per reward
         if prompt_col not in cols:
             raise DataError(f"{what}: {spans[0][0]!r}: messages format needs column 'messages'; columns: {cols}")
     else:
         prompt_col, label_col = keys.input_key, keys.label_key
         for c, field_ in ((keys.input_key, "data.input_key"), (keys.label_key, "data.label_key")):
             if c not in cols and (c == keys.input_key or need_label):
-                raise DataError(f"{what}: {_where(spans, 0)}: missing key {c!r} ({field_}); columns: {cols}")
+                raise DataError(f"{what}: {where_row(spans, 0)}: missing key {c!r} ({field_}); columns: {cols}")
     renamable = keys.format not in ("verl", "messages")  # slime's keys: data.input_key / data.label_key
     bad = _first_null(table, prompt_col)
     if bad is not None:
-        raise DataError(f"{what}: {_where(spans, bad)}: missing key {prompt_col!r}"
+        raise DataError(f"{what}: {where_row(spans, bad)}: missing key {prompt_col!r}"
                         + (" (data.input_key names the prompt's key)" if renamable else ""))
     if need_label and label_col is not None:
         bad = _first_null(table, label_col)
@@ -208,12 +245,12 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
             gt = pc.struct_field(table.column("reward_model").combine_chunks(), "ground_truth") \
                 if "ground_truth" in [f.name for f in table.schema.field("reward_model").type] else None
             if gt is None:
-                raise DataError(f"{what}: {_where(spans, 0)}: missing key 'reward_model.ground_truth'")
+                raise DataError(f"{what}: {where_row(spans, 0)}: missing key 'reward_model.ground_truth'")
             if gt.null_count:
                 bad = int(pc.indices_nonzero(pc.is_null(gt))[0].as_py())
-                raise DataError(f"{what}: {_where(spans, bad)}: missing key 'reward_model.ground_truth'")
+                raise DataError(f"{what}: {where_row(spans, bad)}: missing key 'reward_model.ground_truth'")
         if bad is not None:
-            raise DataError(f"{what}: {_where(spans, bad)}: missing key {label_col!r}"
+            raise DataError(f"{what}: {where_row(spans, bad)}: missing key {label_col!r}"
                             + (" (data.label_key names the label's key)" if renamable else ""))
     _check_prompt_types(ds, table, prompt_col, spans, what, keys, chat_template)
 
@@ -228,25 +265,25 @@ def _check_prompt_types(ds: Any, table: Any, col: str, spans: list, what: str, k
         pass
     elif pa.types.is_string(t) or pa.types.is_large_string(t):
         if keys.format != "slime":
-            raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} is a string; expected {want}")
+            raise DataError(f"{what}: {where_row(spans, 0)}: key {col!r} is a string; expected {want}")
         return
     elif pa.types.is_list(t) or pa.types.is_large_list(t):
         v = t.value_type
         if pa.types.is_struct(v) and {"role", "content"} <= {f.name for f in v}:
             if not chat:
-                raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} is a message list but "
+                raise DataError(f"{what}: {where_row(spans, 0)}: key {col!r} is a message list but "
                                 "data.apply_chat_template=false needs a string prompt")
             _check_message_column(table, col, spans, what)
             return
-        raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} has type {t}; expected {want}")
+        raise DataError(f"{what}: {where_row(spans, 0)}: key {col!r} has type {t}; expected {want}")
     else:
-        raise DataError(f"{what}: {_where(spans, 0)}: key {col!r} has type {t}; expected {want}")
+        raise DataError(f"{what}: {where_row(spans, 0)}: key {col!r} has type {t}; expected {want}")
     # a column of mixed JSON values (datasets' Json feature): each row
     i = 0
     for batch in ds.select_columns([col]).iter(batch_size=10_000):
         for v in batch[col]:
             ok = _messages_ok(v) and chat or (isinstance(v, str) and keys.format == "slime")
             if not ok:
-                raise DataError(f"{what}: {_where(spans, i)}: key {col!r} is {type(v).__name__} "
+                raise DataError(f"{what}: {where_row(spans, i)}: key {col!r} is {type(v).__name__} "
                                 f"{json.dumps(v)[:60]}; expected {want}")
             i += 1

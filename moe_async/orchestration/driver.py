@@ -24,8 +24,9 @@ from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.affinity import check_run_placement
 from moe_async.orchestration.engine_recovery import EngineRecovery
-from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate, init_ray, report_eval,
-                                               sigterm_to_checkpoint, sigterm_to_exit)
+from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate, first_run_eval_before, init_ray,
+                                               refuse_prompt_room, report_eval, sigterm_to_checkpoint,
+                                               sigterm_to_exit)
 from moe_async.orchestration.preemption import sigterm_mode, stop_check
 from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
 from moe_async.orchestration.cluster import refuse_without_gpus
@@ -102,6 +103,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
     # plan's model rules on the config.json known without making the model: before the run dir
     layout_checked = refuse_layout_before_run_dir(cfg)
+    room_checked = refuse_prompt_room(cfg, None)  # data.max_prompt_length against the model's context
     from moe_async.agent.start_up import check_template_shows_tools, check_tool_parser
 
     check_tool_parser(cfg.rollout.agent)  # before the run dir: SGLang's parser names, no model needed
@@ -131,6 +133,13 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     print(f"[moe-async] model: {model_path}", flush=True)
     from moe_async.plan.report import model_layout_errors
 
+    if not room_checked:  # the made model's context, before any Ray process
+        try:
+            refuse_prompt_room(cfg, model_path)
+        except UserInputError:
+            if fresh_run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
     if not layout_checked and (errs := model_layout_errors(cfg, model_path)):  # before any Ray process
         if fresh_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
@@ -224,7 +233,10 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                 evaluate(rollout, summary, "eval_before", "before", eval_s)
         ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
         if cfg.eval_before and curve.enabled:  # its greedy answers are eval_before's: not asked twice
-            report_eval(summary, "eval_before", "before", curve.last_greedy)
+            first = first_run_eval_before(run_dir) if load_path is not None else None  # resumed: step 0's
+            if first is not None:
+                summary["eval_at_resume"] = curve.last_greedy
+            report_eval(summary, "eval_before", "before", first or curve.last_greedy)
         if ev0:
             logger.log(ev0, start_step)
         rm0 = _rget(rollout.metrics.remote(), "rollout.metrics")  # after eval_before: its requests are not the loop's

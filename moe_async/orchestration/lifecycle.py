@@ -1,5 +1,6 @@
 """Process-level helpers of the driver: Ray start/attach, SIGTERM handling, held-out eval
-printing, naming dead engines."""
+printing (a resumed run's ``eval_before`` from the first run's step 0), naming dead engines,
+the prompt files' room in the model's context."""
 
 from __future__ import annotations
 
@@ -129,3 +130,60 @@ def dead_engines(engines) -> list[str]:
         return engines.dead_engines()
     except Exception:  # noqa: BLE001
         return []
+
+
+def refuse_prompt_room(cfg: Any, model_path: str | None) -> bool:
+    """``data.max_prompt_length`` plus ``rollout.max_new_tokens`` within the model's context
+    (:func:`moe_async.data.check.check_prompt_room`), the HF config read from ``model_path`` or,
+    None, as known before the model is made. Returns False when it cannot be known yet.
+    Raises UserInputError naming both numbers."""
+    import json
+    from pathlib import Path
+
+    from moe_async.data.check import check_prompt_room
+    from moe_async.errors import UserInputError
+    from moe_async.models.prepare import configured_hf_config
+
+    if not cfg.data.enabled or cfg.data.max_prompt_length is None:
+        return True
+    hf = json.loads((Path(model_path) / "config.json").read_text()) if model_path else configured_hf_config(cfg.model)
+    if hf is None:
+        return False
+    where = model_path or (cfg.model.hf_path if cfg.model.source == "hf" else f"model.source={cfg.model.source}")
+    try:
+        check_prompt_room(cfg.data, cfg.rollout.max_new_tokens, hf, str(where))
+    except ValueError as e:
+        raise UserInputError(str(e)) from None
+    return True
+
+
+def first_run_eval_before(run_dir: Any) -> dict[str, Any] | None:
+    """A resumed run's ``eval_before``: the held-out curve's step-0 record in the run dir's
+    ``metrics.jsonl`` (written by the run before the resume; ``trainer.resume=auto`` keeps it)
+    as an ``eval_before`` dict (``accuracy`` = ``eval/greedy_accuracy``, ``reward_mean`` =
+    ``eval/greedy_reward``, ``n``, ``n_skipped``, ``step`` 0; named eval sets weighted by their
+    ``n``). None when there is no such record (a fresh run dir, ``trainer.load``)."""
+    import json
+    from pathlib import Path
+
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    for line in f.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(r, dict) or r.get("step") != 0:
+            continue
+        sets = sorted({k.split("/")[1] for k in r if k.count("/") == 2 and k.endswith("/greedy_accuracy")})
+        prefixes = [f"eval/{s}/" for s in sets] or (["eval/"] if "eval/greedy_accuracy" in r else [])
+        if not prefixes:
+            continue
+        n = sum(float(r.get(p + "n", 0.0)) for p in prefixes)
+        mean = (lambda key: sum(float(r.get(p + key, 0.0)) * float(r.get(p + "n", 0.0)) for p in prefixes) / n
+                if n else 0.0)
+        return {"accuracy": mean("greedy_accuracy"), "reward_mean": mean("greedy_reward"), "n": n,
+                "n_skipped": sum(float(r.get(p + "n_skipped", 0.0)) for p in prefixes), "step": 0,
+                "from": "metrics.jsonl step 0 (the run before the resume)"}
+    return None

@@ -105,8 +105,9 @@ class RolloutConfig(ConfigModel):
         description=(
             "Stop the run (RewardFailureError naming the reward setting and the last error) after "
             "this many scored samples in a row whose reward raised, timed out or was not a finite "
-            "number (training and eval; each is scored 0 and counted in rollout/reward_errors). "
-            "0: never stop."
+            "number (training and eval; each is scored 0 and counted in rollout/reward_errors); "
+            "before any sample has scored, one step's samples (prompts_per_step * n_samples_per_prompt, "
+            "timeouts included) when fewer. 0: never stop."
         ),
     )
     reward_workers: int = Field(2, ge=1, description="Reward worker processes/threads.")

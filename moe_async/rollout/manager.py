@@ -481,6 +481,8 @@ class RolloutManager:
                 ds = str(problem.data_source or "default")  # rows without one: data.default_reward
                 for s in samples:
                     s.metadata["data_source"] = ds
+                    if getattr(problem, "file", None) is not None:  # trained_rows.jsonl names the file
+                        s.metadata.update(file=problem.file, file_row=problem.file_row)
                 self.counters[f"reward_sum/{ds}"] += sum(s.reward for s in samples)
                 self.counters[f"samples/{ds}"] += len(samples)
             self.counters["tokens_generated"] += group.num_tokens

@@ -167,8 +167,9 @@ class RowReward:
                 path, _, name = rest.partition(":")
                 f = _load_verl(path, name or "compute_score", spec)
 
-                def verl(row: Any, resp: str, f=f) -> Any:
-                    out = f(row.data_source, resp, row.answer, row.extra_info)
+                def verl(row: Any, resp: str, f=f) -> Any:  # no label: ground_truth None, as verl's .get()
+                    gt = row.answer if getattr(row, "has_label", True) else None
+                    out = f(row.data_source, resp, gt, row.extra_info)
                     return out.get("score") if isinstance(out, dict) else out
                 self._fns[spec] = verl
             elif kind == "function":

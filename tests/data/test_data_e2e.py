@@ -1,7 +1,8 @@
 """`moe-async train configs/cpu_smoke.yaml` on prompt files written by datasets/pyarrow: a verl
 Parquet and a slime JSONL train in one run (prompt ids = the chat-templated rows, rewards from
 each row's data_source); a run killed mid-epoch and resumed trains every row of a 40-row file
-exactly once (`pytest -m slow`); a reward that never returns a number fails a 3-step run (exit status != 0)."""
+exactly once (`pytest -m slow`); a reward that never returns a number, or always times out, fails
+a 3-step run (exit status != 0; `pytest -m slow`)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def test_verl_parquet_and_slime_jsonl_train_with_rewards_per_data_source(tmp_pat
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": slime[i - len(verl)]["prompt"]}]
         assert r["prompt_ids"] == _template(tok, msgs), i
         assert r["data_source"] == (verl[i]["data_source"] if i < len(verl) else "const_three_quarters")
+        f, fr = (pq, i) if i < len(verl) else (js, i - len(verl))  # row counts over both files; file_row within one
+        assert (Path(r["file"]).resolve(), r["file_row"]) == (f.resolve(), fr), r
     trained = [m for m in steps if "rollout/reward_mean" in m]  # not the step-0 held-out record
     assert [m["step"] for m in trained] == [1, 2, 3]
     for m in trained:  # the verl file's compute_score for its sources; gsm8k's built-in scores 0 or 1
@@ -150,3 +153,28 @@ def test_rewards_that_always_fail_stop_a_short_run(tmp_path) -> None:
     steps = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
     assert steps == [], steps  # stopped within the first step's samples: nothing trained on zeros
     assert time.monotonic() - t0 < 600
+
+
+# `pytest -m slow` only: the stop on timeouts is proven by default at the manager in
+# tests/rollout/test_reward_failure.py::test_reward_that_always_times_out_stops_before_the_first_step
+# (a reward sleeping past rollout.reward_timeout_s); the run ending non-zero on RewardFailureError
+# is the same path as test_rewards_that_always_fail_stop_a_short_run above
+@pytest.mark.slow
+def test_reward_that_always_times_out_stops_a_short_run(tmp_path) -> None:
+    """Every reward call sleeps past rollout.reward_timeout_s=2: zero successes over the first
+    step's 8 samples stop the run (exit != 0) naming the reward, the kind and the timeout."""
+    data = write_jsonl(tmp_path / "d.jsonl", slime_rows(8, source="slow"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
+           f"logging.output_dir={tmp_path / 'runs'}", "num_steps=3", "eval_before=false", "eval_after=false",
+           f"data.train={data}", "data.rewards={slow: 'function:tests.rollout._user_rewards:sleeps_past_timeout'}",
+           "rollout.reward_timeout_s=2"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "RewardFailureError" in out and "zero successes over the first step's 8 samples): 8 timed out" in out, \
+        out[-3000:]
+    assert "sleeps_past_timeout" in out and "rollout.reward_timeout_s=2 s" in out, out[-3000:]
+    run_dir = next((tmp_path / "runs").iterdir())
+    steps = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    assert steps == [], steps  # nothing trained on zeros

@@ -44,8 +44,10 @@ def test_verl_parquet_slime_jsonl_and_messages_rows_and_prompt_ids(tmp_path, tok
     r = ds.row(2)  # verl: prompt messages as given (it has a system message), ground truth, extra_info
     assert (r.data_source, r.answer, r.extra_info["index"]) == ("src_a", "4", 2)
     assert ds.build_prompt_ids(r) == _template(tok, verl_rows(5)[2]["prompt"])
+    assert (r.file, r.file_row) == (str(pq), 2)
     r = ds.row(5 + 3)  # slime string prompt: data.system_prompt first, then the user message
     assert (r.data_source, r.answer, r.metadata["id"]) == ("src_b", "9", 3)
+    assert (r.file, r.file_row) == (str(js), 3)  # trained_rows.jsonl's file and file_row
     assert ds.build_prompt_ids(r) == _template(tok, [{"role": "system", "content": "Be brief."},
                                                      {"role": "user", "content": "Compute 3 * 3."}])
     e = ds.eval_sets["chat"][1]  # messages: the trailing assistant message is the label, not prompt
@@ -204,3 +206,73 @@ def test_folder_of_files_and_save_to_disk_folder(tmp_path) -> None:
     assert check_data(data)["train_rows"] == 5 + 4
     ds = FileDataset(data)
     assert ds.row(4).answer == "3" and ds.row(5 + 3).answer == "6" and ds.row(5 + 3).data_source == "src_a"
+
+
+def _chat(i: int, label: str | None = None, answer: str | None = None, source: str | None = None) -> dict:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{i} + 1?"}]
+    if answer is not None:
+        msgs.append({"role": "assistant", "content": answer})
+    row: dict = {"messages": msgs, "label": label}
+    if source is not None:
+        row["data_source"] = source
+    return row
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_messages_without_labels_refused_for_label_rewards_and_none_for_functions(tmp_path, suffix) -> None:
+    """A messages row with no label and no final assistant message: refused at start-up, naming
+    file, row and the label key, when its reward compares with a label (exact match, the GSM8K
+    and math-verify built-ins); a verl file scoring it gets ground_truth=None (verl's .get())."""
+    from moe_async.rollout.row_rewards import RowReward
+
+    write = write_jsonl if suffix == "jsonl" else write_parquet
+    rows = [_chat(0, label="1"), _chat(1, answer="2"), _chat(2), _chat(3, label="4")]
+    p = write(tmp_path / f"chat.{suffix}", rows)
+    line = " (line 3)" if suffix == "jsonl" else ""
+    _refused(DataConfig(train=str(p), default_reward="exact_match"), "data.train", f"chat.{suffix}",
+             f"row 2{line}: no label: key 'label' (data.label_key)", "reward 'exact_match'")
+    _refused(DataConfig(train=str(p), label_key="gold", default_reward="exact_match"), "row 0", "key 'gold'")
+    # per data_source: the labelled gsm8k rows pass; the unlabelled 'judge' rows go to a verl file
+    verl_file = Path(__file__).resolve().parents[1] / "rollout/_verl_reward.py"
+    rows = [_chat(0, label="#### 1", source="openai/gsm8k"), _chat(1, source="judge"),
+            _chat(2, answer="3", source="openai/gsm8k"), _chat(3, source="judge")]
+    p = write(tmp_path / f"mixed.{suffix}", rows)
+    data = DataConfig(train=str(p), rewards={"judge": f"verl:{verl_file}"})
+    assert check_data(data)["data_sources"] == {"openai/gsm8k": "gsm8k", "judge": f"verl:{verl_file}"}
+    ds = FileDataset(data)
+    judge, gsm = ds.row(1), ds.row(2)
+    assert (judge.has_label, judge.answer, gsm.has_label, gsm.answer) == (False, "", True, "3")
+    score = RowReward(data.rewards, data.default_reward)
+    assert score(judge, "anything") == 1.0  # the verl file saw ground_truth None
+    assert score(ds.row(0), "#### 1") == 1.0
+    rows[3] = _chat(3, source="openai/gsm8k")  # an unlabelled row of a labelled source: refused
+    p = write(tmp_path / f"mixed2.{suffix}", rows)
+    line = " (line 4)" if suffix == "jsonl" else ""
+    _refused(DataConfig(train=str(p), rewards={"judge": f"verl:{verl_file}"}), f"mixed2.{suffix}",
+             f"row 3{line}: no label", "reward 'gsm8k'", "data_source 'openai/gsm8k'")
+    _refused(DataConfig(train=str(write_jsonl(tmp_path / "t.jsonl", slime_rows(2))), default_reward="exact_match",
+                        eval={"held": {"path": str(p)}}), "data.eval.held", "no label")
+
+
+def test_max_prompt_length_beyond_the_context_refused_naming_both_numbers(tmp_path) -> None:
+    """data.max_prompt_length + rollout.max_new_tokens over the model's context (cpu_smoke: 512
+    tokens, max_new_tokens 8) is refused by train before any process; 504 fits exactly."""
+    from moe_async.config import load_config
+    from moe_async.data.check import check_prompt_room
+    from moe_async.errors import UserInputError
+    from moe_async.orchestration.driver import run_experiment
+
+    data = DataConfig(train=str(write_jsonl(tmp_path / "s.jsonl", slime_rows(2))), max_prompt_length=504)
+    check_prompt_room(data, 8, {"max_position_embeddings": 512}, "m")  # 504 + 8 = 512: fits
+    with pytest.raises(DataError, match=r"data.max_prompt_length=505 plus rollout.max_new_tokens=8 is 513 tokens, "
+                       r"more than the model's context of 512 tokens \(max_position_embeddings of m\): set "
+                       r"data.max_prompt_length <= 504"):
+        check_prompt_room(data.model_copy(update={"max_prompt_length": 505}), 8, {"max_position_embeddings": 512}, "m")
+    out = tmp_path / "runs"
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs/cpu_smoke.yaml", [f"data.train={data.train}", "data.default_reward=exact_match",
+                                                        "data.max_prompt_length=4096", f"logging.output_dir={out}"])
+    with pytest.raises(UserInputError, match=r"data.max_prompt_length=4096 plus rollout.max_new_tokens=8 .* "
+                       r"context of 512 tokens \(max_position_embeddings of model.source=random_moe\)"):
+        run_experiment(cfg)
+    assert not out.exists()  # before the run dir, the model, Ray or any engine

@@ -21,3 +21,11 @@ def test_rows_without_a_data_source_are_recorded_as_default_not_the_task(tmp_pat
     rows = [json.loads(x) for x in (tmp_path / "trained_rows.jsonl").read_text().splitlines()]
     assert [(r["step"], r["draw"], r["row"], r["data_source"], r["prompt_ids"]) for r in rows] == [
         (3, 7, 51, "default", [1, 2]), (3, 8, 2, "openai/gsm8k", [1, 2])]
+
+
+def test_records_name_the_file_and_its_row(tmp_path):
+    """``row`` counts over all train files; ``file`` / ``file_row`` say which file and where."""
+    record_trained(tmp_path, 1, [_group({"data_source": "a", "problem_index": 7, "draw_seq": 0,
+                                         "file": "/d/b.jsonl", "file_row": 2})])
+    (r,) = [json.loads(x) for x in (tmp_path / "trained_rows.jsonl").read_text().splitlines()]
+    assert (r["row"], r["file"], r["file_row"]) == (7, "/d/b.jsonl", 2)

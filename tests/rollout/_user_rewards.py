@@ -17,3 +17,11 @@ def returns_nan(response: str, answer: str, question: str):
 
 def returns_none(response: str, answer: str, question: str):
     return None
+
+
+def sleeps_past_timeout(response: str, answer: str, question: str) -> float:
+    """Never answers within a test's rollout.reward_timeout_s (an abandoned thread ends later)."""
+    import time
+
+    time.sleep(20)
+    return 1.0

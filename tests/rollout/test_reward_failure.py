@@ -5,6 +5,7 @@ reward_streak.py, RolloutManager); the per-sample error counts stay."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from test_rollout_manager import EOS, FakeBuffer, FakeDataset, FakeEngine, _run
@@ -51,9 +52,16 @@ def test_reward_that_never_scored_stops_within_one_step_of_samples():
     with pytest.raises(RewardFailureError, match=r"failed on 8 samples in a row, every sample of the run so far.*"
                        r"last error: RewardValueError: returned 'high'; first error: ValueError: first"):
         s.update(["RewardValueError: returned 'high'"])
-    slow = RewardErrorStreak(100, "r", first_limit=8)
-    slow.update(["timeout"] * 20)  # timeouts (a loaded machine) are left to the configured limit
+    slow = RewardErrorStreak(100, "r", timeout_s=2.0, first_limit=8)
+    slow.update(["timeout"] * 7)
     assert slow.failure is None
+    with pytest.raises(RewardFailureError, match=r"failed on 8 samples in a row, every sample of the run so far "
+                       r"\(zero successes over the first step's 8 samples\): 8 timed out \(no result within "
+                       r"rollout.reward_timeout_s=2 s"):
+        slow.update(["timeout"])  # timeouts count: zero successes over the first step
+    mixed = RewardErrorStreak(100, "r", first_limit=6)
+    with pytest.raises(RewardFailureError, match=r": 3 timed out, 2 raised, 1 returned a non-number;"):
+        mixed.update(["timeout", "ValueError: x", "timeout", "RewardValueError: returned 'a'", "timeout", "KeyError: k"])
     ok = RewardErrorStreak(100, "r", first_limit=8)
     ok.update([None] + ["e"] * 50)  # scored once: only the configured 100 in a row stop it
     assert ok.failure is None
@@ -101,6 +109,56 @@ def test_run_goes_on_when_the_reward_works_sometimes():
     m = _manager(cfg, flaky, buf)
     _run(m, buf, 6)
     assert len(buf.groups) == 6 and m.metrics()["rollout/reward_errors"] == 18
+
+
+def test_reward_that_always_times_out_stops_before_the_first_step():
+    """A reward that sleeps past rollout.reward_timeout_s on every sample: zero successes over
+    the first step's samples (prompts_per_step 2 x G 4 = 8, below the configured 100) stop the
+    run naming the reward, the failure kind and the timeout; rollout/reward_errors counts 8."""
+    cfg = RolloutConfig(prompts_per_step=2, n_samples_per_prompt=4, max_concurrent_groups=1, max_new_tokens=8,
+                        reward="function", reward_function="tests.rollout._user_rewards:sleeps_past_timeout",
+                        reward_timeout_s=0.5)
+    buf = FakeBuffer(capacity=100)
+    pool = RewardPool(build_reward_fn(cfg, None), timeout_s=cfg.reward_timeout_s, max_workers=4,
+                      use_processes=False)
+    m = RolloutManager(cfg, FakeDataset([10]), [FakeEngine(version=3)], buf, pool, eos_token_ids=[EOS])
+    with pytest.raises(RewardFailureError) as ei:
+        _run(m, buf, 100, timeout=60.0)
+    msg = str(ei.value)
+    assert "rollout.reward_function='tests.rollout._user_rewards:sleeps_past_timeout'" in msg, msg
+    assert "failed on 8 samples in a row, every sample of the run so far (zero successes over the first " \
+        "step's 8 samples): 8 timed out (no result within rollout.reward_timeout_s=0.5 s" in msg, msg
+    assert len(buf.groups) == 1 and buf.cancels == ["reward_failure"]
+    met = m.metrics()
+    assert met["rollout/reward_errors"] == 8 and met["reward/timeouts"] == 8 and met["reward/ok"] == 0
+
+
+def test_run_with_some_timeouts_goes_on():
+    """Every second reward call sleeps past the timeout; the others score: the run is healthy
+    (it scored in its first step), so it keeps going under the configured limit of 100."""
+    release, lock, calls = threading.Event(), threading.Lock(), {"n": 0}
+
+    def every_second_hangs(problem, text):
+        with lock:
+            calls["n"] += 1
+            n = calls["n"]
+        if n % 2 == 0:
+            release.wait(60)
+        return 1.0
+
+    cfg = RolloutConfig(prompts_per_step=2, n_samples_per_prompt=4, max_concurrent_groups=1, max_new_tokens=8,
+                        reward_timeout_s=0.5)
+    buf = FakeBuffer(capacity=6)
+    pool = RewardPool(every_second_hangs, timeout_s=cfg.reward_timeout_s, max_workers=4, use_processes=False)
+    m = RolloutManager(cfg, FakeDataset([10]), [FakeEngine(version=3)], buf, pool, eos_token_ids=[EOS])
+    try:
+        _run(m, buf, 6, timeout=60.0)
+    finally:
+        release.set()
+    met = m.metrics()
+    assert len(buf.groups) == 6 and m.reward_streak.failure is None
+    assert met["reward/calls"] == 24 and met["reward/timeouts"] >= 12  # a loaded machine may add some
+    assert met["reward/ok"] + met["reward/timeouts"] == 24 and met["rollout/reward_errors"] == met["reward/timeouts"]
 
 
 def test_evaluate_raises_before_training():

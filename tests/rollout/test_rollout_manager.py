@@ -411,6 +411,22 @@ def test_a_whole_epoch_of_prompts_too_long_stops_the_loop_instead_of_drawing_for
     assert eng.calls == [] and buf.groups == []
 
 
+def test_prompts_over_data_max_prompt_length_are_skipped_before_generation_and_counted() -> None:
+    """data.max_prompt_length (FileDataset.max_prompt_length): a longer prompt never reaches an
+    engine and is counted as rollout/dropped/prompt_over_max_length; one at the cap is generated."""
+    class Capped(FakeDataset):
+        max_prompt_length = 15
+
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=1, max_new_tokens=8)
+    eng = FakeEngine()
+    buf = FakeBuffer(capacity=4, version=0)
+    m = _manager(cfg, Capped([10, 20, 15, 16]), [eng], buf)
+    _run(m, buf, 4)
+    assert sorted({len(ids) for ids, _ in eng.calls}) == [10, 15] and len(eng.calls) == 4
+    assert len(buf.groups) == 2 and buf.cancels == ["prompt_over_max_length"] * 2
+    assert m.metrics()["rollout/dropped/prompt_over_max_length"] == 2.0
+
+
 def test_groups_failing_one_after_another_stop_the_loop_naming_the_error() -> None:
     """A fault every group hits (an environment or tool setting, a bad row format) used to be
     logged group after group forever with no step trained; after MAX_GROUP_ERRORS_IN_A_ROW the
