@@ -18,11 +18,11 @@ class SaveSchedule:
 
     def due(self, step: int) -> bool:
         """Whether finishing ``step`` writes a checkpoint (its interval, or the last step)."""
-        si = self.save_interval
-        return bool(si) and (step % si == 0 or step == self.num_steps)
+        si = self.save_interval or 0
+        return si > 0 and (step % si == 0 or step == self.num_steps)
 
     def due_on_stop(self, done: int) -> bool:
         """Whether a stop after step ``done`` writes its checkpoint: a step this run finished
         (``done > start_step``) whose interval save has not written it already."""
-        si = self.save_interval
-        return done > self.start_step and not (bool(si) and done % si == 0)
+        si = self.save_interval or 0
+        return done > self.start_step and not (si > 0 and done % si == 0)
