@@ -1,0 +1,76 @@
+"""Several layout check scripts in one process per world size (each script's ``ref`` in one
+plain python process, each script's ``run`` cases in one torchrun), so that the Megatron import
+and the gloo start-up are paid once for all of them.
+
+    python _shared_launch.py ref SPEC.json
+    torchrun --nproc_per_node 2 _shared_launch.py run SPEC.json
+
+SPEC.json: a list of jobs ``{"script": path, "tmp": dir, "cases": [CASE, ...]}``, in order. A
+script is one that ends with ``_checks.main(main_ref, one, barrier=..., wall=...)`` under
+``__main__``: it is executed with that call captured (not run), then ``ref`` calls its
+``main_ref(tmp)`` and ``run`` gives it ``tmp/w2.json`` as :func:`_checks.run_cases` would
+(one gloo process group for every job, a barrier between jobs). A job without cases is
+skipped by ``run``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import _checks  # noqa: E402
+
+
+def _entry(script: str) -> dict:
+    """The arguments the script passes to ``_checks.main`` (captured, not run)."""
+    got: dict = {}
+    real = _checks.main
+    _checks.main = lambda ref, one, **kw: got.update(ref=ref, one=one, **kw)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        _checks.main = real
+    if not got:
+        raise RuntimeError(f"{script}: does not call _checks.main under __main__")
+    return got
+
+
+def main(mode: str, spec_path: str) -> None:
+    torch.set_num_threads(1)
+    with open(spec_path) as f:
+        jobs = json.load(f)
+    if mode == "ref":
+        for job in jobs:
+            t0 = time.perf_counter()
+            _entry(job["script"])["ref"](job["tmp"])
+            print(f"{os.path.basename(job['script'])} ref: {time.perf_counter() - t0:.1f} s", flush=True)
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for job in [j for j in jobs if j["cases"]]:
+        entry, res = _entry(job["script"]), {}
+        t0 = time.perf_counter()
+        for case in job["cases"]:
+            res[case] = entry["one"](job["tmp"], case)
+            if entry.get("barrier", False):
+                dist.barrier()
+        if entry.get("wall", True):
+            res["wall_s"] = time.perf_counter() - t0
+        if _checks.rank() == 0:
+            with open(os.path.join(job["tmp"], "w2.json"), "w") as f:
+                json.dump(res, f)
+            print(f"{os.path.basename(job['script'])} run: {time.perf_counter() - t0:.1f} s", flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
