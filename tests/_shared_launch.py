@@ -104,6 +104,9 @@ def main(mode: str, spec_path: str) -> None:
             _run_cases(job)
         if _checks.rank() == 0:
             print(f"{os.path.basename(job['script'])} run: {time.perf_counter() - t0:.1f} s", flush=True)
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None:  # a job that left Megatron's parallel state up: the next one starts clean
+            ps.destroy_model_parallel()
         dist.barrier()
     dist.destroy_process_group()
 
