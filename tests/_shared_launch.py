@@ -83,6 +83,13 @@ def _run_cases(job: dict) -> None:
             json.dump(res, f)
 
 
+def _reset_megatron() -> None:
+    """A job that left Megatron's parallel state up: the next one starts clean."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None:
+        ps.destroy_model_parallel()
+
+
 def main(mode: str, spec_path: str) -> None:
     torch.set_num_threads(1)
     with open(spec_path) as f:
@@ -92,6 +99,7 @@ def main(mode: str, spec_path: str) -> None:
             t0 = time.perf_counter()
             _entry(job["script"])["ref"](job["tmp"])
             print(f"{os.path.basename(job['script'])} ref: {time.perf_counter() - t0:.1f} s", flush=True)
+            _reset_megatron()
         return
     import torch.distributed as dist
 
@@ -104,9 +112,7 @@ def main(mode: str, spec_path: str) -> None:
             _run_cases(job)
         if _checks.rank() == 0:
             print(f"{os.path.basename(job['script'])} run: {time.perf_counter() - t0:.1f} s", flush=True)
-        ps = sys.modules.get("megatron.core.parallel_state")
-        if ps is not None:  # a job that left Megatron's parallel state up: the next one starts clean
-            ps.destroy_model_parallel()
+        _reset_megatron()
         dist.barrier()
     dist.destroy_process_group()
 
