@@ -37,7 +37,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one_and_resume_uses_
             assert (tmp / "metadata.json").is_file() and (tmp / "moe_async_state.json").is_file()
             assert (ckpt / "latest").read_text().strip() == "step_1"
             seen = _descendants(proc.pid)
-            assert sum("TrainerActor" in c for c in seen.values()) == 2, seen  # both TP ranks
+            assert sum("TrainerActor" in c for c in seen.values()) >= 2, seen  # both TP ranks
             os.kill(int(m.group(1)), signal.SIGKILL)
             t_kill = time.monotonic()
     rc = proc.wait(timeout=120)
