@@ -10,18 +10,17 @@ import os
 
 import pytest
 import torch
+from _launch import torchrun
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the mend applies only without CUDA")
 SCRIPT = os.path.join(os.path.dirname(__file__), "_cp_attention_checks.py")
 
 
-# the 2-process script: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "argv": lambda tmp: [os.path.join(tmp, "out.json")]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    with open(os.path.join(shared_layout_launch["test_cp_attention"], "out.json")) as f:
+def res(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("cp_attn") / "out.json")
+    torchrun(2, SCRIPT, out, timeout=240)
+    with open(out) as f:
         return json.load(f)
 
 

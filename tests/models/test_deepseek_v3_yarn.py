@@ -3,17 +3,18 @@ the trainer's logprobs equal transformers' within 1e-5 at 1 process and at TP2 (
 HF -> Megatron -> HF conversion is bit-exact (at TP1 and TP2) and keeps the rope fields, and the
 YaRN softmax mscale (about 1.87) is live: without it the trainer's logprobs move by far more
 than the tolerance (so the parity test fails if the mscale is dropped). Two launches
-(_deepseek_v3_yarn_checks.py), shared with the other layout modules (tests/conftest.py): the
-1-process reference and one 2-process torchrun."""
+(_deepseek_v3_yarn_checks.py): the 1-process reference and one 2-process torchrun."""
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 
 import pytest
 import torch
-from _launch import merged_json
+from _launch import merged_json, torchrun
+from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_deepseek_v3_yarn_checks.py")
@@ -22,14 +23,13 @@ MSCALE2 = (0.1 * math.log(40) + 1.0) ** 2  # get_mscale(40, mscale_all_dim=1)^2 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
 
 
-# the reference and the TP2 case: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "cases": lambda want: ["tp2"]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
+def res(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    return merged_json(shared_layout_launch["test_deepseek_v3_yarn"], "ref", "w2")
+    tmp = str(tmp_path_factory.mktemp("ds3_yarn"))
+    _run([sys.executable, SCRIPT, "ref", tmp], 300)
+    torchrun(2, SCRIPT, "run", tmp, os.path.join(tmp, "w2.json"), "tp2", timeout=400)
+    return merged_json(tmp, "ref", "w2")
 
 
 def _maxdiff(a, b) -> float:

@@ -7,9 +7,8 @@ TP2+PP2+EP2, EP4 (4 processes, `pytest -m slow`); deepseek_v3 also at PP2+VPP2 (
 model chunks of one layer each, the first dense layer in rank 0's chunk 0, built from Megatron's
 decoder block spec with ``vp_stage``); glm4_moe at TP2+SP, EP2, PP2 (the dense layer on stage 0,
 the MoE layer on stage 1) and TP2+EP2 (slow); llama at TP2+SP, PP2, TP2+PP2 (slow). (Mixtral: tests/trainer/
-test_layouts.py.) Three launches in all (see _family_layouts.py; the first two shared with the
-other layout modules, tests/conftest.py): the 1-process references (plain python), one
-2-process and one 4-process torchrun (only when a slow case is selected),
+test_layouts.py.) Three launches in all (see _family_layouts.py): the 1-process references
+(plain python), one 2-process and one 4-process torchrun (only when a slow case is selected),
 each looping over its cases.
 
 Also the detector of the local MLA spec mend (moe_async/compat/mla_local_attention.py,
@@ -20,10 +19,12 @@ deepseek_v3 at TP2+SP still has the right loss but the wrong grad norm.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 from _launch import merged_json, selected_params, slow_marked, torchrun
+from _launch import run as _run
 from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
@@ -44,20 +45,16 @@ REL = 1e-5
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
 
 
-# the references and the 2-process cases: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "cases": lambda want: W2}
-
-
 @pytest.fixture(scope="module")
-def res(request, shared_layout_launch):
-    tmp = shared_layout_launch["test_family_layouts"]
-    times = dict(shared_layout_launch["times"])
+def res(request, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("family_layouts"))
+    times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], 300)}
     want = selected_params(request, "case")
-    names = ["ref", "w2"]
-    w4 = [c for c in W4 if c in want]
-    if w4:
-        times["w4"] = torchrun(4, SCRIPT, "run", tmp, os.path.join(tmp, "w4.json"), *w4, timeout=400)
-        names.append("w4")
+    names = ["ref"]
+    for n, cases in ((2, W2), (4, [c for c in W4 if c in want])):
+        if cases:
+            times[f"w{n}"] = torchrun(n, SCRIPT, "run", tmp, os.path.join(tmp, f"w{n}.json"), *cases, timeout=400)
+            names.append(f"w{n}")
     out = merged_json(tmp, *names)
     print("family layout wall times (s):", times)
     return out

@@ -7,8 +7,7 @@ default for the trainer's, whose optimizer keys the model does not ask for), als
 written at TP2 / EP2 (deepseek_v3; 2 processes), the loaded
 weights equal the HF checkpoint bit for bit, and the same converter without the
 ``_extra_state`` writer (this project's output before it) is refused naming the norms' and
-MLA down projections' ``_extra_state`` keys. Three launches (_te_strict_load_checks.py; the
-2-process one shared with other modules, tests/conftest.py)."""
+MLA down projections' ``_extra_state`` keys. Three launches (_te_strict_load_checks.py)."""
 
 from __future__ import annotations
 
@@ -16,24 +15,20 @@ import os
 import sys
 
 import pytest
-from _launch import cpu_check_json
+from _launch import cpu_check_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
 FAMILIES = ["deepseek_v3", "qwen3_moe"]
 
 
-SCRIPT = os.path.join(HERE, "_te_strict_load_checks.py")
-# the 1-process prep (here, before the launch), then the 2-process writers: in the suite's
-# shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "prepare": lambda tmp: _run([sys.executable, SCRIPT, "prep", tmp], 300),
-                 "argv": lambda tmp: ["w2", tmp]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
+def res(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    return cpu_check_json(SCRIPT, shared_layout_launch["test_te_strict_load"], timeout=600)
+    script, tmp = os.path.join(HERE, "_te_strict_load_checks.py"), str(tmp_path_factory.mktemp("te_strict"))
+    _run([sys.executable, script, "prep", tmp], 300)
+    torchrun(2, script, "w2", tmp, timeout=400)
+    return cpu_check_json(script, tmp, timeout=600)
 
 
 CASES = [f"{f}_{w}" for f in FAMILIES for w in ("converter", "trainer")] + [

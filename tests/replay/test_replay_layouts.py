@@ -2,9 +2,9 @@
 router sees its TP rank's sequence chunk), EP2 (DP2 over the dense part: each rank its slice
 of the batch), PP2 (each stage replays only its own layers, matched by global layer number).
 
-Two launches, shared with the other layout modules (tests/conftest.py, see
-_replay_layout_checks.py): the 1-process references (R3 at micro-batch sizes 1, 2, 4 and
-``off``) and ONE 2-process torchrun looping over the three layouts (Megatron's parallel state destroyed and re-initialised between them). The routes
+Two launches (see _replay_layout_checks.py): the 1-process references (plain python; R3 at
+micro-batch sizes 1, 2, 4 and ``off``) and ONE 2-process torchrun looping over the three
+layouts (Megatron's parallel state destroyed and re-initialised between them). The routes
 come from another random router, so the trainer's own choice disagrees with them on most
 tokens (``off``): the route check fails without replay.
 
@@ -21,10 +21,12 @@ replay OFF as well (outside replay; the routes themselves are replayed on 100% o
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
-from _launch import merged_json
+from _launch import merged_json, torchrun
+from _launch import run as _run
 from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
@@ -45,14 +47,11 @@ def _ref(run: str) -> str:
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
 
 
-# the reference and the 2-process layouts: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "cases": lambda want: LAYOUTS}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    tmp = shared_layout_launch["test_replay_layouts"]
-    times = dict(shared_layout_launch["times"])
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("replay_layouts"))
+    times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
+    times["w2"] = torchrun(2, SCRIPT, "run", tmp, os.path.join(tmp, "w2.json"), *LAYOUTS, timeout=400)
     out = merged_json(tmp, "ref", "w2")
     out["times"] = times
     print("replay layout check wall times (s):", times)

@@ -3,8 +3,7 @@ EP1 / EP2 / TP2, for mixtral (untied), qwen3_moe (tied, norm_topk_prob=False), f
 HF expert layouts; loud on every unused source / unset target; the converted Megatron
 model's logits equal transformers' within 1e-4 (fp32).
 
-Three launches (see _convert_checks.py; the 2-process one shared with other modules,
-tests/conftest.py): a 1-process prep (HF checkpoints, EP1 conversions,
+Three launches (see _convert_checks.py): a 1-process prep (HF checkpoints, EP1 conversions,
 error cases), ONE 2-process torchrun for every EP2 / TP2 conversion (both directions), and a
 1-process final pass (EP2/TP2 checkpoints back to HF at 1 process, all comparisons).
 """
@@ -16,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from _launch import merged_json
+from _launch import merged_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(__file__)
@@ -29,16 +28,11 @@ SOURCES = ["ep1", "ep2", "tp2", "fused_ep2", "ep1at2", "tp2at2"]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo conversion checks")
 
 
-# the 1-process prep (here, before the launch), then the 2-process part: in the suite's shared
-# launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "prepare": lambda tmp: _run([sys.executable, SCRIPT, "prep", tmp], timeout=300),
-                 "argv": lambda tmp: ["w2", tmp]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    tmp = shared_layout_launch["test_convert"]
-    times = dict(shared_layout_launch["times"])
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("convert"))
+    times = {"prep": _run([sys.executable, SCRIPT, "prep", tmp], timeout=300)}
+    times["w2"] = torchrun(2, SCRIPT, "w2", tmp, timeout=400)
     times["final"] = _run([sys.executable, SCRIPT, "final", tmp], timeout=300)
     out = merged_json(tmp, "prep", "final")
     out["times"] = times

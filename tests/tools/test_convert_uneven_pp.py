@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from _launch import merged_json
+from _launch import merged_json, torchrun
 from _launch import run as _run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,13 +24,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "models"))
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo conversion checks")
 
 
-# the 2-process part: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "argv": lambda tmp: ["w2", tmp]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    tmp = shared_layout_launch["test_convert_uneven_pp"]
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("convert_uneven_pp"))
+    torchrun(2, SCRIPT, "w2", tmp, timeout=400)
     _run([sys.executable, SCRIPT, "w1", tmp], timeout=300)
     return merged_json(tmp, "w2", "w1")
 

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from _launch import merged_json
+from _launch import merged_json, torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_checkpoint_refusal_checks.py")
@@ -23,13 +23,11 @@ SCRIPT = os.path.join(HERE, "_checkpoint_refusal_checks.py")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
 
 
-# the 2-process script: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "argv": lambda tmp: [tmp, os.path.join(tmp, "out.json")]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    tmp = shared_layout_launch["test_checkpoint_refusals"]
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ckrefuse"))
+    out = os.path.join(tmp, "out.json")
+    torchrun(2, SCRIPT, tmp, out, timeout=400)
     r = merged_json(tmp, "out")
     r["tmp"] = tmp
     return r

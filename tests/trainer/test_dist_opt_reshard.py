@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from _launch import merged_json
+from _launch import merged_json, torchrun
 from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
@@ -26,13 +26,12 @@ LAYOUTS = ("dp2", "tp2", "ep2", "pp2")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
 
 
-# the 2-process script: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "argv": lambda tmp: [tmp, os.path.join(tmp, "out.json")]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    return merged_json(shared_layout_launch["test_dist_opt_reshard"], "out")
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("doreshard"))
+    out = os.path.join(tmp, "out.json")
+    torchrun(2, SCRIPT, tmp, out, timeout=400)
+    return merged_json(tmp, "out")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -3,8 +3,7 @@
 torch_dist checkpoints saved at ETP2 loading at ETP1 and back, and the refusals naming the
 field.
 
-Two launches (see _etp_checks.py): the 1-process reference (in the layout modules' shared
-process, tests/conftest.py) and ONE 4-process
+Two launches (see _etp_checks.py): the 1-process reference (plain python) and ONE 4-process
 torchrun looping over mixtral, qwen3_moe and deepseek_v3 at EP2+ETP2 (TP1, DP4) and
 TP2+EP2+ETP2 (DP2), plus qwen3_moe at ETP2 with EP1 (DP4, expert-data-parallel 2) and
 Megatron's distributed optimizer, mixtral at PP2+ETP2, the checkpoint round trips and the
@@ -18,10 +17,12 @@ the second step, mixtral EP2+ETP2), logprobs within 7.6e-6.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 from _launch import merged_json, selected_params, slow_marked, torchrun
+from _launch import run as _run
 from _checks import rel_err
 
 HERE = os.path.dirname(__file__)
@@ -40,15 +41,11 @@ REL = 1e-5
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo layout checks")
 
 
-# the 1-process reference: in the suite's shared launch (tests/conftest.py); no 2-process case
-SHARED_LAUNCH = {"script": SCRIPT, "cases": lambda want: []}
-
-
 @pytest.fixture(scope="module")
-def res(request, shared_layout_launch):
-    tmp = shared_layout_launch["test_etp"]
+def res(request, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("etp"))
     want = selected_params(request, "case")
-    times = dict(shared_layout_launch["times"])
+    times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
     out_path = os.path.join(tmp, "w4.json")
     cases = [c for c in CASES if c not in SLOW or c in want]
     times["w4"] = torchrun(4, SCRIPT, "run", tmp, out_path, *cases, "ckpt", "refuse", timeout=400)

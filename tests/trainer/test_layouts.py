@@ -1,8 +1,8 @@
 """MegatronTrainer at multi-process layouts (gloo, CPU): equality with 1 process, bit-exact
 HF export, C4 (experts saved once, reload at other EP) and C10 (aux loss on every path).
 
-Four launches in all (see _layout_checks.py; the first two shared with the other layout modules,
-tests/conftest.py): the 1-process reference (plain python), one 2-process torchrun looping over {TP2+SP, EP2, PP2, PP2+VPP2, CP2 x 4 families} + CP2 checkpoint
+Four launches in all (see _layout_checks.py): the 1-process reference (plain python), one
+2-process torchrun looping over {TP2+SP, EP2, PP2, PP2+VPP2, CP2 x 4 families} + CP2 checkpoint
 save + R3 at CP2, a 1-process load of that checkpoint, and one 4-process torchrun looping
 over {TP2+EP2, PP2+EP2, TP2+PP2+EP2, EP4, PP2+VPP2+EP2, TP2+CP2, EP2+CP2, PP2+CP2} + C4, plus Megatron's distributed
 optimizer at DP2 (2 processes), EP2 x DP2, TP2 x DP2 and PP2+VPP2 x DP2 (4 processes); Megatron's parallel
@@ -85,20 +85,14 @@ def _torchrun(n: int, tmp: str, out: str, layouts: list[str]) -> float:
     return torchrun(n, SCRIPT, "run", tmp, out, *layouts, timeout=400)
 
 
-def _w2(want: set) -> list[str]:
-    return [x for x in [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2, "unpp"]
-            if x not in SLOW or x in want]
-
-
-# the reference and the 2-process cases: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "param": "layout", "cases": _w2}
-
-
 @pytest.fixture(scope="module")
-def res(request, shared_layout_launch):
-    tmp = shared_layout_launch["test_layouts"]
+def res(request, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("layouts"))
     want = selected_params(request, "layout")
-    times = dict(shared_layout_launch["times"])
+    times = {"ref": _run([sys.executable, SCRIPT, "ref", tmp], timeout=300)}
+    w2 = [x for x in [*W2, *DO2, "vppck", "dock", *CP2, "cpck", "r3cp", *MT2, *TH2, "unpp"]
+          if x not in SLOW or x in want]
+    times["w2"] = _torchrun(2, tmp, os.path.join(tmp, "w2.json"), w2)
     times["cpck_load"] = _run([sys.executable, SCRIPT, "cpck_load", tmp], timeout=300)  # + the uneven-PP load
     w4 = [x for x in [*W4, *DO4, "c4", "vppck_load", "dock_load", *CP4, *MT4] if x not in SLOW or x in want]
     times["w4"] = _torchrun(4, tmp, os.path.join(tmp, "w4.json"), w4)

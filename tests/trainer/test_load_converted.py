@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from _launch import merged_json
+from _launch import merged_json, torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_load_converted_checks.py")
@@ -18,13 +18,11 @@ SCRIPT = os.path.join(HERE, "_load_converted_checks.py")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
 
 
-# the 2-process script: in the suite's shared launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "argv": lambda tmp: [tmp]}
-
-
 @pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    return merged_json(shared_layout_launch["test_load_converted"], "load_converted")
+def res(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("load_converted"))
+    torchrun(2, SCRIPT, tmp, timeout=300)
+    return merged_json(tmp, "load_converted")
 
 
 def test_converted_checkpoint_is_model_only(res):

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from _launch import torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_stream_export_checks.py")
@@ -21,24 +22,18 @@ LAYOUTS = ["tp2pp1ep1", "tp1pp2ep1", "tp1pp1ep2"]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo checks")
 
 
-def _prepare(tmp: str) -> None:
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
     import sys
 
     sys.path.insert(0, os.path.join(HERE, "..", "models"))
     from _tiny import make_tiny_mixtral
 
-    make_tiny_mixtral(os.path.join(tmp, "mixtral"), tie=False)
-
-
-# the tiny model (made in the pytest process), then the 2-process script: in the suite's shared
-# launch (tests/conftest.py)
-SHARED_LAUNCH = {"script": SCRIPT, "prepare": _prepare,
-                 "argv": lambda tmp: [os.path.join(tmp, "mixtral"), os.path.join(tmp, "out.json")]}
-
-
-@pytest.fixture(scope="module")
-def res(shared_layout_launch):
-    with open(os.path.join(shared_layout_launch["test_stream_export"], "out.json")) as f:
+    tmp = tmp_path_factory.mktemp("stream_export")
+    model_dir = make_tiny_mixtral(str(tmp / "mixtral"), tie=False)
+    out = str(tmp / "out.json")
+    torchrun(2, SCRIPT, model_dir, out, timeout=400)
+    with open(out) as f:
         r = json.load(f)
     print("stream export peaks (bytes):", {k: v["streamed_peak"] if k == "synthetic" else
                                            [v["export_order"]["peak"], v["reversed"]["peak"]] for k, v in r.items()})
