@@ -49,6 +49,9 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one_and_resume_uses_
     assert "trainer rank 0 died in save_checkpoint" in out, out[-3000:]
     assert "all 2 trainer ranks stopped" in out, out[-3000:]
     assert left_running(tag) == []
+    deadline = time.monotonic() + 30  # the run's reaper exits a few seconds after the driver
+    while time.monotonic() < deadline and any(_alive(p) for p in seen):
+        time.sleep(0.5)
     assert not [(p, seen[p]) for p in seen if _alive(p)]  # every process of the run is gone
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "latest", "latest_checkpointed_iteration.txt",
                                                      "moe_async_owner.json", "step_1", "step_2.tmp"]
