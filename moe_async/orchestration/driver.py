@@ -32,6 +32,7 @@ from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_
 from moe_async.orchestration.cluster import refuse_without_gpus
 from moe_async.orchestration.run_identity import claim, plan_start, trim_metrics
 from moe_async.orchestration.run_state import DrawLedger, record_settled, resume_data
+from moe_async.orchestration.save_schedule import SaveSchedule
 from moe_async.data.record import record_trained
 from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.rollout.evaluation import EvalCurve
@@ -260,6 +261,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             snap = _rget(buffer.snapshot.remote(), "buffer.snapshot")  # the buffered groups (buffer/snapshot.py)
             return trainer.save_checkpoint(save_dir, at_step, {"dataset": data, "run_state": rs, "buffer": snap})
 
+        saves = SaveSchedule(cfg.trainer.save_interval, cfg.num_steps, start_step)
         for step in range(start_step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
             timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
@@ -280,8 +282,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
                     break
             if groups is None:  # the last finished step's checkpoint (unless written), then out
                 done = step - 1
-                si = cfg.trainer.save_interval
-                if done > start_step and not (si and done % si == 0):
+                if saves.due_on_stop(done):
                     summary["last_checkpoint"] = save(done)
                 summary["stopped_at_step"] = done
                 print(f"[moe-async] {stop()} while waiting for the batch of step {step}: stopped "
@@ -296,8 +297,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             record_settled(ledger, groups, rollout, buffer, _BUFFER_REPLY_S)
             if cfg.data.enabled:  # trained_rows.jsonl: file row and prompt ids of each trained group
                 record_trained(run_dir, step, groups)
-            si = cfg.trainer.save_interval
-            saving = bool(si) and (step % si == 0 or step == cfg.num_steps)
+            saving = saves.due(step)
             # the prompt position before the sync opens admission for the next version: in sync
             # mode it is exactly the prompts trained, so a resumed run draws what this one would
             data = _rget(rollout.data_state.remote(), "rollout.data_state") if saving else None
@@ -347,7 +347,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             console.report_hidden()  # one line, only when expected warnings were hidden since the last
             logger.console_step(step, cfg.num_steps, m)
             if stop() and step < cfg.num_steps:  # launch/slurm's pre-emption signal
-                if not (si and step % si == 0):
+                if saves.due_on_stop(step):
                     summary["last_checkpoint"] = save(step)
                 summary["stopped_at_step"] = step
                 print(f"[moe-async] {stop()}: stopped after step {step}, checkpoint "

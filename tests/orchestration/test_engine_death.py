@@ -1,7 +1,13 @@
 """An engine that dies mid-run with no restart allowed (``engine.max_restarts=0``: retired at
 once) leaves fewer than ``engine.min_healthy_engines`` healthy engines: the run stops with an
 error naming it (index, URL, exit code, log; C21), the finished steps stay in metrics.jsonl,
-and nothing is left running. The restart path: test_engine_recovery_e2e.py."""
+and nothing is left running. The restart path: test_engine_recovery_e2e.py.
+
+`pytest -m slow` only: the default run kills an engine mid-run end to end in
+test_engine_recovery_e2e.py (the exit code in the event, the restart); the stop with no restarts
+left, naming the engine, its URL, exit code, floor and cap, is the unit
+test_engine_recovery.py::test_only_engine_dead_without_restarts_stops_the_run_naming_it, and
+nothing left running after a failed run is test_ckpt_crash_resume.py."""
 
 import json
 import os
@@ -11,6 +17,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +43,7 @@ def _engine_pids(root_pid: int) -> set[int]:
     return out
 
 
+@pytest.mark.slow
 def test_dead_engine_is_named(tmp_path):
     import psutil
 

@@ -147,6 +147,22 @@ def test_c21_restarted_twice_then_retired_then_two_down_stops_naming_both(monkey
     assert "engine 2 (http://e2) retired after 2 restart(s)" in msg and "engine 0 (http://e0) down" in msg
 
 
+def test_only_engine_dead_without_restarts_stops_the_run_naming_it(monkeypatch) -> None:
+    """The default run's engine death with ``engine.max_restarts=0`` (cpu_smoke: one engine):
+    retired at once, no restart tried, and the pass raises EngineFleetError naming the engine,
+    its URL, the exit code, the floor and the cap (the restart path end to end:
+    test_engine_recovery_e2e.py; this fault end to end, slow: test_engine_death.py)."""
+    w = World(1, trainer_version=2)
+    rec = _recovery(w, monkeypatch, max_restarts=0, min_healthy=1)
+    w.dead.add(0)
+    with pytest.raises(EngineFleetError) as ei:
+        rec.check()
+    assert str(ei.value) == ("0 healthy engine(s) of 1, fewer than engine.min_healthy_engines=1 "
+                             "(engine.max_restarts=0); down: engine 0 (http://e0) retired after 0 restart(s); "
+                             "last: engine 0 at http://e0 exited with code -9; log: x")
+    assert w.log == [("routable", 0, False)] and w.mask == [False]  # out of routing, never restarted
+
+
 def test_engine_taken_out_by_a_failed_request_readmitted_after_a_resync(monkeypatch) -> None:
     w = World(2, trainer_version=3)
     rec = _recovery(w, monkeypatch)

@@ -120,3 +120,20 @@ def test_run_experiment_refuses_an_unknown_moe_async_sigterm_before_any_process(
     with pytest.raises(UserInputError, match="MOE_ASYNC_SIGTERM='1'"):
         run_experiment(cfg)
     assert not (tmp_path / "runs").exists()  # no run dir, no model, no Ray
+
+
+def test_save_schedule_interval_last_step_and_the_stop_path() -> None:
+    """The driver's save decisions (save_schedule.py). test_preemption_resume.py end to end: the
+    smoke config without an interval, SIGTERM while waiting for step 3 -> step 2 written."""
+    from moe_async.orchestration.save_schedule import SaveSchedule
+
+    none = SaveSchedule(save_interval=0, num_steps=20)
+    assert [s for s in range(1, 21) if none.due(s)] == []  # no interval: not even the last step
+    assert none.due_on_stop(2) and not none.due_on_stop(0)  # a fresh run stopped before step 1: nothing
+    every3 = SaveSchedule(save_interval=3, num_steps=10)
+    assert [s for s in range(1, 11) if every3.due(s)] == [3, 6, 9, 10]  # and the last step
+    assert [s for s in range(1, 10) if every3.due_on_stop(s)] == [1, 2, 4, 5, 7, 8]  # 3, 6, 9 written already
+    resumed = SaveSchedule(save_interval=0, num_steps=4, start_step=2)
+    # stopped before it finished a step: the checkpoint it resumed from is the last one
+    assert not resumed.due_on_stop(2) and resumed.due_on_stop(3)
+    assert SaveSchedule(save_interval=1, num_steps=3, start_step=1).due_on_stop(2) is False

@@ -46,8 +46,8 @@ def _alive(pid: int) -> bool:
 
 
 # `pytest -m slow` only: the default run proves a failing trainer rank stopping the run named,
-# with nothing left, through a SIGKILLed rank (test_trainer_rank_kill.py); the hook's parsing
-# is test_trainer_group_unit.py
+# with nothing left, through a SIGKILLed rank (test_ckpt_crash_resume.py); the hook's parsing
+# and a raising rank's error are test_trainer_group_unit.py
 @pytest.mark.slow
 def test_raising_rank_fails_the_run_named_and_nothing_left(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT),

@@ -1,6 +1,11 @@
 """A trainer rank SIGKILLed mid-run (2-rank trainer, TP2): the run stops within 60 s naming the
 rank, no process of the run is left (checked by PID), and a run resumed from the last
-checkpoint continues at the next step and version."""
+checkpoint continues at the next step and version.
+
+`pytest -m slow` only: the default run kills a rank of a TP2 trainer (in its checkpoint write),
+checks the run stops within 60 s naming it with every process gone, and resumes at TP2
+(test_ckpt_crash_resume.py); the rank-death error and teardown as a unit:
+test_trainer_group_unit.py."""
 
 from __future__ import annotations
 
@@ -13,12 +18,15 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.orchestration.test_resume import _train
 from tests.orchestration.test_trainer_rank_fault import _alive, _descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_the_run_named_then_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
