@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import base64
 import sys
 
@@ -202,7 +204,10 @@ def test_scoring_call_is_retried_after_a_dropped_connection():
         calls.append(req.url.path)
         if len(calls) == 1:
             raise httpx.ReadError("connection closed", request=req)
-        return httpx.Response(200, json={"meta_info": {"input_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]]}})
+        # SGLang's shape: asked from logprob_start_len 1, the token at 1 has no logprob
+        assert json.loads(req.content)["logprob_start_len"] == 1
+        return httpx.Response(200, json={"meta_info": {"input_token_logprobs": [
+            [None, 6, None], [-0.5, 7, None], [-1.5, 8, None]]}})
 
     c = SyncEngineClient("http://engine", retries=3, backoff_s=0.0)
     c._http = httpx.Client(base_url=c.base_url, transport=httpx.MockTransport(handler))
