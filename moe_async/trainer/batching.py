@@ -161,8 +161,8 @@ class BatchingMixin(TrainerAttrs):
                         rlp[b, P - 1 : P - 1 + R] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
                     if tk_ids is not None and s.teacher_topk_ids is not None:  # distillation: teacher top-k
                         assert tk_lp is not None and tk_mask is not None and s.teacher_topk_logprobs is not None
-                        tk_ids[b, P - 1 : P - 1 + R] = torch.as_tensor(s.teacher_topk_ids, dtype=torch.long)
-                        tk_lp[b, P - 1 : P - 1 + R] = torch.as_tensor(s.teacher_topk_logprobs, dtype=torch.float32)
+                        tk_ids[b, P - 1 : P - 1 + R] = torch.tensor(s.teacher_topk_ids, dtype=torch.long)
+                        tk_lp[b, P - 1 : P - 1 + R] = torch.tensor(s.teacher_topk_logprobs, dtype=torch.float32)
                         tk_mask[b, P - 1 : P - 1 + R] = 1.0
                 plen[b], rlen[b] = P, R
             # response positions (b, t): the only rows whose logits the loss and logprobs use
