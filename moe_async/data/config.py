@@ -47,8 +47,8 @@ class DataConfig(ConfigModel):
         True, description="Chat-template the prompt with the tokenizer's own template (slime --apply-chat-template); "
         "false: a string prompt is tokenized as is.")
     system_prompt: str | None = Field(
-        None, description="Prepended as a system message to a prompt (string or message list) that has none "
-        "(None: rollout.system_prompt; '': none).")
+        None, description="Prepended as a system message to a prompt that has none (None: rollout.system_prompt "
+        "for string prompts, nothing for message lists; '': nothing).")
     max_prompt_length: int | None = Field(
         None, ge=1, description="Prompts longer than this many tokens are skipped before generation, counted "
         "as rollout/dropped/prompt_over_max_length.")

@@ -101,11 +101,15 @@ class FileDataset:
         return [r for rows in self.eval_sets.values() for r in rows]
 
     def messages(self, row: Row) -> list[dict[str, str]]:
-        """The chat messages of ``row``: a string prompt as a user message, the system prompt
-        first when the prompt has none and one is configured."""
-        msgs = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else list(row.prompt)
-        if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
-            msgs = [{"role": "system", "content": self.system_prompt}] + msgs
+        """The chat messages of ``row``: a string prompt as a user message with the system prompt
+        (``data.system_prompt``, else ``rollout.system_prompt``) first; a message list as it is,
+        with ``data.system_prompt`` first only when set and the list has no system message."""
+        if isinstance(row.prompt, str):
+            msgs, system = [{"role": "user", "content": row.prompt}], self.system_prompt
+        else:
+            msgs, system = list(row.prompt), self.cfg.system_prompt
+        if system and not any(m.get("role") == "system" for m in msgs):
+            msgs = [{"role": "system", "content": system}] + msgs
         return msgs
 
     def build_prompt_ids(self, row: Row) -> list[int]:

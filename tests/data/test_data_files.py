@@ -55,6 +55,22 @@ def test_verl_parquet_slime_jsonl_and_messages_rows_and_prompt_ids(tmp_path, tok
     assert ds.build_prompt_ids(e) == _template(tok, e.prompt)
 
 
+def test_rollout_system_prompt_goes_to_string_prompts_only(tmp_path, tok) -> None:
+    """Without ``data.system_prompt`` a string prompt gets the run's ``rollout.system_prompt``
+    and a message list without a system message is templated exactly as given (the tokenizer's
+    own default system prompt, not ours); ``data.system_prompt`` goes first in both."""
+    msgs = [{"role": "user", "content": "7 - 2?"}]
+    js = [str(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "3 + 4?", "label": "7"}])),
+          str(write_jsonl(tmp_path / "m.jsonl", [{"prompt": msgs, "label": "5"}]))]
+    ds = FileDataset(DataConfig(train=js, default_reward="exact_match"), tok, system_prompt="Run's.")
+    assert ds.build_prompt_ids(ds.row(0)) == _template(tok, [{"role": "system", "content": "Run's."},
+                                                             {"role": "user", "content": "3 + 4?"}])
+    assert ds.build_prompt_ids(ds.row(1)) == _template(tok, msgs)
+    ds = FileDataset(DataConfig(train=js, default_reward="exact_match", system_prompt="Data's."), tok,
+                     system_prompt="Run's.")
+    assert ds.build_prompt_ids(ds.row(1)) == _template(tok, [{"role": "system", "content": "Data's."}, *msgs])
+
+
 def test_slime_keys_renamed_and_no_chat_template(tmp_path, tok) -> None:
     js = write_jsonl(tmp_path / "s.jsonl", [{"question": "2+2=", "answer": "4"}])
     data = DataConfig(train=str(js), input_key="question", label_key="answer", apply_chat_template=False,
