@@ -134,35 +134,27 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     print(f"[moe-async] model: {model_path}", flush=True)
     from moe_async.plan.report import model_layout_errors
 
-    if not room_checked:  # the made model's context, before any Ray process
-        try:
+    def made_model_checks() -> None:
+        """What needs the made model (its config.json, tokenizer): before any Ray process."""
+        if not room_checked:  # data.max_prompt_length against the model's context
             refuse_prompt_room(cfg, model_path)
-        except UserInputError:
-            if fresh_run_dir:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            raise
-    if not layout_checked and (errs := model_layout_errors(cfg, model_path)):  # before any Ray process
+        if not layout_checked and (errs := model_layout_errors(cfg, model_path)):
+            raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
+        if cfg.teacher.enabled:  # teacher.top_k against the vocabulary
+            from moe_async.orchestration.teacher_pool import check_teacher_top_k
+
+            check_teacher_top_k(cfg, model_path)
+        if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's chat template shows the tools
+            from moe_async.models.prepare import load_tokenizer
+
+            check_template_shows_tools(cfg.rollout.agent, load_tokenizer(model_path), model_path)
+
+    try:
+        made_model_checks()
+    except UserInputError:
         if fresh_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
-        raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
-    if cfg.teacher.enabled:  # teacher.top_k against the vocabulary: before any Ray process
-        from moe_async.orchestration.teacher_pool import check_teacher_top_k
-
-        try:
-            check_teacher_top_k(cfg, model_path)
-        except UserInputError:
-            if fresh_run_dir:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            raise
-    if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's own chat template shows the tools
-        from moe_async.models.prepare import load_tokenizer
-
-        try:
-            check_template_shows_tools(cfg.rollout.agent, load_tokenizer(model_path), model_path)
-        except UserInputError:
-            if fresh_run_dir:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            raise
+        raise
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     init_ray(engine_log_dir=str(run_dir / "logs"))
