@@ -200,7 +200,7 @@ def _format_error(err: ValidationError, source: str) -> str:
         got = f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""
         if isinstance(e.get("input"), bool) and e["type"] != "extra_forbidden":  # YAML 1.1: yes/no/on/off
             got = (f" (got the boolean {str(e['input']).lower()}: YAML reads unquoted yes/no/on/off/true/false as "
-                   "booleans; quote a word meant as text, e.g. 'yes')")
+                   "booleans; quote a word meant as text)")
         named = not loc or msg.startswith(loc + ".")  # the message names the field already
         lines.append(f"  {'' if named else loc + ': '}{msg}{got}")
     return "\n".join(lines)
