@@ -106,6 +106,13 @@ def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str 
     return model, vocab
 
 
+# the refusal where no grouped expert MLP can be built (here and at config check, trainer/moe_kernels.py)
+GROUPED_GEMM_UNAVAILABLE = (
+    "trainer.moe_grouped_gemm=true needs Transformer Engine (Megatron-Core's TEGroupedMLP) or the grouped_gemm "
+    "package (its legacy GroupedMLP) on a CUDA host: neither is installed here; set trainer.moe_grouped_gemm=false "
+    "(the sequential expert MLP, same checkpoints and HF export)")
+
+
 def grouped_experts_spec(spec: Any) -> tuple[Any, int]:
     """A copy of the layer spec (or decoder block spec) ``spec`` whose routed experts are
     Megatron-Core's grouped expert MLP: ``TEGroupedMLP`` (from ``TESpecProvider.grouped_mlp_modules``,
@@ -136,10 +143,7 @@ def grouped_experts_spec(spec: Any) -> tuple[Any, int]:
     if module is not TEGroupedMLP:
         apply_cpu_compat()  # without CUDA: the stand-in grouped GEMM (no-op with CUDA)
         if not grouped_gemm_util.grouped_gemm_is_available():
-            raise ValueError("trainer.moe_grouped_gemm=true needs Transformer Engine (Megatron-Core's TEGroupedMLP) "
-                             "or the grouped_gemm package (its legacy GroupedMLP) on a CUDA host: neither is "
-                             "installed here; set trainer.moe_grouped_gemm=false (the sequential expert MLP, same "
-                             "checkpoints and HF export)")
+            raise ValueError(GROUPED_GEMM_UNAVAILABLE)
         module, submodules = GroupedMLP, None
     spec = copy.deepcopy(spec)
     n = 0

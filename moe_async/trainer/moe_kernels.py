@@ -47,9 +47,9 @@ def check_grouped_gemm() -> None:
     """Refuse ``trainer.moe_grouped_gemm=true`` where :func:`grouped_gemm_available` is False
     (ValueError naming the field and the fix)."""
     if not grouped_gemm_available():
-        raise ValueError("trainer.moe_grouped_gemm=true needs Transformer Engine (Megatron-Core's TEGroupedMLP) "
-                         "or the grouped_gemm package (its legacy GroupedMLP) on a CUDA host: neither is installed "
-                         "here; set it false (the sequential expert MLP: same checkpoints and HF export)")
+        from moe_async.megatron.build import GROUPED_GEMM_UNAVAILABLE
+
+        raise ValueError(GROUPED_GEMM_UNAVAILABLE)
 
 
 def refuse_unavailable_kernels(trainer_cfg: Any) -> None:
