@@ -26,7 +26,9 @@ def _source_column(ds: Any, metadata_key: str) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    from moe_async.data.rows import arrow_table
+
+    table = arrow_table(ds)
     cols = list(ds.column_names)
     if "data_source" in cols:
         return table.column("data_source")

@@ -165,7 +165,7 @@ def unlabelled(ds: Any, keys: Keys) -> Any:
 
     if keys.format != "messages":
         return None
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    table = arrow_table(ds)
     n = table.num_rows
     no_label = pc.is_null(table.column(keys.label_key)).combine_chunks() if keys.label_key in ds.column_names \
         else pa.array([True] * n)
@@ -181,6 +181,11 @@ def unlabelled(ds: Any, keys: Keys) -> Any:
         not_assistant = pa.array(flags, pa.bool_())
     mask = pc.and_(no_label, not_assistant)
     return mask if pc.any(mask).as_py() else None
+
+
+def arrow_table(ds: Any) -> Any:
+    """The pyarrow table under a ``datasets.Dataset`` (memory-mapped; no copy)."""
+    return ds.data.table if hasattr(ds.data, "table") else ds.data
 
 
 def _label(v: Any) -> str:
@@ -215,7 +220,7 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
 
     Raises: :class:`DataError`.
     """
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    table = arrow_table(ds)
     cols = list(ds.column_names)
     label_col: str | None
     if keys.format == "verl":
