@@ -142,30 +142,15 @@ class LogprobsMixin(TrainerAttrs):
         B, S = tokens.shape
         ids = mb.topk_ids if topk else None
         wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
-        tk = None
         if rows_only:
             b, s = mb.logit_b, mb.logit_s
             logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
-            lp = logp_NV.gather(-1, tokens[b, s + 1].unsqueeze(-1)).squeeze(-1)
-            logp = torch.zeros(B, S - 1, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
-            if ids is not None:
-                t = logp_NV.gather(-1, ids[b, s])
-                tk = torch.zeros(B, S - 1, ids.shape[-1], dtype=t.dtype, device=t.device).index_put((b, s), t)
-            ent = None
-            if entropy:
-                with torch.no_grad():
-                    e = -(logp_NV.exp() * logp_NV).sum(-1)
-                    ent = torch.zeros(B, S - 1, dtype=e.dtype, device=e.device).index_put((b, s), e)
+            picked = _pick(logp_NV, tokens[b, s + 1], None if ids is None else ids[b, s], entropy)
+            ent, logp, tk = (None if x is None else _at_rows(x, B, S - 1, b, s) for x in picked)
+            assert logp is not None
             return ent, logp, tk
         logp_BSV = torch.log_softmax(logits[:, :-1, : self.vocab_size].to(wide), dim=-1)
-        logp = logp_BSV.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
-        if ids is not None:
-            tk = logp_BSV.gather(-1, ids)
-        ent = None
-        if entropy:
-            with torch.no_grad():
-                ent = -(logp_BSV.exp() * logp_BSV).sum(-1)
-        return ent, logp, tk
+        return _pick(logp_BSV, tokens[:, 1:], ids, entropy)
 
     def _cp_token_logp(self, logits: Tensor, mb: MicroBatch, rows_only: bool, entropy: bool = False,
                        topk: bool = False) -> tuple[Tensor | None, Tensor, Tensor | None]:
@@ -183,27 +168,15 @@ class LogprobsMixin(TrainerAttrs):
         ids = mb.cp.topk_ids if topk else None
         B, S_loc = labels.shape
         wide = torch.promote_types(logits.dtype, torch.float32)
-        ent_loc = tk_loc = None
         if rows_only:
             b, s = mb.cp.logit_b, mb.cp.logit_s
             logp_NV = torch.log_softmax(logits[0, :, : self.vocab_size].to(wide), dim=-1)
-            lp = logp_NV.gather(-1, labels[b, s].unsqueeze(-1)).squeeze(-1)
-            logp_loc = torch.zeros(B, S_loc, dtype=lp.dtype, device=lp.device).index_put((b, s), lp)
-            if ids is not None:
-                t = logp_NV.gather(-1, ids[b, s])
-                tk_loc = torch.zeros(B, S_loc, ids.shape[-1], dtype=t.dtype, device=t.device).index_put((b, s), t)
-            if entropy:
-                with torch.no_grad():
-                    e = -(logp_NV.exp() * logp_NV).sum(-1)
-                    ent_loc = torch.zeros(B, S_loc, dtype=e.dtype, device=e.device).index_put((b, s), e)
+            picked = _pick(logp_NV, labels[b, s], None if ids is None else ids[b, s], entropy)
+            ent_loc, logp_loc, tk_loc = (None if x is None else _at_rows(x, B, S_loc, b, s) for x in picked)
         else:
             logp_BSV = torch.log_softmax(logits[:, :, : self.vocab_size].to(wide), dim=-1)
-            logp_loc = logp_BSV.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            if ids is not None:
-                tk_loc = logp_BSV.gather(-1, ids)
-            if entropy:
-                with torch.no_grad():
-                    ent_loc = -(logp_BSV.exp() * logp_BSV).sum(-1)
+            ent_loc, logp_loc, tk_loc = _pick(logp_BSV, labels, ids, entropy)
+        assert logp_loc is not None
         logp = gather_over_cp(logp_loc, group)[:, :-1]
         tk = gather_over_cp(tk_loc, group)[:, :-1] if tk_loc is not None else None
         ent = None
@@ -274,3 +247,21 @@ class LogprobsMixin(TrainerAttrs):
             )
             out = box[0]
         return out[:n_real]
+
+
+def _pick(logp_XV: Tensor, labels_X: Tensor, ids_XK: Tensor | None,
+          entropy: bool) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """From log-softmax rows ``[..., V]``: ``(entropy [...] (no grad) or None, the labels'
+    logprobs [...], the logprobs of ``ids_XK [..., k]`` or None)``."""
+    lp = logp_XV.gather(-1, labels_X.unsqueeze(-1)).squeeze(-1)
+    tk = logp_XV.gather(-1, ids_XK) if ids_XK is not None else None
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = -(logp_XV.exp() * logp_XV).sum(-1)
+    return ent, lp, tk
+
+
+def _at_rows(x_N: Tensor, B: int, S: int, b: Tensor, s: Tensor) -> Tensor:
+    """Response rows ``x [N, ...]`` placed at ``(b, s)`` of a zero ``[B, S, ...]`` tensor."""
+    return torch.zeros(B, S, *x_N.shape[1:], dtype=x_N.dtype, device=x_N.device).index_put((b, s), x_N)
