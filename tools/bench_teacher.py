@@ -1,18 +1,21 @@
 """Benchmark: does fully asynchronous training hide a slow distillation teacher?
 
-A teacher that takes 0.5 s per scoring request (``--delay``), however many are in flight: an
-embedded engine serving the student's starting checkpoint behind a proxy that sleeps before
-forwarding each ``/generate``. The same config and seed then run twice in this invocation,
-``moe-async train`` with ``teacher.urls`` pointing at the proxy, once with ``async.mode=sync``
-and once ``fully_async`` (``--staleness``), and the trainer idle fraction (time the trainer
-waited for a batch / loop time, ``perf/trainer_idle_frac``) of each is printed with the
-async/sync ratio. Absolute numbers on a shared CPU mean little; the ratio measured in the same
-run is the result. Also printed: samples/s, teacher requests/failures, teacher seconds.
+A teacher that takes ``--delay`` seconds (0.5) per scoring request, however many are in flight:
+an embedded engine serving the student's starting checkpoint behind a proxy that sleeps before
+forwarding each ``/generate``. The same config and seed run four times in this invocation
+(``moe-async train`` with ``teacher.urls`` pointing at a proxy): ``async.mode=sync`` and
+``fully_async`` (``--staleness``), each once with the slow teacher and once with the same
+teacher and no sleep. Printed per run: the trainer idle fraction (``perf/trainer_idle_frac``),
+the trainer's mean wait for a batch per step (``perf/wait_seconds``, steps after the first),
+samples/s, teacher requests/failures/seconds; then the result, measured in the same run:
+the wait per step the sleep adds in each mode and the share of it fully_async hides
+(``1 - added_async / added_sync``), and fully_async's idle fraction over sync's with the slow
+teacher. Absolute numbers on a shared CPU mean little.
 
     .venv/bin/python tools/bench_teacher.py                     # cpu_smoke, 6 steps, 0.5 s
     .venv/bin/python tools/bench_teacher.py --steps 8 --delay 1.0 --json out.json
 
-Exit status 1 when a run fails (its output tail is printed).
+Exit status 1 when a run fails (its output tail is printed) or the teacher failed requests.
 """
 
 from __future__ import annotations
@@ -100,46 +103,65 @@ def main() -> None:
     path = str(prepare_hf_checkpoint(cfg.model))  # the student's starting checkpoint (cached)
     eng = make_engine(EngineConfig(num_threads=1, max_running_requests=32), path, 0)
     eng.launch()
-    proxy, server = start_delay_proxy(eng.url, args.delay)
-    rows = {}
+    proxies = {d: start_delay_proxy(eng.url, d) for d in (0.0, args.delay)}
+    res: dict[str, dict] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for mode in ("sync", "fully_async"):
-                out = Path(tmp) / mode
-                out.mkdir()
-                rows[mode] = run_mode(args.config, mode, args.staleness, args.steps, proxy, args.set, out)
+            for delay in (0.0, args.delay):
+                for mode in ("sync", "fully_async"):
+                    key = f"{mode}@{delay:g}s"
+                    out = Path(tmp) / key
+                    out.mkdir()
+                    r = run_mode(args.config, mode, args.staleness, args.steps, proxies[delay][0], args.set, out)
+                    res[key] = row(r)
+                    print_row(key, res[key])
     finally:
-        server.should_exit = True
+        for _, server in proxies.values():
+            server.should_exit = True
         eng.shutdown()
-    res = {}
-    for mode, r in rows.items():
-        s, last = r["summary"], r["steps"][-1]
-        ro = s["rollout"]
-        res[mode] = {
-            "trainer_idle_frac": s["perf"]["perf/trainer_idle_frac"],
-            "samples_per_s": s["perf"]["perf/samples_per_s"],
-            "loop_seconds": s["perf"]["loop_seconds"],
-            "teacher_requests": ro.get("teacher/requests", 0.0),
-            "teacher_failures": ro.get("teacher/failures", 0.0),
-            "teacher_seconds": ro.get("teacher/seconds", 0.0),
-            "kl_per_token_last": last.get("teacher/batch_kl_per_token"),
-        }
-        print(f"{mode:12s} trainer idle {res[mode]['trainer_idle_frac']:.3f}  samples/s "
-              f"{res[mode]['samples_per_s']:.2f}  loop {res[mode]['loop_seconds']:.1f} s  teacher "
-              f"{res[mode]['teacher_requests']:.0f} requests, {res[mode]['teacher_failures']:.0f} failed, "
-              f"{res[mode]['teacher_seconds']:.1f} s summed")
     if any(r["teacher_failures"] for r in res.values()):
         print("the teacher failed requests: the comparison is void (see the runs' console.log)", file=sys.stderr)
         raise SystemExit(1)
-    a, b = res["fully_async"], res["sync"]
-    ratios = {"trainer_idle_frac": a["trainer_idle_frac"] / b["trainer_idle_frac"] if b["trainer_idle_frac"] else None,
-              "samples_per_s": a["samples_per_s"] / b["samples_per_s"]}
-    print(f"fully_async / sync: trainer idle fraction x{ratios['trainer_idle_frac']:.3f}, "
-          f"samples/s x{ratios['samples_per_s']:.3f} (teacher delay {args.delay} s per request, "
-          f"K={args.staleness}, {args.steps} steps)")
+    d = f"{args.delay:g}s"
+    added = {m: res[f"{m}@{d}"]["wait_per_step"] - res[f"{m}@0s"]["wait_per_step"] for m in ("sync", "fully_async")}
+    hidden = 1.0 - added["fully_async"] / added["sync"] if added["sync"] > 0 else None
+    slow_a, slow_s = res[f"fully_async@{d}"], res[f"sync@{d}"]
+    ratios = {"trainer_idle_frac": slow_a["trainer_idle_frac"] / slow_s["trainer_idle_frac"]
+              if slow_s["trainer_idle_frac"] else None,
+              "samples_per_s": slow_a["samples_per_s"] / slow_s["samples_per_s"]}
+    print(f"the teacher's {args.delay:g} s per request adds to the trainer's wait per step: sync "
+          f"{added['sync']:+.2f} s, fully_async {added['fully_async']:+.2f} s"
+          + (f" (fully_async hides {hidden:.0%} of it)" if hidden is not None else ""))
+    print(f"with the slow teacher, fully_async / sync: trainer idle fraction x{ratios['trainer_idle_frac']:.3f}, "
+          f"samples/s x{ratios['samples_per_s']:.3f} (K={args.staleness}, {args.steps} steps)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"modes": res, "ratios": ratios, "delay_s": args.delay,
-                                               "steps": args.steps, "staleness": args.staleness}, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": res, "added_wait_per_step_s": added, "hidden": hidden,
+                                               "ratios": ratios, "delay_s": args.delay, "steps": args.steps,
+                                               "staleness": args.staleness}, indent=1))
+
+
+def row(r: dict) -> dict:
+    """One run's numbers: summary perf and teacher counters; the mean wait per step leaves out
+    step 1 (it waits for the first generation in both modes)."""
+    s = r["summary"]
+    ro = s["rollout"]
+    waits = [m["perf/wait_seconds"] for m in r["steps"][1:] if "perf/wait_seconds" in m]
+    return {
+        "trainer_idle_frac": s["perf"]["perf/trainer_idle_frac"],
+        "samples_per_s": s["perf"]["perf/samples_per_s"],
+        "loop_seconds": s["perf"]["loop_seconds"],
+        "wait_per_step": sum(waits) / len(waits) if waits else 0.0,
+        "teacher_requests": ro.get("teacher/requests", 0.0),
+        "teacher_failures": ro.get("teacher/failures", 0.0),
+        "teacher_seconds": ro.get("teacher/seconds", 0.0),
+        "kl_per_token_last": r["steps"][-1].get("teacher/batch_kl_per_token"),
+    }
+
+
+def print_row(key: str, r: dict) -> None:
+    print(f"{key:16s} trainer idle {r['trainer_idle_frac']:.3f}  wait/step {r['wait_per_step']:.2f} s  samples/s "
+          f"{r['samples_per_s']:.2f}  loop {r['loop_seconds']:.1f} s  teacher {r['teacher_requests']:.0f} requests, "
+          f"{r['teacher_failures']:.0f} failed, {r['teacher_seconds']:.1f} s summed", flush=True)
 
 
 if __name__ == "__main__":
