@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from moe_async.rollout.config import RolloutConfig
 from moe_async.rollout.draw_cursor import DrawCursor
+from moe_async.types import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class TaskDataset:
     Picklable without the tokenizer (``score`` works in reward worker processes).
     """
 
-    def __init__(self, cfg: RolloutConfig, tokenizer: Any = None):
+    def __init__(self, cfg: RolloutConfig, tokenizer: Tokenizer = None):
         import reasoning_gym
 
         self.cfg = cfg
