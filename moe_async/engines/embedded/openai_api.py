@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from moe_async.engines.embedded.sampling import RequestError
+from moe_async.types import Tokenizer
 
 # OpenAI / SGLang request field -> sampling_params field (the same meaning)
 _SAMPLING = {
@@ -106,7 +107,7 @@ def _chat_logprobs(ret: dict) -> dict:
     return {"content": content}
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: Any) -> list[int]:
     """The prompt of ``messages`` under the tokenizer's chat template (generation prompt
     added), as SGLang's ``serving_chat`` renders it for a template-only model."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -135,7 +136,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, model_path: str,
+def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Tokenizer, model_path: str,
                            context_length: int) -> None:
     """Add ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` to ``app``;
     ``generate(body)`` runs one ``/generate`` body (raises :class:`RequestError`)."""

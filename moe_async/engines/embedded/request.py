@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_async.engines.embedded.sampling import RequestError, SamplingParams, decode_sampling_params, unknown_field
+from moe_async.types import Tokenizer
 
 HONOURED: tuple[str, ...] = (
     "lora_path", "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
@@ -108,7 +109,7 @@ def _ids(name: str, v: Any) -> list[int]:
     return v
 
 
-def decode_generate(body: Any, *, tokenizer: Any, vocab_size: int) -> tuple[list[ItemSpec], bool]:
+def decode_generate(body: Any, *, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[ItemSpec], bool]:
     """The ``/generate`` body -> ``(samples, single)``; ``single``: answer one object, not
     a list. Raises :class:`RequestError` with the 400's message (which names the field)."""
     if not isinstance(body, dict):

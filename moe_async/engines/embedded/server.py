@@ -34,6 +34,7 @@ from moe_async.engines.embedded.sampling import RequestError
 from moe_async.engines.embedded.scheduler import Req, Scheduler
 from moe_async.engines.embedded.tensor_update import tensor_update_router
 from moe_async.engines.embedded.weight_update import WeightUpdater, weight_update_router
+from moe_async.types import Tokenizer
 
 log = logging.getLogger("moe_async.engines.embedded")
 
@@ -126,7 +127,7 @@ class EngineState:
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype)
         torch.nn.Module.to(self.model, self.device)
         self.model.eval()
-        self.tokenizer: Any
+        self.tokenizer: Tokenizer
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         except Exception:
