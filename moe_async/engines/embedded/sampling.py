@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moe_async.types import Tokenizer
+from moe_async.types import Tokenizer, JsonDict
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
@@ -51,7 +51,7 @@ REFUSED: dict[str, str] = {
     "choice": "constrained choice decoding is not implemented",
 }
 #: SGLang's default of each refused field (a request may carry it)
-REFUSED_DEFAULTS: dict[str, Any] = {"choice": []}
+REFUSED_DEFAULTS: dict[str, object] = {"choice": []}
 
 HONOURED: frozenset[str] = frozenset(FIELDS) - frozenset(REFUSED)
 
@@ -87,7 +87,7 @@ class SamplingParams:
     stop_str_max_len: int = 0  # tokens of the longest stop string (tail window to decode)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, *, vocab_size: int | None = None,
+    def from_dict(cls, d: JsonDict | None, *, vocab_size: int | None = None,
                   tokenizer: Tokenizer = None) -> "SamplingParams":
         return decode_sampling_params(d, vocab_size=vocab_size, tokenizer=tokenizer)
 
@@ -102,11 +102,11 @@ class SamplingParams:
                     or self.min_new_tokens or self.logit_bias)
 
 
-def _type_error(name: str, v: Any, expected: str) -> RequestError:
+def _type_error(name: str, v: object, expected: str) -> RequestError:
     return RequestError(f"sampling_params.{name}: invalid type: {type(v).__name__} {v!r}, expected {expected}")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -146,7 +146,7 @@ def unknown_field(where: str, key: str, fields: tuple[str, ...]) -> RequestError
     return RequestError(f"{where}: unknown field `{key}`, expected one of {listed}")
 
 
-def decode_sampling_params(d: dict[str, Any] | None, *, vocab_size: int | None = None,
+def decode_sampling_params(d: JsonDict | None, *, vocab_size: int | None = None,
                            tokenizer: Tokenizer = None) -> SamplingParams:
     """``d`` (one ``sampling_params`` object) -> :class:`SamplingParams`, or
     :class:`RequestError` (the 400's message, naming the field)."""
