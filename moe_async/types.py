@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
     from torch import Tensor
 
-#: A value JSON can carry, checked all the way down (what a metrics or summary file is written from).
-JsonValue: TypeAlias = "None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]"
 #: A JSON object as ``json.load`` / an HTTP reply / a YAML mapping gives it: its values are
 #: unknown until the reader checks them (the standard library types them as ``Any``).
 JsonDict: TypeAlias = dict[str, Any]
