@@ -7,7 +7,6 @@ Errors: :class:`ConfigError` (a ``ValueError``) naming the file and the dotted f
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
@@ -24,6 +23,7 @@ from moe_async.plan.config import ClusterConfig
 from moe_async.rollout.config import RolloutConfig
 from moe_async.trainer.config import TrainerConfig
 from moe_async.weight_sync.config import WeightSyncConfig
+from moe_async.types import JsonDict
 
 
 class ConfigError(ValueError):
@@ -145,7 +145,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """
 
     def construct_mapping(self, node, deep=False):  # noqa: D102 (PyYAML hook)
-        seen: dict[Any, int] = {}
+        seen: dict[object, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: merged by the base
                 continue  # loader; a key written next to it overrides the merged one (YAML)
@@ -157,7 +157,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str) -> object:
     """Parse an override value with YAML rules (``1e-6`` -> float, ``true`` -> bool)."""
     try:
         return yaml.safe_load(raw)
@@ -165,7 +165,7 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: JsonDict, overrides: list[str]) -> JsonDict:
     """Apply ``a.b.c=value`` overrides to a nested dict (in place) and return it.
 
     Raises:
@@ -210,7 +210,7 @@ def _format_error(err: ValidationError, source: str) -> str:
 BASE_KEY = "base"
 
 
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: JsonDict, over: JsonDict) -> JsonDict:
     """A new dict: ``base`` with ``over`` merged in, ``over`` winning. Mappings merge key by
     key, recursively; any other value (a list, a scalar, ``null``) replaces the base's whole."""
     out = dict(base)
@@ -222,7 +222,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_mapping(p: Path) -> dict[str, Any]:
+def _read_mapping(p: Path) -> JsonDict:
     """One YAML file's top-level mapping (an empty file is ``{}``); errors name the file."""
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
@@ -239,7 +239,7 @@ def _read_mapping(p: Path) -> dict[str, Any]:
     return loaded
 
 
-def read_config_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[Path]]:
+def read_config_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[JsonDict, list[Path]]:
     """Read a YAML experiment file with its base files, merged.
 
     A file may name base files under the top-level key ``base``: one path or a list of
@@ -266,7 +266,7 @@ def read_config_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[d
     if not isinstance(bases, list) or not bases or not all(isinstance(b, str) and b for b in bases):
         raise ConfigError(f"{p}: {BASE_KEY} must be a file path or a non-empty list of file paths "
                           f"(relative to {p.parent}), got {bases!r}")
-    merged: dict[str, Any] = {}
+    merged: JsonDict = {}
     files: list[Path] = []
     for b in bases:
         bp = Path(b) if Path(b).is_absolute() else p.parent / b
@@ -293,7 +293,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         ConfigError: unreadable file, YAML syntax error, a bad ``base``, unknown key or bad
             value; the message names the file (and its bases) and the dotted field.
     """
-    data: dict[str, Any] = {}
+    data: JsonDict = {}
     source = str(path) if path else "<defaults>"
     if path is not None:
         data, files = read_config_tree(path)

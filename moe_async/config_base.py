@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Strict, model_validator
 
 
-def _numeric(annotation: Any) -> bool:
+def _numeric(annotation: object) -> bool:
     """True when ``annotation`` is ``int``/``float`` (or a Union/Optional of them) and admits no
     ``bool``; ``Annotated`` forms are unwrapped, strict ones (``StrictInt``) left to pydantic."""
     origin = typing.get_origin(annotation)
@@ -36,7 +35,7 @@ class ConfigModel(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_bool_numbers(cls, data: Any) -> Any:
+    def _refuse_bool_numbers(cls, data: object) -> object:
         if isinstance(data, dict):
             for name, field in cls.model_fields.items():
                 if any(isinstance(m, Strict) for m in field.metadata):

@@ -9,12 +9,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
     from torch import Tensor
+
+#: A JSON object as ``json.load`` / an HTTP reply / a YAML mapping gives it: its values are
+#: unknown until the reader checks them (the standard library types them as ``Any``).
+JsonDict: TypeAlias = dict[str, Any]
+#: An HF tokenizer (``transformers.PreTrainedTokenizerBase``, a test's stand-in; None where a
+#: caller has none). Left untyped: transformers types ``decode`` / ``apply_chat_template`` as
+#: unions (``str | list[str]``) that the call sites here never receive.
+Tokenizer: TypeAlias = Any
 
 
 @dataclass
@@ -64,7 +73,7 @@ class Sample:
     response_text: str = ""
     routed_experts: np.ndarray | None = None
     loss_weight: float = 1.0
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: JsonDict = field(default_factory=dict)
     loss_mask: list[int] | None = None
     teacher_logprobs: list[float] | None = None
     teacher_topk_ids: np.ndarray | None = None
@@ -128,17 +137,20 @@ class Group:
         return sum(len(s.response_ids) for s in self.samples)
 
 
-def _map_tensors(obj: Any, fn: Callable[["Tensor"], "Tensor"]) -> Any:
+_Frozen = TypeVar("_Frozen", bound="DataclassInstance")
+
+
+def _map_tensors(obj: _Frozen, fn: Callable[["Tensor"], "Tensor"]) -> _Frozen:
     """A copy of the frozen dataclass ``obj`` with ``fn`` applied to every tensor field
     (nested dataclasses too; ints and None kept)."""
     import torch
 
-    changes = {}
+    changes: dict[str, object] = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, torch.Tensor):
             changes[f.name] = fn(v)
-        elif dataclasses.is_dataclass(v):
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             changes[f.name] = _map_tensors(v, fn)
     return dataclasses.replace(obj, **changes)
 

@@ -13,10 +13,10 @@ import ast
 import operator
 import time
 from collections.abc import Callable
-from typing import Any
 
 from moe_async.agent.env_base import EnvStep, TextEnv, register_env
 from moe_async.agent.tools import Tool
+from moe_async.types import JsonDict
 
 
 @register_env("answer_retry")
@@ -25,7 +25,7 @@ class AnswerRetryEnv(TextEnv):
     ``reward_spec.ground_truth``; ``env_config.retry_message`` overrides the reply,
     ``env_config.step_delay_s`` makes each step take that long (a slow tool's latency)."""
 
-    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None):
+    def __init__(self, env_config: JsonDict | None = None, extras: JsonDict | None = None):
         super().__init__(env_config, extras)
         self.answer = str(self.extras.get("reward_spec", {}).get("ground_truth", ""))
         self.retry = str(self.env_config.get("retry_message", "Wrong, try again."))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from pydantic import ConfigDict, Field
 
 from moe_async.config_base import ConfigModel
+from moe_async.types import JsonDict
 
 
 class AgentConfig(ConfigModel):
@@ -19,7 +19,7 @@ class AgentConfig(ConfigModel):
     env_class: str | None = Field(
         None, description="Environment for rows without an env_class of their own: a name of "
         "moe_async.agent.env.ENVS, or a SkyRL-gym id ('skyrl_gym:gsm8k_multi_turn').")
-    env_config: dict[str, Any] = Field(default_factory=dict, description="Passed to the environment as env_config.")
+    env_config: JsonDict = Field(default_factory=dict, description="Passed to the environment as env_config.")
     max_turns: int = Field(3, ge=1, description="Model turns per trajectory (the turn budget).")
     max_trajectory_tokens: int = Field(
         1024, ge=1, description="Response tokens per trajectory (model turns + observations); the "

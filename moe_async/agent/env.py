@@ -19,16 +19,16 @@ label and ``extra_info`` become SkyRL's ``extras`` (:func:`env_extras`).
 
 from __future__ import annotations
 
-from typing import Any
 
 import moe_async.agent.builtin  # noqa: F401 - registers the built-in environments
-from moe_async.agent.env_base import ENVS, EnvStep, TextEnv, as_step, register_env
+from moe_async.agent.env_base import ENVS, Env, EnvStep, TextEnv, as_step, register_env
+from moe_async.types import JsonDict
 
 __all__ = ["ENVS", "EnvStep", "TextEnv", "as_step", "register_env", "check_env_class", "env_class_of",
            "env_extras", "make_env"]
 
 
-def env_class_of(problem: Any, default: str | None) -> str | None:
+def env_class_of(problem: object, default: str | None) -> str | None:
     """The row's ``env_class`` (extra_info, then metadata), else ``default``."""
     for attr in ("extra_info", "metadata"):
         d = getattr(problem, attr, None)
@@ -37,7 +37,7 @@ def env_class_of(problem: Any, default: str | None) -> str | None:
     return default
 
 
-def env_extras(problem: Any) -> dict[str, Any]:
+def env_extras(problem: object) -> JsonDict:
     """SkyRL-gym's ``extras`` for a data row: ``reward_spec.ground_truth`` (the row's answer)
     and ``extra_info``."""
     extra = dict(getattr(problem, "extra_info", None) or {})
@@ -63,7 +63,7 @@ def check_env_class(name: str) -> str:
                         "'moe-async[agent]')"))
 
 
-def make_env(name: str, problem: Any, env_config: dict[str, Any] | None = None) -> Any:
+def make_env(name: str, problem: object, env_config: JsonDict | None = None) -> Env:
     """A fresh environment ``name`` for ``problem`` (module docstring); ValueError as
     :func:`check_env_class`."""
     kind = check_env_class(name)

@@ -7,9 +7,11 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import numpy as np
+
+from moe_async.types import JsonDict
 
 
 @dataclass
@@ -19,17 +21,28 @@ class EnvStep:
     observations: list[dict] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: JsonDict = field(default_factory=dict)
+
+
+class Env(Protocol):
+    """An environment as the trajectory loop drives it: ours (:class:`TextEnv`) or a
+    SkyRL-gym one (whose ``step`` returns its dict, read by :func:`as_step`)."""
+
+    def init(self, prompt: list[dict]) -> tuple[list[dict], JsonDict]: ...
+
+    def step(self, action: str) -> object: ...
+
+    def close(self) -> None: ...
 
 
 class TextEnv(ABC):
     """A multi-turn text environment (module docstring); ``extras`` as SkyRL-gym passes them."""
 
-    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None):
+    def __init__(self, env_config: JsonDict | None = None, extras: JsonDict | None = None):
         self.env_config = env_config or {}
         self.extras = dict(extras or {})
 
-    def init(self, prompt: list[dict]) -> tuple[list[dict], dict[str, Any]]:
+    def init(self, prompt: list[dict]) -> tuple[list[dict], JsonDict]:
         """The conversation the model starts from (default: ``prompt`` itself) and metadata."""
         return list(prompt), {}
 
@@ -41,7 +54,7 @@ class TextEnv(ABC):
         """Release what the environment holds (default: nothing)."""
 
 
-def as_step(out: Any, env_name: str, env_type: str | None = None) -> EnvStep:
+def as_step(out: object, env_name: str, env_type: str | None = None) -> EnvStep:
     """An :class:`EnvStep` from what ``step`` returned (an EnvStep or a SkyRL-gym dict).
 
     ``reward``: a finite real number (None counts as 0.0; bool, str, NaN, inf are refused);

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from moe_async.agent.config import AgentConfig
-from moe_async.agent.env_base import as_step
+from moe_async.agent.env_base import Env, as_step
 from moe_async.agent.template import ChatRenderer, TemplateMismatch
 from moe_async.agent.tools import Tool, ToolStats, parse_tool_calls, run_tool_calls
 from moe_async.agent.trajectory import Trajectory
 from moe_async.agent.workers import WorkerPool, WorkerTimeout
-from moe_async.types import Sample
+from moe_async.types import Sample, Tokenizer
 
 GenerateTurn = Callable[[list[int], int], Awaitable[Sample]]
 
@@ -55,14 +55,14 @@ class TrajectoryStats:
                 "env_steps": self.env_steps, "env_timeouts": self.env_timeouts, "env_errors": self.env_errors}
 
 
-def assistant_text(tokenizer: Any, ids: list[int], eos_ids: set[int]) -> str:
+def assistant_text(tokenizer: Tokenizer, ids: list[int], eos_ids: set[int]) -> str:
     """A model turn's content as a chat message: its sampled ids decoded with special tokens,
     less the end-of-turn token the template writes itself."""
     body = ids[:-1] if ids and ids[-1] in eos_ids else ids
     return tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-async def run_trajectory(env: Any, env_name: str, prompt: list[dict], renderer: ChatRenderer,
+async def run_trajectory(env: Env, env_name: str, prompt: list[dict], renderer: ChatRenderer,
                          generate_turn: GenerateTurn, cfg: AgentConfig, max_new_tokens: int,
                          tools: list[Tool] | None = None, eos_token_ids: list[int] | None = None,
                          max_context_len: int | None = None, pool: WorkerPool | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any
+from typing import Callable
 
 from moe_async.agent.builtin import resolve_tools
 from moe_async.agent.config import AgentConfig
@@ -21,7 +21,7 @@ from moe_async.agent.env import env_class_of, make_env
 from moe_async.agent.loop import GenerateTurn, run_trajectory
 from moe_async.agent.template import ChatRenderer
 from moe_async.agent.workers import WorkerPool
-from moe_async.types import Sample
+from moe_async.types import Sample, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class AgentRollout:
     """Trajectories for rows with an environment (module docstring)."""
 
-    def __init__(self, cfg: AgentConfig, tokenizer: Any, messages_of: Any, eos_token_ids: list[int] | None = None,
+    def __init__(self, cfg: AgentConfig, tokenizer: Tokenizer, messages_of: Callable[[object], list[dict]], eos_token_ids: list[int] | None = None,
                  max_context_len: int | None = None):
         if tokenizer is None:
             raise ValueError("rollout.agent needs the dataset's tokenizer (chat template) to render observations")
@@ -53,11 +53,11 @@ class AgentRollout:
         self._mismatch_logged = False
         self.pool = WorkerPool(cfg.workers, "agent-worker")  # sync tools and env.step, all trajectories
 
-    def env_class(self, problem: Any) -> str | None:
+    def env_class(self, problem: object) -> str | None:
         """The environment of ``problem``'s trajectory, or None (single-turn)."""
         return env_class_of(problem, self.cfg.env_class)
 
-    async def sample(self, problem: Any, generate_turn: GenerateTurn, max_new_tokens: int,
+    async def sample(self, problem: object, generate_turn: GenerateTurn, max_new_tokens: int,
                      count: bool = True) -> Sample:
         """One trajectory of ``problem`` as a trainable sample (reward set from the
         environment); ``count``: add it to :meth:`metrics` (False for evals). ValueError when

@@ -7,10 +7,10 @@ model never calls them).
 
 from __future__ import annotations
 
-from typing import Any
 
 from moe_async.agent.config import AgentConfig
 from moe_async.errors import UserInputError
+from moe_async.types import Tokenizer
 
 #: the conversation rendered with and without ``tools=`` to see whether the template uses them
 PROBE = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -34,7 +34,7 @@ def check_tool_parser(cfg: AgentConfig) -> None:
                              f"parser; known: {sorted(known)}")
 
 
-def check_template_shows_tools(cfg: AgentConfig, tokenizer: Any, model: str) -> None:
+def check_template_shows_tools(cfg: AgentConfig, tokenizer: Tokenizer, model: str) -> None:
     """UserInputError naming ``rollout.agent.tools`` and ``model`` when the tokenizer's chat
     template renders :data:`PROBE` the same with and without the tools' schemas (or fails
     with them): the model would never see its tools."""

@@ -18,7 +18,8 @@ and miles render observations) so the trajectory still keeps exactly its sampled
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from moe_async.types import Tokenizer
 
 
 @dataclass
@@ -56,15 +57,16 @@ class ChatRenderer:
     """Renders conversations with ``tokenizer.apply_chat_template`` (text, then tokenised with
     ``add_special_tokens=False``); ``tools``: OpenAI function schemas passed to the template."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+    def __init__(self, tokenizer: Tokenizer, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
         self.tools = tools or None
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        kw: dict[str, Any] = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
-        if self.tools:
-            kw["tools"] = self.tools
-        return self.tokenizer.apply_chat_template(messages, **kw)
+        text = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        if not isinstance(text, str):
+            raise TypeError(f"the tokenizer's chat template gave {type(text).__name__}, not the text (tokenize=False)")
+        return text
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]

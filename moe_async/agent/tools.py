@@ -25,25 +25,29 @@ import inspect
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from moe_async.agent.workers import WorkerPool, WorkerTimeout
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
 
 @dataclass
 class Tool:
     """An OpenAI function schema and the callable that answers it."""
 
-    schema: dict[str, Any]
-    fn: Callable[..., Any]
+    schema: JsonDict
+    fn: Callable[..., object]
 
     @property
     def name(self) -> str:
         return str(self.schema["function"]["name"])
 
     @classmethod
-    def from_function(cls, fn: Callable[..., Any], description: str = "",
-                      parameters: dict[str, Any] | None = None) -> "Tool":
+    def from_function(cls, fn: Callable[..., object], description: str = "",
+                      parameters: JsonDict | None = None) -> "Tool":
         """A tool named after ``fn``; ``parameters`` a JSON schema (default: every argument a
         string, all required)."""
         if parameters is None:
@@ -58,7 +62,7 @@ class ToolCall:
     """A parsed call: tool name and its arguments (a dict, or the raw string when not JSON)."""
 
     name: str
-    arguments: dict[str, Any] | str
+    arguments: JsonDict | str
 
 
 @dataclass
@@ -74,10 +78,10 @@ class ToolStats:
     spans: list[tuple[str, float, float, bool]] = field(default_factory=list)
 
 
-_PARSERS: dict[tuple[str, tuple[str, ...]], Any] = {}
+_PARSERS: dict[tuple[str, tuple[str, ...]], FunctionCallParser] = {}
 
 
-def _sglang_parser(parser: str, tools: list[Tool]) -> Any:
+def _sglang_parser(parser: str, tools: list[Tool]) -> FunctionCallParser:
     """SGLang's ``FunctionCallParser`` for ``parser`` over ``tools`` (cached). ValueError
     naming the parser and SGLang's known ones when it does not exist."""
     key = (parser, tuple(t.name for t in tools))
@@ -86,12 +90,12 @@ def _sglang_parser(parser: str, tools: list[Tool]) -> Any:
 
         # on a CPU host: with SGLang's GPU-only imports stubbed (moe_async/compat/sglang_cpu.py)
         SGTool = import_sglang("sglang.srt.entrypoints.openai.protocol").Tool
-        FunctionCallParser = import_sglang("sglang.srt.function_call.function_call_parser").FunctionCallParser
+        Parser = import_sglang("sglang.srt.function_call.function_call_parser").FunctionCallParser
 
-        known = FunctionCallParser.ToolCallParserEnum
+        known = Parser.ToolCallParserEnum
         if parser not in known:
             raise ValueError(f"rollout.agent.tool_parser={parser!r}: SGLang has no such parser; known: {sorted(known)}")
-        _PARSERS[key] = FunctionCallParser([SGTool(**t.schema) for t in tools], parser)
+        _PARSERS[key] = Parser([SGTool(**t.schema) for t in tools], parser)
     return _PARSERS[key]
 
 
@@ -107,14 +111,14 @@ def parse_tool_calls(text: str, tools: list[Tool], parser: str) -> tuple[str, li
     calls = []
     for it in items:
         try:
-            args: dict[str, Any] | str = json.loads(it.parameters) if it.parameters else {}
+            args: JsonDict | str = json.loads(it.parameters) if it.parameters else {}
         except json.JSONDecodeError:
             args = it.parameters
         calls.append(ToolCall(name=str(it.name), arguments=args))
     return normal, calls
 
 
-def _as_text(v: Any) -> str:
+def _as_text(v: object) -> str:
     if isinstance(v, str):
         return v
     try:

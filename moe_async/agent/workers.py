@@ -16,11 +16,16 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 
 class WorkerTimeout(TimeoutError):
     """A call did not finish within its timeout (the message says whether it was queued)."""
+
+
+#: A queued call: the function, the caller's loop, the future it awaits, and the call's state
+#: flags (``abandoned``, ``started``, ``finished``).
+_Job = tuple[Callable[[], object], asyncio.AbstractEventLoop, "asyncio.Future[object]", dict[str, bool]]
 
 
 class WorkerPool:
@@ -32,7 +37,7 @@ class WorkerPool:
         self.max_workers = max_workers
         self.name = name
         self.idle_s = idle_s
-        self._q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
         self._idle = 0
@@ -77,7 +82,7 @@ class WorkerPool:
                     self.busy -= 1
                     self._idle += 1
 
-    def _submit(self, item: tuple[Any, ...]) -> None:
+    def _submit(self, item: _Job) -> None:
         with self._lock:
             spawn = self._idle == 0 and self._threads < self.max_workers
             if spawn:
@@ -87,11 +92,11 @@ class WorkerPool:
         if spawn:
             threading.Thread(target=self._worker, name=f"{self.name}-{self._threads}", daemon=True).start()
 
-    async def run(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+    async def run(self, fn: Callable[[], object], timeout_s: float) -> object:
         """``fn()`` on a worker; its result or exception. Raises
         :class:`WorkerTimeout` after ``timeout_s`` seconds (queued or running)."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[object] = loop.create_future()
         state = {"abandoned": False, "started": False, "finished": False}
         self._submit((fn, loop, fut, state))
         try:
@@ -109,7 +114,7 @@ class WorkerPool:
             raise WorkerTimeout(f"no result within {timeout_s:g} s ({where})") from None
 
 
-def _settle(fut: asyncio.Future[Any], res: Any, exc: BaseException | None) -> None:
+def _settle(fut: asyncio.Future[object], res: object, exc: BaseException | None) -> None:
     if fut.done():
         return
     if exc is not None:

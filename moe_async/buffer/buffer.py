@@ -14,13 +14,45 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar, TypedDict
 
 from moe_async.buffer.wait_split import WaitSplit, split_batch_wait
 from moe_async.types import Group
 
 
 STOPPED = "stopped"  # cancel() reason of a group that was in flight when generation stopped
+
+
+class BufferStats(TypedDict):
+    """:meth:`RolloutBuffer.stats`: group and sample counters (counts), the drop reasons and the
+    staleness histogram (versions behind -> groups), the last hand-out's waits (seconds)."""
+
+    engine_version: int
+    capacity: int
+    admitted: int
+    retired: int
+    in_flight: int
+    buffered_groups: int
+    groups_put: int
+    groups_trained: int
+    groups_dropped: int
+    samples_generated: int
+    samples_trained: int
+    samples_dropped: int
+    samples_buffered: int
+    drop_reasons: dict[str, int]
+    in_flight_at_stop: int
+    staleness_hist: dict[int, int]
+    wait_filling_s: float
+    wait_straggler_s: float
+
+
+class BufferState(TypedDict):
+    """:meth:`RolloutBuffer.state_dict`: the engine weight_version and the bounds ``B``, ``K``."""
+
+    engine_version: int
+    B: int
+    K: int
 
 
 class RolloutBuffer:
@@ -174,7 +206,7 @@ class RolloutBuffer:
     def samples_buffered(self) -> int:
         return sum(len(g.samples) for g in self._queue)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BufferStats:
         """Counters for logging and the accounting invariant."""
         return {
             "engine_version": self.engine_version,
@@ -197,13 +229,13 @@ class RolloutBuffer:
             "wait_straggler_s": self.last_wait.straggler,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> BufferState:
         """The version and the bounds (the buffered groups and the counters are saved by
         :mod:`moe_async.buffer.snapshot`; groups in flight are not kept: regenerated)."""
         return {"engine_version": self.engine_version, "B": self.B, "K": self.K}
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "RolloutBuffer":
+    def from_state_dict(cls, state: BufferState) -> "RolloutBuffer":
         """Restart at the saved version; admission counts restart from zero."""
         v = int(state["engine_version"])
         return cls(int(state["B"]), int(state["K"]), start_version=v)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import base64
 from dataclasses import fields
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
-from moe_async.types import Group, Sample
+from moe_async.buffer.buffer import BufferStats, RolloutBuffer
+from moe_async.types import Group, JsonDict, Sample
 
 FORMAT = 1
 
@@ -23,20 +24,37 @@ FORMAT = 1
 _ARRAYS = ("routed_experts", "teacher_topk_ids", "teacher_topk_logprobs")  # numpy fields: dtype, shape, base64
 
 
-def _encode(a: np.ndarray | None) -> dict[str, Any] | None:
+class EncodedArray(TypedDict):
+    """A numpy array as JSON: its dtype name, shape and base64 bytes (C order)."""
+
+    dtype: str
+    shape: list[int]
+    b64: str
+
+
+class BufferSnapshot(TypedDict):
+    """:func:`snapshot`: the format number, the groups (``group_id``, ``start_version``,
+    ``samples`` as :func:`sample_to_dict`) and the buffer's counters."""
+
+    format: int
+    groups: list[JsonDict]
+    counters: BufferStats
+
+
+def _encode(a: np.ndarray | None) -> EncodedArray | None:
     if a is None:
         return None
     b64 = base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
     return {"dtype": str(a.dtype), "shape": list(a.shape), "b64": b64}
 
 
-def _decode(r: dict[str, Any] | None) -> np.ndarray | None:
+def _decode(r: EncodedArray | None) -> np.ndarray | None:
     if r is None:
         return None
     return np.frombuffer(base64.b64decode(r["b64"]), dtype=np.dtype(r["dtype"])).reshape(r["shape"]).copy()
 
 
-def sample_to_dict(s: Sample) -> dict[str, Any]:
+def sample_to_dict(s: Sample) -> JsonDict:
     """Every field of ``s`` as JSON-able values (numpy fields ``routed_experts`` and
     ``teacher_topk_*``: dtype, shape, base64 bytes)."""
     d = {f.name: getattr(s, f.name) for f in fields(Sample) if f.name not in _ARRAYS}
@@ -48,7 +66,7 @@ def sample_to_dict(s: Sample) -> dict[str, Any]:
     return d
 
 
-def sample_from_dict(d: dict[str, Any]) -> Sample:
+def sample_from_dict(d: JsonDict) -> Sample:
     """The inverse of :func:`sample_to_dict`.
 
     Raises: ValueError naming the missing or unknown field, or the per-token lists that disagree."""
@@ -65,7 +83,7 @@ def sample_from_dict(d: dict[str, Any]) -> Sample:
     return s
 
 
-def snapshot(buf: Any) -> dict[str, Any]:
+def snapshot(buf: RolloutBuffer) -> BufferSnapshot:
     """The buffered groups of ``buf`` (a :class:`~moe_async.buffer.buffer.RolloutBuffer`), oldest
     first, and its counters (``docs/design/buffer.md``)."""
     groups = [{"group_id": int(g.group_id), "start_version": int(g.start_version),
@@ -73,7 +91,7 @@ def snapshot(buf: Any) -> dict[str, Any]:
     return {"format": FORMAT, "groups": groups, "counters": buf.stats()}
 
 
-def groups_from_snapshot(snap: dict[str, Any]) -> list[Group]:
+def groups_from_snapshot(snap: JsonDict) -> list[Group]:
     """The groups of a :func:`snapshot` dict, in their saved order.
 
     Raises: ValueError naming the field when ``snap`` is not such a dict (or another format)."""
@@ -84,7 +102,7 @@ def groups_from_snapshot(snap: dict[str, Any]) -> list[Group]:
             for g in snap["groups"]]
 
 
-def snapshot_draws(snap: dict[str, Any] | None) -> list[int]:
+def snapshot_draws(snap: JsonDict | None) -> list[int]:
     """The draw numbers (``metadata["draw_seq"]``) of a snapshot's groups (none: [])."""
     if not snap:
         return []
@@ -96,7 +114,7 @@ def snapshot_draws(snap: dict[str, Any] | None) -> list[int]:
     return out
 
 
-def restore(buf: Any, snap: dict[str, Any], trainer_version: int) -> dict[str, int]:
+def restore(buf: RolloutBuffer, snap: JsonDict, trainer_version: int) -> dict[str, int]:
     """Put the groups of ``snap`` back into ``buf`` and drop those stale at ``trainer_version``
     (reason ``stale``; their draws go to ``buf.stale_draws`` as any stale drop's).
 

@@ -50,7 +50,7 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-def _is_cuda_device(d: Any) -> bool:
+def _is_cuda_device(d: object) -> bool:
     if isinstance(d, str):
         return d.startswith("cuda")
     if isinstance(d, torch.device):
@@ -414,7 +414,7 @@ def enable_cpu_wgrad_accumulation_fusion() -> bool:
 def _patch_recompute_rng_state() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
-    def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    def _get_cuda_rng_state(device: str | int | torch.device = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)  # no CUDA generator to save
 
     def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
@@ -440,7 +440,7 @@ def _patch_checkpoint_without_output_fp8() -> None:
         return
     orig_init = cls.__init__
 
-    def __init__(self, fp8: Any = False) -> None:
+    def __init__(self, fp8: object = False) -> None:
         orig_init(self, fp8)
         self.fp8 = bool(fp8)  # no TE: no FP8 (False or None alike)
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+#: A Megatron-Core layer spec or decoder block spec (what a model family's ``layer_spec`` returns).
+LayerSpec: TypeAlias = "ModuleSpec | TransformerBlockSubmodules"
 
 
 @functools.cache
@@ -16,7 +23,7 @@ def mixed_core_attention(mixin: type, base: type, prefix: str) -> type:
     return type(f"{prefix}{base.__name__}", (mixin, base), {"__doc__": mixin.__doc__})
 
 
-def swap_core_attention(spec: Any, mixin: type, prefix: str) -> tuple[Any, int]:
+def swap_core_attention(spec: LayerSpec, mixin: type, prefix: str) -> tuple[LayerSpec, int]:
     """A copy of the layer spec (or decoder block spec) ``spec`` in which every
     ``core_attention`` that is a local ``DotProductAttention`` (sub)class (bare or in a
     ``ModuleSpec``) is replaced by :func:`mixed_core_attention` ``(mixin, cls, prefix)``
@@ -29,7 +36,7 @@ def swap_core_attention(spec: Any, mixin: type, prefix: str) -> tuple[Any, int]:
     n = 0
     seen: set[int] = set()
 
-    def swap(ca: Any) -> Any:
+    def swap(ca: Any) -> Any:  # a spec's core_attention: a class or a ModuleSpec
         nonlocal n
         if isinstance(ca, ModuleSpec):
             ca.module = swap(ca.module)
@@ -39,7 +46,7 @@ def swap_core_attention(spec: Any, mixin: type, prefix: str) -> tuple[Any, int]:
             return mixed_core_attention(mixin, cast(type, ca), prefix)
         return ca
 
-    def walk(x: Any) -> None:
+    def walk(x: Any) -> None:  # any object of a spec tree (Megatron's spec classes)
         if x is None or id(x) in seen or isinstance(x, (str, int, float, bool, type)):
             return
         seen.add(id(x))

@@ -9,14 +9,18 @@ Design notes: ``docs/design/compat.md``."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
+from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention, LayerSpec
 from moe_async.layout import cp_positions
 
 if TYPE_CHECKING:  # the checker sees the mixin over the class it is mixed into
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.distributed import ProcessGroup
+    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention as _MixinBase
 else:
     _MixinBase = object
@@ -36,7 +40,7 @@ class _GatherSequenceOverCP(torch.autograd.Function):
     reduce_scatter), this rank's rows."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: Any) -> Tensor:
+    def forward(ctx, x: Tensor, group: ProcessGroup | None) -> Tensor:
         import torch.distributed as dist
 
         cp, r = dist.get_world_size(group), dist.get_rank(group)
@@ -58,7 +62,7 @@ class _GatherSequenceOverCP(torch.autograd.Function):
         return g[ctx.mine], None
 
 
-def gather_sequence_over_cp(x: Tensor, group: Any) -> Tensor:
+def gather_sequence_over_cp(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Autograd all-gather of ``x [s_local, ...]`` over the CP ``group`` into global sequence
     order ``[s_local x CP, ...]`` (see :func:`cp_chunk_positions`)."""
     return _GatherSequenceOverCP.apply(x, group)
@@ -67,7 +71,7 @@ def gather_sequence_over_cp(x: Tensor, group: Any) -> Tensor:
 class _CPCoreAttentionMixin(_MixinBase):
     """Mixed in before a local ``DotProductAttention`` (sub)class; design notes: ``docs/design/compat.md``."""
 
-    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: TransformerConfig, *args: object, **kwargs: object) -> None:
         if getattr(config, "window_size", None) is not None:
             raise NotImplementedError(
                 "sliding-window attention with trainer.context_parallel_size > 1 on the local (CPU) spec: "
@@ -81,7 +85,8 @@ class _CPCoreAttentionMixin(_MixinBase):
         self.cp_group = getattr(self.pg_collection, "cp", None) or ps.get_context_parallel_group()
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None):
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> Tensor:
         """``query [sq, b, np, hn]``, ``key``/``value [sq, b, ng, hn(v)]``: this CP rank's two
         chunks. ``attention_mask`` is ignored (the causal mask of the global positions is
         built here; the trainer passes None under CP, as for TE's CP attention)."""
@@ -113,7 +118,7 @@ def cp_core_attention(base: type) -> type:
     return mixed_core_attention(_CPCoreAttentionMixin, base, "CP")
 
 
-def cp_layer_spec(spec: Any) -> tuple[Any, int]:
+def cp_layer_spec(spec: LayerSpec) -> tuple[LayerSpec, int]:
     """A copy of the layer spec (or decoder block spec) ``spec`` in which every
     ``core_attention`` that is a local ``DotProductAttention`` (sub)class (bare or in a
     ``ModuleSpec``) is its CP variant; returns ``(copy, number replaced)``. The given spec is

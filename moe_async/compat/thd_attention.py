@@ -11,13 +11,15 @@ Design notes: ``docs/design/compat.md``."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention
+from moe_async.compat.attention_spec import mixed_core_attention, swap_core_attention, LayerSpec
 
 if TYPE_CHECKING:  # the checker sees the mixin over the class it is mixed into
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.dot_product_attention import DotProductAttention as _MixinBase
 else:
     _MixinBase = object
@@ -54,7 +56,8 @@ class _THDCoreAttentionMixin(_MixinBase):
     Without ``packed_seq_params`` (or with a format other than ``thd``) it is the base class."""
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None):
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> Tensor:
         """``query [T, np, hn]``, ``key``/``value [T, ng, hn(v)]`` with ``packed_seq_params``
         (``qkv_format='thd'``); ``attention_mask`` must be None (the mask is built from the
         cu_seqlens). Returns ``[T, 1, np x hn(v)]``.
@@ -91,7 +94,7 @@ def thd_core_attention(base: type) -> type:
     return mixed_core_attention(_THDCoreAttentionMixin, base, "THD")
 
 
-def thd_layer_spec(spec: Any) -> tuple[Any, int]:
+def thd_layer_spec(spec: LayerSpec) -> tuple[LayerSpec, int]:
     """A copy of the layer spec (or decoder block spec) ``spec`` in which every
     ``core_attention`` that is a local ``DotProductAttention`` (sub)class (bare or in a
     ``ModuleSpec``) is its THD variant; returns ``(copy, number replaced)``. The given spec is

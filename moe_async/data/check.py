@@ -11,17 +11,23 @@ and key.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from moe_async.data.config import DataConfig
 from moe_async.data.source import DataError
+from moe_async.types import JsonDict
+from moe_async.data.rows import Keys
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    import pyarrow as pa
 
 
 # the built-in rewards that compare the answer with the row's label
 NEEDS_LABEL = ("math_verify", "gsm8k", "exact_match", "reasoning_gym")
 
 
-def _source_column(ds: Any, metadata_key: str) -> Any:
+def _source_column(ds: Dataset, metadata_key: str) -> pa.ChunkedArray | pa.Array | None:
     """The table's ``data_source`` values (a column, or the metadata struct's field); None."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -39,7 +45,7 @@ def _source_column(ds: Any, metadata_key: str) -> Any:
     return None
 
 
-def data_sources(ds: Any, fmt: str, metadata_key: str) -> dict[str | None, int]:
+def data_sources(ds: Dataset, fmt: str, metadata_key: str) -> dict[str | None, int]:
     """``{data_source: first row index}`` of a table (None: rows without one)."""
     import pyarrow.compute as pc
 
@@ -54,7 +60,7 @@ def data_sources(ds: Any, fmt: str, metadata_key: str) -> dict[str | None, int]:
     return out
 
 
-def _first_unlabelled(ds: Any, keys: Any, source: str | None, no_label: Any) -> int | None:
+def _first_unlabelled(ds: Dataset, keys: Keys, source: str | None, no_label: pa.Array) -> int | None:
     """The first row of ``source`` (all rows when the table has no data_source) in ``no_label``."""
     import pyarrow.compute as pc
 
@@ -67,7 +73,7 @@ def _first_unlabelled(ds: Any, keys: Any, source: str | None, no_label: Any) -> 
     return int(hit[0].as_py()) if len(hit) else None
 
 
-def check_prompt_room(data: DataConfig, max_new_tokens: int, hf_config: dict[str, Any], where: str) -> None:
+def check_prompt_room(data: DataConfig, max_new_tokens: int, hf_config: JsonDict, where: str) -> None:
     """Refuse a ``data.max_prompt_length`` that leaves less than ``rollout.max_new_tokens`` of the
     model's context (``hf_config["max_position_embeddings"]``, 2048 when absent, as the rollout
     manager's; ``where`` names the model). Raises :class:`DataError` naming both numbers."""
@@ -80,7 +86,15 @@ def check_prompt_room(data: DataConfig, max_new_tokens: int, hf_config: dict[str
                     f"set data.max_prompt_length <= {context - max_new_tokens} or lower rollout.max_new_tokens")
 
 
-def check_data(data: DataConfig) -> dict[str, Any]:
+class DataCheck(TypedDict):
+    """What :func:`check_data` found: train rows, rows per eval set, the reward spec per data_source."""
+
+    train_rows: int
+    eval_rows: dict[str, int]
+    data_sources: dict[str | None, str]
+
+
+def check_data(data: DataConfig) -> DataCheck:
     """Open and check every table; return ``{"train_rows": n, "eval_rows": {name: n},
     "data_sources": {source: spec}}``. Raises DataError / RewardConfigError (both ValueError)."""
     from moe_async.data.dataset import open_table
@@ -94,7 +108,7 @@ def check_data(data: DataConfig) -> dict[str, Any]:
     tables = [("data.train", [p], data.format) for p in data.train_paths()]
     tables += [(f"data.eval.{n}", [e.path] if isinstance(e.path, str) else list(e.path), e.format or data.format)
                for n, e in data.eval.items()]
-    out: dict[str, Any] = {"train_rows": 0, "eval_rows": {}, "data_sources": {}}
+    out: DataCheck = {"train_rows": 0, "eval_rows": {}, "data_sources": {}}
     for what, paths, fmt in tables:
         ds, spans, keys = open_table(paths, fmt, data, what, check=True)
         if what == "data.train":

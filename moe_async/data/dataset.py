@@ -14,7 +14,7 @@ engines receive.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,11 +22,15 @@ from moe_async.data.config import DataConfig, EvalSetConfig
 from moe_async.data.rows import Keys, Row, check_table, resolve_format, to_row
 from moe_async.data.source import DataError, open_rows
 from moe_async.rollout.draw_cursor import DrawCursor
+from moe_async.types import Tokenizer
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 log = logging.getLogger(__name__)
 
 
-def open_table(paths: list[str], fmt: str, cfg: DataConfig, what: str, check: bool) -> tuple[Any, list, Keys]:
+def open_table(paths: list[str], fmt: str, cfg: DataConfig, what: str, check: bool) -> tuple[Dataset, list[tuple[str, int]], Keys]:
     """Open ``paths`` (:func:`open_rows`), resolve the format, optionally :func:`check_table`."""
     ds, spans = open_rows(paths, what, cfg.cache_dir)
     keys = Keys(resolve_format(fmt, list(ds.column_names), cfg.input_key), cfg.input_key, cfg.label_key,
@@ -41,7 +45,7 @@ class FileDataset:
     ``data.system_prompt`` is None (``rollout.system_prompt``). ``check``: run the start-up
     checks of every table (the driver did them already in a run)."""
 
-    def __init__(self, data: DataConfig, tokenizer: Any = None, system_prompt: str | None = None,
+    def __init__(self, data: DataConfig, tokenizer: Tokenizer = None, system_prompt: str | None = None,
                  check: bool = False):
         if not data.enabled:
             raise DataError("data.train is not set")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+
+from moe_async.types import Group
 
 
-def record_trained(run_dir: str | Path, step: int, groups: list[Any]) -> None:
+def record_trained(run_dir: str | Path, step: int, groups: list[Group]) -> None:
     """Append one line per group of ``groups`` (trained at ``step``) to ``trained_rows.jsonl``."""
     with open(Path(run_dir) / "trained_rows.jsonl", "a", encoding="utf-8") as fh:
         for g in groups:

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moe_async.data.source import DataError, locate
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    import pyarrow as pa
 
 
 @dataclass
@@ -26,8 +31,8 @@ class Row:
     prompt: str | list[dict[str, str]]
     answer: str
     data_source: str | None = None
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
+    extra_info: JsonDict = field(default_factory=dict)
+    metadata: JsonDict = field(default_factory=dict)
     index: int = 0
     split: str = "train"
     has_label: bool = True
@@ -65,7 +70,7 @@ def resolve_format(fmt: str, columns: list[str], input_key: str) -> str:
     return "slime"
 
 
-def _as_dict(v: Any) -> dict[str, Any]:
+def _as_dict(v: object) -> JsonDict:
     if v is None:
         return {}
     if isinstance(v, str):
@@ -80,12 +85,12 @@ def _as_dict(v: Any) -> dict[str, Any]:
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
 
 
-def _messages_ok(v: Any) -> bool:
+def _messages_ok(v: object) -> bool:
     return isinstance(v, list) and len(v) > 0 and all(
         isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in v)
 
 
-def _check_message_column(table: Any, col: str, spans: list, what: str) -> None:
+def _check_message_column(table: pa.Table, col: str, spans: list[tuple[str, int]], what: str) -> None:
     """Every row of the ``list<struct<role, content, ...>>`` column ``col`` is a non-empty list
     of messages whose ``role`` is one of :data:`ROLES` and whose ``content`` is a string.
 
@@ -102,7 +107,7 @@ def _check_message_column(table: Any, col: str, spans: list, what: str) -> None:
         raise DataError(f"{what}: {where_row(spans, row)}: key {col!r} is an empty message list")
     flat, parents = pc.list_flatten(arr), pc.list_parent_indices(arr)
 
-    def row_of(mask: Any) -> int:
+    def row_of(mask: pa.Array) -> int:
         return int(parents[int(pc.indices_nonzero(mask)[0].as_py())].as_py())
 
     if flat.null_count:
@@ -123,7 +128,7 @@ def _check_message_column(table: Any, col: str, spans: list, what: str) -> None:
                         f"{roles[i].as_py()!r} is not one of {sorted(ROLES)}")
 
 
-def to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
+def to_row(raw: JsonDict, keys: Keys, index: int, split: str) -> Row:
     """The :class:`Row` of table row ``raw`` (already checked by :func:`check_table`); an
     ``env_class`` column (SkyRL's: the row's multi-turn environment, moe_async/agent) goes to
     ``Row.metadata["env_class"]``."""
@@ -133,7 +138,7 @@ def to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
     return row
 
 
-def _to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
+def _to_row(raw: JsonDict, keys: Keys, index: int, split: str) -> Row:
     if keys.format == "verl":
         rm = raw.get("reward_model") or {}
         return Row(prompt=[dict(m) for m in raw["prompt"]], answer=_label(rm.get("ground_truth")),
@@ -155,7 +160,7 @@ def _to_row(raw: dict[str, Any], keys: Keys, index: int, split: str) -> Row:
                extra_info=_as_dict(raw.get("extra_info")) or meta, metadata=meta, index=index, split=split)
 
 
-def unlabelled(ds: Any, keys: Keys) -> Any:
+def unlabelled(ds: Dataset, keys: Keys) -> pa.Array | None:
     """A pyarrow boolean array, True for each row with no label: only a ``messages`` table can
     have such rows (no ``label_key`` value and a last message that is not the assistant's); the
     other formats require their label (:func:`check_table`), so None for them, or when every
@@ -183,12 +188,12 @@ def unlabelled(ds: Any, keys: Keys) -> Any:
     return mask if pc.any(mask).as_py() else None
 
 
-def arrow_table(ds: Any) -> Any:
+def arrow_table(ds: Dataset) -> pa.Table:
     """The pyarrow table under a ``datasets.Dataset`` (memory-mapped; no copy)."""
     return ds.data.table if hasattr(ds.data, "table") else ds.data
 
 
-def _label(v: Any) -> str:
+def _label(v: object) -> str:
     if isinstance(v, (list, dict)):
         return json.dumps(v)
     return "" if v is None else str(v)
@@ -201,7 +206,7 @@ def where_row(spans: list[tuple[str, int]], i: int) -> str:
     return f"{path!r} row {r}{line}"
 
 
-def _first_null(table: Any, col: str) -> int | None:
+def _first_null(table: pa.Table, col: str) -> int | None:
     import pyarrow.compute as pc
 
     c = table.column(col)
@@ -210,7 +215,7 @@ def _first_null(table: Any, col: str) -> int | None:
     return int(pc.indices_nonzero(pc.is_null(c))[0].as_py())
 
 
-def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, need_label: bool = True,
+def check_table(ds: Dataset, spans: list[tuple[str, int]], keys: Keys, what: str, need_label: bool = True,
                 chat_template: bool = True) -> None:
     """Refuse a table the format cannot read, naming ``what`` (the config field), the file, the
     row (the line of a JSONL file) and the key: a missing column, a row without the prompt or
@@ -260,7 +265,7 @@ def check_table(ds: Any, spans: list[tuple[str, int]], keys: Keys, what: str, ne
     _check_prompt_types(ds, table, prompt_col, spans, what, keys, chat_template)
 
 
-def _check_prompt_types(ds: Any, table: Any, col: str, spans: list, what: str, keys: Keys, chat: bool) -> None:
+def _check_prompt_types(ds: Dataset, table: pa.Table, col: str, spans: list[tuple[str, int]], what: str, keys: Keys, chat: bool) -> None:
     import pyarrow as pa
 
     t = table.schema.field(col).type

@@ -16,7 +16,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ def _bad_json_line(f: Path) -> tuple[int, str] | None:
     return None
 
 
-def _load_one(kind: str, files: list[Path], what: str, cache_dir: str | None) -> Any:
+def _load_one(kind: str, files: list[Path], what: str, cache_dir: str | None) -> Dataset:
     import datasets
 
     datasets.disable_progress_bars()
@@ -91,7 +94,7 @@ def _load_one(kind: str, files: list[Path], what: str, cache_dir: str | None) ->
                         f"{str(cause)[:300]}") from e
 
 
-def open_rows(paths: list[str], what: str, cache_dir: str | None = None) -> tuple[Any, list[tuple[str, int]]]:
+def open_rows(paths: list[str], what: str, cache_dir: str | None = None) -> tuple[Dataset, list[tuple[str, int]]]:
     """``(dataset, spans)``: the rows of every path, concatenated in order, and each path's
     ``(path, number of rows)`` (to name a row's file in errors). Raises :class:`DataError`:
     missing path, unknown type, an empty file or one with no rows, malformed JSON (line)."""

@@ -24,12 +24,15 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from moe_async.distill.config import TeacherConfig
-from moe_async.types import Sample
+from moe_async.types import Sample, JsonDict
+
+if TYPE_CHECKING:
+    from moe_async.logging.timeline import SpanRecorder
 
 log = logging.getLogger(__name__)
 _MAX_LOGGED_ERRORS = 5
@@ -71,8 +74,12 @@ def teacher_messages(student: list[dict[str, str]], examples: list[tuple[str, st
     return msgs[:head] + shots + msgs[head:]
 
 
-def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwargs: dict
-                           ) -> Callable[[Any, list[int]], list[int]]:
+#: ``(problem, student prompt ids) -> teacher prompt ids``.
+TeacherPromptFn = Callable[[object, list[int]], list[int]]
+
+
+def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwargs: JsonDict
+                           ) -> TeacherPromptFn:
     """``fn(problem, student_prompt_ids) -> teacher prompt ids``. Without ``few_shot`` and
     ``system_prompt`` the teacher sees the student's prompt ids unchanged; otherwise the
     dataset's chat messages (``dataset.messages(problem)``, task prompts) are rebuilt by
@@ -95,7 +102,7 @@ def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwa
     examples = few_shot_examples(task, task_kwargs, cfg.few_shot)
     tok = dataset.tokenizer
 
-    def fn(problem: Any, ids: list[int]) -> list[int]:
+    def fn(problem: object, ids: list[int]) -> list[int]:
         out = tok.apply_chat_template(teacher_messages(dataset.messages(problem), examples, cfg.system_prompt),
                                       add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):
@@ -117,7 +124,7 @@ class TeacherScorer:
             samples; 0: ``teacher.max_consecutive_failures`` throughout).
     """
 
-    def __init__(self, cfg: TeacherConfig, clients: list[Any], prompt_fn: Callable[[Any, list[int]], list[int]],
+    def __init__(self, cfg: TeacherConfig, clients: list[Any], prompt_fn: TeacherPromptFn,
                  source: str = "teacher", first_limit: int = 0):
         if not clients:
             raise ValueError("TeacherScorer needs at least one teacher engine client")
@@ -134,7 +141,7 @@ class TeacherScorer:
         self.first_error: str | None = None
         self.failure: TeacherFailureError | None = None
 
-    async def score_group(self, problem: Any, samples: list[Sample], trace: Any = None) -> None:
+    async def score_group(self, problem: object, samples: list[Sample], trace: SpanRecorder | None = None) -> None:
         """Set ``teacher_logprobs`` of every sample (None where the teacher failed); spans
         ``teacher <i>`` / ``score`` into ``trace`` (a :class:`~moe_async.logging.timeline.SpanRecorder`).
 
@@ -164,7 +171,7 @@ class TeacherScorer:
         if self.failure is not None:
             raise self.failure
 
-    async def _score_one(self, prompt: list[int], s: Sample, trace: Any, where: str) -> str | None:
+    async def _score_one(self, prompt: list[int], s: Sample, trace: SpanRecorder | None, where: str) -> str | None:
         """Score one sample (``where``: how a bad reply names it); returns None or the error."""
         s.teacher_logprobs = s.teacher_topk_ids = s.teacher_topk_logprobs = None
         k = self.cfg.top_k if self.cfg.topk_forward_kl_coef > 0 else 0

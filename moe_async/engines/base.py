@@ -47,6 +47,9 @@ class EngineLaunchError(RuntimeError):
 class Engine(abc.ABC):
     """One inference server process."""
 
+    #: a multi-node engine's ``--dist-init-addr`` (HOST:PORT); None for a one-node engine
+    dist_init_addr: str | None = None
+
     @abc.abstractmethod
     def launch(self) -> "Engine":
         """Start the server and block until ``/health`` answers 200."""

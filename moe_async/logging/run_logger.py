@@ -14,9 +14,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Mapping
 
 from moe_async.logging.config import LoggingConfig
+from moe_async.types import JsonDict
 
 
 def make_run_dir(cfg: LoggingConfig, name: str, path: Path | None = None) -> Path:
@@ -60,7 +61,7 @@ class RunLogger:
         config: the experiment config as a dict, stored with the wandb run.
     """
 
-    def __init__(self, cfg: LoggingConfig, run_dir: Path, name: str, config: dict[str, Any]):
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, name: str, config: JsonDict):
         self.run_dir = run_dir
         self.quiet = cfg.quiet
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -82,7 +83,7 @@ class RunLogger:
     def wandb_dir(self) -> str | None:
         return self._wandb.dir if self._wandb is not None else None
 
-    def log(self, metrics: dict[str, Any], step: int) -> None:
+    def log(self, metrics: Mapping[str, object], step: int) -> None:
         """Record ``metrics`` (floats/ints; other values only go to the jsonl file)."""
         rec = {"step": step, **metrics}
         self._jsonl.write(json.dumps(rec, default=float) + "\n")
@@ -93,7 +94,7 @@ class RunLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, global_step=step)
 
-    def console_step(self, step: int, total: int, m: dict[str, Any]) -> str:
+    def console_step(self, step: int, total: int, m: Mapping[str, float]) -> str:
         """Format the one-line step summary, print it (unless ``logging.quiet``); return it.
 
         ``reward`` is the trained batch's mean; ``gen reward`` (when known) the mean over every
@@ -118,7 +119,7 @@ class RunLogger:
             print(line, flush=True)
         return line
 
-    def summary(self, values: dict[str, Any]) -> None:
+    def summary(self, values: Mapping[str, object]) -> None:
         """Write final values to ``summary.json`` and the wandb summary."""
         (self.run_dir / "summary.json").write_text(json.dumps(values, indent=2, default=float))
         if self._wandb is not None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
+from moe_async.types import JsonDict
 
 Span = tuple  # (track, name, t_start_s, t_end_s, args dict or None)
 
@@ -135,7 +136,7 @@ def _lanes(spans: list[Span]) -> list[int]:
     return lane
 
 
-def chrome_trace(spans: list[Span]) -> dict[str, Any]:
+def chrome_trace(spans: list[Span]) -> JsonDict:
     """Chrome trace (object format) of ``spans``: complete events (``ph: X``) laned per track,
     a ``requests in flight`` counter per engine track, process and thread names."""
     if not spans:

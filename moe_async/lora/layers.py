@@ -20,11 +20,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from moe_async.lora.config import LoraConfig
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
 Tensor = torch.Tensor
 
@@ -38,13 +45,16 @@ _MEGATRON_TARGETS = {
 ADAPTER_ATTR = "lora"  # the child module name of an adapted linear (parameters ``...lora.A`` / ``...lora.B``)
 
 
+#: A Megatron-Core tensor-parallel linear (``ColumnParallelLinear`` / ``RowParallelLinear``).
+ParallelLinear: TypeAlias = "ColumnParallelLinear | RowParallelLinear"
+
 class LoraAdapter(torch.nn.Module):
     """``A [r, in_local]`` and ``B [out_local, r]`` of one linear; :meth:`delta` maps the linear's
     input to the update of its (TP-local) output. ``kind`` is ``"column"`` or ``"row"``; ``tp_group``
     the linear's TP group (None or size 1: no communication); ``sequence_parallel`` its flag."""
 
     def __init__(self, kind: str, in_local: int, out_local: int, cfg: LoraConfig, dtype: torch.dtype,
-                 tp_group: Any = None, sequence_parallel: bool = False, seed_offset: int = 0) -> None:
+                 tp_group: ProcessGroup | None = None, sequence_parallel: bool = False, seed_offset: int = 0) -> None:
         super().__init__()
         self.kind, self.tp_group, self.sp = kind, tp_group, sequence_parallel
         self.tp = tp_group.size() if tp_group is not None else 1
@@ -59,7 +69,7 @@ class LoraAdapter(torch.nn.Module):
         bound = 1.0 / math.sqrt(full_in)
         g = torch.Generator().manual_seed(seed_offset)
         full = torch.empty(cfg.rank, full_in).uniform_(-bound, bound, generator=g)
-        if split:
+        if split and tp_group is not None:  # split: tp > 1, so a group
             r = tp_group.rank()
             full = full[:, r * in_local:(r + 1) * in_local]
         with torch.no_grad():
@@ -88,7 +98,8 @@ class LoraAdapter(torch.nn.Module):
         return (xa @ self.B.t()) * self.scaling
 
 
-def _hook(module: Any, args: tuple, output: Any) -> Any:
+def _hook(module: ParallelLinear, args: tuple[Tensor, ...], output: tuple[Tensor, Tensor | None]
+          ) -> tuple[Tensor, Tensor | None]:
     adapter = module._lora_adapter
     out, bias = output
     d = adapter.delta(args[0])
@@ -106,7 +117,7 @@ class AdaptedLinear:
     expert: int | None
 
 
-def _attach(linear: Any, adapter: LoraAdapter, register: bool = True) -> None:
+def _attach(linear: ParallelLinear, adapter: LoraAdapter, register: bool = True) -> None:
     if register:
         setattr(linear, ADAPTER_ATTR, adapter)
     else:  # a shared adapter: registered once, hooked on every expert
@@ -115,7 +126,7 @@ def _attach(linear: Any, adapter: LoraAdapter, register: bool = True) -> None:
     linear.register_forward_hook(_hook)
 
 
-def _kind(linear: Any) -> str:
+def _kind(linear: ParallelLinear) -> str:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(linear, ColumnParallelLinear):
@@ -126,7 +137,7 @@ def _kind(linear: Any) -> str:
                      "(trainer.lora runs on the local layer spec's linears)")
 
 
-def _new_adapter(linear: Any, cfg: LoraConfig, seed: int) -> LoraAdapter:
+def _new_adapter(linear: ParallelLinear, cfg: LoraConfig, seed: int) -> LoraAdapter:
     kind = _kind(linear)
     out_local, in_local = linear.weight.shape
     tp_group = getattr(linear, "tp_group", None)
@@ -134,7 +145,7 @@ def _new_adapter(linear: Any, cfg: LoraConfig, seed: int) -> LoraAdapter:
                        bool(getattr(linear, "sequence_parallel", False)), seed)
 
 
-def add_lora(model: Any, cfg: LoraConfig, *, layer_offset: int = 0) -> list[AdaptedLinear]:
+def add_lora(model: GPTModel, cfg: LoraConfig, *, layer_offset: int = 0) -> list[AdaptedLinear]:
     """Attach adapters to one ``GPTModel`` chunk per ``cfg`` and freeze every other parameter.
 
     ``layer_offset``: the global index of the chunk's first layer (A's init is seeded per global
@@ -213,7 +224,7 @@ def _seed(layer: int, name: str) -> int:
     return zlib.crc32(f"{layer}.{name}".encode())
 
 
-def _global_expert(experts: Any, local: int) -> int:
+def _global_expert(experts: SequentialMLP, local: int) -> int:
     """Global expert index of local expert ``local`` (Megatron's contiguous EP split)."""
     from megatron.core import parallel_state as ps
 
@@ -221,7 +232,7 @@ def _global_expert(experts: Any, local: int) -> int:
     return ps.get_expert_model_parallel_rank() * n_local + local
 
 
-def adapter_parameters(model: Any) -> list[tuple[str, Tensor]]:
+def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
     """``(name, parameter)`` of the adapters in ``model`` (names end ``lora.A``/``lora.B`` or
     ``lora_linear_fc1.A`` ...)."""
     return [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]

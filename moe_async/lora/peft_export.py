@@ -18,12 +18,18 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from moe_async.lora.config import LoraConfig
 from moe_async.lora.layers import AdaptedLinear
+from moe_async.types import JsonDict
+from moe_async.models.family import ModelFamily
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from torch.distributed import ProcessGroup
 
 Tensor = torch.Tensor
 PEFT_PREFIX = "base_model.model."
@@ -34,7 +40,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 
 
-def _whole(t: Tensor, dim: int, group: Any, gated: bool) -> Tensor:
+def _whole(t: Tensor, dim: int, group: ProcessGroup | None, gated: bool) -> Tensor:
     """All-gather TP pieces of ``t`` along ``dim`` in ``group`` (size 1: ``t``); ``gated``: each
     piece is ``[gate_r; up_r]`` along dim 0, reassembled as ``[gate; up]``."""
     import torch.distributed as dist
@@ -50,7 +56,7 @@ def _whole(t: Tensor, dim: int, group: Any, gated: bool) -> Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def megatron_adapter_state(models: Sequence[Any], linears: Sequence[Sequence[AdaptedLinear]]) -> dict[str, tuple[Tensor, Tensor]]:
+def megatron_adapter_state(models: Sequence[GPTModel], linears: Sequence[Sequence[AdaptedLinear]]) -> dict[str, tuple[Tensor, Tensor]]:
     """``{global Megatron weight name: (A [r, in], B [out, r])}`` of every adapter of the whole
     model, on every rank (collective at world size > 1: every rank calls it).
 
@@ -75,16 +81,16 @@ def megatron_adapter_state(models: Sequence[Any], linears: Sequence[Sequence[Ada
             local[f"decoder.layers.{gl}.{rest}"] = (A.float().cpu(), B.float().cpu())
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return local
-    every: list[Any] = [None] * dist.get_world_size()
+    every: list[dict[str, tuple[Tensor, Tensor]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, local)
     out: dict[str, tuple[Tensor, Tensor]] = {}
     for d in every:
-        for k, v in d.items():
+        for k, v in (d or {}).items():
             out.setdefault(k, v)
     return out
 
 
-def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: Any, hf_config: dict) -> tuple[dict[str, Tensor], list[str], list[str]]:
+def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_config: JsonDict) -> tuple[dict[str, Tensor], list[str], list[str]]:
     """Megatron adapters (:func:`megatron_adapter_state`) -> ``(PEFT tensors, target_modules,
     target_parameters)`` under the HF names of ``family``'s mapping table.
 
@@ -123,7 +129,7 @@ def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: Any, hf_config: 
     for module, fc in experts:
         fcs_by_module.setdefault(module, []).append(fc)
     for (module, fc), per in sorted(experts.items()):
-        n = a.num_experts
+        n = a.num_experts or 0  # expert adapters exist only for a MoE family
         if sorted(per) != list(range(n)):
             raise ValueError(f"{module}: LoRA adapters on experts {sorted(per)} of {n}; PEFT adapts all of them")
         As = torch.cat([per[e][0] for e in range(n)], dim=0)  # [E*r, in]
@@ -141,7 +147,7 @@ def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: Any, hf_config: 
 
 
 def peft_config_dict(cfg: LoraConfig, target_modules: list[str], target_parameters: list[str],
-                     base_model: str) -> dict[str, Any]:
+                     base_model: str) -> JsonDict:
     """``adapter_config.json`` contents (PEFT ``LoraConfig`` fields) for the exported adapter."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
@@ -152,7 +158,7 @@ def peft_config_dict(cfg: LoraConfig, target_modules: list[str], target_paramete
     }
 
 
-def write_peft(out_dir: str, tensors: dict[str, Tensor], config: dict[str, Any], dtype: torch.dtype = torch.float32,
+def write_peft(out_dir: str, tensors: dict[str, Tensor], config: JsonDict, dtype: torch.dtype = torch.float32,
                replace: bool = False) -> int:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out_dir`` (created),
     each file with the mode any new file gets here (0666 less the umask; safetensors alone makes

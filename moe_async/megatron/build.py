@@ -12,18 +12,25 @@ at TP/PP/EP with the vocab padded as the trainer pads it.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from moe_async.megatron.parallel import have_te
+from moe_async.compat.attention_spec import LayerSpec
 from moe_async.models import get_family, hf_config_dict
+from moe_async.models.family import GptModelKwargs, HfConfig, ModelFamily
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
 
 # Megatron-Core's default make_vocab_size_divisible_by (Megatron-LM); only the stored shape
 # depends on it, the HF tensors never (padding rows are zeros, dropped on export).
 DEFAULT_VOCAB_DIV = 128
 
 
-def model_chunks(family: Any, hf_config: dict[str, Any], tf_config: Any, gpt_kwargs: dict[str, Any], *,
-                 vpp: int | None = None, wrap_spec: Callable[[Any], Any] = lambda spec: spec) -> list:
+def model_chunks(family: ModelFamily, hf_config: JsonDict, tf_config: TransformerConfig, gpt_kwargs: GptModelKwargs, *,
+                 vpp: int | None = None, wrap_spec: Callable[[LayerSpec], LayerSpec] = lambda spec: spec) -> list[GPTModel]:
     """This PP rank's ``GPTModel`` chunks at the current Megatron parallel state: one per
     virtual pipeline stage ``v`` in ``vp_stage`` order (one chunk with ``vpp`` None).
 
@@ -54,12 +61,14 @@ def model_chunks(family: Any, hf_config: dict[str, Any], tf_config: Any, gpt_kwa
             f"trainer.virtual_pipeline_model_parallel_size={vpp} with model_type "
             f"{hf_config.get('model_type')!r}: the family's layer_spec returns a decoder block spec "
             "without a vp_stage argument (its layers would be one pipeline stage's, not one chunk's)")
-    chunks: list = []
+    # a decoder-block family's layer_spec also takes vp_stage (per_chunk_spec above)
+    chunk_spec: Callable[..., LayerSpec] = family.layer_spec
+    chunks: list[GPTModel] = []
     for v in range(vpp or 1):
         stage = dict(ignore_virtual=False, vp_stage=v) if vpp else {}
         chunks.append(GPTModel(
             config=tf_config,
-            transformer_layer_spec=(wrap_spec(family.layer_spec(hf_config, use_te=use_te, vp_stage=v))
+            transformer_layer_spec=(wrap_spec(chunk_spec(hf_config, use_te=use_te, vp_stage=v))
                                     if per_chunk_spec else layer_spec),
             pre_process=ps.is_pipeline_first_stage(**stage),
             post_process=ps.is_pipeline_last_stage(**stage),
@@ -70,9 +79,10 @@ def model_chunks(family: Any, hf_config: dict[str, Any], tf_config: Any, gpt_kwa
     return chunks
 
 
-def build_model(hf_config: Any, tp: int, pp: int, ep: int, *, params_dtype: str = "fp32",
+def build_model(hf_config: HfConfig, tp: int, pp: int, ep: int, *, params_dtype: str = "fp32",
                 vocab_div: int = DEFAULT_VOCAB_DIV, padded_vocab: int | None = None,
-                first: int | None = None, last: int | None = None, wrap_spec: Callable[[Any], Any] | None = None):
+                first: int | None = None, last: int | None = None, wrap_spec: Callable[[LayerSpec], LayerSpec] | None = None
+                ) -> tuple[GPTModel, int]:
     """This rank's ``GPTModel`` stage for ``hf_config`` at the current Megatron parallel
     state, built by :func:`model_chunks` as the trainer builds it (same family helpers, vocab
     padded to a multiple of ``vocab_div * tp``, or to ``padded_vocab`` rows when given),
@@ -113,7 +123,7 @@ GROUPED_GEMM_UNAVAILABLE = (
     "(the sequential expert MLP, same checkpoints and HF export)")
 
 
-def grouped_experts_spec(spec: Any) -> tuple[Any, int]:
+def grouped_experts_spec(spec: LayerSpec) -> tuple[LayerSpec, int]:
     """A copy of the layer spec (or decoder block spec) ``spec`` whose routed experts are
     Megatron-Core's grouped expert MLP: ``TEGroupedMLP`` (from ``TESpecProvider.grouped_mlp_modules``,
     as ``get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=True)`` builds it) where
@@ -149,7 +159,7 @@ def grouped_experts_spec(spec: Any) -> tuple[Any, int]:
     n = 0
     seen: set[int] = set()
 
-    def walk(x: Any) -> None:
+    def walk(x: Any) -> None:  # any object of a spec tree (Megatron's spec classes)
         nonlocal n
         if x is None or id(x) in seen or isinstance(x, (str, int, float, bool, type)):
             return

@@ -14,6 +14,9 @@ import logging
 import os
 from typing import Any, Mapping
 
+from moe_async.models.family import ArchArgs, ModelFamily
+from moe_async.models.deepseek_v3 import DeepseekV3Args
+
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
@@ -91,7 +94,7 @@ def write_tracker(root: str, iteration: int | str, fsync: bool = False) -> None:
 # Megatron-LM's defaults of the arguments Megatron-Bridge's MLM-compat loader reads directly
 # (``megatron/bridge/training/mlm_compat/arguments.py`` ``_transformer_config_from_args``, used by
 # ``load_megatron_model`` on an iteration dir without Bridge's run_config.yaml)
-_MLM_DEFAULTS: dict[str, Any] = dict(
+_MLM_DEFAULTS: dict[str, object] = dict(
     heterogeneous_layers_config_path=None, no_persist_layer_norm=False, apply_layernorm_1p=False,
     overlap_p2p_comm=False, rotary_interleaved=False, decoder_first_pipeline_num_layers=None,
     decoder_last_pipeline_num_layers=None, fp8_param_gather=False, bias_swiglu_fusion=True,
@@ -103,8 +106,8 @@ _MLM_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def megatron_lm_args(arch: Any, *, tp: int, pp: int, ep: int, padded_vocab_size: int, vocab_div: int,
-                     params_dtype: str, world: int, iteration: int, extra: Mapping[str, Any] | None = None,
+def megatron_lm_args(arch: ArchArgs, *, tp: int, pp: int, ep: int, padded_vocab_size: int, vocab_div: int,
+                     params_dtype: str, world: int, iteration: int, extra: Mapping[str, object] | None = None,
                      ) -> argparse.Namespace:
     """Megatron-LM's ``args`` of a model of architecture ``arch`` (:class:`ArchArgs`, or a
     family subclass: MLA and MoE fields are added when present) saved at layout (tp, pp, ep)
@@ -114,8 +117,7 @@ def megatron_lm_args(arch: Any, *, tp: int, pp: int, ep: int, padded_vocab_size:
     (``megatron/training/arguments.py``)."""
     import torch
 
-    g = getattr
-    d: dict[str, Any] = dict(_MLM_DEFAULTS)
+    d: dict[str, object] = dict(_MLM_DEFAULTS)
     d.update(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
         num_attention_heads=arch.num_attention_heads, group_query_attention=arch.num_key_value_heads
@@ -136,7 +138,7 @@ def megatron_lm_args(arch: Any, *, tp: int, pp: int, ep: int, padded_vocab_size:
     if arch.num_experts:
         d.update(num_experts=arch.num_experts, moe_router_topk=arch.top_k,
                  moe_ffn_hidden_size=arch.intermediate_size, moe_grouped_gemm=False)
-    if g(arch, "kv_lora_rank", 0):
+    if isinstance(arch, DeepseekV3Args) and arch.kv_lora_rank:
         d.update(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
                  qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
                  v_head_dim=arch.v_head_dim)
@@ -146,14 +148,14 @@ def megatron_lm_args(arch: Any, *, tp: int, pp: int, ep: int, padded_vocab_size:
     return argparse.Namespace(**d)
 
 
-def family_config_args(family: Any, arch: Any) -> dict[str, Any]:
+def family_config_args(family: ModelFamily, arch: ArchArgs) -> dict[str, object]:
     """The family's ``TransformerConfig`` keyword arguments (MoE router, MLA, qk norm, ...) as
     Megatron-LM arguments (the same names), callables and the aux-loss coefficient left out."""
     kw = family.model_config_kwargs(arch, moe_aux_loss_coeff=0.0)
     return {k: v for k, v in kw.items() if not callable(v) and k != "moe_aux_loss_coeff"}
 
 
-def common_state(iteration: int, args: argparse.Namespace) -> dict[str, Any]:
+def common_state(iteration: int, args: argparse.Namespace) -> dict[str, object]:
     """The non-tensor items Megatron-LM puts beside ``model`` in the saved state dict (they
     land in ``common.pt``): ``args``, ``checkpoint_version``, ``iteration``."""
     return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration)}
@@ -167,7 +169,7 @@ def read_common(ckpt_dir: str) -> dict[str, Any]:
     return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
 
 
-def trainer_common_state(trainer: Any) -> dict[str, Any]:
+def trainer_common_state(trainer: Any) -> dict[str, object]:  # a MegatronTrainer (a later layer)
     """:func:`common_state` of a ``MegatronTrainer`` (iteration = its ``version``, the
     optimizer steps taken; args from its HF config, trainer config and world layout)."""
     import torch.distributed as dist

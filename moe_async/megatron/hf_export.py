@@ -20,9 +20,16 @@ not tile a tensor; :mod:`moe_async.trainer.finite` errors on non-finite weights
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
+
+from moe_async.models.family import HfConfig, ModelFamily
+from moe_async.models.mapping import Rule
+
+if TYPE_CHECKING:
+    from moe_async.megatron.sharding import Piece
+    from moe_async.weight_sync.relayout import WholeTensorExport
 
 Tensor = torch.Tensor
 
@@ -41,7 +48,7 @@ class HFExporter:
         version: ``() -> int``, the weight version named by a non-finite refusal.
     """
 
-    def __init__(self, models: Sequence[torch.nn.Module], family: Any, hf_config: Any, vocab_size: int,
+    def __init__(self, models: Sequence[torch.nn.Module], family: ModelFamily, hf_config: HfConfig, vocab_size: int,
                  version: Callable[[], int] = lambda: 0):
         from moe_async.megatron.sharding import VOCAB_PARAMS
 
@@ -57,7 +64,7 @@ class HFExporter:
         self._shards: tuple[tuple, list] | None = None
 
     # ---- the mapping ---------------------------------------------------------------------
-    def rule(self, name: str) -> tuple[Any, tuple[str, ...]]:
+    def rule(self, name: str) -> tuple[Rule, tuple[str, ...]]:
         """``(mapping rule, HF names)`` of the 1-process Megatron tensor ``name``; KeyError if
         the family's table does not know it."""
         from moe_async.models.family import local_spec_name
@@ -87,7 +94,7 @@ class HFExporter:
 
         check_weights_finite(self.models, self._version())
 
-    def shards(self) -> list[Any]:
+    def shards(self) -> list[Piece]:
         """This rank's primary shards (:class:`moe_async.megatron.sharding.Piece`: ``name``,
         ``full_shape``, ``offset``, ``data`` a detached view of the parameter), in chunk then
         parameter order. Read from Megatron's ``sharded_state_dict`` (ms per parameter) once
@@ -126,7 +133,7 @@ class HFExporter:
             return
         yield from self.family.megatron_to_hf(full, self.hf_config)
 
-    def whole_export(self) -> Any:
+    def whole_export(self) -> WholeTensorExport | None:
         """At world size 1 with one model chunk holding every tensor whole: the zero-copy
         plan (:class:`moe_async.weight_sync.relayout.WholeTensorExport`) of this model, else
         None (the gather path names any difference)."""

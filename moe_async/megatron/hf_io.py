@@ -24,6 +24,8 @@ import torch
 
 from moe_async.megatron.parallel import cpu_tensors_only, global_rank
 from moe_async.models import get_family
+from moe_async.models.family import ModelFamily
+from moe_async.types import JsonDict
 
 Tensor = torch.Tensor
 
@@ -196,7 +198,7 @@ def check_hf_keys(fam, a, index: dict[str, str], progress: bool = False) -> dict
 @torch.no_grad()
 @cpu_tensors_only
 def load_hf_into_model(model, hf_cfg: dict, index: dict[str, str], vocab_size: int,
-                       progress: bool = True) -> dict[str, Any]:
+                       progress: bool = True) -> dict[str, int]:
     """Copy this rank's slices of the HF checkpoint (``index``: key -> file) into ``model``,
     one file at a time. Returns stats (bytes read by this rank, files). KeyError naming
     unused / missing HF keys (before any copy), local params with no source; ValueError on
@@ -355,7 +357,7 @@ def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, Tensor]]:
                 yield k, h.get_tensor(k)
 
 
-def load_hf_weights(models: list, family: Any, hf_config: dict[str, Any], hf_path: str, vocab_size: int) -> None:
+def load_hf_weights(models: list, family: ModelFamily, hf_config: JsonDict, hf_path: str, vocab_size: int) -> None:
     """The trainer's HF load: HF safetensors (all ``*.safetensors`` in ``hf_path``) -> the
     family's mapping (full 1-process Megatron tensors) -> this rank's slices of the model
     chunks ``models`` (:func:`sharding.load_full_state`; ``vocab_size``: the HF vocab rows,

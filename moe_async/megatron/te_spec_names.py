@@ -9,7 +9,10 @@ Design notes: ``docs/design/megatron.md``."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
 _PREFIX = re.compile(r"^((?:.*\.)?decoder\.layers\.(?:\d+\.)?)(.+)$")
 
@@ -68,14 +71,14 @@ def local_name(key: str, kinds: dict[str, tuple[bool, bool]]) -> str:
     return key
 
 
-def _sharded_items(sd: Any) -> list:
+def _sharded_items(sd: ShardedStateDict) -> list:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     return [v for v in nested_values(sd) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
 
 
-def to_te_names(sharded_state_dict: Any) -> dict[str, str]:
+def to_te_names(sharded_state_dict: ShardedStateDict) -> dict[str, str]:
     """Rename, in place, the ``ShardedTensor`` / ``ShardedTensorFactory`` keys of a model's
     sharded state dict (one chunk's, or ``{"model0": ..., ...}``) to the TE spec's. Returns
     ``{TE key: key before}`` of the renamed ones."""
@@ -90,7 +93,7 @@ def to_te_names(sharded_state_dict: Any) -> dict[str, str]:
     return renamed
 
 
-def match_checkpoint(sharded_state_dict: Any, checkpoint_keys: Iterable[str]) -> dict[str, str]:
+def match_checkpoint(sharded_state_dict: ShardedStateDict, checkpoint_keys: Iterable[str]) -> dict[str, str]:
     """Rename, in place, the keys of a model's sharded state dict to the names a checkpoint
     holds: TE names (:func:`to_te_names`), and where the checkpoint lacks a TE name but has
     the local spec's, that one. ``checkpoint_keys``: the checkpoint's tensor keys (its DCP
@@ -143,7 +146,7 @@ def _extra_state_module(key: str) -> str | None:
     return None
 
 
-def add_te_extra_state(sharded_state_dict: Any) -> list[str]:
+def add_te_extra_state(sharded_state_dict: ShardedStateDict) -> list[str]:
     """Add, in place, the ``_extra_state`` ``ShardedObject`` of every module that carries one
     under the TE spec (``docs/design/megatron.md``) to a model's sharded state dict whose keys are TE
     names (:func:`to_te_names` first; one chunk's dict or ``{"model0": ..., ...}``). Each is
@@ -188,7 +191,7 @@ def _unit(dict_key: str) -> str:
     return m.group(1) if m else ""
 
 
-def _chunks(sd: Any) -> list[dict]:
+def _chunks(sd: ShardedStateDict) -> list[dict]:
     """The model chunk dicts of a sharded state dict: ``sd`` itself, or its dict values
     (``{"model": ...}`` / ``{"model0": ..., "model1": ...}``)."""
     if any(isinstance(v, dict) for v in sd.values()):

@@ -11,7 +11,7 @@ Public API:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -28,6 +28,7 @@ from moe_async.models.family import (
     hf_config_dict,
     local_spec_name,
     register_family,
+    HfConfig,
 )
 
 __all__ = [
@@ -43,11 +44,11 @@ __all__ = [
 ]
 
 
-def _family(hf_config: Any) -> ModelFamily:
+def _family(hf_config: HfConfig) -> ModelFamily:
     return get_family(hf_config_dict(hf_config).get("model_type"))
 
 
-def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: HfConfig) -> dict[str, torch.Tensor]:
     """Full HF tensors (on-disk names, or transformers' in-memory fused expert layout) ->
     full Megatron tensors (local-spec names). KeyError names any unused HF key or missing
     HF source; ValueError for an unsupported config field."""
@@ -55,7 +56,7 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict
 
 
 def megatron_to_hf(
-    named: Iterable[tuple[str, torch.Tensor]], hf_config: Any
+    named: Iterable[tuple[str, torch.Tensor]], hf_config: HfConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full Megatron tensors (local or TE spec names) -> HF on-disk names, streaming.
     KeyError on an unknown Megatron name or, once exhausted, on any HF key left unset."""

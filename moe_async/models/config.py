@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from moe_async.config_base import ConfigModel
+from moe_async.types import JsonDict
 
 
 RANDOM_ONLY_FIELDS = frozenset({"num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -48,7 +49,7 @@ class ModelConfig(ConfigModel):
     num_key_value_heads: int = Field(2, ge=1)
     max_position_embeddings: int = Field(512, ge=16, description="Context length (tokens).")
     init_seed: int = Field(1234, description="Seed of random init / router init.")
-    arch: dict[str, Any] | None = Field(
+    arch: JsonDict | None = Field(
         None,
         description=(
             "Architecture fields of the HF config (config.json's names and values: model_type, "

@@ -8,14 +8,36 @@ import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, TypeAlias, TypedDict
 
 import torch
 
 from moe_async.models.mapping import ExpandedTable, Rule, expand, fuse_all, gated_mlp_rules, split_all
 from moe_async.models.rope import Rope, read_rope
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import ModuleSpec, TransformerConfig
+    from transformers import PretrainedConfig
 
 Tensor = torch.Tensor
+
+#: An HF config as the families take it: a parsed ``config.json``, a ``PretrainedConfig``, or
+#: the checkpoint directory / ``config.json`` path (:func:`hf_config_dict`).
+HfConfig: TypeAlias = "Mapping[str, Any] | PretrainedConfig | str | os.PathLike[str]"
+#: Keyword arguments of Megatron-Core's ``TransformerConfig`` (untyped library).
+MegatronKwargs: TypeAlias = dict[str, object]
+
+
+class GptModelKwargs(TypedDict):
+    """``GPTModel`` keyword arguments besides config/spec/pre/post-process (:meth:`ModelFamily.gpt_model_kwargs`)."""
+
+    vocab_size: int
+    max_sequence_length: int
+    share_embeddings_and_output_weights: bool
+    position_embedding_type: str
+    rotary_percent: float
+    rotary_base: float
 
 _REGISTRY: dict[str, "ModelFamily"] = {}
 
@@ -40,7 +62,7 @@ def get_family(model_type: str | None) -> "ModelFamily":
         ) from None
 
 
-def hf_config_dict(hf_config: Any) -> dict[str, Any]:
+def hf_config_dict(hf_config: HfConfig) -> JsonDict:
     """A plain dict of an HF config given as a dict, a ``PretrainedConfig`` or a directory /
     ``config.json`` path."""
     if isinstance(hf_config, (str, os.PathLike)):
@@ -177,7 +199,7 @@ def local_spec_name(name: str) -> str:
 
 
 
-def gqa_heads(d: Mapping[str, Any]) -> tuple[int, int, int]:
+def gqa_heads(d: JsonDict) -> tuple[int, int, int]:
     """``(num_attention_heads, hidden_size, num_key_value_heads)`` of an HF config dict of a
     GQA decoder (``num_key_value_heads`` defaults to ``num_attention_heads``).
 
@@ -192,8 +214,8 @@ def gqa_heads(d: Mapping[str, Any]) -> tuple[int, int, int]:
     return nh, h, ng
 
 
-def decoder_fields(d: Mapping[str, Any], *, num_key_value_heads: int, head_dim: int, rms_norm_eps: float,
-                   max_position_embeddings: int, rope_types: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+def decoder_fields(d: JsonDict, *, num_key_value_heads: int, head_dim: int, rms_norm_eps: float,
+                   max_position_embeddings: int, rope_types: tuple[str, ...] = ("default",)) -> JsonDict:
     """The :class:`ArchArgs` fields every decoder family reads the same way from its HF config
     dict ``d`` (``rms_norm_eps`` and ``max_position_embeddings``: the family's defaults when
     ``d`` lacks them; ``num_key_value_heads``, ``head_dim``: as the family derives them).
@@ -233,7 +255,7 @@ class ModelFamily(ABC):
     #: name in the "not a ... config" error
     display_name: str = ""
     #: field -> supported value (or a tuple of them), checked by :func:`reject_fields`
-    unsupported_fields: Mapping[str, Any] = {}
+    unsupported_fields: Mapping[str, object] = {}
     #: HF field read as :attr:`ArchArgs.intermediate_size` (the per-expert width for MoE)
     intermediate_size_field: str = "intermediate_size"
     #: defaults of HF fields a config may leave out
@@ -250,7 +272,7 @@ class ModelFamily(ABC):
     #: the attention builds its own RoPE from the config (MLA); else GPTModel's rotary embedding
     rope_in_attention: bool = False
 
-    def read_hf_config(self, hf_config: Any) -> dict[str, Any]:
+    def read_hf_config(self, hf_config: HfConfig) -> JsonDict:
         """The HF config as a dict (:func:`hf_config_dict`), checked.
 
         Raises:
@@ -264,12 +286,12 @@ class ModelFamily(ABC):
         reject_fields(d, self.unsupported_fields)
         return d
 
-    def moe_args(self, d: Mapping[str, Any]) -> dict[str, Any]:
+    def moe_args(self, d: JsonDict) -> JsonDict:
         """``num_experts`` / ``top_k`` of :class:`ArchArgs` from the checked config dict ``d``
         (empty for a dense family)."""
         return {}
 
-    def arch_args(self, hf_config: Any) -> ArchArgs:
+    def arch_args(self, hf_config: HfConfig) -> ArchArgs:
         """Read and validate an HF config of a GQA decoder (``num_key_value_heads`` defaults to
         ``num_attention_heads``, ``head_dim`` to ``hidden_size // num_attention_heads``).
 
@@ -341,7 +363,7 @@ class ModelFamily(ABC):
         return expand(self.rules(), a.num_layers, a.num_experts or 0, a, skip=self.skip_rule,
                       scopes=self.scopes(a))
 
-    def hf_to_megatron(self, hf_state: Mapping[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
+    def hf_to_megatron(self, hf_state: Mapping[str, Tensor], hf_config: HfConfig) -> dict[str, Tensor]:
         a = self.arch_args(hf_config)
         state = self.normalize_hf_state(hf_state, a)
         if a.tie_word_embeddings and "lm_head.weight" in state:
@@ -354,19 +376,19 @@ class ModelFamily(ABC):
         return fuse_all(self.table(a), state, a)
 
     def megatron_to_hf(
-        self, named: Iterable[tuple[str, Tensor]], hf_config: Any
+        self, named: Iterable[tuple[str, Tensor]], hf_config: HfConfig
     ) -> Iterator[tuple[str, Tensor]]:
         a = self.arch_args(hf_config)
         return split_all(self.table(a), ((local_spec_name(n), t) for n, t in named), a)
 
-    def hf_keys(self, hf_config: Any) -> tuple[str, ...]:
+    def hf_keys(self, hf_config: HfConfig) -> tuple[str, ...]:
         """The exact HF on-disk tensor names of this config, in table order."""
         return self.table(self.arch_args(hf_config)).hf_keys
 
     # ---- Megatron model ------------------------------------------------------------------
     def transformer_config(
         self,
-        hf_config: Any,
+        hf_config: HfConfig,
         *,
         params_dtype: str = "fp32",
         moe_aux_loss_coeff: float = 0.0,
@@ -374,8 +396,8 @@ class ModelFamily(ABC):
         pipeline_model_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
         expert_tensor_parallel_size: int = 1,
-        **overrides: Any,
-    ):
+        **overrides: object,
+    ) -> TransformerConfig:
         """Megatron config (:meth:`config_class`) for this HF config: CPU-safe settings (no
         bias, dropout 0, no fusions, ``use_cpu_initialization``) plus the family's fields
         (:meth:`model_config_kwargs`; MoE via the alltoall dispatcher); ``overrides`` last.
@@ -387,7 +409,7 @@ class ModelFamily(ABC):
         if params_dtype not in ("fp32", "bf16"):
             raise ValueError(f"params_dtype must be 'fp32' or 'bf16', got {params_dtype!r}")
         bf16 = params_dtype == "bf16"
-        kw: dict[str, Any] = dict(
+        kw: MegatronKwargs = dict(
             num_layers=a.num_layers,
             hidden_size=a.hidden_size,
             num_attention_heads=a.num_attention_heads,
@@ -417,6 +439,7 @@ class ModelFamily(ABC):
             persist_layer_norm=False,
         )
         kw.update(self.model_config_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff))
+        kw.update(self.config_from_hf(hf_config_dict(hf_config)))
         kw.update(overrides)
         cfg = self.config_class()(**kw)
         if a.rope is not None and a.rope.is_yarn and not getattr(cfg, "multi_latent_attention", False):
@@ -426,17 +449,22 @@ class ModelFamily(ABC):
                 setattr(cfg, k, v)
         return cfg
 
+    def config_from_hf(self, d: JsonDict) -> MegatronKwargs:
+        """``TransformerConfig`` fields the family reads from the HF config dict ``d`` itself
+        (beyond :meth:`model_config_kwargs`); before the caller's overrides. Default: none."""
+        return {}
+
     def config_class(self) -> type:
         """Megatron's config class of this family (``TransformerConfig``)."""
         from megatron.core.transformer import TransformerConfig
 
         return TransformerConfig
 
-    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> MegatronKwargs:
         """The family's ``TransformerConfig`` fields: GQA attention, FFN width and, with
         experts, the MoE router (Mixtral: top-k on logits, softmax over the k == softmax,
         top-k, renormalise)."""
-        kw: dict[str, Any] = dict(
+        kw: MegatronKwargs = dict(
             ffn_hidden_size=a.intermediate_size,
             num_query_groups=a.num_key_value_heads,
             kv_channels=a.head_dim,
@@ -456,7 +484,7 @@ class ModelFamily(ABC):
             )
         return kw
 
-    def layer_spec(self, hf_config: Any, *, use_te: bool = False):
+    def layer_spec(self, hf_config: HfConfig, *, use_te: bool = False) -> ModuleSpec:
         """Megatron layer spec: TE spec when ``use_te`` (CUDA + transformer_engine), else local;
         with ``qk_layernorm`` when the family has it."""
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -474,11 +502,11 @@ class ModelFamily(ABC):
             normalization="RMSNorm",
         )
 
-    def gpt_model_kwargs(self, hf_config: Any) -> dict[str, Any]:
+    def gpt_model_kwargs(self, hf_config: HfConfig) -> GptModelKwargs:
         """Keyword arguments of ``GPTModel`` besides config/spec/pre/post-process."""
         a = self.arch_args(hf_config)
         yarn = a.rope is not None and a.rope.is_yarn and not self.rope_in_attention
-        return dict(
+        return GptModelKwargs(
             vocab_size=a.vocab_size,
             max_sequence_length=a.max_position_embeddings,
             share_embeddings_and_output_weights=a.tie_word_embeddings,
@@ -488,7 +516,7 @@ class ModelFamily(ABC):
         )
 
 
-def reject_fields(d: Mapping[str, Any], checks: Mapping[str, Any]) -> None:
+def reject_fields(d: JsonDict, checks: Mapping[str, object]) -> None:
     """Raise ValueError naming the first field whose value is not the supported one.
     ``checks`` maps field -> the supported value, or a tuple of supported values (the
     message lists them)."""

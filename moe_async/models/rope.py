@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
+
+from moe_async.types import JsonDict
 
 #: RoPE types a family can accept (HF ``rope_type``); ``default`` is plain RoPE
 ROPE_TYPES = ("default", "yarn")
@@ -63,7 +65,7 @@ class Rope:
             return 1.0
         return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
 
-    def megatron_yarn(self) -> dict[str, Any]:
+    def megatron_yarn(self) -> dict[str, float | int | str | None]:
         """``MLATransformerConfig`` fields: ``rope_type``, ``rotary_base``,
         ``rotary_scaling_factor``, ``mscale``, ``mscale_all_dim`` (and for YaRN
         ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``). Megatron's cos/sin
@@ -85,7 +87,7 @@ class Rope:
             beta_fast=self.beta_fast, beta_slow=self.beta_slow,
         )
 
-    def gpt_yarn_config(self) -> dict[str, Any]:
+    def gpt_yarn_config(self) -> dict[str, float | int | str | bool | None]:
         """The ``yarn_*`` attributes ``GPTModel(position_embedding_type="yarn")`` reads from its
         config (GQA attention; Megatron's cos/sin factor and the attention's ``mscale`` come
         from the same fields as :meth:`megatron_yarn`'s)."""
@@ -104,7 +106,7 @@ class Rope:
                 f"softmax x{self.softmax_mscale:.4g})")
 
 
-def rope_fields(d: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def rope_fields(d: JsonDict) -> tuple[str, JsonDict]:
     """``(where, fields)``: the RoPE dict of HF config dict ``d`` and its field name
     (``rope_parameters`` or ``rope_scaling``); ``("", {})`` when neither is set. A
     transformers-5 ``rope_parameters`` keyed by layer type is not supported (ValueError)."""
@@ -117,7 +119,7 @@ def rope_fields(d: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return "", {}
 
 
-def read_rope(d: Mapping[str, Any], supported: tuple[str, ...] = ("default",)) -> Rope:
+def read_rope(d: JsonDict, supported: tuple[str, ...] = ("default",)) -> Rope:
     """The :class:`Rope` of HF config dict ``d``.
 
     Args:

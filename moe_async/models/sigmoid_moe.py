@@ -8,12 +8,12 @@ Design notes: ``docs/design/models.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 from moe_async.models.family import HF_LAYER as _L
 from moe_async.models.family import MG_LAYER as _M
-from moe_async.models.family import ArchArgs, ModelFamily
+from moe_async.models.family import ArchArgs, HfConfig, MegatronKwargs, ModelFamily
 from moe_async.models.mapping import Rule, gated_mlp_rules
+from moe_async.types import JsonDict
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -35,7 +35,7 @@ class SigmoidMoeArgs(ArchArgs):
         return list(range(self.first_k_dense, self.num_layers))
 
 
-def read_sigmoid_moe(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+def read_sigmoid_moe(d: JsonDict, model_type: str) -> JsonDict:
     """The :class:`SigmoidMoeArgs` fields (and ``num_experts``/``top_k``/``intermediate_size``)
     of HF config dict ``d``.
 
@@ -120,7 +120,7 @@ def skip_shared(r: Rule, a: SigmoidMoeArgs) -> bool:
     return a.shared_intermediate_size is None and "shared_experts" in r.megatron
 
 
-def sigmoid_moe_kwargs(a: SigmoidMoeArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+def sigmoid_moe_kwargs(a: SigmoidMoeArgs, *, moe_aux_loss_coeff: float) -> MegatronKwargs:
     """``TransformerConfig`` fields of the dense/MoE layer pattern and the sigmoid router. The
     expert-bias update rate defaults to 0 (bias kept as loaded); pass
     ``moe_router_bias_update_rate`` to ``transformer_config`` to enable the aux-loss-free
@@ -149,7 +149,7 @@ def sigmoid_moe_kwargs(a: SigmoidMoeArgs, *, moe_aux_loss_coeff: float) -> dict[
     )
 
 
-def decoder_block_spec(family, hf_config: Any, *, use_te: bool, vp_stage: int | None, name: str):
+def decoder_block_spec(family: ModelFamily, hf_config: HfConfig, *, use_te: bool, vp_stage: int | None, name: str):
     """Megatron's decoder block spec of ``family`` (dense / MoE layers per
     ``first_k_dense_replace``), sliced to this pipeline stage (parallel state must be
     initialised when PP > 1) and, with virtual pipeline stages (parallel state's VPP world

@@ -22,6 +22,8 @@ from moe_async.types import Group
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
+    from moe_async.buffer.buffer import BufferStats
+    from moe_async.buffer.snapshot import BufferSnapshot
     from moe_async.trainer.megatron_trainer import MegatronTrainer
     from moe_async.weight_sync.transport import WeightTransport
 
@@ -57,10 +59,10 @@ class BufferActor:
         """Wait up to ``timeout_s`` seconds for ``B`` fresh groups; ``None`` on time-out."""
         return await self.abuf.get_batch_wait(trainer_version, timeout_s)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> BufferStats:
         return self.abuf.buf.stats()
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> BufferSnapshot:
         """The buffered groups and counters for a checkpoint (:func:`moe_async.buffer.snapshot.snapshot`)."""
         from moe_async.buffer.snapshot import snapshot
 

@@ -18,6 +18,9 @@ from moe_async.errors import UserInputError
 from moe_async.orchestration.placement import Placement, place_engines
 
 if TYPE_CHECKING:
+    from moe_async.engines.base import Engine
+    from ray.actor import ActorClass
+    from ray import ObjectRef
     from moe_async.config import ExperimentConfig
     from moe_async.engines.config import EngineConfig
 
@@ -31,9 +34,9 @@ class EngineHost:
         self.model_path = model_path
         self.index = index
         self.node_rank = node_rank
-        self.engine: Any = None  # the engine server (moe_async.engines.base), once launched
+        self.engine: Engine | None = None  # the engine server, once launched
 
-    def _make_engine(self, port: int, dist_init_addr: str | None) -> Any:
+    def _make_engine(self, port: int, dist_init_addr: str | None) -> Engine:
         from moe_async.engines.base import make_engine
 
         return make_engine(self.cfg, self.model_path, port, node_rank=self.node_rank, dist_init_addr=dist_init_addr)
@@ -102,7 +105,8 @@ class EnginePool:
         actor_cls: the engine actor class (tests).
     """
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str, *, placement: Placement | None = None, actor_cls: Any = None):
+    def __init__(self, cfg: ExperimentConfig, model_path: str, *, placement: Placement | None = None,
+                 actor_cls: ActorClass | None = None):
         self.placement = placement if placement is not None else place_engines(cfg)
         multi_node = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
         cls = actor_cls or EngineActor
@@ -227,7 +231,7 @@ class EnginePool:
         self.urls[i] = urls[0]
         return urls[0]
 
-    def _on_nodes(self, i: int, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+    def _on_nodes(self, i: int, refs: list[ObjectRef], what: str, timeout_s: float) -> list[Any]:
         """Every node's reply to ``what`` on engine ``i`` (node rank order); RuntimeError naming
         each node rank that failed or did not answer within ``timeout_s``."""
         n, out, errs = self.nodes_per_engine, [], []

@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING, Any
 from moe_async.orchestration.supervisor import RestartPolicy
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray import ObjectRef
+    from moe_async.orchestration.engine_pool import EnginePool
+    from moe_async.orchestration.trainer_group import TrainerGroup
     from moe_async.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
@@ -36,14 +40,18 @@ class EngineRecovery:
         ray_timeout_s: bound on each Ray call to the rollout/buffer actors (named on expiry).
     """
 
-    def __init__(self, cfg: ExperimentConfig, pool: Any, trainer: Any, rollout: Any, buffer: Any, ray_timeout_s: float = 120.0):
+    def __init__(self, cfg: ExperimentConfig, pool: EnginePool, trainer: TrainerGroup, rollout: ActorHandle,
+                 buffer: ActorHandle, ray_timeout_s: float = 120.0):
         self.cfg = cfg
         self.pool = pool
         self.trainer = trainer
         self.rollout = rollout
         self.buffer = buffer
         self.ray_timeout_s = ray_timeout_s
-        self.urls = list(pool.urls)
+        urls = [u for u in pool.urls if u is not None]
+        if len(urls) != len(pool.urls):
+            raise RuntimeError(f"engine recovery: {len(pool.urls) - len(urls)} engine(s) of the pool not launched")
+        self.urls = urls
         self.policy = RestartPolicy(self.urls, cfg.engine.max_restarts, cfg.engine.min_healthy_engines)
         self.recovery_syncs = 0
         self.readmitted = 0
@@ -51,7 +59,7 @@ class EngineRecovery:
         self.events: list[str] = []  # one line per death/restart/retire, for the summary
 
     # ------------------------------------------------------------------ helpers
-    def _get(self, ref: Any, what: str) -> Any:
+    def _get(self, ref: ObjectRef, what: str) -> Any:
         import ray
 
         try:

@@ -5,7 +5,19 @@ the prompt files' room in the model's context."""
 from __future__ import annotations
 
 import os
-from typing import Any
+import signal
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias
+
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from moe_async.config import ExperimentConfig
+
+#: What ``signal.signal`` returns: the handler it replaced (typeshed's ``signal._HANDLER``).
+SignalHandler: TypeAlias = "Callable[[int, FrameType | None], Any] | int | signal.Handlers | None"
 
 
 def init_ray(engine_log_dir: str | None = None) -> None:
@@ -35,7 +47,7 @@ def init_ray(engine_log_dir: str | None = None) -> None:
                  log_to_driver=True, runtime_env=runtime_env)
 
 
-def sigterm_to_exit() -> Any:
+def sigterm_to_exit() -> SignalHandler:
     """Make SIGTERM (``kill``, Slurm, a container stop) raise ``SystemExit`` in the driver
     (Ray's ``get`` reports it as exit code 1), like Ctrl-C raises KeyboardInterrupt, so
     ``run_experiment``'s cleanup runs
@@ -58,7 +70,7 @@ def sigterm_to_exit() -> Any:
 _STOP: dict[str, str | None] = {"signal": None}
 
 
-def sigterm_to_checkpoint() -> Any:
+def sigterm_to_checkpoint() -> SignalHandler:
     """The driver's SIGTERM under ``launch/slurm/train.sbatch`` (``MOE_ASYNC_SIGTERM=checkpoint``,
     the pre-emption signal of ``#SBATCH --signal=B:TERM@LEAD``): the first SIGTERM only sets a
     flag (:func:`stop_requested`) that the step loop reads after each step to write a checkpoint
@@ -86,7 +98,7 @@ def stop_requested() -> str | None:
     return _STOP["signal"]
 
 
-def eval_get(ref, what: str, timeout_s: float) -> Any:
+def eval_get(ref: ObjectRef, what: str, timeout_s: float) -> Any:
     """A held-out evaluation's reply (``ray.get``) bounded by ``timeout_s`` seconds.
 
     Raises: ``ray.exceptions.GetTimeoutError`` naming ``what``, the bound and
@@ -106,7 +118,7 @@ def evaluate(rollout, summary: dict, key: str, label: str, timeout_s: float = 36
     report_eval(summary, key, label, eval_get(rollout.evaluate.remote(), f"held-out eval ({label})", timeout_s))
 
 
-def report_eval(summary: dict, key: str, label: str, ev: dict[str, Any] | None) -> None:
+def report_eval(summary: dict, key: str, label: str, ev: JsonDict | None) -> None:
     """Keep a greedy held-out eval dict (``accuracy``, ``reward_mean``, ``n``, ...) as
     ``summary[key]`` and print its line (``label``: before/after); nothing for None (no eval)."""
     if ev is None:
@@ -132,7 +144,7 @@ def dead_engines(engines) -> list[str]:
         return []
 
 
-def refuse_prompt_room(cfg: Any, model_path: str | None) -> bool:
+def refuse_prompt_room(cfg: ExperimentConfig, model_path: str | None) -> bool:
     """``data.max_prompt_length`` plus ``rollout.max_new_tokens`` within the model's context
     (:func:`moe_async.data.check.check_prompt_room`), the HF config read from ``model_path`` or,
     None, as known before the model is made. Returns False when it cannot be known yet.
@@ -157,7 +169,7 @@ def refuse_prompt_room(cfg: Any, model_path: str | None) -> bool:
     return True
 
 
-def first_run_eval_before(run_dir: Any) -> dict[str, Any] | None:
+def first_run_eval_before(run_dir: str | os.PathLike[str]) -> JsonDict | None:
     """A resumed run's ``eval_before``: the held-out curve's step-0 record in the run dir's
     ``metrics.jsonl`` (written by the run before the resume; ``trainer.resume=auto`` keeps it)
     as an ``eval_before`` dict (``accuracy`` = ``eval/greedy_accuracy``, ``reward_mean`` =

@@ -10,9 +10,10 @@ Design notes: ``docs/design/orchestration.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
     from moe_async.config import ExperimentConfig
     from moe_async.engines.config import EngineConfig
 
@@ -29,14 +30,14 @@ class Slot:
     """Where one process runs: its placement group and bundle, the resources it asks for,
     and (once placed) the node it landed on."""
 
-    pg: Any
+    pg: PlacementGroup
     bundle_index: int
     num_cpus: float
     num_gpus: float
     node_id: str
     node_ip: str
 
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         """``actor_cls.options(**slot.options())``: the bundle as the actor's scheduling strategy."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -51,7 +52,7 @@ class Placement:
     """Placed slots in rank (or engine-index) order, and the placement groups holding them."""
 
     slots: list[Slot]
-    groups: list[Any] = field(default_factory=list)
+    groups: list[PlacementGroup] = field(default_factory=list)
 
     def local_ranks(self) -> list[int]:
         """Each slot's index among the slots on its node (``LOCAL_RANK``)."""
@@ -104,7 +105,7 @@ def _node_ips() -> dict[str, str]:
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
 
 
-def _wait_ready(pg: Any, what: str, bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> None:
+def _wait_ready(pg: PlacementGroup, what: str, bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -135,7 +136,7 @@ def node_order_key(node_ip: str, node_id: str) -> tuple:
     return (0, a.version, int(a), "", node_id)
 
 
-def placed_slots(groups: list[tuple[Any, list[dict[str, float]], dict[int, str]]], node_ips: dict[str, str],
+def placed_slots(groups: list[tuple[PlacementGroup, list[dict[str, float]], dict[int, str]]], node_ips: dict[str, str],
                  by_node: bool = False) -> list[Slot]:
     """The slots of placed groups, from what Ray reports of them (nothing is contacted).
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 _RANK: dict[str, Any] = {"signal": None, "prev": None}  # the signal name; the handler it replaced
 
@@ -80,7 +80,15 @@ class StopCheck:
         return self.reason
 
 
-def stop_check(trainer: Any, armed: bool) -> StopCheck:
+class ArmableRanks(Protocol):
+    """The trainer ranks as :func:`stop_check` arms and asks them (:class:`TrainerGroup`)."""
+
+    def arm_preemption(self) -> None: ...
+
+    def stop_signals(self) -> list[tuple[int, str]]: ...
+
+
+def stop_check(trainer: ArmableRanks, armed: bool) -> StopCheck:
     """The driver's :class:`StopCheck`: with ``armed`` (``MOE_ASYNC_SIGTERM=checkpoint``) every
     trainer rank is armed here (:meth:`TrainerGroup.arm_preemption`) and asked from then on."""
     from moe_async.orchestration.lifecycle import stop_requested
@@ -116,7 +124,7 @@ def stall_if_due(rank: int, n: int, tmp: str) -> None:
 SIGTERM_MODES = ("checkpoint", "exit")
 
 
-def sigterm_mode(environ: Any = os.environ) -> str:
+def sigterm_mode(environ: Mapping[str, str] = os.environ) -> str:
     """What a SIGTERM does to this run, from ``MOE_ASYNC_SIGTERM``: ``"checkpoint"`` (write the
     whole-run checkpoint at the step boundary and stop, exit 0) or ``"exit"`` (unset or empty:
     stop now, cleaning up, exit 1). Raises ``ValueError`` naming the variable for any other value

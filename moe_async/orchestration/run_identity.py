@@ -14,9 +14,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from moe_async.errors import UserInputError
+from moe_async.types import JsonDict
 
 if TYPE_CHECKING:
     from moe_async.config import ExperimentConfig
@@ -58,7 +59,7 @@ def step_dirs(save_dir: Path) -> dict[int, Path]:
     return {int(m.group(1)): p for p in save_dir.iterdir() if (m := _STEP.fullmatch(p.name)) and p.is_dir()}
 
 
-def owner(save_dir: Path) -> dict[str, Any] | None:
+def owner(save_dir: Path) -> JsonDict | None:
     """The owner file's dict (``run_id``, ``run_dir``); None when there is none. A file that is not
     a JSON object with a ``run_id`` reads as ``{"run_id": None}`` (an unknown owner)."""
     f = save_dir / OWNER_FILE
@@ -131,7 +132,7 @@ def claim(save_dir: Path, run_id: str, run_dir: Path) -> None:
     another, is kept as ``continued_from``."""
     save_dir.mkdir(parents=True, exist_ok=True)
     prev = owner(save_dir)
-    d: dict[str, Any] = {"run_id": run_id, "run_dir": str(run_dir)}
+    d: JsonDict = {"run_id": run_id, "run_dir": str(run_dir)}
     if prev and prev.get("run_id") not in (None, run_id):
         d["continued_from"] = prev["run_id"]
     tmp = save_dir / (OWNER_FILE + ".tmp")

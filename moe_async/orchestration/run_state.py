@@ -10,7 +10,12 @@ Design notes: ``docs/design/orchestration.md``."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
+
+from moe_async.types import JsonDict, Group
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 TRAINED = "trained"
 
@@ -26,7 +31,7 @@ class DrawLedger:
             ledger exists to catch: a prompt trained twice).
     """
 
-    def __init__(self, state: dict[str, Any] | None = None):
+    def __init__(self, state: JsonDict | None = None):
         self.frontier = 0
         self.settled: dict[int, str] = {}
         self.counts: Counter = Counter()
@@ -51,19 +56,19 @@ class DrawLedger:
             del self.settled[self.frontier]
             self.frontier += 1
 
-    def state_dict(self, **extra: Any) -> dict[str, Any]:
+    def state_dict(self, **extra: object) -> dict[str, object]:
         """``frontier``, ``settled`` (str keys: JSON), ``counts``, plus ``extra`` (version, step, K)."""
         return {"frontier": self.frontier, "settled": {str(k): v for k, v in sorted(self.settled.items())},
                 "counts": dict(self.counts), **extra}
 
 
-def group_draw(group: Any) -> int | None:
+def group_draw(group: Group) -> int | None:
     """The draw number the rollout manager stamped on ``group``'s samples (None: not stamped)."""
     seq = group.samples[0].metadata.get("draw_seq") if group.samples else None
     return None if seq is None else int(seq)
 
 
-def record_settled(ledger: DrawLedger, trained_groups: list, rollout: Any, buffer: Any,
+def record_settled(ledger: DrawLedger, trained_groups: list[Group], rollout: ActorHandle, buffer: ActorHandle,
                    timeout_s: float = 120.0) -> None:
     """Settle the draws of ``trained_groups`` (just trained) and of every drop the rollout
     actor and the buffer actor recorded since the last call (Ray handles; each reply bounded
@@ -85,7 +90,7 @@ def record_settled(ledger: DrawLedger, trained_groups: list, rollout: Any, buffe
         ledger.settle(seq, "stale")
 
 
-def resume_data(ledger: DrawLedger, resumed: dict[str, Any], buffer: Any, rollout: Any, trainer_version: int,
+def resume_data(ledger: DrawLedger, resumed: JsonDict, buffer: ActorHandle, rollout: ActorHandle, trainer_version: int,
                 timeout_s: float = 120.0) -> dict[str, int]:
     """A resumed run's data side, before generation starts (Ray handles; each reply bounded by
     ``timeout_s``): the saved buffer's groups back into ``buffer`` (stale ones at

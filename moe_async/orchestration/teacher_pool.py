@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moe_async.errors import UserInputError
+from moe_async.types import Tokenizer
+
+if TYPE_CHECKING:
+    from moe_async.config import ExperimentConfig
+    from moe_async.orchestration.engine_pool import EnginePool
 
 
 def _vocab_size(cj: Path, field: str) -> int:
@@ -23,7 +28,7 @@ def _vocab_size(cj: Path, field: str) -> int:
     return v
 
 
-def _tokenizer(path: str, field: str) -> Any:
+def _tokenizer(path: str, field: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
     try:
@@ -33,7 +38,7 @@ def _tokenizer(path: str, field: str) -> Any:
             from None
 
 
-def tokenizer_difference(student: Any, teacher: Any) -> str | None:
+def tokenizer_difference(student: Tokenizer, teacher: Tokenizer) -> str | None:
     """How two HF tokenizers differ in what scoring the student's token ids depends on (their
     vocabularies token -> id, then their special tokens and ids), or None when they agree."""
     sv, tv = student.get_vocab(), teacher.get_vocab()
@@ -59,7 +64,7 @@ def tokenizer_difference(student: Any, teacher: Any) -> str | None:
     return None
 
 
-def check_teacher_top_k(cfg: Any, student_path: str) -> None:
+def check_teacher_top_k(cfg: ExperimentConfig, student_path: str) -> None:
     """With ``teacher.topk_forward_kl_coef > 0``: ``teacher.top_k`` must not exceed the
     student's ``vocab_size`` (the vocabulary the top-k forward KL is taken over; the teacher
     shares it). Raises UserInputError naming ``teacher.top_k`` and the checkpoint."""
@@ -73,7 +78,7 @@ def check_teacher_top_k(cfg: Any, student_path: str) -> None:
                              "forward KL takes at most every token: set teacher.top_k <= vocab_size")
 
 
-def teacher_model_path(cfg: Any, student_path: str) -> str:
+def teacher_model_path(cfg: ExperimentConfig, student_path: str) -> str:
     """The checkpoint the teacher engines serve: ``teacher.model_path``, else the student's.
 
     The teacher scores the student's token ids, so it must share the student's tokenizer:
@@ -102,7 +107,7 @@ def teacher_model_path(cfg: Any, student_path: str) -> str:
     return path
 
 
-def start_teacher(cfg: Any, student_path: str) -> tuple[Any, list[str] | None]:
+def start_teacher(cfg: ExperimentConfig, student_path: str) -> tuple[EnginePool | None, list[str] | None]:
     """``(pool, urls)``: with ``teacher.urls`` no pool and those URLs; else an
     :class:`~moe_async.orchestration.engine_pool.EnginePool` of ``teacher.engine`` serving
     :func:`teacher_model_path`, launched (the caller shuts it down). ``(None, None)`` without a
@@ -150,7 +155,7 @@ class TeacherRecovery:
     ``restart(i, timeout_s) -> url`` (:class:`~moe_async.orchestration.engine_pool.EnginePool`).
     """
 
-    def __init__(self, pool: Any, max_restarts: int, startup_timeout_s: float, interval_s: float = 5.0):
+    def __init__(self, pool: EnginePool, max_restarts: int, startup_timeout_s: float, interval_s: float = 5.0):
         self.pool = pool
         self.max_restarts = int(max_restarts)
         self.timeout_s = float(startup_timeout_s) + 120.0

@@ -15,8 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from moe_async.orchestration.placement import Placement, place_trainer
+from moe_async.types import JsonDict
 
 if TYPE_CHECKING:
+    from ray.actor import ActorClass
+    from ray import ObjectRef
+    from moe_async.weight_sync.outcome import SyncOutcome
     from moe_async.config import ExperimentConfig
 
 FAULT_ENV = "MOE_ASYNC_TRAINER_FAULT"
@@ -72,14 +76,19 @@ class TrainerGroup:
     """
 
     def __init__(self, cfg: ExperimentConfig, model_path: str, *, placement: Placement | None = None,
-                 watch: Callable[[], list[str]] | None = None, actor_cls: Any = None):
+                 watch: Callable[[], list[str]] | None = None, actor_cls: ActorClass | None = None):
+        cls: ActorClass
         if actor_cls is None:
-            from moe_async.orchestration.actors import TrainerActor as actor_cls
+            from moe_async.orchestration.actors import TrainerActor
+
+            cls = TrainerActor
+        else:
+            cls = actor_cls
         self.placement = placement if placement is not None else place_trainer(cfg)
         self.watch = watch
         world = len(self.placement.slots)
         fault = os.environ.get(FAULT_ENV)
-        self.actors = [actor_cls.options(**s.options()).remote(cfg, model_path, r, world, parse_fault(fault, r))
+        self.actors = [cls.options(**s.options()).remote(cfg, model_path, r, world, parse_fault(fault, r))
                        for r, s in enumerate(self.placement.slots)]
         self.world_size = world
         try:
@@ -93,7 +102,7 @@ class TrainerGroup:
         self.master_addr, self.master_port = addr, port
 
     # ---------------------------------------------------------------- calls
-    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+    def _gather(self, refs: list[ObjectRef], what: str) -> list[Any]:
         """Every rank's reply in rank order (refs[r] is rank r's); see the class docstring."""
         import ray
 
@@ -139,7 +148,7 @@ class TrainerGroup:
                     raise RuntimeError("; ".join(bad))
         return out
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: object) -> Any:
         if not self.actors:
             raise RuntimeError(f"trainer group stopped: cannot call {method}")
         refs = [getattr(a, method).remote(*args) for a in self.actors]
@@ -163,7 +172,7 @@ class TrainerGroup:
     def sync_weights(self) -> dict[str, float]:
         return self._call("sync_weights")
 
-    def sync_weights_outcome(self) -> Any:
+    def sync_weights_outcome(self) -> SyncOutcome:
         """:meth:`sync_weights` that names an engine lost during it instead of failing
         (:class:`~moe_async.weight_sync.outcome.SyncOutcome`, rank 0's; ``TrainerActor.sync_weights_outcome``)."""
         return self._call("sync_weights_outcome")
@@ -178,10 +187,10 @@ class TrainerGroup:
     def check_engines(self, urls: list[str]) -> dict[str, float]:
         return self._call("check_engines", urls)
 
-    def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
+    def save_checkpoint(self, save_dir: str, step: int, extra: JsonDict) -> str:
         return self._call("save_checkpoint", save_dir, step, extra)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def load_checkpoint(self, path: str) -> JsonDict:
         return self._call("load_checkpoint", path)
 
     def arm_preemption(self) -> None:

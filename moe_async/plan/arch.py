@@ -9,7 +9,9 @@ Design notes: ``docs/design/plan.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+
+from moe_async.types import JsonDict
 
 
 class ArchError(ValueError):
@@ -94,7 +96,7 @@ class ModelShape:
 class _Fields:
     """Typed reads of HF config fields; errors name ``<source>.<field>`` (or ``<source>: field``)."""
 
-    def __init__(self, d: Mapping[str, Any], source: str):
+    def __init__(self, d: JsonDict, source: str):
         self.d, self.source = d, source
 
     def _name(self, key: str) -> str:
@@ -172,7 +174,7 @@ def _moe_layers(f: _Fields, n_layers: int, is_moe, attn: tuple[int, int, int], *
 SUPPORTED = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 
-def model_shape(d: Mapping[str, Any], source: str) -> ModelShape:
+def model_shape(d: JsonDict, source: str) -> ModelShape:
     """The :class:`ModelShape` of HF config fields ``d`` (a config.json's dict).
 
     Args:
@@ -237,7 +239,7 @@ def model_shape(d: Mapping[str, Any], source: str) -> ModelShape:
         not_counted=tuple(not_counted), rope=rope_row(d))
 
 
-def rope_row(d: Mapping[str, Any]) -> str:
+def rope_row(d: JsonDict) -> str:
     """The RoPE of HF config fields ``d`` in one line (:meth:`moe_async.models.rope.Rope.describe`:
     ``rope (theta ...)`` or ``yarn (factor ..., softmax x...)``); ``rope_theta not given`` when
     the fields leave it out; the reader's message for a RoPE no family implements."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from moe_async.errors import read_json_object
 from moe_async.plan.arch import SUPPORTED, ArchError, ModelShape, model_shape
@@ -25,6 +24,7 @@ from moe_async.plan.memory import (
     estimate_sync,
     estimate_trainer,
 )
+from moe_async.types import JsonDict
 
 #: a role within this share of its usable memory is warned about (allocator peaks, estimate error)
 WARN_SHARE = 0.9
@@ -43,7 +43,7 @@ class Plan:
     refusals: list[str] = field(default_factory=list)
 
 
-def read_arch(model_cfg) -> tuple[dict[str, Any], str]:
+def read_arch(model_cfg) -> tuple[JsonDict, str]:
     """The HF config fields to plan with and where they came from: ``model.hf_path``'s
     config.json when it exists (checked against ``model.arch`` where both give a field), else
     ``model.arch``.
@@ -68,7 +68,7 @@ def read_arch(model_cfg) -> tuple[dict[str, Any], str]:
     return dict(model_cfg.arch), "model.arch"
 
 
-def _family_warning(d: dict[str, Any], source: str) -> str | None:
+def _family_warning(d: JsonDict, source: str) -> str | None:
     """Whether moe-async's trainer has a family for this model (and, for a whole config.json,
     accepts its fields); None when it does."""
     from moe_async.models import get_family  # imports torch: only here

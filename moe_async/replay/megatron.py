@@ -10,19 +10,23 @@ Design notes: ``docs/design/replay.md``."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from moe_async.replay.metrics import MismatchMeter
 from moe_async.replay.routes import PAD, batch_routes, fill_padding, num_pad_rows, pack_rows
-from moe_async.types import MicroBatch
+from moe_async.types import MicroBatch, Sample
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
 
 MODES = ("off", "R3", "R2")
 
 
-def moe_layer_pattern(tf_config: Any) -> list[int]:
+def moe_layer_pattern(tf_config: TransformerConfig) -> list[int]:
     """1/0 per decoder layer from Megatron's ``moe_layer_freq`` (int or list)."""
     f, n = tf_config.moe_layer_freq, tf_config.num_layers
     if isinstance(f, int):
@@ -119,7 +123,7 @@ class RouterReplayHook:
         metrics = hook.metrics()
     """
 
-    def __init__(self, model: torch.nn.Module, tf_config: Any, mode: str = "off"):
+    def __init__(self, model: torch.nn.Module, tf_config: TransformerConfig, mode: str = "off"):
         from megatron.core.transformer.moe.router import TopKRouter
 
         if mode not in MODES:
@@ -133,8 +137,8 @@ class RouterReplayHook:
         cls, self._Action = _measured_replay_class()
         # model chunks (virtual pipeline stages) in vp_stage order; one chunk otherwise
         self._chunks: list[torch.nn.Module] = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
-        self.routers: list[Any] = []
-        self._chunk_routers: list[list[Any]] = []
+        self.routers: list[TopKRouter] = []
+        self._chunk_routers: list[list[TopKRouter]] = []
         for chunk in self._chunks:
             mine = []
             for mod in chunk.modules():
@@ -163,13 +167,13 @@ class RouterReplayHook:
         self._mb = [0] * len(self._chunks)
         self._pad_offset = [torch.zeros(self.num_moe_layers, dtype=torch.long) for _ in self._chunks]
 
-    def _chunk_index(self, model: Any) -> int:
+    def _chunk_index(self, model: torch.nn.Module | None) -> int:
         """Index of the chunk ``model`` is (or wraps, e.g. Megatron's DDP: ``.module``)."""
         if model is None:
             if len(self._chunks) > 1:
                 raise ValueError("router replay with virtual pipeline stages: before_forward needs the model chunk")
             return 0
-        m = model
+        m: object = model  # a chunk, or a wrapper of one (``.module``)
         while True:
             for c, chunk in enumerate(self._chunks):
                 if m is chunk:
@@ -186,7 +190,7 @@ class RouterReplayHook:
         return bool(self.routers)
 
     # ------------------------------------------------------------------ batching
-    def pack(self, samples: Sequence[Any], S: int, packed_len: int | None = None) -> dict[str, torch.Tensor]:
+    def pack(self, samples: Sequence[Sample], S: int, packed_len: int | None = None) -> dict[str, torch.Tensor]:
         """This hook's :class:`~moe_async.trainer.micro_batches.MicroBatch` fields, by name: ``routes_BSLK`` long (-1 = none), ``routes_real_BS``
         bool (when any sample has routes), ``routes_missing_B`` bool (loss-bearing samples
         without routes: an error in an R3 train step) and ``rollout_lp_mask [B, S-1]``
@@ -241,7 +245,7 @@ class RouterReplayHook:
 
     @contextmanager
     def step(
-        self, mbs: Sequence[MicroBatch], forward_fn: Callable[[MicroBatch], Any] | None = None
+        self, mbs: Sequence[MicroBatch], forward_fn: Callable[[MicroBatch], object] | None = None
     ) -> Iterator["RouterReplayHook"]:
         """One pass of Megatron's schedule over ``mbs``. R2 with ``forward_fn``: first a
         no-grad ``forward_fn(mb)`` per micro-batch with ``RECORD``, replayed in the pass; R2
@@ -279,7 +283,7 @@ class RouterReplayHook:
             for r in self.routers:
                 r.reset()
 
-    def before_forward(self, mb: MicroBatch, model: Any = None) -> None:
+    def before_forward(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> None:
         """Set this micro-batch's replay targets (R3/R2) and agreement references on the
         routers of ``model`` (the chunk about to run; may be DDP-wrapped; optional with one
         chunk). Raises ValueError for an unknown chunk, or (R3 train step) a loss-bearing
@@ -391,7 +395,7 @@ class RouterReplayHook:
         return [r.used for r in self.routers]
 
 
-def transformer_overrides(mode: str) -> dict[str, Any]:
+def transformer_overrides(mode: str) -> dict[str, object]:
     """``TransformerConfig`` keyword overrides: the native replay hooks are always built
     (cost: one branch per router when idle) so agreement is measured in every mode."""
     if mode not in MODES:

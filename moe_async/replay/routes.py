@@ -9,7 +9,7 @@ Design notes: ``docs/design/replay.md``."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -154,7 +154,7 @@ def batch_routes(
     return out, real
 
 
-def pack_rows(x_BS: torch.Tensor, lengths: Sequence[int], T: int, fill: Any) -> torch.Tensor:
+def pack_rows(x_BS: torch.Tensor, lengths: Sequence[int], T: int, fill: bool | int | float) -> torch.Tensor:
     """``x [B, S, ...]`` -> ``[1, T, ...]``: the first ``lengths[b]`` positions of every row
     ``b`` back to back (the packed THD order of ``trainer.sequence_packing='thd'``; sequence
     ``b`` starts at ``sum(lengths[:b])``), then ``fill`` up to ``T``. Same dtype as ``x``.

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence, TypedDict
 
 from moe_async.errors import UserInputError
 from moe_async.report.runs import Run, load_run
-from moe_async.report.stats import run_numbers
+from moe_async.report.stats import RunNumbers, run_numbers
 
 # (key in run_numbers, row label) of the markdown table
 ROWS = (
@@ -37,7 +37,7 @@ ROWS = (
 )
 
 
-def fmt(v: Any) -> str:
+def fmt(v: object) -> str:
     """A table cell: integers as such, floats to 4 significant digits, ``-`` for None."""
     if v is None:
         return "-"
@@ -46,8 +46,8 @@ def fmt(v: Any) -> str:
     return f"{v:.4g}"
 
 
-def summary_markdown(numbers: list[dict[str, Any]], plots: list[str]) -> str:
-    head = "| | " + " | ".join(n["run"] for n in numbers) + " |"
+def summary_markdown(numbers: list[RunNumbers], plots: list[str]) -> str:
+    head = "| | " + " | ".join(str(n["run"]) for n in numbers) + " |"
     lines = ["# moe-async report", "", head, "|---" * (len(numbers) + 1) + "|"]
     for key, label in ROWS:
         lines.append(f"| {label} | " + " | ".join(fmt(n.get(key)) for n in numbers) + " |")
@@ -61,7 +61,18 @@ def summary_markdown(numbers: list[dict[str, Any]], plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> dict[str, Any]:
+class Report(TypedDict):
+    """What :func:`make_report` wrote: the folder, the plot file names, each run's summary row,
+    and the notes and damaged files of the runs (one sentence each)."""
+
+    out: Path
+    plots: list[str]
+    numbers: list[RunNumbers]
+    notes: list[str]
+    damaged: list[str]
+
+
+def make_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Report:
     """Write the report of ``run_dirs`` into ``out``; returns ``{"out", "plots", "numbers",
     "notes", "damaged"}`` (``notes``: what :func:`load_run` left out, e.g. a half-written last
     record; ``damaged``: files that could not be read, each named, the report made without them).

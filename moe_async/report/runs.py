@@ -7,12 +7,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from moe_async.errors import UserInputError
+from moe_async.types import JsonDict
 
 
-def finite_number(v: Any) -> TypeGuard[float]:
+def finite_number(v: object) -> TypeGuard[float]:
     """A real number (not a bool), finite: a value a curve can draw."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -30,8 +31,8 @@ class Run:
 
     path: Path
     name: str
-    steps: list[dict[str, Any]]
-    summary: dict[str, Any] = field(default_factory=dict)
+    steps: list[JsonDict]
+    summary: JsonDict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)
 
@@ -95,7 +96,7 @@ def load_run(path: str | Path) -> Run:
         steps.append(rec)
     if not steps:
         raise UserInputError(f"{mpath}: no steps recorded")
-    summary: dict[str, Any] = {}
+    summary: JsonDict = {}
     damaged: list[str] = []
     spath = p / "summary.json"
     if spath.is_file():

@@ -9,15 +9,19 @@ summed), and held-out accuracies come from summary.json (``eval_before`` / ``eva
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeAlias
 
 from moe_async.report.runs import Run, finite_number
+from moe_async.types import JsonDict
 
 # per-step time parts of the stacked breakdown: (label, metric), all seconds
 TIME_PARTS = (("wait: filling", "perf/wait_filling_seconds"), ("wait: straggler", "perf/wait_straggler_seconds"),
               ("train", "train/step_time_s"), ("sync", "sync/seconds"), ("sync check", "sync/check_seconds"),
               ("save", "perf/save_seconds"))
 
+
+#: One run's summary row: metric name -> its value (None where the run did not log it).
+RunNumbers: TypeAlias = "dict[str, str | int | float | None]"
 
 def staleness_hist(run: Run) -> dict[int, float]:
     """Trained tokens per staleness (versions behind the trainer), summed over the steps."""
@@ -53,7 +57,7 @@ def _last(run: Run, key: str) -> float | None:
     return ys[-1] if ys else None
 
 
-def trained_steps(run: Run) -> list[dict[str, Any]]:
+def trained_steps(run: Run) -> list[JsonDict]:
     """The records of trained steps (``perf/step_seconds`` logged): not the held-out curve's
     step-0 record (``rollout.eval_interval``) written before the first step."""
     return [r for r in run.steps if "perf/step_seconds" in r] or run.steps
@@ -93,7 +97,7 @@ def held_out_curve(run: Run, name: str) -> list[tuple[int, float, float]]:
 
 
 
-def _curve_numbers(run: Run) -> dict[str, Any]:
+def _curve_numbers(run: Run) -> RunNumbers:
     """mean@k at the curve's first and last points and the last point's paired gain +- se."""
     pts = [r for r in run.steps if isinstance(r.get("eval/mean_at_k"), (int, float))]
     if not pts:
@@ -114,10 +118,10 @@ def eval_set_names(run: Run) -> list[str]:
                    if k.startswith("eval/") and k.count("/") == 2 and k.endswith("/mean_at_k")})
 
 
-def eval_set_numbers(run: Run) -> dict[str, Any]:
+def eval_set_numbers(run: Run) -> RunNumbers:
     """Named eval sets (``data.eval``; metrics ``eval/<name>/<metric>``): ``eval_set/<name>/
     <metric>_<first|last>`` for :data:`SET_FIELDS`, from the curve's first and last points."""
-    out: dict[str, Any] = {}
+    out: RunNumbers = {}
     for name in eval_set_names(run):
         pts = [r for r in run.steps if isinstance(r.get(f"eval/{name}/mean_at_k"), (int, float))]
         for metric, which in SET_FIELDS:
@@ -125,12 +129,12 @@ def eval_set_numbers(run: Run) -> dict[str, Any]:
     return out
 
 
-def run_numbers(run: Run) -> dict[str, Any]:
+def run_numbers(run: Run) -> RunNumbers:
     """The summary row of one run (None where the run did not log the metric)."""
     hist = staleness_hist(run)
     tok = sum(hist.values())
     ev = run.summary
-    out: dict[str, Any] = {
+    out: RunNumbers = {
         "run": run.name,
         "steps": len(trained_steps(run)),
         "last_step": int(run.steps[-1]["step"]),

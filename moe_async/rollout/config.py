@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from moe_async.agent.config import AgentConfig
 from moe_async.config_base import ConfigModel
+from moe_async.types import JsonDict
 
 # reasoning-gym settings with GRPO signal for the CPU demo model (see shared/notes/demo.md):
 # two terms, +/- only, 1 digit, no parentheses and no negated terms (reasoning-gym's defaults
@@ -15,7 +16,7 @@ from moe_async.config_base import ConfigModel
 # group of mixed rewards; without them it is 56% at T=1 and 81% greedy, half the groups
 # mixed). Used when ``task_kwargs`` is not given for that task. The task has 242 distinct
 # problems: keep ``train_size`` small enough (e.g. 120) to leave held-out problems.
-DEMO_TASK_KWARGS: dict[str, dict[str, Any]] = {
+DEMO_TASK_KWARGS: dict[str, JsonDict] = {
     "basic_arithmetic": {
         "min_terms": 2,
         "max_terms": 2,
@@ -37,7 +38,7 @@ class RolloutConfig(ConfigModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     task: str = Field("basic_arithmetic", description="reasoning-gym dataset name.")
-    task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym args.")
+    task_kwargs: JsonDict = Field(default_factory=dict, description="reasoning-gym args.")
     train_size: int = Field(2000, ge=1, description="Training problems generated.")
     eval_size: int = Field(48, ge=0, description="Held-out problems (fixed, disjoint seed).")
     data_seed: int = 42
@@ -173,7 +174,7 @@ class RolloutConfig(ConfigModel):
         return self
 
 
-def _check_task(task: str, task_kwargs: dict[str, Any]) -> None:
+def _check_task(task: str, task_kwargs: JsonDict) -> None:
     """Fail at config load, naming the field, on a task reasoning-gym does not know or on
     ``task_kwargs`` its dataset refuses (not 25 s into ``train`` inside a Ray actor)."""
     import reasoning_gym

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from moe_async.rollout.config import RolloutConfig
 from moe_async.rollout.manager import DropGroup, RolloutManager, greedy_summary
+from moe_async.types import Sample
 
 # the per-problem series an evaluation keeps (for paired gains) and reports
 SERIES = ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_reward", "sampled_reward")
@@ -93,11 +94,12 @@ async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_
     cfg = manager.cfg
     sem = asyncio.Semaphore(cfg.eval_concurrency or cfg.max_concurrent_groups)
 
-    async def sample(p: Any, prompt_ids: list[int], max_new: int, greedy: bool) -> Any:
+    async def sample(p: object, prompt_ids: list[int], max_new: int, greedy: bool
+                     ) -> tuple[float, str | None, float, int] | float:
         temp = None if greedy else temperature
         agent = getattr(manager, "agent", None)
         if agent is not None:  # multi-turn: reward within the turn budget
-            async def turn(ids: list[int], n: int) -> Any:
+            async def turn(ids: list[int], n: int) -> Sample:
                 return await manager._generate_sample(ids, n, greedy=greedy, temperature=temp)
 
             s = await agent.sample(p, turn, max_new, count=False)
@@ -111,7 +113,7 @@ async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_
             return float(r.reward), getattr(r, "error", None), float(manager.dataset.score(p, text)), len(s.response_ids)
         return float(r.reward)
 
-    async def one(p: Any) -> tuple[tuple[float, str | None, float, int], list[float], int] | None:
+    async def one(p: object) -> tuple[tuple[float, str | None, float, int], list[float], int] | None:
 
         prompt_ids = manager.dataset.build_prompt_ids(p)
         max_new = manager._check_length(len(prompt_ids), max_new_tokens, count=False)

@@ -16,6 +16,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def _worker_main(conn: Any, fn: Callable) -> None:  # pragma: no cover - runs in a child
+def _worker_main(conn: Connection, fn: Callable) -> None:  # pragma: no cover - runs in a child
     try:
         conn.send(("ready", None))
         while True:
@@ -54,7 +55,7 @@ def _worker_main(conn: Any, fn: Callable) -> None:  # pragma: no cover - runs in
 
 
 class _Worker:
-    def __init__(self, ctx: Any, fn: Callable):
+    def __init__(self, ctx: Any, fn: Callable):  # ctx: a multiprocessing context
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name="reward-worker")
         self.proc.start()
@@ -96,7 +97,7 @@ class RewardPool:
         }
         self._closed = False
         self._sem: asyncio.Semaphore | None = None
-        self._sem_loop: Any = None
+        self._sem_loop: asyncio.AbstractEventLoop | None = None
         if use_processes:
             self._ctx = mp.get_context(mp_context)
             self._idle: list[_Worker] = [_Worker(self._ctx, fn) for _ in range(self.max_workers)]
@@ -104,7 +105,7 @@ class RewardPool:
             self._io = ThreadPoolExecutor(max_workers=2 * self.max_workers, thread_name_prefix="reward-io")
 
     # ------------------------------------------------------------------ public
-    async def score(self, *args: Any, **kwargs: Any) -> RewardResult:
+    async def score(self, *args: object, **kwargs: object) -> RewardResult:
         """``fn(*args, **kwargs)`` as a :class:`RewardResult`; never raises for scorer faults."""
         if self._closed:
             raise RuntimeError("RewardPool is closed")

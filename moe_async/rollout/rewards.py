@@ -14,10 +14,53 @@ import logging
 import math
 import re
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import httpx
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _MAX_CHARS = 20_000  # only the tail of a (possibly huge) response is parsed by math-verify
+
+
+class ScoredPrompt(Protocol):
+    """What a reward reads of a prompt (a reasoning-gym :class:`~moe_async.rollout.tasks.Problem`,
+    a data file's :class:`~moe_async.data.rows.Row`): its question and gold answer."""
+
+    @property
+    def question(self) -> str: ...
+
+    @property
+    def answer(self) -> str: ...
+
+
+class RewardSettings(Protocol):
+    """The ``rollout.reward*`` fields :func:`build_reward_fn` reads (a ``RolloutConfig``)."""
+
+    @property
+    def reward(self) -> str: ...
+
+    @property
+    def reward_function(self) -> str | None: ...
+
+    @property
+    def reward_url(self) -> str | None: ...
+
+    @property
+    def reward_timeout_s(self) -> float: ...
+
+
+class ScoresPrompts(Protocol):
+    """A task source with its own scorer (the reasoning-gym dataset; a data file's dataset):
+    the prompt type is the source's own, so it is left open here."""
+
+    def score(self, problem: Any, response_text: str) -> float: ...
+
+
+#: A reward function: ``(prompt, response text) -> reward`` (checked finite by the caller).
+RewardFn = Callable[[ScoredPrompt, str], float]
 
 
 class RewardConfigError(ValueError):
@@ -28,13 +71,12 @@ class RewardValueError(ValueError):
     """A reward function or server gave something that is not a finite number."""
 
 
-def check_reward_value(value: Any, field: str) -> float:
+def check_reward_value(value: object, field: str) -> float:
     """``float(value)`` when ``value`` is a finite bool/int/float (numpy scalars included),
     else :class:`RewardValueError` naming ``field`` and the value."""
-    ok = isinstance(value, (bool, int, float)) or (
-        hasattr(value, "dtype") and getattr(value, "shape", None) == () and value.dtype.kind in "biuf"
-    )
-    if ok:
+    if isinstance(value, (bool, int, float)) or (
+        isinstance(value, (np.generic, np.ndarray)) and value.shape == () and value.dtype.kind in "biuf"
+    ):
         v = float(value)
         if math.isfinite(v):
             return v
@@ -43,7 +85,7 @@ def check_reward_value(value: Any, field: str) -> float:
     )
 
 
-def resolve_import_path(path: str | None, field: str = "rollout.reward_function") -> Callable[..., Any]:
+def resolve_import_path(path: str | None, field: str = "rollout.reward_function") -> Callable[..., object]:
     """Import ``"package.module:function"`` (the attribute may be dotted, ``mod:Class.method``).
 
     Raises:
@@ -54,7 +96,7 @@ def resolve_import_path(path: str | None, field: str = "rollout.reward_function"
         raise RewardConfigError(f"{field}={path!r} must be an import path 'package.module:function'")
     mod_name, attr = path.strip().split(":", 1)
     try:
-        obj: Any = importlib.import_module(mod_name)
+        obj: object = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 - ImportError or an error while importing it
         raise RewardConfigError(f"{field}={path!r}: cannot import module {mod_name!r}: {type(e).__name__}: {e}") from e
     for part in attr.split("."):
@@ -74,11 +116,11 @@ class FunctionReward:
 
     field = "rollout.reward_function"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str | None):
         self.path = path
-        self._fn: Callable[..., Any] | None = resolve_import_path(path, self.field)
+        self._fn: Callable[..., object] | None = resolve_import_path(path, self.field)
 
-    def __call__(self, problem: Any, response: str) -> float:
+    def __call__(self, problem: ScoredPrompt, response: str) -> float:
         if self._fn is None:
             self._fn = resolve_import_path(self.path, self.field)
         v = self._fn(response, str(problem.answer), str(problem.question))
@@ -106,7 +148,7 @@ class MathVerifyReward:
     answer, else 0.0. The gold answer is parsed as given, then as ``$answer$``.
     Source: huggingface/Math-Verify (pip ``math-verify==0.9.0``)."""
 
-    def __call__(self, problem: Any, response: str) -> float:
+    def __call__(self, problem: ScoredPrompt, response: str) -> float:
         from math_verify import parse, verify
 
         # math-verify's own timeouts use SIGALRM: only possible on a main thread (the pool's
@@ -137,9 +179,9 @@ class RemoteReward:
     def __init__(self, url: str, timeout_s: float = 10.0):
         self.url = url
         self.timeout_s = float(timeout_s)
-        self._client: Any = None
+        self._client: httpx.Client | None = None
 
-    def __call__(self, problem: Any, response: str) -> float:
+    def __call__(self, problem: ScoredPrompt, response: str) -> float:
         import httpx
 
         if self._client is None:
@@ -167,7 +209,7 @@ class RemoteReward:
         return {"url": self.url, "timeout_s": self.timeout_s, "_client": None}
 
 
-def build_reward_fn(cfg: Any, dataset: Any) -> Callable[[Any, str], float]:
+def build_reward_fn(cfg: RewardSettings, dataset: ScoresPrompts) -> RewardFn:
     """The scorer ``fn(problem, response_text) -> float`` for ``cfg`` (a ``RolloutConfig``).
 
     Raises: RewardConfigError naming the field (bad import path, missing URL).

@@ -14,12 +14,13 @@ import importlib.util
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable, Mapping, Protocol
 from urllib.parse import urlsplit
 
 from moe_async.rollout.rewards import (FunctionReward, MathVerifyReward, RemoteReward, RewardConfigError,
-                                       RewardValueError, check_reward_value, resolve_import_path)
+                                       RewardValueError, ScoredPrompt, check_reward_value, resolve_import_path)
 from moe_async.rollout.tasks import extract_answer
+from moe_async.types import JsonDict
 
 BUILTIN = ("math_verify", "gsm8k", "exact_match", "reasoning_gym")
 KNOWN_SOURCES: dict[str, str] = {
@@ -50,7 +51,31 @@ def check_spec(spec: str, field: str) -> None:
                                 "'function:<module>:<fn>' or 'remote:<URL>'")
 
 
-def spec_for(data_source: str | None, data: Any) -> tuple[str, str]:
+class PromptRow(ScoredPrompt, Protocol):
+    """What a per-row reward reads of a data file's row (:class:`~moe_async.data.rows.Row`)."""
+
+    @property
+    def data_source(self) -> str | None: ...
+
+    @property
+    def metadata(self) -> JsonDict: ...
+
+    @property
+    def extra_info(self) -> JsonDict: ...
+
+
+class RewardSpecs(Protocol):
+    """The reward choice per data_source (``DataConfig``'s ``data.rewards`` and
+    ``data.default_reward``; a :class:`RowReward`)."""
+
+    @property
+    def rewards(self) -> Mapping[str, str]: ...
+
+    @property
+    def default_reward(self) -> str | None: ...
+
+
+def spec_for(data_source: str | None, data: RewardSpecs) -> tuple[str, str]:
     """``(spec, config field that chose it)`` for ``data_source``. Raises KeyError when none."""
     if data_source is not None and data_source in data.rewards:
         return data.rewards[data_source], f"data.rewards[{data_source!r}]"
@@ -69,7 +94,7 @@ def _is_rg(name: str) -> bool:
     return name in DATASETS
 
 
-def _load_verl(path: str, fn: str, field: str) -> Callable[..., Any]:
+def _load_verl(path: str, fn: str, field: str) -> Callable[..., object]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise RewardConfigError(f"{field}: verl reward file {path!r} does not exist")
@@ -94,6 +119,7 @@ def _math(gold: str, response: str) -> float:
 class _Gold:
     def __init__(self, answer: str):
         self.answer = answer
+        self.question = ""
 
 
 def gsm8k_score(answer: str, response: str) -> float:
@@ -114,7 +140,7 @@ def exact_match(answer: str, response: str) -> float:
     return 1.0 if got is not None and got.strip() == str(answer).strip() else 0.0
 
 
-def reasoning_gym_score(row: Any, response: str) -> float:
+def reasoning_gym_score(row: PromptRow, response: str) -> float:
     """reasoning-gym's scorer of dataset ``row.data_source``, 1.0 iff it scores exactly 1.0."""
     from reasoning_gym import get_score_answer_fn
 
@@ -126,7 +152,7 @@ def reasoning_gym_score(row: Any, response: str) -> float:
     return 1.0 if float(get_score_answer_fn(row.data_source)(ans, entry)) == 1.0 else 0.0
 
 
-def _builtin(kind: str, row: Any, response: str) -> float:
+def _builtin(kind: str, row: PromptRow, response: str) -> float:
     if kind == "math_verify":
         return _math(row.answer, response)
     if kind == "gsm8k":
@@ -136,7 +162,7 @@ def _builtin(kind: str, row: Any, response: str) -> float:
     return exact_match(row.answer, response)
 
 
-def builtin_score(row: Any, response: str, data: Any) -> float:
+def builtin_score(row: PromptRow, response: str, data: RewardSpecs) -> float:
     """The row's built-in scorer (exact match when its spec is not a built-in)."""
     try:
         spec, _ = spec_for(row.data_source, data)
@@ -152,13 +178,13 @@ class RowReward:
 
     def __init__(self, rewards: dict[str, str], default: str | None, timeout_s: float = 10.0):
         self.rewards, self.default, self.timeout_s = dict(rewards), default, float(timeout_s)
-        self._fns: dict[str, Callable[[Any, str], float]] = {}
+        self._fns: dict[str, Callable[[PromptRow, str], object]] = {}
 
     @property
     def default_reward(self) -> str | None:
         return self.default
 
-    def _fn(self, spec: str) -> Callable[[Any, str], float]:
+    def _fn(self, spec: str) -> Callable[[PromptRow, str], object]:
         if spec not in self._fns:
             kind, _, rest = spec.partition(":")
             if spec in BUILTIN:
@@ -167,7 +193,7 @@ class RowReward:
                 path, _, name = rest.partition(":")
                 f = _load_verl(path, name or "compute_score", spec)
 
-                def verl(row: Any, resp: str, f=f) -> Any:  # no label: ground_truth None, as verl's .get()
+                def verl(row: PromptRow, resp: str, f: Callable[..., object] = f) -> object:  # no label: ground_truth None, as verl's .get()
                     gt = row.answer if getattr(row, "has_label", True) else None
                     out = f(row.data_source, resp, gt, row.extra_info)
                     return out.get("score") if isinstance(out, dict) else out
@@ -180,7 +206,7 @@ class RowReward:
                 raise RewardConfigError(f"{spec!r} is not a reward spec")
         return self._fns[spec]
 
-    def __call__(self, row: Any, response: str) -> float:
+    def __call__(self, row: PromptRow, response: str) -> float:
         try:
             spec, _ = spec_for(row.data_source, self)
         except KeyError:

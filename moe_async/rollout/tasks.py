@@ -12,10 +12,12 @@ import logging
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from types import ModuleType
+from typing import Iterator
 
 from moe_async.rollout.config import RolloutConfig
 from moe_async.rollout.draw_cursor import DrawCursor
+from moe_async.types import JsonDict, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class Problem:
 
     question: str
     answer: str
-    entry: dict[str, Any] = field(repr=False)
+    entry: JsonDict = field(repr=False)
     index: int = 0
     split: str = "train"
 
@@ -89,7 +91,7 @@ class TaskDataset:
     Picklable without the tokenizer (``score`` works in reward worker processes).
     """
 
-    def __init__(self, cfg: RolloutConfig, tokenizer: Any = None):
+    def __init__(self, cfg: RolloutConfig, tokenizer: Tokenizer = None):
         import reasoning_gym
 
         self.cfg = cfg
@@ -103,7 +105,7 @@ class TaskDataset:
         self.cursor = DrawCursor(len(self.train), self._epoch_order)
 
     # ------------------------------------------------------------------ splits
-    def _make_eval(self, reasoning_gym: Any, kw: dict) -> list[Problem]:
+    def _make_eval(self, reasoning_gym: ModuleType, kw: JsonDict) -> list[Problem]:
         n = self.cfg.eval_size
         if n == 0:
             return []

@@ -15,14 +15,15 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
-def in_daemon_thread(fn: Callable[..., Any], **kw: Any) -> Future:
+def in_daemon_thread(fn: Callable[..., _R], **kw: object) -> Future[_R]:
     """``fn(**kw)`` on a daemon thread; its Future."""
-    fut: Future = Future()
+    fut: Future[_R] = Future()
 
     def run() -> None:
         try:

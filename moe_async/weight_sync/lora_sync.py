@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from moe_async.weight_sync.tensor_ipc import forking_pickle
+from moe_async.types import JsonDict
 
 
 def lora_entries(tensors: dict[str, torch.Tensor], copies: int = 1, dtype: torch.dtype | None = None) -> list[str]:
@@ -81,7 +82,7 @@ class AdapterVersions:
 
 
 def sync_adapter(clients: Sequence[Any], versions: AdapterVersions, version: int, tensors: dict[str, torch.Tensor],
-                 config: dict[str, Any], tp_sizes: Sequence[int] | None = None,
+                 config: JsonDict, tp_sizes: Sequence[int] | None = None,
                  dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Load ``tensors`` as ``versions.name(version)`` on every engine (blocking clients), then
     unload the versions beyond ``max_staleness``. Returns ``{"name", "bytes", "unloaded"}``.

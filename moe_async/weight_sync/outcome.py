@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from moe_async.weight_sync.transport import WeightTransport
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ def lost_engines(clients: Iterable[Any], timeout_s: float = 5.0) -> list[str]:
     return [c.base_url for c in clients if not c.health(timeout=timeout_s)]
 
 
-def send_or_lost(transport: Any, named_tensors: Any, weight_version: int,
+def send_or_lost(transport: WeightTransport, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int,
                  probe_timeout_s: float = 5.0) -> SyncOutcome:
     """``transport.send(named_tensors, weight_version)`` as a :class:`SyncOutcome` (module
     docstring). ``transport.clients`` are probed only after a failure.

@@ -9,7 +9,7 @@ Design notes: ``docs/design/weight_sync.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -233,7 +233,7 @@ def same_memory(a: Tensor, b: Tensor) -> bool:
             and a.is_contiguous() and b.is_contiguous() and a.device == b.device)
 
 
-def describe(st: dict[str, Any]) -> str:
+def describe(st: Mapping[str, float]) -> str:
     """One line for logs: how much of the model the export sends without a copy."""
     tot = st["relaid_bytes"] + st["copied_bytes"]
     return (f"{st['relaid_tensors']} tensors ({st['relaid_bytes'] / 1e6:.1f} MB, "

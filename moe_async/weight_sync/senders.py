@@ -20,12 +20,17 @@ from __future__ import annotations
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, NamedTuple, Sequence
 
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
 from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan, timed_items
+
+if TYPE_CHECKING:
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from torch.distributed import ProcessGroup
+    from moe_async.weight_sync.stream_export import PackedExport
 
 Tensor = torch.Tensor
 #: ``all_meta[rank] = [(name, full_shape, offset, shape, dtype_str), ...]`` (stream_export)
@@ -197,7 +202,8 @@ def sender_group_name(base: str, sender: int) -> str:
     return base if sender == 0 else f"{base}-s{sender}"
 
 
-def sender_export(source: ShardSource, group_name: str, *, dtype: torch.dtype | None = None, group=None) -> Any:
+def sender_export(source: ShardSource, group_name: str, *, dtype: torch.dtype | None = None, group=None
+                  ) -> PackedExport:
     """Global rank 0's several-sender export for ``BroadcastTransport.send``: every bucket of
     the global order, each named with its sender's group (:func:`sender_group_name` of the
     transport's ``group_name``); this rank's own buckets with their bytes (broadcast by the
@@ -232,7 +238,7 @@ class SenderLink:
     coordinator's; this link's group is :func:`sender_group_name` of it and ``rank``).
     """
 
-    def __init__(self, clients: Sequence[Any], cfg: Any, *, rank: int, ranks_per_engine: int | Sequence[int] = 1,
+    def __init__(self, clients: Sequence[Any], cfg: WeightSyncConfig, *, rank: int, ranks_per_engine: int | Sequence[int] = 1,
                  master_address: str = "127.0.0.1", group_name: str = "moe_async_weight_sync"):
         from moe_async.weight_sync.group import resolve_backend, transport_device
         from moe_async.weight_sync.membership import GroupMembership
@@ -244,7 +250,7 @@ class SenderLink:
         self.membership = GroupMembership(clients, engine_sizes=ranks_per_engine, group_name=self.group_name,
                                           backend=self.backend, master_address=master_address,
                                           timeout_s=cfg.timeout_s)
-        self.group: Any = None
+        self.group: ProcessGroup | None = None
 
     def send(self, source: ShardSource, *, dtype: torch.dtype | None = None, group=None) -> dict[str, float]:
         """This rank's part of a sync (collective with every trainer rank): its pieces to their

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 
 class RWLock:
@@ -84,13 +84,13 @@ class Admission:
         async with self.lock.writer_lock():
             yield False
 
-    async def pause(self, dispatch: Callable[[], Awaitable[Any]]) -> None:
+    async def pause(self, dispatch: Callable[[], Awaitable[object]]) -> None:
         """Set ``is_pause`` (new requests wait), then ``dispatch`` (the scheduler's pause)."""
         async with self.pause_cond:
             self.is_pause = True
             await dispatch()
 
-    async def resume(self, dispatch: Callable[[], Awaitable[Any]]) -> None:
+    async def resume(self, dispatch: Callable[[], Awaitable[object]]) -> None:
         """Clear ``is_pause``, ``dispatch`` (the scheduler's continue), wake waiting requests;
         waits for an update running under the pause to finish first."""
         async with self.pause_cond:

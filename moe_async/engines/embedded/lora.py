@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_async.engines.embedded.sampling import RequestError
+from moe_async.types import JsonDict
 
 Tensor = torch.Tensor
 PEFT_PREFIX = "base_model.model."
@@ -54,7 +55,7 @@ class EngineAdapter:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def parse_peft(name: str, config: dict[str, Any], tensors: dict[str, Tensor], model: torch.nn.Module,
+def parse_peft(name: str, config: JsonDict, tensors: dict[str, Tensor], model: torch.nn.Module,
                dtype: torch.dtype) -> EngineAdapter:
     """PEFT ``adapter_config.json`` + ``adapter_model.safetensors`` tensors -> an adapter for ``model``.
 
@@ -134,7 +135,7 @@ def parse_peft(name: str, config: dict[str, Any], tensors: dict[str, Tensor], mo
     return ad
 
 
-def _fits_expert(W: Any, A: Tensor, B: Tensor, r: int) -> bool:
+def _fits_expert(W: object, A: Tensor, B: Tensor, r: int) -> bool:
     """PEFT's expert layout: ``A [E*r, in]``, ``B [out, r*E]`` for ``W [E, out, in]``."""
     if not isinstance(W, torch.Tensor) or W.dim() != 3:
         return False
@@ -223,7 +224,7 @@ class EngineLora:
             return
         mod = self._modules[path]
 
-        def hook(_m: Any, args: tuple, y: Tensor) -> Tensor:
+        def hook(_m: torch.nn.Module, args: tuple, y: Tensor) -> Tensor:
             active = self._active()
             if not active:
                 return y

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -19,6 +19,12 @@ from fastapi.responses import JSONResponse
 from moe_async.engines.embedded.lora import LoraError, parse_peft
 from moe_async.engines.embedded.tensor_update import decode_named_tensors
 from moe_async.engines.embedded.weight_update import _Req
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+    from moe_async.engines.embedded.scheduler import Scheduler
 
 
 class LoadLoRAAdapterReqInput(_Req):
@@ -34,7 +40,7 @@ class LoadLoRAAdapterFromTensorsReqInput(_Req):
     """SGLang's fields; ``serialized_named_tensors`` entries are base64 text on the wire."""
 
     lora_name: str
-    config_dict: dict[str, Any]
+    config_dict: JsonDict
     serialized_named_tensors: list[str]
     pinned: bool = False
     added_tokens_config: dict[str, int] | None = None
@@ -55,7 +61,7 @@ def _out(ok: bool, message: str | None, loaded: list[str]) -> JSONResponse:
                         status_code=200 if ok else 400)
 
 
-def read_peft_dir(path: str) -> tuple[dict[str, Any], dict]:
+def read_peft_dir(path: str) -> tuple[JsonDict, dict[str, Tensor]]:
     """``adapter_config.json`` and ``adapter_model.safetensors`` of a PEFT directory.
     Raises LoraError naming the missing or unreadable file."""
     from safetensors.torch import load_file
@@ -100,7 +106,7 @@ def decode_adapter_tensors(entry: str, load_format: str | None) -> dict:
     return {k: v.clone() for k, v in obj.items()}
 
 
-def lora_router(scheduler: Any, dtype: Any) -> APIRouter:
+def lora_router(scheduler: Scheduler, dtype: torch.dtype) -> APIRouter:
     """The three endpoints over ``scheduler.lora`` (:class:`~moe_async.engines.embedded.lora.EngineLora`)."""
     router = APIRouter()
     lora = scheduler.lora

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from moe_async.engines.embedded.sampling import RequestError
+from moe_async.types import Tokenizer, JsonDict
 
 # OpenAI / SGLang request field -> sampling_params field (the same meaning)
 _SAMPLING = {
@@ -35,7 +36,8 @@ CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_tokens", "max_completion_tok
 _DEFAULTS = {"tool_choice": ("auto", "none"), "parallel_tool_calls": (True,), "separate_reasoning": (True,),
              "stream_reasoning": (True,), "return_flat_raw_top_logprobs_b64": (True,), "best_of": (1,)}
 
-Generate = Callable[[dict], Awaitable[Any]]
+#: The engine's ``/generate`` handler: a request body -> its reply (one dict, or a list for a batch).
+Generate = Callable[[JsonDict], Awaitable[JsonDict | list[JsonDict]]]
 
 
 def error_response(message: str, status: int = 400) -> JSONResponse:
@@ -44,7 +46,7 @@ def error_response(message: str, status: int = 400) -> JSONResponse:
                          "param": None, "code": status}, status_code=status)
 
 
-def _check_fields(body: Any, allowed: frozenset, route: str) -> dict:
+def _check_fields(body: object, allowed: frozenset, route: str) -> dict:
     if not isinstance(body, dict):
         raise RequestError(f"the {route} body must be a JSON object")
     for key, v in body.items():
@@ -63,7 +65,7 @@ def _sampling(body: dict, max_new: int | None) -> dict:
     return sp
 
 
-def _finish(ret: dict) -> tuple[str | None, Any]:
+def _finish(ret: JsonDict) -> tuple[str | None, object]:
     f = ret["meta_info"]["finish_reason"]
     return (f["type"], f.get("matched")) if f else (None, None)
 
@@ -75,7 +77,7 @@ def _usage(rets: list[dict], n: int) -> dict:
             "prompt_tokens_details": None, "reasoning_tokens": 0}
 
 
-def _listify(out: Any) -> list[dict]:
+def _listify(out: JsonDict | list[JsonDict]) -> list[JsonDict]:
     return out if isinstance(out, list) else [out]
 
 
@@ -106,7 +108,7 @@ def _chat_logprobs(ret: dict) -> dict:
     return {"content": content}
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: object) -> list[int]:
     """The prompt of ``messages`` under the tokenizer's chat template (generation prompt
     added), as SGLang's ``serving_chat`` renders it for a template-only model."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -135,7 +137,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, model_path: str,
+def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Tokenizer, model_path: str,
                            context_length: int) -> None:
     """Add ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` to ``app``;
     ``generate(body)`` runs one ``/generate`` body (raises :class:`RequestError`)."""
@@ -146,13 +148,14 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
             "id": model_path, "object": "model", "created": int(time.time()), "owned_by": "sglang",
             "root": model_path, "parent": None, "max_model_len": context_length}]}
 
-    async def body_of(request: Request) -> Any:
+    async def body_of(request: Request) -> object:
         try:
             return await request.json()
         except ValueError:
             raise RequestError("the body is not valid JSON") from None
 
-    async def answer(request: Request, fields: frozenset, route: str, handler) -> Any:
+    async def answer(request: Request, fields: frozenset[str], route: str,
+                     handler: Callable[[JsonDict], Awaitable[object]]) -> object:
         """``handler(body)`` for a request whose JSON body passes :func:`_check_fields`; a
         :class:`RequestError` from either is SGLang's 400 ``ErrorResponse``."""
         try:
@@ -160,7 +163,7 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
         except RequestError as e:
             return error_response(str(e))
 
-    def pass_through(body: dict, g: dict[str, Any]) -> None:
+    def pass_through(body: JsonDict, g: JsonDict) -> None:
         """The SGLang request fields both /v1 routes hand to ``/generate`` as given."""
         for k in ("rid", "return_routed_experts", "routed_experts_start_len"):
             if body.get(k) is not None:
@@ -183,7 +186,7 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
         max_tokens = body.get("max_tokens", 16)  # OpenAI's and SGLang's default
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise RequestError(f"max_tokens must be positive, got {max_tokens!r}")
-        g: dict[str, Any] = {"sampling_params": _sampling(body, max_tokens)}
+        g: JsonDict = {"sampling_params": _sampling(body, max_tokens)}
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
             g["text"] = prompt
         else:
@@ -223,7 +226,7 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Any, 
     async def _chat(body: dict) -> dict:
         ids = chat_prompt_ids(tokenizer, body.get("messages"))
         max_new = body.get("max_completion_tokens") or body.get("max_tokens")  # SGLang's precedence
-        g: dict[str, Any] = {"input_ids": ids, "sampling_params": _sampling(body, max_new)}
+        g: JsonDict = {"input_ids": ids, "sampling_params": _sampling(body, max_new)}
         if body.get("logprobs"):
             g.update(return_logprob=True, top_logprobs_num=int(body.get("top_logprobs") or 0),
                      return_text_in_logprobs=True)

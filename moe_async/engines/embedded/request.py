@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_async.engines.embedded.sampling import RequestError, SamplingParams, decode_sampling_params, unknown_field
+from moe_async.types import Tokenizer
 
 HONOURED: tuple[str, ...] = (
     "lora_path", "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
@@ -25,7 +26,7 @@ _MM = "multimodal input is not supported (text-only models)"
 _PD = "prefill/decode disaggregation is not supported"
 _DP = "data-parallel routing is not supported (one engine is one DP rank)"
 #: field -> (SGLang's default, why it is refused)
-REFUSED: dict[str, tuple[Any, str]] = {
+REFUSED: dict[str, tuple[object, str]] = {
     "session_id": (None, "sessions are not supported"),
     "input_embeds": (None, "input embeddings are not supported; send input_ids or text"),
     "image_data": (None, _MM), "video_data": (None, _MM), "audio_data": (None, _MM),
@@ -90,25 +91,25 @@ class ItemSpec:
     lora_path: str | None = None  # the loaded LoRA adapter's name (SGLang's lora_path)
 
 
-def _bool(name: str, v: Any) -> bool:
+def _bool(name: str, v: object) -> bool:
     if not isinstance(v, bool):
         raise RequestError(f"{name}: invalid type: {type(v).__name__} {v!r}, expected a boolean")
     return v
 
 
-def _int(name: str, v: Any) -> int:
+def _int(name: str, v: object) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise RequestError(f"{name}: invalid type: {type(v).__name__} {v!r}, expected an integer")
     return v
 
 
-def _ids(name: str, v: Any) -> list[int]:
+def _ids(name: str, v: object) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise RequestError(f"{name}: expected a list of token ids")
     return v
 
 
-def decode_generate(body: Any, *, tokenizer: Any, vocab_size: int) -> tuple[list[ItemSpec], bool]:
+def decode_generate(body: object, *, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[ItemSpec], bool]:
     """The ``/generate`` body -> ``(samples, single)``; ``single``: answer one object, not
     a list. Raises :class:`RequestError` with the 400's message (which names the field)."""
     if not isinstance(body, dict):
@@ -229,13 +230,13 @@ def decode_generate(body: Any, *, tokenizer: Any, vocab_size: int) -> tuple[list
     return out, single and n_total == 1
 
 
-def _lora_name(name: str, v: Any) -> str:
+def _lora_name(name: str, v: object) -> str:
     if not isinstance(v, str) or not v:
         raise RequestError(f"{name}: expected the name of a loaded LoRA adapter, got {v!r}")
     return v
 
 
-def _mode(name: str, v: Any) -> str:
-    if v not in ("selected", "support"):
+def _mode(name: str, v: object) -> str:
+    if not isinstance(v, str) or v not in ("selected", "support"):
         raise RequestError(f"{name}: expected 'selected' or 'support', got {v!r}")
     return v

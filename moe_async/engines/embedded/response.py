@@ -16,22 +16,24 @@ from typing import Any
 import numpy as np
 
 from moe_async.engines.embedded.sampling import output_text
+from moe_async.types import Tokenizer, JsonDict
 
 
-def _entries(vals: list, ids: list[int], tokenizer: Any, with_text: bool) -> list[list]:
+def _entries(vals: list, ids: list[int], tokenizer: Tokenizer, with_text: bool) -> list[list]:
     texts = [tokenizer.decode([t]) for t in ids] if with_text else [None] * len(ids)
     return [[v, t, s] for v, t, s in zip(vals, ids, texts)]
 
 
-def _top(rows: list, tokenizer: Any, with_text: bool) -> list:
+def _top(rows: list, tokenizer: Tokenizer, with_text: bool) -> list:
     return [None if r is None else _entries(r[0], r[1], tokenizer, with_text) for r in rows]
 
 
-def build_response(req: Any, *, weight_version: str, num_layers: int, top_k: int, tokenizer: Any) -> dict:
+def build_response(req: Any, *,  # a scheduler Req (the scheduler imports this module)
+                    weight_version: str, num_layers: int, top_k: int, tokenizer: Tokenizer) -> dict:
     """The response dict of ``req`` (a finished :class:`~.scheduler.Req`)."""
     C = len(req.output_ids)
     version = req.output_versions[-1] if req.output_versions else weight_version
-    meta: dict[str, Any] = {
+    meta: JsonDict = {
         "id": req.rid,
         "finish_reason": req.finish,
         "prompt_tokens": len(req.input_ids),

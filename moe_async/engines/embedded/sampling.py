@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from moe_async.types import Tokenizer, JsonDict
+
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 MAX_STOP_COUNT = 32  # SGLang's limits
@@ -49,7 +51,7 @@ REFUSED: dict[str, str] = {
     "choice": "constrained choice decoding is not implemented",
 }
 #: SGLang's default of each refused field (a request may carry it)
-REFUSED_DEFAULTS: dict[str, Any] = {"choice": []}
+REFUSED_DEFAULTS: dict[str, object] = {"choice": []}
 
 HONOURED: frozenset[str] = frozenset(FIELDS) - frozenset(REFUSED)
 
@@ -85,8 +87,8 @@ class SamplingParams:
     stop_str_max_len: int = 0  # tokens of the longest stop string (tail window to decode)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, *, vocab_size: int | None = None,
-                  tokenizer: Any = None) -> "SamplingParams":
+    def from_dict(cls, d: JsonDict | None, *, vocab_size: int | None = None,
+                  tokenizer: Tokenizer = None) -> "SamplingParams":
         return decode_sampling_params(d, vocab_size=vocab_size, tokenizer=tokenizer)
 
     @property
@@ -100,11 +102,11 @@ class SamplingParams:
                     or self.min_new_tokens or self.logit_bias)
 
 
-def _type_error(name: str, v: Any, expected: str) -> RequestError:
+def _type_error(name: str, v: object, expected: str) -> RequestError:
     return RequestError(f"sampling_params.{name}: invalid type: {type(v).__name__} {v!r}, expected {expected}")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -144,8 +146,8 @@ def unknown_field(where: str, key: str, fields: tuple[str, ...]) -> RequestError
     return RequestError(f"{where}: unknown field `{key}`, expected one of {listed}")
 
 
-def decode_sampling_params(d: dict[str, Any] | None, *, vocab_size: int | None = None,
-                           tokenizer: Any = None) -> SamplingParams:
+def decode_sampling_params(d: JsonDict | None, *, vocab_size: int | None = None,
+                           tokenizer: Tokenizer = None) -> SamplingParams:
     """``d`` (one ``sampling_params`` object) -> :class:`SamplingParams`, or
     :class:`RequestError` (the 400's message, naming the field)."""
     if d is None:
@@ -281,7 +283,7 @@ def adjust_logits(logits_V: torch.Tensor, p: SamplingParams, output_ids: list[in
 
 # ------------------------------------------------------------------ stop conditions
 def check_finish(p: SamplingParams, output_ids: list[int], max_new_tokens: int,
-                 eos_ids: set[int], tokenizer: Any) -> dict | None:
+                 eos_ids: set[int], tokenizer: Tokenizer) -> dict | None:
     """SGLang's ``Req.update_finish_state`` after one new token: stop strings / regexes on
     the decoded tail first (``matched``: the string or pattern), then EOS and
     ``stop_token_ids`` (both off under ``ignore_eos``; ``matched``: the token id), then
@@ -309,7 +311,7 @@ def _regex_tail(p: SamplingParams) -> int:
     return 64 if p.stop_regex else 0
 
 
-def output_text(p: SamplingParams, output_ids: list[int], finish: dict | None, tokenizer: Any) -> str:
+def output_text(p: SamplingParams, output_ids: list[int], finish: dict | None, tokenizer: Tokenizer) -> str:
     """The response ``text`` as SGLang's detokenizer makes it: a matched stop token is not
     decoded and a matched stop string is cut off (both kept under ``no_stop_trim``);
     ``skip_special_tokens`` and ``spaces_between_special_tokens`` as requested."""

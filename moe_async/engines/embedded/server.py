@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import uvicorn
@@ -34,6 +34,7 @@ from moe_async.engines.embedded.sampling import RequestError
 from moe_async.engines.embedded.scheduler import Req, Scheduler
 from moe_async.engines.embedded.tensor_update import tensor_update_router
 from moe_async.engines.embedded.weight_update import WeightUpdater, weight_update_router
+from moe_async.types import Tokenizer, JsonDict
 
 log = logging.getLogger("moe_async.engines.embedded")
 
@@ -126,7 +127,7 @@ class EngineState:
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype)
         torch.nn.Module.to(self.model, self.device)
         self.model.eval()
-        self.tokenizer: Any
+        self.tokenizer: Tokenizer
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         except Exception:
@@ -200,7 +201,7 @@ def create_app(state: EngineState) -> FastAPI:
     async def get_weight_version():
         return {"weight_version": str(sched.weight_version)}
 
-    async def run_generate(body: Any) -> Any:
+    async def run_generate(body: object) -> JsonDict | list[JsonDict]:
         """One ``/generate`` body, decoded by :func:`decode_generate` (every field honoured
         or refused), one :class:`Req` per sample -> SGLang's response (a list for a batch
         or ``n`` > 1). Raises :class:`RequestError` (a 400) before anything is queued."""

@@ -10,7 +10,6 @@ Design notes: ``docs/design/models.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -22,6 +21,8 @@ from moe_async.models.family import (
     ArchArgs,
     decoder_fields,
     register_family,
+    HfConfig,
+    MegatronKwargs,
 )
 from moe_async.models.mapping import Rule
 from moe_async.models.sigmoid_moe import (
@@ -32,6 +33,7 @@ from moe_async.models.sigmoid_moe import (
     sigmoid_moe_kwargs,
     sigmoid_moe_rules,
 )
+from moe_async.types import JsonDict
 
 _A = _L + "self_attn."
 _S = _M + "self_attention."
@@ -127,7 +129,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
         "scoring_func": "sigmoid",
     }
 
-    def arch_args(self, hf_config: Any) -> DeepseekV3Args:
+    def arch_args(self, hf_config: HfConfig) -> DeepseekV3Args:
         """Read and validate a DeepSeek-V3 HF config.
 
         Raises:
@@ -169,7 +171,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
 
         return MLATransformerConfig
 
-    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> MegatronKwargs:
         """MLA fields of ``MLATransformerConfig``, then the dense/MoE layer pattern and the
         sigmoid group-limited router (:func:`sigmoid_moe.sigmoid_moe_kwargs`)."""
         assert isinstance(a, DeepseekV3Args) and a.rope is not None
@@ -188,7 +190,7 @@ class DeepseekV3Family(SigmoidMoeFamily):
             **sigmoid_moe_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff),
         )
 
-    def layer_spec(self, hf_config: Any, *, use_te: bool = False, vp_stage: int | None = None):
+    def layer_spec(self, hf_config: HfConfig, *, use_te: bool = False, vp_stage: int | None = None):
         """Block spec (dense / MoE layers per ``first_k_dense_replace``), sliced to this
         pipeline stage (parallel state must be initialised when PP > 1) and, with virtual
         pipeline stages (parallel state's VPP world size > 1), to model chunk ``vp_stage`` of

@@ -13,9 +13,11 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
+
+from moe_async.types import JsonDict
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     return (w.to(torch.float32) * s).to(dtype)
 
 
-def hf_extras(hf_config: Mapping[str, Any], keys, dtypes: Mapping[str, str] | None = None,
+def hf_extras(hf_config: JsonDict, keys: Iterable[str], dtypes: Mapping[str, str] | None = None,
               log_skipped: bool = True) -> HFExtras:
     """Find the MTP keys and FP8 (weight, scale) pairs among ``keys`` (an HF checkpoint's
     tensor names) for ``hf_config``. ``dtypes`` (key -> safetensors dtype string, optional):

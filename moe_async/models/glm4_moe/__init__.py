@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Mapping
 
 from moe_async.models.family import (
     EMBEDDING_RULE,
@@ -26,6 +26,9 @@ from moe_async.models.family import (
     qkv_fuse,
     qkv_split,
     register_family,
+    HfConfig,
+    MegatronKwargs,
+    GptModelKwargs,
 )
 from moe_async.models.mapping import Rule, expand
 from moe_async.models.sigmoid_moe import (
@@ -37,6 +40,7 @@ from moe_async.models.sigmoid_moe import (
     sigmoid_moe_kwargs,
     sigmoid_moe_rules,
 )
+from moe_async.types import JsonDict
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ class Glm4MoeArgs(SigmoidMoeArgs):
     mtp_layers: int = 0
 
 
-def read_partial_rotary(d: Mapping[str, Any], head_dim: int) -> float:
+def read_partial_rotary(d: JsonDict, head_dim: int) -> float:
     """``partial_rotary_factor`` from ``rope_parameters`` or the top level (default 0.5).
 
     Raises:
@@ -117,7 +121,7 @@ class Glm4MoeFamily(SigmoidMoeFamily):
     def __init__(self) -> None:
         self._mtp_logged: set[str] = set()
 
-    def arch_args(self, hf_config: Any) -> Glm4MoeArgs:
+    def arch_args(self, hf_config: HfConfig) -> Glm4MoeArgs:
         """Read and validate a GLM-4.5 HF config.
 
         Raises:
@@ -177,7 +181,7 @@ class Glm4MoeFamily(SigmoidMoeFamily):
         return super().normalize_hf_state(state, a)
 
     # ---- Megatron model ------------------------------------------------------------------
-    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> dict[str, Any]:
+    def model_config_kwargs(self, a: ArchArgs, *, moe_aux_loss_coeff: float) -> MegatronKwargs:
         """GQA attention (q/k/v bias, q/k norm) and the dense/MoE sigmoid router fields
         (:func:`sigmoid_moe.sigmoid_moe_kwargs`)."""
         assert isinstance(a, Glm4MoeArgs)
@@ -189,12 +193,12 @@ class Glm4MoeFamily(SigmoidMoeFamily):
             **sigmoid_moe_kwargs(a, moe_aux_loss_coeff=moe_aux_loss_coeff),
         )
 
-    def layer_spec(self, hf_config: Any, *, use_te: bool = False, vp_stage: int | None = None):
+    def layer_spec(self, hf_config: HfConfig, *, use_te: bool = False, vp_stage: int | None = None):
         """Decoder block spec (:func:`sigmoid_moe.decoder_block_spec`: dense / MoE layers,
         this pipeline stage's, chunk ``vp_stage``'s with virtual pipeline stages)."""
         return decoder_block_spec(self, hf_config, use_te=use_te, vp_stage=vp_stage, name="glm4_moe")
 
-    def gpt_model_kwargs(self, hf_config: Any) -> dict[str, Any]:
+    def gpt_model_kwargs(self, hf_config: HfConfig) -> GptModelKwargs:
         """The base kwargs with ``rotary_percent`` = ``partial_rotary_factor``."""
         kw = super().gpt_model_kwargs(hf_config)
         kw["rotary_percent"] = self.arch_args(hf_config).rotary_percent

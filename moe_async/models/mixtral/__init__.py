@@ -7,10 +7,10 @@ Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
 
 from moe_async.models.family import ModelFamily, gqa_decoder_rules, moe_mlp_rules, register_family
 from moe_async.models.mapping import Rule
+from moe_async.types import JsonDict
 
 MIXTRAL_RULES: list[Rule] = gqa_decoder_rules(
     moe_mlp_rules("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2"))
@@ -39,7 +39,7 @@ class MixtralFamily(ModelFamily):
     )
     in_memory_renames = {"mlp.gate.weight": "block_sparse_moe.gate.weight"}
 
-    def moe_args(self, d: Mapping[str, Any]) -> dict[str, Any]:
+    def moe_args(self, d: JsonDict) -> JsonDict:
         return dict(num_experts=d["num_local_experts"], top_k=d["num_experts_per_tok"])
 
     def rules(self) -> list[Rule]:

@@ -7,10 +7,9 @@ Design notes: ``docs/design/models.md``."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from moe_async.models.family import ModelFamily, gqa_decoder_rules, hf_config_dict, moe_mlp_rules, register_family
+from moe_async.models.family import MegatronKwargs, ModelFamily, gqa_decoder_rules, moe_mlp_rules, register_family
 from moe_async.models.mapping import Rule
+from moe_async.types import JsonDict
 
 QWEN3_MOE_RULES: list[Rule] = gqa_decoder_rules(
     moe_mlp_rules("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")), qk_norm=True
@@ -37,7 +36,7 @@ class Qwen3MoeFamily(ModelFamily):
     fused_expert_names = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                           "mlp.experts.{e}.down_proj.weight")
 
-    def moe_args(self, d: Mapping[str, Any]) -> dict[str, Any]:
+    def moe_args(self, d: JsonDict) -> JsonDict:
         """Raises ValueError when neither ``num_experts`` nor ``num_local_experts`` is set."""
         n_exp = d.get("num_experts", d.get("num_local_experts"))
         if not n_exp:
@@ -47,12 +46,10 @@ class Qwen3MoeFamily(ModelFamily):
     def rules(self) -> list[Rule]:
         return QWEN3_MOE_RULES
 
-    def transformer_config(self, hf_config: Any, **kw: Any):
-        """Mixtral's settings plus ``qk_layernorm=True`` and the router's softmax placement
-        from ``norm_topk_prob`` (design notes: ``docs/design/models.md``)."""
-        d = hf_config_dict(hf_config)
-        kw.setdefault("moe_router_pre_softmax", not bool(d.get("norm_topk_prob", False)))
-        return super().transformer_config(hf_config, **kw)
+    def config_from_hf(self, d: JsonDict) -> MegatronKwargs:
+        """Mixtral's settings plus the router's softmax placement from ``norm_topk_prob``
+        (``qk_layernorm`` is the family's; design notes: ``docs/design/models.md``)."""
+        return {"moe_router_pre_softmax": not bool(d.get("norm_topk_prob", False))}
 
 
 QWEN3_MOE = register_family(Qwen3MoeFamily())
