@@ -53,15 +53,15 @@ def test_sigterm_while_waiting_for_a_batch_checkpoints_then_resume_continues(tmp
     losses1 = [json.loads(x)["train/loss"] for x in (run_a / "metrics.jsonl").read_text().splitlines()]
     assert len(losses1) == 2
 
-    s2, steps2 = _train(tmp_path / "b", "num_steps=4", "async.mode=sync", "async.max_staleness=0",
+    s2, steps2 = _train(tmp_path / "b", "num_steps=3", "async.mode=sync", "async.max_staleness=0",
                         f"trainer.load={ckpt}",
                         "rollout.max_new_tokens=128",
                         f"trainer.save_dir={tmp_path / 'ckpt2'}", "trainer.save_interval=10")
     assert s2["start_step"] == 2 and s2["loaded_weights_digest"] == s1["final_weights_digest"]
-    assert [m["step"] for m in steps2] == [3, 4]
-    assert [m["train/weight_version"] for m in steps2] == [3.0, 4.0]
+    assert [m["step"] for m in steps2] == [3]
+    assert [m["train/weight_version"] for m in steps2] == [3.0]
     assert all(abs(m["train/loss"]) < 1.0 for m in steps2)  # finite, the same scale as before the stop
-    d = s2["draws"]  # the ledger over both runs: 4 steps x 2 prompts trained, each once
-    assert d["counts"]["trained"] == 4 * 2 and d["frontier"] >= 8
+    d = s2["draws"]  # the ledger over both runs: 3 steps x 2 prompts trained, each once
+    assert d["counts"]["trained"] == 3 * 2 and d["frontier"] >= 6
     acc = s2["accounting"]
-    assert acc["balanced"] and acc["trained"] == 2 * 2, acc
+    assert acc["balanced"] and acc["trained"] == 1 * 2, acc
