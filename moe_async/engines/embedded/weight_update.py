@@ -15,15 +15,17 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Callable, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from moe_async.engines.embedded.admission import Admission
 from moe_async.engines.embedded.fault_hooks import SyncStall
+from moe_async.engines.embedded.scheduler import Scheduler
 from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
 from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
 from moe_async.weight_sync.group import (
@@ -34,6 +36,7 @@ from moe_async.weight_sync.group import (
 )
 
 log = logging.getLogger("moe_async.engines.embedded")
+T = TypeVar("T")
 
 #: SGLang 0.5.23's failure of an update call whose cache flush was refused (same scheduler file)
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -99,7 +102,7 @@ class UpdateWeightFromDiskReqInput(_Req):
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: int = 0
-    manifest: dict[str, Any] | None = None
+    manifest: dict[str, JsonValue] | None = None
 
 
 class DebugReceiveBroadcastReqInput(_Req):
@@ -115,8 +118,8 @@ def _fail(message: str, status: int = 400) -> JSONResponse:
 class Membership:
     """One weight-update group this engine is a member of."""
 
-    group: Any
-    store: Any  # the rendezvous store (client of the sender's): probed for liveness
+    group: dist.ProcessGroup
+    store: dist.Store  # the rendezvous store (client of the sender's): probed for liveness
     rank: int
     world_size: int
     master: str
@@ -132,7 +135,7 @@ class Session:
 class WeightUpdater:
     """The engine's side of weight updates: groups, the session, the double-buffered params."""
 
-    def __init__(self, model: torch.nn.Module, scheduler: Any, dtype: torch.dtype, timeout_s: float = 600.0,
+    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, dtype: torch.dtype, timeout_s: float = 600.0,
                  admission: Admission | None = None):
         self.admission = admission or Admission()  # the server's pause flag and update lock
         self.weight_map = HFWeightMap(model)
@@ -361,7 +364,7 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
     r = APIRouter()
     sched = wu.sched
 
-    async def on_sched(fn):
+    async def on_sched(fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(sched.call(fn))
 
     @r.post("/init_weights_update_group")
