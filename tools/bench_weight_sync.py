@@ -297,6 +297,11 @@ def main(argv=None) -> None:
                     raw = (before + after) / 2  # bracketed: linear drift of the load cancels
                     raw_gbps += [before, after]
                     per[key].append((m["sync/gbps"] / raw, raw, m, m["sync/gbps"] / before))
+            secs = {k: [x[2]["sync/seconds"] for x in xs] for k, xs in per.items()}  # repeat order
+            for key in ("versioned", "atomic_versioned"):
+                if key in secs and "on" in secs:  # each sync over the pack sync of its repeat
+                    res[f"paired_{key}"] = sorted(a / b for a, b in zip(secs[key], secs["on"]))
+            res["loadavg"] = os.getloadavg()[0]
             for key, xs in per.items():
                 xs.sort(key=lambda x: x[0])
                 med = xs[len(xs) // 2]
@@ -353,14 +358,19 @@ def main(argv=None) -> None:
               "sync seconds versioned / pack, median; 1.0 = proportional to the bytes, not buckets x model size")
         for r in rows:
             v, o = r["detail_versioned"]["sync/seconds"], r["detail_on"]["sync/seconds"]
-            print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_versioned']} buckets): {v:.3f}s / {o:.3f}s = {v / o:.3f}")
+            pairs = r["paired_versioned"]
+            print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_versioned']} buckets): {v:.3f}s / {o:.3f}s = {v / o:.3f}; "
+                  f"paired median {pairs[len(pairs) // 2]:.3f}")
     if "atomic_versioned" in variants and "on" in variants:
         print("every bucket versioned into an atomic session vs version on the last bucket only, same packed "
               "source: sync seconds atomic_v / pack, median (goal <= 1.3 at 100 buckets)")
         for r in rows:
             v, o = r["detail_atomic_versioned"]["sync/seconds"], r["detail_on"]["sync/seconds"]
+            pairs = r["paired_atomic_versioned"]
             print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_atomic_versioned']} buckets): {v:.3f}s / {o:.3f}s "
-                  f"= {v / o:.3f}")
+                  f"= {v / o:.3f}; paired (each over the pack sync of its repeat): median "
+                  f"{pairs[len(pairs) // 2]:.3f}, all {[round(x, 3) for x in pairs]}; load average "
+                  f"{r['loadavg']:.1f}")
     print(f"engine buckets copied through scratch (not in layout order): {sums.get('recv_copies')}")
     if args.json:
         with open(args.json, "w") as f:
