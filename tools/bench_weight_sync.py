@@ -28,10 +28,11 @@ For each bucket size, interleaved and repeated:
         must stay proportional to the bytes (each bucket's bytes copied once into the live
         parameters), not buckets x model size: the summary prints its time over ``pack``'s;
       - ``atomic_versioned``: every bucket versioned as ``versioned``, but inside the atomic
-        session our transport opens: each call fills the standby copy only where it is
-        stale (the previous call's tensors) and swaps by pointer; the summary prints its time
-        over ``pack``'s (version on the last bucket only); goal <= 1.3 at 100 buckets
-        (``--bucket-count 100``), where a copy of the model per call would be ~100x;
+        session our transport opens: each call is an update of one call, applied by copying
+        its bytes standby -> live (paused engine: in the call's worker thread); the summary
+        prints its time over ``pack``'s (version on the last bucket only), also as the median
+        of the per-repeat ratios; goal <= 1.3 at 100 buckets (``--bucket-count 100``), where
+        a copy of the model per call would be ~100x;
       - ``trainer``: the real sender, a 1-process ``MegatronTrainer`` built from the same
         checkpoint, ``send(trainer.export_hf_weights(out=transport.destination))`` as the
         trainer actor does (its own transport and weight-update group with the same engine;
@@ -78,7 +79,7 @@ WHAT = {"on": "separate source tensors, packed, overlapped", "off": "packed, not
         "flat": "flat source, no copy on the sender", "export": "exporter copies into the send buffer",
         "trainer": "1-process MegatronTrainer, parameters moved into the send buffer",
         "versioned": "slime's protocol: every bucket versioned, each applied at once",
-        "atomic_versioned": "every bucket versioned inside an atomic session, each applied by pointer swap"}
+        "atomic_versioned": "every bucket versioned inside an atomic session, each call's bytes copied live"}
 
 
 class VersionEveryBucket:
