@@ -282,7 +282,9 @@ async def apply_update_call(wu: WeightUpdater, receive: Callable[[str | None], l
     (no session open: ``outside_session``) it must raise ``ValueError(refuse)`` after
     draining whatever the transport needs drained. ``version``: the call's ``weight_version``
     (any string) or None. ``flush_cache``: after applying, fail with :data:`FLUSH_REFUSED`
-    unless the engine is idle (SGLang's rule). Returns the JSON reply or a 400.
+    unless the engine is idle (SGLang's rule). Returns the JSON reply or a 400. The call is
+    made live on the scheduler thread between two forward passes, or, while the engine is
+    paused, in the same worker thread right after ``receive``.
     """
     sched = wu.sched
     if abort_all_requests:  # before the lock, as SGLang's tokenizer manager does
