@@ -211,7 +211,7 @@ class TrainerActor:
         import os
 
         from moe_async.engines.client import SyncEngineClient
-        from moe_async.weight_sync.transport import make_transport
+        from moe_async.weight_sync.factory import make_transport
 
         clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
         # weight_sync.transport: broadcast (bucketed, overlapped packing) | disk (fallback);
