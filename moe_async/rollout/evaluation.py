@@ -14,7 +14,8 @@ import math
 from typing import Any, Callable
 
 from moe_async.rollout.config import RolloutConfig
-from moe_async.rollout.manager import DropGroup, RolloutManager, greedy_summary
+from moe_async.rollout.failures import DropGroup
+from moe_async.rollout.manager import RolloutManager, greedy_summary
 
 # the per-problem series an evaluation keeps (for paired gains) and reports
 SERIES = ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_reward", "sampled_reward")
