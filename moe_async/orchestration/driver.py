@@ -94,7 +94,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     import ray
 
     from moe_async.models.prepare import prepare_hf_checkpoint
-    from moe_async.orchestration.actors import BufferActor, RolloutActor
+    from moe_async.orchestration.actors import RolloutActor
+    from moe_async.orchestration.buffer_actor import BufferActor
     from moe_async.orchestration.engine_pool import EnginePool
     from moe_async.orchestration.placement import (check_tensor_transport_nodes, cluster_gpus, place_engines,
                                                    place_trainer)
