@@ -22,9 +22,13 @@ from moe_async.orchestration.buffer_actor import BufferProxy
 from moe_async.types import Group
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
     from torch.distributed import TCPStore
 
+    from moe_async.distill.teacher import TeacherScorer
     from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.weight_sync.outcome import SyncOutcome
+    from moe_async.weight_sync.senders import SenderLink
     from moe_async.weight_sync.transport import WeightTransport
 
 
@@ -63,7 +67,7 @@ class TrainerActor:
         self._store: TCPStore | None = None
         self.trainer: MegatronTrainer | None = None
         self.transport: WeightTransport | None = None
-        self._link: Any = None  # weight_sync.senders: all, ranks > 0: this rank's SenderLink
+        self._link: SenderLink | None = None  # weight_sync.senders: all, ranks > 0: this rank's link
 
     @property
     def _trainer(self) -> MegatronTrainer:
@@ -228,7 +232,7 @@ class TrainerActor:
         self._enter("sync_weights")
         return self._sync(lambda export, v: self._transport.send(export, v))
 
-    def sync_weights_outcome(self) -> Any:
+    def sync_weights_outcome(self) -> SyncOutcome:
         """:meth:`sync_weights` (counted as it for the test-only fault hook) as a
         :class:`~moe_async.weight_sync.outcome.SyncOutcome`: an engine whose process died during
         the sync is named in ``lost`` instead of raised, once every rank has finished the
@@ -399,7 +403,7 @@ class RolloutActor:
     """Runs :class:`moe_async.rollout.manager.RolloutManager` in an event loop: generation
     keeps going while the trainer trains; the buffer's admission rule paces it."""
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str, urls: list[str], buffer: Any,
+    def __init__(self, cfg: ExperimentConfig, model_path: str, urls: list[str], buffer: ActorHandle,
                  teacher_urls: list[str] | None = None):
         from moe_async.engines.client import EngineClient
         from moe_async.models.prepare import load_tokenizer
@@ -457,7 +461,7 @@ class RolloutActor:
         """New requests run on the LoRA adapter ``name`` (adapter-only sync's newest version)."""
         self.manager.lora_path = name
 
-    def _teacher(self, urls: list[str] | None) -> Any:
+    def _teacher(self, urls: list[str] | None) -> TeacherScorer | None:
         """The distillation teacher's scorer over ``urls`` (None without a teacher)."""
         t = self.cfg.teacher
         if not t.enabled:
