@@ -5,7 +5,7 @@ typing).
 - :class:`GenerateEngine`: an engine client as :class:`~moe_async.rollout.manager.RolloutManager`
   calls it (:class:`~moe_async.engines.client.EngineClient`, test fakes).
 - :class:`GroupBuffer`: the rollout buffer as the manager fills it (the Ray
-  :class:`~moe_async.orchestration.actors.BufferProxy` over the buffer actor; test fakes).
+  :class:`~moe_async.orchestration.buffer_actor.BufferProxy` over the buffer actor; test fakes).
 - :class:`WeightReceiver`: an engine as the weight transports update it
   (:class:`~moe_async.engines.client.SyncEngineClient`; replies are the engine's JSON dicts).
 """

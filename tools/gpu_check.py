@@ -289,7 +289,8 @@ def _run(args, facts: dict, work: Path) -> int:
     from moe_async.models.checksum import tensor_checksum
     from moe_async.trainer.megatron_trainer import MegatronTrainer
     from moe_async.weight_sync.config import WeightSyncConfig
-    from moe_async.weight_sync.transport import TensorTransport, check_engines
+    from moe_async.weight_sync.tensor_transport import TensorTransport
+    from moe_async.weight_sync.transport import check_engines
 
     ck = Checks(facts)
     bucket_cls = ck.run("load SGLang FlattenedTensorBucket", lambda: load_tensor_bucket(args.tensor_bucket))

@@ -185,7 +185,8 @@ def main(argv=None) -> int:
             from moe_async.trainer.config import TrainerConfig
             from moe_async.trainer.megatron_trainer import MegatronTrainer
             from moe_async.weight_sync.config import WeightSyncConfig
-            from moe_async.weight_sync.transport import BroadcastTransport, TensorTransport
+            from moe_async.weight_sync.tensor_transport import TensorTransport
+            from moe_async.weight_sync.transport import BroadcastTransport
 
             trainer = MegatronTrainer(TrainerConfig(), path)
             with torch.no_grad():

@@ -1,7 +1,8 @@
-"""Ray actors: the buffer, one trainer rank and the rollout manager (the engines' actor is
+"""Ray actors: one trainer rank and the rollout manager (the buffer's actor is
+:class:`moe_async.orchestration.buffer_actor.BufferActor`, the engines'
 :class:`moe_async.orchestration.engine_pool.EngineActor`).
 
-The buffer and rollout actors ask for ``num_cpus=0``; the trainer ranks and the engines are
+The rollout actor (like the buffer's) asks for ``num_cpus=0``; the trainer ranks and the engines are
 placed on bundles of their own (:mod:`moe_async.orchestration.placement`). Every process sets
 its own thread count (``trainer.num_threads``, ``engine.num_threads``) so trainer and
 engines do not oversubscribe them. The actors only adapt the plain classes of
@@ -17,89 +18,18 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from moe_async.config import ExperimentConfig
+from moe_async.orchestration.buffer_actor import BufferProxy
 from moe_async.types import Group
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
     from torch.distributed import TCPStore
 
-    from moe_async.buffer.buffer import BufferStats
-    from moe_async.buffer.snapshot import BufferSnapshot
+    from moe_async.distill.teacher import TeacherScorer
     from moe_async.trainer.megatron_trainer import MegatronTrainer
+    from moe_async.weight_sync.outcome import SyncOutcome
+    from moe_async.weight_sync.senders import SenderLink
     from moe_async.weight_sync.transport import WeightTransport
-
-
-@ray.remote(num_cpus=0)
-class BufferActor:
-    """Ray home of :class:`moe_async.buffer.buffer.AsyncRolloutBuffer` (an async actor, so
-    waiting callers do not block admissions; waits are woken by puts, version bumps and
-    cancels, not polled)."""
-
-    def __init__(self, groups_per_step: int, max_staleness: int, start_version: int = 0):
-        from moe_async.buffer.buffer import AsyncRolloutBuffer
-
-        self.abuf = AsyncRolloutBuffer(groups_per_step, max_staleness, start_version)
-
-    async def admit(self) -> int | None:
-        return self.abuf.buf.admit()
-
-    async def admit_wait(self, timeout_s: float) -> int | None:
-        """Like ``admit`` but waits up to ``timeout_s`` seconds for capacity to open."""
-        return await self.abuf.admit_wait(timeout_s)
-
-    async def cancel(self, reason: str = "cancelled") -> None:
-        await self.abuf.cancel(reason)
-
-    async def put(self, group: Group) -> None:
-        await self.abuf.put(group)
-
-    async def set_engine_version(self, version: int) -> None:
-        await self.abuf.set_engine_version(version)
-
-    async def get_batch(self, trainer_version: int, timeout_s: float) -> list[Group] | None:
-        """Wait up to ``timeout_s`` seconds for ``B`` fresh groups; ``None`` on time-out."""
-        return await self.abuf.get_batch_wait(trainer_version, timeout_s)
-
-    async def stats(self) -> BufferStats:
-        return self.abuf.buf.stats()
-
-    async def snapshot(self) -> BufferSnapshot:
-        """The buffered groups and counters for a checkpoint (:func:`moe_async.buffer.snapshot.snapshot`)."""
-        from moe_async.buffer.snapshot import snapshot
-
-        return snapshot(self.abuf.buf)
-
-    async def restore(self, snap: dict[str, Any], trainer_version: int) -> dict[str, int]:
-        """Put a checkpoint's buffered groups back, stale ones at ``trainer_version`` dropped
-        (:func:`moe_async.buffer.snapshot.restore`); before generation starts."""
-        from moe_async.buffer.snapshot import restore
-
-        return restore(self.abuf.buf, snap, trainer_version)
-
-    async def drain_stale_draws(self) -> list[int]:
-        """Draw numbers of the groups dropped as stale since the last call (run_state.DrawLedger)."""
-        out, self.abuf.buf.stale_draws = self.abuf.buf.stale_draws, []
-        return out
-
-
-class BufferProxy:
-    """The async ``admit/put/cancel`` interface the RolloutManager expects, over a Ray
-    handle of :class:`BufferActor`. ``admit`` waits in the actor up to ``admit_wait_s``
-    seconds for capacity (``admit_waits`` tells the manager not to sleep after a refusal)."""
-
-    admit_waits = True
-
-    def __init__(self, handle: Any, admit_wait_s: float = 1.0):
-        self.h = handle
-        self.admit_wait_s = admit_wait_s
-
-    async def admit(self) -> int | None:
-        return await self.h.admit_wait.remote(self.admit_wait_s)
-
-    async def put(self, group: Group) -> None:
-        await self.h.put.remote(group)
-
-    async def cancel(self, reason: str = "cancelled") -> None:
-        await self.h.cancel.remote(reason)
 
 
 @ray.remote(num_cpus=0)
@@ -137,7 +67,7 @@ class TrainerActor:
         self._store: TCPStore | None = None
         self.trainer: MegatronTrainer | None = None
         self.transport: WeightTransport | None = None
-        self._link: Any = None  # weight_sync.senders: all, ranks > 0: this rank's SenderLink
+        self._link: SenderLink | None = None  # weight_sync.senders: all, ranks > 0: this rank's link
 
     @property
     def _trainer(self) -> MegatronTrainer:
@@ -213,7 +143,7 @@ class TrainerActor:
         import os
 
         from moe_async.engines.client import SyncEngineClient
-        from moe_async.weight_sync.transport import make_transport
+        from moe_async.weight_sync.factory import make_transport
 
         clients = [SyncEngineClient(u, timeout_s=self.cfg.weight_sync.timeout_s) for u in urls]
         # weight_sync.transport: broadcast (bucketed, overlapped packing) | disk (fallback);
@@ -302,7 +232,7 @@ class TrainerActor:
         self._enter("sync_weights")
         return self._sync(lambda export, v: self._transport.send(export, v))
 
-    def sync_weights_outcome(self) -> Any:
+    def sync_weights_outcome(self) -> SyncOutcome:
         """:meth:`sync_weights` (counted as it for the test-only fault hook) as a
         :class:`~moe_async.weight_sync.outcome.SyncOutcome`: an engine whose process died during
         the sync is named in ``lost`` instead of raised, once every rank has finished the
@@ -473,7 +403,7 @@ class RolloutActor:
     """Runs :class:`moe_async.rollout.manager.RolloutManager` in an event loop: generation
     keeps going while the trainer trains; the buffer's admission rule paces it."""
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str, urls: list[str], buffer: Any,
+    def __init__(self, cfg: ExperimentConfig, model_path: str, urls: list[str], buffer: ActorHandle,
                  teacher_urls: list[str] | None = None):
         from moe_async.engines.client import EngineClient
         from moe_async.models.prepare import load_tokenizer
@@ -531,7 +461,7 @@ class RolloutActor:
         """New requests run on the LoRA adapter ``name`` (adapter-only sync's newest version)."""
         self.manager.lora_path = name
 
-    def _teacher(self, urls: list[str] | None) -> Any:
+    def _teacher(self, urls: list[str] | None) -> TeacherScorer | None:
         """The distillation teacher's scorer over ``urls`` (None without a teacher)."""
         t = self.cfg.teacher
         if not t.enabled:

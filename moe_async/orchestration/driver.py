@@ -4,7 +4,11 @@ Prepare the checkpoint, place and start engines and trainer ranks, then: for eac
 staleness-checked batch from the buffer, train it, sync weights to the engines, save and
 evaluate when due; stop generation, checksum trainer against engines, shut down. ``sync``,
 ``one_step_off`` and ``fully_async`` share this loop (only the buffer's bound K differs).
-Writes ``metrics.jsonl`` per step and ``summary.json`` at the end.
+Writes ``metrics.jsonl`` per step and ``summary.json`` at the end. The loop asks components
+that keep their own state: :class:`~moe_async.orchestration.checkpointer.Checkpointer` (saves,
+stop-and-save), :class:`~moe_async.orchestration.evaluator.Evaluator` (held-out evaluations),
+:class:`~moe_async.orchestration.metrics_collector.MetricsCollector` (baselines, summary) and
+:class:`~moe_async.orchestration.engine_recovery.EngineRecovery` (dead engines).
 
 Design notes: ``docs/design/orchestration.md``."""
 
@@ -13,30 +17,39 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from moe_async.buffer.wait_split import wait_split_metrics
 from moe_async.config import ExperimentConfig, dump_config
 from moe_async.errors import UserInputError
 from moe_async.logging.console import RunConsole
 from moe_async.logging.run_logger import RunLogger, make_run_dir
 from moe_async.logging.timeline import Timeline
 from moe_async.affinity import check_run_placement
+from moe_async.orchestration.checkpointer import Checkpointer, ray_checkpoint_writer
 from moe_async.orchestration.engine_recovery import EngineRecovery
-from moe_async.orchestration.lifecycle import (dead_engines, eval_get, evaluate, first_run_eval_before, init_ray,
-                                               refuse_prompt_room, report_eval, sigterm_to_checkpoint,
-                                               sigterm_to_exit)
+from moe_async.orchestration.evaluator import Evaluator
+from moe_async.orchestration.lifecycle import (dead_engines, eval_get, init_ray, refuse_prompt_room,
+                                               sigterm_to_checkpoint, sigterm_to_exit)
 from moe_async.orchestration.preemption import sigterm_mode, stop_check
-from moe_async.orchestration.metrics import batch_metrics, loop_metrics, prompt_accounting
+from moe_async.orchestration.metrics import batch_metrics, prompt_accounting
+from moe_async.orchestration.metrics_collector import MetricsCollector
 from moe_async.orchestration.cluster import refuse_without_gpus
-from moe_async.orchestration.run_identity import claim, plan_start, trim_metrics
+from moe_async.orchestration.run_identity import StartPlan, claim, plan_start, trim_metrics
 from moe_async.orchestration.run_state import DrawLedger, record_settled, resume_data
 from moe_async.orchestration.save_schedule import SaveSchedule
+from moe_async.orchestration.start_checks import made_model_checks, refuse_layout_before_run_dir
 from moe_async.data.record import record_trained
 from moe_async.orchestration.supervisor import EngineFleetError
-from moe_async.rollout.evaluation import EvalCurve
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from moe_async.orchestration.engine_pool import EnginePool
+    from moe_async.orchestration.teacher_pool import TeacherRecovery
+    from moe_async.orchestration.trainer_group import TrainerGroup
 
 
 def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> dict[str, Any]:
@@ -62,14 +75,321 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     the buffer (= ``samples_trained + samples_dropped + samples_buffered``).
     """
     t_launch = time.perf_counter()
+    plan, on_sigterm, data_checked = _refuse_before_processes(cfg)
+    load_path, start_step = plan.load_path, plan.start_step
+    import ray
+
+    from moe_async.models.prepare import prepare_hf_checkpoint
+
+    # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
+    model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
+    # plan's model rules on the config.json known without making the model: before the run dir
+    layout_checked = refuse_layout_before_run_dir(cfg)
+    room_checked = refuse_prompt_room(cfg, None)  # data.max_prompt_length against the model's context
+    from moe_async.agent.start_up import check_tool_parser
+
+    check_tool_parser(cfg.rollout.agent)  # before the run dir: SGLang's parser names, no model needed
+    fresh_run_dir = plan.run_dir is None or not plan.run_dir.exists()
+    run_dir = make_run_dir(cfg.logging, cfg.name, plan.run_dir)
+    console = console or RunConsole(install=False)
+    console.attach_log(run_dir)
+    timeline = Timeline(run_dir / "trace.json", on_phase=console.status)
+    timeline.phase("prepare model")
+    # absolute: the trainer actor's working directory need not be the driver's
+    save_dir = str(plan.save_dir or run_dir / "checkpoints")
+    if cfg.trainer.save_interval or on_sigterm == "checkpoint":  # this run's checkpoints: no other run writes there
+        claim(Path(save_dir), plan.run_id or run_dir.name, run_dir)
+    _keep_superseded_metrics(plan, run_dir, fresh_run_dir)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    print(f"[moe-async] run dir: {run_dir}", flush=True)
+    model_path = model_path or str(prepare_hf_checkpoint(cfg.model))  # other sources: made (and cached) here
+    print(f"[moe-async] model: {model_path}", flush=True)
+    try:
+        made_model_checks(cfg, model_path, room_checked, layout_checked)
+    except UserInputError:
+        if fresh_run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
+        raise
+    logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
+
+    init_ray(engine_log_dir=str(run_dir / "logs"))
+    prev_sigterm = sigterm_to_checkpoint() if on_sigterm == "checkpoint" else sigterm_to_exit()
+    procs = _Procs()
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
+    if data_checked is not None:
+        summary["data"] = data_checked
+    metrics = MetricsCollector(summary)
+    try:
+        run = _start(cfg, procs, model_path, load_path, start_step, summary, timeline, logger, console, run_dir,
+                     on_sigterm == "checkpoint")
+        ckpt = Checkpointer(SaveSchedule(cfg.trainer.save_interval, cfg.num_steps, start_step),
+                            ray_checkpoint_writer(run.trainer, run.rollout, run.buffer, run.ledger, save_dir,
+                                                  cfg.effective_staleness, _rget, _BUFFER_REPLY_S),
+                            summary, lambda: _rget(run.rollout.data_state.remote(), "rollout.data_state"),
+                            lambda s: timeline.phase("save", s, label=f"step {s}/{cfg.num_steps}: checkpoint"))
+        eval_s = cfg.rollout.eval_timeout_s
+        evaluator = Evaluator(
+            cfg.eval_before, cfg.eval_after, cfg.rollout.eval_interval, cfg.num_steps,
+            lambda: eval_get(run.rollout.evaluate_curve.remote(), "held-out curve point", eval_s),
+            lambda label: eval_get(run.rollout.evaluate.remote(), f"held-out eval ({label})", eval_s),
+            summary, timeline, run_dir, resumed=load_path is not None)
+        ev0 = evaluator.before(start_step)  # eval_before and the curve's first point, before generation
+        if ev0:
+            logger.log(ev0, start_step)
+        rm0 = _rget(run.rollout.metrics.remote(), "rollout.metrics")  # after eval_before: not the loop's requests
+        _rget(run.rollout.start.remote(), "rollout.start")
+        metrics.start(rm0)
+        step, version, m = _step_loop(run, ckpt, evaluator, metrics, start_step)
+        _rget(run.rollout.stop.remote(), "rollout.stop")
+        metrics.loop_done(m, _rget(run.buffer.stats.remote(), "buffer.stats"),
+                          _rget(run.rollout.metrics.remote(), "rollout.metrics"))
+        evaluator.after(step)
+        timeline.idle()
+        evaluator.report_curve()
+        _final_summary(run, summary, version)
+        summary["trainer_world_size"] = run.trainer.world_size
+        summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
+        summary["startup_seconds"] = metrics.t_loop0 - t_launch
+        logger.summary(summary)
+        run.trainer.shutdown()
+        _rget(run.rollout.close.remote(), "rollout.close")
+    except Exception as e:
+        dead = dead_engines(procs.engines) if procs.engines is not None else []
+        if dead and not isinstance(e, EngineFleetError):  # name the engine that died, not the HTTP error
+            raise RuntimeError("; ".join(dead)) from e
+        raise
+    finally:
+        try:
+            procs.shutdown()
+        finally:
+            logger.close()
+            timeline.write()
+            ray.shutdown()
+            if prev_sigterm is not None:
+                import signal
+
+                signal.signal(signal.SIGTERM, prev_sigterm)
+    console.report_hidden()
+    print(f"[moe-async] done. run files: {run_dir}", flush=True)
+    if cfg.logging.wandb_mode == "offline":
+        print(f"[moe-async] wandb offline run: sync later with `{wandb_command()} sync {run_dir / 'wandb'}/offline-run-*`",
+              flush=True)
+    return summary
+
+
+def _step_loop(run: _Run, ckpt: Checkpointer, evaluator: Evaluator, metrics: MetricsCollector,
+               start_step: int) -> tuple[int, int, dict[str, float]]:
+    """Steps ``start_step + 1 .. num_steps``: wait for a batch, train it, sync, save, log.
+    Returns (the last step begun, the trainer's weight_version, the last step's metrics)."""
+    cfg, trainer, rollout, buffer, timeline = run.cfg, run.trainer, run.rollout, run.buffer, run.timeline
+    n, step, version = cfg.num_steps, start_step, trainer.version()
+    synced, m = version, dict[str, float]()
+    for step in range(start_step + 1, n + 1):
+        t0 = time.perf_counter()
+        timeline.phase("wait", step, label=f"step {step}/{n}: waiting for a batch")
+        groups, synced = _next_batch(run, version, synced)
+        if groups is None:  # pre-emption while waiting: the last finished step's checkpoint, then out
+            ckpt.stop(step - 1, run.stop(), waiting_for=step)
+            break
+        t1 = time.perf_counter()
+        metrics.waited(t0, t1)
+        timeline.phase("train", step, label=f"step {step}/{n}: train step")
+        m = batch_metrics(groups, version)
+        m.update(trainer.train_step(groups))  # every rank; a dead engine or rank fails it, named
+        version = trainer.version()
+        record_settled(run.ledger, groups, rollout, buffer, _BUFFER_REPLY_S)
+        if cfg.data.enabled:  # trained_rows.jsonl: file row and prompt ids of each trained group
+            record_trained(run.run_dir, step, groups)
+        # the prompt position before the sync opens admission for the next version: in sync
+        # mode it is exactly the prompts trained, so a resumed run draws what this one would
+        data = ckpt.data_before_sync(step)
+        if step % cfg.weight_sync.interval_steps == 0 or step == n:
+            timeline.phase("sync", step, label=f"step {step}/{n}: weight sync")
+            m.update(run.recovery.check())  # the group's members are the live engines
+            m.update(run.recovery.sync())  # an engine lost during it: restarted/retired, all re-synced
+            synced = int(m["engine/weight_version"])
+            if cfg.trainer.lora is not None:  # adapter-only sync: new requests on the newest adapter
+                _rget(rollout.set_lora_path.remote(f"policy@{synced}"), "rollout.set_lora_path")
+        m.update(ckpt.after_step(step, data))  # perf/save_seconds when it saved
+        metrics.counted(m)
+        metrics.step(m, _rget(buffer.stats.remote(), "buffer.stats"), _rget(rollout.metrics.remote(), "rollout.metrics"),
+                     t0, t1, version, synced, run.recovery.metrics())
+        timeline.end_step(step, m["perf/wait_straggler_seconds"], _rget(rollout.trace_spans.remote(), "rollout.trace_spans"))
+        m.update(evaluator.at_step(step))  # every rollout.eval_interval steps and at the last step
+        metrics.evaluated(m)  # the perf/* rates count the loop without evaluations
+        run.logger.log(m, step)
+        run.console.report_hidden()  # one line, only when expected warnings were hidden since the last
+        run.logger.console_step(step, n, m)
+        if run.stop() and step < n:  # launch/slurm's pre-emption signal
+            ckpt.stop(step, run.stop())
+            break
+    return step, version, m
+
+
+def _next_batch(run: _Run, version: int, synced: int) -> tuple[list | None, int]:
+    """The buffer's batch for ``version`` (None: a stop was asked while waiting) and the
+    engines' weight_version, after the engine recovery checks run between 1 s waits.
+
+    Raises: RuntimeError when the rollout loop died (its error); a bounded wait names a lost reply."""
+    groups = None
+    while groups is None:
+        rec = run.recovery.check()  # a dead engine: restarted and re-synced, or retired
+        if run.teacher_recovery is not None:
+            run.teacher_recovery.check()
+        synced = int(rec.get("engine/weight_version", synced))
+        # a bounded wait for the buffer's own wait: a lost reply (seen once in CI after an
+        # engine was killed) must fail the run instead of hanging it; 1 s buffer waits: a
+        # SIGTERM or a dead engine is seen within about a second
+        groups = _get_watching(run.buffer.get_batch.remote(version, 1.0), None, _BUFFER_REPLY_S)
+        err = _get_watching(run.rollout.error.remote(), None, _BUFFER_REPLY_S)
+        if err:
+            raise RuntimeError(f"rollout loop died: {err}")
+        if groups is None and run.stop():  # pre-emption while waiting for a batch: stop now
+            break
+    return groups, synced
+
+
+@dataclass
+class _Procs:
+    """What the run started (None until started); :meth:`shutdown` on every exit path."""
+
+    engines: EnginePool | None = None
+    trainer: TrainerGroup | None = None
+    teacher_pool: EnginePool | None = None
+
+    def shutdown(self) -> None:
+        if self.trainer is not None:
+            self.trainer.kill()  # no rank left blocked in a collective
+        if self.engines is not None:
+            self.engines.shutdown()
+        if self.teacher_pool is not None:
+            self.teacher_pool.shutdown()
+
+
+@dataclass
+class _Run:
+    """The started run the step loop asks (Ray actor handles for ``rollout``/``buffer``)."""
+
+    cfg: ExperimentConfig
+    trainer: TrainerGroup
+    rollout: ActorHandle
+    buffer: ActorHandle
+    recovery: EngineRecovery
+    teacher_recovery: TeacherRecovery | None
+    ledger: DrawLedger
+    timeline: Timeline
+    logger: RunLogger
+    console: RunConsole
+    run_dir: Path
+    urls: list[str]
+    stop: Callable[[], str | None]  # the pre-emption check (preemption.StopCheck)
+
+
+def _start(cfg: ExperimentConfig, procs: _Procs, model_path: str, load_path: str | None, start_step: int,
+           summary: dict[str, Any], timeline: Timeline, logger: RunLogger, console: RunConsole, run_dir: Path,
+           stop_on_sigterm: bool) -> _Run:
+    """Place and start engines (and the teacher's), the trainer ranks, load ``load_path``
+    (synced to the engines), the buffer and rollout actors, the saved data side back;
+    ``stop_on_sigterm``: a SIGTERM (the driver's or a rank's) stops the loop after a checkpoint."""
+    from moe_async.orchestration.actors import RolloutActor
+    from moe_async.orchestration.buffer_actor import BufferActor
+    from moe_async.orchestration.engine_pool import EnginePool
+    from moe_async.orchestration.placement import (check_tensor_transport_nodes, cluster_gpus, place_engines,
+                                                   place_trainer)
+    from moe_async.orchestration.trainer_group import TrainerGroup
+
+    teacher_urls = teacher_recovery = None
+    # both pools placed first (each its own devices or cores), so a cluster short of them
+    # fails before anything starts; then the engines start (in parallel) and the ranks
+    refuse_without_gpus(cfg, cluster_gpus(), "the Ray cluster")  # before any bundle is placed
+    trainer_slots, engine_slots = place_trainer(cfg), place_engines(cfg)
+    check_tensor_transport_nodes(cfg, trainer_slots, engine_slots)  # memory handles stay on one host
+    engines = procs.engines = EnginePool(cfg, model_path, placement=engine_slots)
+    timeline.phase("start engines")
+    urls = engines.launch()
+    if cfg.teacher.enabled:  # distillation: the teacher's own servers (moe_async/distill)
+        from moe_async.orchestration.teacher_pool import start_teacher
+
+        timeline.phase("start teacher")
+        procs.teacher_pool, teacher_urls = start_teacher(cfg, model_path)
+        print(f"[moe-async] teacher: {', '.join(teacher_urls or [])}", flush=True)
+        if procs.teacher_pool is not None:  # a dead teacher engine: restarted (same URL), or the run stops
+            from moe_async.orchestration.teacher_pool import TeacherRecovery
+
+            te = cfg.teacher.engine
+            teacher_recovery = TeacherRecovery(procs.teacher_pool, te.max_restarts, te.startup_timeout_s)
+    timeline.phase("build trainer")
+    trainer = procs.trainer = TrainerGroup(cfg, model_path, placement=trainer_slots, watch=engines.dead_engines)
+    lay = cfg.trainer.layout
+    print(f"[moe-async] trainer: {trainer.world_size} rank(s) (TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} "
+          f"ETP{lay.etp} DP{lay.dp}) on {len(set(trainer_slots.node_ids))} node(s), rendezvous "
+          f"{trainer.master_addr}:{trainer.master_port}; engines: {', '.join(urls)}", flush=True)
+    trainer.connect_engines(urls)
+    resumed: dict[str, Any] = {}
+    if load_path is not None:
+        resumed = trainer.load_checkpoint(load_path)
+        summary["resumed_from"] = load_path
+        summary["start_step"] = start_step
+        summary["loaded_weights_digest"] = weights_digest(trainer.checksums())
+        sync_m = trainer.sync_weights()  # engines get the loaded weights
+        if cfg.weight_sync.check:
+            sync_m.update(trainer.check_engines(urls))
+        summary["resume_sync"] = sync_m
+        print(f"[moe-async] resumed from {load_path} at step {start_step} "
+              f"(weight_version {trainer.version()})", flush=True)
+    B, K = cfg.rollout.prompts_per_step, cfg.effective_staleness
+    buffer = BufferActor.remote(B, K, trainer.version())  # type: ignore[attr-defined]  # v0 = loaded version
+    rollout = RolloutActor.remote(cfg, model_path, urls, buffer, teacher_urls)  # type: ignore[attr-defined]
+    if cfg.trainer.lora is not None and load_path is not None:  # the resumed adapter, synced above
+        _rget(rollout.set_lora_path.remote(f"policy@{trainer.version()}"), "rollout.set_lora_path")
+    # engine failures: dead engines restarted/retired between waits, and one lost during a weight
+    # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
+    recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
+    trainer.watch = None
+    ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
+    # pre-emption: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
+    stop = stop_check(trainer, stop_on_sigterm)
+    if resumed:  # the saved buffer back (stale ones dropped); prompts from the frontier, none drawn twice
+        summary["buffer_restored"] = resume_data(ledger, resumed, buffer, rollout, trainer.version(), _BUFFER_REPLY_S)
+    return _Run(cfg, trainer, rollout, buffer, recovery, teacher_recovery, ledger, timeline, logger, console,
+                run_dir, urls, stop)
+
+
+def _final_summary(run: _Run, summary: dict[str, Any], version: int) -> None:
+    """After generation stopped: engines checked (one that died after the last sync back at
+    this version), prompt accounting, the draw ledger, trainer-vs-engine checksums, the LoRA
+    adapter exported."""
+    from moe_async.engines.client import SyncEngineClient
+
+    trainer_sums = run.trainer.checksums()
+    run.recovery.check()  # an engine that died after the last sync: back, at this version
+    summary["engines"] = {**run.recovery.metrics(), "events": run.recovery.events}
+    summary["accounting"] = prompt_accounting(summary["buffer"])
+    record_settled(run.ledger, [], run.rollout, run.buffer, _BUFFER_REPLY_S)
+    summary["draws"] = run.ledger.state_dict()  # the trained frontier and what was settled beyond it
+    engine_sums = [SyncEngineClient(u).weights_checksum() for u in run.recovery.live_urls()]
+    summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
+    summary["final_weight_version"] = version
+    summary["final_weights_digest"] = weights_digest(trainer_sums)
+    summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
+    summary["engine_weights_match"] = [e["checksums"] == trainer_sums for e in engine_sums]
+    if run.cfg.trainer.lora is not None:  # the run's product: the last trained adapter, PEFT format
+        summary["adapter_dir"] = run.trainer.export_adapter(str(run.run_dir / "adapter"))
+        print(f"[moe-async] LoRA adapter (PEFT, step {summary.get('stopped_at_step', run.cfg.num_steps)}, "
+              f"weight_version {version}): {summary['adapter_dir']}", flush=True)
+
+
+def _refuse_before_processes(cfg: ExperimentConfig) -> tuple[StartPlan, str, dict[str, Any] | None]:
+    """Start-up checks before Ray or any process starts: cores, the run's id/dir/checkpoint
+    (``plan_start``), GPUs, MoE kernels, ``MOE_ASYNC_SIGTERM``, ``trainer.save_dir``, prompt
+    files. Returns (the start plan, the SIGTERM mode, the prompt files' check or None).
+    Raises UserInputError naming the field."""
     if not os.environ.get("RAY_ADDRESS"):  # a local run (init_ray): every process starts on this host's cores
         tch = cfg.teacher
         check_run_placement(cfg.trainer.cpu_affinity, cfg.engine.cpu_affinity,  # before any process
                             tch.engine.cpu_affinity if tch.enabled and not tch.urls else None)
-    # the run's id, run dir and save_dir's owner, trainer.resume=auto, trainer.load: refused here,
-    # before Ray or any process starts
+    # the run's id, run dir and save_dir's owner, trainer.resume=auto, trainer.load
     plan = plan_start(cfg, resolve_checkpoint)
-    load_path, start_step = plan.load_path, plan.start_step
     refuse_without_gpus(cfg)  # engine.backend=sglang (or the teacher's) on a host without GPUs (a local run)
     if not os.environ.get("RAY_ADDRESS"):  # the trainer runs on this host: its MoE kernels must build here
         from moe_async.trainer.moe_kernels import refuse_unavailable_kernels
@@ -91,332 +411,22 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             data_checked = check_data(cfg.data)
         except ValueError as e:
             raise UserInputError(str(e)) from None
-    import ray
+    return plan, on_sigterm, data_checked
 
-    from moe_async.models.prepare import prepare_hf_checkpoint
-    from moe_async.orchestration.actors import BufferActor, RolloutActor
-    from moe_async.orchestration.engine_pool import EnginePool
-    from moe_async.orchestration.placement import (check_tensor_transport_nodes, cluster_gpus, place_engines,
-                                                   place_trainer)
-    from moe_async.orchestration.trainer_group import TrainerGroup
 
-    # source hf only checks the directory (fast): a bad model.hf_path is refused before the run dir
-    model_path = str(prepare_hf_checkpoint(cfg.model)) if cfg.model.source == "hf" else None
-    # plan's model rules on the config.json known without making the model: before the run dir
-    layout_checked = refuse_layout_before_run_dir(cfg)
-    room_checked = refuse_prompt_room(cfg, None)  # data.max_prompt_length against the model's context
-    from moe_async.agent.start_up import check_template_shows_tools, check_tool_parser
-
-    check_tool_parser(cfg.rollout.agent)  # before the run dir: SGLang's parser names, no model needed
-    fresh_run_dir = plan.run_dir is None or not plan.run_dir.exists()
-    run_dir = make_run_dir(cfg.logging, cfg.name, plan.run_dir)
-    console = console or RunConsole(install=False)
-    console.attach_log(run_dir)
-    timeline = Timeline(run_dir / "trace.json", on_phase=console.status)
-    timeline.phase("prepare model")
-    # absolute: the trainer actor's working directory need not be the driver's
-    save_dir = str(plan.save_dir or run_dir / "checkpoints")
-    if cfg.trainer.save_interval or on_sigterm == "checkpoint":  # this run's checkpoints: no other run writes there
-        claim(Path(save_dir), plan.run_id or run_dir.name, run_dir)
+def _keep_superseded_metrics(plan: StartPlan, run_dir: Path, fresh_run_dir: bool) -> None:
+    """A run that continues in its own dir: the metrics lines of steps that run again are
+    moved to ``metrics.superseded.jsonl`` (printed)."""
     if plan.auto_resumed:
-        moved = trim_metrics(run_dir, start_step)  # steps after the checkpoint run again: kept aside
-        print(f"[moe-async] trainer.resume=auto: run {plan.run_id} continues from {load_path} (step {start_step}"
-              + (f"; {moved} later metrics line(s) moved to metrics.superseded.jsonl" if moved else "") + ")",
-              flush=True)
+        moved = trim_metrics(run_dir, plan.start_step)  # steps after the checkpoint run again: kept aside
+        print(f"[moe-async] trainer.resume=auto: run {plan.run_id} continues from {plan.load_path} (step "
+              f"{plan.start_step}" + (f"; {moved} later metrics line(s) moved to metrics.superseded.jsonl"
+                                      if moved else "") + ")", flush=True)
     elif not fresh_run_dir:  # the run's own dir, no checkpoint to resume: its steps run again from 0
-        moved = trim_metrics(run_dir, start_step if start_step else -1)
+        moved = trim_metrics(run_dir, plan.start_step if plan.start_step else -1)
         if moved:
             print(f"[moe-async] run {plan.run_id}: no checkpoint to resume; {moved} earlier metrics line(s) "
                   "moved to metrics.superseded.jsonl", flush=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    print(f"[moe-async] run dir: {run_dir}", flush=True)
-    model_path = model_path or str(prepare_hf_checkpoint(cfg.model))  # other sources: made (and cached) here
-    print(f"[moe-async] model: {model_path}", flush=True)
-    from moe_async.plan.report import model_layout_errors
-
-    def made_model_checks() -> None:
-        """What needs the made model (its config.json, tokenizer): before any Ray process."""
-        if not room_checked:  # data.max_prompt_length against the model's context
-            refuse_prompt_room(cfg, model_path)
-        if not layout_checked and (errs := model_layout_errors(cfg, model_path)):
-            raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
-        if cfg.teacher.enabled:  # teacher.top_k against the vocabulary
-            from moe_async.orchestration.teacher_pool import check_teacher_top_k
-
-            check_teacher_top_k(cfg, model_path)
-        if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's chat template shows the tools
-            from moe_async.models.prepare import load_tokenizer
-
-            check_template_shows_tools(cfg.rollout.agent, load_tokenizer(model_path), model_path)
-
-    try:
-        made_model_checks()
-    except UserInputError:
-        if fresh_run_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
-        raise
-    logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
-
-    init_ray(engine_log_dir=str(run_dir / "logs"))
-    prev_sigterm = sigterm_to_checkpoint() if on_sigterm == "checkpoint" else sigterm_to_exit()
-    engines = trainer = teacher_pool = teacher_recovery = None
-    K, B = cfg.effective_staleness, cfg.rollout.prompts_per_step
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
-    if data_checked is not None:
-        summary["data"] = data_checked
-    try:
-        # both pools placed first (each its own devices or cores), so a cluster short of them
-        # fails before anything starts; then the engines start (in parallel) and the ranks
-        refuse_without_gpus(cfg, cluster_gpus(), "the Ray cluster")  # before any bundle is placed
-        trainer_slots, engine_slots = place_trainer(cfg), place_engines(cfg)
-        check_tensor_transport_nodes(cfg, trainer_slots, engine_slots)  # memory handles stay on one host
-        engines = EnginePool(cfg, model_path, placement=engine_slots)
-        timeline.phase("start engines")
-        urls = engines.launch()
-        if cfg.teacher.enabled:  # distillation: the teacher's own servers (moe_async/distill)
-            from moe_async.orchestration.teacher_pool import start_teacher
-
-            timeline.phase("start teacher")
-            teacher_pool, teacher_urls = start_teacher(cfg, model_path)
-            print(f"[moe-async] teacher: {', '.join(teacher_urls or [])}", flush=True)
-            if teacher_pool is not None:  # a dead teacher engine: restarted (same URL), or the run stops
-                from moe_async.orchestration.teacher_pool import TeacherRecovery
-
-                te = cfg.teacher.engine
-                teacher_recovery = TeacherRecovery(teacher_pool, te.max_restarts, te.startup_timeout_s)
-        timeline.phase("build trainer")
-        trainer = TrainerGroup(cfg, model_path, placement=trainer_slots, watch=engines.dead_engines)
-        lay = cfg.trainer.layout
-        print(f"[moe-async] trainer: {trainer.world_size} rank(s) (TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} "
-              f"ETP{lay.etp} DP{lay.dp}) on {len(set(trainer_slots.node_ids))} node(s), rendezvous "
-              f"{trainer.master_addr}:{trainer.master_port}; engines: {', '.join(urls)}", flush=True)
-        trainer.connect_engines(urls)
-        resumed: dict[str, Any] = {}
-        if load_path is not None:
-            resumed = trainer.load_checkpoint(load_path)
-            summary["resumed_from"] = load_path
-            summary["start_step"] = start_step
-            summary["loaded_weights_digest"] = weights_digest(trainer.checksums())
-            sync_m = trainer.sync_weights()  # engines get the loaded weights
-            if cfg.weight_sync.check:
-                sync_m.update(trainer.check_engines(urls))
-            summary["resume_sync"] = sync_m
-            print(f"[moe-async] resumed from {load_path} at step {start_step} "
-                  f"(weight_version {trainer.version()})", flush=True)
-        buffer = BufferActor.remote(B, K, trainer.version())  # type: ignore[attr-defined]  # v0 = loaded version
-        rollout = RolloutActor.remote(cfg, model_path, urls, buffer,  # type: ignore[attr-defined]
-                                      teacher_urls if cfg.teacher.enabled else None)
-        if cfg.trainer.lora is not None and load_path is not None:  # the resumed adapter, synced above
-            _rget(rollout.set_lora_path.remote(f"policy@{trainer.version()}"), "rollout.set_lora_path")
-        # engine failures: dead engines restarted/retired between waits, and one lost during a weight
-        # sync (recovery.sync): the trainer's calls no longer fail on a dead engine
-        recovery = EngineRecovery(cfg, engines, trainer, rollout, buffer, _BUFFER_REPLY_S)
-        trainer.watch = None
-        ledger = DrawLedger(resumed.get("run_state"))  # the trained frontier (run_state.py)
-        # pre-emption: the driver's SIGTERM flag, or one a trainer rank reports (preemption.py)
-        stop = stop_check(trainer, on_sigterm == "checkpoint")
-        if resumed:  # the saved buffer back (stale ones dropped); prompts from the frontier, none drawn twice
-            summary["buffer_restored"] = resume_data(ledger, resumed, buffer, rollout, trainer.version(), _BUFFER_REPLY_S)
-        eval_s = cfg.rollout.eval_timeout_s
-        curve = EvalCurve(cfg.rollout.eval_interval, cfg.num_steps,
-                          lambda: eval_get(rollout.evaluate_curve.remote(), "held-out curve point", eval_s))
-        if cfg.eval_before:
-            timeline.phase("eval_before", label="held-out eval (before)")
-            if not curve.enabled:
-                evaluate(rollout, summary, "eval_before", "before", eval_s)
-        ev0 = curve.run(start_step)  # held-out curve (rollout.eval_interval): its first point, before generation starts
-        if cfg.eval_before and curve.enabled:  # its greedy answers are eval_before's: not asked twice
-            first = first_run_eval_before(run_dir) if load_path is not None else None  # resumed: step 0's
-            if first is not None:
-                summary["eval_at_resume"] = curve.last_greedy
-            report_eval(summary, "eval_before", "before", first or curve.last_greedy)
-        if ev0:
-            logger.log(ev0, start_step)
-        rm0 = _rget(rollout.metrics.remote(), "rollout.metrics")  # after eval_before: its requests are not the loop's
-        busy0 = {k: v for k, v in rm0.items() if k.startswith("rollout/engine_busy_s/")}
-        gen_prev = rm0.get("rollout/gen_wall_seconds", 0.0)
-        reward_prev = (rm0.get("rollout/reward_sum", 0.0), rm0.get("rollout/samples_generated", 0.0))
-        _rget(rollout.start.remote(), "rollout.start")
-        busy_prev = _mean_engine_busy(busy0)
-        n_samples = 0.0
-        t_start, idle, tokens, version = time.perf_counter(), 0.0, 0.0, trainer.version()
-        t_loop0 = t_start  # t_start moves by each held-out evaluation's seconds (the perf/* rates)
-        synced_version = version
-        m, elapsed = {}, 0.0
-
-        def save(at_step: int, data: dict | None = None) -> str:
-            """The whole-run checkpoint of step ``at_step``: the trainer's (model, optimizer,
-            RNG, version) with the data position and the draw ledger (run_state.py) in it."""
-            data = data if data is not None else _rget(rollout.data_state.remote(), "rollout.data_state")
-            record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
-            rs = ledger.state_dict(weight_version=trainer.version(), step=at_step, max_staleness=K)
-            snap = _rget(buffer.snapshot.remote(), "buffer.snapshot")  # the buffered groups (buffer/snapshot.py)
-            return trainer.save_checkpoint(save_dir, at_step, {"dataset": data, "run_state": rs, "buffer": snap})
-
-        saves = SaveSchedule(cfg.trainer.save_interval, cfg.num_steps, start_step)
-        for step in range(start_step + 1, cfg.num_steps + 1):
-            t0 = time.perf_counter()
-            timeline.phase("wait", step, label=f"step {step}/{cfg.num_steps}: waiting for a batch")
-            groups = None
-            while groups is None:
-                rec = recovery.check()  # a dead engine: restarted and re-synced, or retired
-                if teacher_recovery is not None:
-                    teacher_recovery.check()
-                synced_version = int(rec.get("engine/weight_version", synced_version))
-                # a bounded wait for the buffer's own wait: a lost reply (seen once in CI
-                # after an engine was killed) must fail the run instead of hanging it
-                # 1 s buffer waits: a SIGTERM or a dead engine is seen within about a second
-                groups = _get_watching(buffer.get_batch.remote(version, 1.0), None, _BUFFER_REPLY_S)
-                err = _get_watching(rollout.error.remote(), None, _BUFFER_REPLY_S)
-                if err:
-                    raise RuntimeError(f"rollout loop died: {err}")
-                if groups is None and stop():  # pre-emption while waiting for a batch: stop now
-                    break
-            if groups is None:  # the last finished step's checkpoint (unless written), then out
-                done = step - 1
-                if saves.due_on_stop(done):
-                    summary["last_checkpoint"] = save(done)
-                summary["stopped_at_step"] = done
-                print(f"[moe-async] {stop()} while waiting for the batch of step {step}: stopped "
-                      f"after step {done}, checkpoint {summary.get('last_checkpoint')}", flush=True)
-                break
-            t1 = time.perf_counter()
-            idle += t1 - t0
-            timeline.phase("train", step, label=f"step {step}/{cfg.num_steps}: train step")
-            m = batch_metrics(groups, version)
-            m.update(trainer.train_step(groups))  # every rank; a dead engine or rank fails it, named
-            version = trainer.version()
-            record_settled(ledger, groups, rollout, buffer, _BUFFER_REPLY_S)
-            if cfg.data.enabled:  # trained_rows.jsonl: file row and prompt ids of each trained group
-                record_trained(run_dir, step, groups)
-            saving = saves.due(step)
-            # the prompt position before the sync opens admission for the next version: in sync
-            # mode it is exactly the prompts trained, so a resumed run draws what this one would
-            data = _rget(rollout.data_state.remote(), "rollout.data_state") if saving else None
-            if step % cfg.weight_sync.interval_steps == 0 or step == cfg.num_steps:
-                timeline.phase("sync", step, label=f"step {step}/{cfg.num_steps}: weight sync")
-                m.update(recovery.check())  # the group's members are the live engines
-                m.update(recovery.sync())  # an engine lost during it: restarted/retired, all re-synced
-                synced_version = int(m["engine/weight_version"])
-                if cfg.trainer.lora is not None:  # adapter-only sync: new requests on the newest adapter
-                    _rget(rollout.set_lora_path.remote(f"policy@{synced_version}"), "rollout.set_lora_path")
-            if saving:
-                t_save = time.perf_counter()
-                timeline.phase("save", step, label=f"step {step}/{cfg.num_steps}: checkpoint")
-                summary["last_checkpoint"] = save(step, data)
-                m["perf/save_seconds"] = time.perf_counter() - t_save
-            tokens += m["train/response_tokens"]
-            n_samples += m["train/samples"]
-            elapsed = time.perf_counter() - t_start
-            bstats = _rget(buffer.stats.remote(), "buffer.stats")
-            rm = _rget(rollout.metrics.remote(), "rollout.metrics")
-            m.update(loop_metrics(bstats, rm, busy0, elapsed))
-            busy_now = _mean_engine_busy(rm)
-            m.update({
-                "perf/wait_seconds": t1 - t0,  # trainer idle this step (waiting for a batch)
-                "perf/engine_busy_seconds": busy_now - busy_prev,  # this step, mean over engines
-                "perf/gen_seconds": rm["rollout/gen_wall_seconds"] - gen_prev,  # this step, any engine busy
-                "train/weight_version": float(version),
-                "engine/weight_version": float(synced_version),
-                "perf/step_seconds": time.perf_counter() - t0,
-                "perf/tokens_per_s": tokens / elapsed,
-                "perf/trainer_idle_frac": idle / elapsed,
-                "perf/samples_per_s": n_samples / elapsed,
-                "buffer/samples_dropped": float(bstats["samples_dropped"]),
-                "buffer/buffered_groups": float(bstats["buffered_groups"]),
-            })
-            m.update(wait_split_metrics(bstats, t1 - t0))  # the wait split: filling + straggler = wait
-            m.update(recovery.metrics())
-            timeline.end_step(step, m["perf/wait_straggler_seconds"], _rget(rollout.trace_spans.remote(), "rollout.trace_spans"))
-            # reward per sample generated since the last step, filtered/dropped ones included
-            rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
-            if rg[1] > reward_prev[1]:
-                m["rollout/reward_mean_generated_step"] = (rg[0] - reward_prev[0]) / (rg[1] - reward_prev[1])
-            busy_prev, gen_prev, reward_prev = busy_now, rm["rollout/gen_wall_seconds"], rg
-            m.update(curve.run(step))  # every rollout.eval_interval steps and at the last step
-            t_start += m.get("eval/seconds", 0.0)  # the perf/* rates count the loop without evaluations
-            logger.log(m, step)
-            console.report_hidden()  # one line, only when expected warnings were hidden since the last
-            logger.console_step(step, cfg.num_steps, m)
-            if stop() and step < cfg.num_steps:  # launch/slurm's pre-emption signal
-                if saves.due_on_stop(step):
-                    summary["last_checkpoint"] = save(step)
-                summary["stopped_at_step"] = step
-                print(f"[moe-async] {stop()}: stopped after step {step}, checkpoint "
-                      f"{summary['last_checkpoint']}", flush=True)
-                break
-        summary["perf"] = {k: m.get(k) for k in ("perf/samples_per_s", "perf/tokens_per_s",
-                                                 "perf/trainer_idle_frac", "perf/engine_idle_frac")}
-        summary["perf"]["loop_seconds"] = elapsed
-        _rget(rollout.stop.remote(), "rollout.stop")
-        # the buffer's own "samples_generated" counts the samples put into it (after dynamic
-        # filtering); named samples_put here so that "samples_generated" means one thing in the
-        # summary: rollout/samples_generated, every sample generated and scored
-        summary["buffer"] = {("samples_put" if k == "samples_generated" else k): v
-                             for k, v in _rget(buffer.stats.remote(), "buffer.stats").items()}
-        summary["rollout"] = _rget(rollout.metrics.remote(), "rollout.metrics")
-        if cfg.eval_after and "stopped_at_step" not in summary:
-            if curve.points and curve.points[-1]["step"] == step:  # the curve's last point, on these weights
-                report_eval(summary, "eval_after", "after", curve.last_greedy)
-            else:
-                timeline.phase("eval_after", label="held-out eval (after)")
-                evaluate(rollout, summary, "eval_after", "after", eval_s)
-        timeline.idle()
-        if curve.points:
-            summary["eval_curve"] = curve.points
-            print(curve.format(), flush=True)
-        from moe_async.engines.client import SyncEngineClient
-
-        trainer_sums = trainer.checksums()
-        m_rec = recovery.check()  # an engine that died after the last sync: back, at this version
-        synced_version = int(m_rec.get("engine/weight_version", synced_version))
-        summary["engines"] = {**recovery.metrics(), "events": recovery.events}
-        summary["accounting"] = prompt_accounting(summary["buffer"])
-        record_settled(ledger, [], rollout, buffer, _BUFFER_REPLY_S)
-        summary["draws"] = ledger.state_dict()  # the trained frontier and what was settled beyond it
-        engine_sums = [SyncEngineClient(u).weights_checksum() for u in recovery.live_urls()]
-        summary["final_weights_match"] = all(e["checksums"] == trainer_sums for e in engine_sums)
-        summary["final_weight_version"] = version
-        summary["final_weights_digest"] = weights_digest(trainer_sums)
-        summary["engine_weight_versions"] = [e["weight_version"] for e in engine_sums]
-        summary["engine_weights_match"] = [e["checksums"] == trainer_sums for e in engine_sums]
-        if cfg.trainer.lora is not None:  # the run's product: the last trained adapter, PEFT format
-            summary["adapter_dir"] = trainer.export_adapter(str(run_dir / "adapter"))
-            print(f"[moe-async] LoRA adapter (PEFT, step {summary.get('stopped_at_step', cfg.num_steps)}, "
-                  f"weight_version {version}): {summary['adapter_dir']}", flush=True)
-        summary["trainer_world_size"] = trainer.world_size
-        summary["wall_seconds"] = time.perf_counter() - t_launch  # the whole run, start-up included
-        summary["startup_seconds"] = t_loop0 - t_launch
-        logger.summary(summary)
-        trainer.shutdown()
-        _rget(rollout.close.remote(), "rollout.close")
-    except Exception as e:
-        dead = dead_engines(engines) if engines is not None else []
-        if dead and not isinstance(e, EngineFleetError):  # name the engine that died, not the HTTP error
-            raise RuntimeError("; ".join(dead)) from e
-        raise
-    finally:
-        try:
-            if trainer is not None:
-                trainer.kill()  # no rank left blocked in a collective
-            if engines is not None:
-                engines.shutdown()
-            if teacher_pool is not None:
-                teacher_pool.shutdown()
-        finally:
-            logger.close()
-            timeline.write()
-            ray.shutdown()
-            if prev_sigterm is not None:
-                import signal
-
-                signal.signal(signal.SIGTERM, prev_sigterm)
-    console.report_hidden()
-    print(f"[moe-async] done. run files: {run_dir}", flush=True)
-    if cfg.logging.wandb_mode == "offline":
-        print(f"[moe-async] wandb offline run: sync later with `{wandb_command()} sync {run_dir / 'wandb'}/offline-run-*`",
-              flush=True)
-    return summary
 
 
 def wandb_command() -> str:
@@ -432,25 +442,6 @@ def wandb_command() -> str:
         return str(exe.relative_to(Path.cwd()))
     except ValueError:
         return str(exe)
-
-
-def refuse_layout_before_run_dir(cfg: ExperimentConfig) -> bool:
-    """Plan's model rules (heads, KV groups, experts, layers by the parallel sizes) on the
-    model's HF config as known before the model is made or the run dir exists
-    (:func:`~moe_async.models.prepare.configured_hf_config`: ``hf``'s ``config.json``, a made
-    source's cached one, ``random_moe``'s from its sizes). Returns True when they were checked,
-    False when the config cannot be known yet (``smollm2_upcycled`` not made: checked after
-    preparation). Raises UserInputError naming every broken rule."""
-    from moe_async.models.prepare import configured_hf_config
-    from moe_async.plan.report import hf_config_layout_errors
-
-    hf_config = configured_hf_config(cfg.model)
-    if hf_config is None:
-        return False
-    where = cfg.model.hf_path if cfg.model.source == "hf" else f"model.source={cfg.model.source}"
-    if errs := hf_config_layout_errors(cfg, hf_config, str(where)):
-        raise UserInputError(f"layout does not fit the model {where}: " + "; ".join(errs))
-    return True
 
 
 def check_save_dir(cfg: ExperimentConfig) -> None:
@@ -583,7 +574,3 @@ def weights_digest(checksums: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(checksums.items())).encode()).hexdigest()
 
 
-def _mean_engine_busy(rmetrics: dict) -> float:
-    """Mean over engines of the cumulative busy seconds in the rollout metrics."""
-    busy = [v for k, v in rmetrics.items() if k.startswith("rollout/engine_busy_s/")]
-    return sum(busy) / len(busy) if busy else 0.0

@@ -14,7 +14,8 @@ import math
 from typing import Any, Callable
 
 from moe_async.rollout.config import RolloutConfig
-from moe_async.rollout.manager import DropGroup, RolloutManager, greedy_summary
+from moe_async.rollout.failures import DropGroup
+from moe_async.rollout.manager import RolloutManager, greedy_summary
 from moe_async.types import Sample
 
 # the per-problem series an evaluation keeps (for paired gains) and reports

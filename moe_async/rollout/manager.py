@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +23,9 @@ from moe_async.buffer.buffer import STOPPED
 from moe_async.logging.timeline import SpanRecorder
 from moe_async.protocols import GenerateEngine, GroupBuffer
 from moe_async.rollout.config import RolloutConfig
-from moe_async.rollout.reward import RewardResult
+from moe_async.rollout.engine_router import EngineRouter
+from moe_async.rollout.failures import MAX_GROUP_ERRORS_IN_A_ROW, DropGroup, GroupsFailingError, PromptsAllDroppedError
+from moe_async.rollout.reward import RewardPool, RewardResult
 from moe_async.rollout.reward_streak import RewardErrorStreak, RewardFailureError
 from moe_async.types import Group, Sample
 
@@ -41,60 +42,6 @@ async def _gather_or_cancel(coros: list) -> list:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-class PromptsAllDroppedError(ValueError):
-    """Every train prompt of an epoch was too long to generate from (a data or config error)."""
-
-
-class GroupsFailingError(RuntimeError):
-    """Group after group failed with an error (not a drop by a rule): a config, data, environment
-    or tool error that every group hits, so the run stops instead of drawing forever."""
-
-
-#: consecutive groups failing with an error that stop the run (:class:`GroupsFailingError`)
-MAX_GROUP_ERRORS_IN_A_ROW = 16
-
-
-class EngineTimeoutError(TimeoutError):
-    """An engine request that timed out, naming the engine (index, URL) and the limit."""
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    import httpx
-
-    return isinstance(exc, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException))
-
-
-class DropGroup(Exception):
-    """A group that cannot be produced; ``reason`` is counted."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class _EngineBusy:
-    """Wall-clock seconds during which at least one request was outstanding (per engine, or
-    over all engines for the manager's generation span); overlapping requests count once."""
-
-    def __init__(self) -> None:
-        self.outstanding = 0
-        self.since = 0.0
-        self.busy_s = 0.0
-
-    def enter(self) -> None:
-        if self.outstanding == 0:
-            self.since = time.monotonic()
-        self.outstanding += 1
-
-    def exit(self) -> None:
-        self.outstanding -= 1
-        if self.outstanding == 0:
-            self.busy_s += time.monotonic() - self.since
-
-    def total(self) -> float:
-        return self.busy_s + (time.monotonic() - self.since if self.outstanding else 0.0)
 
 
 def greedy_summary(greedy: list[tuple[float, str | None, float, int]], n_skipped: int) -> dict[str, float]:
@@ -129,7 +76,7 @@ class RolloutManager:
         dataset: Any,
         engine_clients: Sequence[GenerateEngine],
         buffer: GroupBuffer,
-        reward_pool: Any,
+        reward_pool: RewardPool,
         eos_token_ids: list[int] | None = None,
         max_context_len: int = 2048,
         no_engine_wait_s: float = 600.0,
@@ -146,21 +93,17 @@ class RolloutManager:
         self.reward_pool = reward_pool
         self.eos_token_ids = [int(t) for t in (eos_token_ids or [])]
         self.max_context_len = int(max_context_len)
-        self.no_engine_wait_s = float(no_engine_wait_s)  # with no engine routable (a restart): then engine_lost
-        self._rr = itertools.count()
         self._group_ids = itertools.count()
         self._open_groups: set[int] = set()  # admitted groups whose task has not settled them
-        self._busy = [_EngineBusy() for _ in self.engines]
-        self.routable = [True] * len(self.engines)  # the driver's (and failures') routing mask
         self._skip: dict[int, str] = {}  # draw number -> counter: settled before a resume, or restored
         self._settled: list[tuple[int, str]] = []  # (draw number, drop reason) since drain_settled
         self.counters: Counter = Counter()
         self.dropped: Counter = Counter()
         self._drop_run = 0  # prompts dropped before generation since the last one generated
-        self._gen_busy = _EngineBusy()  # any engine: the wall-clock span of generation
-        self.request_seconds_sum = 0.0  # summed over requests (concurrent ones add up)
         self._filtered_per_version: Counter = Counter()  # dynamic filtering: groups per version
         self.trace = SpanRecorder()  # timeline: generate/reward spans, drained by the driver
+        # with no engine routable (a restart) a request waits no_engine_wait_s, then engine_lost
+        self.router = EngineRouter(self.engines, float(no_engine_wait_s), self.trace, self.counters)
         self._error_run = 0  # groups failed with an error since the last one produced
         self._group_error: GroupsFailingError | None = None
         self.agent = None  # multi-turn trajectories (rollout.agent; moe_async/agent)
@@ -303,11 +246,7 @@ class RolloutManager:
         m["rollout/dropped_total"] = float(sum(self.dropped.values()))
         # wall-clock seconds with >= 1 request outstanding on any engine (<= elapsed time);
         # the per-request sum exceeds wall time when requests overlap
-        m["rollout/gen_wall_seconds"] = self._gen_busy.total()
-        m["rollout/request_seconds_sum"] = self.request_seconds_sum
-        m["rollout/requests_in_flight"] = float(self._gen_busy.outstanding)  # now, over all engines
-        for i, b in enumerate(self._busy):
-            m[f"rollout/engine_busy_s/{i}"] = b.total()
+        m.update(self.router.metrics())
         if hasattr(self.reward_pool, "metrics"):
             m.update(self.reward_pool.metrics())
         if self.agent is not None:
@@ -343,11 +282,17 @@ class RolloutManager:
             self._settled.append((int(seq), reason))
 
     def set_routable(self, i: int, ok: bool) -> None:
-        """Put engine ``i`` into routing (``ok``) or take it out; requests already sent to it
-        are not affected (a dead engine's fail and are retried elsewhere)."""
-        if not 0 <= i < len(self.engines):
-            raise ValueError(f"engine index {i} out of range 0..{len(self.engines) - 1}")
-        self.routable[i] = bool(ok)
+        """Put engine ``i`` into routing (``ok``) or take it out (:meth:`EngineRouter.set_routable`)."""
+        self.router.set_routable(i, ok)
+
+    @property
+    def routable(self) -> list[bool]:
+        """The routing mask, one flag per engine (the driver's and failed requests')."""
+        return self.router.routable
+
+    async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
+        """One ``/generate`` on a routable engine, on the newest adapter (:meth:`EngineRouter.call`)."""
+        return await self.router.call(ids, sp, self.cfg.return_routed_experts, self.lora_path)
 
     # ================================================================ internals
     def _dropped_in_a_row(self, cap: int | None) -> None:
@@ -647,82 +592,3 @@ class RolloutManager:
         if joined is None:
             return None
         return compact_routes(truncate_routes(joined, len(ids) + len(seg_ids)))
-
-    def _pick_engine(self) -> int | None:
-        """The next routable engine, round-robin; None when none is routable."""
-        n = len(self.engines)
-        for _ in range(n):
-            i = next(self._rr) % n
-            if self.routable[i]:
-                return i
-        return None
-
-    async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
-        """One ``/generate`` on a routable engine; a transport failure (the engine died) takes
-        that engine out of routing and retries on another (``docs/design/rollout.md``, step 2). With no
-        engine routable it waits up to ``no_engine_wait_s`` seconds for the driver to put one
-        back (a restart), polling every 0.2 s.
-
-        Raises: DropGroup("engine_lost") when none came back in time, or after
-        ``2 * engines + 1`` failed attempts; EngineTimeoutError."""
-        attempts, waited_since = 0, None
-        while attempts <= 2 * len(self.engines):
-            i = self._pick_engine()
-            if i is None:
-                waited_since = waited_since if waited_since is not None else time.monotonic()
-                if time.monotonic() - waited_since > self.no_engine_wait_s:
-                    break
-                await asyncio.sleep(0.2)
-                continue
-            waited_since = None
-            attempts += 1
-            try:
-                return await self._call_one(i, ids, sp)
-            except Exception as exc:
-                if not _engine_lost(exc):
-                    raise
-                self.routable[i] = False
-                self.counters["engine_request_retries"] += 1
-                log.warning("engine %d (%s) failed a request (%s: %s): out of routing, retrying elsewhere", i,
-                            getattr(self.engines[i], "base_url", "?"), type(exc).__name__, str(exc)[:200])
-        raise DropGroup("engine_lost")
-
-    async def _call_one(self, i: int, ids: list[int], sp: dict[str, Any]) -> Any:
-        busy = self._busy[i]
-        busy.enter()
-        self._gen_busy.enter()
-        t0, w0 = time.monotonic(), self.trace.now()
-        try:
-            lora = {"lora_path": self.lora_path} if self.lora_path is not None else {}
-            return await self.engines[i].generate(
-                ids, sp, return_logprob=True, return_routed_experts=self.cfg.return_routed_experts, **lora
-            )
-        except Exception as exc:
-            if not _is_timeout(exc) or isinstance(exc, EngineTimeoutError):
-                raise
-            eng = self.engines[i]
-            raise EngineTimeoutError(
-                f"engine {i} ({eng.base_url}) /generate: no reply within "
-                f"{eng.timeout_s} s (engine.request_timeout_s); {type(exc).__name__}: {exc}"
-            ) from exc
-        finally:
-            self.request_seconds_sum += time.monotonic() - t0
-            self.trace.add(f"engine {i}", "generate", w0, self.trace.now())
-            self._gen_busy.exit()
-            busy.exit()
-            self.counters["requests"] += 1
-            self.counters[f"requests/{i}"] += 1  # per engine: a replacement's share after it rejoined
-
-
-def _engine_lost(exc: BaseException) -> bool:
-    """A failure that says the engine process is gone (not a timeout, not a bad request):
-    connection refused/reset, a broken reply, HTTP 5xx."""
-    import httpx
-
-    from moe_async.engines.client import EngineRequestError
-
-    if isinstance(exc, httpx.TimeoutException):
-        return False
-    if isinstance(exc, (httpx.TransportError, ConnectionError)):
-        return True
-    return isinstance(exc, EngineRequestError) and exc.status_code >= 500

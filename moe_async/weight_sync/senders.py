@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, NamedTuple
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
-from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan, timed_items
+from moe_async.weight_sync.read_ahead import timed_items
+from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan
 
 if TYPE_CHECKING:
     from moe_async.weight_sync.config import WeightSyncConfig

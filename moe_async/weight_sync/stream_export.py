@@ -9,17 +9,17 @@ Design notes: ``docs/design/weight_sync.md``."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from collections.abc import Set
-from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
 from moe_async.weight_sync.packing import BucketStream
+from moe_async.weight_sync.read_ahead import ReadAhead, timed_items
 
 Tensor = torch.Tensor
 #: ``convert(megatron_name, full_tensor) -> [(hf_name, hf_tensor), ...]`` (the family's split)
@@ -481,82 +481,8 @@ def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int,
     if not overlap:
         return timed_items(run_plan(plan, pieces, convert, device=device, slots=1, group=group, dst=dst, stats=stats),
                       stats)
-    return _Ahead(lambda sem: run_plan(plan, pieces, convert, device=device, slots=2, group=group, dst=dst,
-                                       sem=sem, stats=stats), stats)
-
-
-def timed_items(it: Iterator, stats: dict[str, float]) -> Generator[Any, None, None]:
-    """``it``'s items, the time spent waiting for each added to ``stats['pack_seconds']`` and
-    ``stats['wait_seconds']``; an item is not held while the next one is made."""
-    while True:
-        t0 = time.perf_counter()
-        item = next(it, None)
-        dt = time.perf_counter() - t0
-        stats["pack_seconds"] += dt
-        stats["wait_seconds"] += dt
-        if item is None:
-            return
-        yield item
-        item = None  # not held while the next bucket is made (the memory bound counts on it)
-
-
-_END = object()
-
-
-class _Ahead:
-    """Runs a bucket generator one bucket ahead in a thread (two buffers: the semaphore's two
-    tokens; the consumer gives one back when it asks for the next bucket)."""
-
-    def __init__(self, make: Callable[[threading.Semaphore], Iterator], stats: dict[str, float]):
-        self.sem = threading.Semaphore(2)
-        self.q: queue.Queue = queue.Queue()
-        self.stats = stats
-        self.held = False
-        self.done = self.finished = False
-        self.th = threading.Thread(target=self._run, args=(make(self.sem),), name="weight-sync-export", daemon=True)
-        self.th.start()
-
-    def _run(self, it: Iterator) -> None:
-        try:
-            t0 = time.perf_counter()
-            for item in it:
-                self.stats["pack_seconds"] += time.perf_counter() - t0
-                if self.done:
-                    return
-                self.q.put(item)
-                item = None  # not held while the next bucket is made
-                t0 = time.perf_counter()
-            self.q.put(_END)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
-            self.q.put(e)
-
-    def __iter__(self) -> "_Ahead":
-        return self
-
-    def __next__(self) -> tuple[Bucket, Tensor, bool]:
-        if self.held:
-            self.sem.release()
-            self.held = False
-        if self.done:
-            raise StopIteration
-        t0 = time.perf_counter()
-        item = self.q.get()
-        self.stats["wait_seconds"] += time.perf_counter() - t0
-        if item is _END:
-            self.done = self.finished = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.done = True
-            raise item
-        self.held = True
-        return item
-
-    def close(self) -> None:
-        if not self.finished:  # the producer may still write into its buffers: never reuse them
-            release_kept_buffers()
-        self.done = True
-        self.sem.release()  # a producer waiting for a buffer goes on and sees ``done``
-        self.sem.release()
+    return ReadAhead(lambda sem: run_plan(plan, pieces, convert, device=device, slots=2, group=group, dst=dst,
+                                          sem=sem, stats=stats), stats, release_kept_buffers)
 
 
 class Shard(Protocol):

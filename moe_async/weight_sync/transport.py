@@ -1,8 +1,10 @@
 """Weight transports: how a versioned set of HF-named tensors reaches the engines.
 
 :class:`BroadcastTransport` (NCCL/gloo broadcast of flattened buckets inside an update session,
-as slime and SGLang's ``update_weights_from_distributed``) and :class:`DiskTransport`
-(safetensors + ``/update_weights_from_disk``). ``send`` returns a :class:`SyncOutcome`: an engine
+as slime and SGLang's ``update_weights_from_distributed``); the colocated
+:class:`~moe_async.weight_sync.tensor_transport.TensorTransport` and the fallback
+:class:`~moe_async.weight_sync.disk_transport.DiskTransport` are their own modules
+(:func:`~moe_async.weight_sync.factory.make_transport` picks one). ``send`` returns a :class:`SyncOutcome`: an engine
 lost mid-sync is reported, not raised; the version is set only with the last bucket.
 
 Design notes: ``docs/design/weight_sync.md``."""
@@ -11,19 +13,16 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Set
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from moe_async.errors import one_line
 from moe_async.protocols import WeightReceiver
-from moe_async.weight_sync.bucket import Bucket, make_buckets, nbytes_of, str_to_dtype
+from moe_async.weight_sync.bucket import Bucket, nbytes_of, str_to_dtype
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.flush import DeferredFlushes
 from moe_async.weight_sync.group import WeightSyncError, group_broadcast, resolve_backend, transport_device
@@ -244,7 +243,7 @@ class BroadcastTransport(WeightTransport):
         return layouts[0]
 
     def _on_posters(self, call_engine: Callable[[WeightReceiver], Any],
-                    skip: Set[int] = frozenset()) -> list[tuple[int, Any]]:
+                    skip: Set[int] = frozenset()) -> list[tuple[int, Future]]:
         """Queue ``call_engine(client)`` on every engine's poster thread (but those in
         ``skip``), after what is already queued there (so it reaches each engine in order
         with the bucket calls); each future gives ``(reply, perf_counter() at the reply)``."""
@@ -254,7 +253,7 @@ class BroadcastTransport(WeightTransport):
 
         return [(i, self._posters[i].submit(call, c)) for i, c in enumerate(self.clients) if i not in skip]
 
-    def _begin_on_posters(self) -> list[tuple[int, Any]]:
+    def _begin_on_posters(self) -> list[tuple[int, Future]]:
         """Queue ``/begin_weight_update {atomic: true}`` on every poster. A session left open
         (a sender that died mid-update) is closed first and opened again, logged. An engine
         without the endpoint (HTTP 404: SGLang before 0.5.23 has no sessions) is updated
@@ -281,7 +280,7 @@ class BroadcastTransport(WeightTransport):
 
         return [(i, self._posters[i].submit(begin, i, c)) for i, c in enumerate(self.clients)]
 
-    def _end_on_posters(self, skip: Set[int] = frozenset()) -> list[tuple[int, Any]]:
+    def _end_on_posters(self, skip: Set[int] = frozenset()) -> list[tuple[int, Future]]:
         """Queue ``/end_weight_update`` on every poster (but ``skip`` and sessionless engines)."""
         def end(c: WeightReceiver) -> tuple[Any, float]:
             return c.end_weight_update(), time.perf_counter()
@@ -289,7 +288,7 @@ class BroadcastTransport(WeightTransport):
         return [(i, self._posters[i].submit(end, c)) for i, c in enumerate(self.clients)
                 if i not in skip and i not in self._sessionless]
 
-    def _replies(self, futs: list[tuple[int, Any]], what: str) -> float:
+    def _replies(self, futs: list[tuple[int, Future]], what: str) -> float:
         """Wait for ``futs`` of :meth:`_on_posters` (one ``timeout_s`` for all); raise on the
         first failure (naming the engine); return when the last reply arrived."""
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -299,7 +298,7 @@ class BroadcastTransport(WeightTransport):
             last = max(last, t)
         return last
 
-    def _reply(self, i: int, fut: Any, deadline: float, what: str) -> Any:
+    def _reply(self, i: int, fut: Future, deadline: float, what: str) -> Any:
         """Engine ``i``'s reply to ``what`` from ``fut`` by ``deadline`` (``time.monotonic``).
 
         Raises:
@@ -334,7 +333,7 @@ class BroadcastTransport(WeightTransport):
         return self.pause_mode != "in_place"
 
     def _post_bucket(self, bucket: Bucket, flat: torch.Tensor | None,
-                     weight_version: int | None) -> list[tuple[int, Any]]:
+                     weight_version: int | None) -> list[tuple[int, Future]]:
         """Queue one bucket's update call on every engine's poster (``weight_version`` on the
         last bucket only, as a string: SGLang's ``Optional[str]``); returns the futures."""
         last = weight_version is not None
@@ -352,7 +351,7 @@ class BroadcastTransport(WeightTransport):
             for i, c in enumerate(self.clients)
         ]
 
-    def _transfer(self, flat: torch.Tensor, posted: list[tuple[int, Any]]) -> None:
+    def _transfer(self, flat: torch.Tensor, posted: list[tuple[int, Future]]) -> None:
         """Move one bucket's bytes while its calls are in flight: rank 0's broadcast."""
         assert self.group is not None, "connect() first"
         group_broadcast(self.group, flat, src=0)
@@ -395,15 +394,15 @@ class BroadcastTransport(WeightTransport):
         if self.layout is not None and not streamed:
             named_tensors = in_layout_order(named_tensors, self.layout)
         whole = self.cfg.pause_scope == "sync"
-        pauses: list[tuple[int, Any]] = []
-        resumes: list[tuple[int, Any]] = []
+        pauses: list[tuple[int, Future]] = []
+        resumes: list[tuple[int, Future]] = []
         paused_ok = False
         t_paused = t_resumed = t0
         nbytes, nbuckets, bcast_s, oversize, ack_s = 0, 0, 0.0, 0, 0.0
         first_s = hand_s = resume_s = 0.0
-        pending: list[tuple[int, Any]] = []
-        begins: list[tuple[int, Any]] = []
-        ends: list[tuple[int, Any]] = []
+        pending: list[tuple[int, Future]] = []
+        begins: list[tuple[int, Future]] = []
+        ends: list[tuple[int, Future]] = []
         last_posted = False
         buckets: BucketStream | None = None
         exported = False  # every bucket taken from the exporter
@@ -577,171 +576,6 @@ class BroadcastTransport(WeightTransport):
         self._pool.shutdown(wait=False, cancel_futures=True)
         for p in self._posters:
             p.shutdown(wait=False, cancel_futures=True)
-
-
-class TensorTransport(BroadcastTransport):
-    """Colocated engines (same host, e.g. trainer and engine sharing one GPU): each bucket
-    goes as SGLang 0.5.23's ``POST /update_weights_from_tensor`` with handles to the
-    sender's memory instead of a broadcast (NCCL refuses two ranks on one GPU).
-
-    Per bucket: ``{serialized_named_tensors: one base64 ForkingPickler payload per engine TP
-    rank (``ranks_per_engine``: each engine's TP size), load_format: "flattened_bucket",
-    flush_cache, weight_version (a string) on the LAST bucket only}``
-    (:mod:`~moe_async.weight_sync.tensor_ipc`), inside the same pause / ``begin_weight_update
-    {atomic}`` / ``end_weight_update`` / continue session as :class:`BroadcastTransport`
-    (same ordering, metrics and failure handling). Buckets and the send buffer live on the
-    current CUDA device when there is one (CUDA IPC handles), else in CPU shared memory
-    (opened by name by the engine process). Each bucket's tensors are kept alive until every
-    engine has answered its call (the engine copies them into its parameters before it
-    answers), so a packed buffer is reused only after that. No process group: ``connect()``
-    only reads the engines' ``/weights_layout``; ``master_address``/``group_name``/
-    ``world_size`` are accepted and unused. ``sync/broadcast_seconds`` is the time waiting
-    for the engines to copy a bucket.
-
-    Raises:
-        WeightSyncError: before connect(), or naming the engine that answered ``success: false``.
-    """
-
-    def __init__(self, clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
-                 ranks_per_engine: int | Sequence[int] = 1, **kw: Any):
-        super().__init__(clients, cfg, pause_mode=pause_mode, ranks_per_engine=ranks_per_engine, **kw)
-        self.tp_sizes = list(self.membership.engine_sizes)
-        self._ready = False
-
-    @property
-    def device(self) -> torch.device:
-        """The current CUDA device when CUDA is available (IPC handles), else CPU (shared memory)."""
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-    def connect(self) -> None:
-        """Read the engines' common ``/weights_layout`` (embedded engines); nothing to join."""
-        self._set_layout(self._common_layout())
-        self._ready = True
-
-    def _connected(self) -> bool:
-        return self._ready
-
-    update_call = "update_weights_from_tensor"
-
-    def _post_bucket(self, bucket: Bucket, flat: torch.Tensor | None,
-                     weight_version: int | None) -> list[tuple[int, Any]]:
-        from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
-
-        if flat is None:
-            raise WeightSyncError("the tensor transport sends from one process: a bucket of another sender "
-                                  "(weight_sync.transport: broadcast has several senders)")
-        last = weight_version is not None
-        dtypes = [str_to_dtype(d) for d in bucket.dtypes]
-        payloads: dict[int, list[str]] = {}
-        for tp in set(self.tp_sizes):
-            payloads[tp] = serialize_flattened_bucket(flat, bucket.names, dtypes, bucket.shapes, copies=tp)
-        return [
-            (i, self._posters[i].submit(
-                c.update_weights_from_tensor, serialized_named_tensors=payloads[self.tp_sizes[i]],
-                load_format="flattened_bucket", flush_cache=last and self.flush_with_update,
-                weight_version=str(weight_version) if last else None))  # SGLang: Optional[str]
-            for i, c in enumerate(self.clients)
-        ]
-
-    def _transfer(self, flat: torch.Tensor, posted: list[tuple[int, Any]]) -> None:
-        """Hold ``flat`` (this frame's reference) until every engine answered this bucket;
-        errors are read with the other replies after the last bucket."""
-        wait([f for _, f in posted], timeout=self.cfg.timeout_s)
-
-    def close(self) -> None:
-        self._ready = False
-
-
-class DiskTransport(WeightTransport):
-    """Fallback: safetensors shards in a directory every engine can read, then SGLang's
-    ``POST /update_weights_from_disk {model_path, weight_version, flush_cache}``.
-
-    Each update goes to its own subdirectory ``v{weight_version}`` (shards of at most
-    ``bucket_bytes``, a tensor larger than that alone in its shard; the checkpoint's
-    ``config.json`` is not needed by the engines here); the previous one is removed after
-    the engines confirm. Engines apply the whole directory atomically.
-    """
-
-    def __init__(self, clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort"):
-        self.clients = list(clients)
-        self.cfg = cfg
-        self.pause_mode = pause_mode
-        self._own_dir = cfg.disk_dir is None
-        self.root = cfg.disk_dir
-        self._prev: str | None = None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
-
-    def connect(self) -> None:
-        if self.root is None:
-            self.root = tempfile.mkdtemp(prefix="moe_async_weights_")
-        os.makedirs(self.root, exist_ok=True)
-
-    def _write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], path: str) -> tuple[int, int]:
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        nbytes, nfiles = 0, 0
-        for bucket in make_buckets(named_tensors, self.cfg.bucket_bytes):
-            tensors = {n: t.detach().contiguous() for n, t in zip(bucket.names, bucket.tensors)}
-            save_file(tensors, os.path.join(path, f"model-{nfiles:05d}.safetensors"))
-            nbytes += bucket.nbytes
-            nfiles += 1
-        return nbytes, nfiles
-
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
-        if self.root is None:
-            raise WeightSyncError("DiskTransport.send before connect()")
-        t0 = time.perf_counter()
-        path = os.path.join(self.root, f"v{weight_version}")
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        nbytes, nfiles = self._write(named_tensors, path)  # before pausing: engines keep generating
-        t_written = time.perf_counter()
-        for c in self.clients:
-            c.pause_generation(mode=self.pause_mode)
-        t_paused = time.perf_counter()
-        try:
-            # in_place: no flush while paused requests hold KV (SGLang would fail the call)
-            futs = [self._pool.submit(c.update_weights_from_disk, model_path=path, weight_version=str(weight_version),
-                                      flush_cache=self.pause_mode != "in_place") for c in self.clients]
-            for i, f in enumerate(futs):
-                BroadcastTransport._check(i, f.result(timeout=self.cfg.timeout_s), "update_weights_from_disk")
-        finally:
-            for c in self.clients:
-                c.continue_generation()
-        t1 = time.perf_counter()
-        if self._prev and self._prev != path:
-            shutil.rmtree(self._prev, ignore_errors=True)
-        self._prev = path
-        secs = t1 - t0
-        return {
-            "sync/bytes": float(nbytes),
-            "sync/seconds": secs,
-            "sync/gbps": nbytes / secs / 1e9 if secs > 0 else 0.0,
-            "sync/pause_seconds": t1 - t_paused,
-            "sync/buckets": float(nfiles),
-            "sync/write_seconds": t_written - t0,
-            "sync/weight_version": float(weight_version),
-        }
-
-    def close(self) -> None:
-        if self._own_dir and self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-            self.root = None
-
-    def shutdown(self) -> None:
-        self.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def make_transport(clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, pause_mode: str = "abort",
-                   **kw: Any) -> WeightTransport:
-    """The transport ``cfg.transport`` names (``broadcast`` | ``tensor`` | ``disk``), not yet connected."""
-    if cfg.transport == "disk":
-        return DiskTransport(clients, cfg, pause_mode=pause_mode)
-    if cfg.transport == "tensor":
-        return TensorTransport(clients, cfg, pause_mode=pause_mode, **kw)
-    return BroadcastTransport(clients, cfg, pause_mode=pause_mode, **kw)
 
 
 def check_engines(clients: Sequence[WeightReceiver], trainer_checksums: dict[str, str], weight_version: int) -> dict[str, float]:

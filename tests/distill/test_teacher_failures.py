@@ -16,7 +16,7 @@ import pytest
 
 from moe_async.distill.config import TeacherConfig
 from moe_async.distill.teacher import TeacherFailureError, TeacherScorer
-from moe_async.engines.client import ScoreOutput
+from moe_async.engines.replies import ScoreOutput
 from moe_async.types import Sample
 
 

@@ -19,7 +19,7 @@ from moe_async.buffer.snapshot import sample_from_dict, sample_to_dict
 from moe_async.distill.advantages import distill_metrics
 from moe_async.distill.config import TeacherConfig
 from moe_async.distill.teacher import TeacherScorer
-from moe_async.engines.client import ScoreOutput
+from moe_async.engines.replies import ScoreOutput
 from moe_async.trainer.loss import grpo_token_loss, topk_forward_kl
 from moe_async.types import Group, Sample
 
@@ -214,7 +214,8 @@ def test_scoring_reply_drops_sglangs_leading_null():
     """SGLang 0.5.23 answers ``logprob_start_len = s`` with ``[None] + logprobs[:-1]`` (the token
     AT ``s`` has none): the client asks from one before the scored tokens and drops that entry,
     top rows included; a reply of only the scored tokens is refused, naming the count."""
-    from moe_async.engines.client import _Calls, parse_score
+    from moe_async.engines.client import _Calls
+    from moe_async.engines.replies import parse_score
 
     call = _Calls.score.spec(_Calls(), [5, 6, 7, 8], 2, top_logprobs_num=2)
     assert call.json["logprob_start_len"] == 1

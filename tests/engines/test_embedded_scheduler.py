@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_async.engines.embedded.scheduler import Req, SamplingParams, Scheduler
+from moe_async.engines.embedded.req import Req
+from moe_async.engines.embedded.sampling import SamplingParams
+from moe_async.engines.embedded.scheduler import Scheduler
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moe_async.engines.base import EmbeddedEngine, SGLangEngine, make_engine
-from moe_async.engines.client import parse_generate
+from moe_async.engines.replies import parse_generate
 from moe_async.engines.config import EngineConfig
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from _sglang_import import io_struct_or_skip
-from moe_async.engines.client import SyncEngineClient, parse_generate
+from moe_async.engines.client import SyncEngineClient
+from moe_async.engines.replies import parse_generate
 
 io, _, pytestmark = io_struct_or_skip()
 
@@ -269,7 +270,7 @@ def test_weight_version_is_any_string_as_in_sglang():
     """SGLang 0.5.23 takes any ``weight_version`` string (its server starts at ``"default"``):
     the embedded engine's bodies accept what SGLang's dataclasses accept, and the client
     reads a non-numeric version (SGLang's default) as -1, never failing on it."""
-    from moe_async.engines.client import parse_generate
+    from moe_async.engines.replies import parse_generate
     from moe_async.engines.embedded import weight_update as wu
     from moe_async.engines.embedded.server import parse_args
 

@@ -52,7 +52,7 @@ class SyncRank:
         if self.rank != 0:
             return
         from moe_async.engines.client import SyncEngineClient
-        from moe_async.weight_sync.transport import make_transport
+        from moe_async.weight_sync.factory import make_transport
 
         clients = [SyncEngineClient(u, timeout_s=60) for u in urls]
         self.transport = make_transport(clients, self.cfg.weight_sync, pause_mode="abort",

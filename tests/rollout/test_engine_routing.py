@@ -55,7 +55,7 @@ def test_no_routable_engine_waits_then_drops_engine_lost() -> None:
     dead = DeadEngine()
     buf = FakeBuffer(capacity=1, version=0)
     m = _manager(cfg, FakeDataset([4]), [dead], buf)
-    m.no_engine_wait_s = 0.3
+    m.router.no_engine_wait_s = 0.3
     _run(m, buf, 1)
     assert buf.groups == [] and buf.cancels == ["engine_lost"]
     assert m.metrics()["rollout/dropped/engine_lost"] == 1.0

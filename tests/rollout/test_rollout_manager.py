@@ -238,10 +238,10 @@ def test_gen_wall_seconds_counts_overlapping_requests_once(monkeypatch) -> None:
     per-request sum is 3 + 5 + 2 = 10 s (the old rollout/gen_seconds)."""
     import types
 
-    import moe_async.rollout.manager as manager_mod
+    import moe_async.rollout.engine_router as router_mod  # the busy clocks live with the request routing
 
     clock = [0.0]
-    monkeypatch.setattr(manager_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(router_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
 
     class Gated:
         def __init__(self):
@@ -397,7 +397,7 @@ def test_reward_errors_are_reported_naming_the_setting(caplog) -> None:
 def test_a_whole_epoch_of_prompts_too_long_stops_the_loop_instead_of_drawing_forever() -> None:
     """Every train prompt fills the context: after one epoch of drops the loop raises, naming the
     counts and the context, instead of drawing and dropping forever with no step and no error."""
-    from moe_async.rollout.manager import PromptsAllDroppedError
+    from moe_async.rollout.failures import PromptsAllDroppedError
 
     class ThreeRows(FakeDataset):
         n = 3  # train rows an epoch
@@ -431,7 +431,7 @@ def test_groups_failing_one_after_another_stop_the_loop_naming_the_error() -> No
     """A fault every group hits (an environment or tool setting, a bad row format) used to be
     logged group after group forever with no step trained; after MAX_GROUP_ERRORS_IN_A_ROW the
     loop raises, naming the last error."""
-    from moe_async.rollout.manager import MAX_GROUP_ERRORS_IN_A_ROW, GroupsFailingError
+    from moe_async.rollout.failures import MAX_GROUP_ERRORS_IN_A_ROW, GroupsFailingError
 
     cfg = RolloutConfig(n_samples_per_prompt=2, max_concurrent_groups=1, max_new_tokens=8)
     eng = FakeEngine()

@@ -62,7 +62,8 @@ def run_layout(url: str, model_dir: str, layout: str) -> dict:
     from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
     from moe_async.weight_sync.config import WeightSyncConfig
-    from moe_async.weight_sync.transport import BroadcastTransport, DiskTransport, check_engines
+    from moe_async.weight_sync.disk_transport import DiskTransport
+    from moe_async.weight_sync.transport import BroadcastTransport, check_engines
 
     tp, pp, ep = parse(layout)
     rank = dist.get_rank()

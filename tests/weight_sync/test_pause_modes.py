@@ -109,7 +109,7 @@ def test_disk_fallback_serves_the_new_weights(tiny_engine, tmp_path):
 
     from moe_async.models.checksum import tensor_checksum
     from moe_async.engines.embedded.weights import HFWeightMap
-    from moe_async.weight_sync.transport import make_transport
+    from moe_async.weight_sync.factory import make_transport
 
     eng, model_dir = tiny_engine
     client = SyncEngineClient(eng.url, timeout_s=120)

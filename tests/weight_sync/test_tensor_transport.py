@@ -44,7 +44,8 @@ def _sums(ts):
 def tensor_transport(tiny_engine):
     from moe_async.engines.client import SyncEngineClient
     from moe_async.weight_sync.config import WeightSyncConfig
-    from moe_async.weight_sync.transport import TensorTransport, make_transport
+    from moe_async.weight_sync.factory import make_transport
+    from moe_async.weight_sync.tensor_transport import TensorTransport
 
     client = SyncEngineClient(tiny_engine[0].url, timeout_s=120)
     cfg = WeightSyncConfig(transport="tensor", bucket_bytes=8 * 1024, timeout_s=120)
@@ -152,7 +153,8 @@ from moe_async.engines.client import SyncEngineClient
 from moe_async.trainer.config import TrainerConfig
 from moe_async.trainer.megatron_trainer import MegatronTrainer
 from moe_async.weight_sync.config import WeightSyncConfig
-from moe_async.weight_sync.transport import TensorTransport, check_engines
+from moe_async.weight_sync.tensor_transport import TensorTransport
+from moe_async.weight_sync.transport import check_engines
 url, model_dir = sys.argv[1], sys.argv[2]
 trainer = MegatronTrainer(TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-3), model_dir)
 c = SyncEngineClient(url, timeout_s=120)
@@ -233,7 +235,7 @@ class _FakeEngine:
 def test_tensor_transport_order_payload_per_tp_rank_and_errors():
     from moe_async.weight_sync.config import WeightSyncConfig
     from moe_async.weight_sync.group import WeightSyncError
-    from moe_async.weight_sync.transport import TensorTransport
+    from moe_async.weight_sync.tensor_transport import TensorTransport
 
     log = []
     engines = [_FakeEngine(log, 0), _FakeEngine(log, 1)]

@@ -11,7 +11,9 @@ import torch
 from moe_async.weight_sync.config import WeightSyncConfig
 from moe_async.weight_sync.group import WeightSyncError
 from moe_async.weight_sync.packing import PackPool, packed_buckets
-from moe_async.weight_sync.transport import BroadcastTransport, DiskTransport, check_engines, make_transport
+from moe_async.weight_sync.disk_transport import DiskTransport
+from moe_async.weight_sync.factory import make_transport
+from moe_async.weight_sync.transport import BroadcastTransport, check_engines
 
 
 def _named(n=7):

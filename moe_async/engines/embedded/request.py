@@ -73,7 +73,7 @@ FIELDS: tuple[str, ...] = HONOURED + tuple(REFUSED)
 
 @dataclass
 class ItemSpec:
-    """One sample to generate: what :class:`~.scheduler.Req` is built from."""
+    """One sample to generate: what :class:`~.req.Req` is built from."""
 
     input_ids: list[int]
     params: SamplingParams

@@ -30,7 +30,7 @@ def _top(rows: list, tokenizer: Tokenizer, with_text: bool) -> list:
 
 def build_response(req: Any, *,  # a scheduler Req (the scheduler imports this module)
                     weight_version: str, num_layers: int, top_k: int, tokenizer: Tokenizer) -> dict:
-    """The response dict of ``req`` (a finished :class:`~.scheduler.Req`)."""
+    """The response dict of ``req`` (a finished :class:`~.req.Req`)."""
     C = len(req.output_ids)
     version = req.output_versions[-1] if req.output_versions else weight_version
     meta: JsonDict = {

@@ -12,177 +12,24 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
-import re
 import threading
 import time
 import traceback
-import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
+from moe_async.engines.embedded.forward import LogitsHead, RoutingCapture, cache_kv, left_pad
 from moe_async.engines.embedded.lora import EngineLora
+from moe_async.engines.embedded.req import Req
 from moe_async.engines.embedded.response import build_response
 from moe_async.engines.embedded.sampling import SamplingParams, adjust_logits, check_finish
 
-__all__ = ["Req", "SamplingParams", "Scheduler"]
+__all__ = ["Scheduler"]
 
 log = logging.getLogger("moe_async.engines.embedded")
-
-@dataclass
-class Req:
-    """One generation request and everything it has produced so far."""
-
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    return_routed_experts: bool = False
-    return_sampling_mask: bool = False
-    sampling_logprobs_mode: str = "selected"  # "selected" | "support"
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
-    return_text_in_logprobs: bool = False
-    routed_experts_start_len: int = 0
-    return_prompt_token_ids: bool = False
-    lora_name: str | None = None  # the LoRA adapter this request runs on (held until it finishes)
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    max_new_tokens: int = 0  # after clamping to the context
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[str] = field(default_factory=list)
-    input_token_logprobs: list[list] | None = None
-    input_top: list = field(default_factory=list)  # per input position: None | (vals, ids)
-    input_ids_lp: list = field(default_factory=list)  # per input position: None | (vals, ids)
-    output_top: list = field(default_factory=list)  # per output token: (vals, ids)
-    output_ids_lp: list = field(default_factory=list)  # per output token: (vals, ids)
-    routed: list[np.ndarray] = field(default_factory=list)  # chunks of [S, L, K] int32
-    sampling_mask: list[list[int]] = field(default_factory=list)  # per output token: support ids
-    sampling_logprobs: list = field(default_factory=list)  # per output token: float | list
-    finish: dict | None = None
-    num_retractions: int = 0
-    created: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-class RoutingCapture:
-    """Forward hooks on every MoE router that record its top-k expert ids.
-
-    Works for transformers' ``*TopKRouter`` modules (output ``(logits, scores, indices)``)
-    and for plain routers returning logits (top-k taken here).
-    """
-
-    _NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
-
-    def __init__(self, model: torch.nn.Module, top_k: int):
-        self.top_k = top_k
-        modules = dict(model.named_modules())
-        found = []
-        for name, mod in modules.items():
-            m = self._NAME.search(name)
-            parent = modules.get(name.rsplit(".", 1)[0])
-            if m and parent is not None and hasattr(parent, "experts"):
-                found.append((int(m.group(1)), mod))
-        found.sort(key=lambda x: x[0])
-        self.num_layers = len(found)
-        self.enabled = True  # off while no request in the forward asked for routed experts
-        self._buf: list[torch.Tensor | None] = [None] * self.num_layers
-        for slot, (_, mod) in enumerate(found):
-            mod.register_forward_hook(self._make_hook(slot))
-
-    def _make_hook(self, slot: int):
-        def hook(_mod, _inp, out):
-            if not self.enabled:
-                return
-            if isinstance(out, tuple) and len(out) == 3:
-                idx = out[2]
-            else:
-                logits = out[0] if isinstance(out, tuple) else out
-                idx = torch.topk(logits, self.top_k, dim=-1).indices
-            self._buf[slot] = idx.detach().reshape(-1, idx.shape[-1]).to(torch.int32)
-
-        return hook
-
-    def take(self, num_tokens: int) -> np.ndarray:
-        """``[num_tokens, L, K]`` int32 routing of the last forward (tokens in b, s order)."""
-        if self.num_layers == 0:
-            return np.zeros((num_tokens, 0, self.top_k), dtype=np.int32)
-        out = torch.stack(cast("list[torch.Tensor]", self._buf), dim=1).cpu().numpy()  # [N, L, K]
-        self._buf = [None] * self.num_layers
-        return out
-
-
-class LogitsHead:
-    """The model's forward split in two: the decoder (``model.model``) then ``lm_head``,
-    with logits only for the rows asked for.
-
-    On a CPU the LM head of a small model is most of a decode step (SmolLM2: a 49k x 576 fp32
-    matrix read once per step, memory bound). ``x @ W^T`` with a cached contiguous copy of
-    ``W^T`` streams that matrix faster than ``F.linear(x, W)`` does. It is used for a row
-    count only once it was checked bit-identical to ``F.linear`` for that count (so logits,
-    hence greedy tokens and logprobs, are unchanged); otherwise ``F.linear`` is used. The
-    copy is rebuilt after :meth:`invalidate` (the scheduler calls it after every control
-    command, weight updates included) or when the weight tensor changes identity.
-
-    Families whose causal-LM forward is not exactly ``lm_head(model(...))`` use the plain
-    ``model(...)`` call (``enabled`` False).
-    """
-
-    _FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"}
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        cfg = model.config
-        get_head = getattr(model, "get_output_embeddings", None)
-        head = get_head() if callable(get_head) else None
-        self.base: Any = getattr(model, "model", None)
-        self.head: Any = head
-        self.enabled = (
-            getattr(cfg, "model_type", "") in self._FAMILIES
-            and isinstance(head, torch.nn.Linear) and head.bias is None
-            and isinstance(self.base, torch.nn.Module)
-            and not getattr(cfg, "final_logit_softcapping", None)
-            and getattr(cfg, "logit_scale", None) in (None, 1, 1.0)
-        )
-        self._wt: torch.Tensor | None = None
-        self._key: tuple | None = None
-        self._exact: dict[int, bool] = {}  # rows -> x @ W^T bit-identical to F.linear
-
-    def invalidate(self) -> None:
-        self._wt, self._key = None, None
-
-    def hidden(self, **kw) -> torch.Tensor:
-        """``[B, S, H]`` last hidden states (``kw``: the decoder's forward arguments)."""
-        return self.base(**kw).last_hidden_state
-
-    def project(self, h_NH: torch.Tensor) -> torch.Tensor:
-        """``[N, V]`` logits of ``[N, H]`` hidden states."""
-        w = self.head.weight
-        key = (w.data_ptr(), tuple(w.shape), w.dtype)
-        wt = self._wt
-        if key != self._key or wt is None:
-            wt = self._wt = w.detach().t().contiguous()
-            self._key = key
-        h_NH = h_NH.contiguous()
-        n = h_NH.shape[0]
-        ok = self._exact.get(n)
-        if ok is None:
-            ref = F.linear(h_NH, w)
-            self._exact[n] = bool(torch.equal(ref, h_NH @ wt))
-            return ref
-        return h_NH @ wt if ok else F.linear(h_NH, w)
-
-
-def _cache_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[(keys, values)]`` per layer of a filled full-attention cache (``[B, heads, T, D]``)."""
-    return [(cast(Any, layer).keys, cast(Any, layer).values) for layer in cache.layers]
-
 
 class Scheduler:
     """Owns the model; runs prefill/decode and control commands on one thread."""
@@ -486,14 +333,14 @@ class Scheduler:
                 keep.append(j)
         if not keep:
             return
-        kv = _cache_kv(cache)
+        kv = cache_kv(cache)
         rows = [inv[j] for j in keep]
         if rows != list(range(n)):  # finished requests leave; shared rows are copied per request
             idx = torch.tensor(rows, dtype=torch.long, device=self.device)
             kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
         pads = [pads[i] for i in rows]
         for j, p in enumerate(pads):
-            if p:  # padding columns: zeros, as _left_pad makes them (never NaN under a mask)
+            if p:  # padding columns: zeros, as left_pad makes them (never NaN under a mask)
                 for k, v in kv:
                     k[j, :, :p] = 0
                     v[j, :, :p] = 0
@@ -569,7 +416,7 @@ class Scheduler:
             logits_BV = self.head.project(self.head.hidden(**kw)[:, -1])
         else:
             logits_BV = self.model(**kw).logits[:, -1]
-        self.kv = _cache_kv(cache)
+        self.kv = cache_kv(cache)
         routing_BLK = self.capture.take(B) if routed else None
         logits_BV = logits_BV.float()
         for b, r in enumerate(self.running):
@@ -603,8 +450,8 @@ class Scheduler:
             T = self.kv[0][0].shape[2]
             T2 = max(T, n)
             self.kv = [
-                (torch.cat([_left_pad(k, T2 - T), _left_pad(k1, T2 - n)], dim=0),
-                 torch.cat([_left_pad(v, T2 - T), _left_pad(v1, T2 - n)], dim=0))
+                (torch.cat([left_pad(k, T2 - T), left_pad(k1, T2 - n)], dim=0),
+                 torch.cat([left_pad(v, T2 - T), left_pad(v1, T2 - n)], dim=0))
                 for (k, v), (k1, v1) in zip(self.kv, kv_new)
             ]
             self.pads = [p + (T2 - T) for p in self.pads] + [p + (T2 - n) for p in new_pads]
@@ -734,10 +581,3 @@ def _topk(lp_V: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
     """The ``k`` best ``(logprobs, token ids)`` of a logprob row, best first."""
     v, i = torch.topk(lp_V, min(k, lp_V.numel()))
     return v.tolist(), i.tolist()
-
-
-def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Prepend ``n`` zero columns on the sequence dim of a ``[B, H, T, D]`` tensor."""
-    if n == 0:
-        return x
-    return F.pad(x, (0, 0, n, 0))

@@ -31,7 +31,8 @@ from moe_async.engines.embedded.lora_routes import lora_router
 from moe_async.engines.embedded.openai_api import register_openai_routes
 from moe_async.engines.embedded.request import decode_generate
 from moe_async.engines.embedded.sampling import RequestError
-from moe_async.engines.embedded.scheduler import Req, Scheduler
+from moe_async.engines.embedded.req import Req
+from moe_async.engines.embedded.scheduler import Scheduler
 from moe_async.engines.embedded.tensor_update import tensor_update_router
 from moe_async.engines.embedded.weight_update import WeightUpdater, weight_update_router
 from moe_async.types import Tokenizer, JsonDict

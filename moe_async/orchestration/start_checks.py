@@ -1,0 +1,52 @@
+"""Start-up checks of a run's model layout and context against the model, before any process.
+
+:func:`refuse_layout_before_run_dir` applies plan's model rules to the HF config known before
+the model is made (no run dir yet); :func:`made_model_checks` applies what needs the made model
+(its ``config.json`` and tokenizer): prompt room, layout, the teacher's top-k, the chat
+template showing the agent's tools. Both raise
+:class:`~moe_async.errors.UserInputError` naming the model and the broken rule."""
+
+from __future__ import annotations
+
+from moe_async.config import ExperimentConfig
+from moe_async.errors import UserInputError
+from moe_async.orchestration.lifecycle import refuse_prompt_room
+
+
+def refuse_layout_before_run_dir(cfg: ExperimentConfig) -> bool:
+    """Plan's model rules (heads, KV groups, experts, layers by the parallel sizes) on the
+    model's HF config as known before the model is made or the run dir exists
+    (:func:`~moe_async.models.prepare.configured_hf_config`: ``hf``'s ``config.json``, a made
+    source's cached one, ``random_moe``'s from its sizes). Returns True when they were checked,
+    False when the config cannot be known yet (``smollm2_upcycled`` not made: checked after
+    preparation). Raises UserInputError naming every broken rule."""
+    from moe_async.models.prepare import configured_hf_config
+    from moe_async.plan.report import hf_config_layout_errors
+
+    hf_config = configured_hf_config(cfg.model)
+    if hf_config is None:
+        return False
+    where = cfg.model.hf_path if cfg.model.source == "hf" else f"model.source={cfg.model.source}"
+    if errs := hf_config_layout_errors(cfg, hf_config, str(where)):
+        raise UserInputError(f"layout does not fit the model {where}: " + "; ".join(errs))
+    return True
+
+
+def made_model_checks(cfg: ExperimentConfig, model_path: str, room_checked: bool, layout_checked: bool) -> None:
+    """What needs the made model (its config.json, tokenizer): before any Ray process.
+    Raises UserInputError naming the model and the rule."""
+    from moe_async.agent.start_up import check_template_shows_tools
+    from moe_async.plan.report import model_layout_errors
+
+    if not room_checked:  # data.max_prompt_length against the model's context
+        refuse_prompt_room(cfg, model_path)
+    if not layout_checked and (errs := model_layout_errors(cfg, model_path)):
+        raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
+    if cfg.teacher.enabled:  # teacher.top_k against the vocabulary
+        from moe_async.orchestration.teacher_pool import check_teacher_top_k
+
+        check_teacher_top_k(cfg, model_path)
+    if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's chat template shows the tools
+        from moe_async.models.prepare import load_tokenizer
+
+        check_template_shows_tools(cfg.rollout.agent, load_tokenizer(model_path), model_path)
