@@ -47,6 +47,7 @@ from moe_async.trainer.ckpt_shapes import check_load_matches_config
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from moe_async.data.check import DataCheck
     from moe_async.orchestration.engine_pool import EnginePool
     from moe_async.orchestration.teacher_pool import TeacherRecovery
     from moe_async.orchestration.trainer_group import TrainerGroup
@@ -379,7 +380,7 @@ def _final_summary(run: _Run, summary: dict[str, Any], version: int) -> None:
               f"weight_version {version}): {summary['adapter_dir']}", flush=True)
 
 
-def _refuse_before_processes(cfg: ExperimentConfig) -> tuple[StartPlan, str, dict[str, Any] | None]:
+def _refuse_before_processes(cfg: ExperimentConfig) -> tuple[StartPlan, str, DataCheck | None]:
     """Start-up checks before Ray or any process starts: cores, the run's id/dir/checkpoint
     (``plan_start``), GPUs, MoE kernels, ``MOE_ASYNC_SIGTERM``, ``trainer.save_dir``, prompt
     files. Returns (the start plan, the SIGTERM mode, the prompt files' check or None).
@@ -403,7 +404,7 @@ def _refuse_before_processes(cfg: ExperimentConfig) -> tuple[StartPlan, str, dic
     except ValueError as e:
         raise UserInputError(str(e)) from None
     check_save_dir(cfg)  # an explicit trainer.save_dir: refused now, not at the first save after training
-    data_checked = None
+    data_checked: DataCheck | None = None
     if cfg.data.enabled:  # prompt files: every table, key and data_source reward checked before any process
         from moe_async.data.check import check_data
 
