@@ -5,7 +5,7 @@
 or ``fully_reshardable`` format, RNG states, ``weight_version`` and the layout it was saved
 at; any layout resumes where the format allows), with the side-file and optimizer-format
 checks that name the file or the field before any state changes. File-level checks and
-metadata reads come from :mod:`moe_async.megatron.dist_ckpt`.
+metadata reads come from :mod:`moe_async.megatron.dist_ckpt_files`.
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ class Checkpointer:
             CheckpointReadError (a UserInputError and a RuntimeError): a file that cannot be
                 read, named: ``.metadata``, ``metadata.json`` or ``common.pt`` truncated or
                 corrupt, a ``.distcp`` shard missing or shorter than its items
-                (:func:`moe_async.megatron.dist_ckpt.check_torch_dist_files`, before any tensor is read),
+                (:func:`moe_async.megatron.dist_ckpt_files.check_torch_dist_files`, before any tensor is read),
                 shard bytes that do not deserialise (model or optimizer part),
                 ``moe_async_version.txt``, ``moe_async_state.json``,
                 ``moe_async_rng/rank_<r>.pt``, ``hf_config.json``.
@@ -440,7 +440,7 @@ class Checkpointer:
                 k = diff[0].name if diff else "model_type"
                 raise ValueError(f"checkpoint {path}: its hf_config.json differs from this trainer's HF config "
                                  f"in field {k} ({getattr(a_saved, k, None)!r} vs {getattr(a_now, k, None)!r})")
-        from moe_async.megatron.dist_ckpt import check_torch_dist_files, is_optimizer_key, saved_vocab_rows
+        from moe_async.megatron.dist_ckpt_files import check_torch_dist_files, is_optimizer_key, saved_vocab_rows
         from moe_async.megatron.te_spec_names import is_te_extra_state
 
 

@@ -100,7 +100,7 @@ def saved_tensor_shapes(ckpt_dir: str) -> dict[str, tuple[int, ...]]:
 
     Raises: FileNotFoundError / ValueError naming the file (:func:`read_torch_dist_metadata`)."""
     from moe_async.megatron.container import resolve
-    from moe_async.megatron.dist_ckpt import is_optimizer_key, read_torch_dist_metadata
+    from moe_async.megatron.dist_ckpt_files import is_optimizer_key, read_torch_dist_metadata
 
     md = read_torch_dist_metadata(resolve(ckpt_dir)).state_dict_metadata
     out = {}
