@@ -166,7 +166,7 @@ class Checkpointer:
                              "chained_optim_avoid_prefix": True}}
 
     @staticmethod
-    def _saved_dist_opt_format(common: Any, opt_keys: list[str]) -> str | None:
+    def _saved_dist_opt_format(common: object, opt_keys: list[str]) -> str | None:
         """The distributed-optimizer format a checkpoint's optimizer state was saved in, None for
         the plain optimizer's. ``common``: the checkpoint's common (non-tensor) optimizer state,
         where Megatron records ``param_state_sharding_type`` (once per chained optimizer);

@@ -136,7 +136,7 @@ class MegatronTrainer:
         self.state.version = v
 
     # ------------------------------------------------------------------ setup
-    def _or_close(self, check: Callable[..., _T], *args: Any) -> _T:
+    def _or_close(self, check: Callable[..., _T], *args: object) -> _T:
         """``check(*args)``; on its ValueError (a refused setting, named) the process groups
         this trainer created are destroyed first (the caller gets no trainer to close)."""
         try:
