@@ -214,7 +214,7 @@ class CpShard:
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch of ``B`` sequences right-padded to ``S`` positions (the trainer's
-    ``_pack``); the loss side is per sequence over the ``S-1`` predicted positions (position
+    ``Batcher.pack``); the loss side is per sequence over the ``S-1`` predicted positions (position
     ``t`` predicts token ``t+1``), whatever the model is given.
 
     Attributes:

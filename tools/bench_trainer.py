@@ -255,16 +255,16 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     # --packing both: the thd-built trainer also runs padded micro-batches (its CPU THD core
-    # attention is the local one without packed_seq_params; TE's takes both); _thd selects _pack's
-    # layout per step
-    kinds = ["padded", "thd"] if args.packing == "both" else ["thd" if meg._thd else "padded"]
+    # attention is the local one without packed_seq_params; TE's takes both); batcher.thd selects
+    # Batcher.pack's layout per step
+    kinds = ["padded", "thd"] if args.packing == "both" else ["thd" if meg.batcher.thd else "padded"]
     if args.recompute:
         if len(kinds) > 1:
             ap.error("--recompute runs with one packing (not --packing both)")
         kinds.append(kinds[0] + "+recompute")
 
     def run_meg(kind=kinds[0], meter=None):
-        meg._thd = kind.startswith("thd")
+        meg.batcher.thd = kind.startswith("thd")
         # Megatron's TransformerBlock reads the full-recompute setting at each forward
         full = kind.endswith("+recompute")
         meg.tf_config.recompute_granularity = "full" if full else None

@@ -18,14 +18,8 @@ import torch
 
 from moe_async.megatron import container
 from moe_async.megatron.build import DEFAULT_VOCAB_DIV, build_model
-from moe_async.megatron.dist_ckpt import (
-    checkpoint_dtype,
-    load_megatron_into_model,
-    read_torch_dist_metadata,
-    save_strategy,
-    saved_vocab_rows,
-    whole_glu_tensors,
-)
+from moe_async.megatron.dist_ckpt import load_megatron_into_model, save_strategy, whole_glu_tensors
+from moe_async.megatron.dist_ckpt_files import checkpoint_dtype, read_torch_dist_metadata, saved_vocab_rows
 from moe_async.megatron.export import check_out_dir, write_hf
 from moe_async.megatron.hf_export import HFExporter
 from moe_async.megatron.hf_io import (

@@ -1,29 +1,32 @@
 """Micro-batches of :class:`~moe_async.trainer.megatron_trainer.MegatronTrainer`: packing and the DP/PP/CP data path.
 
-:class:`BatchingMixin` (a base of the trainer): ``list[Sample]`` -> right-padded or packed-THD
-:class:`~moe_async.trainer.micro_batches.MicroBatch` es (:meth:`_pack`; fields and shapes in
-its docstring), this DP rank's
-slice of the global batch (:meth:`_dp_local`, :meth:`_pad_for_pp`), the CP rank's sequence
-chunks (:meth:`_cp_split`), what the model is given (:meth:`_model_view`) and Megatron's data
-iterators (:meth:`_data_iterators`).
+:class:`Batcher` (the trainer's config, vocabulary and router-replay hook): ``list[Sample]``
+-> right-padded or packed-THD :class:`~moe_async.types.MicroBatch` es (:meth:`Batcher.pack`;
+fields and shapes in its docstring), this DP rank's slice of the global batch
+(:meth:`Batcher.dp_local`, :meth:`Batcher.pad_for_pp`) and Megatron's data iterators. Free
+functions: the CP rank's sequence chunks (:func:`cp_split`), what the model is given
+(:func:`model_view`), Megatron's ``PackedSeqParams`` and the DP-group scalar reductions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from moe_async.layout import cp_positions
-from moe_async.trainer.attrs import TrainerAttrs
 from moe_async.trainer.micro_batches import micro_batch_ranges, padded_len, split_to_count
 from moe_async.types import CpShard, MicroBatch, PackedRow, Sample
 
+if TYPE_CHECKING:
+    from moe_async.replay.megatron import RouterReplayHook
+    from moe_async.trainer.config import TrainerConfig
+
 Tensor = torch.Tensor
 
-# Micro-batches are right-padded to at least this many positions (see MegatronTrainer._pack)
+# Micro-batches are right-padded to at least this many positions (see Batcher.pack)
 MIN_SEQ_LEN = 64
 
 
@@ -56,12 +59,26 @@ def packed_row(tokens: Tensor, logit_b: Tensor, logit_s: Tensor, lens: list[int]
     )
 
 
-class BatchingMixin(TrainerAttrs):
-    """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
+class Batcher:
+    """Packs samples into the micro-batches of one trainer. ``cfg``: the trainer config
+    (micro-batch size, token budget, TP/PP/CP sizes); ``vocab_size``: the HF vocabulary V
+    (teacher top-k ids are checked against it); ``router_replay``: adds the routes to each
+    micro-batch; ``thd``: packed THD rows instead of right-padded ones; ``vpp``: model chunks
+    per PP rank (None: one); ``variable_seq_lengths``: Megatron's p2p exchanges each shape
+    (packed rows at PP > 1 then keep their own length); ``n_chunks``: this rank's model chunks."""
 
-    # ------------------------------------------------------------------ batching
-    def _pack(self, samples: list[Sample], advantages: Sequence[float | list[float]] | None,
-              equalize_dp: bool = False) -> list[MicroBatch]:
+    def __init__(self, cfg: TrainerConfig, vocab_size: int, router_replay: RouterReplayHook, *, thd: bool,
+                 vpp: int | None, variable_seq_lengths: bool = False, n_chunks: int = 1) -> None:
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.router_replay = router_replay
+        self.thd = thd
+        self.vpp = vpp
+        self.variable_seq_lengths = variable_seq_lengths
+        self.n_chunks = n_chunks
+
+    def pack(self, samples: list[Sample], advantages: Sequence[float | list[float]] | None,
+             equalize_dp: bool = False) -> list[MicroBatch]:
         """Right-padded micro-batches of at most ``cfg.micro_batch_size`` sequences and, with
         ``cfg.max_tokens_per_micro_batch``, at most that many padded positions ``B x S``
         (contiguous runs of ``samples``, :func:`micro_batches.micro_batch_ranges`; a sequence
@@ -77,13 +94,13 @@ class BatchingMixin(TrainerAttrs):
         larger tensor; measurements and why longer ones are not padded further: docs/trainer.md).
         Padding tokens are causal-masked and carry no loss; they are routed, but
         ``padding_mask`` keeps them out of Megatron's MoE load-balancing statistics (aux loss,
-        z-loss), except with a router expert bias (see :meth:`_stage_padding_mask`).
+        z-loss), except with a router expert bias (see :func:`~moe_async.trainer.logprobs.stage_padding_mask`).
 
         Each :class:`MicroBatch` (fields and shapes in its docstring): ``tokens [B,S]``, the
         padded model input (``position_ids``, causal ``attention_mask``, ``padding_mask``), the
         loss side over the S-1 predicted positions, the response-predicting rows
         ``logit_b``/``logit_s``, router replay's fields, and at CP > 1 this rank's ``cp`` shard
-        (:meth:`_cp_split`).
+        (:func:`cp_split`).
 
         Packed THD micro-batches (``trainer.sequence_packing`` resolved to thd): the model sees
         ONE row of the micro-batch's sequences back to back (``thd``: :func:`packed_row`); the
@@ -93,12 +110,13 @@ class BatchingMixin(TrainerAttrs):
         the padded path's; ``position_ids``/``attention_mask``/``padding_mask`` are None. The
         token budget counts the packed row's ``T`` (real tokens). With PP > 1 each row keeps
         its own ``T`` through Megatron-Core's ``variable_seq_lengths`` (every p2p exchange
-        sends its shape first; see :meth:`_layout_overrides`); with virtual pipeline stages
-        every row is padded to the batch's largest ``T`` (one p2p shape) instead.
+        sends its shape first; see :func:`~moe_async.trainer.model_setup.layout_overrides`);
+        with virtual pipeline stages every row is padded to the batch's largest ``T`` (one p2p
+        shape) instead.
         """
         mbs = self.cfg.micro_batch_size
         lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        k = self._topk_width(samples)
+        k = self.topk_width(samples)
         for i, s in enumerate(samples):
             if len(s.prompt_ids) == 0:
                 raise ValueError(f"sample {i} has an empty prompt")
@@ -106,21 +124,21 @@ class BatchingMixin(TrainerAttrs):
                 raise ValueError(
                     f"sample {i}: {len(s.rollout_logprobs)} rollout_logprobs for {len(s.response_ids)} response tokens"
                 )
-        thd = self._thd
+        thd = self.thd
         pp = self.cfg.pipeline_model_parallel_size
         fixed_len = max(lens) if pp > 1 and not thd else None
-        # S (padded) or T (thd): SP splits it over TP ranks; CP into 2*CP chunks (see _seq_multiple)
-        multiple = self._seq_multiple()
+        # S (padded) or T (thd): SP splits it over TP ranks; CP into 2*CP chunks (see seq_multiple)
+        multiple = self.seq_multiple()
         budget = self.cfg.max_tokens_per_micro_batch
         ranges = micro_batch_ranges(lens, mbs, budget, packed=thd, min_len=MIN_SEQ_LEN, multiple=multiple,
                                     fixed_len=fixed_len)
-        if equalize_dp and budget is not None and self._dp_size() > 1:
-            ranges = split_to_count(ranges, int(self._dp_max(len(ranges))))
+        if equalize_dp and budget is not None and dp_size() > 1:
+            ranges = split_to_count(ranges, int(dp_max(len(ranges))))
         # thd: the packed row's length T per micro-batch; with PP > 1 and without Megatron's
         # variable_seq_lengths (VPP) the largest (one p2p shape)
-        T_rows = [padded_len([sum(lens[a:b])], min_len=MIN_SEQ_LEN, multiple=self._seq_multiple())
+        T_rows = [padded_len([sum(lens[a:b])], min_len=MIN_SEQ_LEN, multiple=self.seq_multiple())
                   for a, b in ranges] if thd else []
-        if thd and pp > 1 and not getattr(self.tf_config, "variable_seq_lengths", False):
+        if thd and pp > 1 and not self.variable_seq_lengths:
             T_rows = [max(T_rows)] * len(ranges)
         # padded micro-batches at PP > 1 cut by the token budget: Megatron's schedule exchanges one
         # [S, B, hidden] shape per step, so every micro-batch gets the step's largest B (rows after
@@ -183,11 +201,11 @@ class BatchingMixin(TrainerAttrs):
             fields.update(self.router_replay.pack(chunk, S, packed_len=T_rows[i] if thd else None))
             mb = MicroBatch(**fields)
             if self.cfg.context_parallel_size > 1:
-                mb = dataclasses.replace(mb, cp=self._cp_split(mb))
+                mb = dataclasses.replace(mb, cp=cp_split(mb))
             out.append(mb)
         return out
 
-    def _topk_width(self, samples: list[Sample]) -> int:
+    def topk_width(self, samples: list[Sample]) -> int:
         """``k`` of the samples' distillation teacher top-k (``Sample.teacher_topk_ids [R, k]``),
         0 when none has them. Raises ValueError naming the sample whose ``k`` differs from the
         first's, whose shapes disagree with its response, or whose ids are outside the
@@ -207,105 +225,31 @@ class BatchingMixin(TrainerAttrs):
                                  f"the student's vocabulary [0, {self.vocab_size})")
         return k
 
-    @staticmethod
-    def _packed_seq_params(mb: MicroBatch) -> Any:
-        """Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``) of a packed micro-batch
-        (its :class:`PackedRow` ``mb.thd``); self-attention, so q and kv share the cu_seqlens."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        row = mb.thd
-        assert row is not None, "a packed (thd) micro-batch"
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
-            cu_seqlens_q_padded=row.cu_seqlens_padded, cu_seqlens_kv_padded=row.cu_seqlens_padded,
-            max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen,
-        )
-
-    def _schedule_shape(self, mbs_list: list[MicroBatch]) -> tuple[int, int]:
+    def schedule_shape(self, mbs_list: list[MicroBatch]) -> tuple[int, int]:
         """``(seq_length, micro_batch_size)`` for Megatron's schedule (its p2p buffers with
         PP > 1: ``[seq_length/TP, micro_batch_size, hidden]``): the padded micro-batches'
         ``(S, cfg.micro_batch_size)`` (cut by the token budget: the step's largest ``B``, which
         every micro-batch has at PP > 1, :attr:`MicroBatch.n_real`),
         packed ones' ``(T, 1)``."""
-        if self._thd:
+        if self.thd:
             return max(mb.thd.tokens.shape[1] for mb in mbs_list if mb.thd is not None), 1
         if self.cfg.max_tokens_per_micro_batch is not None:  # cut by the budget: the step's one B at PP > 1
             return max(mb.tokens.shape[1] for mb in mbs_list), max(mb.tokens.shape[0] for mb in mbs_list)
         return max(mb.tokens.shape[1] for mb in mbs_list), self.cfg.micro_batch_size
 
-    def _seq_multiple(self) -> int:
-        """Padded sequence lengths are multiples of this: TP (sequence parallelism splits S
-        over the TP ranks); with CP > 1, of ``2*CP`` (Megatron's load-balanced split into
-        ``2*CP`` chunks) with each rank's ``S/CP`` positions a multiple of TP:
-        ``CP * lcm(2, TP)``."""
-        import math
+    def seq_multiple(self) -> int:
+        """:func:`seq_multiple` of this trainer's TP and CP sizes."""
+        return seq_multiple(self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size)
 
-        tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
-        return tp if cp == 1 else cp * math.lcm(2, tp)
-
-    _CP_SEQ_KEYS = ("tokens", "position_ids", "padding_mask", "routes_BSLK", "routes_real_BS")
-
-    def _cp_split(self, mb: MicroBatch) -> CpShard:
-        """CP > 1: this context-parallel rank's part of a padded micro-batch (which keeps its
-        whole-sequence tensors for the loss; fields in :class:`CpShard`'s docstring): tokens,
-        positions, padding mask, labels, the teacher's top-k ids and (router replay) routes split by Megatron-Core's
-        ``get_batch_on_this_cp_rank``, and the response-predicting rows this rank holds. The
-        loss side (loss mask, advantages, rollout/old logprobs) stays whole: logprobs are
-        gathered over CP before the loss (:meth:`_cp_token_logp`)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.utils import get_batch_on_this_cp_rank
-
-        tokens = mb.tokens
-        B, S = tokens.shape
-        labels = torch.zeros_like(tokens)
-        labels[:, :-1] = tokens[:, 1:]
-        seq = {k: getattr(mb, k).contiguous() for k in self._CP_SEQ_KEYS if getattr(mb, k) is not None}
-        seq["labels"] = labels
-        if mb.topk_ids is not None:  # position t's teacher top-k ids, aligned with labels
-            seq["topk_ids"] = torch.cat([mb.topk_ids, torch.zeros_like(mb.topk_ids[:, :1])], 1)
-        local = get_batch_on_this_cp_rank(seq, ps.get_context_parallel_group())
-        cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        inv = torch.full((S,), -1, dtype=torch.long)
-        inv[cp_positions(S, cp, r)] = torch.arange(S // cp)
-        s_local = inv[mb.logit_s]
-        keep = s_local >= 0
-        return CpShard(**local, logit_b=mb.logit_b[keep], logit_s=s_local[keep])
-
-    def _model_view(self, mb: MicroBatch) -> MicroBatch:
-        """The micro-batch as the model (and the router replay hook) sees it on this rank:
-        with CP the ``cp`` shard's tensors (this rank's sequence chunks) in place of the whole
-        sequence's tokens, positions, padding mask and routes; packed (thd) the packed row's
-        (``[1,T]``; its routes are already packed); ``mb`` itself otherwise."""
-        if mb.thd is not None:
-            return dataclasses.replace(mb, tokens=mb.thd.tokens, position_ids=mb.thd.position_ids,
-                                       padding_mask=mb.thd.padding_mask)
-        if mb.cp is None:
-            return mb
-        return dataclasses.replace(mb, **{k: getattr(mb.cp, k) for k in self._CP_SEQ_KEYS})
-
-    def _to_device(self, mb: MicroBatch) -> MicroBatch:
-        """``mb`` with every tensor on this rank's CUDA device (``mb`` itself on CPU)."""
-        if torch.cuda.is_available():
-            return mb.map_tensors(lambda v: v.cuda(non_blocking=True))
-        return mb
-    # --- end off-policy correction ---
-
-    # ------------------------------------------------------------------ data parallel
-    def _dp_size(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_world_size()
-
-    def _dp_local(self, batch: list[Sample], advantages: Sequence[float | list[float]]
-                  ) -> tuple[list[Sample], list[float | list[float]]]:
+    def dp_local(self, batch: list[Sample], advantages: Sequence[float | list[float]]
+                 ) -> tuple[list[Sample], list[float | list[float]]]:
         """This DP rank's contiguous slice of the global batch (every rank is given the same
         global batch). Slices are padded to ``ceil(len/dp)`` with zero-weight copies of the
         first sample (no loss, no token count) so that every DP rank runs the same number of
         micro-batches (EP all-to-all and DDP are collectives over DP ranks)."""
         from megatron.core import parallel_state as ps
 
-        dp = self._dp_size()
+        dp = dp_size()
         b: list[Sample] = list(batch)
         a: list[float | list[float]] = list(advantages)
         if dp > 1:
@@ -316,10 +260,10 @@ class BatchingMixin(TrainerAttrs):
             while len(b) < per:
                 b.append(dataclasses.replace(batch[0], loss_weight=0.0))
                 a.append(0.0)
-        b = self._pad_for_pp(b)
+        b = self.pad_for_pp(b)
         return b, a + [0.0] * (len(b) - len(a))
 
-    def _pad_for_pp(self, samples: list[Sample]) -> list[Sample]:
+    def pad_for_pp(self, samples: list[Sample]) -> list[Sample]:
         """With PP > 1 every micro-batch must hold exactly ``micro_batch_size`` sequences (the
         p2p receive buffers are sized from it): pad with zero-weight copies of the first
         sample. With virtual pipeline stages, also pad the number of micro-batches to a
@@ -327,16 +271,132 @@ class BatchingMixin(TrainerAttrs):
         ``microbatch_group_size_per_vp_stage`` = PP and refuses a partial last group).
         Identity at PP == 1."""
         mbs = self.cfg.micro_batch_size
-        unit = mbs * (self.cfg.pipeline_model_parallel_size if self._vpp else 1)
+        unit = mbs * (self.cfg.pipeline_model_parallel_size if self.vpp else 1)
         if self.cfg.pipeline_model_parallel_size == 1 or not samples or len(samples) % unit == 0:
             return list(samples)
         pad = [dataclasses.replace(samples[0], loss_weight=0.0)] * (unit - len(samples) % unit)
         return list(samples) + pad
 
-    def _data_iterators(self, mbs_list: list[MicroBatch]):
+    def data_iterators(self, mbs_list: list[MicroBatch]) -> Iterator[MicroBatch] | list[Iterator[MicroBatch]]:
         """Megatron's ``data_iterator`` argument: one iterator over the micro-batches, or with
         virtual pipeline stages one per model chunk (each chunk runs every micro-batch, in
         order; the interleaved schedule calls ``forward_step`` with the chunk's iterator)."""
-        if len(self.ddp_models) == 1:
+        if self.n_chunks == 1:
             return iter(mbs_list)
-        return [iter(mbs_list) for _ in self.ddp_models]
+        return [iter(mbs_list) for _ in range(self.n_chunks)]
+
+
+def seq_multiple(tp: int, cp: int) -> int:
+    """Padded sequence lengths are multiples of this: TP (sequence parallelism splits S
+    over the TP ranks); with CP > 1, of ``2*CP`` (Megatron's load-balanced split into
+    ``2*CP`` chunks) with each rank's ``S/CP`` positions a multiple of TP:
+    ``CP * lcm(2, TP)``."""
+    import math
+
+    return tp if cp == 1 else cp * math.lcm(2, tp)
+
+
+def packed_seq_params(mb: MicroBatch) -> Any:
+    """Megatron-Core's ``PackedSeqParams`` (``qkv_format='thd'``) of a packed micro-batch
+    (its :class:`PackedRow` ``mb.thd``); self-attention, so q and kv share the cu_seqlens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    row = mb.thd
+    assert row is not None, "a packed (thd) micro-batch"
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
+        cu_seqlens_q_padded=row.cu_seqlens_padded, cu_seqlens_kv_padded=row.cu_seqlens_padded,
+        max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen,
+    )
+
+
+# the sequence tensors a CP rank holds its own chunks of
+CP_SEQ_KEYS = ("tokens", "position_ids", "padding_mask", "routes_BSLK", "routes_real_BS")
+
+
+def cp_split(mb: MicroBatch) -> CpShard:
+    """CP > 1: this context-parallel rank's part of a padded micro-batch (which keeps its
+    whole-sequence tensors for the loss; fields in :class:`CpShard`'s docstring): tokens,
+    positions, padding mask, labels, the teacher's top-k ids and (router replay) routes split by Megatron-Core's
+    ``get_batch_on_this_cp_rank``, and the response-predicting rows this rank holds. The
+    loss side (loss mask, advantages, rollout/old logprobs) stays whole: logprobs are
+    gathered over CP before the loss (:func:`~moe_async.trainer.logprobs.cp_token_logps`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    tokens = mb.tokens
+    B, S = tokens.shape
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    seq = {k: getattr(mb, k).contiguous() for k in CP_SEQ_KEYS if getattr(mb, k) is not None}
+    seq["labels"] = labels
+    if mb.topk_ids is not None:  # position t's teacher top-k ids, aligned with labels
+        seq["topk_ids"] = torch.cat([mb.topk_ids, torch.zeros_like(mb.topk_ids[:, :1])], 1)
+    local = get_batch_on_this_cp_rank(seq, ps.get_context_parallel_group())
+    cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    inv = torch.full((S,), -1, dtype=torch.long)
+    inv[cp_positions(S, cp, r)] = torch.arange(S // cp)
+    s_local = inv[mb.logit_s]
+    keep = s_local >= 0
+    return CpShard(**local, logit_b=mb.logit_b[keep], logit_s=s_local[keep])
+
+
+def model_view(mb: MicroBatch) -> MicroBatch:
+    """The micro-batch as the model (and the router replay hook) sees it on this rank:
+    with CP the ``cp`` shard's tensors (this rank's sequence chunks) in place of the whole
+    sequence's tokens, positions, padding mask and routes; packed (thd) the packed row's
+    (``[1,T]``; its routes are already packed); ``mb`` itself otherwise."""
+    if mb.thd is not None:
+        return dataclasses.replace(mb, tokens=mb.thd.tokens, position_ids=mb.thd.position_ids,
+                                   padding_mask=mb.thd.padding_mask)
+    if mb.cp is None:
+        return mb
+    return dataclasses.replace(mb, **{k: getattr(mb.cp, k) for k in CP_SEQ_KEYS})
+
+
+def to_device(mb: MicroBatch) -> MicroBatch:
+    """``mb`` with every tensor on this rank's CUDA device (``mb`` itself on CPU)."""
+    if torch.cuda.is_available():
+        return mb.map_tensors(lambda v: v.cuda(non_blocking=True))
+    return mb
+
+
+# ------------------------------------------------------------------ data parallel
+def dp_size() -> int:
+    """The data-parallel world size (Megatron's parallel state)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def comm_device() -> torch.device:
+    """The device collectives run on: this rank's CUDA device, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def dp_reduce(x: float, op: torch.distributed.ReduceOp.RedOpType) -> float:
+    """``op`` (a ``torch.distributed.ReduceOp``) of a per-DP-rank scalar over the DP
+    group, in float64; ``x`` itself at DP 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if dp_size() == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
+    return float(t.item())
+
+
+def dp_max(x: float) -> float:
+    """Max of a per-DP-rank scalar over the DP group."""
+    import torch.distributed as dist
+
+    return dp_reduce(x, dist.ReduceOp.MAX)
+
+
+def dp_sum(x: float) -> float:
+    """Sum of a per-DP-rank scalar over the DP group (float64 on the DP group)."""
+    import torch.distributed as dist
+
+    return dp_reduce(x, dist.ReduceOp.SUM)

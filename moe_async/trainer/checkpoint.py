@@ -1,11 +1,11 @@
 """torch_dist checkpoints of :class:`~moe_async.trainer.megatron_trainer.MegatronTrainer`.
 
-:class:`CheckpointMixin` (a base of the trainer): :meth:`save_checkpoint` /
-:meth:`load_checkpoint` (model, distributed-optimizer state in Megatron's ``dp_reshardable``
+:class:`Checkpointer` (over the trainer's :class:`~moe_async.trainer.state.TrainerState`):
+:meth:`Checkpointer.save` / :meth:`Checkpointer.load` (model, distributed-optimizer state in Megatron's ``dp_reshardable``
 or ``fully_reshardable`` format, RNG states, ``weight_version`` and the layout it was saved
 at; any layout resumes where the format allows), with the side-file and optimizer-format
 checks that name the file or the field before any state changes. File-level checks and
-metadata reads come from :mod:`moe_async.megatron.dist_ckpt`.
+metadata reads come from :mod:`moe_async.megatron.dist_ckpt_files`.
 """
 
 from __future__ import annotations
@@ -13,25 +13,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from moe_async.compat import cpu_device_scope
 from moe_async.megatron.sharding import padded_vocab_size
 from moe_async.models import get_family
-from moe_async.trainer.attrs import TrainerAttrs
+from moe_async.trainer.batching import dp_size
+from moe_async.trainer.state import TrainerState
 
 Tensor = torch.Tensor
 # the trainer's logger: these records keep the name they had before the trainer was split
 _LOG = logging.getLogger("moe_async.trainer.megatron_trainer")
 
 
-class CheckpointMixin(TrainerAttrs):
-    """Methods of ``MegatronTrainer`` (see the module docstring); not used on its own."""
+class Checkpointer:
+    """Saves and loads the trainer state ``st`` (its models, optimizer and ``version``; a load
+    sets ``st.version``) as torch_dist checkpoints; see the module docstring."""
+
+    def __init__(self, st: TrainerState) -> None:
+        self.st = st
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
+    def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Save model + optimizer as a Megatron ``torch_dist`` checkpoint (layout-independent;
         with the distributed optimizer, its state in 'dp_reshardable' format, resumable at another
         DP size only, or with ``trainer.dist_ckpt_optim_fully_reshardable`` in 'fully_reshardable'
@@ -43,7 +48,7 @@ class CheckpointMixin(TrainerAttrs):
         ``moe_async_rng/rank_<r>.pt`` (every rank: python ``random``, numpy, torch CPU and, when
         CUDA is available, CUDA generator states, and Megatron's RNG tracker states, as
         Megatron-LM's ``rng_state``). There is no separate scheduler state: the LR is a pure
-        function of ``version`` (:meth:`_set_lr`), so restoring the step restores the schedule.
+        function of ``version`` (:func:`~moe_async.trainer.grpo_step.set_lr`), so restoring the step restores the schedule.
         Saving into a directory that holds a checkpoint overwrites it: its old checkpoint
         files are removed first (:meth:`_remove_old_checkpoint_files`; other files stay).
         The caller's script needs an ``if __name__ == "__main__"`` guard. Collective."""
@@ -67,9 +72,9 @@ class CheckpointMixin(TrainerAttrs):
             model_sd = self._model_sharded_state_dict()
             add_te_extra_state(model_sd)  # the TE modules' _extra_state: a TE-spec model loads it strictly
             sd = {
-                **trainer_common_state(self),  # Megatron-LM's iteration / args / checkpoint_version (common.pt)
+                **trainer_common_state(self.st),  # Megatron-LM's iteration / args / checkpoint_version (common.pt)
                 **model_sd,
-                "optimizer": self.optimizer.sharded_state_dict(self._model_sharded_state_dict(),
+                "optimizer": self.st.optimizer.sharded_state_dict(self._model_sharded_state_dict(),
                                                                **self._optim_ckpt_kwargs()),
             }
             dist_checkpointing.save(sd, path)
@@ -86,9 +91,9 @@ class CheckpointMixin(TrainerAttrs):
         torch.save(rng, os.path.join(path, "moe_async_rng", f"rank_{rank}.pt"))
         if rank == 0:
             with open(os.path.join(path, "moe_async_version.txt"), "w") as f:
-                f.write(str(self.version))
+                f.write(str(self.st.version))
             with open(os.path.join(path, "moe_async_state.json"), "w") as f:
-                json.dump({"version": self.version, "layout": self._ckpt_layout(), "extra": extra or {}}, f)
+                json.dump({"version": self.st.version, "layout": self._ckpt_layout(), "extra": extra or {}}, f)
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # every rank's files are written when any rank returns
 
@@ -118,7 +123,7 @@ class CheckpointMixin(TrainerAttrs):
             f = os.path.join(path, n)
             shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
-    def _model_sharded_state_dict(self, ckpt_keys=None) -> dict[str, Any]:
+    def _model_sharded_state_dict(self, ckpt_keys: Mapping[str, object] | None = None) -> dict[str, Any]:
         """The model part of a torch_dist state dict, as Megatron-LM's ``generate_state_dict``:
         ``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": sd1, ...}`` for virtual
         pipeline chunks (in ``vp_stage`` order). The tensor keys inside are global (layer
@@ -127,10 +132,10 @@ class CheckpointMixin(TrainerAttrs):
         ``ckpt_keys`` (loading): the checkpoint's keys, whose spec's names are then used."""
         from moe_async.megatron.te_spec_names import match_checkpoint, to_te_names
 
-        if len(self.models) == 1:
-            sd = {"model": self.model.sharded_state_dict()}
+        if len(self.st.models) == 1:
+            sd = {"model": self.st.model.sharded_state_dict()}
         else:
-            sd = {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.models)}
+            sd = {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.st.models)}
         to_te_names(sd) if ckpt_keys is None else match_checkpoint(sd, ckpt_keys)
         return sd
 
@@ -149,19 +154,19 @@ class CheckpointMixin(TrainerAttrs):
 
     def _dist_opt_save_format(self) -> str:
         """The format this trainer saves distributed-optimizer state in (see above)."""
-        return "fully_reshardable" if self.cfg.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+        return "fully_reshardable" if self.st.cfg.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
 
     def _optim_ckpt_kwargs(self, fmt: str | None = None) -> dict[str, Any]:
         """Keyword arguments of ``optimizer.sharded_state_dict`` (the ``metadata`` Megatron-LM's
         checkpointing passes): the distributed optimizer's sharding type ``fmt`` (default: the
         one this trainer saves in); none without the distributed optimizer (format unchanged)."""
-        if not self.cfg.use_distributed_optimizer:
+        if not self.st.cfg.use_distributed_optimizer:
             return {}
         return {"metadata": {"distrib_optim_sharding_type": fmt or self._dist_opt_save_format(),
                              "chained_optim_avoid_prefix": True}}
 
     @staticmethod
-    def _saved_dist_opt_format(common: Any, opt_keys: list[str]) -> str | None:
+    def _saved_dist_opt_format(common: object, opt_keys: list[str]) -> str | None:
         """The distributed-optimizer format a checkpoint's optimizer state was saved in, None for
         the plain optimizer's. ``common``: the checkpoint's common (non-tensor) optimizer state,
         where Megatron records ``param_state_sharding_type`` (once per chained optimizer);
@@ -174,7 +179,7 @@ class CheckpointMixin(TrainerAttrs):
 
         found: set[str] = set()
 
-        def walk(x: Any) -> None:
+        def walk(x: object) -> None:
             if isinstance(x, dict):
                 if isinstance(x.get("param_state_sharding_type"), str):
                     found.add(x["param_state_sharding_type"])
@@ -199,11 +204,11 @@ class CheckpointMixin(TrainerAttrs):
         then overwrites the state, the main params and the step."""
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-        opts = [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        opts = [o for o in getattr(self.st.optimizer, "chained_optimizers", [self.st.optimizer])
                 if isinstance(o, DistributedOptimizer) and len(o.optimizer.state) == 0]
         if not opts:
             return
-        keep = [(p, p.detach().clone()) for m in self.models for p in m.parameters()]
+        keep = [(p, p.detach().clone()) for m in self.st.models for p in m.parameters()]
         for o in opts:
             o._init_optimizer_states_with_dummy_values()
         with torch.no_grad():
@@ -235,7 +240,7 @@ class CheckpointMixin(TrainerAttrs):
         from moe_async.errors import UserInputError
 
         saved_do = fmt is not None
-        do = bool(self.cfg.use_distributed_optimizer)
+        do = bool(self.st.cfg.use_distributed_optimizer)
         if saved_do != do:
             raise UserInputError(
                 f"checkpoint {path}: its optimizer state was saved "
@@ -282,18 +287,18 @@ class CheckpointMixin(TrainerAttrs):
         """The world layout RNG states and distributed-optimizer state belong to: world size,
         TP, PP, EP, ETP, VPP (model chunks per PP rank, 1 without a virtual pipeline), CP, DP,
         and ``grouped`` (1: a MoE model's experts are the grouped expert MLP)."""
-        grouped = int(bool(self.cfg.moe_grouped_gemm and self.family.arch_args(self.hf_config).num_experts))
+        grouped = int(bool(self.st.cfg.moe_grouped_gemm and self.st.family.arch_args(self.st.hf_config).num_experts))
         return {"world_size": torch.distributed.get_world_size(), "grouped": grouped,
-                "tp": self.cfg.tensor_model_parallel_size, "pp": self.cfg.pipeline_model_parallel_size,
-                "ep": self.cfg.expert_model_parallel_size,
-                "etp": getattr(self.cfg, "expert_tensor_parallel_size", 1) or 1,
-                "vpp": self.cfg.virtual_pipeline_model_parallel_size or 1,
-                "cp": getattr(self.cfg, "context_parallel_size", 1) or 1, "dp": self._dp_size()}
+                "tp": self.st.cfg.tensor_model_parallel_size, "pp": self.st.cfg.pipeline_model_parallel_size,
+                "ep": self.st.cfg.expert_model_parallel_size,
+                "etp": getattr(self.st.cfg, "expert_tensor_parallel_size", 1) or 1,
+                "vpp": self.st.cfg.virtual_pipeline_model_parallel_size or 1,
+                "cp": getattr(self.st.cfg, "context_parallel_size", 1) or 1, "dp": dp_size()}
 
     _RNG_KEYS = ("layout", "random", "numpy", "torch", "cuda", "tracker")
 
     def _read_ckpt_side_files(self, path: str) -> tuple[int | None, dict[str, Any] | None, dict[str, Any] | None]:
-        """Read and check the files :meth:`save_checkpoint` writes besides the tensors, before
+        """Read and check the files :meth:`save` writes besides the tensors, before
         anything of this trainer changes: ``(version, state, rng)`` from
         ``moe_async_version.txt`` (an int), ``moe_async_state.json`` (a JSON object whose
         ``layout`` and ``extra`` are objects) and this rank's ``moe_async_rng/rank_<r>.pt``
@@ -351,16 +356,16 @@ class CheckpointMixin(TrainerAttrs):
             raise CheckpointReadError(err)
         return version, state, rng
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def load(self, path: str) -> dict[str, Any]:
         """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
-        reshards on load). Returns the ``extra`` dict given to :meth:`save_checkpoint` (``{}``
+        reshards on load). Returns the ``extra`` dict given to :meth:`save` (``{}``
         when the checkpoint has none). ``path``: the torch_dist directory, or a Megatron-LM
         container root (its ``latest_checkpointed_iteration.txt`` names the ``iter_*`` dir);
         tensor keys under either layer spec's names (Transformer Engine or local).
 
         Two kinds are accepted:
 
-        * written by :meth:`save_checkpoint`: model, optimizer state and ``version`` (which
+        * written by :meth:`save`: model, optimizer state and ``version`` (which
           also restores the LR schedule, a pure function of ``version``); this rank's RNG
           states are restored when the saving layout (world size, TP, PP, EP, ETP, VPP, CP, DP)
           equals this one, else an INFO log line says they are not (Megatron-LM's
@@ -392,7 +397,7 @@ class CheckpointMixin(TrainerAttrs):
             CheckpointReadError (a UserInputError and a RuntimeError): a file that cannot be
                 read, named: ``.metadata``, ``metadata.json`` or ``common.pt`` truncated or
                 corrupt, a ``.distcp`` shard missing or shorter than its items
-                (:func:`moe_async.megatron.dist_ckpt.check_torch_dist_files`, before any tensor is read),
+                (:func:`moe_async.megatron.dist_ckpt_files.check_torch_dist_files`, before any tensor is read),
                 shard bytes that do not deserialise (model or optimizer part),
                 ``moe_async_version.txt``, ``moe_async_state.json``,
                 ``moe_async_rng/rank_<r>.pt``, ``hf_config.json``.
@@ -429,13 +434,13 @@ class CheckpointMixin(TrainerAttrs):
             except (OSError, ValueError, AttributeError, TypeError) as e:
                 raise CheckpointReadError(f"checkpoint {path}: cannot read {cfg_p} ({type(e).__name__}: "
                                           f"{str(e)[:200]}); the trainer is unchanged") from e
-            a_now = self.family.arch_args(self.hf_config)
+            a_now = self.st.family.arch_args(self.st.hf_config)
             if a_saved != a_now:
                 diff = [k for k in dataclasses.fields(a_now) if getattr(a_saved, k.name) != getattr(a_now, k.name)]
                 k = diff[0].name if diff else "model_type"
                 raise ValueError(f"checkpoint {path}: its hf_config.json differs from this trainer's HF config "
                                  f"in field {k} ({getattr(a_saved, k, None)!r} vs {getattr(a_now, k, None)!r})")
-        from moe_async.megatron.dist_ckpt import check_torch_dist_files, is_optimizer_key, saved_vocab_rows
+        from moe_async.megatron.dist_ckpt_files import check_torch_dist_files, is_optimizer_key, saved_vocab_rows
         from moe_async.megatron.te_spec_names import is_te_extra_state
 
 
@@ -445,13 +450,13 @@ class CheckpointMixin(TrainerAttrs):
         except CheckpointReadError as e:
             raise CheckpointReadError(f"{e}; the trainer is unchanged") from None
         rows = saved_vocab_rows(path, metadata)
-        want = padded_vocab_size(self.vocab_size, self.cfg.tensor_model_parallel_size,
-                                 self.cfg.make_vocab_size_divisible_by)
+        want = padded_vocab_size(self.st.vocab_size, self.st.cfg.tensor_model_parallel_size,
+                                 self.st.cfg.make_vocab_size_divisible_by)
         if rows is not None and rows != want:
             raise ValueError(
                 f"checkpoint {path} has {rows} (padded) vocab rows, this trainer's model {want} "
-                f"(V={self.vocab_size}, trainer.make_vocab_size_divisible_by="
-                f"{self.cfg.make_vocab_size_divisible_by}, TP={self.cfg.tensor_model_parallel_size}); "
+                f"(V={self.st.vocab_size}, trainer.make_vocab_size_divisible_by="
+                f"{self.st.cfg.make_vocab_size_divisible_by}, TP={self.st.cfg.tensor_model_parallel_size}); "
                 "set make_vocab_size_divisible_by (or convert with --vocab-div) so that they agree")
         version, state, rng = self._read_ckpt_side_files(path)
 
@@ -493,7 +498,7 @@ class CheckpointMixin(TrainerAttrs):
                     f"checkpoint {path}: "
                     + (f"model tensors missing from it {sorted(absent)[:20]} (of {len(absent)}); " if absent else "")
                     + (f"tensors this model does not use {unused[:20]} (of {len(unused)})" if unused else ""))
-            opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            opts = getattr(self.st.optimizer, "chained_optimizers", [self.st.optimizer])
             if has_opt:
                 opt_keys = [k for k in in_ckpt_only if is_optimizer_key(k)]
                 try:
@@ -506,7 +511,7 @@ class CheckpointMixin(TrainerAttrs):
                 fresh = [o for o in opts if len(o.optimizer.state) == 0]
                 try:
                     self._init_dist_opt_state()
-                    opt_sd = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(ckpt_keys), is_loading=True,
+                    opt_sd = self.st.optimizer.sharded_state_dict(self._model_sharded_state_dict(ckpt_keys), is_loading=True,
                                                                **self._optim_ckpt_kwargs(fmt))
                     dict_list_map_inplace(_own_copy, opt_sd)
                     opt_loaded = _read({"optimizer": opt_sd}, "optimizer state")["optimizer"]
@@ -516,8 +521,8 @@ class CheckpointMixin(TrainerAttrs):
                         o.reload_model_params()  # bf16: main params <- the (unchanged) weights
                     raise
                 with torch.no_grad():  # fp32 + distributed optimizer: main params are views of the weights
-                    self.optimizer.load_state_dict(opt_loaded)
-            for key, m in zip(model_sd, self.models):
+                    self.st.optimizer.load_state_dict(opt_loaded)
+            for key, m in zip(model_sd, self.st.models):
                 got = loaded[key]
                 # TE's FP8 metadata (a module's _extra_state) is absent from a checkpoint written
                 # without TE (any CPU-written one): the module keeps its own (no weights in it)
@@ -528,8 +533,8 @@ class CheckpointMixin(TrainerAttrs):
             if not has_opt:
                 for opt in opts:
                     opt.optimizer.state.clear()  # Adam moments and step: fresh
-                self.optimizer.reload_model_params()  # bf16: main (fp32) params <- loaded model
-        self.version = version if version is not None else 0
+                self.st.optimizer.reload_model_params()  # bf16: main (fp32) params <- loaded model
+        self.st.version = version if version is not None else 0
         if version is not None and (state is None or rng is None):  # a save_checkpoint dir missing files
             log.warning("checkpoint %s has moe_async_version.txt but no %s: loaded without them (no saved "
                         "step/data position%s)", path,
@@ -539,7 +544,7 @@ class CheckpointMixin(TrainerAttrs):
                         "; RNG not restored" if rng is None else "")
         if not has_opt:
             log.warning("checkpoint %s holds no optimizer state: loaded the model only, the optimizer "
-                        "starts fresh (weight_version=%d)", path, self.version)
+                        "starts fresh (weight_version=%d)", path, self.st.version)
         if rng is not None:
             saved_layout = {**self._LAYOUT_DEFAULTS, **(rng["layout"] or {})}
             if saved_layout == self._ckpt_layout():

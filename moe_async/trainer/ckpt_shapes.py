@@ -10,9 +10,12 @@ Design notes: ``docs/design/trainer.md``."""
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from moe_async.errors import UserInputError
+
+if TYPE_CHECKING:
+    from moe_async.trainer.config import TrainerConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -97,7 +100,7 @@ def saved_tensor_shapes(ckpt_dir: str) -> dict[str, tuple[int, ...]]:
 
     Raises: FileNotFoundError / ValueError naming the file (:func:`read_torch_dist_metadata`)."""
     from moe_async.megatron.container import resolve
-    from moe_async.megatron.dist_ckpt import is_optimizer_key, read_torch_dist_metadata
+    from moe_async.megatron.dist_ckpt_files import is_optimizer_key, read_torch_dist_metadata
 
     md = read_torch_dist_metadata(resolve(ckpt_dir)).state_dict_metadata
     out = {}
@@ -108,7 +111,7 @@ def saved_tensor_shapes(ckpt_dir: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_checkpoint_matches_model(ckpt_dir: str, hf_config: Mapping[str, Any] | None, trainer_cfg: Any,
+def check_checkpoint_matches_model(ckpt_dir: str, hf_config: Mapping[str, Any] | None, trainer_cfg: TrainerConfig,
                                    field: str = "trainer.load") -> None:
     """Refuse a checkpoint whose tensors have other shapes than the configured model's.
 

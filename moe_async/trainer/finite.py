@@ -41,7 +41,7 @@ def _first_nonfinite(tensors: list[Tensor]) -> int | None:
 
 def dp_sample_indices(n_global: int, dp: int, dp_rank: int, n_local: int) -> list[int]:
     """Global batch index of each of this DP rank's ``n_local`` samples, -1 for the
-    zero-weight padding copies (``MegatronTrainer._dp_local`` gives rank ``r`` the contiguous
+    zero-weight padding copies (``Batcher.dp_local`` gives rank ``r`` the contiguous
     slice ``[r*per, min((r+1)*per, n))``, ``per = ceil(n/dp)``, padded to ``per``, then PP pads)."""
     per = -(-n_global // dp) if dp > 1 else n_global
     lo, hi = min(dp_rank * per, n_global), min((dp_rank + 1) * per, n_global)

@@ -10,7 +10,10 @@ flex dispatcher or refuses, naming ``trainer.moe_token_dispatcher_type``;
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moe_async.trainer.config import TrainerConfig
 
 
 def check_flex_dispatcher() -> dict[str, Any]:
@@ -52,7 +55,7 @@ def check_grouped_gemm() -> None:
         raise ValueError(GROUPED_GEMM_UNAVAILABLE)
 
 
-def refuse_unavailable_kernels(trainer_cfg: Any) -> None:
+def refuse_unavailable_kernels(trainer_cfg: TrainerConfig) -> None:
     """A local run's check, before Ray or any process starts: ``trainer.moe_grouped_gemm=true``
     or ``trainer.moe_token_dispatcher_type='flex'`` where this host cannot build them (the
     trainer would otherwise refuse inside its actor, after Ray and the engines started).

@@ -13,17 +13,12 @@ from moe_async.types import Sample
 
 def _packer(thd: bool):
     from moe_async.replay.megatron import RouterReplayHook
-    from moe_async.trainer.batching import BatchingMixin
+    from moe_async.trainer.batching import Batcher
     from moe_async.trainer.config import TrainerConfig
 
-    class Packer(BatchingMixin):
-        def __init__(self):
-            self.cfg = TrainerConfig(micro_batch_size=2)
-            self._thd = thd
-            tf = SimpleNamespace(num_moe_experts=None, moe_router_topk=None, context_parallel_size=1)
-            self.router_replay = RouterReplayHook(torch.nn.Linear(1, 1), tf, "off")  # a dense stand-in model
-
-    return Packer()
+    tf = SimpleNamespace(num_moe_experts=None, moe_router_topk=None, context_parallel_size=1)
+    replay = RouterReplayHook(torch.nn.Linear(1, 1), tf, "off")  # a dense stand-in model
+    return Batcher(TrainerConfig(micro_batch_size=2), 1000, replay, thd=thd, vpp=None)
 
 
 @pytest.mark.parametrize("thd", [False, True])
@@ -32,7 +27,7 @@ def test_loss_mask_covers_only_sampled_tokens(thd):
     traj = Sample(prompt_ids=[5, 6, 7], response_ids=list(range(100, 110)), rollout_logprobs=[-0.5] * 10,
                   weight_versions=[0] * 10, loss_mask=mask, loss_weight=1.0)
     plain = Sample(prompt_ids=[5, 6], response_ids=[9, 9, 9], rollout_logprobs=[-0.1] * 3, weight_versions=[0] * 3)
-    (mb,) = _packer(thd)._pack([traj, plain], advantages=[2.0, -1.0])
+    (mb,) = _packer(thd).pack([traj, plain], advantages=[2.0, -1.0])
     # position t predicts token t+1: response token j at P-1+j
     want = torch.zeros(mb.loss_mask.shape[1])
     want[2:12] = torch.tensor(mask, dtype=torch.float32)

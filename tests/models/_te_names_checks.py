@@ -39,7 +39,7 @@ def make(name: str, path: str, seed: int) -> None:
 
 def tensor_keys(meg: str) -> dict[str, list[int]]:
     from moe_async.megatron.te_spec_names import is_te_extra_state
-    from moe_async.megatron.dist_ckpt import is_optimizer_key, read_torch_dist_metadata
+    from moe_async.megatron.dist_ckpt_files import is_optimizer_key, read_torch_dist_metadata
 
     from moe_async.megatron.container import resolve
 
@@ -139,7 +139,7 @@ def main(tmp: str) -> None:
         r["old_into_local"] = bit_exact(tr.export_hf_weights(), hf_tensors(other))
         if name == "qwen3_moe":
             from moe_async.megatron.container import resolve
-            from moe_async.megatron.dist_ckpt import read_torch_dist_metadata
+            from moe_async.megatron.dist_ckpt_files import read_torch_dist_metadata
 
             md = read_torch_dist_metadata(resolve(os.path.join(tmp, "qwen3_moe_te_extra"))).state_dict_metadata
             r["te_extra_saved"] = any("core_attention._extra_state" in k for k in md)

@@ -140,7 +140,7 @@ def strict_load(model, path: str) -> dict:
 
     from moe_async.compat import cpu_device_scope
     from moe_async.megatron.container import resolve
-    from moe_async.megatron.dist_ckpt import is_optimizer_key
+    from moe_async.megatron.dist_ckpt_files import is_optimizer_key
     from moe_async.megatron.te_spec_names import add_te_extra_state, to_te_names
 
     with cpu_device_scope():

@@ -147,7 +147,7 @@ def run_layout(tmp: str, tp: int, pp: int, ep: int, tie: str, dist_opt: bool = F
                          path)
     res["build_s"] = time.perf_counter() - t0
     if th:  # packed row length T per micro-batch (PP > 1: each its own, Megatron's variable_seq_lengths)
-        res["thd_rows"] = [mb.thd.tokens.shape[1] for mb in tr._pack(long_samples(), None)]
+        res["thd_rows"] = [mb.thd.tokens.shape[1] for mb in tr.batcher.pack(long_samples(), None)]
     if vpp > 1:  # global layer numbers of each chunk, per rank (Megatron's interleaved assignment)
         res["chunk_layers"] = gather([[lay.layer_number for lay in m.decoder.layers] for m in tr.models])
     res["export_equals_disk"] = export_equals_disk(tr, path)

@@ -1,0 +1,52 @@
+"""The state of one :class:`~moe_async.trainer.megatron_trainer.MegatronTrainer`, in one object.
+
+:class:`TrainerState` holds what the trainer's parts (batching, logprobs, the GRPO step,
+checkpointing) read and what the step and a checkpoint load change (``version``); the parts
+take it, or the fields they need, as explicit arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moe_async.lora.layers import AdaptedLinear
+    from moe_async.models.family import ModelFamily
+    from moe_async.replay.megatron import RouterReplayHook
+    from moe_async.trainer.config import TrainerConfig
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """A built trainer's model, optimizer, config and step counter.
+
+    ``models``: this PP rank's model chunks (megatron.core ``GPTModel``, one per virtual
+    pipeline stage, in ``vp_stage`` order); ``ddp_models``: their ``DistributedDataParallel``
+    wrappers; ``optimizer``: the (chained) ``MegatronOptimizer`` over them. ``vocab_size``: the
+    HF vocabulary V (the embedding is padded beyond it). ``version``: weight_version of the
+    current weights (0 after the HF load, +1 per optimizer step). ``thd``: packed THD
+    micro-batches; ``vpp``: model chunks per PP rank (None: one); ``cpu``: the CPU mends are on.
+    """
+
+    cfg: TrainerConfig
+    hf_path: str
+    hf_config: dict[str, Any]  # the HF config.json
+    family: ModelFamily
+    tf_config: Any  # megatron.core TransformerConfig (an untyped package)
+    vocab_size: int
+    models: list[Any]  # megatron.core GPTModel (an untyped package)
+    ddp_models: list[Any]  # megatron.core DistributedDataParallel
+    optimizer: Any  # megatron.core MegatronOptimizer
+    opt_config: Any  # megatron.core OptimizerConfig
+    router_replay: RouterReplayHook
+    lora_linears: list[list[AdaptedLinear]] = dataclasses.field(default_factory=list)  # per chunk (LoRA)
+    thd: bool = False
+    vpp: int | None = None
+    cpu: bool = False
+    version: int = 0
+
+    @property
+    def model(self) -> Any:
+        """The first model chunk (the only one without virtual pipeline stages)."""
+        return self.models[0]
