@@ -52,11 +52,13 @@ def distill_advantages(groups: list[Group], kl_coef: float, reward_coef: float) 
 
 def distill_metrics(groups: list[Group], train: dict[str, float] | None = None) -> dict[str, float]:
     """Of a trained batch: ``teacher/batch_kl_per_token`` (mean over the tokens the teacher
-    scored of ``logp_student - logp_teacher``), ``teacher/batch_tokens`` (tokens it scored) and
-    ``teacher/batch_failed_samples``; with the trainer's step metrics ``train`` holding a top-k
+    scored of ``logp_student - logp_teacher``), ``teacher/batch_kl_per_sample`` (its sum over a
+    sample's tokens, averaged over scored samples: the sequence's reverse-KL estimate, which
+    a per-token mean hides when responses change length), ``teacher/batch_tokens`` (tokens it
+    scored) and ``teacher/batch_failed_samples``; with the trainer's step metrics ``train`` holding a top-k
     forward KL (``topk_tokens > 0``), ``teacher/topk_forward_kl``: its mean per token with the
     teacher's top-k, under the weights before the step."""
-    kl, n, failed = 0.0, 0, 0
+    kl, n, scored, failed = 0.0, 0, 0, 0
     for g in groups:
         for s in g.samples:
             if s.teacher_logprobs is None:
@@ -64,7 +66,9 @@ def distill_metrics(groups: list[Group], train: dict[str, float] | None = None) 
                 continue
             kl += sum(a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs))
             n += len(s.teacher_logprobs)
-    out = {"teacher/batch_kl_per_token": kl / n if n else 0.0, "teacher/batch_tokens": float(n),
+            scored += 1
+    out = {"teacher/batch_kl_per_token": kl / n if n else 0.0,
+           "teacher/batch_kl_per_sample": kl / scored if scored else 0.0, "teacher/batch_tokens": float(n),
            "teacher/batch_failed_samples": float(failed)}
     if train and train.get("topk_tokens"):
         out["teacher/topk_forward_kl"] = float(train["topk_forward_kl"])

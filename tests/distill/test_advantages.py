@@ -39,6 +39,9 @@ def test_failed_teacher_sample_gets_only_the_reward_term():
     m = distill_metrics(_groups([TEACHER[0], None]))
     assert m["teacher/batch_failed_samples"] == 1.0
     assert m["teacher/batch_kl_per_token"] == (0.5 - 1.0 + 0.0) / 3  # student - teacher, scored tokens only
+    assert m["teacher/batch_kl_per_sample"] == (0.5 - 1.0 + 0.0) / 1  # summed over the one scored sample
+    both = distill_metrics(_groups())
+    assert both["teacher/batch_kl_per_sample"] == (sum(STUDENT[0]) - sum(TEACHER[0]) + sum(STUDENT[1]) - sum(TEACHER[1])) / 2
 
 
 def test_bad_teacher_logprobs_are_named():
