@@ -71,6 +71,9 @@ def test_save_dir_checks_pass_without_creating(tmp_path):
     f = tmp_path / "a_file"
     f.write_text("x")
     driver.check_save_dir(load_config(SMOKE, [f"trainer.save_dir={f}"]))
+    # ... unless a SIGTERM writes one (MOE_ASYNC_SIGTERM=checkpoint): then it is
+    with pytest.raises(UserInputError, match=r"trainer\.save_dir=.*checkpoints cannot be written there"):
+        driver.check_save_dir(load_config(SMOKE, [f"trainer.save_dir={f}"]), sigterm_checkpoint=True)
 
 
 def test_train_with_a_file_as_save_dir_is_one_line_exit_2(tmp_path):
@@ -87,6 +90,24 @@ def test_train_with_a_file_as_save_dir_is_one_line_exit_2(tmp_path):
     assert r.stderr.splitlines() == [
         f"moe-async: trainer.save_dir={str(f)!r}: checkpoints cannot be written there (it is not a directory)"]
     assert not (tmp_path / "runs").exists()  # refused before the run dir is made
+
+
+def test_refused_start_leaves_no_claim_in_an_explicit_save_dir(tmp_path):
+    """A start refused by a check on the made model (here teacher.top_k above the vocabulary)
+    used to leave ``save_dir`` created with this run's owner file in it, naming a run dir it had
+    removed: the next run with that save_dir was refused as "another run's"."""
+    d = tmp_path / "ckpts"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, "-m", "moe_async.cli", "train", str(SMOKE), "teacher.enabled=true",
+                        "teacher.topk_forward_kl_coef=0.1", "teacher.top_k=100000", "trainer.save_interval=1",
+                        f"trainer.save_dir={d}", f"logging.output_dir={tmp_path / 'runs'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "teacher.top_k=100000 exceeds the vocabulary" in r.stderr
+    assert not d.exists()  # no claim, no directory made for it
+    assert list((tmp_path / "runs").iterdir()) == []  # and no run dir
 
 
 def test_train_refuses_a_layout_the_model_cannot_take_before_ray(tmp_path):

@@ -98,8 +98,6 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     timeline.phase("prepare model")
     # absolute: the trainer actor's working directory need not be the driver's
     save_dir = str(plan.save_dir or run_dir / "checkpoints")
-    if cfg.trainer.save_interval or on_sigterm == "checkpoint":  # this run's checkpoints: no other run writes there
-        claim(Path(save_dir), plan.run_id or run_dir.name, run_dir)
     _keep_superseded_metrics(plan, run_dir, fresh_run_dir)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"[moe-async] run dir: {run_dir}", flush=True)
@@ -111,6 +109,9 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
         if fresh_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no (new) run dir
         raise
+    # after the last refusal: a refused start leaves no claim (and no new directory) in save_dir
+    if cfg.trainer.save_interval or on_sigterm == "checkpoint":  # this run's checkpoints: no other run writes there
+        claim(Path(save_dir), plan.run_id or run_dir.name, run_dir)
     logger = RunLogger(cfg.logging, run_dir, cfg.name, cfg.model_dump(by_alias=True))
 
     init_ray(engine_log_dir=str(run_dir / "logs"))
@@ -403,7 +404,7 @@ def _refuse_before_processes(cfg: ExperimentConfig) -> tuple[StartPlan, str, Dat
         on_sigterm = sigterm_mode()  # MOE_ASYNC_SIGTERM: refused before any process starts
     except ValueError as e:
         raise UserInputError(str(e)) from None
-    check_save_dir(cfg)  # an explicit trainer.save_dir: refused now, not at the first save after training
+    check_save_dir(cfg, on_sigterm == "checkpoint")  # an explicit trainer.save_dir: refused now, not at the first save
     data_checked: DataCheck | None = None
     if cfg.data.enabled:  # prompt files: every table, key and data_source reward checked before any process
         from moe_async.data.check import check_data
@@ -445,8 +446,9 @@ def wandb_command() -> str:
         return str(exe)
 
 
-def check_save_dir(cfg: ExperimentConfig) -> None:
-    """With checkpoints on (``trainer.save_interval > 0``) an explicit ``trainer.save_dir`` must be
+def check_save_dir(cfg: ExperimentConfig, sigterm_checkpoint: bool = False) -> None:
+    """With checkpoints on (``trainer.save_interval > 0``, or ``sigterm_checkpoint``: a SIGTERM
+    writes one, ``MOE_ASYNC_SIGTERM=checkpoint``) an explicit ``trainer.save_dir`` must be
     a directory this process can write, or creatable: its nearest existing ancestor a writable
     directory. Nothing is created here (the first save makes it). The default (None: under the
     run directory) is checked by :func:`make_run_dir`.
@@ -455,7 +457,7 @@ def check_save_dir(cfg: ExperimentConfig) -> None:
         UserInputError: naming ``trainer.save_dir`` (a file in its place or above it, not writable).
     """
     t = cfg.trainer
-    if not t.save_interval or t.save_dir is None:
+    if not (t.save_interval or sigterm_checkpoint) or t.save_dir is None:
         return
     p = Path(t.save_dir).expanduser().resolve()
     q = p
