@@ -417,8 +417,11 @@ def _refuse_before_processes(cfg: ExperimentConfig) -> tuple[StartPlan, str, Dat
 
 
 def _keep_superseded_metrics(plan: StartPlan, run_dir: Path, fresh_run_dir: bool) -> None:
-    """A run that continues in its own dir: the metrics lines of steps that run again are
-    moved to ``metrics.superseded.jsonl`` (printed)."""
+    """A run that continues in its own dir: the metrics (and ``trained_rows.jsonl``) lines of
+    steps that run again are moved to ``metrics.superseded.jsonl`` (``trained_rows.superseded.jsonl``);
+    the metrics count is printed."""
+    if plan.auto_resumed or not fresh_run_dir:  # the rows of steps that run again are recorded again
+        trim_metrics(run_dir, plan.start_step if plan.auto_resumed or plan.start_step else -1, "trained_rows.jsonl")
     if plan.auto_resumed:
         moved = trim_metrics(run_dir, plan.start_step)  # steps after the checkpoint run again: kept aside
         print(f"[moe-async] trainer.resume=auto: run {plan.run_id} continues from {plan.load_path} (step "

@@ -140,10 +140,12 @@ def claim(save_dir: Path, run_id: str, run_dir: Path) -> None:
     os.replace(tmp, save_dir / OWNER_FILE)
 
 
-def trim_metrics(run_dir: Path, step: int) -> int:
-    """Move the ``metrics.jsonl`` lines with ``"step" > step`` to ``metrics.superseded.jsonl``
-    (appended); returns how many moved. Lines that are not JSON objects stay where they are."""
-    f = run_dir / "metrics.jsonl"
+def trim_metrics(run_dir: Path, step: int, name: str = "metrics.jsonl") -> int:
+    """Move the lines of ``run_dir/name`` (``metrics.jsonl``, ``trained_rows.jsonl``) with
+    ``"step" > step`` to ``<stem>.superseded.jsonl`` (appended); returns how many moved. Lines
+    that are not JSON objects stay where they are."""
+    f = run_dir / name
+    stem = name.removesuffix(".jsonl")
     if not f.is_file():
         return 0
     keep: list[str] = []
@@ -155,9 +157,9 @@ def trim_metrics(run_dir: Path, step: int) -> int:
             s = None
         (moved if isinstance(s, int) and s > step else keep).append(line)
     if moved:
-        with open(run_dir / "metrics.superseded.jsonl", "a") as out:
+        with open(run_dir / f"{stem}.superseded.jsonl", "a") as out:
             out.writelines(moved)
-        tmp = run_dir / "metrics.jsonl.tmp"
+        tmp = run_dir / f"{name}.tmp"
         tmp.write_text("".join(keep))
         os.replace(tmp, f)
     return len(moved)

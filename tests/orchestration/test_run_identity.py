@@ -131,6 +131,26 @@ def test_trim_metrics_keeps_steps_up_to_the_checkpoint(tmp_path) -> None:
     assert trim_metrics(tmp_path, 2) == 0
 
 
+def test_rows_of_steps_that_run_again_leave_trained_rows(tmp_path) -> None:
+    """A resume that redoes steps (from a checkpoint, or from step 0 in the run's own dir without
+    one) used to append their trained rows a second time to ``trained_rows.jsonl``: the file
+    named rows as trained twice. They move to ``trained_rows.superseded.jsonl`` as the metrics do."""
+    from types import SimpleNamespace
+
+    from moe_async.orchestration.driver import _keep_superseded_metrics
+
+    rows = [json.dumps({"step": s, "draw": s}) + "\n" for s in (1, 1, 2, 2, 3, 3)]
+    (tmp_path / "trained_rows.jsonl").write_text("".join(rows))
+    plan = SimpleNamespace(auto_resumed=True, start_step=2, run_id="r", load_path="ck/step_2")
+    _keep_superseded_metrics(plan, tmp_path, fresh_run_dir=False)
+    assert (tmp_path / "trained_rows.jsonl").read_text() == "".join(rows[:4])
+    assert (tmp_path / "trained_rows.superseded.jsonl").read_text() == "".join(rows[4:])
+    plan = SimpleNamespace(auto_resumed=False, start_step=0, run_id="r", load_path=None)  # no checkpoint: from 0
+    _keep_superseded_metrics(plan, tmp_path, fresh_run_dir=False)
+    assert (tmp_path / "trained_rows.jsonl").read_text() == ""
+    assert (tmp_path / "trained_rows.superseded.jsonl").read_text() == "".join(rows[4:] + rows[:4])
+
+
 def test_sglang_engines_without_gpus_are_refused_naming_the_field(tmp_path, monkeypatch) -> None:
     """On a host (or an allocation) with 0 GPUs an SGLang config is refused at start, before
     any process or run dir; before, it went on with CPU-only bundles for its engines."""
