@@ -28,11 +28,10 @@ For each bucket size, interleaved and repeated:
         must stay proportional to the bytes (each bucket's bytes copied once into the live
         parameters), not buckets x model size: the summary prints its time over ``pack``'s;
       - ``atomic_versioned``: every bucket versioned as ``versioned``, but inside the atomic
-        session our transport opens: each call is an update of one call, applied by copying
-        its bytes standby -> live (paused engine: in the call's worker thread); the summary
-        prints its time over ``pack``'s (version on the last bucket only), also as the median
-        of the per-repeat ratios; goal <= 1.3 at 100 buckets (``--bucket-count 100``), where
-        a copy of the model per call would be ~100x;
+        session our transport opens: each call fills the standby copy only where it is
+        stale (the previous call's tensors) and swaps by pointer; the summary prints its time
+        over ``pack``'s (version on the last bucket only); goal <= 1.3 at 100 buckets
+        (``--bucket-count 100``), where a copy of the model per call would be ~100x;
       - ``trainer``: the real sender, a 1-process ``MegatronTrainer`` built from the same
         checkpoint, ``send(trainer.export_hf_weights(out=transport.destination))`` as the
         trainer actor does (its own transport and weight-update group with the same engine;
@@ -79,7 +78,7 @@ WHAT = {"on": "separate source tensors, packed, overlapped", "off": "packed, not
         "flat": "flat source, no copy on the sender", "export": "exporter copies into the send buffer",
         "trainer": "1-process MegatronTrainer, parameters moved into the send buffer",
         "versioned": "slime's protocol: every bucket versioned, each applied at once",
-        "atomic_versioned": "every bucket versioned inside an atomic session, each call's bytes copied live"}
+        "atomic_versioned": "every bucket versioned inside an atomic session, each applied by pointer swap"}
 
 
 class VersionEveryBucket:
@@ -298,11 +297,6 @@ def main(argv=None) -> None:
                     raw = (before + after) / 2  # bracketed: linear drift of the load cancels
                     raw_gbps += [before, after]
                     per[key].append((m["sync/gbps"] / raw, raw, m, m["sync/gbps"] / before))
-            secs = {k: [x[2]["sync/seconds"] for x in xs] for k, xs in per.items()}  # repeat order
-            for key in ("versioned", "atomic_versioned"):
-                if key in secs and "on" in secs:  # each sync over the pack sync of its repeat
-                    res[f"paired_{key}"] = sorted(a / b for a, b in zip(secs[key], secs["on"]))
-            res["loadavg"] = os.getloadavg()[0]
             for key, xs in per.items():
                 xs.sort(key=lambda x: x[0])
                 med = xs[len(xs) // 2]
@@ -359,19 +353,14 @@ def main(argv=None) -> None:
               "sync seconds versioned / pack, median; 1.0 = proportional to the bytes, not buckets x model size")
         for r in rows:
             v, o = r["detail_versioned"]["sync/seconds"], r["detail_on"]["sync/seconds"]
-            pairs = r["paired_versioned"]
-            print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_versioned']} buckets): {v:.3f}s / {o:.3f}s = {v / o:.3f}; "
-                  f"paired median {pairs[len(pairs) // 2]:.3f}")
+            print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_versioned']} buckets): {v:.3f}s / {o:.3f}s = {v / o:.3f}")
     if "atomic_versioned" in variants and "on" in variants:
         print("every bucket versioned into an atomic session vs version on the last bucket only, same packed "
               "source: sync seconds atomic_v / pack, median (goal <= 1.3 at 100 buckets)")
         for r in rows:
             v, o = r["detail_atomic_versioned"]["sync/seconds"], r["detail_on"]["sync/seconds"]
-            pairs = r["paired_atomic_versioned"]
             print(f"  {r['bucket_mib']:>7g} MiB ({r['buckets_atomic_versioned']} buckets): {v:.3f}s / {o:.3f}s "
-                  f"= {v / o:.3f}; paired (each over the pack sync of its repeat): median "
-                  f"{pairs[len(pairs) // 2]:.3f}, all {[round(x, 3) for x in pairs]}; load average "
-                  f"{r['loadavg']:.1f}")
+                  f"= {v / o:.3f}")
     print(f"engine buckets copied through scratch (not in layout order): {sums.get('recv_copies')}")
     if args.json:
         with open(args.json, "w") as f:

@@ -369,59 +369,30 @@ def test_flush_refused_while_requests_are_paused_in_place(tiny_engine, tiny_shap
         destroy_update_group(pg)
 
 
-@pytest.mark.parametrize("paused", [False, True], ids=["running", "paused"])
-def test_atomic_session_with_every_call_versioned(tiny_engine, tiny_shapes, paused):
+def test_atomic_session_with_every_call_versioned(tiny_engine, tiny_shapes):
     """An atomic session whose sender versions every call (as slime does): each call is
     applied when it returns (its own bytes copied, nothing else), the served tensors equal the
-    sent ones bit for bit after every call, and the version is each call's. Paused (the
-    engine applies each call in its worker thread, no scheduler turn): a refused call leaves
-    the live weights as they were, and after the continue the greedy output equals
-    transformers' on the sent weights."""
+    sent ones bit for bit after every call, and the version is each call's."""
     from moe_async.weight_sync.group import destroy_update_group
 
-    eng, model_dir = tiny_engine
-    url = eng.url
-    name = f"atomic_every_call_{'paused' if paused else 'running'}"
-    prompt = [5, 17, 33, 2, 99, 140]
-    greedy = {"temperature": 0.0, "max_new_tokens": 8}
+    url = tiny_engine[0].url
+    name = "atomic_every_call"
     pg = _join_pair(url, name)
     try:
         v0 = httpx.get(url + "/get_weight_version").json()["weight_version"]
         before = httpx.get(url + "/weights_checksum").json()["checksums"]
-        new = _rand(tiny_shapes, 52 if paused else 51)
+        new = _rand(tiny_shapes, 51)
         names = sorted(new)
         want = dict(before)
-        assert _post(url, "/generate", {"input_ids": prompt, "sampling_params": greedy}).status_code == 200
-        if paused:
-            assert _post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
         assert _post(url, "/begin_weight_update", {"atomic": True}).json()["success"]
         for k in range(0, len(names), 5):
             chunk = {n: new[n] for n in names[k:k + 5]}
-            if paused and k == 5:  # a refused call (bad shape) applies nothing
-                bad = {**chunk, names[0]: torch.zeros(3, 3)}
-                r = _call(url, pg, name, bad, version="bad")
-                assert r.status_code == 400 and names[0] in r.json()["message"], r.text
-                got = httpx.get(url + "/weights_checksum").json()
-                assert got["weight_version"] == "c0" and got["checksums"] == want
             r = _call(url, pg, name, chunk, version=f"c{k}")
             assert r.status_code == 200 and "at once" in r.json()["message"], r.text
             want.update(_sums(chunk))
             got = httpx.get(url + "/weights_checksum").json()
             assert got["weight_version"] == f"c{k}" and got["checksums"] == want
         assert _post(url, "/end_weight_update", {}).json()["success"]
-        if paused:
-            assert _post(url, "/continue_generation", {}).status_code == 200
-            from transformers import AutoModelForCausalLM
-
-            from moe_async.engines.embedded.weights import HFWeightMap
-
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            HFWeightMap(model).apply(new)
-            out = _post(url, "/generate", {"input_ids": prompt, "sampling_params": greedy}).json()
-            with torch.no_grad():
-                ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=8)
-            assert out["output_ids"] == ref[0, len(prompt):].tolist()
         assert _post(url, "/begin_weight_update", {}).json()["success"]  # the next tests count from v0
         assert _call(url, pg, name, {names[0]: new[names[0]]}, version=v0).json()["success"]
         assert _post(url, "/end_weight_update", {}).json()["success"]

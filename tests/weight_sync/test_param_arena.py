@@ -121,24 +121,3 @@ def test_versioned_call_by_call_copies_what_changed_not_the_model(model):
     assert arena.fill_stale() == len(set(prev) | {names[0]})
     arena.swap()
     assert torch.equal(wm.view(names[0]), torch.full_like(want[names[0]], 7.0))
-
-
-def test_commit_copies_the_named_spans_only(model):
-    """A call applied at once copies exactly its tensors' bytes standby -> live (consecutive
-    names as one span, a gap left alone) and leaves every other live tensor as it was."""
-    wm, arena = _fresh(model)
-    arena.bind()
-    names = arena.names()
-    before = {n: wm.view(n).clone() for n in names}
-    g = torch.Generator().manual_seed(3)
-    sent = names[2:5] + names[7:8]  # two runs: 2..4 and 7
-    new = {n: torch.randn(wm.shape(n), generator=g) for n in sent}
-    for n in sent:
-        arena.standby(n).copy_(new[n])
-    arena.mark(sent)
-    ptrs = {k: p.data_ptr() for k, p in model.named_parameters()}
-    assert arena.commit(sent) == sum(arena.slot[n][1] for n in sent)
-    assert {k: p.data_ptr() for k, p in model.named_parameters()} == ptrs  # copied, not swapped
-    for n in names:
-        assert torch.equal(wm.view(n), new[n] if n in new else before[n]), n
-    assert not arena.fresh and not (arena.dirty & set(sent))  # both sides equal at the sent names

@@ -18,7 +18,7 @@ import io
 import pickle
 import types
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from fastapi import APIRouter
@@ -62,7 +62,7 @@ class FlattenedTensorMetadata:
     numel: int
 
 
-def _rebuild_cuda_tensor(*args: object) -> torch.Tensor:
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     """torch's ``rebuild_cuda_tensor``, with the device given as an index or (as SGLang's
     patched reductions and our sender send it) as the GPU's UUID string."""
     from torch.multiprocessing import reductions as red
@@ -76,10 +76,10 @@ def _rebuild_cuda_tensor(*args: object) -> torch.Tensor:
     return red.rebuild_cuda_tensor(*args)
 
 
-def _allowed() -> dict[tuple[str, str], object]:
+def _allowed() -> dict[tuple[str, str], Any]:
     from torch.multiprocessing import reductions as red
 
-    ok: dict[tuple[str, str], object] = {}
+    ok: dict[tuple[str, str], Any] = {}
     for n in ("dict", "list", "tuple", "int", "float", "bool", "str", "bytes", "bytearray"):
         ok[("builtins", n)] = getattr(builtins, n)
     ok[("collections", "OrderedDict")] = collections.OrderedDict
@@ -111,7 +111,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     an ``UnpicklingError`` naming it. The ``file_descriptor`` handles (``rebuild_storage_fd``)
     are refused: they cannot be opened from an HTTP request."""
 
-    def find_class(self, module: str, name: str) -> object:
+    def find_class(self, module: str, name: str) -> Any:
         v = _ALLOWED.get((module, name))
         if v is None:
             hint = (" (a file-descriptor shared tensor: the sender must use torch's file_system sharing "

@@ -15,17 +15,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal, TypeVar
+from typing import Any, Callable, Literal
 
 import torch
-import torch.distributed as dist
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field
 
 from moe_async.engines.embedded.admission import Admission
 from moe_async.engines.embedded.fault_hooks import SyncStall
-from moe_async.engines.embedded.scheduler import Scheduler
 from moe_async.engines.embedded.weights import HFWeightMap, ParamArena
 from moe_async.weight_sync.bucket import nbytes_of, str_to_dtype, unflatten
 from moe_async.weight_sync.group import (
@@ -36,7 +34,6 @@ from moe_async.weight_sync.group import (
 )
 
 log = logging.getLogger("moe_async.engines.embedded")
-T = TypeVar("T")
 
 #: SGLang 0.5.23's failure of an update call whose cache flush was refused (same scheduler file)
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -102,7 +99,7 @@ class UpdateWeightFromDiskReqInput(_Req):
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: int = 0
-    manifest: dict[str, JsonValue] | None = None
+    manifest: dict[str, Any] | None = None
 
 
 class DebugReceiveBroadcastReqInput(_Req):
@@ -118,8 +115,8 @@ def _fail(message: str, status: int = 400) -> JSONResponse:
 class Membership:
     """One weight-update group this engine is a member of."""
 
-    group: dist.ProcessGroup
-    store: dist.Store  # the rendezvous store (client of the sender's): probed for liveness
+    group: Any
+    store: Any  # the rendezvous store (client of the sender's): probed for liveness
     rank: int
     world_size: int
     master: str
@@ -135,7 +132,7 @@ class Session:
 class WeightUpdater:
     """The engine's side of weight updates: groups, the session, the double-buffered params."""
 
-    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, dtype: torch.dtype, timeout_s: float = 600.0,
+    def __init__(self, model: torch.nn.Module, scheduler: Any, dtype: torch.dtype, timeout_s: float = 600.0,
                  admission: Admission | None = None):
         self.admission = admission or Admission()  # the server's pause flag and update lock
         self.weight_map = HFWeightMap(model)
@@ -282,24 +279,22 @@ async def apply_update_call(wu: WeightUpdater, receive: Callable[[str | None], l
     (no session open: ``outside_session``) it must raise ``ValueError(refuse)`` after
     draining whatever the transport needs drained. ``version``: the call's ``weight_version``
     (any string) or None. ``flush_cache``: after applying, fail with :data:`FLUSH_REFUSED`
-    unless the engine is idle (SGLang's rule). Returns the JSON reply or a 400. The call is
-    made live on the scheduler thread between two forward passes, or, while the engine is
-    paused, in the same worker thread right after ``receive``.
+    unless the engine is idle (SGLang's rule). Returns the JSON reply or a 400.
     """
     sched = wu.sched
     if abort_all_requests:  # before the lock, as SGLang's tokenizer manager does
         await asyncio.wrap_future(sched.call(lambda: sched.abort(None, "aborted for a weight update")))
     staging = wu.session is not None and wu.session.atomic and version is None
-    async with wu.admission.update(exclusive=not staging) as paused:
+    async with wu.admission.update(exclusive=not staging):
         async with wu.update_lock:
-            reply = await _apply_locked(wu, receive, version, outside_session, paused)
+            reply = await _apply_locked(wu, receive, version, outside_session)
         if flush_cache and isinstance(reply, dict) and not await asyncio.wrap_future(sched.call(sched.idle)):
             return _fail(FLUSH_REFUSED)
     return reply
 
 
 async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[str]],
-                        version: str | None, outside_session: str, paused: bool) -> dict | JSONResponse:
+                        version: str | None, outside_session: str) -> dict | JSONResponse:
     sched = wu.sched
     session = wu.session
     t0 = time.perf_counter()
@@ -310,32 +305,13 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
     # copying that call's bytes into the live parameters, as a plain session does (no fill of
     # the standby copy, no swap of every parameter)
     whole = atomic and version is not None and not wu.arena.fresh
-    swap = atomic and not whole
-    # paused (the pause condition is held until this call returns, so no continue runs and
-    # the scheduler starts no forward pass): the call is applied in the worker thread right
-    # after its receive, without a turn of the scheduler thread
-    inline = paused and sched.paused
-    staged = 0  # tensors the apply makes live
-
-    def apply(names: list[str]) -> None:
-        nonlocal staged
-        staged = len(wu.arena.fresh) if swap else len(names)
-        if swap:
-            wu.arena.swap()  # pointers only: between two forward passes
-        else:
-            wu.arena.commit(names)  # this call's bytes only
-        if version is not None:
-            sched.weight_version = version
 
     def run() -> list[str]:
         names = receive(outside_session if session is None else None)
-        if swap and version is not None:
+        if atomic and version is not None and not whole:
             # names this update did not carry keep their live values (off the scheduler
             # thread: the live buffer is only read there; update_lock keeps writers out)
             wu.arena.fill_stale()
-        if inline and session is not None and (version is not None or not atomic):
-            apply(names)
-            sched.head.invalidate()  # as after a scheduler command (the continue is one too)
         return names
 
     try:
@@ -354,10 +330,19 @@ async def _apply_locked(wu: WeightUpdater, receive: Callable[[str | None], list[
     session.calls += 1
     if atomic and version is None:
         return {"success": True, "message": f"staged {len(names)} tensors ({len(wu.arena.fresh)} in total)"}
-    if not inline:
-        await asyncio.wrap_future(sched.call(lambda: apply(names)))
+    staged = len(wu.arena.fresh)
+
+    def apply():
+        if atomic and not whole:
+            wu.arena.swap()  # pointers only: between two forward passes
+        else:
+            wu.arena.commit(names)  # this call's bytes only
+        if version is not None:
+            sched.weight_version = version
+
+    await asyncio.wrap_future(sched.call(apply))
     dt = time.perf_counter() - t0
-    what = f"applied {staged} tensors" if swap else f"applied {staged} tensors at once"
+    what = f"applied {staged} tensors" if atomic and not whole else f"applied {len(names)} tensors at once"
     return {"success": True, "message": f"{what}; weight_version={sched.weight_version} ({dt:.3f}s)"}
 
 
@@ -366,7 +351,7 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
     r = APIRouter()
     sched = wu.sched
 
-    async def on_sched(fn: Callable[[], T]) -> T:
+    async def on_sched(fn):
         return await asyncio.wrap_future(sched.call(fn))
 
     @r.post("/init_weights_update_group")
@@ -492,10 +477,9 @@ def weight_update_router(wu: WeightUpdater) -> APIRouter:
 
     @r.get("/weights_checksum")
     async def weights_checksum():
-        async with wu.update_lock:  # a call applied in its worker thread (paused) is whole here
-            return await on_sched(
-                lambda: {"weight_version": str(sched.weight_version), "checksums": wu.weight_map.checksums(),
-                         "bytes_received": wu.bytes_received, "recv_copies": wu.recv_copies}
-            )
+        return await on_sched(
+            lambda: {"weight_version": str(sched.weight_version), "checksums": wu.weight_map.checksums(),
+                     "bytes_received": wu.bytes_received, "recv_copies": wu.recv_copies}
+        )
 
     return r

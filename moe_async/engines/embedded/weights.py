@@ -12,7 +12,6 @@ Families are chosen by the HF ``model_type`` through an exact-key registry.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -134,18 +133,6 @@ class HFWeightMap:
 
     def checksums(self) -> dict[str, str]:
         return {n: tensor_checksum(self.view(n)) for n in self._slots}
-
-
-def _spans(slots: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[start, end)`` byte ranges of ``(offset, length)`` slots, each run of slots that lie
-    end to end (in the order given) merged into one range."""
-    out: list[tuple[int, int]] = []
-    for o, nb in slots:
-        if out and out[-1][1] == o:
-            out[-1] = (out[-1][0], o + nb)
-        else:
-            out.append((o, o + nb))
-    return out
 
 
 class ParamArena:
@@ -276,8 +263,9 @@ class ParamArena:
         call (every call versioned) copies each call's bytes once more, never the model."""
         live, standby = self._pair()
         todo = self.dirty - self.fresh
-        for o, e in _spans(sorted(self.slot[name] for name in todo)):
-            standby[o:e].copy_(live[o:e])
+        for name in todo:
+            o, nb = self.slot[name]
+            standby[o: o + nb].copy_(live[o: o + nb])
         self.dirty -= todo
         return len(todo)
 
@@ -291,13 +279,13 @@ class ParamArena:
         """Copy the standby bytes of ``names`` (just received) into the live buffer and unmark
         them: an update applied at once (SGLang's semantics for a call outside an atomic
         update), costing the bytes of ``names`` only, never a copy of the whole model.
-        Only while no forward pass runs (the scheduler thread, or an engine paused). Names
-        consecutive in the arena are copied as one span. Returns the bytes copied."""
+        Scheduler thread only (between two forward passes). Returns the bytes copied."""
         live, standby = self._pair()
         n = 0
-        for o, e in _spans(self.slot[name] for name in names):
-            live[o:e].copy_(standby[o:e])
-            n += e - o
+        for name in names:
+            o, nb = self.slot[name]
+            live[o: o + nb].copy_(standby[o: o + nb])
+            n += nb
         self.fresh.difference_update(names)
         self.dirty.difference_update(names)  # equal on both sides now
         return n
