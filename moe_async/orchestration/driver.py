@@ -420,18 +420,19 @@ def _keep_superseded_metrics(plan: StartPlan, run_dir: Path, fresh_run_dir: bool
     """A run that continues in its own dir: the metrics (and ``trained_rows.jsonl``) lines of
     steps that run again are moved to ``metrics.superseded.jsonl`` (``trained_rows.superseded.jsonl``);
     the metrics count is printed."""
-    if plan.auto_resumed or not fresh_run_dir:  # the rows of steps that run again are recorded again
-        trim_metrics(run_dir, plan.start_step if plan.auto_resumed or plan.start_step else -1, "trained_rows.jsonl")
+    if not plan.auto_resumed and fresh_run_dir:
+        return
+    # from the checkpoint's step, or (the run's own dir, no checkpoint) from step 0: later steps run again
+    keep = plan.start_step if plan.auto_resumed or plan.start_step else -1
+    trim_metrics(run_dir, keep, "trained_rows.jsonl")  # their rows are recorded again
+    moved = trim_metrics(run_dir, keep)
     if plan.auto_resumed:
-        moved = trim_metrics(run_dir, plan.start_step)  # steps after the checkpoint run again: kept aside
         print(f"[moe-async] trainer.resume=auto: run {plan.run_id} continues from {plan.load_path} (step "
               f"{plan.start_step}" + (f"; {moved} later metrics line(s) moved to metrics.superseded.jsonl"
                                       if moved else "") + ")", flush=True)
-    elif not fresh_run_dir:  # the run's own dir, no checkpoint to resume: its steps run again from 0
-        moved = trim_metrics(run_dir, plan.start_step if plan.start_step else -1)
-        if moved:
-            print(f"[moe-async] run {plan.run_id}: no checkpoint to resume; {moved} earlier metrics line(s) "
-                  "moved to metrics.superseded.jsonl", flush=True)
+    elif moved:
+        print(f"[moe-async] run {plan.run_id}: no checkpoint to resume; {moved} earlier metrics line(s) "
+              "moved to metrics.superseded.jsonl", flush=True)
 
 
 def wandb_command() -> str:
