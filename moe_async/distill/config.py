@@ -42,6 +42,10 @@ class TeacherConfig(ConfigModel):
         "with the same token mean; 0: off (the teacher is then asked for no top-k).")
     top_k: int = Field(20, ge=1, description="Teacher tokens per response position for the top-k forward KL (SGLang's "
                        "top_logprobs_num); at most the vocabulary size. Unused while topk_forward_kl_coef is 0.")
+    eval: bool = Field(True, description="Evaluate the teacher once on the held-out problems before training (greedy + "
+                       "rollout.eval_k samples, its own prompt, its engines; summary.json eval_teacher, metrics "
+                       "eval_teacher/*): the reference for the student's held-out curve. Runs only with "
+                       "rollout.eval_interval > 0, not on a resumed run.")
     timeout_s: float = Field(60.0, gt=0, description="Per-sample teacher scoring timeout (s).")
     max_concurrent_requests: int = Field(16, ge=1, description="Teacher requests in flight at once (all engines).")
     max_consecutive_failures: int = Field(

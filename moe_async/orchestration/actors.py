@@ -494,6 +494,25 @@ class RolloutActor:
             return await evaluate_sets(self.manager, sets, self.dataset.eval_cfgs, r)
         return await evaluate_heldout(self.manager, self.dataset.eval_problems(), r.eval_k, r.eval_max_new_tokens)
 
+    async def evaluate_teacher(self) -> dict[str, Any]:
+        """The distillation teacher on the held-out problems, once: greedy + ``rollout.eval_k``
+        samples per problem with the teacher's own prompt on the teacher's engines
+        (:func:`moe_async.rollout.evaluation.evaluate_heldout` through a rollout manager over
+        the teacher's clients, the student's reward and lengths). The reference the student's
+        held-out curve moves toward. Raises RuntimeError without a teacher."""
+        from moe_async.rollout.evaluation import evaluate_heldout
+        from moe_async.rollout.manager import RolloutManager
+
+        scorer = self.manager.teacher
+        if scorer is None:
+            raise RuntimeError("evaluate_teacher: no teacher (teacher.enabled is false)")
+        m = self.manager
+        teacher_manager = RolloutManager(self.cfg.rollout, self.dataset, scorer.clients, m.buffer, self.reward_pool,
+                                         eos_token_ids=m.eos_token_ids, max_context_len=m.max_context_len)
+        r = self.cfg.rollout
+        return await evaluate_heldout(teacher_manager, self.dataset.eval_problems(), r.eval_k, r.eval_max_new_tokens,
+                                      prompt_fn=scorer.prompt_fn)
+
     async def start(self) -> None:
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.manager.run(self._stop))

@@ -134,7 +134,9 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             cfg.eval_before, cfg.eval_after, cfg.rollout.eval_interval, cfg.num_steps,
             lambda: eval_get(run.rollout.evaluate_curve.remote(), "held-out curve point", eval_s),
             lambda label: eval_get(run.rollout.evaluate.remote(), f"held-out eval ({label})", eval_s),
-            summary, timeline, run_dir, resumed=load_path is not None)
+            summary, timeline, run_dir, resumed=load_path is not None,
+            teacher_point=(lambda: eval_get(run.rollout.evaluate_teacher.remote(), "teacher held-out eval", eval_s))
+            if cfg.teacher.enabled and cfg.teacher.eval else None)
         ev0 = evaluator.before(start_step)  # eval_before and the curve's first point, before generation
         if ev0:
             logger.log(ev0, start_step)

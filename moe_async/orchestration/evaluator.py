@@ -6,7 +6,9 @@ runs at the start step, every interval and at the last step, and its greedy answ
 ``eval_before`` / ``eval_after`` (not asked twice); a resumed run keeps the first run's step-0
 ``eval_before`` (from ``metrics.jsonl``) and records the resumed point as ``eval_at_resume``.
 Without a curve, ``eval_before``/``eval_after`` are one greedy evaluation each. A stopped run
-(pre-emption) has no ``eval_after``. The evaluations themselves are callables (Ray calls in a
+(pre-emption) has no ``eval_after``. With a distillation teacher (``teacher.eval``) the teacher
+is evaluated once before the curve's first point (``eval_teacher``: the reference the student
+moves toward; not on a resumed run). The evaluations themselves are callables (Ray calls in a
 run; their timeouts name ``rollout.eval_timeout_s``).
 
 Design notes: ``docs/design/orchestration.md``."""
@@ -37,24 +39,30 @@ class Evaluator:
         timeline: :class:`Phases` (``eval_before`` / ``eval_after`` phases).
         run_dir / resumed: a resumed run (``trainer.load`` or auto) reads its first run's
             step-0 record from ``run_dir/metrics.jsonl``.
+        teacher_point: ``() -> dict``, the teacher's held-out evaluation (``evaluate_heldout``'s
+            dict); None: no teacher evaluation.
     """
 
     def __init__(self, eval_before: bool, eval_after: bool, eval_interval: int, num_steps: int,
                  curve_point: Callable[[], dict[str, Any]], greedy: Callable[[str], dict[str, Any]],
-                 summary: dict[str, Any], timeline: Phases, run_dir: Path, resumed: bool):
+                 summary: dict[str, Any], timeline: Phases, run_dir: Path, resumed: bool,
+                 teacher_point: Callable[[], dict[str, Any]] | None = None):
         self.eval_before, self.eval_after = eval_before, eval_after
         self.curve = EvalCurve(eval_interval, num_steps, curve_point)
         self._greedy = greedy
         self._summary = summary
         self._timeline = timeline
         self._run_dir, self._resumed = run_dir, resumed
+        self._teacher_point = teacher_point
 
     def _evaluate(self, key: str, label: str) -> None:
         report_eval(self._summary, key, label, self._greedy(label))
 
     def before(self, start_step: int) -> dict[str, float]:
         """``eval_before`` and the curve's first point (at ``start_step``), before generation
-        starts; returns that point's ``eval/*`` metrics (``{}`` without a curve)."""
+        starts, and the teacher's evaluation (first run only, with a curve); returns that
+        point's ``eval/*`` and the teacher's ``eval_teacher/*`` metrics (``{}`` without a curve)."""
+        teacher = self._evaluate_teacher() if self.curve.enabled and not self._resumed else {}
         if self.eval_before:
             self._timeline.phase("eval_before", label="held-out eval (before)")
             if not self.curve.enabled:
@@ -65,7 +73,20 @@ class Evaluator:
             if first is not None:
                 self._summary["eval_at_resume"] = self.curve.last_greedy
             report_eval(self._summary, "eval_before", "before", first or self.curve.last_greedy)
-        return ev0
+        return {**ev0, **teacher}
+
+    def _evaluate_teacher(self) -> dict[str, float]:
+        """The teacher's held-out point as ``eval_teacher/*`` metrics; ``summary["eval_teacher"]``."""
+        if self._teacher_point is None:
+            return {}
+        self._timeline.phase("eval_teacher", label="held-out eval (teacher)")
+        ev = self._teacher_point()
+        ev.pop("greedy", None)
+        ev.pop("per_problem", None)
+        point = {k: float(v) for k, v in ev.items() if k.startswith("eval/")}
+        self._summary["eval_teacher"] = point
+        print("[moe-async] teacher held-out (its prompt, its engines): " + teacher_line(point), flush=True)
+        return {"eval_teacher/" + k[len("eval/"):]: v for k, v in point.items()}
 
     def at_step(self, step: int) -> dict[str, float]:
         """The curve's point at ``step`` when due (every interval, the last step), else ``{}``."""
@@ -87,3 +108,17 @@ class Evaluator:
         if self.curve.points:
             self._summary["eval_curve"] = self.curve.points
             print(self.curve.format(), flush=True)
+        if "eval_teacher" in self._summary:
+            print("  teacher    | " + teacher_line(self._summary["eval_teacher"]), flush=True)
+
+
+def teacher_line(p: dict[str, float]) -> str:
+    """``greedy g +- se [95%] | mean@k m +- se [95%] | pass@k`` of one held-out point (``eval/*``
+    keys, as :func:`moe_async.rollout.evaluation.summarize`); 95%: the normal interval."""
+    def ci(name: str) -> str:
+        v, se = p[f"eval/{name}"], p[f"eval/{name}_se"]
+        return f"{v:.3f} +- {se:.3f} [{v - 1.96 * se:.3f}, {v + 1.96 * se:.3f}]"
+
+    k = p.get("eval/k", 0.0)
+    return (f"greedy {ci('greedy_accuracy')} | mean@{k:.0f} {ci('mean_at_k')} | pass@{k:.0f} "
+            f"{p['eval/pass_at_k']:.3f} (n={p['eval/n']:.0f}, {p.get('eval/seconds', 0.0):.0f} s)")

@@ -79,7 +79,8 @@ def paired_gains(now: dict[str, list], base: dict[str, list]) -> dict[str, float
 
 
 async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_new_tokens: int,
-                           temperature: float | None = None) -> dict[str, Any]:
+                           temperature: float | None = None,
+                           prompt_fn: Callable[[object, list[int]], list[int]] | None = None) -> dict[str, Any]:
     """One held-out evaluation (greedy + ``k`` samples per problem) with ``manager``'s engines
     and reward pool; returns :func:`summarize`'s dict plus ``eval/n_skipped`` (problems whose
     prompt fills the context, or whose request was dropped), ``eval/seconds`` and ``greedy``
@@ -87,8 +88,10 @@ async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_
     a metric). Problems run concurrently, at most ``eval_concurrency`` (default
     ``max_concurrent_groups``) at once, each problem's ``k + 1`` requests sent together (the
     engine prefills their shared prompt once); ``temperature``: the sampled answers' (None:
-    ``rollout.temperature``). Raises ``RewardFailureError`` as ``RolloutManager.evaluate``
-    when the greedy answers' rewards keep failing (``manager.reward_streak``)."""
+    ``rollout.temperature``); ``prompt_fn``: ``(problem, prompt ids) -> the ids to send`` (a
+    distillation teacher's own prompt; None: the dataset's prompt). Raises
+    ``RewardFailureError`` as ``RolloutManager.evaluate`` when the greedy answers' rewards keep
+    failing (``manager.reward_streak``)."""
     import time
 
     t0 = time.perf_counter()
@@ -117,6 +120,8 @@ async def evaluate_heldout(manager: RolloutManager, problems: list, k: int, max_
     async def one(p: object) -> tuple[tuple[float, str | None, float, int], list[float], int] | None:
 
         prompt_ids = manager.dataset.build_prompt_ids(p)
+        if prompt_fn is not None:
+            prompt_ids = prompt_fn(p, prompt_ids)
         max_new = manager._check_length(len(prompt_ids), max_new_tokens, count=False)
         if max_new is None:
             return None

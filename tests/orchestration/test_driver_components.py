@@ -212,6 +212,47 @@ def test_evaluator_fresh_run_ignores_a_metrics_file(tmp_path) -> None:
     assert summary["eval_before"]["accuracy"] == 0.25
 
 
+def _with_teacher(tmp_path: Path, interval: int, resumed: bool = False):
+    asked: list[str] = []
+    points = iter([0.25, 0.5, 0.75])
+    summary: dict[str, Any] = {}
+
+    def curve_point() -> dict:
+        asked.append("curve")
+        return _point(next(points))
+
+    def teacher_point() -> dict:
+        asked.append("teacher")
+        return _point(0.875)
+
+    ev = Evaluator(True, True, interval, 4, curve_point, lambda label: {"accuracy": 0.5, "n": 2}, summary, Phases(),
+                   tmp_path, resumed, teacher_point=teacher_point)
+    return ev, asked, summary
+
+
+def test_evaluator_teacher_is_evaluated_once_before_the_curve_and_reported(tmp_path, capsys) -> None:
+    ev, asked, summary = _with_teacher(tmp_path, interval=2)
+    m0 = ev.before(0)
+    for s in (1, 2, 3, 4):
+        ev.at_step(s)
+    ev.after(4)
+    ev.report_curve()
+    assert asked == ["teacher", "curve", "curve", "curve"]
+    assert m0["eval_teacher/mean_at_k"] == 0.875 and m0["eval_teacher/n"] == 2.0 and m0["eval/mean_at_k"] == 0.25
+    assert not any(k.startswith("eval_teacher/") and ("per_problem" in k or "greedy" == k) for k in m0)
+    assert summary["eval_teacher"]["eval/mean_at_k_se"] == 0.1 and "per_problem" not in summary["eval_teacher"]
+    out = capsys.readouterr().out
+    # the mean and its 95% normal interval, once at the start and once under the curve's table
+    assert out.count("mean@2 0.875 +- 0.100 [0.679, 1.071]") == 2 and "teacher held-out" in out
+
+
+@pytest.mark.parametrize("interval,resumed", [(0, False), (2, True)])
+def test_evaluator_teacher_not_evaluated_without_a_curve_or_on_resume(tmp_path, interval, resumed) -> None:
+    ev, asked, summary = _with_teacher(tmp_path, interval=interval, resumed=resumed)
+    assert not any(k.startswith("eval_teacher/") for k in ev.before(2 if resumed else 0))
+    assert "teacher" not in asked and "eval_teacher" not in summary
+
+
 def test_evaluator_a_failing_evaluation_propagates(tmp_path) -> None:
     def boom(label: str) -> dict:
         raise TimeoutError(f"held-out eval ({label}): no reply within 5 s (rollout.eval_timeout_s)")

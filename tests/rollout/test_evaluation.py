@@ -137,6 +137,23 @@ def test_evaluate_heldout_sends_each_problems_requests_together(concurrency, pea
     assert man.peak == peak
 
 
+def test_evaluate_heldout_sends_the_prompt_fns_ids():
+    """A teacher's own prompt (prompt_fn) replaces the dataset's for every request, and the
+    length check sees its length (a prompt_fn emptying problem 2's prompt skips it)."""
+    man = _FakeManager()
+    sent: list[list[int]] = []
+    gen = man._generate_sample
+
+    async def record(ids, max_new, greedy=False, temperature=None):
+        sent.append(list(ids))
+        return await gen(ids, max_new, greedy, temperature)
+
+    man._generate_sample = record
+    out = asyncio.run(evaluate_heldout(man, [1, 2], k=2, max_new_tokens=8,
+                                       prompt_fn=lambda p, ids: [] if p == 2 else [9] + ids))
+    assert sent == [[9, 1, 2, 3]] * 3 and out["eval/n"] == 1 and out["eval/n_skipped"] == 1
+
+
 def test_greedy_summary_matches_the_manager_evaluate_keys():
     g = greedy_summary([(1.0, None, 1.0, 4), (0.0, "timeout", 0.5, 8), (0.5, None, 0.0, 6)], n_skipped=2)
     assert g == {"reward_mean": pytest.approx(0.5), "accuracy": pytest.approx(1 / 3),
