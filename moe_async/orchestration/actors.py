@@ -498,20 +498,31 @@ class RolloutActor:
         """The distillation teacher on the held-out problems, once: greedy + ``rollout.eval_k``
         samples per problem with the teacher's own prompt on the teacher's engines
         (:func:`moe_async.rollout.evaluation.evaluate_heldout` through a rollout manager over
-        the teacher's clients, the student's reward and lengths). The reference the student's
-        held-out curve moves toward. Raises RuntimeError without a teacher."""
+        the teacher's servers, the student's reward and lengths). Generation requests: timeout
+        ``engine.request_timeout_s`` (not the scoring one), problems at once capped so that
+        their requests fit ``teacher.engine.max_running_requests`` x the teacher engines. The
+        reference the student's held-out curve moves toward. Raises RuntimeError without a
+        teacher."""
+        from moe_async.engines.client import EngineClient
         from moe_async.rollout.evaluation import evaluate_heldout
         from moe_async.rollout.manager import RolloutManager
 
         scorer = self.manager.teacher
         if scorer is None:
             raise RuntimeError("evaluate_teacher: no teacher (teacher.enabled is false)")
-        m = self.manager
-        teacher_manager = RolloutManager(self.cfg.rollout, self.dataset, scorer.clients, m.buffer, self.reward_pool,
-                                         eos_token_ids=m.eos_token_ids, max_context_len=m.max_context_len)
-        r = self.cfg.rollout
-        return await evaluate_heldout(teacher_manager, self.dataset.eval_problems(), r.eval_k, r.eval_max_new_tokens,
-                                      prompt_fn=scorer.prompt_fn)
+        m, r = self.manager, self.cfg.rollout
+        fits = self.cfg.teacher.engine.max_running_requests * len(scorer.clients) // (r.eval_k + 1)
+        rollout = r.model_copy(update={"eval_concurrency": max(1, min(r.eval_concurrency or r.max_concurrent_groups,
+                                                                      fits))})
+        clients = [EngineClient(c.base_url, timeout_s=self.cfg.engine.request_timeout_s) for c in scorer.clients]
+        try:
+            teacher_manager = RolloutManager(rollout, self.dataset, clients, m.buffer, self.reward_pool,
+                                             eos_token_ids=m.eos_token_ids, max_context_len=m.max_context_len)
+            return await evaluate_heldout(teacher_manager, self.dataset.eval_problems(), r.eval_k,
+                                          r.eval_max_new_tokens, prompt_fn=scorer.prompt_fn)
+        finally:
+            for c in clients:
+                await c.aclose()
 
     async def start(self) -> None:
         self._stop = asyncio.Event()
