@@ -10,9 +10,12 @@ the trainer's mean wait for a batch per step (``perf/wait_seconds``, steps after
 samples/s, teacher requests/failures/seconds; then the result, measured in the same run:
 the wait per step the sleep adds in each mode and the share of it fully_async hides
 (``1 - added_async / added_sync``), and fully_async's idle fraction over sync's with the slow
-teacher. Absolute numbers on a shared CPU mean little.
+teacher. Both modes run with ``rollout.max_concurrent_groups`` = (K + 1) x prompts_per_step
+unless ``--set`` names it: fully_async can hide the teacher's latency only with the groups of
+the steps ahead in flight (sync admits one step's groups whatever the setting). Absolute
+numbers on a shared CPU mean little.
 
-    .venv/bin/python tools/bench_teacher.py                     # cpu_smoke, 6 steps, 0.5 s
+    .venv/bin/python tools/bench_teacher.py                     # cpu_smoke, 10 steps, 0.5 s
     .venv/bin/python tools/bench_teacher.py --steps 8 --delay 1.0 --json out.json
 
 Exit status 1 when a run fails (its output tail is printed) or the teacher failed requests.
@@ -41,6 +44,7 @@ def start_delay_proxy(target: str, delay_s: float) -> tuple[str, object]:
     import httpx
     import uvicorn
     from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
     from starlette.responses import Response
     from starlette.routing import Route
 
@@ -50,9 +54,13 @@ def start_delay_proxy(target: str, delay_s: float) -> tuple[str, object]:
 
     async def forward(request):  # every path, as the engine answers it
         path = request.url.path
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # a run that stopped with requests in flight (groups cut off)
+            return Response(status_code=499)
         if path == "/generate":
             await asyncio.sleep(delay_s)
-        r = await client.request(request.method, path, params=request.query_params, content=await request.body(),
+        r = await client.request(request.method, path, params=request.query_params, content=body,
                                  headers={"content-type": request.headers.get("content-type", "application/json")})
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
@@ -87,7 +95,7 @@ def run_mode(config: str, mode: str, staleness: int, steps: int, url: str, sets:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs/cpu_smoke.yaml"))
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--delay", type=float, default=0.5, help="seconds the teacher sleeps per request")
     ap.add_argument("--staleness", type=int, default=2, help="fully_async's max_staleness")
     ap.add_argument("--set", action="append", default=[], help="a.b=value override for both runs")
@@ -100,6 +108,9 @@ def main() -> None:
     from moe_async.models.prepare import prepare_hf_checkpoint
 
     cfg = load_config(args.config, args.set)
+    if not any(x.startswith("rollout.max_concurrent_groups=") for x in args.set):
+        # fully_async hides the teacher only with more groups in flight than one step's; sync admits one step's
+        args.set.append(f"rollout.max_concurrent_groups={(args.staleness + 1) * cfg.rollout.prompts_per_step}")
     path = str(prepare_hf_checkpoint(cfg.model))  # the student's starting checkpoint (cached)
     eng = make_engine(EngineConfig(num_threads=1, max_running_requests=32), path, 0)
     eng.launch()
