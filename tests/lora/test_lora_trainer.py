@@ -25,6 +25,12 @@ def _check(res: dict) -> None:
     assert res["file_modes_ok"] and not res["tmp_left"]
     assert res["b_nonzero"] == res["n_b"] == 12  # q/k/v/o + 2 fused expert params, x 2 layers
     assert res["peft_maxdiff"] < 1e-5  # the trainer's logprobs == HF + peft on the export
+    # merged export: peft's merge_and_unload() tensors (fp32 rounding: einsum vs per-expert matmul),
+    # per layer q, k, v, o and the fused experts' gate_up_proj, down_proj changed (transformers 5 names)
+    assert res["merged_files"] and res["merged_keys_match"]
+    assert res["merged_vs_peft_maxdiff"] < 1e-6
+    assert res["merged_changed"] == 2 * (4 + 2)
+    assert res["merged_logits_maxdiff"] < 1e-4 and res["merged_lp_maxdiff"] < 2e-5  # TP1: 1.1e-5, 7.6e-6
 
 
 def test_lora_tp1_matches_base_then_peft(tmp_path):
