@@ -108,7 +108,7 @@ class MegatronTrainer:
         st = self.state
         self.batcher = Batcher(cfg, st.vocab_size, st.router_replay, thd=thd, vpp=vpp, n_chunks=len(st.ddp_models),
                                variable_seq_lengths=bool(getattr(st.tf_config, "variable_seq_lengths", False)))
-        self.checkpointer = Checkpointer(st)
+        self.checkpointer = Checkpointer(st, base_digest=self.base_digest)
 
     # ------------------------------------------------------------------ state
     cfg = property(lambda self: self.state.cfg, doc="The trainer section of the experiment config.")
@@ -469,6 +469,20 @@ class MegatronTrainer:
             logging.getLogger(__name__).info("weight export: parameters moved into the send buffer: %s",
                                              describe(st))
         return st
+
+    def base_digest(self) -> str:
+        """sha256 over the name-sorted per-tensor checksums of the base weights (:meth:`hf_checksums`,
+        which leave the LoRA adapters out), computed once with ``trainer.lora``: the base is
+        frozen (a LoRA checkpoint records it and a resume compares it). Collective."""
+        import hashlib
+        import json
+
+        if "_base_digest" in self.__dict__:
+            return str(self.__dict__["_base_digest"])
+        digest = hashlib.sha256(json.dumps(sorted(self.hf_checksums().items())).encode()).hexdigest()
+        if self.cfg.lora is not None:  # a trained base changes: computed again next time
+            self.__dict__["_base_digest"] = digest
+        return digest
 
     def hf_checksums(self) -> dict[str, str]:
         """``{hf_name: tensor_checksum(tensor)}`` of the current weights (sha256 of fp32 bytes;
