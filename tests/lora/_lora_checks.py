@@ -71,6 +71,7 @@ def main(tmp: str, layout: str) -> None:
     res["step_moved"] = max(abs(a - b) for x, y in zip(step_lp, init_lp) for a, b in zip(x, y))
     tensors = tr.export_lora(out_dir, replace=True)
     res["n_peft_tensors"] = len(tensors)
+    res["peft_numel"] = sum(t.numel() for t in tensors.values())  # what the adapter sync sends
     merged_dir = os.path.join(tmp, f"merged_{layout}")
     res["merged_files"] = tr.export_merged(merged_dir)
     tr.close()

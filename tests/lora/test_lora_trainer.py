@@ -21,6 +21,7 @@ def _check(res: dict) -> None:
     assert res["base_changed"] == 0  # frozen base: no HF tensor moved
     assert res["grad_norm"] > 0 and res["step_moved"] > 1e-2
     assert res["peft_keys_match"]  # every exported tensor is one peft placed
+    assert res["peft_numel"] == 19968  # the plan's count of the sync's PEFT tensors (tests/plan/test_plan_lora.py)
     # written over the step-0 export (replace), readable like any other run file (not 0600)
     assert res["file_modes_ok"] and not res["tmp_left"]
     assert res["b_nonzero"] == res["n_b"] == 12  # q/k/v/o + 2 fused expert params, x 2 layers
@@ -64,5 +65,8 @@ def test_lora_pp2_matches_peft(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 def test_lora_layouts_match_peft(tmp_path, layout):
-    """At TP2 (sequence parallel) and EP2 the same checks."""
-    _layout(tmp_path, layout)
+    """At TP2 (sequence parallel) and EP2 the same checks; at TP2 rank 0 holds the adapters the
+    plan counts (qkv B and o A halved: tests/plan/test_plan_lora.py)."""
+    res = _layout(tmp_path, layout)
+    if layout == "tp2":
+        assert res["adapter_numel"] == 18_944 - 2 * (256 + 128)
