@@ -3,6 +3,9 @@ line and writes it to TMP/res_resume_<layout>.json.
 
     python _lora_resume_checks.py TMP                  1 process (TP1; also the refusals)
     torchrun --nproc_per_node 2 _lora_resume_checks.py TMP tp2   TP2 (TP-split adapter factors)
+    ... TMP tp2 llama        a dense Llama (the gated fc1's B sharded as Megatron's swiglu weight)
+    python _lora_resume_checks.py TMP tp1load llama    load the TP2 checkpoint at TP1: the export
+                                                       equals the TP2 trainer's at the save
 
 A LoRA trainer (tiny Mixtral, q/k/v/o + per-expert adapters, rank 4) steps once, saves, and steps
 again ("straight"); a second trainer loads the checkpoint and steps again ("resumed"). Compared
@@ -24,7 +27,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import torch  # noqa: E402
 from _checks import samples  # noqa: E402
-from _tiny import make_tiny_mixtral  # noqa: E402
+from _tiny import make_tiny_llama, make_tiny_mixtral  # noqa: E402
 
 LENS = [(5, 7), (3, 6), (8, 4), (4, 9)]
 ADV = [1.0, -0.5, 0.7, -1.2]
@@ -49,32 +52,45 @@ def _equal(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def main(tmp: str, layout: str) -> None:
+def main(tmp: str, layout: str, model: str = "mixtral") -> None:
     import torch.distributed as dist
 
     from moe_async.lora.config import LoraConfig
     from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
-    sizes = {"tp1": {}, "tp2": dict(tensor_model_parallel_size=2)}[layout]
+    sizes = {"tp1": {}, "tp1load": {}, "tp2": dict(tensor_model_parallel_size=2)}[layout]
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
-    path = os.path.join(tmp, "mix")
+    path = os.path.join(tmp, "mix" if model == "mixtral" else model)
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_mixtral(path, tie=False)
+        (make_tiny_mixtral if model == "mixtral" else make_tiny_llama)(path, tie=False)
     if dist.is_initialized():
         dist.barrier()
     lcfg = LoraConfig(rank=4, alpha=8.0, experts="per_expert")
     cfg = TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-2, clip_grad=1e9, lora=lcfg, **sizes)
     b1, b2 = samples(0, LENS), samples(1, LENS)
-    ckpt = os.path.join(tmp, f"ckpt_{layout}")
+    suffix = "" if model == "mixtral" else f"_{model}"
     res: dict = {}
+    if layout == "tp1load":  # the TP2 checkpoint at TP1: the adapters resharded, not only round-tripped
+        tr = MegatronTrainer(cfg, path)
+        tr.load_checkpoint(os.path.join(tmp, f"ckpt_tp2{suffix}"))
+        got, want = tr.export_lora(), torch.load(os.path.join(tmp, f"export_tp2{suffix}.pt"))
+        res["cross_export_equal"] = _equal(got, want)
+        res["n_tensors"] = len(want)
+        tr.close()
+        print(json.dumps(res))
+        return
+    ckpt = os.path.join(tmp, f"ckpt_{layout}{suffix}")
 
     tr = MegatronTrainer(cfg, path)
     tr.train_step(b1, ADV)
     tr.save_checkpoint(ckpt, {"step": 1})
+    exported = tr.export_lora()  # the PEFT tensors at the save (whole: every rank's pieces)
+    if rank == 0:
+        torch.save(exported, os.path.join(tmp, f"export_{layout}{suffix}.pt"))
     saved_ad, saved_adam = _adapters(tr), _adam(tr)
     res["straight_metrics"] = tr.train_step(b2, ADV)["loss"]
     straight_ad, straight_adam = _adapters(tr), _adam(tr)
@@ -107,11 +123,13 @@ def main(tmp: str, layout: str) -> None:
         res["non_adapter_keys"] = [k for k in tensors if ".lora." not in k]
         res["qkv_B_shape"] = tensors.get("decoder.layers.self_attention.linear_qkv.lora.B")  # [L, out, r]
         res["proj_A_shape"] = tensors.get("decoder.layers.self_attention.linear_proj.lora.A")  # [L, r, in]
+        res["fc1_B_shape"] = tensors.get("decoder.layers.mlp.linear_fc1.lora.B")  # dense: [L, 2I, r]
         with open(os.path.join(ckpt, "moe_async_state.json")) as f:
             res["record"] = json.load(f)["lora"]
-    res["refusals"] = _refusals(tmp, path, ckpt, cfg)
+    if model == "mixtral":
+        res["refusals"] = _refusals(tmp, path, ckpt, cfg)
     if rank == 0:
-        with open(os.path.join(tmp, f"res_resume_{layout}.json"), "w") as f:
+        with open(os.path.join(tmp, f"res_resume_{layout}{suffix}.json"), "w") as f:
             json.dump(res, f)
         print(json.dumps(res))
 
@@ -152,4 +170,4 @@ def _refusals(tmp: str, path: str, ckpt: str, cfg) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "tp1")
+    main(sys.argv[1], *(sys.argv[2:] or ["tp1"]))

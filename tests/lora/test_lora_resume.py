@@ -2,7 +2,8 @@
 the adapters and their optimizer state only and records its base; a resume restores them bit for
 bit and its next step equals the step without stopping; another base, another adapter rank or a
 trainer without LoRA are refused, naming them. TP2 (torchrun, 2 processes: the column/row
-TP-split factors saved as sharded tensors) in the default run; TP1 is slow."""
+TP-split factors saved as sharded tensors) in the default run; TP1 and a dense model's TP2
+checkpoint (also loaded at TP1) are slow."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import os
 
 import pytest
-from _launch import cpu_check_json, torchrun
+from _launch import cpu_check_json, run_json, torchrun
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "_lora_resume_checks.py")
@@ -45,3 +46,17 @@ def test_lora_resume_tp2(tmp_path):
 @pytest.mark.slow
 def test_lora_resume_tp1(tmp_path):
     _check(cpu_check_json(SCRIPT, str(tmp_path), timeout=300), tmp_path)
+
+
+@pytest.mark.slow
+def test_lora_resume_dense_tp2_and_load_at_tp1(tmp_path):
+    """A dense Llama: the gated fc1's B ([gate_r; up_r] per TP rank) is saved as Megatron's swiglu
+    weight (global [L, 2I, r] = [2, 256, 4]); the TP2 resume is exact, and the TP2 checkpoint
+    loaded at TP1 exports the same PEFT tensors as the TP2 trainer at the save."""
+    torchrun(2, SCRIPT, str(tmp_path), "tp2", "llama", timeout=500)
+    with open(tmp_path / "res_resume_tp2_llama.json") as f:
+        res = json.load(f)
+    assert res["adapters_equal"] and res["adam_equal"] and res["step_adapters_equal"] and res["step_adam_equal"]
+    assert res["non_adapter_keys"] == [] and res["fc1_B_shape"] == [2, 256, 4]
+    out = run_json(SCRIPT, str(tmp_path), "tp1load", "llama", timeout=300)
+    assert out["cross_export_equal"] and out["n_tensors"] == 28
