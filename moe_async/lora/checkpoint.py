@@ -35,7 +35,6 @@ def adapter_sharded_state_dict(sd: dict[str, Any], model: torch.nn.Module) -> di
             the decoder layers.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
     out: dict[str, Any] = {}
@@ -44,7 +43,7 @@ def adapter_sharded_state_dict(sd: dict[str, Any], model: torch.nn.Module) -> di
             continue
         if not isinstance(sh, ShardedTensor):
             raise ValueError(f"LoRA checkpoint: {k} is a {type(sh).__name__}, not a ShardedTensor")
-        out[k] = _tp_sharded(sh, k, ShardedTensor, apply_swiglu_sharded_factory)
+        out[k] = _tp_sharded(sh, k)
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     for name, p in model.named_parameters():
         if is_adapter_param(name) and name not in out:
@@ -56,13 +55,15 @@ def adapter_sharded_state_dict(sd: dict[str, Any], model: torch.nn.Module) -> di
     return out
 
 
-def _tp_sharded(sh: Any, key: str, ShardedTensor: Any, swiglu: Any) -> Any:
+def _tp_sharded(sh: Any, key: str) -> Any:
     """``sh`` re-sharded along its tensor's TP split axis (its ``partition_dim``) when the tensor
     is TP-split (Megatron's ``tensor_model_parallel`` attribute), else ``sh``."""
     t = sh.data
     if not getattr(t, "tensor_model_parallel", False):
         return sh
     from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     replica = (sh.replica_id[0], 0, sh.replica_id[2]) if isinstance(sh.replica_id, tuple) else sh.replica_id
@@ -71,7 +72,7 @@ def _tp_sharded(sh: Any, key: str, ShardedTensor: Any, swiglu: Any) -> Any:
     new = ShardedTensor.from_rank_offsets(sh.key, t, *lead, (n + t.partition_dim, rank, tp), replica_id=replica,
                                           prepend_axis_num=n)
     if key.endswith("linear_fc1.lora.B"):  # gated [gate_r; up_r] per rank: the weight's swiglu sharding
-        return swiglu(new, lead)
+        return apply_swiglu_sharded_factory(new, lead)
     return new
 
 

@@ -4,6 +4,7 @@ line and writes it to TMP/res_resume_<layout>.json.
     python _lora_resume_checks.py TMP                  1 process (TP1; also the refusals)
     torchrun --nproc_per_node 2 _lora_resume_checks.py TMP tp2   TP2 (TP-split adapter factors)
     ... TMP tp2 llama        a dense Llama (the gated fc1's B sharded as Megatron's swiglu weight)
+    ... TMP tp1 mixtral_shared    one routed-expert adapter per layer (``experts: shared``)
     python _lora_resume_checks.py TMP tp1load llama    load the TP2 checkpoint at TP1: the export
                                                        equals the TP2 trainer's at the save
 
@@ -64,12 +65,12 @@ def main(tmp: str, layout: str, model: str = "mixtral") -> None:
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
-    path = os.path.join(tmp, "mix" if model == "mixtral" else model)
+    path = os.path.join(tmp, "mix" if model.startswith("mixtral") else model)
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        (make_tiny_mixtral if model == "mixtral" else make_tiny_llama)(path, tie=False)
+        (make_tiny_mixtral if model.startswith("mixtral") else make_tiny_llama)(path, tie=False)
     if dist.is_initialized():
         dist.barrier()
-    lcfg = LoraConfig(rank=4, alpha=8.0, experts="per_expert")
+    lcfg = LoraConfig(rank=4, alpha=8.0, experts="shared" if model == "mixtral_shared" else "per_expert")
     cfg = TrainerConfig(micro_batch_size=2, moe_aux_loss_coeff=0.0, lr=1e-2, clip_grad=1e9, lora=lcfg, **sizes)
     b1, b2 = samples(0, LENS), samples(1, LENS)
     suffix = "" if model == "mixtral" else f"_{model}"

@@ -60,3 +60,13 @@ def test_lora_resume_dense_tp2_and_load_at_tp1(tmp_path):
     assert res["non_adapter_keys"] == [] and res["fc1_B_shape"] == [2, 256, 4]
     out = run_json(SCRIPT, str(tmp_path), "tp1load", "llama", timeout=300)
     assert out["cross_export_equal"] and out["n_tensors"] == 28
+
+
+@pytest.mark.slow
+def test_lora_resume_shared_expert_adapter(tmp_path):
+    """``experts: shared``: the one expert adapter per layer, which Megatron's expert MLP leaves
+    out of its sharded state dict, is saved and restored too."""
+    res = run_json(SCRIPT, str(tmp_path), "tp1", "mixtral_shared", timeout=300)
+    assert res["adapters_equal"] and res["adam_equal"] and res["step_adapters_equal"] and res["step_adam_equal"]
+    assert "decoder.layers.0.mlp.experts.lora_linear_fc1.A" in res["model_keys"]
+    assert "decoder.layers.1.mlp.experts.lora_linear_fc2.B" in res["model_keys"]
