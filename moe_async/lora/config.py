@@ -33,6 +33,11 @@ class LoraConfig(ConfigModel):
         "Routed experts: one adapter per expert (``per_expert``; it lives on the expert's EP rank), one "
         "adapter shared by all experts of a layer (``shared``; expert parallel size 1), or none (``off``)."))
 
+    merge_and_unload: bool = Field(False, description=(
+        "At the run's end also write <run_dir>/merged/: a full HF checkpoint with the adapter merged "
+        "into the base (PEFT's merge_and_unload: W + (alpha / rank) B A per adapted weight, routed "
+        "experts included), loadable without peft."))
+
     @field_validator("target_modules")
     @classmethod
     def _targets(cls, v: list[str]) -> list[str]:

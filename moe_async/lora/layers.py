@@ -133,7 +133,7 @@ def _kind(linear: ParallelLinear) -> str:
         return "column"
     if isinstance(linear, RowParallelLinear):
         return "row"
-    raise ValueError(f"LoRA: {type(linear).__name__} is not a Megatron ColumnParallelLinear/RowParallelLinear "
+    raise TypeError(f"LoRA: {type(linear).__name__} is not a Megatron ColumnParallelLinear/RowParallelLinear "
                      "(trainer.lora runs on the local layer spec's linears)")
 
 
@@ -151,10 +151,13 @@ def add_lora(model: GPTModel, cfg: LoraConfig, *, layer_offset: int = 0) -> list
     ``layer_offset``: the global index of the chunk's first layer (A's init is seeded per global
     layer, so every layout starts from the same A). Returns the adapted linears in module order.
 
+    The settings the adapters cannot run with (dropout or ETP > 1 with routed-expert adapters, a
+    ``shared`` expert adapter at EP > 1, the grouped expert MLP) are refused by the trainer config
+    (:func:`moe_async.trainer.config.lora_refusal`) before any process starts, not here.
+
     Raises:
-        ValueError: a routed-expert adapter with dropout > 0, ``experts: shared`` at expert parallel
-            size > 1, expert tensor parallelism > 1, or an adapted module that is not a Megatron
-            parallel linear (e.g. Transformer Engine's grouped experts), naming the field.
+        TypeError: an adapted module that is not a Megatron parallel linear, or routed experts that
+            are not the sequential expert MLP (a model built past the config's checks).
     """
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -180,19 +183,7 @@ def add_lora(model: GPTModel, cfg: LoraConfig, *, layer_offset: int = 0) -> list
         if experts is None or cfg.experts == "off":
             continue
         if not isinstance(experts, SequentialMLP):
-            raise ValueError(f"trainer.lora.experts={cfg.experts!r}: routed experts are {type(experts).__name__}; "
-                             "LoRA adapts the sequential expert MLP (set trainer.moe_grouped_gemm=false)")
-        if cfg.dropout > 0:
-            raise ValueError(f"trainer.lora.dropout={cfg.dropout} with trainer.lora.experts={cfg.experts!r}: PEFT's "
-                             "adapters on fused expert parameters take no dropout; set dropout 0 or experts 'off'")
-        from megatron.core import parallel_state as ps
-
-        if ps.get_expert_tensor_parallel_world_size() > 1:
-            raise ValueError("trainer.lora with trainer.expert_tensor_parallel_size > 1 is not supported; "
-                             "set it to 1 or trainer.lora.experts='off'")
-        if cfg.experts == "shared" and ps.get_expert_model_parallel_world_size() > 1:
-            raise ValueError("trainer.lora.experts='shared' needs trainer.expert_model_parallel_size=1 "
-                             "(use 'per_expert': each expert's adapter lives on its EP rank)")
+            raise TypeError(f"LoRA adapts the sequential expert MLP; routed experts are {type(experts).__name__}")
         shared: dict[str, LoraAdapter] = {}
         for e, expert in enumerate(experts.local_experts):
             for fc in ("linear_fc1", "linear_fc2"):

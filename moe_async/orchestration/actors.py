@@ -304,6 +304,13 @@ class TrainerActor:
         self._trainer.export_lora(out_dir, replace=True)
         return out_dir if self.rank == 0 else None
 
+    def export_merged(self, out_dir: str) -> str | None:
+        """Write the base with the LoRA adapter merged (PEFT's ``merge_and_unload``) as a full HF
+        checkpoint into ``out_dir``, replacing one there; rank 0 writes and returns ``out_dir``,
+        other ranks None. Collective."""
+        self._trainer.export_merged(out_dir, replace=True)
+        return out_dir if self.rank == 0 else None
+
     def checksums(self) -> dict[str, str]:
         return self._trainer.hf_checksums()
 

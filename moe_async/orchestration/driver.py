@@ -381,6 +381,9 @@ def _final_summary(run: _Run, summary: dict[str, Any], version: int) -> None:
         summary["adapter_dir"] = run.trainer.export_adapter(str(run.run_dir / "adapter"))
         print(f"[moe-async] LoRA adapter (PEFT, step {summary.get('stopped_at_step', run.cfg.num_steps)}, "
               f"weight_version {version}): {summary['adapter_dir']}", flush=True)
+        if run.cfg.trainer.lora.merge_and_unload:  # the base with the adapter merged: a full HF checkpoint
+            summary["merged_dir"] = run.trainer.export_merged(str(run.run_dir / "merged"))
+            print(f"[moe-async] merged model (base + LoRA, HF): {summary['merged_dir']}", flush=True)
 
 
 def _refuse_before_processes(cfg: ExperimentConfig) -> tuple[StartPlan, str, DataCheck | None]:

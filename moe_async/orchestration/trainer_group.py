@@ -184,6 +184,10 @@ class TrainerGroup:
         """Every rank's :meth:`TrainerActor.export_adapter`; returns rank 0's ``out_dir``."""
         return self._call("export_adapter", out_dir)
 
+    def export_merged(self, out_dir: str) -> str:
+        """Every rank's :meth:`TrainerActor.export_merged`; returns rank 0's ``out_dir``."""
+        return self._call("export_merged", out_dir)
+
     def check_engines(self, urls: list[str]) -> dict[str, float]:
         return self._call("check_engines", urls)
 

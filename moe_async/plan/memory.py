@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from moe_async.layout import ParallelLayout
 from moe_async.plan.arch import ModelShape
+from moe_async.plan.lora import lora_counts
 
 if TYPE_CHECKING:
     from moe_async.config import ExperimentConfig
@@ -56,6 +57,7 @@ class TrainerEstimate:
     moe_imbalance: float = 1.0
     sync_buckets: int = 0  # weight-sync bucket buffers on a sending rank
     stage_layers: tuple[int, ...] = ()  # layers per pipeline stage
+    adapter_params: int = 0  # trainer.lora: adapter elements per GPU (the base is frozen: weights only)
 
     @property
     def params(self) -> int:
@@ -407,6 +409,8 @@ def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstim
     imb = c.moe_imbalance
     # weight sync: the bucket being sent and, with overlap, the next one being packed, on a sender
     sync = cfg.weight_sync.bucket_bytes * (2 if cfg.weight_sync.overlap else 1)
+    if t.lora is not None:  # the adapter sync gathers the PEFT tensors in host memory: no GPU buckets
+        sync = 0
     offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
     best: TrainerEstimate | None = None
     for stage in range(lay.pp):
@@ -420,11 +424,18 @@ def estimate_trainer(shape: ModelShape, cfg: "ExperimentConfig") -> TrainerEstim
         if stage == lay.pp - 1:
             logits = 10 * (T / lay.cp) * (vocab_pad / lay.tp)
             act, act1, act0 = act + logits, act1 + logits, act0 + logits
-        dist = dense * opt_bytes / (lay.dp * lay.cp) + expert * opt_bytes / lay.edp
+        # trained: every parameter, or with trainer.lora the adapters only (grads, optimizer state)
+        tr_dense, tr_expert = dense, expert
+        if t.lora is not None:
+            ad = lora_counts(shape, layers, t.lora, lay)
+            tr_dense, tr_expert = ad.dense, ad.expert
+        adapters = tr_dense + tr_expert if t.lora is not None else 0
+        dist = tr_dense * opt_bytes / (lay.dp * lay.cp) + tr_expert * opt_bytes / lay.edp
         est = TrainerEstimate(
             layout=lay, vpp=vpp, stage=stage, dense_params=dense, expert_params=expert,
-            weights=(dense + expert) * w_bytes, grads=(dense + expert) * 4,
-            optimizer_plain=(dense + expert) * opt_bytes, optimizer_distributed=int(dist),
+            weights=(dense + expert + adapters) * w_bytes, grads=(tr_dense + tr_expert) * 4,
+            optimizer_plain=(tr_dense + tr_expert) * opt_bytes, optimizer_distributed=int(dist),
+            adapter_params=adapters,
             distributed=t.use_distributed_optimizer, activations=int(act), tokens_per_micro_batch=T,
             tokens_note=note, host_optimizer_per_node=0, ranks_per_node=lay.world_size // t.nodes,
             usable=int((c.gpu_memory_gib - c.reserved_gib) * GiB), offload_fraction=offload,
@@ -473,7 +484,8 @@ def estimate_engine(shape: ModelShape, cfg: "ExperimentConfig") -> EngineEstimat
 
 
 def estimate_sync(shape: ModelShape, cfg: "ExperimentConfig") -> SyncEstimate:
-    """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``;
+    """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``
+    (with ``trainer.lora``: the adapter's PEFT tensors, fp32, :mod:`moe_async.plan.lora`);
     with ``weight_sync.senders: all`` the bytes per sender as
     :func:`moe_async.weight_sync.senders.assign_senders` gives them for the primary shards of
     Megatron's rank grids (:func:`sender_meta`), listed by global rank (ranks that send
@@ -482,6 +494,11 @@ def estimate_sync(shape: ModelShape, cfg: "ExperimentConfig") -> SyncEstimate:
 
     w = _DTYPE_BYTES[cfg.engine.dtype]
     total = shape.total * w
+    if cfg.trainer.lora is not None:  # adapter-only sync: the PEFT tensors, fp32, from rank 0
+        whole = ParallelLayout(world_size=1)  # the PEFT counts do not depend on the layout
+        peft = lora_counts(shape, list(shape.layers), cfg.trainer.lora, whole).peft
+        return SyncEstimate(bytes=peft * 4, bandwidth=cfg.cluster.link_bandwidth_gb_s * 1e9,
+                            bucket_bytes=cfg.weight_sync.bucket_bytes)
     sync = SyncEstimate(bytes=total, bandwidth=cfg.cluster.link_bandwidth_gb_s * 1e9,
                         bucket_bytes=cfg.weight_sync.bucket_bytes)
     lay = cfg.trainer.layout

@@ -43,6 +43,10 @@ def format_plan(plan, cfg, config_name: str) -> str:
         f"{' x 2 with overlap' if cfg.weight_sync.overlap else ''})",
         f"  {'GiB per GPU':<34}{'weights':>9}{'grads':>9}{'optim':>9}{'static':>9}{'activ':>9}{'total':>9}",
     ]
+    if cfg.trainer.lora is not None:
+        lo = cfg.trainer.lora
+        out.insert(-1, f"  LoRA rank {lo.rank} (experts: {lo.experts}): {t.adapter_params:,} adapter parameters per GPU; "
+                       "the base is frozen (weights only: no grads, no optimizer state)")
     wd = "bf16" if cfg.trainer.params_dtype == "bf16" else "fp32"
     f = t.offload_fraction
     rows = [
@@ -72,6 +76,9 @@ def format_plan(plan, cfg, config_name: str) -> str:
         f"{w.bucket_bytes / 2**20:g} MiB; lower bound {w.seconds:.2f} s at cluster.link_bandwidth_gb_s="
         f"{c.link_bandwidth_gb_s:g} GB/s (every engine rank receives every byte)",
     ]
+    if cfg.trainer.lora is not None:
+        out[-1] = (f"weight sync  adapter only: {w.bytes / 1e9:.4f} GB ({w.bytes / GiB:.4f} GiB, the PEFT tensors in "
+                   f"fp32); lower bound {w.seconds:.4f} s at cluster.link_bandwidth_gb_s={c.link_bandwidth_gb_s:g} GB/s")
     if w.sender_bytes:
         out.append(f"  weight_sync.senders: all: {len(w.sender_bytes)} senders (by trainer rank), GB each: "
                    + " ".join(f"{b / 1e9:.2f}" for b in w.sender_bytes)

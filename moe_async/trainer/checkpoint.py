@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -32,8 +32,9 @@ class Checkpointer:
     """Saves and loads the trainer state ``st`` (its models, optimizer and ``version``; a load
     sets ``st.version``) as torch_dist checkpoints; see the module docstring."""
 
-    def __init__(self, st: TrainerState) -> None:
+    def __init__(self, st: TrainerState, base_digest: Callable[[], str] | None = None) -> None:
         self.st = st
+        self.base_digest = base_digest  # LoRA: the frozen base's weights digest (collective)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
@@ -44,7 +45,9 @@ class Checkpointer:
 
         Files besides the torch_dist shards: ``moe_async_version.txt`` (``version``);
         ``moe_async_state.json`` (rank 0: ``version``, the saving ``layout`` and ``extra``, a
-        JSON-able dict, e.g. the driver's data-side step and prompt position);
+        JSON-able dict, e.g. the driver's data-side step and prompt position; with
+        ``trainer.lora`` also ``lora``, the base the adapters belong to: the tensors are then
+        the adapters and their optimizer state only, :mod:`moe_async.lora.checkpoint`);
         ``moe_async_rng/rank_<r>.pt`` (every rank: python ``random``, numpy, torch CPU and, when
         CUDA is available, CUDA generator states, and Megatron's RNG tracker states, as
         Megatron-LM's ``rng_state``). There is no separate scheduler state: the LR is a pure
@@ -59,6 +62,7 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel import random as mrandom
 
+        lora = self._lora_record()  # before any file changes (collective: the base digest)
         os.makedirs(path, exist_ok=True)
         if torch.distributed.get_rank() == 0:
             self._remove_old_checkpoint_files(path)
@@ -93,9 +97,19 @@ class Checkpointer:
             with open(os.path.join(path, "moe_async_version.txt"), "w") as f:
                 f.write(str(self.st.version))
             with open(os.path.join(path, "moe_async_state.json"), "w") as f:
-                json.dump({"version": self.st.version, "layout": self._ckpt_layout(), "extra": extra or {}}, f)
+                json.dump({"version": self.st.version, "layout": self._ckpt_layout(), "extra": extra or {},
+                           **({"lora": lora} if lora is not None else {})}, f)
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # every rank's files are written when any rank returns
+
+    def _lora_record(self) -> dict[str, Any] | None:
+        """The ``lora`` entry of ``moe_async_state.json`` (None without ``trainer.lora``). Collective."""
+        if self.st.cfg.lora is None:
+            return None
+        from moe_async.lora.checkpoint import lora_record
+
+        assert self.base_digest is not None, "a LoRA trainer's Checkpointer needs base_digest"
+        return lora_record(self.st.cfg.lora, self.st.hf_path, self.base_digest())
 
     @staticmethod
     def _remove_old_checkpoint_files(path: str) -> None:
@@ -136,6 +150,10 @@ class Checkpointer:
             sd = {"model": self.st.model.sharded_state_dict()}
         else:
             sd = {f"model{v}": m.sharded_state_dict() for v, m in enumerate(self.st.models)}
+        if self.st.cfg.lora is not None:  # the adapters only (moe_async.lora.checkpoint); the base is the HF one
+            from moe_async.lora.checkpoint import adapter_sharded_state_dict
+
+            sd = {k: adapter_sharded_state_dict(v, m) for (k, v), m in zip(sd.items(), self.st.models)}
         to_te_names(sd) if ckpt_keys is None else match_checkpoint(sd, ckpt_keys)
         return sd
 
@@ -459,6 +477,10 @@ class Checkpointer:
                 f"{self.st.cfg.make_vocab_size_divisible_by}, TP={self.st.cfg.tensor_model_parallel_size}); "
                 "set make_vocab_size_divisible_by (or convert with --vocab-div) so that they agree")
         version, state, rng = self._read_ckpt_side_files(path)
+        from moe_async.lora.checkpoint import check_lora_resume
+
+        check_lora_resume(path, (state or {}).get("lora"), self.st.cfg.lora, self.st.hf_path,
+                          self.base_digest or (lambda: ""))  # another base or adapter shape: refused, named
 
         # torch_dist reads into the tensors it is given: give it copies, so that a load failing
         # halfway (a truncated shard) leaves this trainer's weights and optimizer state untouched
@@ -525,9 +547,10 @@ class Checkpointer:
             for key, m in zip(model_sd, self.st.models):
                 got = loaded[key]
                 # TE's FP8 metadata (a module's _extra_state) is absent from a checkpoint written
-                # without TE (any CPU-written one): the module keeps its own (no weights in it)
+                # without TE (any CPU-written one): the module keeps its own (no weights in it);
+                # LoRA: the frozen base's tensors too (the adapters are all there is)
                 for k, v in m.state_dict().items():
-                    if k.endswith("._extra_state") and k not in got:
+                    if (k.endswith("._extra_state") or self.st.cfg.lora is not None) and k not in got:
                         got[k] = v
                 m.load_state_dict(got)
             if not has_opt:

@@ -514,14 +514,11 @@ def memory_feature_refusal(cfg: TrainerConfig) -> str | None:
 def lora_refusal(cfg: TrainerConfig) -> str | None:
     """The refusal, naming the fields, of a ``trainer.lora`` setting the adapters cannot run
     with (checked before any process starts), or None: dropout or the grouped expert MLP or
-    ETP > 1 with routed-expert adapters, one ``shared`` expert adapter at EP > 1, and PP > 1
-    (adapter export and sync over pipeline stages not tested yet)."""
+    ETP > 1 with routed-expert adapters, one ``shared`` expert adapter at EP > 1. The only
+    check of these combinations (the adapters' setup does not repeat it)."""
     lo = cfg.lora
     if lo is None:
         return None
-    if cfg.pipeline_model_parallel_size > 1:
-        return (f"trainer.lora with trainer.pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: "
-                "not supported yet (adapter export and sync over pipeline stages are untested); use PP 1")
     if lo.experts == "off":
         return None
     if lo.dropout > 0:

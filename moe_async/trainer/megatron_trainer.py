@@ -108,7 +108,7 @@ class MegatronTrainer:
         st = self.state
         self.batcher = Batcher(cfg, st.vocab_size, st.router_replay, thd=thd, vpp=vpp, n_chunks=len(st.ddp_models),
                                variable_seq_lengths=bool(getattr(st.tf_config, "variable_seq_lengths", False)))
-        self.checkpointer = Checkpointer(st)
+        self.checkpointer = Checkpointer(st, base_digest=self.base_digest)
 
     # ------------------------------------------------------------------ state
     cfg = property(lambda self: self.state.cfg, doc="The trainer section of the experiment config.")
@@ -341,6 +341,43 @@ class MegatronTrainer:
             write_peft(out_dir, tensors, config, replace=replace)
         return (tensors, config) if with_config else tensors
 
+    def export_merged(self, out_dir: str, replace: bool = False, max_shard_size: str | int = "5GB") -> list[str]:
+        """A full HF checkpoint with the LoRA adapters merged into the base (PEFT's
+        ``merge_and_unload``: ``W + (alpha / rank) * B A`` per adapted weight, fp32 arithmetic,
+        :mod:`moe_async.lora.merge`), in the base's dtype and on-disk names, sharded safetensors
+        plus the base's ``config.json`` and tokenizer files, written by global rank 0 into
+        ``out_dir`` (``replace``: over a directory there, via ``<out_dir>.tmp``; else
+        FileExistsError for a non-empty one). Returns the safetensors file names (rank 0; [] on
+        the others). Collective at world size > 1. Raises ValueError without ``trainer.lora``."""
+        import os
+        import shutil
+
+        import torch.distributed as dist
+
+        from moe_async.lora.merge import hf_deltas, merged_tensors
+        from moe_async.lora.peft_export import megatron_adapter_state
+        from moe_async.megatron.export import write_hf
+
+        if self.cfg.lora is None:
+            raise ValueError("export_merged: trainer.lora is not set (no adapters to merge)")
+        state = megatron_adapter_state(self.models, self.lora_linears)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        base = self.export_hf_weights()
+        if not rank0:
+            for _ in base:  # collective: take part in the gather
+                pass
+            return []
+        deltas = hf_deltas(state, self.family, self.hf_config, self.cfg.lora.scaling)
+        final, out_dir = out_dir, (out_dir.rstrip(os.sep) + ".tmp" if replace else out_dir)
+        if replace:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        files, _ = write_hf(merged_tensors(base, deltas), self.family, self.hf_config, self.cfg.params_dtype,
+                            self.hf_path, out_dir, max_shard_size, False, False)
+        if replace:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(out_dir, final)
+        return files
+
     def export_hf_weights(self, dtype: torch.dtype | None = None,
                           out: Callable[[str, tuple[int, ...], torch.dtype], Tensor | None] | None = None,
                           ) -> Iterator[tuple[str, Tensor]]:
@@ -432,6 +469,20 @@ class MegatronTrainer:
             logging.getLogger(__name__).info("weight export: parameters moved into the send buffer: %s",
                                              describe(st))
         return st
+
+    def base_digest(self) -> str:
+        """sha256 over the name-sorted per-tensor checksums of the base weights (:meth:`hf_checksums`,
+        which leave the LoRA adapters out), computed once with ``trainer.lora``: the base is
+        frozen (a LoRA checkpoint records it and a resume compares it). Collective."""
+        import hashlib
+        import json
+
+        if "_base_digest" in self.__dict__:
+            return str(self.__dict__["_base_digest"])
+        digest = hashlib.sha256(json.dumps(sorted(self.hf_checksums().items())).encode()).hexdigest()
+        if self.cfg.lora is not None:  # a trained base changes: computed again next time
+            self.__dict__["_base_digest"] = digest
+        return digest
 
     def hf_checksums(self) -> dict[str, str]:
         """``{hf_name: tensor_checksum(tensor)}`` of the current weights (sha256 of fp32 bytes;

@@ -2,7 +2,7 @@
 rank 0 prints a JSON dict of results on the last line and writes it to TMP/res_<layout>.json.
 
     python _lora_checks.py TMP                      1 process (TP1)
-    torchrun --nproc_per_node 2 _lora_checks.py TMP tp2|ep2     the same checks at TP2 or EP2
+    torchrun --nproc_per_node 2 _lora_checks.py TMP tp2|ep2|pp2 the same checks at TP2, EP2 or PP2
 
 Checks on a tiny Mixtral (adapters on q/k/v/o and per-expert gate_up/down, rank 4, alpha 8):
 base logprobs (no LoRA) vs LoRA logprobs at init (B = 0: must be equal exactly); one optimizer
@@ -34,7 +34,8 @@ def main(tmp: str, layout: str) -> None:
     from moe_async.trainer.config import TrainerConfig
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
-    sizes = {"tp1": {}, "tp2": dict(tensor_model_parallel_size=2), "ep2": dict(expert_model_parallel_size=2)}[layout]
+    sizes = {"tp1": {}, "tp2": dict(tensor_model_parallel_size=2), "ep2": dict(expert_model_parallel_size=2),
+             "pp2": dict(pipeline_model_parallel_size=2)}[layout]
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # once, so the trainers built here do not own it
@@ -70,6 +71,9 @@ def main(tmp: str, layout: str) -> None:
     res["step_moved"] = max(abs(a - b) for x, y in zip(step_lp, init_lp) for a, b in zip(x, y))
     tensors = tr.export_lora(out_dir, replace=True)
     res["n_peft_tensors"] = len(tensors)
+    res["peft_numel"] = sum(t.numel() for t in tensors.values())  # what the adapter sync sends
+    merged_dir = os.path.join(tmp, f"merged_{layout}")
+    res["merged_files"] = tr.export_merged(merged_dir)
     tr.close()
     if rank == 0:
         from peft import PeftModel
@@ -92,6 +96,19 @@ def main(tmp: str, layout: str) -> None:
         loaded = get_peft_model_state_dict(pm)
         res["peft_keys_match"] = sorted(sd) == sorted(loaded) and all(torch.equal(sd[k], loaded[k]) for k in sd)
         res["b_nonzero"] = sum(int(v.abs().max() > 0) for k, v in sd.items() if "lora_B" in k)
+        # merged export: the HF checkpoint loads without peft and is peft's merge_and_unload()
+        merged = MixtralForCausalLM.from_pretrained(merged_dir).eval()
+        res["merged_lp_maxdiff"] = max(abs(a - b) for x, y in zip(step_lp, hf_response_logprobs(merged, ss))
+                                       for a, b in zip(x, y))
+        ref_merged = PeftModel.from_pretrained(MixtralForCausalLM.from_pretrained(path), out_dir).merge_and_unload()
+        got, want = merged.state_dict(), ref_merged.state_dict()
+        base_sd = MixtralForCausalLM.from_pretrained(path).state_dict()
+        res["merged_keys_match"] = sorted(got) == sorted(want)
+        res["merged_vs_peft_maxdiff"] = max(float((got[k] - want[k]).abs().max()) for k in want)
+        res["merged_changed"] = sum(not torch.equal(got[k], base_sd[k]) for k in base_sd)
+        ids = torch.tensor([ss[0].prompt_ids + ss[0].response_ids])
+        with torch.no_grad():
+            res["merged_logits_maxdiff"] = float((merged(ids).logits - pm(ids).logits).abs().max())
         res["n_b"] = sum("lora_B" in k for k in sd)
         with open(os.path.join(tmp, f"res_{layout}.json"), "w") as f:
             json.dump(res, f)

@@ -45,7 +45,6 @@ LORA = ["trainer.lora.rank=4"]
     (["trainer.moe_grouped_gemm=true"], "trainer.lora.experts='per_expert' with trainer.moe_grouped_gemm=true"),
     (["trainer.expert_tensor_parallel_size=2", "trainer.tensor_model_parallel_size=2"],
      "trainer.lora.experts='per_expert' with trainer.expert_tensor_parallel_size=2"),
-    (["trainer.pipeline_model_parallel_size=2"], "trainer.lora with trainer.pipeline_model_parallel_size=2: not supported yet"),
     (["weight_sync.senders=all"], "weight_sync.senders='all' with trainer.lora"),
 ])
 def test_lora_combinations_refused_at_load(overrides, message):
@@ -62,6 +61,7 @@ def test_lora_combinations_refused_at_load(overrides, message):
 
 @pytest.mark.parametrize("overrides", [["trainer.lora.dropout=0.1", "trainer.lora.experts='off'"],
                                        ["trainer.expert_model_parallel_size=2", "trainer.lora.experts=per_expert"],
+                                       ["trainer.pipeline_model_parallel_size=2"],
                                        ["trainer.expert_tensor_parallel_size=2", "trainer.tensor_model_parallel_size=2",
                                         "trainer.lora.experts='off'"]])
 def test_lora_combinations_that_run_are_accepted(overrides):
