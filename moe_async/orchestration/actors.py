@@ -19,7 +19,7 @@ import ray
 
 from moe_async.config import ExperimentConfig
 from moe_async.orchestration.buffer_actor import BufferProxy
-from moe_async.types import Group
+from moe_async.types import Group, JsonDict
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -307,7 +307,7 @@ class TrainerActor:
     def checksums(self) -> dict[str, str]:
         return self._trainer.hf_checksums()
 
-    def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
+    def save_checkpoint(self, save_dir: str, step: int, extra: JsonDict) -> str:
         """Write ``<save_dir>/step_<step>`` (torch_dist model + optimizer, RNG, version and
         ``extra``) and point ``<save_dir>/latest`` at it, and Megatron-LM's
         ``latest_checkpointed_iteration.txt`` at ``iter_<step:07d>``, a symlink to it
@@ -351,7 +351,7 @@ class TrainerActor:
             dist.barrier()
         return final
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def load_checkpoint(self, path: str) -> JsonDict:
         """Load model, optimizer, version (hence LR schedule) and RNG from ``path``; returns
         the ``extra`` dict saved with it (``step``, ``dataset``). Collective."""
         self._enter("load_checkpoint")
@@ -478,7 +478,7 @@ class RolloutActor:
     async def evaluate(self) -> dict[str, float]:
         return await self.manager.evaluate(self.dataset.eval_problems(), self.cfg.rollout.eval_max_new_tokens)
 
-    async def evaluate_curve(self) -> dict[str, Any]:
+    async def evaluate_curve(self) -> JsonDict:
         """One point of the held-out curve (greedy + ``rollout.eval_k`` samples per problem):
         :func:`moe_async.rollout.evaluation.evaluate_heldout`."""
         from moe_async.rollout.evaluation import evaluate_heldout

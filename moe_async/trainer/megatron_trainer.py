@@ -10,7 +10,7 @@ Design notes: ``docs/design/trainer.md``."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, TypeVar, overload
 
 import torch
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Generator, Iterator, TypeVar
+from typing import Callable, Generator, Iterator, TypeVar
 
 import torch
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Set
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
