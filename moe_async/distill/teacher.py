@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from moe_async.distill.config import TeacherConfig
-from moe_async.types import Sample, JsonDict
+from moe_async.types import JsonDict, Sample, template_ids
 
 if TYPE_CHECKING:
     from moe_async.logging.timeline import SpanRecorder
@@ -103,11 +103,9 @@ def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwa
     tok = dataset.tokenizer
 
     def fn(problem: object, ids: list[int]) -> list[int]:
-        out = tok.apply_chat_template(teacher_messages(dataset.messages(problem), examples, cfg.system_prompt),
-                                      add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return [int(i) for i in out]
+        return template_ids(tok.apply_chat_template(teacher_messages(dataset.messages(problem), examples,
+                                                                     cfg.system_prompt),
+                                                    add_generation_prompt=True, tokenize=True))
 
     return fn
 
