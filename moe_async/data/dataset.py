@@ -147,5 +147,5 @@ class FileDataset:
 
         return builtin_score(row, response_text, self.cfg)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         raise TypeError("FileDataset is not sent between processes: rows travel one at a time")

@@ -42,7 +42,7 @@ class TeacherFailureError(RuntimeError):
     """The teacher failed to score too many samples in a row; the message names it and the last error."""
 
 
-def few_shot_examples(task: str, task_kwargs: dict, k: int) -> list[tuple[str, str]]:
+def few_shot_examples(task: str, task_kwargs: JsonDict, k: int) -> list[tuple[str, str]]:
     """``k`` worked ``(question, answer)`` pairs of a reasoning-gym task, the same for every
     prompt: the task's one-shot example first (``rollout.prompt_style='one_shot'``'s, so
     ``few_shot: 1`` shows the teacher exactly that prompt), then problems drawn with a fixed

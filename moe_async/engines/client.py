@@ -18,6 +18,7 @@ proxy variables (``trust_env=False``), which Slurm hands down to every process.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 from collections.abc import Mapping, Sequence
@@ -218,7 +219,7 @@ class _Calls:
     moe_shape: tuple[int, int] | None
 
     @_Endpoint
-    def generate(self, input_ids: list[int], sampling_params: dict | None = None,
+    def generate(self, input_ids: list[int], sampling_params: Mapping[str, object] | None = None,
                  return_logprob: bool = True, return_routed_experts: bool = False,
                  rid: str | None = None, return_sampling_mask: bool = False,
                  sampling_logprobs_mode: str | None = None, lora_path: str | None = None) -> _Call[GenerateOutput]:
@@ -578,28 +579,23 @@ class MultiEngineClient:
         finally:
             self.inflight[i] -= 1
 
-    async def _all(self, name: str, *args, **kw) -> list:
-        import asyncio
-
-        return list(await asyncio.gather(*[getattr(c, name)(*args, **kw) for c in self.clients]))
-
     async def health(self) -> list[bool]:
-        return await self._all("health")
+        return list(await asyncio.gather(*[c.health() for c in self.clients]))
 
-    async def pause_generation(self, mode: str = "abort") -> list[dict]:
-        return await self._all("pause_generation", mode)
+    async def pause_generation(self, mode: str = "abort") -> list[EngineReply]:
+        return list(await asyncio.gather(*[c.pause_generation(mode) for c in self.clients]))
 
-    async def continue_generation(self) -> list[dict]:
-        return await self._all("continue_generation")
+    async def continue_generation(self) -> list[EngineReply]:
+        return list(await asyncio.gather(*[c.continue_generation() for c in self.clients]))
 
     async def flush_cache(self) -> list[bool]:
-        return await self._all("flush_cache")
+        return list(await asyncio.gather(*[c.flush_cache() for c in self.clients]))
 
     async def get_weight_version(self) -> list[int]:
-        return await self._all("get_weight_version")
+        return list(await asyncio.gather(*[c.get_weight_version() for c in self.clients]))
 
     async def aclose(self) -> None:
-        await self._all("aclose")
+        await asyncio.gather(*[c.aclose() for c in self.clients])
 
     async def __aenter__(self) -> "MultiEngineClient":
         return self

@@ -43,7 +43,7 @@ from moe_async.orchestration.start_checks import made_model_checks, refuse_layou
 from moe_async.data.record import record_trained
 from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
-from moe_async.types import JsonDict
+from moe_async.types import Group, JsonDict
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -229,7 +229,7 @@ def _step_loop(run: _Run, ckpt: Checkpointer, evaluator: Evaluator, metrics: Met
     return step, version, m
 
 
-def _next_batch(run: _Run, version: int, synced: int) -> tuple[list | None, int]:
+def _next_batch(run: _Run, version: int, synced: int) -> tuple[list[Group] | None, int]:
     """The buffer's batch for ``version`` (None: a stop was asked while waiting) and the
     engines' weight_version, after the engine recovery checks run between 1 s waits.
 

@@ -191,7 +191,7 @@ class TaskDataset:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ----------------------------------------------------------------- scoring
-    def score(self, problem: Problem | dict, response_text: str) -> float:
+    def score(self, problem: Problem | JsonDict, response_text: str) -> float:
         """1.0 iff reasoning-gym scores the extracted answer exactly 1.0, else 0.0."""
         entry = problem.entry if isinstance(problem, Problem) else problem
         ans = extract_answer(response_text)
@@ -199,7 +199,7 @@ class TaskDataset:
             return 0.0
         return 1.0 if float(self._train_ds.score_answer(ans, entry)) == 1.0 else 0.0
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         st = dict(self.__dict__)
         st["tokenizer"] = None  # workers only score
         return st

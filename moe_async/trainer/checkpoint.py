@@ -367,7 +367,7 @@ class Checkpointer:
             err = (f"checkpoint {path}: cannot read {cur} (rank {rank}; {type(e).__name__}: "
                    f"{(lines[-1] if lines else '')[:200]}); the trainer is unchanged")
         if dist.is_initialized() and dist.get_world_size() > 1:
-            errs: list = [None] * dist.get_world_size()
+            errs: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(errs, err)
             err = next((x for x in errs if x), None)
         if err:
@@ -506,7 +506,7 @@ class Checkpointer:
             loaded, in_ckpt_only, absent = _read(model_sd, "model tensors", strict=StrictHandling.RETURN_ALL)
             absent = {k for k in absent if not is_te_extra_state(k)}  # TE's FP8 metadata: see below
             if dist.is_initialized() and dist.get_world_size() > 1:
-                everyone: list = [None] * dist.get_world_size()
+                everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
                 dist.all_gather_object(everyone, sorted(absent))
                 absent = set().union(*map(set, everyone))
             has_opt = any(is_optimizer_key(k) for k in in_ckpt_only)

@@ -42,7 +42,7 @@ class DeferredFlushes:
     """The deferred flushes of past syncs: ``(engine index, Future[bool], weight_version)``."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[int, Future, int]] = []
+        self.pending: list[tuple[int, Future[bool], int]] = []
 
     def start(self, clients: Sequence[WeightReceiver], weight_version: int, timeout_s: float) -> None:
         """``client.flush_cache(timeout_s=timeout_s)`` on every engine, not waited for; not
