@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from moe_async.distill.config import TeacherConfig
 from moe_async.types import JsonDict, Sample, template_ids
 
 if TYPE_CHECKING:
+    from moe_async.engines.client import EngineClient
     from moe_async.logging.timeline import SpanRecorder
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class TeacherScorer:
             samples; 0: ``teacher.max_consecutive_failures`` throughout).
     """
 
-    def __init__(self, cfg: TeacherConfig, clients: list[Any], prompt_fn: TeacherPromptFn,
+    def __init__(self, cfg: TeacherConfig, clients: Sequence[EngineClient], prompt_fn: TeacherPromptFn,
                  source: str = "teacher", first_limit: int = 0):
         if not clients:
             raise ValueError("TeacherScorer needs at least one teacher engine client")
@@ -238,7 +239,7 @@ class TeacherScorer:
         return out
 
 
-def _topk_arrays(rows: Any, n: int, k: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+def _topk_arrays(rows: Sequence[Sequence[tuple[int, float]] | None] | None, n: int, k: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
     """``((ids [n,k] int64, logprobs [n,k] float32), None)`` from a scoring reply's top
     logprobs (per position ``[(token_id, logprob)]``, best first), or ``(None, why)`` when they
     are not ``k`` distinct non-negative ids with finite logprobs <= 0 at each of ``n`` positions."""
@@ -260,7 +261,7 @@ def _topk_arrays(rows: Any, n: int, k: int) -> tuple[tuple[np.ndarray, np.ndarra
     return (ids, np.minimum(lps, 0.0).astype(np.float32)), None
 
 
-def _bad_reply(logprobs: Any, n: int) -> str | None:
+def _bad_reply(logprobs: Sequence[float], n: int) -> str | None:
     """Why ``logprobs`` is not one finite logprob <= 0 for each of ``n`` scored tokens, or None."""
     try:
         vals = [float(v) for v in logprobs]
