@@ -17,10 +17,7 @@ always add up to the whole wait.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
-
-if TYPE_CHECKING:
-    from moe_async.buffer.buffer import BufferStats
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,7 @@ def scale_to_wait(split: WaitSplit, wait_seconds: float) -> WaitSplit:
     return WaitSplit(max(0.0, wait_seconds) - straggler, straggler)
 
 
-def wait_split_metrics(buffer_stats: BufferStats, wait_seconds: float) -> dict[str, float]:
+def wait_split_metrics(buffer_stats: dict, wait_seconds: float) -> dict[str, float]:
     """``perf/wait_filling_seconds`` and ``perf/wait_straggler_seconds`` of one step: the
     buffer's split of its last hand-out (``stats()`` ``wait_filling_s`` / ``wait_straggler_s``)
     carried onto the driver's ``perf/wait_seconds``, which the two add up to."""

@@ -254,8 +254,12 @@ class TrainerActor:
         if self._several_senders():
             from moe_async.weight_sync.senders import sync_from_senders
 
+            from moe_async.weight_sync.transport import BroadcastTransport
+
+            # rank 0's is a BroadcastTransport (connect_engines); the other ranks send through their link
+            rank0 = self.transport if isinstance(self.transport, BroadcastTransport) else None
             out = sync_from_senders(self.rank, self._trainer.hf_exporter(), self._trainer.version,
-                                    transport=self.transport, link=self._link, send=send)
+                                    transport=rank0, link=self._link, send=send)
             return out if self.rank == 0 else {}
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
             # streamed export: each tensor gathered straight into the bucket that is sent (stream_export.py)

@@ -85,7 +85,7 @@ class MetricsCollector:
             "buffer/samples_dropped": float(bstats["samples_dropped"]),
             "buffer/buffered_groups": float(bstats["buffered_groups"]),
         })
-        m.update(wait_split_metrics(bstats, t1 - t0))  # the wait split: filling + straggler = wait
+        m.update(wait_split_metrics(dict(bstats), t1 - t0))  # the wait split: filling + straggler = wait
         m.update(extra)
         # reward per sample generated since the last step, filtered/dropped ones included
         rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))

@@ -17,7 +17,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Coroutine, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from moe_async.buffer.buffer import STOPPED
 from moe_async.engines.replies import GenerateOutput
@@ -28,7 +28,7 @@ from moe_async.rollout.engine_router import EngineRouter
 from moe_async.rollout.failures import MAX_GROUP_ERRORS_IN_A_ROW, DropGroup, GroupsFailingError, PromptsAllDroppedError
 from moe_async.rollout.reward import RewardPool, RewardResult
 from moe_async.rollout.reward_streak import RewardErrorStreak, RewardFailureError
-from moe_async.rollout.rewards import ScoredPrompt
+from moe_async.rollout.seams import DrawnPrompt, GroupTeacher
 from moe_async.types import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -67,26 +67,6 @@ def greedy_summary(greedy: list[tuple[float, str | None, float, int]], n_skipped
         "n_skipped": n_skipped,
         "mean_response_len": sum(r[3] for r in g) / k if k else 0.0,
     }
-
-
-class DrawnPrompt(ScoredPrompt, Protocol):
-    """A drawn prompt as the manager reads it (a :class:`~moe_async.rollout.tasks.Problem`, a
-    data file's :class:`~moe_async.data.rows.Row`): its question, gold answer and row index."""
-
-    @property
-    def index(self) -> int: ...
-
-
-class GroupTeacher(Protocol):
-    """The distillation teacher as the manager uses it (``moe_async.distill.teacher.TeacherScorer``):
-    scores a group's samples beside the reward, and stops the run once it has failed too often."""
-
-    @property
-    def failure(self) -> Exception | None: ...
-
-    async def score_group(self, problem: object, samples: list[Sample], trace: SpanRecorder | None = None) -> None: ...
-
-    def metrics(self) -> dict[str, float]: ...
 
 
 class RolloutManager:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generator, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from moe_async.weight_sync.stream_export import PackedExport
 
 Tensor = torch.Tensor
+R = TypeVar("R")
 #: ``all_meta[rank] = [(name, full_shape, offset, shape, dtype_str), ...]`` (stream_export)
 Meta = Sequence[Sequence[tuple]]
 
@@ -287,6 +288,17 @@ class SenderLink:
         self.group = None
 
 
+class PackedSender(Protocol):
+    """Rank 0's transport as several senders use it (a
+    :class:`~moe_async.weight_sync.transport.BroadcastTransport`): its update group's name and
+    ``send`` of a packed export at a weight_version (the sync's metrics)."""
+
+    @property
+    def group_name(self) -> str: ...
+
+    def send(self, named_tensors: PackedExport, weight_version: int, /) -> dict[str, float]: ...
+
+
 def connect_senders(rank: int, world: int, store: Store | None, *, transport: WeightTransport | None = None, link: SenderLink | None = None,
                     key: str = "moe_async/sender_groups", timeout_s: float = 600.0) -> None:
     """Form every sender's update group in rank order (engines serve one join at a time:
@@ -310,8 +322,8 @@ def connect_senders(rank: int, world: int, store: Store | None, *, transport: We
     link.group = form_in_turn(link.membership, rank, world, store, key=key, timeout_s=timeout_s)
 
 
-def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport: WeightTransport | None = None,
-                      link: SenderLink | None = None, group=None, send: Callable[[PackedExport, int], dict[str, float]] | None = None) -> dict[str, float]:
+def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport: PackedSender | None = None,
+                      link: SenderLink | None = None, group=None, send: Callable[[PackedExport, int], R] | None = None) -> R | dict[str, float]:
     """One sync from every rank (collective): rank 0 ``send(export, version)`` (default
     ``transport.send``) of :func:`sender_export`
     (pause, sessions, every bucket's update call, its own broadcasts, versioned last call,
@@ -322,13 +334,11 @@ def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport
 
     from moe_async.errors import one_line
     from moe_async.weight_sync.group import WeightSyncError
-    from moe_async.weight_sync.transport import BroadcastTransport
-
-    out: dict[str, float] = {}
+    out: R | dict[str, float] = {}
     err: str | None = None
     try:
         if rank == 0:
-            assert isinstance(transport, BroadcastTransport), "several senders: rank 0 sends by broadcast"
+            assert transport is not None
             out = (send or transport.send)(sender_export(source, transport.group_name, group=group), version)
         else:
             assert link is not None
