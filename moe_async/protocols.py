@@ -12,7 +12,7 @@ typing).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from moe_async.types import Group
 
@@ -53,6 +53,15 @@ class WeightReceiver(Protocol):
     """An engine's weight-update endpoints (blocking calls, each returning the engine's reply)."""
 
     base_url: str
+
+    def health(self, timeout: float = 5.0) -> bool: ...
+
+    def flush_cache(self, timeout_s: float = 0.0) -> bool: ...
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: Mapping[str, object],
+                                       serialized_named_tensors: list[str], load_format: str | None = None) -> dict: ...
+
+    def unload_lora_adapter(self, lora_name: str) -> dict: ...
 
     def pause_generation(self, mode: str = "abort") -> dict: ...
 

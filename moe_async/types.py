@@ -7,9 +7,9 @@ Legend (shapes): ``R`` = response tokens of one sample, ``P`` = prompt tokens,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar, overload
 
 import numpy as np
 
@@ -20,10 +20,48 @@ if TYPE_CHECKING:
 #: A JSON object as ``json.load`` / an HTTP reply / a YAML mapping gives it: its values are
 #: unknown until the reader checks them (the standard library types them as ``Any``).
 JsonDict: TypeAlias = dict[str, Any]
-#: An HF tokenizer (``transformers.PreTrainedTokenizerBase``, a test's stand-in; None where a
-#: caller has none). Left untyped: transformers types ``decode`` / ``apply_chat_template`` as
-#: unions (``str | list[str]``) that the call sites here never receive.
-Tokenizer: TypeAlias = Any
+
+
+class Tokenizer(Protocol):
+    """An HF tokenizer as the package calls it (``transformers.PreTrainedTokenizerBase``, a
+    test's stand-in). ``apply_chat_template`` gives the prompt text (``tokenize=False``), its
+    token ids, or (some tokenizers) a mapping holding them under ``input_ids``."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str: ...
+
+    def __call__(self, text: str, *, add_special_tokens: bool = True) -> Mapping[str, list[int]]: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+    @property
+    def all_special_tokens(self) -> list[str]: ...
+
+    @property
+    def all_special_ids(self) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, object]], *,
+                            tools: Sequence[Mapping[str, object]] | None = None,
+                            add_generation_prompt: bool = False, tokenize: Literal[False]) -> str: ...
+
+    @overload
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, object]], *,
+                            tools: Sequence[Mapping[str, object]] | None = None,
+                            add_generation_prompt: bool = False,
+                            tokenize: Literal[True] = True) -> list[int] | Mapping[str, list[int]]: ...
+
+
+def template_ids(out: list[int] | Mapping[str, list[int]]) -> list[int]:
+    """:meth:`Tokenizer.apply_chat_template`'s token ids (``tokenize=True``): the list, or the
+    ``input_ids`` of the mapping some tokenizers return (a ``BatchEncoding``)."""
+    ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return [int(i) for i in ids]
 
 
 @dataclass

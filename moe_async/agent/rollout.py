@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class AgentRollout:
     """Trajectories for rows with an environment (module docstring)."""
 
-    def __init__(self, cfg: AgentConfig, tokenizer: Tokenizer, messages_of: Callable[[object], list[dict]], eos_token_ids: list[int] | None = None,
+    def __init__(self, cfg: AgentConfig, tokenizer: Tokenizer | None, messages_of: Callable[[object], list[dict]], eos_token_ids: list[int] | None = None,
                  max_context_len: int | None = None):
         if tokenizer is None:
             raise ValueError("rollout.agent needs the dataset's tokenizer (chat template) to render observations")

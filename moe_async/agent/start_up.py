@@ -43,10 +43,9 @@ def check_template_shows_tools(cfg: AgentConfig, tokenizer: Tokenizer, model: st
     from moe_async.agent.builtin import resolve_tools
 
     schemas = [t.schema for t in resolve_tools(list(cfg.tools))]
-    kw = dict(tokenize=False, add_generation_prompt=True)
-    plain = tokenizer.apply_chat_template(PROBE, **kw)
+    plain = tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
     try:
-        with_tools = tokenizer.apply_chat_template(PROBE, tools=schemas, **kw)
+        with_tools = tokenizer.apply_chat_template(PROBE, tools=schemas, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - a template error is named with the model
         raise UserInputError(f"rollout.agent.tools={list(cfg.tools)}: the chat template of {model} fails with "
                              f"tools= ({type(e).__name__}: {e})") from None

@@ -22,7 +22,7 @@ from moe_async.data.config import DataConfig, EvalSetConfig
 from moe_async.data.rows import Keys, Row, check_table, resolve_format, to_row
 from moe_async.data.source import DataError, open_rows
 from moe_async.rollout.draw_cursor import DrawCursor
-from moe_async.types import Tokenizer
+from moe_async.types import Tokenizer, template_ids
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -45,7 +45,7 @@ class FileDataset:
     ``data.system_prompt`` is None (``rollout.system_prompt``). ``check``: run the start-up
     checks of every table (the driver did them already in a run)."""
 
-    def __init__(self, data: DataConfig, tokenizer: Tokenizer = None, system_prompt: str | None = None,
+    def __init__(self, data: DataConfig, tokenizer: Tokenizer | None = None, system_prompt: str | None = None,
                  check: bool = False):
         if not data.enabled:
             raise DataError("data.train is not set")
@@ -125,17 +125,19 @@ class FileDataset:
         if self.tokenizer is None:
             raise RuntimeError("FileDataset has no tokenizer")
         if self.cfg.apply_chat_template:
-            ids = self.tokenizer.apply_chat_template(self.messages(row), add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
+            ids = template_ids(self.tokenizer.apply_chat_template(self.messages(row), add_generation_prompt=True,
+                                                                  tokenize=True))
         else:
-            ids = self.tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
-        ids = [int(i) for i in ids]
+            if not isinstance(row.prompt, str):
+                raise ValueError(f"{row.split} row {row.index}: a list of messages needs data.apply_chat_template=true")
+            ids = [int(i) for i in self.tokenizer(row.prompt, add_special_tokens=False)["input_ids"]]
         if row.split != "train":
             self._ids_cache[key] = ids
         return ids
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise RuntimeError("FileDataset has no tokenizer")
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, row: Row, response_text: str) -> float:
@@ -145,5 +147,5 @@ class FileDataset:
 
         return builtin_score(row, response_text, self.cfg)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         raise TypeError("FileDataset is not sent between processes: rows travel one at a time")

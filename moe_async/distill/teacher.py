@@ -24,14 +24,15 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from moe_async.distill.config import TeacherConfig
-from moe_async.types import Sample, JsonDict
+from moe_async.types import JsonDict, Sample, template_ids
 
 if TYPE_CHECKING:
+    from moe_async.engines.client import EngineClient
     from moe_async.logging.timeline import SpanRecorder
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class TeacherFailureError(RuntimeError):
     """The teacher failed to score too many samples in a row; the message names it and the last error."""
 
 
-def few_shot_examples(task: str, task_kwargs: dict, k: int) -> list[tuple[str, str]]:
+def few_shot_examples(task: str, task_kwargs: JsonDict, k: int) -> list[tuple[str, str]]:
     """``k`` worked ``(question, answer)`` pairs of a reasoning-gym task, the same for every
     prompt: the task's one-shot example first (``rollout.prompt_style='one_shot'``'s, so
     ``few_shot: 1`` shows the teacher exactly that prompt), then problems drawn with a fixed
@@ -103,11 +104,9 @@ def make_teacher_prompt_fn(cfg: TeacherConfig, dataset: Any, task: str, task_kwa
     tok = dataset.tokenizer
 
     def fn(problem: object, ids: list[int]) -> list[int]:
-        out = tok.apply_chat_template(teacher_messages(dataset.messages(problem), examples, cfg.system_prompt),
-                                      add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return [int(i) for i in out]
+        return template_ids(tok.apply_chat_template(teacher_messages(dataset.messages(problem), examples,
+                                                                     cfg.system_prompt),
+                                                    add_generation_prompt=True, tokenize=True))
 
     return fn
 
@@ -124,7 +123,7 @@ class TeacherScorer:
             samples; 0: ``teacher.max_consecutive_failures`` throughout).
     """
 
-    def __init__(self, cfg: TeacherConfig, clients: list[Any], prompt_fn: TeacherPromptFn,
+    def __init__(self, cfg: TeacherConfig, clients: Sequence[EngineClient], prompt_fn: TeacherPromptFn,
                  source: str = "teacher", first_limit: int = 0):
         if not clients:
             raise ValueError("TeacherScorer needs at least one teacher engine client")
@@ -240,7 +239,7 @@ class TeacherScorer:
         return out
 
 
-def _topk_arrays(rows: Any, n: int, k: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+def _topk_arrays(rows: Sequence[Sequence[tuple[int, float]] | None] | None, n: int, k: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
     """``((ids [n,k] int64, logprobs [n,k] float32), None)`` from a scoring reply's top
     logprobs (per position ``[(token_id, logprob)]``, best first), or ``(None, why)`` when they
     are not ``k`` distinct non-negative ids with finite logprobs <= 0 at each of ``n`` positions."""
@@ -262,7 +261,7 @@ def _topk_arrays(rows: Any, n: int, k: int) -> tuple[tuple[np.ndarray, np.ndarra
     return (ids, np.minimum(lps, 0.0).astype(np.float32)), None
 
 
-def _bad_reply(logprobs: Any, n: int) -> str | None:
+def _bad_reply(logprobs: Sequence[float], n: int) -> str | None:
     """Why ``logprobs`` is not one finite logprob <= 0 for each of ``n`` scored tokens, or None."""
     try:
         vals = [float(v) for v in logprobs]

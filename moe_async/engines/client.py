@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Concatenate, Coroutine, Generic, ParamSpec, TypeVar, overload
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Concatenate, Coroutine, Generic, ParamSpec, TypedDict, TypeVar, overload
 
 import httpx
 from tenacity import (
@@ -32,13 +32,19 @@ from tenacity import (
     stop_after_attempt,
     wait_exponential,
 )
+from tenacity.retry import retry_base
+from tenacity.stop import stop_base
+from tenacity.wait import wait_base
 
 from moe_async.engines.replies import GenerateOutput, ScoreOutput, as_version, parse_generate, parse_score
+from moe_async.types import JsonDict
 
 R = TypeVar("R")
 P = ParamSpec("P")
 #: An engine endpoint's JSON object reply (SGLang's, or the embedded engine's same fields).
-EngineReply = dict[str, Any]
+EngineReply = JsonDict
+#: A request's JSON body as built here (passed through to ``httpx``'s ``json=``).
+Body = dict[str, object]
 
 
 class EngineRequestError(RuntimeError):
@@ -83,9 +89,10 @@ def _check(path: str, r: httpx.Response) -> httpx.Response:
     return r
 
 
-def _json_body(r: httpx.Response) -> Any:
-    """A response's JSON body (the decode of most calls)."""
-    return r.json()
+def _json_body(r: httpx.Response) -> EngineReply:
+    """A response's JSON object body (the decode of most calls)."""
+    body: EngineReply = r.json()
+    return body
 
 
 def _version_of(r: httpx.Response) -> int:
@@ -93,7 +100,7 @@ def _version_of(r: httpx.Response) -> int:
     return as_version(r.json().get("weight_version"))
 
 
-def _with_version(body: dict[str, Any], weight_version: int | str | None) -> dict[str, Any]:
+def _with_version(body: Body, weight_version: int | str | None) -> Body:
     """``body`` with ``weight_version`` as SGLang types it (``Optional[str]``; absent when None)."""
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
@@ -114,29 +121,38 @@ class _Call(Generic[R]):
 
     method: str
     path: str
-    json: Any = None
+    json: object = None
     retry: Callable[[BaseException], bool] | None = _transient
-    decode: Callable[[httpx.Response], R] = _json_body
+    decode: Callable[[httpx.Response], R] = field(kw_only=True)
     check: bool = True
     timeout: float | None = None
-    recover: Callable[[BaseException], Any] | None = None
+    recover: Callable[[BaseException], R | _Call[R]] | None = None
 
-    def request_kwargs(self) -> dict[str, Any]:
-        """``httpx`` ``request`` keyword arguments (``json``, ``timeout`` when set)."""
-        kw: dict[str, Any] = {} if self.json is None else {"json": self.json}
-        if self.timeout is not None:
-            kw["timeout"] = self.timeout
-        return kw
+    def send(self, http: httpx.Client) -> httpx.Response:
+        """Send the request once on ``http`` (no retry; the client's timeout unless ``timeout``); the checked response."""
+        timeout = http.timeout if self.timeout is None else self.timeout
+        return self.response(http.request(self.method, self.path, json=self.json, timeout=timeout))
+
+    async def asend(self, http: httpx.AsyncClient) -> httpx.Response:
+        """:meth:`send` on an async client."""
+        timeout = http.timeout if self.timeout is None else self.timeout
+        return self.response(await http.request(self.method, self.path, json=self.json, timeout=timeout))
 
     def response(self, r: httpx.Response) -> httpx.Response:
         """``r``, or :class:`EngineRequestError` when ``check`` and its status is >= 400."""
         return _check(self.path, r) if self.check else r
 
 
-def _not_found_then(call: _Call) -> Callable[[BaseException], _Call]:
+def _reply(method: str, path: str, json: object = None, *,
+           retry: Callable[[BaseException], bool] | None = _transient) -> _Call[EngineReply]:
+    """A :class:`_Call` whose result is the reply's JSON object."""
+    return _Call(method, path, json, retry=retry, decode=_json_body)
+
+
+def _not_found_then(call: _Call[R]) -> Callable[[BaseException], _Call[R]]:
     """``recover``: a 404 runs ``call`` instead (real SGLang lacks some of our endpoints)."""
 
-    def recover(e: BaseException) -> _Call:
+    def recover(e: BaseException) -> _Call[R]:
         if isinstance(e, EngineRequestError) and e.status_code == 404:
             return call
         raise e
@@ -164,7 +180,7 @@ class _Endpoint(Generic[P, R]):
     client's ``_run``: on an :class:`EngineClient` a coroutine of the decoded result, on a
     :class:`SyncEngineClient` the result itself (the overloads let the type checker see both)."""
 
-    def __init__(self, spec: Callable[Concatenate[Any, P], _Call[R]]) -> None:
+    def __init__(self, spec: Callable[Concatenate[_Calls, P], _Call[R]]) -> None:
         self.spec = spec
         self.__doc__ = spec.__doc__
         self.__wrapped__ = spec
@@ -175,19 +191,19 @@ class _Endpoint(Generic[P, R]):
     def __get__(self, obj: None, owner: type) -> _Endpoint[P, R]: ...
 
     @overload
-    def __get__(self, obj: EngineClient, owner: type | None = None) -> Callable[P, Coroutine[Any, Any, R]]: ...
+    def __get__(self, obj: EngineClient, owner: type | None = None) -> Callable[P, Coroutine[object, None, R]]: ...
 
     @overload
     def __get__(self, obj: SyncEngineClient, owner: type | None = None) -> Callable[P, R]: ...
 
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+    def __get__(self, obj: _Base | None, owner: type | None = None) -> _Endpoint[P, R] | Callable[P, object]:
         if obj is None:
             return self
-        spec = self.spec
+        spec, client = self.spec, obj
 
         @functools.wraps(spec)
-        def method(*args: Any, **kw: Any) -> Any:
-            return obj._run(spec(obj, *args, **kw))
+        def method(*args: P.args, **kw: P.kwargs) -> object:
+            return client._run(spec(client, *args, **kw))
 
         setattr(method, "__signature__", self.signature)  # the bound method's: no self
         return method
@@ -202,14 +218,14 @@ class _Calls:
     moe_shape: tuple[int, int] | None
 
     @_Endpoint
-    def generate(self, input_ids: list[int], sampling_params: dict | None = None,
+    def generate(self, input_ids: list[int], sampling_params: Mapping[str, object] | None = None,
                  return_logprob: bool = True, return_routed_experts: bool = False,
                  rid: str | None = None, return_sampling_mask: bool = False,
                  sampling_logprobs_mode: str | None = None, lora_path: str | None = None) -> _Call[GenerateOutput]:
         """SGLang's ``/generate`` of one prompt (token ids) -> :class:`GenerateOutput`; retried
         only when the connection could not be made (nothing ran). ``lora_path``: the name of a
         loaded LoRA adapter to generate with."""
-        body: dict[str, Any] = {
+        body: Body = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params or {}),
             "return_logprob": return_logprob,
@@ -240,7 +256,7 @@ class _Calls:
         n = len(input_ids) - int(logprob_start_len)
         if not 0 < logprob_start_len < len(input_ids):
             raise ValueError(f"logprob_start_len={logprob_start_len} must be in (0, {len(input_ids)})")
-        body: dict[str, Any] = {
+        body: Body = {
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
@@ -259,7 +275,7 @@ class _Calls:
     @_Endpoint
     def get_model_info(self) -> _Call[EngineReply]:
         """``/get_model_info``'s dict."""
-        return _Call("GET", "/get_model_info")
+        return _reply("GET", "/get_model_info")
 
     @_Endpoint
     def get_weight_version(self) -> _Call[int]:
@@ -271,12 +287,12 @@ class _Calls:
     @_Endpoint
     def pause_generation(self, mode: str = "abort") -> _Call[EngineReply]:
         """``/pause_generation`` in ``mode`` (``abort`` | ``retract`` | ``in_place``)."""
-        return _Call("POST", "/pause_generation", {"mode": mode})
+        return _reply("POST", "/pause_generation", {"mode": mode})
 
     @_Endpoint
     def continue_generation(self) -> _Call[EngineReply]:
         """``/continue_generation``."""
-        return _Call("POST", "/continue_generation", {})
+        return _reply("POST", "/continue_generation", {})
 
     @_Endpoint
     def flush_cache(self, timeout_s: float = 0.0) -> _Call[bool]:
@@ -301,7 +317,7 @@ class _Calls:
         """Join the weight-update process group (a collective: never retried)."""
         body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                     world_size=world_size, group_name=group_name, backend=backend)
-        return _Call("POST", "/init_weights_update_group", body, retry=None)
+        return _reply("POST", "/init_weights_update_group", body, retry=None)
 
     @_Endpoint
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
@@ -312,7 +328,7 @@ class _Calls:
                                         abort_all_requests: bool = False) -> _Call[EngineReply]:
         """Receive one bucket of ``names`` (``dtypes``, ``shapes``) over the group's broadcast
         (a collective: never retried); ``weight_version`` sent as a string."""
-        body: dict[str, Any] = {
+        body: Body = {
             "names": list(names),
             "dtypes": list(dtypes),
             "shapes": [list(s) for s in shapes],
@@ -321,15 +337,15 @@ class _Calls:
             "abort_all_requests": abort_all_requests,
             "load_format": load_format,
         }
-        return _Call("POST", "/update_weights_from_distributed", _with_version(body, weight_version), retry=None)
+        return _reply("POST", "/update_weights_from_distributed", _with_version(body, weight_version), retry=None)
 
     @_Endpoint
     def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
                                  flush_cache: bool = True) -> _Call[EngineReply]:
         """Load the HF checkpoint directory ``model_path`` (SGLang's ``/update_weights_from_disk``)
         and serve it as ``weight_version``."""
-        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
-        return _Call("POST", "/update_weights_from_disk", _with_version(body, weight_version), retry=None)
+        body: Body = {"model_path": model_path, "flush_cache": flush_cache}
+        return _reply("POST", "/update_weights_from_disk", _with_version(body, weight_version), retry=None)
 
     @_Endpoint
     def update_weights_from_tensor(self, serialized_named_tensors: list[str],
@@ -338,54 +354,54 @@ class _Calls:
                                    abort_all_requests: bool = False) -> _Call[EngineReply]:
         """SGLang's colocated update: ``serialized_named_tensors`` one base64 entry per engine
         TP rank (:mod:`moe_async.weight_sync.tensor_ipc`); ``weight_version`` sent as a string."""
-        body: dict[str, Any] = {
+        body: Body = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": load_format,
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }
-        return _Call("POST", "/update_weights_from_tensor", _with_version(body, weight_version), retry=None)
+        return _reply("POST", "/update_weights_from_tensor", _with_version(body, weight_version), retry=None)
 
     @_Endpoint
-    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict[str, Any],
+    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: Mapping[str, object],
                                        serialized_named_tensors: list[str],
                                        load_format: str | None = None) -> _Call[EngineReply]:
         """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT ``adapter_config.json`` dict and one
         base64 entry of ``(name, tensor)`` pairs per engine TP rank (:mod:`moe_async.weight_sync.lora_sync`)."""
-        return _Call("POST", "/load_lora_adapter_from_tensors",
-                     {"lora_name": lora_name, "config_dict": config_dict,
-                      "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format},
-                     retry=None)
+        return _reply("POST", "/load_lora_adapter_from_tensors",
+                      {"lora_name": lora_name, "config_dict": dict(config_dict),
+                       "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format},
+                      retry=None)
 
     @_Endpoint
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> _Call[EngineReply]:
         """SGLang's ``/load_lora_adapter`` from a PEFT directory the engine can read."""
-        return _Call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, retry=None)
+        return _reply("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, retry=None)
 
     @_Endpoint
     def unload_lora_adapter(self, lora_name: str) -> _Call[EngineReply]:
         """SGLang's ``/unload_lora_adapter``."""
-        return _Call("POST", "/unload_lora_adapter", {"lora_name": lora_name}, retry=None)
+        return _reply("POST", "/unload_lora_adapter", {"lora_name": lora_name}, retry=None)
 
     @_Endpoint
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> _Call[EngineReply]:
         """Leave the weight-update group ``group_name`` (SGLang's call)."""
-        return _Call("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=None)
+        return _reply("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=None)
 
     @_Endpoint
     def begin_weight_update(self, atomic: bool = False, selector: str = "all") -> _Call[EngineReply]:
         """Open SGLang 0.5.23's weight-update session (required around
         ``update_weights_from_distributed``); ``atomic`` (ours, SGLang ignores it): the
         embedded engine stages the session's calls until the versioned one."""
-        body: dict[str, Any] = {"selector": selector}
+        body: Body = {"selector": selector}
         if atomic:
             body["atomic"] = True
-        return _Call("POST", "/begin_weight_update", body, retry=None)
+        return _reply("POST", "/begin_weight_update", body, retry=None)
 
     @_Endpoint
     def end_weight_update(self) -> _Call[EngineReply]:
         """Close the weight-update session."""
-        return _Call("POST", "/end_weight_update", {}, retry=None)
+        return _reply("POST", "/end_weight_update", {}, retry=None)
 
     @_Endpoint
     def weights_checksum(self) -> _Call[EngineReply]:
@@ -401,6 +417,15 @@ class _Calls:
         no such endpoint (SGLang)."""
         return _Call("GET", "/weights_layout", retry=None, check=False,
                      decode=lambda r: r.json() if r.status_code == 200 else None)
+
+
+class _RetryKw(TypedDict):
+    """:meth:`_Base._retry_kw`: tenacity's ``Retrying`` / ``AsyncRetrying`` arguments."""
+
+    retry: retry_base
+    stop: stop_base
+    wait: wait_base
+    reraise: bool
 
 
 class _Base(_Calls):
@@ -420,20 +445,25 @@ class _Base(_Calls):
         self.backoff_s = backoff_s
         self.moe_shape = (moe_layers, top_k) if moe_layers is not None and top_k is not None else None
 
-    def _retry_kw(self, predicate) -> dict[str, Any]:
+    def _retry_kw(self, predicate: Callable[[BaseException], bool]) -> _RetryKw:
         """The one retry policy (tenacity ``Retrying`` / ``AsyncRetrying`` arguments): up to
         ``retries`` attempts of the errors ``predicate`` accepts, exponential backoff from
         ``backoff_s`` (at most 5 s apart), the last error re-raised."""
-        return dict(
+        return _RetryKw(
             retry=retry_if_exception(predicate),
             stop=stop_after_attempt(self.retries),
             wait=wait_exponential(multiplier=self.backoff_s, max=5.0),
             reraise=True,
         )
 
-    def _call(self, method: str, path: str, json: Any = None, retry=_transient,
-              timeout: float | None = None) -> _Call:
+    def _call(self, method: str, path: str, json: object = None,
+              retry: Callable[[BaseException], bool] | None = _transient,
+              timeout: float | None = None) -> _Call[httpx.Response]:
         return _Call(method, path, json, retry=retry, decode=lambda r: r, timeout=timeout)
+
+    def _run(self, call: _Call[R]) -> object:
+        """Run ``call``: the result (:class:`SyncEngineClient`) or a coroutine of it (:class:`EngineClient`)."""
+        raise NotImplementedError
 
 
 class EngineClient(_Base):
@@ -453,11 +483,11 @@ class EngineClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    async def _run(self, call: _Call) -> Any:
+    async def _run(self, call: _Call[R]) -> R:
         """Run ``call`` (its retries, check, decode and recovery) and return its result."""
 
         async def once() -> httpx.Response:
-            return call.response(await self._http.request(call.method, call.path, **call.request_kwargs()))
+            return await call.asend(self._http)
 
         try:
             r = await (once() if call.retry is None else AsyncRetrying(**self._retry_kw(call.retry))(once))
@@ -468,9 +498,10 @@ class EngineClient(_Base):
             return await self._run(out) if isinstance(out, _Call) else out
         return call.decode(r)
 
-    async def _request(self, method: str, path: str, json: Any = None, retry=_transient,
+    async def _request(self, method: str, path: str, json: object = None,
+                       retry: Callable[[BaseException], bool] | None = _transient,
                        timeout: float | None = None) -> httpx.Response:
-        """Any endpoint: the checked ``httpx.Response`` (``retry`` as :class:`_Call`'s)."""
+        """An endpoint of any path: the checked ``httpx.Response`` (``retry`` as :class:`_Call`'s)."""
         return await self._run(self._call(method, path, json, retry, timeout))
 
 
@@ -491,11 +522,11 @@ class SyncEngineClient(_Base):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _run(self, call: _Call) -> Any:
+    def _run(self, call: _Call[R]) -> R:
         """Run ``call`` (its retries, check, decode and recovery) and return its result."""
 
         def once() -> httpx.Response:
-            return call.response(self._http.request(call.method, call.path, **call.request_kwargs()))
+            return call.send(self._http)
 
         try:
             r = once() if call.retry is None else Retrying(**self._retry_kw(call.retry))(once)
@@ -506,74 +537,11 @@ class SyncEngineClient(_Base):
             return self._run(out) if isinstance(out, _Call) else out
         return call.decode(r)
 
-    def _request(self, method: str, path: str, json: Any = None, retry=_transient,
+    def _request(self, method: str, path: str, json: object = None,
+                 retry: Callable[[BaseException], bool] | None = _transient,
                  timeout: float | None = None) -> httpx.Response:
-        """Any endpoint: the checked ``httpx.Response`` (``retry`` as :class:`_Call`'s)."""
+        """An endpoint of any path: the checked ``httpx.Response`` (``retry`` as :class:`_Call`'s)."""
         return self._run(self._call(method, path, json, retry, timeout))
-
-
-class MultiEngineClient:
-    """Several engines behind one async client: least-loaded dispatch of ``generate``.
-
-    Each ``generate`` goes to the engine with the fewest requests in flight *from this
-    client* (ties: the lowest index, rotated so equal loads spread). Control calls (pause,
-    continue, flush, version) fan out to every engine and return their per-engine results.
-    On GPU clusters ``sglang-router`` (``python -m sglang_router.launch_router
-    --worker-urls ...``) does the same job for SGLang engines; pointing a single
-    :class:`EngineClient` at the router is equivalent, except that weight-update calls must
-    still go to each engine's own URL.
-    """
-
-    def __init__(self, urls: list[str], timeout_s: float = 600.0, **kw):
-        if not urls:
-            raise ValueError("MultiEngineClient needs at least one engine URL")
-        self.clients = [EngineClient(u, timeout_s, **kw) for u in urls]
-        self.inflight = [0] * len(urls)
-        self._next = 0
-
-    def pick(self) -> int:
-        n = len(self.clients)
-        order = [(self._next + j) % n for j in range(n)]
-        i = min(order, key=lambda k: self.inflight[k])
-        self._next = (i + 1) % n
-        return i
-
-    async def generate(self, *args, **kw) -> GenerateOutput:
-        i = self.pick()
-        self.inflight[i] += 1
-        try:
-            return await self.clients[i].generate(*args, **kw)
-        finally:
-            self.inflight[i] -= 1
-
-    async def _all(self, name: str, *args, **kw) -> list:
-        import asyncio
-
-        return list(await asyncio.gather(*[getattr(c, name)(*args, **kw) for c in self.clients]))
-
-    async def health(self) -> list[bool]:
-        return await self._all("health")
-
-    async def pause_generation(self, mode: str = "abort") -> list[dict]:
-        return await self._all("pause_generation", mode)
-
-    async def continue_generation(self) -> list[dict]:
-        return await self._all("continue_generation")
-
-    async def flush_cache(self) -> list[bool]:
-        return await self._all("flush_cache")
-
-    async def get_weight_version(self) -> list[int]:
-        return await self._all("get_weight_version")
-
-    async def aclose(self) -> None:
-        await self._all("aclose")
-
-    async def __aenter__(self) -> "MultiEngineClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
 
 if TYPE_CHECKING:

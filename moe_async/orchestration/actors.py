@@ -19,7 +19,7 @@ import ray
 
 from moe_async.config import ExperimentConfig
 from moe_async.orchestration.buffer_actor import BufferProxy
-from moe_async.types import Group
+from moe_async.types import Group, JsonDict
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -254,8 +254,12 @@ class TrainerActor:
         if self._several_senders():
             from moe_async.weight_sync.senders import sync_from_senders
 
+            from moe_async.weight_sync.transport import BroadcastTransport
+
+            # rank 0's is a BroadcastTransport (connect_engines); the other ranks send through their link
+            rank0 = self.transport if isinstance(self.transport, BroadcastTransport) else None
             out = sync_from_senders(self.rank, self._trainer.hf_exporter(), self._trainer.version,
-                                    transport=self.transport, link=self._link, send=send)
+                                    transport=rank0, link=self._link, send=send)
             return out if self.rank == 0 else {}
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
             # streamed export: each tensor gathered straight into the bucket that is sent (stream_export.py)
@@ -314,7 +318,7 @@ class TrainerActor:
     def checksums(self) -> dict[str, str]:
         return self._trainer.hf_checksums()
 
-    def save_checkpoint(self, save_dir: str, step: int, extra: dict[str, Any]) -> str:
+    def save_checkpoint(self, save_dir: str, step: int, extra: JsonDict) -> str:
         """Write ``<save_dir>/step_<step>`` (torch_dist model + optimizer, RNG, version and
         ``extra``) and point ``<save_dir>/latest`` at it, and Megatron-LM's
         ``latest_checkpointed_iteration.txt`` at ``iter_<step:07d>``, a symlink to it
@@ -358,7 +362,7 @@ class TrainerActor:
             dist.barrier()
         return final
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def load_checkpoint(self, path: str) -> JsonDict:
         """Load model, optimizer, version (hence LR schedule) and RNG from ``path``; returns
         the ``extra`` dict saved with it (``step``, ``dataset``). Collective."""
         self._enter("load_checkpoint")
@@ -485,7 +489,7 @@ class RolloutActor:
     async def evaluate(self) -> dict[str, float]:
         return await self.manager.evaluate(self.dataset.eval_problems(), self.cfg.rollout.eval_max_new_tokens)
 
-    async def evaluate_curve(self) -> dict[str, Any]:
+    async def evaluate_curve(self) -> JsonDict:
         """One point of the held-out curve (greedy + ``rollout.eval_k`` samples per problem):
         :func:`moe_async.rollout.evaluation.evaluate_heldout`."""
         from moe_async.rollout.evaluation import evaluate_heldout
@@ -501,7 +505,7 @@ class RolloutActor:
             return await evaluate_sets(self.manager, sets, self.dataset.eval_cfgs, r)
         return await evaluate_heldout(self.manager, self.dataset.eval_problems(), r.eval_k, r.eval_max_new_tokens)
 
-    async def evaluate_teacher(self) -> dict[str, Any]:
+    async def evaluate_teacher(self) -> JsonDict:
         """The distillation teacher on the held-out problems, once: greedy + ``rollout.eval_k``
         samples per problem with the teacher's own prompt on the teacher's engines
         (:func:`moe_async.rollout.evaluation.evaluate_heldout` through a rollout manager over
@@ -514,8 +518,10 @@ class RolloutActor:
         from moe_async.rollout.evaluation import evaluate_heldout
         from moe_async.rollout.manager import RolloutManager
 
+        from moe_async.distill.teacher import TeacherScorer
+
         scorer = self.manager.teacher
-        if scorer is None:
+        if not isinstance(scorer, TeacherScorer):
             raise RuntimeError("evaluate_teacher: no teacher (teacher.enabled is false)")
         m, r = self.manager, self.cfg.rollout
         fits = self.cfg.teacher.engine.max_running_requests * len(scorer.clients) // (r.eval_k + 1)

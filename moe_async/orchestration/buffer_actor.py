@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from moe_async.types import Group
+from moe_async.types import Group, JsonDict
 
 if TYPE_CHECKING:
     from moe_async.buffer.buffer import BufferStats
@@ -59,7 +59,7 @@ class BufferActor:
 
         return snapshot(self.abuf.buf)
 
-    async def restore(self, snap: dict[str, Any], trainer_version: int) -> dict[str, int]:
+    async def restore(self, snap: JsonDict, trainer_version: int) -> dict[str, int]:
         """Put a checkpoint's buffered groups back, stale ones at ``trainer_version`` dropped
         (:func:`moe_async.buffer.snapshot.restore`); before generation starts."""
         from moe_async.buffer.snapshot import restore

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from moe_async.orchestration.save_schedule import SaveSchedule
+from moe_async.types import JsonDict
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 #: ``write(step, data)``: the checkpoint of ``step`` (``data``: the prompt position taken before
 #: the step's sync, None: take it now); returns the checkpoint's directory.
-Writer = Callable[[int, "dict[str, Any] | None"], str]
+Writer = Callable[[int, "JsonDict | None"], str]
 
 
 class Checkpointer:
@@ -39,19 +40,19 @@ class Checkpointer:
         on_save: ``(step) -> None`` called just before a due step's write (the timeline phase).
     """
 
-    def __init__(self, schedule: SaveSchedule, write: Writer, summary: dict[str, Any],
-                 data_state: Callable[[], dict[str, Any]], on_save: Callable[[int], None] = lambda step: None):
+    def __init__(self, schedule: SaveSchedule, write: Writer, summary: JsonDict,
+                 data_state: Callable[[], JsonDict], on_save: Callable[[int], None] = lambda step: None):
         self.schedule = schedule
         self._write = write
         self._summary = summary
         self._data_state = data_state
         self._on_save = on_save
 
-    def data_before_sync(self, step: int) -> dict[str, Any] | None:
+    def data_before_sync(self, step: int) -> JsonDict | None:
         """The prompt position for step ``step``'s checkpoint when one is due (else None)."""
         return self._data_state() if self.schedule.due(step) else None
 
-    def after_step(self, step: int, data: dict[str, Any] | None) -> dict[str, float]:
+    def after_step(self, step: int, data: JsonDict | None) -> dict[str, float]:
         """Write step ``step``'s checkpoint when due; returns ``{"perf/save_seconds": s}``
         then, else ``{}``."""
         if not self.schedule.due(step):
@@ -82,7 +83,7 @@ def ray_checkpoint_writer(trainer: TrainerGroup, rollout: ActorHandle, buffer: A
     a bounded ``ray.get`` naming the call; ``reply_s``: the ledger drain's bound."""
     from moe_async.orchestration.run_state import record_settled
 
-    def write(at_step: int, data: dict[str, Any] | None) -> str:
+    def write(at_step: int, data: JsonDict | None) -> str:
         data = data if data is not None else get(rollout.data_state.remote(), "rollout.data_state")
         record_settled(ledger, [], rollout, buffer, reply_s)
         rs = ledger.state_dict(weight_version=trainer.version(), step=at_step, max_staleness=max_staleness)

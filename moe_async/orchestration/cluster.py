@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from moe_async.config import ExperimentConfig

@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from moe_async.config import ExperimentConfig, dump_config
 from moe_async.errors import UserInputError
@@ -43,6 +43,7 @@ from moe_async.orchestration.start_checks import made_model_checks, refuse_layou
 from moe_async.data.record import record_trained
 from moe_async.orchestration.supervisor import EngineFleetError
 from moe_async.trainer.ckpt_shapes import check_load_matches_config
+from moe_async.types import Group, JsonDict
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from moe_async.orchestration.trainer_group import TrainerGroup
 
 
-def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> dict[str, Any]:
+def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> JsonDict:
     """Run one experiment end to end and return its summary (also in summary.json).
 
     ``console`` (``moe-async train`` passes one) folds expected warnings and keeps the whole
@@ -117,7 +118,7 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
     init_ray(engine_log_dir=str(run_dir / "logs"))
     prev_sigterm = sigterm_to_checkpoint() if on_sigterm == "checkpoint" else sigterm_to_exit()
     procs = _Procs()
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
+    summary: JsonDict = {"run_dir": str(run_dir), "seed": cfg.seed, "num_steps": cfg.num_steps}
     if data_checked is not None:
         summary["data"] = data_checked
     metrics = MetricsCollector(summary)
@@ -230,7 +231,7 @@ def _step_loop(run: _Run, ckpt: Checkpointer, evaluator: Evaluator, metrics: Met
     return step, version, m
 
 
-def _next_batch(run: _Run, version: int, synced: int) -> tuple[list | None, int]:
+def _next_batch(run: _Run, version: int, synced: int) -> tuple[list[Group] | None, int]:
     """The buffer's batch for ``version`` (None: a stop was asked while waiting) and the
     engines' weight_version, after the engine recovery checks run between 1 s waits.
 
@@ -290,7 +291,7 @@ class _Run:
 
 
 def _start(cfg: ExperimentConfig, procs: _Procs, model_path: str, load_path: str | None, start_step: int,
-           summary: dict[str, Any], timeline: Timeline, logger: RunLogger, console: RunConsole, run_dir: Path,
+           summary: JsonDict, timeline: Timeline, logger: RunLogger, console: RunConsole, run_dir: Path,
            stop_on_sigterm: bool) -> _Run:
     """Place and start engines (and the teacher's), the trainer ranks, load ``load_path``
     (synced to the engines), the buffer and rollout actors, the saved data side back;
@@ -329,7 +330,7 @@ def _start(cfg: ExperimentConfig, procs: _Procs, model_path: str, load_path: str
           f"ETP{lay.etp} DP{lay.dp}) on {len(set(trainer_slots.node_ids))} node(s), rendezvous "
           f"{trainer.master_addr}:{trainer.master_port}; engines: {', '.join(urls)}", flush=True)
     trainer.connect_engines(urls)
-    resumed: dict[str, Any] = {}
+    resumed: JsonDict = {}
     if load_path is not None:
         resumed = trainer.load_checkpoint(load_path)
         summary["resumed_from"] = load_path
@@ -359,7 +360,7 @@ def _start(cfg: ExperimentConfig, procs: _Procs, model_path: str, load_path: str
                 run_dir, urls, stop)
 
 
-def _final_summary(run: _Run, summary: dict[str, Any], version: int) -> None:
+def _final_summary(run: _Run, summary: JsonDict, version: int) -> None:
     """After generation stopped: engines checked (one that died after the last sync back at
     this version), prompt accounting, the draw ledger, trainer-vs-engine checksums, the LoRA
     adapter exported."""

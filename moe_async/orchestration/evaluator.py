@@ -16,10 +16,11 @@ Design notes: ``docs/design/orchestration.md``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from moe_async.orchestration.lifecycle import first_run_eval_before, report_eval
 from moe_async.rollout.evaluation import EvalCurve
+from moe_async.types import JsonDict
 
 
 class Phases(Protocol):
@@ -44,9 +45,9 @@ class Evaluator:
     """
 
     def __init__(self, eval_before: bool, eval_after: bool, eval_interval: int, num_steps: int,
-                 curve_point: Callable[[], dict[str, Any]], greedy: Callable[[str], dict[str, Any]],
-                 summary: dict[str, Any], timeline: Phases, run_dir: Path, resumed: bool,
-                 teacher_point: Callable[[], dict[str, Any]] | None = None):
+                 curve_point: Callable[[], JsonDict], greedy: Callable[[str], JsonDict],
+                 summary: JsonDict, timeline: Phases, run_dir: Path, resumed: bool,
+                 teacher_point: Callable[[], JsonDict] | None = None):
         self.eval_before, self.eval_after = eval_before, eval_after
         self.curve = EvalCurve(eval_interval, num_steps, curve_point)
         self._greedy = greedy

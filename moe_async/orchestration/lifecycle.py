@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from moe_async.config import ExperimentConfig
 
 #: What ``signal.signal`` returns: the handler it replaced (typeshed's ``signal._HANDLER``).
-SignalHandler: TypeAlias = "Callable[[int, FrameType | None], Any] | int | signal.Handlers | None"
+SignalHandler: TypeAlias = "Callable[[int, FrameType | None], object] | int | signal.Handlers | None"
 
 
 def init_ray(engine_log_dir: str | None = None) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from moe_async.buffer.buffer import BufferStats
+
 
 def batch_metrics(groups: list, trainer_version: int) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
@@ -45,7 +47,7 @@ LOOP_COUNT_KEYS = ("rollout/dropped_total", "rollout/samples_filtered", "rollout
                    "rollout/samples_generated", "rollout/reward_sum")
 
 
-def loop_metrics(bstats: dict, rmetrics: dict, busy0: dict, elapsed: float) -> dict[str, float]:
+def loop_metrics(bstats: BufferStats, rmetrics: dict[str, float], busy0: dict[str, float], elapsed: float) -> dict[str, float]:
     """Cumulative since generation started: drop/filter counts by reason (buffer and rollout),
     engine idle fraction (1 - mean over engines of busy time / elapsed; an engine is busy while
     it has a request outstanding)."""

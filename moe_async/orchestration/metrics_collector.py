@@ -12,10 +12,12 @@ Units: seconds (``perf.perf_counter``), samples, tokens. Pure: no I/O, no actors
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
+from moe_async.buffer.buffer import BufferStats
 from moe_async.buffer.wait_split import wait_split_metrics
 from moe_async.orchestration.metrics import loop_metrics
+from moe_async.types import JsonDict
 
 BUSY = "rollout/engine_busy_s/"  # prefix of the per-engine cumulative busy seconds
 
@@ -32,7 +34,7 @@ class MetricsCollector:
         clock: seconds (``time.perf_counter``; a fake in tests).
     """
 
-    def __init__(self, summary: dict[str, Any], clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, summary: JsonDict, clock: Callable[[], float] = time.perf_counter):
         self.summary = summary
         self._clock = clock
         self.busy0: dict[str, float] = {}
@@ -61,7 +63,7 @@ class MetricsCollector:
         self.samples += m["train/samples"]
         self.elapsed = self._clock() - self._t_start
 
-    def step(self, m: dict[str, float], bstats: dict[str, Any], rm: dict[str, float], t0: float, t1: float,
+    def step(self, m: dict[str, float], bstats: BufferStats, rm: dict[str, float], t0: float, t1: float,
              version: int, synced_version: int, extra: dict[str, float]) -> dict[str, float]:
         """Add the step's loop metrics to ``m`` (after :meth:`counted`) and return it. ``bstats``/``rm``: the buffer's stats and the
         rollout metrics now; ``t0``/``t1``: the step's start and batch arrival; ``version`` /
@@ -83,7 +85,7 @@ class MetricsCollector:
             "buffer/samples_dropped": float(bstats["samples_dropped"]),
             "buffer/buffered_groups": float(bstats["buffered_groups"]),
         })
-        m.update(wait_split_metrics(bstats, t1 - t0))  # the wait split: filling + straggler = wait
+        m.update(wait_split_metrics(dict(bstats), t1 - t0))  # the wait split: filling + straggler = wait
         m.update(extra)
         # reward per sample generated since the last step, filtered/dropped ones included
         rg = (rm.get("rollout/reward_sum", 0.0), rm.get("rollout/samples_generated", 0.0))
@@ -96,7 +98,7 @@ class MetricsCollector:
         """The step's held-out evaluation (``m["eval/seconds"]``) is not loop time for the rates."""
         self._t_start += m.get("eval/seconds", 0.0)
 
-    def loop_done(self, m: dict[str, float], bstats: dict[str, Any], rm: dict[str, float]) -> None:
+    def loop_done(self, m: dict[str, float], bstats: BufferStats, rm: dict[str, float]) -> None:
         """``perf`` (the last step's rates, ``loop_seconds``), ``buffer`` (the buffer's
         ``samples_generated`` named ``samples_put``: what was put into it, after dynamic
         filtering) and ``rollout`` (its metrics) in the summary."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from moe_async.errors import UserInputError
 from moe_async.types import Tokenizer
@@ -32,7 +32,8 @@ def _tokenizer(path: str, field: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        # transformers types its tokenizer classes' calls more widely than the Protocol the package uses
+        return cast(Tokenizer, AutoTokenizer.from_pretrained(path))
     except Exception as exc:  # noqa: BLE001 - any failure is the checkpoint's, named
         raise UserInputError(f"{field}: no tokenizer loads from {path} ({type(exc).__name__}: {str(exc)[:200]})") \
             from None
@@ -43,15 +44,15 @@ def tokenizer_difference(student: Tokenizer, teacher: Tokenizer) -> str | None:
     vocabularies token -> id, then their special tokens and ids), or None when they agree."""
     sv, tv = student.get_vocab(), teacher.get_vocab()
     if sv != tv:
-        missing = sorted((t for t in sv if t not in tv), key=sv.get)
+        missing = sorted((t for t in sv if t not in tv), key=lambda t: sv[t])
         if missing:
             return (f"{len(missing)} of the student's tokens are not in the teacher's vocabulary, e.g. "
                     f"{missing[0]!r} (id {sv[missing[0]]})")
-        moved = sorted((t for t in sv if tv[t] != sv[t]), key=sv.get)
+        moved = sorted((t for t in sv if tv[t] != sv[t]), key=lambda t: sv[t])
         if moved:
             t = moved[0]
             return f"{len(moved)} tokens have other ids, e.g. {t!r}: {sv[t]} in the student's, {tv[t]} in the teacher's"
-        extra = sorted((t for t in tv if t not in sv), key=tv.get)
+        extra = sorted((t for t in tv if t not in sv), key=lambda t: tv[t])
         return f"the teacher's vocabulary has {len(extra)} tokens the student's lacks, e.g. {extra[0]!r} (id {tv[extra[0]]})"
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         a, b = getattr(student, name, None), getattr(teacher, name, None)

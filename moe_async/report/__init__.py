@@ -43,7 +43,7 @@ def fmt(v: object) -> str:
         return "-"
     if isinstance(v, bool) or isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e6):
         return str(int(v))
-    return f"{v:.4g}"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def summary_markdown(numbers: list[RunNumbers], plots: list[str]) -> str:
@@ -91,8 +91,10 @@ def make_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -
         raise UserInputError(f"--out {out}: a file is in its place")
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = []
+    stepped = [r for r in runs if r.steps]  # a run whose metrics.jsonl is unreadable has no curve
     for name, fn in PLOTS.items():
-        if fn(runs, out_dir / name) is not None:
+        drawn = runs if name == "timeline.png" else stepped
+        if drawn and fn(drawn, out_dir / name) is not None:
             plots.append(name)
     numbers = [run_numbers(r) for r in runs]
     (out_dir / "report.json").write_text(json.dumps({"runs": numbers, "plots": plots}, indent=2))

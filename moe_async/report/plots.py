@@ -15,6 +15,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moe_async.report.runs import Run  # noqa: E402
 from moe_async.report.stats import TIME_PARTS, eval_set_names, held_out, held_out_curve, staleness_hist  # noqa: E402
+from moe_async.types import JsonDict  # noqa: E402
 
 DPI = 110
 
@@ -92,18 +93,22 @@ def time_breakdown_plot(runs: list[Run], path: Path) -> Path:
     fig = Figure(figsize=(11, 3.6 * len(runs)))
     for i, run in enumerate(runs):
         ax = fig.add_subplot(len(runs), 1, i + 1)
-        recs = [r for r in run.steps if "perf/step_seconds" in r or "eval/seconds" in r] or run.steps
-        steps = [int(r["step"]) for r in recs]
+        recs = [i for i, r in enumerate(run.steps) if "perf/step_seconds" in r or "eval/seconds" in r]
+        recs = recs or list(range(len(run.steps)))
+        steps = [int(run.steps[i]["step"]) for i in recs]
         bottom = [0.0] * len(steps)
+
+        def seconds(key: str) -> list[float]:
+            return [run.value(i, key) or 0.0 for i in recs]
         for j, (label, key) in enumerate(TIME_PARTS):
-            vals = [float(r.get(key, 0.0) or 0.0) for r in recs]
+            vals = seconds(key)
             if not any(vals):
                 continue
             ax.bar(steps, vals, bottom=bottom, color=f"C{j}", label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        other = [max(0.0, float(r.get("perf/step_seconds", 0.0)) - b) for r, b in zip(recs, bottom)]
+        other = [max(0.0, t - b) for t, b in zip(seconds("perf/step_seconds"), bottom)]
         ax.bar(steps, other, bottom=bottom, color="0.75", label="other")
-        ev = [float(r.get("eval/seconds", 0.0) or 0.0) for r in recs]
+        ev = seconds("eval/seconds")
         if any(ev):
             top = [b + o for b, o in zip(bottom, other)]
             ax.bar(steps, ev, bottom=top, color="C9", alpha=0.6, label="held-out eval")
@@ -202,14 +207,26 @@ def timeline_plot(runs: list[Run], path: Path, max_steps: int = 3) -> Path | Non
 
     tp = runs[0].path / "trace.json"
     if not tp.is_file():
+        runs[0].notes.append(f"{tp}: missing; no timeline plot")
         return None
     try:
-        ev = json.loads(tp.read_text())["traceEvents"]
+        ev = json.loads(tp.read_bytes())["traceEvents"]
         if not isinstance(ev, list) or not all(isinstance(e, dict) for e in ev):
             raise TypeError("traceEvents is not a list of events")
     except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
         runs[0].damaged.append(f"{tp}: not a Chrome trace ({type(e).__name__}: {e}); no timeline plot")
         return None
+    try:
+        return _draw_timeline(ev, path, max_steps)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # an event without the fields Timeline writes
+        runs[0].damaged.append(f"{tp}: an event is not as moe-async writes it ({type(e).__name__}: {e}); "
+                               "no timeline plot")
+        return None
+
+
+def _draw_timeline(ev: list[JsonDict], path: Path, max_steps: int) -> Path | None:
+    """:func:`timeline_plot`'s drawing of the trace events ``ev`` (``KeyError`` / ``TypeError``
+    on an event without the fields :mod:`moe_async.logging.timeline` writes)."""
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("ph") == "M" and e["name"] == "thread_name"}
     xs = [e for e in ev if e.get("ph") == "X"]
     steps = sorted({e["args"]["step"] for e in xs if e.get("cat") == "phase" and "step" in e.get("args", {})})
@@ -240,9 +257,9 @@ def timeline_plot(runs: list[Run], path: Path, max_steps: int = 3) -> Path | Non
     rows = sorted({b[0] for b in bars}, key=order)
     fig = Figure(figsize=(11, 1.2 + 0.3 * len(rows)))
     ax = fig.add_subplot(1, 1, 1)
-    for row, x, w, h, c in bars:
+    for row, x0, w, h, c in bars:
         y = rows.index(row)
-        ax.broken_barh([(x, w)], (y - h / 2, h), color=c, edgecolor="white", linewidth=0.3)
+        ax.broken_barh([(x0, w)], (y - h / 2, h), color=c, edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(rows)), rows, fontsize=7)
     ax.invert_yaxis()
     handles = [matplotlib.patches.Patch(color=c, label=n) for n, c in colors.items()]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from moe_async.report.runs import Run, finite_number
+from moe_async.report.runs import Run
 from moe_async.types import JsonDict
 
 # per-step time parts of the stacked breakdown: (label, metric), all seconds
@@ -26,11 +26,11 @@ RunNumbers: TypeAlias = "dict[str, str | int | float | None]"
 def staleness_hist(run: Run) -> dict[int, float]:
     """Trained tokens per staleness (versions behind the trainer), summed over the steps."""
     out: dict[int, float] = {}
-    for r in run.steps:
-        for k, v in r.items():
-            if k.startswith("buffer/staleness_hist/"):
-                s = int(k.rsplit("/", 1)[1])
-                out[s] = out.get(s, 0.0) + float(v)
+    for i, r in enumerate(run.steps):
+        for k in r:
+            tail = k.rsplit("/", 1)[-1]
+            if k.startswith("buffer/staleness_hist/") and tail.isdigit() and (v := run.value(i, k)) is not None:
+                out[int(tail)] = out.get(int(tail), 0.0) + v
     return dict(sorted(out.items()))
 
 
@@ -73,14 +73,16 @@ def held_out(run: Run) -> list[tuple[int, float]]:
     if xs:
         return list(zip(xs, ys))
     steps = trained_steps(run)
+    if not steps:  # no readable metrics record: no step to draw the summary's points at
+        return []
     first, last = int(steps[0]["step"]), int(steps[-1]["step"])
     pts = []
-    if isinstance(run.summary.get("eval_before"), dict) and "accuracy" in run.summary["eval_before"]:
-        pts.append((first - 1, float(run.summary["eval_before"]["accuracy"])))
+    if (before := run.summary_number("eval_before", "accuracy")) is not None:
+        pts.append((first - 1, before))
     xs, ys = run.series("eval/accuracy")
     pts += list(zip(xs, ys))
-    if isinstance(run.summary.get("eval_after"), dict) and "accuracy" in run.summary["eval_after"]:
-        pts.append((last, float(run.summary["eval_after"]["accuracy"])))
+    if (after := run.summary_number("eval_after", "accuracy")) is not None:
+        pts.append((last, after))
     return pts
 
 
@@ -88,24 +90,25 @@ def held_out_curve(run: Run, name: str) -> list[tuple[int, float, float]]:
     """``(step, value, standard error)`` of the held-out curve's ``eval/<name>`` records
     (``greedy_accuracy``, ``mean_at_k``, ...; se 0 where ``eval/<name>_se`` is absent)."""
     out = []
-    for r in run.steps:
-        v, se = r.get(f"eval/{name}"), r.get(f"eval/{name}_se", 0.0)
-        if not finite_number(v):  # a point that is missing, not a number, NaN or inf is not drawn
+    for i, r in enumerate(run.steps):
+        v, se = run.value(i, f"eval/{name}"), run.value(i, f"eval/{name}_se")
+        if v is None:  # a point that is missing, not a number, NaN or inf is not drawn
             continue
-        out.append((int(r["step"]), float(v), float(se) if finite_number(se) and se >= 0 else 0.0))
+        out.append((int(r["step"]), v, se if se is not None and se >= 0 else 0.0))
     return out
 
 
 
 def _curve_numbers(run: Run) -> RunNumbers:
     """mean@k at the curve's first and last points and the last point's paired gain +- se."""
-    pts = [r for r in run.steps if isinstance(r.get("eval/mean_at_k"), (int, float))]
+    pts = [i for i in range(len(run.steps)) if run.value(i, "eval/mean_at_k") is not None]
     if not pts:
         return {k: None for k in ("heldout_mean_at_k_first", "heldout_mean_at_k_last",
                                   "heldout_mean_at_k_gain", "heldout_mean_at_k_gain_se")}
-    return {"heldout_mean_at_k_first": pts[0]["eval/mean_at_k"], "heldout_mean_at_k_last": pts[-1]["eval/mean_at_k"],
-            "heldout_mean_at_k_gain": pts[-1].get("eval/mean_at_k_gain"),
-            "heldout_mean_at_k_gain_se": pts[-1].get("eval/mean_at_k_gain_se")}
+    return {"heldout_mean_at_k_first": run.value(pts[0], "eval/mean_at_k"),
+            "heldout_mean_at_k_last": run.value(pts[-1], "eval/mean_at_k"),
+            "heldout_mean_at_k_gain": run.value(pts[-1], "eval/mean_at_k_gain"),
+            "heldout_mean_at_k_gain_se": run.value(pts[-1], "eval/mean_at_k_gain_se")}
 
 
 SET_FIELDS = (("greedy_accuracy", "first"), ("greedy_accuracy", "last"), ("mean_at_k", "first"),
@@ -123,9 +126,12 @@ def eval_set_numbers(run: Run) -> RunNumbers:
     <metric>_<first|last>`` for :data:`SET_FIELDS`, from the curve's first and last points."""
     out: RunNumbers = {}
     for name in eval_set_names(run):
-        pts = [r for r in run.steps if isinstance(r.get(f"eval/{name}/mean_at_k"), (int, float))]
+        pts = [i for i in range(len(run.steps)) if run.value(i, f"eval/{name}/mean_at_k") is not None]
+        if not pts:
+            continue
         for metric, which in SET_FIELDS:
-            out[f"eval_set/{name}/{metric}_{which}"] = (pts[0] if which == "first" else pts[-1]).get(f"eval/{name}/{metric}")
+            out[f"eval_set/{name}/{metric}_{which}"] = run.value(pts[0] if which == "first" else pts[-1],
+                                                                 f"eval/{name}/{metric}")
     return out
 
 
@@ -133,18 +139,17 @@ def run_numbers(run: Run) -> RunNumbers:
     """The summary row of one run (None where the run did not log the metric)."""
     hist = staleness_hist(run)
     tok = sum(hist.values())
-    ev = run.summary
     out: RunNumbers = {
         "run": run.name,
         "steps": len(trained_steps(run)),
-        "last_step": int(run.steps[-1]["step"]),
+        "last_step": int(run.steps[-1]["step"]) if run.steps else None,
         "reward_mean_last": _last(run, "rollout/reward_mean"),
         "reward_mean_avg": _mean(run, "rollout/reward_mean"),
         "accuracy_last": _last(run, "rollout/accuracy"),
         "accuracy_avg": _mean(run, "rollout/accuracy"),
         "reward_mean_generated": _last(run, "rollout/reward_mean_generated"),
-        "heldout_accuracy_before": (ev.get("eval_before") or {}).get("accuracy"),
-        "heldout_accuracy_after": (ev.get("eval_after") or {}).get("accuracy"),
+        "heldout_accuracy_before": run.summary_number("eval_before", "accuracy"),
+        "heldout_accuracy_after": run.summary_number("eval_after", "accuracy"),
         **_curve_numbers(run),
         "staleness_mean": sum(s * n for s, n in hist.items()) / tok if tok else None,
         "staleness_p50": hist_quantile(hist, 0.5),

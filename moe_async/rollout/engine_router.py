@@ -16,8 +16,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
+from moe_async.engines.replies import GenerateOutput
 from moe_async.logging.timeline import SpanRecorder
 from moe_async.protocols import GenerateEngine
 from moe_async.rollout.failures import DropGroup, EngineTimeoutError
@@ -117,8 +117,8 @@ class EngineRouter:
                 return i
         return None
 
-    async def call(self, ids: list[int], sp: dict[str, Any], routed: bool = False,
-                   lora_path: str | None = None) -> Any:
+    async def call(self, ids: list[int], sp: dict[str, object], routed: bool = False,
+                   lora_path: str | None = None) -> GenerateOutput:
         """One ``/generate`` on a routable engine; a transport failure (the engine died) takes
         that engine out of routing and retries on another (``docs/design/rollout.md``, step 2). With no
         engine routable it waits up to ``no_engine_wait_s`` seconds for the driver to put one
@@ -148,8 +148,8 @@ class EngineRouter:
                             getattr(self.engines[i], "base_url", "?"), type(exc).__name__, str(exc)[:200])
         raise DropGroup("engine_lost")
 
-    async def _call_one(self, i: int, ids: list[int], sp: dict[str, Any], routed: bool,
-                        lora_path: str | None) -> Any:
+    async def _call_one(self, i: int, ids: list[int], sp: dict[str, object], routed: bool,
+                        lora_path: str | None) -> GenerateOutput:
         busy = self.busy[i]
         busy.enter()
         self.gen_busy.enter()

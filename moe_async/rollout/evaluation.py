@@ -174,7 +174,7 @@ def _merge_greedy(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _gain(p: dict[str, Any], name: str) -> str:
+def _gain(p: dict[str, float], name: str) -> str:
     """``+g +- se [lo, hi]``: a paired gain, its standard error and 95% normal interval."""
     g, se = p[f"eval/{name}_gain"], p[f"eval/{name}_gain_se"]
     return f"{g:+.3f} +- {se:.3f} [{g - 1.96 * se:+.3f}, {g + 1.96 * se:+.3f}]"
@@ -193,7 +193,7 @@ class EvalCurve:
         self.interval = int(interval)
         self.num_steps = int(num_steps)
         self._evaluate = evaluate
-        self.points: list[dict[str, Any]] = []
+        self.points: list[dict[str, float]] = []
         self._base: dict[str, list[float]] | None = None
         # the last point's greedy answers as an eval_before/eval_after dict (greedy_summary)
         self.last_greedy: dict[str, float] | None = None
@@ -232,7 +232,7 @@ class EvalCurve:
         return {k: float(v) for k, v in ev.items()}
 
     @staticmethod
-    def _line(p: dict[str, Any]) -> str:
+    def _line(p: dict[str, float]) -> str:
         return (f"greedy {p['eval/greedy_accuracy']:.3f} +- {p['eval/greedy_accuracy_se']:.3f}"
                 f" | mean@{p['eval/k']:.0f} {p['eval/mean_at_k']:.3f} +- {p['eval/mean_at_k_se']:.3f}"
                 f" | pass@{p['eval/k']:.0f} {p['eval/pass_at_k']:.3f}"

@@ -16,10 +16,11 @@ import asyncio
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from moe_async.buffer.buffer import STOPPED
+from moe_async.engines.replies import GenerateOutput
 from moe_async.logging.timeline import SpanRecorder
 from moe_async.protocols import GenerateEngine, GroupBuffer
 from moe_async.rollout.config import RolloutConfig
@@ -27,6 +28,7 @@ from moe_async.rollout.engine_router import EngineRouter
 from moe_async.rollout.failures import MAX_GROUP_ERRORS_IN_A_ROW, DropGroup, GroupsFailingError, PromptsAllDroppedError
 from moe_async.rollout.reward import RewardPool, RewardResult
 from moe_async.rollout.reward_streak import RewardErrorStreak, RewardFailureError
+from moe_async.rollout.seams import DrawnPrompt, GroupTeacher
 from moe_async.types import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,7 @@ class RolloutManager:
         eos_token_ids: list[int] | None = None,
         max_context_len: int = 2048,
         no_engine_wait_s: float = 600.0,
-        teacher: Any = None,
+        teacher: GroupTeacher | None = None,
     ):
         if not engine_clients:
             raise ValueError("RolloutManager needs at least one engine client")
@@ -197,7 +199,7 @@ class RolloutManager:
         max_new_tokens = int(max_new_tokens or self.cfg.eval_max_new_tokens)
         sem = asyncio.Semaphore(max(1, self.cfg.max_concurrent_groups * self.cfg.n_samples_per_prompt))
 
-        async def one(p: Any) -> tuple[float, str | None, float, int] | None:
+        async def one(p: object) -> tuple[float, str | None, float, int] | None:
             if self.agent is not None:  # multi-turn: success within the turn budget, greedy turns
                 return await agent_one(p)
             async with sem:
@@ -214,7 +216,7 @@ class RolloutManager:
             task_score = float(self.dataset.score(p, text))
             return float(r.reward), r.error, task_score, len(s.response_ids)
 
-        async def agent_one(p: Any) -> tuple[float, str | None, float, int] | None:
+        async def agent_one(p: object) -> tuple[float, str | None, float, int] | None:
             async def turn(ids: list[int], n: int) -> Sample:
                 return await self._generate_sample(ids, n, greedy=True)
 
@@ -290,7 +292,7 @@ class RolloutManager:
         """The routing mask, one flag per engine (the driver's and failed requests')."""
         return self.router.routable
 
-    async def _call_engine(self, ids: list[int], sp: dict[str, Any]) -> Any:
+    async def _call_engine(self, ids: list[int], sp: dict[str, object]) -> GenerateOutput:
         """One ``/generate`` on a routable engine, on the newest adapter (:meth:`EngineRouter.call`)."""
         return await self.router.call(ids, sp, self.cfg.return_routed_experts, self.lora_path)
 
@@ -345,8 +347,8 @@ class RolloutManager:
             stop.cancel()
 
     def _sampling_params(self, max_new: int, greedy: bool, seed: int | None = None,
-                         temperature: float | None = None) -> dict[str, Any]:
-        sp: dict[str, Any] = {"max_new_tokens": int(max_new)}
+                         temperature: float | None = None) -> dict[str, object]:
+        sp: dict[str, object] = {"max_new_tokens": int(max_new)}
         if seed is not None and not greedy:
             sp["sampling_seed"] = int(seed)
         if greedy:
@@ -383,7 +385,7 @@ class RolloutManager:
                         "" if len(seen) < self._MAX_REPORTED_REWARD_ERRORS
                         else " (further distinct reward errors are only counted: rollout/reward_errors)")
 
-    async def _produce_group(self, gid: int, problem: Any, prompt_ids: list[int], max_new: int,
+    async def _produce_group(self, gid: int, problem: DrawnPrompt, prompt_ids: list[int], max_new: int,
                              version: int, seed_key: int | None = None, seq: int | None = None) -> None:
         """Generate, score and put (or cancel) one admitted group; settles ``gid``'s admission.
         ``seed_key`` (default ``gid``): what ``rollout.sampling_seed`` is mixed with."""
@@ -404,7 +406,7 @@ class RolloutManager:
             texts = [self.dataset.decode(s.response_ids) for s in samples]
             if self.agent is None:
                 w0 = self.trace.now()
-                jobs = [self.reward_pool.score(problem, t) for t in texts]
+                jobs: list[Coroutine[object, None, object]] = [self.reward_pool.score(problem, t) for t in texts]
                 if self.teacher is not None:  # distillation: the teacher scores every token meanwhile
                     jobs.append(self.teacher.score_group(problem, samples, self.trace))
                 results = (await _gather_or_cancel(jobs))[: len(texts)]
@@ -427,7 +429,7 @@ class RolloutManager:
                 for s in samples:
                     s.metadata["data_source"] = ds
                     if getattr(problem, "file", None) is not None:  # trained_rows.jsonl names the file
-                        s.metadata.update(file=problem.file, file_row=problem.file_row)
+                        s.metadata.update(file=getattr(problem, "file", None), file_row=getattr(problem, "file_row", None))
                 self.counters[f"reward_sum/{ds}"] += sum(s.reward for s in samples)
                 self.counters[f"samples/{ds}"] += len(samples)
             self.counters["tokens_generated"] += group.num_tokens
@@ -475,7 +477,7 @@ class RolloutManager:
                         f"{self._error_run} groups in a row failed with an error, the last: "
                         f"{type(exc).__name__}: {exc}")
 
-    async def _trajectory(self, problem: Any, max_new: int, seed: int | None, gid: int) -> Sample:
+    async def _trajectory(self, problem: DrawnPrompt, max_new: int, seed: int | None, gid: int) -> Sample:
         """One multi-turn trajectory (moe_async/agent): each model turn is
         :meth:`_generate_sample` on the sequence so far (partial rollouts, pause modes), the
         turn's seed the sample's plus its turn index; tool calls are spans in the trace."""
@@ -505,7 +507,7 @@ class RolloutManager:
         self._filtered_per_version[version] += 1
         return True
 
-    def _draw_key(self, problem: Any) -> int:
+    def _draw_key(self, problem: DrawnPrompt) -> int:
         """Which draw of the train prompts ``problem`` is: ``epoch * 1_000_003 + problem.index``
         (the dataset's epoch after the draw), the same in a run resumed from a checkpoint."""
         st = self.dataset.state_dict() if hasattr(self.dataset, "state_dict") else {}
@@ -577,7 +579,7 @@ class RolloutManager:
             self.counters["zero_token_samples"] += 1
         return s
 
-    def _join_routes(self, routed, ids: list[int], out: Any, raw_n: int, seg_ids: list[int]):
+    def _join_routes(self, routed, ids: list[int], out: GenerateOutput, raw_n: int, seg_ids: list[int]):
         """Router replay: the kept routes (``None`` or ``[len(ids) - 1, L, K]``) extended by
         this segment's (engine: ``len(ids) + raw_n - 1`` rows), cut to the kept tokens and
         stored compact (moe_async.replay.routes). ``None`` when routes were not requested."""

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from moe_async.rollout.config import RolloutConfig
 from moe_async.rollout.draw_cursor import DrawCursor
-from moe_async.types import JsonDict, Tokenizer
+from moe_async.types import JsonDict, Tokenizer, template_ids
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class TaskDataset:
     Picklable without the tokenizer (``score`` works in reward worker processes).
     """
 
-    def __init__(self, cfg: RolloutConfig, tokenizer: Tokenizer = None):
+    def __init__(self, cfg: RolloutConfig, tokenizer: Tokenizer | None = None):
         import reasoning_gym
 
         self.cfg = cfg
@@ -182,18 +182,16 @@ class TaskDataset:
         """Chat-template token ids (generation prompt added, no extra BOS)."""
         if self.tokenizer is None:
             raise RuntimeError("TaskDataset has no tokenizer")
-        ids = self.tokenizer.apply_chat_template(
-            self.messages(problem), add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return template_ids(self.tokenizer.apply_chat_template(self.messages(problem), add_generation_prompt=True,
+                                                              tokenize=True))
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise RuntimeError("TaskDataset has no tokenizer")
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ----------------------------------------------------------------- scoring
-    def score(self, problem: Problem | dict, response_text: str) -> float:
+    def score(self, problem: Problem | JsonDict, response_text: str) -> float:
         """1.0 iff reasoning-gym scores the extracted answer exactly 1.0, else 0.0."""
         entry = problem.entry if isinstance(problem, Problem) else problem
         ans = extract_answer(response_text)
@@ -201,7 +199,7 @@ class TaskDataset:
             return 0.0
         return 1.0 if float(self._train_ds.score_answer(ans, entry)) == 1.0 else 0.0
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         st = dict(self.__dict__)
         st["tokenizer"] = None  # workers only score
         return st

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
 
+import numpy as np
 import torch
 
 from moe_async.compat import cpu_device_scope
@@ -22,8 +23,25 @@ from moe_async.megatron.sharding import padded_vocab_size
 from moe_async.models import get_family
 from moe_async.trainer.batching import dp_size
 from moe_async.trainer.state import TrainerState
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
 Tensor = torch.Tensor
+
+
+class RngState(TypedDict):
+    """A rank's ``moe_async_rng/rank_<r>.pt``: the layout it was saved at (``tp``, ``pp``, ...;
+    restored only at the same one) and the RNG states of Python, NumPy, torch (CPU, each CUDA
+    device; None without CUDA) and Megatron-Core's CUDA RNG tracker."""
+
+    layout: dict[str, int] | None
+    random: tuple[object, ...]
+    numpy: dict[str, object] | tuple[str, np.ndarray, int, int, float]
+    torch: Tensor
+    cuda: list[Tensor] | None
+    tracker: dict[str, Tensor]
 # the trainer's logger: these records keep the name they had before the trainer was split
 _LOG = logging.getLogger("moe_async.trainer.megatron_trainer")
 
@@ -37,7 +55,7 @@ class Checkpointer:
         self.base_digest = base_digest  # LoRA: the frozen base's weights digest (collective)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
+    def save(self, path: str, extra: JsonDict | None = None) -> None:
         """Save model + optimizer as a Megatron ``torch_dist`` checkpoint (layout-independent;
         with the distributed optimizer, its state in 'dp_reshardable' format, resumable at another
         DP size only, or with ``trainer.dist_ckpt_optim_fully_reshardable`` in 'fully_reshardable'
@@ -83,7 +101,7 @@ class Checkpointer:
             }
             dist_checkpointing.save(sd, path)
         rank = torch.distributed.get_rank()
-        rng = {
+        rng: RngState = {
             "layout": self._ckpt_layout(),
             "random": random.getstate(),
             "numpy": np.random.get_state(),
@@ -102,7 +120,7 @@ class Checkpointer:
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # every rank's files are written when any rank returns
 
-    def _lora_record(self) -> dict[str, Any] | None:
+    def _lora_record(self) -> JsonDict | None:
         """The ``lora`` entry of ``moe_async_state.json`` (None without ``trainer.lora``). Collective."""
         if self.st.cfg.lora is None:
             return None
@@ -137,7 +155,7 @@ class Checkpointer:
             f = os.path.join(path, n)
             shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
-    def _model_sharded_state_dict(self, ckpt_keys: Mapping[str, object] | None = None) -> dict[str, Any]:
+    def _model_sharded_state_dict(self, ckpt_keys: Mapping[str, object] | None = None) -> ShardedStateDict:
         """The model part of a torch_dist state dict, as Megatron-LM's ``generate_state_dict``:
         ``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": sd1, ...}`` for virtual
         pipeline chunks (in ``vp_stage`` order). The tensor keys inside are global (layer
@@ -174,7 +192,7 @@ class Checkpointer:
         """The format this trainer saves distributed-optimizer state in (see above)."""
         return "fully_reshardable" if self.st.cfg.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
 
-    def _optim_ckpt_kwargs(self, fmt: str | None = None) -> dict[str, Any]:
+    def _optim_ckpt_kwargs(self, fmt: str | None = None) -> dict[str, dict[str, str | bool]]:
         """Keyword arguments of ``optimizer.sharded_state_dict`` (the ``metadata`` Megatron-LM's
         checkpointing passes): the distributed optimizer's sharding type ``fmt`` (default: the
         one this trainer saves in); none without the distributed optimizer (format unchanged)."""
@@ -239,7 +257,7 @@ class Checkpointer:
     # the layout a 'dp_reshardable' distributed-optimizer checkpoint (per-bucket state) needs
     _DIST_OPT_LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "vpp", "cp")
 
-    def _check_optimizer_format(self, path: str, fmt: str | None, state: dict[str, Any] | None) -> None:
+    def _check_optimizer_format(self, path: str, fmt: str | None, state: JsonDict | None) -> None:
         """A checkpoint's optimizer state must match this trainer's optimizer. ``fmt``: the
         format it was saved in (:meth:`_saved_dist_opt_format`; None = the plain optimizer's).
         The distributed optimizer's loads only into a distributed optimizer (whatever
@@ -315,7 +333,7 @@ class Checkpointer:
 
     _RNG_KEYS = ("layout", "random", "numpy", "torch", "cuda", "tracker")
 
-    def _read_ckpt_side_files(self, path: str) -> tuple[int | None, dict[str, Any] | None, dict[str, Any] | None]:
+    def _read_ckpt_side_files(self, path: str) -> tuple[int | None, JsonDict | None, RngState | None]:
         """Read and check the files :meth:`save` writes besides the tensors, before
         anything of this trainer changes: ``(version, state, rng)`` from
         ``moe_async_version.txt`` (an int), ``moe_async_state.json`` (a JSON object whose
@@ -367,14 +385,14 @@ class Checkpointer:
             err = (f"checkpoint {path}: cannot read {cur} (rank {rank}; {type(e).__name__}: "
                    f"{(lines[-1] if lines else '')[:200]}); the trainer is unchanged")
         if dist.is_initialized() and dist.get_world_size() > 1:
-            errs: list = [None] * dist.get_world_size()
+            errs: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(errs, err)
             err = next((x for x in errs if x), None)
         if err:
             raise CheckpointReadError(err)
         return version, state, rng
 
-    def load(self, path: str) -> dict[str, Any]:
+    def load(self, path: str) -> JsonDict:
         """Load a torch_dist checkpoint into this trainer, at any parallel layout (torch_dist
         reshards on load). Returns the ``extra`` dict given to :meth:`save` (``{}``
         when the checkpoint has none). ``path``: the torch_dist directory, or a Megatron-LM
@@ -489,7 +507,7 @@ class Checkpointer:
                 x.data = x.data.detach().clone()
             return x
 
-        def _read(sd: dict[str, Any], what: str, **kw):
+        def _read(sd: ShardedStateDict, what: str, **kw):
             try:
                 return dist_checkpointing.load(sd, path, **kw)
             except BaseException as e:  # torch's CheckpointException derives from BaseException
@@ -510,7 +528,7 @@ class Checkpointer:
             loaded, in_ckpt_only, absent = _read(model_sd, "model tensors", strict=StrictHandling.RETURN_ALL)
             absent = {k for k in absent if not is_te_extra_state(k)}  # TE's FP8 metadata: see below
             if dist.is_initialized() and dist.get_world_size() > 1:
-                everyone: list = [None] * dist.get_world_size()
+                everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
                 dist.all_gather_object(everyone, sorted(absent))
                 absent = set().union(*map(set, everyone))
             has_opt = any(is_optimizer_key(k) for k in in_ckpt_only)

@@ -9,11 +9,15 @@ Design notes: ``docs/design/trainer.md``."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from moe_async.types import MicroBatch
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
 Tensor = torch.Tensor
 
@@ -48,7 +52,7 @@ def dp_sample_indices(n_global: int, dp: int, dp_rank: int, n_local: int) -> lis
     return [lo + i if lo + i < hi else -1 for i in range(n_local)]
 
 
-def _world() -> tuple[int, Any]:
+def _world() -> tuple[int, ModuleType | None]:
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -59,7 +63,7 @@ def _world() -> tuple[int, Any]:
 def _all_max(flags: Tensor) -> Tensor:
     """Element-wise MAX of ``flags`` (float64) over the world (itself at world size 1)."""
     world, dist = _world()
-    if world == 1:
+    if world == 1 or dist is None:
         return flags
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     t = flags.to(dev)
@@ -67,7 +71,7 @@ def _all_max(flags: Tensor) -> Tensor:
     return t.cpu()
 
 
-def _grad_tensors(ddp_models: Iterable[Any]) -> Iterable[tuple[str, Tensor]]:
+def _grad_tensors(ddp_models: Iterable[DistributedDataParallel]) -> Iterable[tuple[str, Tensor]]:
     """``(what, gradient)`` of every DDP model chunk: Megatron DDP's contiguous gradient
     buffers when it has them, else each parameter's ``main_grad`` / ``grad``."""
     for c, d in enumerate(ddp_models):
@@ -86,7 +90,7 @@ def _grad_tensors(ddp_models: Iterable[Any]) -> Iterable[tuple[str, Tensor]]:
                 yield n, g
 
 
-def _first_bad_param(ddp_models: Iterable[Any]) -> str | None:
+def _first_bad_param(ddp_models: Iterable[DistributedDataParallel]) -> str | None:
     """Name of the first parameter whose gradient (``main_grad`` or ``grad``) is non-finite."""
     named = []
     for d in ddp_models:
@@ -163,7 +167,7 @@ class StepGuard:
                 bad[len(self.batch)] = 1.0
         return bad
 
-    def check(self, ddp_models: list[Any]) -> None:
+    def check(self, ddp_models: list[DistributedDataParallel]) -> None:
         """After the backward pass, before ``optimizer.step()``. Collective (every rank).
 
         Raises:

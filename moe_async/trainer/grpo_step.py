@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -102,7 +102,7 @@ def grpo_step(st: TrainerState, batcher: Batcher, fwd: ModelForward, batch: list
         st.router_replay.add_logprobs(logp, mb)  # router replay: mismatch metrics
         return loss, sums
 
-    def forward_step(data_iterator: Iterator[MicroBatch], model: Any,
+    def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module,
                      ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]]:
         mb = to_device(next(data_iterator))
         st.router_replay.before_forward(model_view(mb), model)  # router replay: this chunk's routes

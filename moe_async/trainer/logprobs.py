@@ -11,7 +11,7 @@ distillation teacher's top-k ids; gathered over CP by :func:`cp_token_logps`) an
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -21,6 +21,11 @@ from moe_async.trainer.batching import Batcher, model_view, packed_seq_params, t
 from moe_async.types import MicroBatch, Sample
 
 if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
+
     from moe_async.replay.megatron import RouterReplayHook
 
 Tensor = torch.Tensor
@@ -33,7 +38,7 @@ class ModelForward:
     parallelism), and a forward hook on each router with an expert bias that takes padding
     back out of its token counts. ``rows_only``: the output-layer hook is installed."""
 
-    def __init__(self, models: list[Any], tf_config: Any) -> None:
+    def __init__(self, models: list[GPTModel], tf_config: TransformerConfig) -> None:
         self.tf_config = tf_config
         # expert-bias routers: padding taken back out of the token counts (_uncount_padding)
         self._router_pad: Tensor | None = None
@@ -55,7 +60,7 @@ class ModelForward:
         """The output layer is given the response rows only (its pre-hook is installed)."""
         return self._rows_hook is not None
 
-    def forward(self, model: Any, mb: MicroBatch) -> tuple[Tensor, bool]:
+    def forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, bool]:
         """Forward of one micro-batch: ``(output, rows_only)``. On the last PP stage the
         output is the logits: ``[1,N,V_padded]`` for the N response positions of
         ``mb.logit_b/logit_s`` when ``rows_only`` (the output layer is applied to those
@@ -89,7 +94,7 @@ class ModelForward:
             self._logit_rows = None
             self._router_pad = None
 
-    def _uncount_padding(self, module: Any, args: object, output: tuple[Tensor, Tensor]) -> None:
+    def _uncount_padding(self, module: TopKRouter, args: object, output: tuple[Tensor, Tensor]) -> None:
         """Forward hook of a router with an expert bias (deepseek_v3): takes this micro-batch's
         padding positions back out of ``local_tokens_per_expert``, the token counts that
         Megatron-Core's aux-loss-free update (``get_updated_expert_bias``) balances. Megatron
@@ -118,7 +123,7 @@ class ModelForward:
         return (args[0][s, b].unsqueeze(1), *args[1:]), kwargs
 
 
-def stage_padding_mask(model: Any, padding_mask: Tensor | None, tf_config: Any) -> Tensor | None:
+def stage_padding_mask(model: torch.nn.Module, padding_mask: Tensor | None, tf_config: TransformerConfig) -> Tensor | None:
     """``padding_mask [B,S]`` as this stage's MoE routers see it: Megatron-Core's GPTModel
     splits it over the TP ranks under sequence parallelism only on the first pipeline
     stage (with the embedding); a later stage gets this rank's ``[B,S/TP]`` slice here,
@@ -222,7 +227,7 @@ def cp_token_logps(logits: Tensor, mb: MicroBatch, rows_only: bool, vocab_size: 
 
 # ------------------------------------------------------------------ inference
 @torch.no_grad()
-def compute_logprobs(samples: list[Sample], *, batcher: Batcher, fwd: ModelForward, ddp_models: list[Any],
+def compute_logprobs(samples: list[Sample], *, batcher: Batcher, fwd: ModelForward, ddp_models: list[DistributedDataParallel],
                      router_replay: RouterReplayHook, vocab_size: int,
                      equalize_dp: bool = False) -> list[list[float]]:
     """Per-response-token logprobs (natural log, temperature 1) under the current
@@ -249,7 +254,7 @@ def compute_logprobs(samples: list[Sample], *, batcher: Batcher, fwd: ModelForwa
             _, logp = token_logp(logits, mb, rows_only, vocab_size)
             return logits.sum() * 0.0, {"logp": logp.float().cpu()}
 
-        def forward_step(data_iterator: Iterator[MicroBatch], model: Any,
+        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module,
                          ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]]:
             mb = to_device(next(data_iterator))
             router_replay.before_forward(model_view(mb), model)  # router replay (R3: engine routes)

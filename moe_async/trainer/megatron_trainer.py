@@ -10,7 +10,7 @@ Design notes: ``docs/design/trainer.md``."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, TypeVar, overload
 
 import torch
 
@@ -30,7 +30,11 @@ from moe_async.trainer.grpo_step import grpo_step
 from moe_async.trainer.logprobs import ModelForward, compute_logprobs
 from moe_async.trainer.loss import grpo_token_loss
 from moe_async.trainer.state import TrainerState
-from moe_async.types import Sample
+from moe_async.types import JsonDict, Sample
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import ModuleSpec
 
 Tensor = torch.Tensor
 _T = TypeVar("_T")
@@ -184,11 +188,11 @@ class MegatronTrainer:
 
         get_moe_layer_wise_logging_tracker().clear()
 
-        def wrap_spec(spec: Any) -> Any:
+        def wrap_spec(spec: ModuleSpec) -> ModuleSpec:
             return setup.cp_spec(spec, cfg, family, hf_config, thd=thd, cpu=cpu)
 
         # This PP rank's model chunks, one per virtual pipeline stage (moe_async.megatron.build)
-        models: list[Any] = model_chunks(family, hf_config, tf_config, gpt_kwargs, vpp=vpp, wrap_spec=wrap_spec)
+        models: list[GPTModel] = model_chunks(family, hf_config, tf_config, gpt_kwargs, vpp=vpp, wrap_spec=wrap_spec)
         replay_root = models[0] if len(models) == 1 else torch.nn.ModuleList(models)
         router_replay = RouterReplayHook(replay_root, tf_config, cfg.router_replay)  # router replay
         # output-layer rows and expert-bias routers' hooks, before the weights and adapters (as ever)
@@ -307,13 +311,13 @@ class MegatronTrainer:
                                 router_replay=st.router_replay, vocab_size=st.vocab_size, equalize_dp=equalize_dp)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
+    def save_checkpoint(self, path: str, extra: JsonDict | None = None) -> None:
         """Save model + optimizer + ``version``, RNG states and ``extra`` (a JSON-able dict) as a
         Megatron ``torch_dist`` checkpoint in ``path``: :meth:`Checkpointer.save
         <moe_async.trainer.checkpoint.Checkpointer.save>` (files, formats). Collective."""
         self.checkpointer.save(path, extra)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def load_checkpoint(self, path: str) -> JsonDict:
         """Load a torch_dist checkpoint (any parallel layout) into this trainer and return the
         ``extra`` dict it was saved with: :meth:`Checkpointer.load
         <moe_async.trainer.checkpoint.Checkpointer.load>` (accepted kinds, errors; a failed
@@ -321,7 +325,16 @@ class MegatronTrainer:
         return self.checkpointer.load(path)
 
     # ------------------------------------------------------------------ export
-    def export_lora(self, out_dir: str | None = None, with_config: bool = False, replace: bool = False) -> Any:
+    @overload
+    def export_lora(self, out_dir: str | None = None, with_config: Literal[False] = False,
+                    replace: bool = False) -> dict[str, Tensor]: ...
+
+    @overload
+    def export_lora(self, out_dir: str | None = None, *, with_config: Literal[True],
+                    replace: bool = False) -> tuple[dict[str, Tensor], JsonDict]: ...
+
+    def export_lora(self, out_dir: str | None = None, with_config: bool = False,
+                    replace: bool = False) -> dict[str, Tensor] | tuple[dict[str, Tensor], JsonDict]:
         """The LoRA adapters as Hugging Face PEFT tensors (``base_model.model.<hf module>.lora_A/B.weight``,
         fp32, :mod:`moe_async.lora.peft_export`); ``with_config``: ``(tensors, adapter_config dict)``.
         With ``out_dir``, global rank 0 also writes ``adapter_model.safetensors`` +

@@ -11,17 +11,21 @@ groups it created when one of them raises.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from moe_async.layout import ParallelLayout
 from moe_async.models.family import ModelFamily
 from moe_async.trainer.config import TrainerConfig, unsupported_combination
+from moe_async.types import JsonDict
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 
-def layout_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: dict[str, Any], *,
-                     cpu: bool, thd: bool, vpp: int | None) -> dict[str, Any]:
+def layout_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: JsonDict, *,
+                     cpu: bool, thd: bool, vpp: int | None) -> dict[str, object]:
     """TransformerConfig fields set by the trainer (beyond the family's): on CPU,
     ``gradient_accumulation_fusion`` through the compat stand-in (each linear layer's
     weight gradient is accumulated into DDP's ``main_grad`` by one in-place GEMM instead of
@@ -29,7 +33,7 @@ def layout_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: dict[st
     (no VPP) Megatron's ``variable_seq_lengths``."""
     from moe_async.compat import enable_cpu_wgrad_accumulation_fusion
 
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     if cpu and enable_cpu_wgrad_accumulation_fusion():
         out["gradient_accumulation_fusion"] = True
     if thd and cfg.pipeline_model_parallel_size > 1 and not vpp:
@@ -53,7 +57,7 @@ def layout_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: dict[st
     return out
 
 
-def memory_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: dict[str, Any]) -> dict[str, Any]:
+def memory_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: JsonDict) -> dict[str, object]:
     """TransformerConfig fields of the memory and MoE-kernel options, under Megatron's names
     (``trainer.recompute_*``, ``moe_token_dispatcher_type``, ``moe_expert_capacity_factor``,
     ``moe_pad_expert_input_to_capacity``, ``moe_token_drop_policy``, ``moe_grouped_gemm``,
@@ -66,7 +70,7 @@ def memory_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: dict[st
             no ``deep_ep``), naming the field.
     """
     cfg = cfg
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     if cfg.recompute_granularity is not None:
         out["recompute_granularity"] = cfg.recompute_granularity
         if cfg.recompute_granularity == "full":
@@ -108,7 +112,7 @@ def check_expert_tensor_parallel(cfg: TrainerConfig) -> None:
     ParallelLayout.from_trainer_config(cfg).check_world(world)
 
 
-def check_expert_ffn_split(cfg: TrainerConfig, tf_config: Any, hf_path: str) -> None:
+def check_expert_ffn_split(cfg: TrainerConfig, tf_config: TransformerConfig, hf_path: str) -> None:
     """ETP splits every routed expert's FFN (``moe_ffn_hidden_size``: fc1's output rows per
     gate/up half, fc2's input columns) into ETP equal parts (transformer/moe/experts.py).
 
@@ -124,7 +128,7 @@ def check_expert_ffn_split(cfg: TrainerConfig, tf_config: Any, hf_path: str) -> 
             f"(moe_ffn_hidden_size={ffn}, from the HF config of {hf_path})")
 
 
-def expert_bias_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: dict[str, Any]) -> dict[str, Any]:
+def expert_bias_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: JsonDict) -> dict[str, object]:
     """``moe_router_bias_update_rate`` for families whose router has an expert bias
     (Megatron's ``moe_router_enable_expert_bias``: deepseek_v3); Megatron-Core applies the
     update in ``finalize_model_grads`` after each step's gradients.
@@ -145,7 +149,7 @@ def expert_bias_overrides(cfg: TrainerConfig, family: ModelFamily, hf_config: di
     return {"moe_router_bias_update_rate": rate}
 
 
-def check_virtual_pipeline(cfg: TrainerConfig, vpp: int | None, hf_config: dict[str, Any], family: ModelFamily) -> None:
+def check_virtual_pipeline(cfg: TrainerConfig, vpp: int | None, hf_config: JsonDict, family: ModelFamily) -> None:
     """Refuse, naming the field, a layer count not divisible by PP x VPP (ValueError;
     Megatron's TransformerConfig) with virtual pipeline stages. (Router replay R2 with VPP:
     :func:`check_combinations`; R3 runs: the replay hook keeps its micro-batch counter per
@@ -170,8 +174,8 @@ def check_combinations(cfg: TrainerConfig) -> None:
         raise NotImplementedError(why)
 
 
-def cp_spec(spec: Any, cfg: TrainerConfig, family: ModelFamily, hf_config: dict[str, Any], *,
-            thd: bool, cpu: bool) -> Any:
+def cp_spec(spec: ModuleSpec, cfg: TrainerConfig, family: ModelFamily, hf_config: JsonDict, *,
+            thd: bool, cpu: bool) -> ModuleSpec:
     """The layer spec to build with: ``spec`` itself, except on the CPU path (no CUDA, local
     spec) with ``context_parallel_size > 1``, where the local core attention (which asserts
     CP == 1) is replaced by the compat CP core attention

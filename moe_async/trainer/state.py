@@ -8,9 +8,15 @@ take it, or the fields they need, as explicit arguments.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moe_async.types import JsonDict
 
 if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
     from moe_async.lora.layers import AdaptedLinear
     from moe_async.models.family import ModelFamily
     from moe_async.replay.megatron import RouterReplayHook
@@ -31,14 +37,14 @@ class TrainerState:
 
     cfg: TrainerConfig
     hf_path: str
-    hf_config: dict[str, Any]  # the HF config.json
+    hf_config: JsonDict  # the HF config.json
     family: ModelFamily
-    tf_config: Any  # megatron.core TransformerConfig (an untyped package)
+    tf_config: TransformerConfig  # megatron.core's (an untyped package: Any to the checker)
     vocab_size: int
-    models: list[Any]  # megatron.core GPTModel (an untyped package)
-    ddp_models: list[Any]  # megatron.core DistributedDataParallel
-    optimizer: Any  # megatron.core MegatronOptimizer
-    opt_config: Any  # megatron.core OptimizerConfig
+    models: list[GPTModel]
+    ddp_models: list[DistributedDataParallel]
+    optimizer: MegatronOptimizer
+    opt_config: OptimizerConfig
     router_replay: RouterReplayHook
     lora_linears: list[list[AdaptedLinear]] = dataclasses.field(default_factory=list)  # per chunk (LoRA)
     thd: bool = False
@@ -47,6 +53,6 @@ class TrainerState:
     version: int = 0
 
     @property
-    def model(self) -> Any:
+    def model(self) -> GPTModel:
         """The first model chunk (the only one without virtual pipeline stages)."""
         return self.models[0]

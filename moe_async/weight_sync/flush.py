@@ -15,7 +15,10 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    from moe_async.protocols import WeightReceiver
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -39,9 +42,9 @@ class DeferredFlushes:
     """The deferred flushes of past syncs: ``(engine index, Future[bool], weight_version)``."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[int, Future, int]] = []
+        self.pending: list[tuple[int, Future[bool], int]] = []
 
-    def start(self, clients: Sequence[Any], weight_version: int, timeout_s: float) -> None:
+    def start(self, clients: Sequence[WeightReceiver], weight_version: int, timeout_s: float) -> None:
         """``client.flush_cache(timeout_s=timeout_s)`` on every engine, not waited for; not
         on an engine whose previous deferred flush is still waiting (SGLang refuses a second
         one, and the waiting one drops this update's stale prefixes too)."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence, TypedDict
 
 import torch
 
-from moe_async.weight_sync.tensor_ipc import forking_pickle
+from moe_async.protocols import WeightReceiver
 from moe_async.types import JsonDict
+from moe_async.weight_sync.tensor_ipc import forking_pickle
 
 
 def lora_entries(tensors: dict[str, torch.Tensor], copies: int = 1, dtype: torch.dtype | None = None) -> list[str]:
@@ -81,9 +82,17 @@ class AdapterVersions:
         return [self.name(v) for v in old]
 
 
-def sync_adapter(clients: Sequence[Any], versions: AdapterVersions, version: int, tensors: dict[str, torch.Tensor],
+class AdapterSync(TypedDict):
+    """:func:`sync_adapter`'s result: the loaded adapter's name, its bytes, the names unloaded."""
+
+    name: str
+    bytes: int
+    unloaded: list[str]
+
+
+def sync_adapter(clients: Sequence[WeightReceiver], versions: AdapterVersions, version: int, tensors: dict[str, torch.Tensor],
                  config: JsonDict, tp_sizes: Sequence[int] | None = None,
-                 dtype: torch.dtype | None = None) -> dict[str, Any]:
+                 dtype: torch.dtype | None = None) -> AdapterSync:
     """Load ``tensors`` as ``versions.name(version)`` on every engine (blocking clients), then
     unload the versions beyond ``max_staleness``. Returns ``{"name", "bytes", "unloaded"}``.
 

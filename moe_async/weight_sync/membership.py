@@ -14,14 +14,15 @@ import gc
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Set
-from typing import Any, Sequence
+from typing import Sequence, TypedDict
 
 import torch.distributed as dist
 
 from moe_async.errors import one_line
 from moe_async.protocols import WeightReceiver
+from moe_async.types import JsonDict
 from moe_async.weight_sync.group import (
     WeightSyncError,
     bind_master_store,
@@ -32,6 +33,13 @@ from moe_async.weight_sync.group import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class _JoinBox(TypedDict, total=False):
+    """What rank 0's rendezvous thread leaves: the formed group, or the error it raised."""
+
+    group: dist.ProcessGroup
+    error: BaseException
 
 
 class GroupFormationError(WeightSyncError):
@@ -125,7 +133,7 @@ class GroupMembership:
     def _engine(self, i: int) -> str:
         return f"engine {i} at {getattr(self.clients[i], 'base_url', '?')}"
 
-    def _join_as_sender(self, held: list[dist.TCPStore], futs: list[Any],
+    def _join_as_sender(self, held: list[dist.TCPStore], futs: list[Future[JsonDict]],
                         refused: set[int]) -> tuple[dist.ProcessGroup | None, str | None]:
         """Rank 0's side of the join while the engines' joins (``futs``) run: ``(group, None)``
         once the group is formed and every engine answered yes, else ``(group or None, why)``.
@@ -137,7 +145,7 @@ class GroupMembership:
         are added to ``refused``."""
         client = dist.TCPStore(self.master_address, held[0].port, self.world_size, is_master=False,
                                timeout=datetime.timedelta(seconds=self.timeout_s))
-        box: dict[str, Any] = {}
+        box: _JoinBox = {}
 
         def sender() -> None:
             try:
@@ -184,7 +192,7 @@ class GroupMembership:
         return box["group"], None
 
     @staticmethod
-    def _join_failed(fut: Any) -> str | None:
+    def _join_failed(fut: Future[JsonDict]) -> str | None:
         """Why a finished join future failed (one line), or None when the engine said yes."""
         e = fut.exception()
         if e is not None:

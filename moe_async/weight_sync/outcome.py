@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
+    from moe_async.protocols import WeightReceiver
     from moe_async.weight_sync.transport import WeightTransport
     import torch
 
@@ -41,7 +42,7 @@ class SyncOutcome:
         return not self.lost
 
 
-def lost_engines(clients: Iterable[Any], timeout_s: float = 5.0) -> list[str]:
+def lost_engines(clients: Iterable[WeightReceiver], timeout_s: float = 5.0) -> list[str]:
     """Base URLs of the ``clients`` (``health(timeout=)``, ``base_url``) whose ``/health`` fails."""
     return [c.base_url for c in clients if not c.health(timeout=timeout_s)]
 

@@ -12,16 +12,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Generator, Iterator
+from typing import Callable, Generator, Iterator, TypeVar
 
 import torch
 
 from moe_async.weight_sync.bucket import Bucket
 
 Tensor = torch.Tensor
+T = TypeVar("T")
 
 
-def timed_items(it: Iterator, stats: dict[str, float]) -> Generator[Any, None, None]:
+def timed_items(it: Iterator[T], stats: dict[str, float]) -> Generator[T, None, None]:
     """``it``'s items, the time spent waiting for each added to ``stats['pack_seconds']`` and
     ``stats['wait_seconds']``; an item is not held while the next one is made."""
     while True:

@@ -9,7 +9,7 @@ Design notes: ``docs/design/weight_sync.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 

@@ -20,20 +20,24 @@ from __future__ import annotations
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
 from moe_async.weight_sync.read_ahead import timed_items
-from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan
+from moe_async.weight_sync.stream_export import Convert, ExportPlan, Shard, ShardSource, make_plan, run_plan
 
 if TYPE_CHECKING:
     from moe_async.weight_sync.config import WeightSyncConfig
-    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroup, Store
+
+    from moe_async.protocols import WeightReceiver
+    from moe_async.weight_sync.transport import WeightTransport
     from moe_async.weight_sync.stream_export import PackedExport
 
 Tensor = torch.Tensor
+R = TypeVar("R")
 #: ``all_meta[rank] = [(name, full_shape, offset, shape, dtype_str), ...]`` (stream_export)
 Meta = Sequence[Sequence[tuple]]
 
@@ -105,7 +109,7 @@ def make_sender_plan(all_meta: Meta, convert: Convert, bucket_bytes: int, *, dty
 _PLANS: dict[tuple, SenderPlan] = {}
 
 
-def gather_sender_plan(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *,
+def gather_sender_plan(pieces: Sequence[Shard], convert: Convert, bucket_bytes: int, *,
                        dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
                        direct: Callable[[str], bool] = lambda n: False, vocab: dict[str, int] | None = None,
                        expected: Set[str] | None = None, group=None) -> SenderPlan:
@@ -153,7 +157,7 @@ def _meta_bucket(plan: ExportPlan, b: int) -> Bucket:
                   nbytes=plan.bucket_nbytes[b])
 
 
-def sender_buckets(plan: SenderPlan, pieces: Sequence[Any], convert: Convert, *,
+def sender_buckets(plan: SenderPlan, pieces: Sequence[Shard], convert: Convert, *,
                    device: torch.device | str = "cpu", group=None, coordinator: int = 0,
                    stats: dict[str, float] | None = None) -> Iterator[SenderItem]:
     """Walk ``plan.order`` on this rank (collective over ``group``: every rank exhausts it):
@@ -239,7 +243,7 @@ class SenderLink:
     coordinator's; this link's group is :func:`sender_group_name` of it and ``rank``).
     """
 
-    def __init__(self, clients: Sequence[Any], cfg: WeightSyncConfig, *, rank: int, ranks_per_engine: int | Sequence[int] = 1,
+    def __init__(self, clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *, rank: int, ranks_per_engine: int | Sequence[int] = 1,
                  master_address: str = "127.0.0.1", group_name: str = "moe_async_weight_sync"):
         from moe_async.weight_sync.group import resolve_backend, transport_device
         from moe_async.weight_sync.membership import GroupMembership
@@ -284,7 +288,18 @@ class SenderLink:
         self.group = None
 
 
-def connect_senders(rank: int, world: int, store: Any, *, transport: Any = None, link: SenderLink | None = None,
+class PackedSender(Protocol):
+    """Rank 0's transport as several senders use it (a
+    :class:`~moe_async.weight_sync.transport.BroadcastTransport`): its update group's name and
+    ``send`` of a packed export at a weight_version (the sync's metrics)."""
+
+    @property
+    def group_name(self) -> str: ...
+
+    def send(self, named_tensors: PackedExport, weight_version: int, /) -> dict[str, float]: ...
+
+
+def connect_senders(rank: int, world: int, store: Store | None, *, transport: WeightTransport | None = None, link: SenderLink | None = None,
                     key: str = "moe_async/sender_groups", timeout_s: float = 600.0) -> None:
     """Form every sender's update group in rank order (engines serve one join at a time:
     groups formed concurrently in different orders would wait on each other): rank 0 connects
@@ -293,6 +308,7 @@ def connect_senders(rank: int, world: int, store: Any, *, transport: Any = None,
     connect. Raises GroupFormationError naming the first group that failed, on every later rank."""
     from moe_async.weight_sync.membership import GroupFormationError, form_in_turn
 
+    assert store is not None, "connect_senders: no store"
     if rank == 0:
         assert transport is not None
         try:
@@ -306,8 +322,8 @@ def connect_senders(rank: int, world: int, store: Any, *, transport: Any = None,
     link.group = form_in_turn(link.membership, rank, world, store, key=key, timeout_s=timeout_s)
 
 
-def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport: Any = None,
-                      link: SenderLink | None = None, group=None, send: Callable[[Any, int], Any] | None = None) -> Any:
+def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport: PackedSender | None = None,
+                      link: SenderLink | None = None, group=None, send: Callable[[PackedExport, int], R] | None = None) -> R | dict[str, float]:
     """One sync from every rank (collective): rank 0 ``send(export, version)`` (default
     ``transport.send``) of :func:`sender_export`
     (pause, sessions, every bucket's update call, its own broadcasts, versioned last call,
@@ -318,8 +334,7 @@ def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport
 
     from moe_async.errors import one_line
     from moe_async.weight_sync.group import WeightSyncError
-
-    out: Any = {}
+    out: R | dict[str, float] = {}
     err: str | None = None
     try:
         if rank == 0:

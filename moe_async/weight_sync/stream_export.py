@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from collections.abc import Set
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -274,7 +274,7 @@ def _write(flat: Tensor, p: _Part, t: Tensor) -> None:
         flat[p.offset: p.offset + p.nbytes].copy_(t.to(p.dtype).contiguous().reshape(-1).view(torch.uint8))
 
 
-def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, device: torch.device,
+def run_plan(plan: ExportPlan, pieces: Sequence[Shard], convert: Convert, *, device: torch.device,
              slots: int = 1, group=None, dst: int = 0, sem: threading.Semaphore | None = None,
              stats: dict[str, float] | None = None, steps: bool = False) -> BucketStream:
     """Execute ``plan``: collective over ``group`` (every rank exhausts the iterator, in the
@@ -412,7 +412,7 @@ def _glob(rank: int, group, multi: bool) -> int:
     return rank if group is None or not multi else dist.get_global_rank(group, rank)
 
 
-def gather_plan(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *, dtype: torch.dtype | None = None,
+def gather_plan(pieces: Sequence[Shard], convert: Convert, bucket_bytes: int, *, dtype: torch.dtype | None = None,
                 order: Sequence[str] | None = None, direct: Callable[[str], bool] = lambda n: False,
                 vocab: dict[str, int] | None = None, expected: set[str] | None = None,
                 group=None, dst: int = 0, first_bucket_bytes: int | None = None) -> ExportPlan:
@@ -453,7 +453,7 @@ _PLANS: dict[tuple, ExportPlan] = {}
 RAMP = 8
 
 
-def streamed_buckets(pieces: Sequence[Any], convert: Convert, bucket_bytes: int, *,
+def streamed_buckets(pieces: Sequence[Shard], convert: Convert, bucket_bytes: int, *,
                      device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                      order: Sequence[str] | None = None, direct: Callable[[str], bool] = lambda n: False,
                      vocab: dict[str, int] | None = None, expected: set[str] | None = None,

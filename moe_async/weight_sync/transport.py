@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Set
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -242,12 +242,12 @@ class BroadcastTransport(WeightTransport):
             return None
         return layouts[0]
 
-    def _on_posters(self, call_engine: Callable[[WeightReceiver], Any],
+    def _on_posters(self, call_engine: Callable[[WeightReceiver], object],
                     skip: Set[int] = frozenset()) -> list[tuple[int, Future]]:
         """Queue ``call_engine(client)`` on every engine's poster thread (but those in
         ``skip``), after what is already queued there (so it reaches each engine in order
         with the bucket calls); each future gives ``(reply, perf_counter() at the reply)``."""
-        def call(c: WeightReceiver) -> tuple[Any, float]:
+        def call(c: WeightReceiver) -> tuple[object, float]:
             r = call_engine(c)
             return r, time.perf_counter()
 
@@ -258,7 +258,7 @@ class BroadcastTransport(WeightTransport):
         (a sender that died mid-update) is closed first and opened again, logged. An engine
         without the endpoint (HTTP 404: SGLang before 0.5.23 has no sessions) is updated
         without one."""
-        def begin(i: int, c: WeightReceiver) -> tuple[Any, float]:
+        def begin(i: int, c: WeightReceiver) -> tuple[dict, float]:
             try:
                 r = c.begin_weight_update(atomic=True)
             except Exception as e:  # noqa: BLE001 - an HTTP 400 of a session left open, or a 404
@@ -282,7 +282,7 @@ class BroadcastTransport(WeightTransport):
 
     def _end_on_posters(self, skip: Set[int] = frozenset()) -> list[tuple[int, Future]]:
         """Queue ``/end_weight_update`` on every poster (but ``skip`` and sessionless engines)."""
-        def end(c: WeightReceiver) -> tuple[Any, float]:
+        def end(c: WeightReceiver) -> tuple[dict, float]:
             return c.end_weight_update(), time.perf_counter()
 
         return [(i, self._posters[i].submit(end, c)) for i, c in enumerate(self.clients)
@@ -298,7 +298,7 @@ class BroadcastTransport(WeightTransport):
             last = max(last, t)
         return last
 
-    def _reply(self, i: int, fut: Future, deadline: float, what: str) -> Any:
+    def _reply(self, i: int, fut: Future[tuple[object, float]], deadline: float, what: str) -> tuple[object, float]:
         """Engine ``i``'s reply to ``what`` from ``fut`` by ``deadline`` (``time.monotonic``).
 
         Raises:
@@ -318,7 +318,7 @@ class BroadcastTransport(WeightTransport):
         return r
 
     @staticmethod
-    def _check(i: int, resp: Any, what: str, url: str | None = None) -> None:
+    def _check(i: int, resp: object, what: str, url: str | None = None) -> None:
         if isinstance(resp, dict) and resp.get("success") is False:
             at = f" at {url}" if url else ""
             raise WeightSyncError(one_line(f"engine {i}{at}: {what} failed: {resp.get('message')}"))
@@ -356,7 +356,8 @@ class BroadcastTransport(WeightTransport):
         assert self.group is not None, "connect() first"
         group_broadcast(self.group, flat, src=0)
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | PackedExport,
+             weight_version: int) -> dict[str, float]:
         """Send one full update (data path: ``docs/design/weight_sync.md``).
 
         Tensors are re-ordered to the engines' ``/weights_layout`` when they publish one
@@ -391,7 +392,7 @@ class BroadcastTransport(WeightTransport):
         t0 = time.perf_counter()
         stats: dict[str, float] = {}
         streamed = isinstance(named_tensors, PackedExport)  # ready buckets (streamed export: world size > 1)
-        if self.layout is not None and not streamed:
+        if self.layout is not None and not isinstance(named_tensors, PackedExport):
             named_tensors = in_layout_order(named_tensors, self.layout)
         whole = self.cfg.pause_scope == "sync"
         pauses: list[tuple[int, Future]] = []

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from moe_async.engines.base import ensure_healthy, make_engine
-from moe_async.engines.client import MultiEngineClient
+from moe_async.engines.multi_client import MultiEngineClient
 from moe_async.engines.config import EngineConfig
 
 

@@ -108,7 +108,7 @@ def _chat_logprobs(ret: dict) -> dict:
     return {"content": content}
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: object) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
     """The prompt of ``messages`` under the tokenizer's chat template (generation prompt
     added), as SGLang's ``serving_chat`` renders it for a template-only model."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -137,7 +137,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: object) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Tokenizer, model_path: str,
+def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Tokenizer | None, model_path: str,
                            context_length: int) -> None:
     """Add ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` to ``app``;
     ``generate(body)`` runs one ``/generate`` body (raises :class:`RequestError`)."""
@@ -209,7 +209,12 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Token
             text = r["text"]
             if echo:
                 p = prompts[i // n]
-                text = (p if isinstance(p, str) else tokenizer.decode(p)) + text
+                if isinstance(p, str):
+                    text = p + text
+                elif tokenizer is None:
+                    raise RequestError("echo: a token-id prompt needs a tokenizer to be echoed; none at the model path")
+                else:
+                    text = tokenizer.decode(p) + text
             c = {"index": i, "text": text, "logprobs": _completion_logprobs(r, echo) if logprobs is not None
                  else None, "finish_reason": reason, "matched_stop": matched}
             if body.get("return_token_ids"):

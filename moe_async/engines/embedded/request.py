@@ -109,7 +109,7 @@ def _ids(name: str, v: object) -> list[int]:
     return v
 
 
-def decode_generate(body: object, *, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[ItemSpec], bool]:
+def decode_generate(body: object, *, tokenizer: Tokenizer | None, vocab_size: int) -> tuple[list[ItemSpec], bool]:
     """The ``/generate`` body -> ``(samples, single)``; ``single``: answer one object, not
     a list. Raises :class:`RequestError` with the 400's message (which names the field)."""
     if not isinstance(body, dict):

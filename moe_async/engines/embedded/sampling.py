@@ -88,7 +88,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: JsonDict | None, *, vocab_size: int | None = None,
-                  tokenizer: Tokenizer = None) -> "SamplingParams":
+                  tokenizer: Tokenizer | None = None) -> "SamplingParams":
         return decode_sampling_params(d, vocab_size=vocab_size, tokenizer=tokenizer)
 
     @property
@@ -147,7 +147,7 @@ def unknown_field(where: str, key: str, fields: tuple[str, ...]) -> RequestError
 
 
 def decode_sampling_params(d: JsonDict | None, *, vocab_size: int | None = None,
-                           tokenizer: Tokenizer = None) -> SamplingParams:
+                           tokenizer: Tokenizer | None = None) -> SamplingParams:
     """``d`` (one ``sampling_params`` object) -> :class:`SamplingParams`, or
     :class:`RequestError` (the 400's message, naming the field)."""
     if d is None:

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -26,6 +26,8 @@ from moe_async.engines.embedded.lora import EngineLora
 from moe_async.engines.embedded.req import Req
 from moe_async.engines.embedded.response import build_response
 from moe_async.engines.embedded.sampling import SamplingParams, adjust_logits, check_finish
+
+T = TypeVar("T")
 
 __all__ = ["Scheduler"]
 
@@ -119,9 +121,9 @@ class Scheduler:
         return (req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids)
                 and req.input_token_logprobs is None)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the scheduler thread between forward passes."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._cmds.put((fn, fut))
         self._wake.set()
         return fut

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import uvicorn
@@ -128,9 +128,9 @@ class EngineState:
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype)
         torch.nn.Module.to(self.model, self.device)
         self.model.eval()
-        self.tokenizer: Tokenizer
+        self.tokenizer: Tokenizer | None
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+            self.tokenizer = cast(Tokenizer, AutoTokenizer.from_pretrained(args.model_path))  # transformers' wider types
         except Exception:
             self.tokenizer = None
         cfg = self.model.config

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from fastapi import APIRouter
@@ -32,6 +32,9 @@ from moe_async.weight_sync.group import (
     group_broadcast,
     store_alive,
 )
+
+if TYPE_CHECKING:
+    from moe_async.engines.embedded.scheduler import Scheduler
 
 log = logging.getLogger("moe_async.engines.embedded")
 
@@ -115,8 +118,8 @@ def _fail(message: str, status: int = 400) -> JSONResponse:
 class Membership:
     """One weight-update group this engine is a member of."""
 
-    group: Any
-    store: Any  # the rendezvous store (client of the sender's): probed for liveness
+    group: torch.distributed.ProcessGroup
+    store: torch.distributed.Store  # the rendezvous store (client of the sender's): probed for liveness
     rank: int
     world_size: int
     master: str
@@ -132,7 +135,7 @@ class Session:
 class WeightUpdater:
     """The engine's side of weight updates: groups, the session, the double-buffered params."""
 
-    def __init__(self, model: torch.nn.Module, scheduler: Any, dtype: torch.dtype, timeout_s: float = 600.0,
+    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, dtype: torch.dtype, timeout_s: float = 600.0,
                  admission: Admission | None = None):
         self.admission = admission or Admission()  # the server's pause flag and update lock
         self.weight_map = HFWeightMap(model)
