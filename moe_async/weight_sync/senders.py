@@ -17,22 +17,23 @@ Lower bound of a sync: ``max(bytes per sender) / link bandwidth`` (:meth:`Sender
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
 from moe_async.weight_sync.read_ahead import timed_items
-from moe_async.weight_sync.stream_export import Convert, ExportPlan, ShardSource, make_plan, run_plan
+from moe_async.weight_sync.stream_export import Convert, ExportPlan, PackedExport, ShardSource, make_plan, run_plan
 
 if TYPE_CHECKING:
     from moe_async.weight_sync.config import WeightSyncConfig
     from torch.distributed import ProcessGroup
-    from moe_async.weight_sync.stream_export import PackedExport
 
+log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 #: ``all_meta[rank] = [(name, full_shape, offset, shape, dtype_str), ...]`` (stream_export)
 Meta = Sequence[Sequence[tuple]]
@@ -144,6 +145,7 @@ class SenderItem(NamedTuple):
     bucket: Bucket
     flat: Tensor | None
     last: bool  # the last bucket of the sync (carries the weight version)
+    error: str | None = None  # on its sender: this sender's export failed (this bucket or before)
 
 
 def _meta_bucket(plan: ExportPlan, b: int) -> Bucket:
@@ -165,13 +167,16 @@ def sender_buckets(plan: SenderPlan, pieces: Sequence[Any], convert: Convert, *,
     device = torch.device(device)
     me = dist.get_rank(group) if dist.is_initialized() else 0
     st = stats if stats is not None else {}
-    its = {s: run_plan(p, pieces, convert, device=device, slots=1, group=group, dst=s, stats=st, steps=True)
+    errors: list[BaseException] = []  # this rank's own export failures: the walk goes on
+    its = {s: run_plan(p, pieces, convert, device=device, slots=1, group=group, dst=s, stats=st, steps=True,
+                       errors=errors if s == me else None)
            for s, p in plan.plans.items()}
     n = len(plan.order)
     for k, (s, b) in enumerate(plan.order):
         item = next(its[s])
         if s == me:
-            yield SenderItem(s, item[0], item[1], k == n - 1)
+            err = f"{type(errors[0]).__name__}: {errors[0]}" if errors else None
+            yield SenderItem(s, item[0], item[1], k == n - 1, err)
             del item  # the buffer is reused by this sender's next bucket
         elif me == coordinator:
             yield SenderItem(s, _meta_bucket(plan.plans[s], b), None, k == n - 1)
@@ -204,30 +209,143 @@ def sender_group_name(base: str, sender: int) -> str:
 
 
 def sender_export(source: ShardSource, group_name: str, *, dtype: torch.dtype | None = None, group=None
-                  ) -> PackedExport:
+                  ) -> SendersExport:
     """Global rank 0's several-sender export for ``BroadcastTransport.send``: every bucket of
     the global order, each named with its sender's group (:func:`sender_group_name` of the
     transport's ``group_name``); this rank's own buckets with their bytes (broadcast by the
     transport), the others' as metadata (posted to the engines only)."""
-    from moe_async.weight_sync.stream_export import PackedExport
+    opened: list[PostInTurn] = []
 
     def open_fn(bucket_bytes: int, *, device: torch.device, order: Sequence[str] | None, overlap: bool,
-                stats: dict[str, float]) -> Generator[tuple[Bucket, Tensor | None, bool], None, None]:
+                stats: dict[str, float]) -> PostInTurn:
         stats.setdefault("pack_seconds", 0.0)
         stats.setdefault("wait_seconds", 0.0)
         items = source_sender_items(source, bucket_bytes, device=device, dtype=dtype, order=order, group=group,
                                     stats=stats)
-        return _named(items, group_name, stats)
+        opened.append(PostInTurn(items, group_name, device=device, group=group, stats=stats))
+        return opened[-1]
 
-    return PackedExport(open_fn)
+    return SendersExport(open_fn, opened)
 
 
-def _named(items: Iterator[SenderItem], base: str, stats: dict[str, float]
-           ) -> Generator[tuple[Bucket, Tensor | None, bool], None, None]:
-    for it in timed_items(items, stats):
-        it.bucket.group_name = sender_group_name(base, it.sender)
-        yield it.bucket, it.flat, it.last
-        del it  # the bucket buffer is reused for the next one
+class SendersExport(PackedExport):
+    """:func:`sender_export`'s export; :meth:`close` runs every opened walk to its end (a
+    ``send`` that raised without draining it must not leave the other ranks waiting)."""
+
+    def __init__(self, open_fn: Callable[..., Any], opened: list[PostInTurn]):
+        super().__init__(open_fn)
+        self.opened = opened
+
+    def close(self) -> None:
+        for st in self.opened:
+            st.close()
+
+
+# ---- each bucket's turn: posted only once its sender holds its bytes, sent once posted -----
+
+def _flag(v: int, device: torch.device) -> Tensor:
+    return torch.tensor([v], dtype=torch.int32, device=device)
+
+
+def _glob(rank: int, group) -> int:
+    import torch.distributed as dist
+
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def ask_to_send(ok: bool, *, device: torch.device, group=None, coordinator: int = 0) -> bool:
+    """A sender's side of one of its buckets' turn (point-to-point with ``coordinator``, in
+    the walk's order): tell it whether the bucket can be sent (its bytes made, its group
+    formed), then wait for the answer: True once the bucket's update call is posted to every
+    engine (broadcast it now), False when nothing was posted for it (a failure on some rank:
+    do not broadcast; no engine waits for it)."""
+    import torch.distributed as dist
+
+    dist.send(_flag(int(ok), device), dst=_glob(coordinator, group), group=group)
+    t = _flag(0, device)
+    dist.recv(t, src=_glob(coordinator, group), group=group)
+    return bool(t.item())
+
+
+class PostInTurn:
+    """Global rank 0's walk for its transport (a :class:`~moe_async.weight_sync.packing.BucketStream`
+    of ``(bucket, flat or None, last)``, each bucket named with its sender's group): another
+    sender's bucket is handed over (its update call posted) only after that sender said its
+    bytes are ready (:func:`ask_to_send`), and the sender is told to broadcast when the
+    transport asks for the next bucket (the call is queued by then). A sender that reports a
+    failure, or this rank's own export failing, makes ``__next__`` raise WeightSyncError
+    (nothing more is posted: the transport ends the sessions, the engines drop what they
+    staged). After :meth:`abandon` (the transport failed and drains this) or :meth:`close`,
+    every later turn is answered "do not send" while the walk runs to its end, so the other
+    ranks' gathers complete. ``stats['turn_seconds']``: time waiting for the senders' answers."""
+
+    def __init__(self, items: Iterator[SenderItem], base: str, *, device: torch.device, group=None,
+                 stats: dict[str, float] | None = None):
+        import torch.distributed as dist
+
+        self.stats = stats if stats is not None else {"pack_seconds": 0.0, "wait_seconds": 0.0}
+        self.stats.setdefault("turn_seconds", 0.0)
+        self.items = timed_items(items, self.stats)
+        self.base, self.device, self.group = base, device, group
+        self.me = dist.get_rank(group) if dist.is_initialized() else 0
+        self.owed: int | None = None  # the sender whose answer is still due
+        self.stopped = False
+        self.k = -1
+
+    def abandon(self) -> None:
+        """Post nothing more; every later turn is answered "do not send"."""
+        self.stopped = True
+
+    def __iter__(self) -> PostInTurn:
+        return self
+
+    def _answer(self) -> None:
+        import torch.distributed as dist
+
+        if self.owed is not None:
+            dist.send(_flag(int(not self.stopped), self.device), dst=_glob(self.owed, self.group), group=self.group)
+            self.owed = None
+
+    def __next__(self) -> tuple[Bucket, Tensor | None, bool]:
+        import torch.distributed as dist
+
+        from moe_async.weight_sync.group import WeightSyncError
+
+        self._answer()  # the previous bucket was posted (or abandoned): its sender may go
+        while True:
+            it = next(self.items)  # StopIteration: the walk ended
+            self.k += 1
+            if it.sender == self.me:
+                if self.stopped:
+                    continue
+                if it.error is not None:
+                    self.stopped = True
+                    raise WeightSyncError(f"rank {self.me}: export failed at bucket {self.k}: {it.error}")
+            else:
+                t0 = time.perf_counter()
+                ok = _flag(0, self.device)
+                dist.recv(ok, src=_glob(it.sender, self.group), group=self.group)
+                self.stats["turn_seconds"] += time.perf_counter() - t0
+                self.owed = it.sender
+                if self.stopped:
+                    self._answer()
+                    continue
+                if not ok.item():
+                    self.stopped = True
+                    self._answer()
+                    raise WeightSyncError(f"sender {it.sender} cannot send bucket {self.k} of the sync (its export or "
+                                          f"group failed); nothing more is posted")
+            it.bucket.group_name = sender_group_name(self.base, it.sender)
+            return it.bucket, it.flat, it.last
+
+    def close(self) -> None:
+        """Abandon and run the walk to its end (a no-op once it ended)."""
+        self.stopped = True
+        try:
+            for _ in self:
+                pass
+        except Exception as e:  # noqa: BLE001 - the sync's first error is what propagates
+            log.warning("weight sync: finishing the senders' walk after a failure stopped: %s", e)
 
 
 class SenderLink:
@@ -257,18 +375,26 @@ class SenderLink:
         """This rank's part of a sync (collective with every trainer rank): its pieces to their
         senders, its own buckets over its group. After a failure the walk goes on without
         broadcasting (the other ranks' gathers complete), then the error is raised."""
-        from moe_async.weight_sync.group import group_broadcast
+        from moe_async.weight_sync.group import WeightSyncError, group_broadcast
 
-        stats: dict[str, float] = {}
+        stats: dict[str, float] = {"turn_seconds": 0.0}
         err: BaseException | None = None
         nbytes = 0
         t0 = time.perf_counter()
         for it in source_sender_items(source, self.cfg.bucket_bytes, device=self.device, dtype=dtype, group=group,
                                       stats=stats):
-            if it.flat is not None and err is None:
+            if it.flat is None:  # pragma: no cover - only global rank 0 sees other senders' buckets
+                continue
+            if err is None and it.error is not None:
+                err = WeightSyncError(f"sender {self.rank}: export failed: {it.error}")
+            elif err is None and self.group is None:
+                err = RuntimeError(f"sender {self.rank}: no update group (connect_senders() first)")
+            tt = time.perf_counter()
+            go = ask_to_send(err is None, device=self.device, group=group)
+            stats["turn_seconds"] += time.perf_counter() - tt
+            if go and err is None:
+                assert self.group is not None
                 try:
-                    if self.group is None:
-                        raise RuntimeError(f"sender {self.rank}: no update group (connect_senders() first)")
                     group_broadcast(self.group, it.flat, src=0)
                     nbytes += it.flat.numel()
                 except BaseException as e:  # noqa: BLE001 - raised after the walk
@@ -324,7 +450,11 @@ def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport
     try:
         if rank == 0:
             assert transport is not None
-            out = (send or transport.send)(sender_export(source, transport.group_name, group=group), version)
+            export = sender_export(source, transport.group_name, group=group)
+            try:
+                out = (send or transport.send)(export, version)
+            finally:
+                export.close()  # the walk ends on every rank, whatever ``send`` did
         else:
             assert link is not None
             out = link.send(source, group=group)

@@ -224,9 +224,10 @@ def test_one_failing_sender_fails_the_sync_on_every_rank():
     res = dict(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    for r in (0, 1):  # rank 0's own part succeeded, yet it fails too, naming rank 1's error
-        assert res[r].startswith("WeightSyncError: weight sync failed on rank 1: RuntimeError: sender 1: no update "
-                                 "group"), res
+    for r in (0, 1):  # both ranks fail, naming rank 1's error; rank 0 posted nothing of rank 1's (told in turn)
+        assert res[r].startswith("WeightSyncError: weight sync failed on rank 0: WeightSyncError: sender 1 cannot "
+                                 "send bucket 1 of the sync"), res
+        assert "; rank 1: RuntimeError: sender 1: no update group" in res[r], res
 
 
 # ------------------------------------ torchrun: a MegatronTrainer's ranks into two engines
