@@ -40,27 +40,57 @@ Meta = Sequence[Sequence[tuple]]
 
 
 def assign_senders(all_meta: Meta) -> dict[str, int]:
-    """``{tensor name: sending rank}`` from every rank's primary-shard metadata: a tensor held
-    by one rank is sent by it; a tensor split over several ranks by the holder with the fewest
-    bytes assigned so far (held tensors counted first, then split ones largest first; ties:
-    lowest rank), so the sending of a tensor-parallel group's pieces is spread over it."""
-    holders: dict[str, set[int]] = {}
+    """``{tensor name: sending rank}`` from every rank's shard metadata (primary shards and, for
+    data-parallel sharing, their replicas): the candidates of a tensor are the ranks holding
+    the most of it (the fewest bytes to gather); one candidate sends it (an expert's EP rank, a
+    layer's PP stage); among several (TP pieces, DP replicas) the one with the fewest bytes
+    assigned so far (single-candidate tensors counted first, then the others largest first;
+    ties: lowest rank). With every tensor held by all of a set of ranks (e.g. DP2 replicas),
+    the bytes per sender differ by at most the largest tensor."""
+    held: dict[str, dict[int, int]] = {}
     size: dict[str, int] = {}
+    seen: set[tuple[str, int, tuple, tuple]] = set()
     for r, rank_meta in enumerate(all_meta):
-        for name, fs, _off, _shape, dts in rank_meta:
-            holders.setdefault(name, set()).add(r)
-            size[name] = nbytes_of(tuple(fs), getattr(torch, str(dts).split(".")[-1]))
+        for name, fs, off, shape, dts in rank_meta:
+            dt = getattr(torch, str(dts).split(".")[-1])
+            size[name] = nbytes_of(tuple(fs), dt)
+            h = held.setdefault(name, {})
+            h[r] = h.get(r, 0)
+            if (name, r, tuple(off), tuple(shape)) not in seen:  # a box counted once per rank
+                seen.add((name, r, tuple(off), tuple(shape)))
+                h[r] += nbytes_of(tuple(shape), dt)
+    cands = {n: sorted(r for r, b in h.items() if b == max(h.values())) for n, h in held.items()}
     load = [0] * len(all_meta)
     owner: dict[str, int] = {}
-    for name in sorted(holders):
-        if len(holders[name]) == 1:
-            (owner[name],) = holders[name]
+    for name in sorted(cands):
+        if len(cands[name]) == 1:
+            owner[name] = cands[name][0]
             load[owner[name]] += size[name]
-    for name in sorted((n for n in holders if len(holders[n]) > 1), key=lambda n: (-size[n], n)):
-        r = min(holders[name], key=lambda x: (load[x], x))
+    for name in sorted((n for n in cands if len(cands[n]) > 1), key=lambda n: (-size[n], n)):
+        r = min(cands[name], key=lambda x: (load[x], x))
         owner[name] = r
         load[r] += size[name]
     return owner
+
+
+def choose_sources(all_meta: Meta, owner: dict[str, int]) -> set[tuple[int, int]]:
+    """The ``(rank, index)`` pieces a sync reads: per tensor, each distinct shard box once,
+    from its sender when it holds it, else from a holder in the sender's block of ``n`` ranks
+    (``rank // n == sender // n``, ``n`` the tensor's number of boxes), then the nearest rank,
+    then the lower: in Megatron-Core's order tp-cp-ep-dp-pp a TP group is such an aligned
+    block of consecutive ranks, so a TP piece comes from the sender's own TP group."""
+    boxes: dict[tuple[str, tuple, tuple], list[tuple[int, int]]] = {}
+    for r, rank_meta in enumerate(all_meta):
+        for i, (name, _fs, off, shape, _dt) in enumerate(rank_meta):
+            boxes.setdefault((name, tuple(off), tuple(shape)), []).append((r, i))
+    nbox: dict[str, int] = {}
+    for name, _off, _shape in boxes:
+        nbox[name] = nbox.get(name, 0) + 1
+    keep: set[tuple[int, int]] = set()
+    for (name, _off, _shape), hs in boxes.items():
+        s, n = owner[name], nbox[name]
+        keep.add(min(hs, key=lambda ri: (ri[0] // n != s // n, abs(ri[0] - s), ri[0], ri[1])))
+    return keep
 
 
 @dataclass
@@ -92,13 +122,15 @@ def make_sender_plan(all_meta: Meta, convert: Convert, bucket_bytes: int, *, dty
     :func:`~moe_async.weight_sync.stream_export.make_plan`, whose checks each sender's plan
     runs). KeyError naming the tensors in ``expected`` that no rank holds."""
     owner = assign_senders(all_meta)
+    keep = choose_sources(all_meta, owner)
     if expected is not None and set(expected) - set(owner):
         miss = sorted(set(expected) - set(owner))
         raise KeyError(f"Megatron -> HF conversion: Megatron tensors missing {miss[:20]} (of {len(miss)})")
     plans: dict[int, ExportPlan] = {}
     for s in sorted(set(owner.values())):
         plans[s] = make_plan(all_meta, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
-                             first_bucket_bytes=first_bucket_bytes, only={n for n, r in owner.items() if r == s})
+                             first_bucket_bytes=first_bucket_bytes, only={n for n, r in owner.items() if r == s},
+                             read_from=keep)
     glob = sorted((b, s) for s, p in plans.items() for b in range(len(p.buckets)))
     return SenderPlan(plans, [(s, b) for b, s in glob])
 
@@ -189,11 +221,16 @@ def source_sender_items(source: ShardSource, bucket_bytes: int, *, device: torch
                         dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
                         group=None, stats: dict[str, float] | None = None) -> Iterator[SenderItem]:
     """:func:`sender_buckets` of ``source`` (checked first: e.g. non-finite weights refused on
-    every rank before anything moves). Collective: every rank exhausts it."""
+    every rank before anything moves). A source with ``replica_shards()`` (this rank's
+    data-parallel replicas of other ranks' primary shards, e.g.
+    :meth:`moe_async.megatron.hf_export.HFExporter.replica_shards`) offers them too: the
+    sending of replicated tensors is then spread over their replicas. Collective: every rank
+    exhausts it."""
     st = stats if stats is not None else {}
     t0 = time.perf_counter()
     source.check()
-    pieces = source.shards()
+    replicas = getattr(source, "replica_shards", None)
+    pieces = list(source.shards()) + (list(replicas()) if replicas is not None else [])
     plan = gather_sender_plan(pieces, source.convert, bucket_bytes, dtype=dtype, order=order,
                               direct=source.direct, vocab=dict(source.vocab), expected=set(source.expected),
                               group=group)

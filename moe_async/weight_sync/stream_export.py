@@ -119,7 +119,8 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
               dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
               direct: Callable[[str], bool] = lambda name: False,
               vocab: dict[str, int] | None = None, expected: set[str] | None = None,
-              first_bucket_bytes: int | None = None, only: Set[str] | None = None) -> ExportPlan:
+              first_bucket_bytes: int | None = None, only: Set[str] | None = None,
+              read_from: Set[tuple[int, int]] | None = None) -> ExportPlan:
     """The common plan from every rank's piece metadata ``all_meta[rank] = [(name, full_shape,
     offset, shape, dtype_str), ...]``. ``order``: HF names in the engines' buffer order (Megatron
     tensors follow their first HF part's position; names not in it last, sorted). ``direct(name)``:
@@ -132,14 +133,15 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
     starts after a small first bucket). ``vocab``: ``{name: rows kept}`` for padded
     vocab tensors. ``expected``: every Megatron name the conversion needs (KeyError naming the
     missing ones). ``only``: plan just these tensors (one sender's share; the pieces keep
-    their indices in each rank's list). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
+    their indices in each rank's list). ``read_from``: only these ``(rank, index)`` pieces are read
+    (one of each replicated shard; the others ignored). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
     if bucket_bytes <= 0:
         raise ValueError(f"weight_sync.bucket_bytes must be > 0, got {bucket_bytes}")
     vocab = vocab or {}
     by_name: dict[str, _Tensor] = {}
     for r, rank_meta in enumerate(all_meta):
         for i, (name, fs, off, shape, dts) in enumerate(rank_meta):
-            if only is not None and name not in only:
+            if (only is not None and name not in only) or (read_from is not None and (r, i) not in read_from):
                 continue
             t = by_name.get(name)
             src_dtype = getattr(torch, str(dts).split(".")[-1])
