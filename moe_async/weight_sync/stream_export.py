@@ -400,7 +400,7 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Any], convert: Convert, *, devic
                     yield bucket_of(cur, flat), flat, False
                     flat = None
                 cur += 1
-                if own:  # a lone part over bucket_bytes: sent from its own bytes, no buffer
+                if own and v is not None:  # a lone part over bucket_bytes: sent from its own bytes, no buffer
                     bufs.token()
                     flat = v.reshape(-1).view(torch.uint8)
                 else:
