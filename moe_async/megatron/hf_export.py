@@ -99,6 +99,16 @@ class HFExporter:
         ``full_shape``, ``offset``, ``data`` a detached view of the parameter), in chunk then
         parameter order. Read from Megatron's ``sharded_state_dict`` (ms per parameter) once
         and kept while every parameter keeps its storage, shape and dtype."""
+        return [pc for pc in self._pieces() if pc.primary]
+
+    def replica_shards(self) -> list[Piece]:
+        """This rank's non-primary shards (data-parallel replicas of other ranks' primary
+        shards, e.g. the dense tensors of DP rank 1), as :meth:`shards`: equal to their primary
+        after each optimizer step, so any replica may send one (several senders spread the
+        sending over them)."""
+        return [pc for pc in self._pieces() if not pc.primary]
+
+    def _pieces(self) -> list[Piece]:
         from moe_async.compat import cpu_device_scope
         from moe_async.megatron.sharding import local_pieces
 
@@ -108,7 +118,7 @@ class HFExporter:
                 # detached: a view that autograd made (e.g. under no_grad) would be refused once
                 # the optimizer has written its base in place; a detached view shares the
                 # storage, so it reads each sync's weights
-                pieces = [replace(pc, data=pc.data.detach()) for pc in local_pieces(self.models) if pc.primary]
+                pieces = [replace(pc, data=pc.data.detach()) for pc in local_pieces(self.models)]
             self._shards = (key, pieces)
         return self._shards[1]
 

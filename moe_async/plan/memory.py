@@ -487,8 +487,8 @@ def estimate_sync(shape: ModelShape, cfg: "ExperimentConfig") -> SyncEstimate:
     """One weight sync: every parameter at ``engine.dtype`` over ``cluster.link_bandwidth_gb_s``
     (with ``trainer.lora``: the adapter's PEFT tensors, fp32, :mod:`moe_async.plan.lora`);
     with ``weight_sync.senders: all`` the bytes per sender as
-    :func:`moe_async.weight_sync.senders.assign_senders` gives them for the primary shards of
-    Megatron's rank grids (:func:`sender_meta`), listed by global rank (ranks that send
+    :func:`moe_async.weight_sync.senders.assign_senders` gives them for the shards and their
+    data-parallel replicas on Megatron's rank grids (:func:`sender_meta`), listed by global rank (ranks that send
     nothing left out; never more senders than trainer ranks)."""
     from moe_async.weight_sync.senders import assign_senders
 
@@ -509,15 +509,16 @@ def estimate_sync(shape: ModelShape, cfg: "ExperimentConfig") -> SyncEstimate:
     sizes = {name: fs[0] * w for rank_meta in meta for name, fs, *_ in rank_meta}
     for name, r in assign_senders(meta).items():
         per[r] += sizes[name]
-    return replace(sync, sender_bytes=tuple(b for b in per if b))  # ranks holding no primary shard send nothing
+    return replace(sync, sender_bytes=tuple(b for b in per if b))  # ranks assigned nothing send nothing
 
 
 def sender_meta(shape: ModelShape, cfg: "ExperimentConfig", dtype: str) -> list[list[tuple]]:
-    """Every trainer rank's primary shards, in the metadata form ``assign_senders`` reads
-    (``(name, (numel,), (0,), (numel,), dtype)`` per holder), one pseudo tensor per layer and
-    kind: TP-split attention / dense MLP (and embedding on the first stage, output layer on the
-    last) held by the TP ranks of data-parallel rank 0, norms by its TP rank 0, each routed
-    expert by the ETP ranks of its EP rank (expert data-parallel rank 0). Global ranks by
+    """Every trainer rank's shards with their data-parallel replicas (what the several-sender
+    sync offers ``assign_senders``), in its metadata form (``(name, (numel,), (0,), (numel,),
+    dtype)`` per holder), one pseudo tensor per layer and kind: TP-split attention / dense MLP
+    (and embedding on the first stage, output layer on the last) held by the TP ranks of every
+    data-parallel (and context-parallel) rank, norms by every rank of the stage, each routed
+    expert by the ETP ranks of its EP rank at every expert data-parallel rank. Global ranks by
     Megatron-Core's order ``tp-cp-ep-dp-pp``: dense ``tp + TP*(cp + CP*(dp + DP*pp))``,
     expert ``etp + ETP*(ep + EP*(edp + EDP*pp))``."""
     t = cfg.trainer
@@ -536,25 +537,26 @@ def sender_meta(shape: ModelShape, cfg: "ExperimentConfig", dtype: str) -> list[
 
     for stage in range(lay.pp):
         base = stage * per_stage
-        tp_ranks = [base + i for i in range(lay.tp)]
+        tp_ranks = [base + i + lay.tp * c for c in range(lay.cp * lay.dp) for i in range(lay.tp)]
+        stage_ranks = list(range(base, base + per_stage))
         for li, lp in enumerate(_stage_layers(shape, lay, vpp, stage, counts)):
             pre = f"pp{stage}.{li}."
             for kind in ("attn_tp", "attn_kv", "mlp_tp"):
                 if getattr(lp, kind):
                     add(pre + kind, getattr(lp, kind), tp_ranks)
             if lp.replicated:
-                add(pre + "replicated", lp.replicated, tp_ranks[:1])
+                add(pre + "replicated", lp.replicated, stage_ranks)
             if lp.expert:
                 e_total = max(shape.num_experts, 1)
                 for e in range(e_total):
                     ep = e * lay.ep // e_total
                     add(pre + f"expert{e}", lp.expert // e_total,
-                        [base + i + lay.etp * ep for i in range(lay.etp)])
+                        [base + i + lay.etp * (ep + lay.ep * d) for d in range(lay.edp) for i in range(lay.etp)])
         if stage == 0 and shape.embedding:
             add("embedding", shape.embedding, tp_ranks)
         if stage == lay.pp - 1:
             if shape.output:
                 add("output_layer", shape.output, tp_ranks)
             if shape.final_norm:
-                add("final_norm", shape.final_norm, tp_ranks[:1])
+                add("final_norm", shape.final_norm, stage_ranks)
     return meta

@@ -10,7 +10,7 @@ Design notes: ``docs/design/trainer.md``."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, TypeVar, overload
 
 import torch
 
@@ -35,6 +35,8 @@ from moe_async.types import JsonDict, Sample
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import ModuleSpec
+
+    from moe_async.megatron.hf_export import HFExporter
 
 Tensor = torch.Tensor
 _T = TypeVar("_T")
@@ -414,11 +416,22 @@ class MegatronTrainer:
         are then yielded as they are (``out``'s own views, no copy), the others (fused QKV
         split, padded vocab rows, a cast) copied into ``out``; the order follows ``out``'s
         buffer (the engines' layout), so a consumer can send while the rest is exported.
-        Raises KeyError if a parameter has no HF name or an HF tensor is left unset (rank 0),
-        ValueError if shards do not tile a tensor exactly once.
+        The non-finite check runs when this is called, not when the iterator is first read:
+        in ``transport.send(trainer.export_hf_weights(...), v)`` it is done before ``send``
+        pauses any engine (the stall does not include it).
+
+        Raises NonFiniteError (at the call) on NaN/inf weights, KeyError if a parameter has
+        no HF name or an HF tensor is left unset (rank 0), ValueError if shards do not tile a
+        tensor exactly once.
         """
         ex = self.hf_exporter()
-        ex.check()  # nothing non-finite reaches an engine
+        ex.check()  # nothing non-finite reaches an engine; before the caller's send pauses them
+        return self._hf_weights(ex, dtype, out)
+
+    def _hf_weights(self, ex: HFExporter, dtype: torch.dtype | None,
+                    out: Callable[[str, tuple[int, ...], torch.dtype], Tensor | None] | None,
+                    ) -> Iterator[tuple[str, Tensor]]:
+        """:meth:`export_hf_weights`' tensors, after its check."""
         self.relayout_params(out)  # 1 process: builds the plan; with out, moves parameters once
         plan = self.__dict__.get("_hf_export_plan")
         if plan is not None:  # 1 process: the parameters are the full tensors (views); no

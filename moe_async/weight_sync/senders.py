@@ -17,16 +17,18 @@ Lower bound of a sync: ``max(bytes per sender) / link bandwidth`` (:meth:`Sender
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generator, Iterator, NamedTuple, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
 from moe_async.weight_sync.read_ahead import timed_items
-from moe_async.weight_sync.stream_export import Convert, ExportPlan, Shard, ShardSource, make_plan, run_plan
+from moe_async.weight_sync.stream_export import (Convert, ExportPlan, PackedExport, Shard, ShardSource, make_plan,
+                                                 run_plan)
 
 if TYPE_CHECKING:
     from moe_async.weight_sync.config import WeightSyncConfig
@@ -34,8 +36,8 @@ if TYPE_CHECKING:
 
     from moe_async.protocols import WeightReceiver
     from moe_async.weight_sync.transport import WeightTransport
-    from moe_async.weight_sync.stream_export import PackedExport
 
+log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 R = TypeVar("R")
 #: ``all_meta[rank] = [(name, full_shape, offset, shape, dtype_str), ...]`` (stream_export)
@@ -43,27 +45,57 @@ Meta = Sequence[Sequence[tuple]]
 
 
 def assign_senders(all_meta: Meta) -> dict[str, int]:
-    """``{tensor name: sending rank}`` from every rank's primary-shard metadata: a tensor held
-    by one rank is sent by it; a tensor split over several ranks by the holder with the fewest
-    bytes assigned so far (held tensors counted first, then split ones largest first; ties:
-    lowest rank), so the sending of a tensor-parallel group's pieces is spread over it."""
-    holders: dict[str, set[int]] = {}
+    """``{tensor name: sending rank}`` from every rank's shard metadata (primary shards and, for
+    data-parallel sharing, their replicas): the candidates of a tensor are the ranks holding
+    the most of it (the fewest bytes to gather); one candidate sends it (an expert's EP rank, a
+    layer's PP stage); among several (TP pieces, DP replicas) the one with the fewest bytes
+    assigned so far (single-candidate tensors counted first, then the others largest first;
+    ties: lowest rank). With every tensor held by all of a set of ranks (e.g. DP2 replicas),
+    the bytes per sender differ by at most the largest tensor."""
+    held: dict[str, dict[int, int]] = {}
     size: dict[str, int] = {}
+    seen: set[tuple[str, int, tuple, tuple]] = set()
     for r, rank_meta in enumerate(all_meta):
-        for name, fs, _off, _shape, dts in rank_meta:
-            holders.setdefault(name, set()).add(r)
-            size[name] = nbytes_of(tuple(fs), getattr(torch, str(dts).split(".")[-1]))
+        for name, fs, off, shape, dts in rank_meta:
+            dt = getattr(torch, str(dts).split(".")[-1])
+            size[name] = nbytes_of(tuple(fs), dt)
+            h = held.setdefault(name, {})
+            h[r] = h.get(r, 0)
+            if (name, r, tuple(off), tuple(shape)) not in seen:  # a box counted once per rank
+                seen.add((name, r, tuple(off), tuple(shape)))
+                h[r] += nbytes_of(tuple(shape), dt)
+    cands = {n: sorted(r for r, b in h.items() if b == max(h.values())) for n, h in held.items()}
     load = [0] * len(all_meta)
     owner: dict[str, int] = {}
-    for name in sorted(holders):
-        if len(holders[name]) == 1:
-            (owner[name],) = holders[name]
+    for name in sorted(cands):
+        if len(cands[name]) == 1:
+            owner[name] = cands[name][0]
             load[owner[name]] += size[name]
-    for name in sorted((n for n in holders if len(holders[n]) > 1), key=lambda n: (-size[n], n)):
-        r = min(holders[name], key=lambda x: (load[x], x))
+    for name in sorted((n for n in cands if len(cands[n]) > 1), key=lambda n: (-size[n], n)):
+        r = min(cands[name], key=lambda x: (load[x], x))
         owner[name] = r
         load[r] += size[name]
     return owner
+
+
+def choose_sources(all_meta: Meta, owner: dict[str, int]) -> set[tuple[int, int]]:
+    """The ``(rank, index)`` pieces a sync reads: per tensor, each distinct shard box once,
+    from its sender when it holds it, else from a holder in the sender's block of ``n`` ranks
+    (``rank // n == sender // n``, ``n`` the tensor's number of boxes), then the nearest rank,
+    then the lower: in Megatron-Core's order tp-cp-ep-dp-pp a TP group is such an aligned
+    block of consecutive ranks, so a TP piece comes from the sender's own TP group."""
+    boxes: dict[tuple[str, tuple, tuple], list[tuple[int, int]]] = {}
+    for r, rank_meta in enumerate(all_meta):
+        for i, (name, _fs, off, shape, _dt) in enumerate(rank_meta):
+            boxes.setdefault((name, tuple(off), tuple(shape)), []).append((r, i))
+    nbox: dict[str, int] = {}
+    for name, _off, _shape in boxes:
+        nbox[name] = nbox.get(name, 0) + 1
+    keep: set[tuple[int, int]] = set()
+    for (name, _off, _shape), hs in boxes.items():
+        s, n = owner[name], nbox[name]
+        keep.add(min(hs, key=lambda ri: (ri[0] // n != s // n, abs(ri[0] - s), ri[0], ri[1])))
+    return keep
 
 
 @dataclass
@@ -95,13 +127,15 @@ def make_sender_plan(all_meta: Meta, convert: Convert, bucket_bytes: int, *, dty
     :func:`~moe_async.weight_sync.stream_export.make_plan`, whose checks each sender's plan
     runs). KeyError naming the tensors in ``expected`` that no rank holds."""
     owner = assign_senders(all_meta)
+    keep = choose_sources(all_meta, owner)
     if expected is not None and set(expected) - set(owner):
         miss = sorted(set(expected) - set(owner))
         raise KeyError(f"Megatron -> HF conversion: Megatron tensors missing {miss[:20]} (of {len(miss)})")
     plans: dict[int, ExportPlan] = {}
     for s in sorted(set(owner.values())):
         plans[s] = make_plan(all_meta, convert, bucket_bytes, dtype=dtype, order=order, direct=direct, vocab=vocab,
-                             first_bucket_bytes=first_bucket_bytes, only={n for n, r in owner.items() if r == s})
+                             first_bucket_bytes=first_bucket_bytes, only={n for n, r in owner.items() if r == s},
+                             read_from=keep)
     glob = sorted((b, s) for s, p in plans.items() for b in range(len(p.buckets)))
     return SenderPlan(plans, [(s, b) for b, s in glob])
 
@@ -148,6 +182,7 @@ class SenderItem(NamedTuple):
     bucket: Bucket
     flat: Tensor | None
     last: bool  # the last bucket of the sync (carries the weight version)
+    error: str | None = None  # on its sender: this sender's export failed (this bucket or before)
 
 
 def _meta_bucket(plan: ExportPlan, b: int) -> Bucket:
@@ -169,13 +204,16 @@ def sender_buckets(plan: SenderPlan, pieces: Sequence[Shard], convert: Convert, 
     device = torch.device(device)
     me = dist.get_rank(group) if dist.is_initialized() else 0
     st = stats if stats is not None else {}
-    its = {s: run_plan(p, pieces, convert, device=device, slots=1, group=group, dst=s, stats=st, steps=True)
+    errors: list[BaseException] = []  # this rank's own export failures: the walk goes on
+    its = {s: run_plan(p, pieces, convert, device=device, slots=1, group=group, dst=s, stats=st, steps=True,
+                       errors=errors if s == me else None)
            for s, p in plan.plans.items()}
     n = len(plan.order)
     for k, (s, b) in enumerate(plan.order):
         item = next(its[s])
         if s == me:
-            yield SenderItem(s, item[0], item[1], k == n - 1)
+            err = f"{type(errors[0]).__name__}: {errors[0]}" if errors else None
+            yield SenderItem(s, item[0], item[1], k == n - 1, err)
             del item  # the buffer is reused by this sender's next bucket
         elif me == coordinator:
             yield SenderItem(s, _meta_bucket(plan.plans[s], b), None, k == n - 1)
@@ -188,11 +226,16 @@ def source_sender_items(source: ShardSource, bucket_bytes: int, *, device: torch
                         dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
                         group=None, stats: dict[str, float] | None = None) -> Iterator[SenderItem]:
     """:func:`sender_buckets` of ``source`` (checked first: e.g. non-finite weights refused on
-    every rank before anything moves). Collective: every rank exhausts it."""
+    every rank before anything moves). A source with ``replica_shards()`` (this rank's
+    data-parallel replicas of other ranks' primary shards, e.g.
+    :meth:`moe_async.megatron.hf_export.HFExporter.replica_shards`) offers them too: the
+    sending of replicated tensors is then spread over their replicas. Collective: every rank
+    exhausts it."""
     st = stats if stats is not None else {}
     t0 = time.perf_counter()
     source.check()
-    pieces = source.shards()
+    replicas = getattr(source, "replica_shards", None)
+    pieces = list(source.shards()) + (list(replicas()) if replicas is not None else [])
     plan = gather_sender_plan(pieces, source.convert, bucket_bytes, dtype=dtype, order=order,
                               direct=source.direct, vocab=dict(source.vocab), expected=set(source.expected),
                               group=group)
@@ -208,30 +251,143 @@ def sender_group_name(base: str, sender: int) -> str:
 
 
 def sender_export(source: ShardSource, group_name: str, *, dtype: torch.dtype | None = None, group=None
-                  ) -> PackedExport:
+                  ) -> SendersExport:
     """Global rank 0's several-sender export for ``BroadcastTransport.send``: every bucket of
     the global order, each named with its sender's group (:func:`sender_group_name` of the
     transport's ``group_name``); this rank's own buckets with their bytes (broadcast by the
     transport), the others' as metadata (posted to the engines only)."""
-    from moe_async.weight_sync.stream_export import PackedExport
+    opened: list[PostInTurn] = []
 
     def open_fn(bucket_bytes: int, *, device: torch.device, order: Sequence[str] | None, overlap: bool,
-                stats: dict[str, float]) -> Generator[tuple[Bucket, Tensor | None, bool], None, None]:
+                stats: dict[str, float]) -> PostInTurn:
         stats.setdefault("pack_seconds", 0.0)
         stats.setdefault("wait_seconds", 0.0)
         items = source_sender_items(source, bucket_bytes, device=device, dtype=dtype, order=order, group=group,
                                     stats=stats)
-        return _named(items, group_name, stats)
+        opened.append(PostInTurn(items, group_name, device=device, group=group, stats=stats))
+        return opened[-1]
 
-    return PackedExport(open_fn)
+    return SendersExport(open_fn, opened)
 
 
-def _named(items: Iterator[SenderItem], base: str, stats: dict[str, float]
-           ) -> Generator[tuple[Bucket, Tensor | None, bool], None, None]:
-    for it in timed_items(items, stats):
-        it.bucket.group_name = sender_group_name(base, it.sender)
-        yield it.bucket, it.flat, it.last
-        del it  # the bucket buffer is reused for the next one
+class SendersExport(PackedExport):
+    """:func:`sender_export`'s export; :meth:`close` runs every opened walk to its end (a
+    ``send`` that raised without draining it must not leave the other ranks waiting)."""
+
+    def __init__(self, open_fn: Callable[..., Any], opened: list[PostInTurn]):
+        super().__init__(open_fn)
+        self.opened = opened
+
+    def close(self) -> None:
+        for st in self.opened:
+            st.close()
+
+
+# ---- each bucket's turn: posted only once its sender holds its bytes, sent once posted -----
+
+def _flag(v: int, device: torch.device) -> Tensor:
+    return torch.tensor([v], dtype=torch.int32, device=device)
+
+
+def _glob(rank: int, group) -> int:
+    import torch.distributed as dist
+
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def ask_to_send(ok: bool, *, device: torch.device, group=None, coordinator: int = 0) -> bool:
+    """A sender's side of one of its buckets' turn (point-to-point with ``coordinator``, in
+    the walk's order): tell it whether the bucket can be sent (its bytes made, its group
+    formed), then wait for the answer: True once the bucket's update call is posted to every
+    engine (broadcast it now), False when nothing was posted for it (a failure on some rank:
+    do not broadcast; no engine waits for it)."""
+    import torch.distributed as dist
+
+    dist.send(_flag(int(ok), device), dst=_glob(coordinator, group), group=group)
+    t = _flag(0, device)
+    dist.recv(t, src=_glob(coordinator, group), group=group)
+    return bool(t.item())
+
+
+class PostInTurn:
+    """Global rank 0's walk for its transport (a :class:`~moe_async.weight_sync.packing.BucketStream`
+    of ``(bucket, flat or None, last)``, each bucket named with its sender's group): another
+    sender's bucket is handed over (its update call posted) only after that sender said its
+    bytes are ready (:func:`ask_to_send`), and the sender is told to broadcast when the
+    transport asks for the next bucket (the call is queued by then). A sender that reports a
+    failure, or this rank's own export failing, makes ``__next__`` raise WeightSyncError
+    (nothing more is posted: the transport ends the sessions, the engines drop what they
+    staged). After :meth:`abandon` (the transport failed and drains this) or :meth:`close`,
+    every later turn is answered "do not send" while the walk runs to its end, so the other
+    ranks' gathers complete. ``stats['turn_seconds']``: time waiting for the senders' answers."""
+
+    def __init__(self, items: Iterator[SenderItem], base: str, *, device: torch.device, group=None,
+                 stats: dict[str, float] | None = None):
+        import torch.distributed as dist
+
+        self.stats = stats if stats is not None else {"pack_seconds": 0.0, "wait_seconds": 0.0}
+        self.stats.setdefault("turn_seconds", 0.0)
+        self.items = timed_items(items, self.stats)
+        self.base, self.device, self.group = base, device, group
+        self.me = dist.get_rank(group) if dist.is_initialized() else 0
+        self.owed: int | None = None  # the sender whose answer is still due
+        self.stopped = False
+        self.k = -1
+
+    def abandon(self) -> None:
+        """Post nothing more; every later turn is answered "do not send"."""
+        self.stopped = True
+
+    def __iter__(self) -> PostInTurn:
+        return self
+
+    def _answer(self) -> None:
+        import torch.distributed as dist
+
+        if self.owed is not None:
+            dist.send(_flag(int(not self.stopped), self.device), dst=_glob(self.owed, self.group), group=self.group)
+            self.owed = None
+
+    def __next__(self) -> tuple[Bucket, Tensor | None, bool]:
+        import torch.distributed as dist
+
+        from moe_async.weight_sync.group import WeightSyncError
+
+        self._answer()  # the previous bucket was posted (or abandoned): its sender may go
+        while True:
+            it = next(self.items)  # StopIteration: the walk ended
+            self.k += 1
+            if it.sender == self.me:
+                if self.stopped:
+                    continue
+                if it.error is not None:
+                    self.stopped = True
+                    raise WeightSyncError(f"rank {self.me}: export failed at bucket {self.k}: {it.error}")
+            else:
+                t0 = time.perf_counter()
+                ok = _flag(0, self.device)
+                dist.recv(ok, src=_glob(it.sender, self.group), group=self.group)
+                self.stats["turn_seconds"] += time.perf_counter() - t0
+                self.owed = it.sender
+                if self.stopped:
+                    self._answer()
+                    continue
+                if not ok.item():
+                    self.stopped = True
+                    self._answer()
+                    raise WeightSyncError(f"sender {it.sender} cannot send bucket {self.k} of the sync (its export or "
+                                          f"group failed); nothing more is posted")
+            it.bucket.group_name = sender_group_name(self.base, it.sender)
+            return it.bucket, it.flat, it.last
+
+    def close(self) -> None:
+        """Abandon and run the walk to its end (a no-op once it ended)."""
+        self.stopped = True
+        try:
+            for _ in self:
+                pass
+        except Exception as e:  # noqa: BLE001 - the sync's first error is what propagates
+            log.warning("weight sync: finishing the senders' walk after a failure stopped: %s", e)
 
 
 class SenderLink:
@@ -261,18 +417,26 @@ class SenderLink:
         """This rank's part of a sync (collective with every trainer rank): its pieces to their
         senders, its own buckets over its group. After a failure the walk goes on without
         broadcasting (the other ranks' gathers complete), then the error is raised."""
-        from moe_async.weight_sync.group import group_broadcast
+        from moe_async.weight_sync.group import WeightSyncError, group_broadcast
 
-        stats: dict[str, float] = {}
+        stats: dict[str, float] = {"turn_seconds": 0.0}
         err: BaseException | None = None
         nbytes = 0
         t0 = time.perf_counter()
         for it in source_sender_items(source, self.cfg.bucket_bytes, device=self.device, dtype=dtype, group=group,
                                       stats=stats):
-            if it.flat is not None and err is None:
+            if it.flat is None:  # pragma: no cover - only global rank 0 sees other senders' buckets
+                continue
+            if err is None and it.error is not None:
+                err = WeightSyncError(f"sender {self.rank}: export failed: {it.error}")
+            elif err is None and self.group is None:
+                err = RuntimeError(f"sender {self.rank}: no update group (connect_senders() first)")
+            tt = time.perf_counter()
+            go = ask_to_send(err is None, device=self.device, group=group)
+            stats["turn_seconds"] += time.perf_counter() - tt
+            if go and err is None:
+                assert self.group is not None
                 try:
-                    if self.group is None:
-                        raise RuntimeError(f"sender {self.rank}: no update group (connect_senders() first)")
                     group_broadcast(self.group, it.flat, src=0)
                     nbytes += it.flat.numel()
                 except BaseException as e:  # noqa: BLE001 - raised after the walk
@@ -339,7 +503,11 @@ def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport
     try:
         if rank == 0:
             assert transport is not None
-            out = (send or transport.send)(sender_export(source, transport.group_name, group=group), version)
+            export = sender_export(source, transport.group_name, group=group)
+            try:
+                out = (send or transport.send)(export, version)
+            finally:
+                export.close()  # the walk ends on every rank, whatever ``send`` did
         else:
             assert link is not None
             out = link.send(source, group=group)

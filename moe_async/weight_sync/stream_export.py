@@ -119,7 +119,8 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
               dtype: torch.dtype | None = None, order: Sequence[str] | None = None,
               direct: Callable[[str], bool] = lambda name: False,
               vocab: dict[str, int] | None = None, expected: set[str] | None = None,
-              first_bucket_bytes: int | None = None, only: Set[str] | None = None) -> ExportPlan:
+              first_bucket_bytes: int | None = None, only: Set[str] | None = None,
+              read_from: Set[tuple[int, int]] | None = None) -> ExportPlan:
     """The common plan from every rank's piece metadata ``all_meta[rank] = [(name, full_shape,
     offset, shape, dtype_str), ...]``. ``order``: HF names in the engines' buffer order (Megatron
     tensors follow their first HF part's position; names not in it last, sorted). ``direct(name)``:
@@ -132,14 +133,15 @@ def make_plan(all_meta: Sequence[Sequence[tuple]], convert: Convert, bucket_byte
     starts after a small first bucket). ``vocab``: ``{name: rows kept}`` for padded
     vocab tensors. ``expected``: every Megatron name the conversion needs (KeyError naming the
     missing ones). ``only``: plan just these tensors (one sender's share; the pieces keep
-    their indices in each rank's list). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
+    their indices in each rank's list). ``read_from``: only these ``(rank, index)`` pieces are read
+    (one of each replicated shard; the others ignored). Raises ValueError (bad tiling, bucket_bytes <= 0)."""
     if bucket_bytes <= 0:
         raise ValueError(f"weight_sync.bucket_bytes must be > 0, got {bucket_bytes}")
     vocab = vocab or {}
     by_name: dict[str, _Tensor] = {}
     for r, rank_meta in enumerate(all_meta):
         for i, (name, fs, off, shape, dts) in enumerate(rank_meta):
-            if only is not None and name not in only:
+            if (only is not None and name not in only) or (read_from is not None and (r, i) not in read_from):
                 continue
             t = by_name.get(name)
             src_dtype = getattr(torch, str(dts).split(".")[-1])
@@ -276,7 +278,8 @@ def _write(flat: Tensor, p: _Part, t: Tensor) -> None:
 
 def run_plan(plan: ExportPlan, pieces: Sequence[Shard], convert: Convert, *, device: torch.device,
              slots: int = 1, group=None, dst: int = 0, sem: threading.Semaphore | None = None,
-             stats: dict[str, float] | None = None, steps: bool = False) -> BucketStream:
+             stats: dict[str, float] | None = None, steps: bool = False,
+             errors: list[BaseException] | None = None) -> BucketStream:
     """Execute ``plan``: collective over ``group`` (every rank exhausts the iterator, in the
     same plan); rank ``dst`` yields ``(bucket, flat, is_last)``, ``flat`` valid until the next
     item is asked for (with ``sem``: until the consumer releases the semaphore once more); the
@@ -286,7 +289,10 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Shard], convert: Convert, *, dev
     (receiving the other ranks' shards), ``copy_seconds`` (this rank's own shards and
     non-contiguous received shards copied into place), ``convert_seconds`` (a fused tensor's
     split / cast and its parts' copies into the bucket), ``buffer_wait_seconds`` (waiting
-    for the consumer to free a bucket buffer)."""
+    for the consumer to free a bucket buffer). ``errors`` (rank ``dst``; optional): a local
+    failure (the split, a cast, a copy into the bucket) is appended there instead of raised
+    and the walk goes on (every receive still runs: the other ranks never wait), the failed
+    tensor's parts left unwritten: the caller must not send a bucket once ``errors`` is set."""
     import torch.distributed as dist
 
     st = stats if stats is not None else {}
@@ -356,10 +362,17 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Shard], convert: Convert, *, dev
         scratch = torch.empty(t.shape, dtype=t.dtype, device=device)
         receive(t, scratch)
         t0 = clock()
-        got = convert(t.name, scratch)
+        try:
+            got: list[tuple[str, Tensor | None]] = list(convert(t.name, scratch))
+            if [h for h, _ in got] != [p.hf_name for p in t.parts]:
+                raise KeyError(f"{t.name}: the split gave {[h for h, _ in got]}, planned "
+                               f"{[p.hf_name for p in t.parts]}")
+        except Exception as e:
+            if errors is None:
+                raise
+            errors.append(e)
+            got = [(p.hf_name, None) for p in t.parts]  # nothing of this tensor is written
         st["convert_seconds"] += clock() - t0
-        if [h for h, _ in got] != [p.hf_name for p in t.parts]:
-            raise KeyError(f"{t.name}: the split gave {[h for h, _ in got]}, planned {[p.hf_name for p in t.parts]}")
         return [v for _, v in got]
 
     for t in plan.tensors:
@@ -379,24 +392,28 @@ def run_plan(plan: ExportPlan, pieces: Sequence[Shard], convert: Convert, *, dev
             flat = None
         got = split(t)  # the scratch lives only in ``got``'s parts (views or the rule's copies)
         for i, p in enumerate(t.parts):
-            v = got[i]
-            assert v is not None  # released only after its part is written
-            own = (len(plan.buckets[p.bucket]) == 1 and plan.bucket_nbytes[p.bucket] > plan.bucket_bytes
+            v = got[i]  # None: its split failed (``errors``)
+            own = (v is not None and len(plan.buckets[p.bucket]) == 1 and plan.bucket_nbytes[p.bucket] > plan.bucket_bytes
                    and v.dtype == p.dtype and v.is_contiguous())
             while cur < p.bucket:
                 if flat is not None:
                     yield bucket_of(cur, flat), flat, False
                     flat = None
                 cur += 1
-                if own:  # a lone part over bucket_bytes: sent from its own bytes, no buffer
+                if own and v is not None:  # a lone part over bucket_bytes: sent from its own bytes, no buffer
                     bufs.token()
                     flat = v.reshape(-1).view(torch.uint8)
                 else:
                     flat = bufs.acquire(plan.bucket_nbytes[cur])
-            if not own:
+            if not own and v is not None:
                 assert flat is not None
                 t0 = clock()
-                _write(flat, p, v)
+                try:
+                    _write(flat, p, v)
+                except Exception as e:
+                    if errors is None:
+                        raise
+                    errors.append(e)
                 st["convert_seconds"] += clock() - t0
             got[i] = v = None  # a part once written is dropped (the rule's copies go one by one)
         del got

@@ -76,7 +76,9 @@ def _url(client: WeightReceiver) -> str:
 
 def _drain(buckets: Iterable[object]) -> None:
     """Take the rest of a streamed export without sending it (its collectives run on every
-    rank); an error of the exporter itself is logged (the sync's first error propagates)."""
+    rank; a stream's ``abandon()`` first: senders.PostInTurn's send no more); an error of the
+    exporter itself is logged (the sync's first error propagates)."""
+    getattr(buckets, "abandon", lambda: None)()
     n = 0
     try:
         for _ in buckets:

@@ -104,17 +104,19 @@ def test_engine_and_weight_sync():
 
 def test_weight_sync_bytes_per_sender():
     """weight_sync.senders: all at TP4 EP8 on 8 ranks: Megatron lays EP over the TP x DP ranks,
-    so 8 senders, not TP x EP: every rank sends its 16 experts; ranks 0-3 (TP group of DP rank 0)
-    also the TP-split tensors (attention 48 x 18,874,368 + embedding and lm_head 622,329,856,
-    each sent whole by the least loaded holder) and rank 0 the replicated norms."""
+    so 8 senders, not TP x EP: every rank sends its 16 experts; the TP-split tensors (attention
+    48 x 18,874,368 + embedding and lm_head 622,329,856, each sent whole) and the replicated
+    norms are spread over both data-parallel replicas (ranks 0-3 and 4-7): the bytes per sender
+    differ by less than the largest of them."""
     one = _plan([]).sync
     assert one.sender_bytes == () and one.sender_seconds == one.seconds
     p = _plan(["weight_sync.senders=all"]).sync
     expert, split, held = 28_991_029_248 // 8, 48 * 18_874_368 + 622_329_856, 48 * (4_352 + 262_144) + 2048
     assert len(p.sender_bytes) == 8  # never more senders than trainer ranks (TP x EP = 32 was counted)
-    assert p.sender_bytes[4:] == (2 * expert,) * 4  # ranks 4-7 (DP rank 1): experts only
-    assert sum(p.sender_bytes[:4]) == 2 * (4 * expert + split + held)
-    assert max(p.sender_bytes[:4]) - min(p.sender_bytes[:4]) < 2 * 311_164_928  # spread (the largest split tensor)
+    assert sum(p.sender_bytes) == 2 * (8 * expert + split + held)
+    assert min(p.sender_bytes) >= 2 * expert  # each rank its own experts
+    assert sum(p.sender_bytes[4:]) > 4 * 2 * expert  # DP rank 1 shares the dense tensors (it sent experts only)
+    assert max(p.sender_bytes) - min(p.sender_bytes) <= 2 * 311_164_928  # the largest split tensor
     assert sum(p.sender_bytes) == p.bytes == 2 * TOTAL  # every byte sent once
     assert p.seconds == pytest.approx(2 * TOTAL / 50e9)  # every engine rank still receives every byte
     assert p.sender_seconds == pytest.approx(max(p.sender_bytes) / 50e9)
@@ -123,8 +125,9 @@ def test_weight_sync_bytes_per_sender():
 @pytest.mark.parametrize("tp, ep, etp, pp, world", [(4, 8, 1, 1, 8), (2, 2, 1, 2, 8), (2, 4, 2, 1, 8)])
 def test_sender_ranks_follow_megatrons_rank_grids(tp, ep, etp, pp, world):
     """The holders the plan gives ``assign_senders`` are Megatron-Core's own groups
-    (``RankGenerator``, order tp-cp-ep-dp-pp): dense TP-split tensors on the TP group of data
-    parallel rank 0, each expert on an expert-TP group of expert data-parallel rank 0."""
+    (``RankGenerator``, order tp-cp-ep-dp-pp): dense TP-split tensors on whole TP groups, one
+    per data-parallel rank of the stage (the replicas share the sending); each expert on whole
+    expert-TP groups, one per expert data-parallel rank; the norms on every rank of the stage."""
     from megatron.core.parallel_state import RankGenerator
 
     from moe_async.plan.memory import sender_meta
@@ -135,24 +138,30 @@ def test_sender_ranks_follow_megatrons_rank_grids(tp, ep, etp, pp, world):
     lay = cfg.trainer.layout
     dense = RankGenerator(tp=tp, ep=1, dp=lay.dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
     expert = RankGenerator(tp=etp, ep=ep, dp=lay.edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    tp_groups = [g for g in dense.get_ranks("tp")]
-    dp0 = {g[0] for g in dense.get_ranks("dp")}  # data-parallel rank 0 of each (tp, pp) position
-    etp_groups = [g for g in expert.get_ranks("tp") if g[0] in {x[0] for x in expert.get_ranks("dp")}]
+    stage_of = {r: st for g in dense.get_ranks("pp") for st, r in enumerate(g)}
+    tp_groups = [frozenset(g) for g in dense.get_ranks("tp")]
+    etp_groups = [frozenset(g) for g in expert.get_ranks("tp")]
+    ep_of = {r: k for g in expert.get_ranks("ep") for k, r in enumerate(g)}
     meta = sender_meta(_plan().shape, cfg, "bfloat16")
     holders: dict[str, set[int]] = {}
     for r, rank_meta in enumerate(meta):
         for name, *_ in rank_meta:
             holders.setdefault(name, set()).add(r)
-    stage_of = {r: st for g in dense.get_ranks("pp") for st, r in enumerate(g)}
     for name, rs in holders.items():
-        if ".expert" in name:
-            assert sorted(rs) in [sorted(g) for g in etp_groups], (name, rs)
+        stage = {stage_of[r] for r in rs}
+        assert len(stage) == 1, (name, rs)
+        in_stage = {r for r in range(world) if stage_of[r] in stage}
+        if ".expert" in name:  # whole ETP groups, one per expert-DP rank, all of one EP rank
+            groups = [g for g in etp_groups if g <= rs]
+            assert set().union(*groups) == rs and len(groups) == lay.edp, (name, rs)
+            assert len({ep_of[r] for r in rs}) == 1
         elif "replicated" in name or name == "final_norm":
-            assert len(rs) == 1 and rs <= dp0
-        else:
-            assert sorted(rs) in [sorted(g) for g in tp_groups if g[0] in dp0], (name, rs)
+            assert rs == in_stage
+        else:  # whole TP groups, one per DP rank: every rank of the stage
+            groups = [g for g in tp_groups if g <= rs]
+            assert set().union(*groups) == rs == in_stage and len(groups) == lay.dp, (name, rs)
     experts_per_rank = [sum(".expert" in m[0] for m in rank_meta) for rank_meta in meta]
-    assert sum(experts_per_rank) == 48 * 128 * etp and max(experts_per_rank) == 48 // pp * 128 // ep
+    assert sum(experts_per_rank) == 48 * 128 * etp * lay.edp and max(experts_per_rank) == 48 // pp * 128 // ep
     assert {stage_of[r] for r in holders["embedding"]} == {0}
     assert {stage_of[r] for r in holders["output_layer"] | holders["final_norm"]} == {pp - 1}
 

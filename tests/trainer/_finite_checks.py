@@ -104,14 +104,18 @@ def one_process(tmp: str, out: str, mode: str = "one") -> None:
             dict(tr.model.named_parameters())[next(n for n, _ in tr.model.named_parameters()
                                                    if n.endswith(target))][3] = float("inf")
     got: list = []
+    res["raised_at_call"] = True  # refused when export_hf_weights() is called (before a send pauses engines)
     try:
-        for name, _ in tr.export_hf_weights():
+        it = tr.export_hf_weights()
+        res["raised_at_call"] = False
+        for name, _ in it:
             got.append(name)
         res["export"] = {"ok": True}
     except Exception as e:  # noqa: BLE001 - the test asserts the kind
         res["export"] = {"ok": False, "kind": type(e).__name__, "error": str(e)}
     res["export"] = gather(res["export"])
     res["exported_before_error"] = gather(len(got))
+    res["raised_at_call"] = gather(res["raised_at_call"])
     if rank() == 0:
         with open(out, "w") as f:
             json.dump(res, f)

@@ -88,6 +88,7 @@ def _check_trainer(r: dict, world: int, pp: bool = False) -> None:
     assert [e["kind"] for e in r["export"]] == ["NonFiniteError"] * world
     assert any("decoder.final_layernorm.weight holds NaN/inf" in e["error"] for e in r["export"])
     assert r["exported_before_error"] == [0] * world
+    assert r["raised_at_call"] == [True] * world  # at the call: a send(export, v) never pauses an engine for it
 
 
 @pytest.fixture(scope="module")

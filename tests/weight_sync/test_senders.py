@@ -50,6 +50,49 @@ def test_tensor_parallel_pieces_are_sent_once_by_one_rank_of_the_group_spread_ov
     assert owner == {"norm": 0, "w0": 1, "w1": 0, "w2": 1, "w3": 0}
 
 
+def test_data_parallel_replicas_share_the_sending_each_tensor_once_balanced_within_one_tensor():
+    # DP2 of a dense model: both ranks hold every tensor whole (rank 1's are replicas)
+    sizes = [(64, 8), (8,), (32, 8), (16, 8), (48, 8), (8, 8), (4,), (24, 8)]
+    dp2 = [[_meta(f"t{i}", s, (0,) * len(s), s) for i, s in enumerate(sizes)] for _ in (0, 1)]
+    owner = assign_senders(dp2)
+    assert set(owner) == {f"t{i}" for i in range(len(sizes))} and set(owner.values()) == {0, 1}
+    plan = make_sender_plan(dp2, _ident, 1024)
+    sent = plan.sent_bytes
+    largest = max(4 * torch.Size(s).numel() for s in sizes)
+    assert abs(sent[0] - sent[1]) <= largest and sum(sent.values()) == 4 * sum(torch.Size(s).numel() for s in sizes)
+    names = [p.hf_name for sp in plan.plans.values() for b in sp.buckets for p in b]
+    assert sorted(names) == sorted(owner) and len(names) == len(set(names))  # each tensor exactly once
+    for s_, sp in plan.plans.items():  # read from the sender's own replica: nothing gathered
+        assert all(src.rank == s_ for t in sp.tensors for src in t.sources)
+
+
+def test_tp2_dp2_split_tensors_spread_over_both_tp_groups_gathered_inside_the_senders_group():
+    """TP2 x DP2 on 4 ranks, holders from Megatron-Core's RankGenerator (order tp-cp-ep-dp-pp):
+    the TP-split tensors are sent by ranks of both TP groups, each gathering the other half
+    from its own TP group; the norms (whole on every rank) by any rank."""
+    from megatron.core.parallel_state import RankGenerator
+
+    gen = RankGenerator(tp=2, ep=1, dp=2, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    tp_groups = gen.get_ranks("tp")
+    assert sorted(map(sorted, tp_groups)) == [[0, 1], [2, 3]]
+    meta: list[list[tuple]] = [[] for _ in range(4)]
+    for g in tp_groups:
+        for k, r in enumerate(sorted(g)):
+            meta[r] += [_meta(f"w{i}", (8, 8), (4 * k, 0), (4, 8)) for i in range(8)]
+            meta[r].append(_meta("norm", (8,), (0,), (8,)))
+    plan = make_sender_plan(meta, _ident, 512)
+    assert set(plan.sent_bytes) == {0, 1, 2, 3}  # every rank sends (only 0 and 1 did before)
+    assert max(plan.sent_bytes.values()) - min(plan.sent_bytes.values()) <= 256
+    group_of = {r: frozenset(g) for g in tp_groups for r in g}
+    seen = []
+    for s_, sp in plan.plans.items():
+        for t in sp.tensors:
+            seen.append(t.name)
+            assert {src.rank for src in t.sources} <= group_of[s_], (t.name, s_)  # gathered inside its TP group
+            assert s_ in {src.rank for src in t.sources}  # the sender's own half
+    assert sorted(seen) == sorted({m[0] for m in meta[0]})
+
+
 def test_sender_plans_partition_the_single_sender_plan_and_interleave_their_buckets():
     meta = _ep2()
     one = make_plan(meta, _gate_up, 256)
@@ -224,9 +267,10 @@ def test_one_failing_sender_fails_the_sync_on_every_rank():
     res = dict(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    for r in (0, 1):  # rank 0's own part succeeded, yet it fails too, naming rank 1's error
-        assert res[r].startswith("WeightSyncError: weight sync failed on rank 1: RuntimeError: sender 1: no update "
-                                 "group"), res
+    for r in (0, 1):  # both ranks fail, naming rank 1's error; rank 0 posted nothing of rank 1's (told in turn)
+        assert res[r].startswith("WeightSyncError: weight sync failed on rank 0: WeightSyncError: sender 1 cannot "
+                                 "send bucket 1 of the sync"), res
+        assert "; rank 1: RuntimeError: sender 1: no update group" in res[r], res
 
 
 # ------------------------------------ torchrun: a MegatronTrainer's ranks into two engines
@@ -286,15 +330,17 @@ def test_every_rank_sends_its_shards_and_both_engines_equal_the_trainer(layouts,
 def test_four_senders_into_two_engines_equal_the_trainer(layouts4, layout):
     r = layouts4[layout]
     _check_layout(r, layout, 4)
-    if layout == "tp1pp1ep4":  # each EP rank sends its own expert, and only rank 0 the shared tensors
-        for k in range(1, 4):
-            assert r["senders_of"][str(k)] and all(f".experts.{k}." in n for n in r["senders_of"][str(k)])
+    if layout == "tp1pp1ep4":  # each EP rank sends its own expert; the dense tensors (DP4) are shared by all
+        for k in range(4):
+            experts = {n for n in r["senders_of"][str(k)] if ".experts." in n}
+            assert experts and all(f".experts.{k}." in n for n in experts)
+            assert set(r["senders_of"][str(k)]) - experts  # and some dense tensors
 
 
 def _check_layout(r: dict, layout: str, world: int) -> None:
     total = sum(r["sent_bytes"].values())
-    # every rank that holds a primary shard sends (at TP2 x EP2 the data-parallel replicas hold none)
-    assert set(r["sent_bytes"]) == ({"0", "1"} if layout == "tp2pp1ep2" else {str(k) for k in range(world)})
+    # every rank sends (at TP2 x EP2 the data-parallel replicas, ranks 2 and 3, share the dense tensors)
+    assert set(r["sent_bytes"]) == {str(k) for k in range(world)}
     assert all(n > 0 for n in r["sent_bytes"].values())
     assert r["sync"]["sync/bytes"] == total  # rank 0 posted every bucket, each sent once
     for e in r["engines"]:  # the check mode on each engine: every tensor equals the trainer's
@@ -303,8 +349,11 @@ def _check_layout(r: dict, layout: str, world: int) -> None:
         assert e["version_after"] == r["version"] and e["changed"] > 0
         assert e["bytes_received"] == total
     mine = set(r["senders_of"]["1"])
-    if layout == "tp1pp1ep2":  # rank 1's experts (2, 3) leave rank 1, nothing else does
-        assert mine == {n for n in r["senders_of"]["0"] + r["senders_of"]["1"] if ".experts.2." in n or ".experts.3." in n}
+    if layout == "tp1pp1ep2":  # rank 1's experts (2, 3) leave rank 1; the dense tensors (DP2) are shared
+        experts = {n for n in r["senders_of"]["0"] + r["senders_of"]["1"] if ".experts." in n}
+        assert {n for n in experts if ".experts.2." in n or ".experts.3." in n} == experts & mine
+        dense0, dense1 = (set(r["senders_of"][k]) - experts for k in ("0", "1"))
+        assert dense0 and dense1 and not dense0 & dense1
     if layout == "tp1pp2ep1":  # stage 1 sends layer 1 (and the final norm / output layer)
         assert all(".layers.1." in n or not n.startswith("model.layers.") for n in mine)
         assert "lm_head.weight" in mine and not any(".layers.0." in n for n in mine)

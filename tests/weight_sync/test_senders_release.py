@@ -1,0 +1,163 @@
+"""Several senders into a real embedded engine (2 gloo processes, synthetic shards of the
+engine's own HF tensors: no Megatron): a sender that fails mid-sync ends the update on the
+engine at once (no wait for the failed sender's broadcast until the group's timeout), the
+engine keeps the previous version's weights, the groups are torn down in the fixed order and
+formed again, and the next sync equals the trainer's tensors."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+
+import torch
+
+T = 40.0  # the update groups' timeout (s): a failed sync must end far below it
+
+
+def _tensors(model_dir: str, version: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t.float() + 0.01 * version for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+
+
+class _P:
+    def __init__(self, name, data, full, off):
+        self.name, self.data, self.full_shape, self.offset = name, data, tuple(full), tuple(off)
+
+
+class _Source:
+    """A ShardSource: every HF tensor whole on rank ``i % 2`` (its index in sorted order), the
+    embedding split by rows over both ranks (gathered by one of them); ``fail``: this rank's
+    split raises on the real tensor ``fail`` (planned on ``meta`` as usual)."""
+
+    vocab: dict = {}
+
+    def __init__(self, model_dir: str, rank: int, version: int, fail: str | None = None):
+        full = _tensors(model_dir, version)
+        self.expected = frozenset(full)
+        self.fail = fail
+        emb = "model.embed_tokens.weight"
+        h = full[emb].shape[0] // 2
+        self._pieces = [_P(emb, full[emb][h * rank: h * (rank + 1)].clone(), full[emb].shape, (h * rank, 0))]
+        self._pieces += [_P(n, t, t.shape, (0,) * t.dim()) for i, (n, t) in enumerate(sorted(full.items()))
+                         if n != emb and i % 2 == rank]
+
+    def check(self):
+        pass
+
+    def shards(self):
+        return self._pieces
+
+    def convert(self, name, t):
+        if name == self.fail and t.device.type != "meta":
+            raise ValueError(f"injected: the split of {name} failed")
+        return [(name, t)]
+
+    def direct(self, name):
+        return False
+
+
+def _run(rank, port, url, model_dir, q):
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from moe_async.engines.client import SyncEngineClient
+    from moe_async.models.checksum import tensor_checksum
+    from moe_async.weight_sync import senders
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.transport import BroadcastTransport, check_engines
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out: dict = {}
+    client = SyncEngineClient(url, timeout_s=120)
+    cfg = WeightSyncConfig(bucket_bytes=16 * 1024, backend="gloo", timeout_s=T)
+    store = _get_default_store()
+
+    def connect(key):
+        tr = BroadcastTransport([client], cfg, pause_mode="in_place") if rank == 0 else None
+        link = senders.SenderLink([client], cfg, rank=1) if rank == 1 else None
+        senders.connect_senders(rank, 2, store, transport=tr, link=link, key=key)
+        return tr, link
+
+    def teardown(tr, link):  # the formation order's reverse: rank 1's group first
+        for r in (1, 0):
+            if r == rank:
+                if tr is not None:
+                    tr.shutdown()
+                if link is not None:
+                    link.close()
+            dist.barrier()
+
+    def sums(v):
+        return {n: tensor_checksum(t) for n, t in _tensors(model_dir, v).items()}
+
+    try:
+        tr, link = connect("release/1")
+        box = [int(client.weights_checksum()["weight_version"]) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        base = box[0]
+        senders.sync_from_senders(rank, _Source(model_dir, rank, 1), base + 1, transport=tr, link=link)
+        if rank == 0:
+            check_engines([client], sums(1), base + 1)
+            out["before"] = client.weights_checksum()
+        (plan,) = senders._PLANS.values()
+        mine = [p.hf_name for b in plan.plans[1].buckets for p in b]
+        fail = mine[len(mine) // 2] if rank == 1 else None  # a tensor in the middle of rank 1's buckets
+        t0 = time.perf_counter()
+        try:
+            senders.sync_from_senders(rank, _Source(model_dir, rank, 2, fail), base + 2, transport=tr, link=link)
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["failed_s"] = time.perf_counter() - t0
+        if rank == 0:
+            out["after_failed"] = client.weights_checksum()
+        teardown(tr, link)
+        tr, link = connect("release/2")  # formed again, in order
+        senders.sync_from_senders(rank, _Source(model_dir, rank, 2), base + 3, transport=tr, link=link)
+        if rank == 0:
+            out["next_check"] = check_engines([client], sums(2), base + 3)
+        teardown(tr, link)
+        out["base"], out["n_mine"] = base, len(mine)
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        q.put((rank, buf.getvalue()))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, repr(e)))
+    finally:
+        client.close()
+        dist.destroy_process_group()
+
+
+def test_a_failing_sender_ends_the_engines_update_at_once_and_the_next_sync_goes_through(tiny_engine):
+    import torch.multiprocessing as mp
+
+    eng, model_dir = tiny_engine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_run, args=(r, port, eng.url, model_dir, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        res = dict(q.get(timeout=4 * T) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(isinstance(r, bytes) for r in res.values()), res
+    r0, r1 = (torch.load(io.BytesIO(res[r])) for r in (0, 1))
+    assert r1["n_mine"] >= 3  # rank 1 sends several buckets: the failure is mid-sync
+    for r in (r0, r1):  # every rank fails, naming rank 1's injected error, far below the group timeout
+        assert r["error"] and "rank 1: WeightSyncError: sender 1: export failed: ValueError: injected" in r["error"]
+        assert r["failed_s"] < T / 4, r["failed_s"]
+    before, after = r0["before"], r0["after_failed"]
+    assert int(after["weight_version"]) == r0["base"] + 1  # still the previous version, not half-updated
+    assert after["checksums"] == before["checksums"]
+    assert r0["next_check"]["sync/check_tensors"] == len(before["checksums"])  # the next sync equals the trainer's
