@@ -506,14 +506,10 @@ class RolloutActor:
         return await evaluate_heldout(self.manager, self.dataset.eval_problems(), r.eval_k, r.eval_max_new_tokens)
 
     async def evaluate_teacher(self) -> JsonDict:
-        """The distillation teacher on the held-out problems, once: greedy + ``rollout.eval_k``
-        samples per problem with the teacher's own prompt on the teacher's engines
-        (:func:`moe_async.rollout.evaluation.evaluate_heldout` through a rollout manager over
-        the teacher's servers, the student's reward and lengths). Generation requests: timeout
-        ``engine.request_timeout_s`` (not the scoring one), problems at once capped so that
-        their requests fit ``teacher.engine.max_running_requests`` x the teacher engines. The
-        reference the student's held-out curve moves toward. Raises RuntimeError without a
-        teacher."""
+        """The teacher's held-out point (:func:`~moe_async.rollout.evaluation.evaluate_heldout`
+        with its prompt, through a rollout manager over its servers; generation timeout
+        ``engine.request_timeout_s``; problems at once fit ``teacher.engine.max_running_requests``
+        x its engines). Raises RuntimeError without a teacher."""
         from moe_async.engines.client import EngineClient
         from moe_async.rollout.evaluation import evaluate_heldout
         from moe_async.rollout.manager import RolloutManager

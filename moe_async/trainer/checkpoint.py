@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from moe_async.compat import cpu_device_scope
 from moe_async.megatron.sharding import padded_vocab_size
 from moe_async.models import get_family
 from moe_async.trainer.batching import dp_size
-from moe_async.trainer.state import TrainerState
+from moe_async.trainer.state import RngState, TrainerState
 from moe_async.types import JsonDict
 
 if TYPE_CHECKING:
@@ -31,17 +31,6 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-class RngState(TypedDict):
-    """A rank's ``moe_async_rng/rank_<r>.pt``: the layout it was saved at (``tp``, ``pp``, ...;
-    restored only at the same one) and the RNG states of Python, NumPy, torch (CPU, each CUDA
-    device; None without CUDA) and Megatron-Core's CUDA RNG tracker."""
-
-    layout: dict[str, int] | None
-    random: tuple[object, ...]
-    numpy: dict[str, object] | tuple[str, np.ndarray, int, int, float]
-    torch: Tensor
-    cuda: list[Tensor] | None
-    tracker: dict[str, Tensor]
 # the trainer's logger: these records keep the name they had before the trainer was split
 _LOG = logging.getLogger("moe_async.trainer.megatron_trainer")
 

@@ -8,11 +8,13 @@ take it, or the fields they need, as explicit arguments.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from moe_async.types import JsonDict
 
 if TYPE_CHECKING:
+    import numpy as np
+    from torch import Tensor
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
@@ -56,3 +58,16 @@ class TrainerState:
     def model(self) -> GPTModel:
         """The first model chunk (the only one without virtual pipeline stages)."""
         return self.models[0]
+
+
+class RngState(TypedDict):
+    """A rank's ``moe_async_rng/rank_<r>.pt``: the layout it was saved at (``tp``, ``pp``, ...;
+    restored only at the same one) and the RNG states of Python, NumPy, torch (CPU, each CUDA
+    device; None without CUDA) and Megatron-Core's CUDA RNG tracker."""
+
+    layout: dict[str, int] | None
+    random: tuple[object, ...]
+    numpy: dict[str, object] | tuple[str, np.ndarray, int, int, float]
+    torch: Tensor
+    cuda: list[Tensor] | None
+    tracker: dict[str, Tensor]

@@ -75,9 +75,8 @@ def _url(client: WeightReceiver) -> str:
 
 
 def _drain(buckets: Iterable[object]) -> None:
-    """Take the rest of a streamed export without sending it (its collectives run on every
-    rank; a stream's ``abandon()`` first: senders.PostInTurn's send no more); an error of the
-    exporter itself is logged (the sync's first error propagates)."""
+    """Take the rest of a streamed export without sending it (its collectives run on every rank;
+    ``abandon()`` first, if it has one); an exporter error is logged (the first one propagates)."""
     getattr(buckets, "abandon", lambda: None)()
     n = 0
     try:
