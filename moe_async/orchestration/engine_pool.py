@@ -191,7 +191,8 @@ class EnginePool:
                 why = f"its actor died ({type(e).__name__})"
             if why:
                 rank = f" (node rank {j % n})" if n > 1 else ""
-                out.append(f"engine {i} at {self.urls[i]}{rank} {why}")
+                at = f"at {self.urls[i]}" if self.urls[i] is not None else "(still starting)"
+                out.append(f"engine {i} {at}{rank} {why}")
         return out
 
     def restart(self, i: int, timeout_s: float) -> str:
