@@ -122,6 +122,7 @@ class EnginePool:
         #: each multi-node engine's ``--dist-init-addr`` (node rank 0's ``HOST:PORT``; None: one node)
         self.dist_init_addrs: list[str | None] = [None] * len(self.actors)
         self.startup_timeout_s = float(cfg.engine.startup_timeout_s)  # bounds launch()/restart() waits
+        self._starting: list[ObjectRef] = []  # start()'s launch calls, until wait() collects them
 
     def _where(self, j: int) -> str:
         n = self.nodes_per_engine
@@ -129,16 +130,33 @@ class EnginePool:
         return f"engine {j // n} ({node}{f', node rank {j % n}' if n > 1 else ''})"
 
     def launch(self) -> list[str]:
-        """Start every engine process at once; the engines' URLs in engine-index order.
+        """Start every engine process at once; the engines' URLs in engine-index order
+        (:meth:`start` then :meth:`wait`).
 
         Raises: RuntimeError naming the engine (index, node, node rank) whose server did not start."""
+        self.start()
+        return self.wait()
+
+    def start(self) -> None:
+        """Start every engine process at once and return without waiting for them (the driver
+        builds the trainer meanwhile); :meth:`wait` returns their URLs once they serve."""
         n = self.nodes_per_engine
         addrs: list[str | None] = [None] * len(self.actors)
         if n > 1:
             ports = ray.get([a.pick_port.remote() for a in self.actors], timeout=60)
             addrs = [f"{self.placement.slots[i * n].node_ip}:{p}" for i, p in enumerate(ports)]
         self.dist_init_addrs = addrs
-        refs = [a.launch.remote(addrs[j // n]) if n > 1 else a.launch.remote() for j, a in enumerate(self.all_actors)]
+        self._starting = [a.launch.remote(addrs[j // n]) if n > 1 else a.launch.remote()
+                          for j, a in enumerate(self.all_actors)]
+
+    def wait(self) -> list[str]:
+        """The URLs, in engine-index order, of the engines :meth:`start` started, once each
+        answers ``/health`` (``engine.startup_timeout_s`` + 120 s at most per engine).
+
+        Raises: RuntimeError naming the engine (index, node, node rank) whose server did not
+        start; UserInputError from an engine actor (``engine.cpu_affinity``) as is."""
+        n = self.nodes_per_engine
+        refs, self._starting = self._starting, []
         errs = []
         for j, ref in enumerate(refs):
             try:
@@ -173,7 +191,8 @@ class EnginePool:
                 why = f"its actor died ({type(e).__name__})"
             if why:
                 rank = f" (node rank {j % n})" if n > 1 else ""
-                out.append(f"engine {i} at {self.urls[i]}{rank} {why}")
+                at = f"at {self.urls[i]}" if self.urls[i] is not None else "(still starting)"
+                out.append(f"engine {i} {at}{rank} {why}")
         return out
 
     def restart(self, i: int, timeout_s: float) -> str:

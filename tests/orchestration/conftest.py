@@ -3,10 +3,18 @@ costly part of these tests)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import time
+import uuid
+
 import pytest
 from _launch import finished_train
 
 SMOKE_STEPS = 5
+CRASH_STEPS = 3  # the TP2 pair below trains steps 1..CRASH_STEPS over its two runs
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +25,72 @@ def smoke_r3_run(tmp_path_factory):
     test_e2e_smoke.py (the pipeline end to end) and test_e2e_report.py (``moe-async report``
     on it; R3 so that routing agreement is logged)."""
     return finished_train(tmp_path_factory.mktemp("runs"), f"num_steps={SMOKE_STEPS}", "trainer.router_replay=R3")
+
+
+@pytest.fixture(scope="session")
+def sync_reference(tmp_path_factory):
+    """The 1-process, 1-engine seeded sync run of 4 steps (``_sync_runs.COMMON``) that the
+    multi-rank runs equal step by step; also the sync-mode check (test_trainer_group_e2e.py)."""
+    from tests.orchestration._sync_runs import train
+
+    return train(tmp_path_factory.mktemp("ref"), "num_steps=4")
+
+
+@pytest.fixture(scope="session")
+def tp2_crash_resume(tmp_path_factory) -> dict:
+    """Two TP2 runs with 2 engines (``_sync_runs.COMMON``: seeded sync, R3), shared by
+    test_ckpt_crash_resume.py and test_trainer_group_e2e.py:
+
+    - ``a``: saves every step into ``ckpt``; the test-only hook ``MOE_ASYNC_CKPT_STALL=0:2``
+      stops trainer rank 0 in its second save after every file is in ``step_2.tmp``, and the
+      fixture SIGKILLs that rank there (what it saw then in ``at_stall``; the run's output,
+      exit code, seconds from the kill to its exit, and its processes then in ``seen``);
+    - ``b``: a TP2 resume with 2 engines from ``ckpt`` (its latest: step 1) up to step
+      ``CRASH_STEPS``, saving every step into the same directory.
+
+    Run a's step 1 and run b's steps 2..3 are the TP2 training compared with the 1-process
+    reference."""
+    from tests.orchestration._sync_runs import COMMON, train
+    from tests.orchestration._train_proc import launch_train, left_running
+    from tests.orchestration.test_resume import _procs_with_tag
+    from tests.orchestration.test_trainer_rank_fault import _alive, _descendants
+
+    tmp = tmp_path_factory.mktemp("tp2")
+    ckpt = tmp / "ckpt"
+    tag = uuid.uuid4().hex
+    tp2 = ["trainer.tensor_model_parallel_size=2", "engine.num_engines=2", "trainer.save_interval=1",
+           "logging.wandb_mode=disabled",
+           f"trainer.save_dir={ckpt}"]
+    proc, watchdog = launch_train(tmp / "a", tag, *COMMON, "num_steps=20", *tp2,
+                                  MOE_ASYNC_CKPT_STALL="0:2", PYTHONUNBUFFERED="1")
+    lines, seen, at_stall, t_kill = [], {}, {}, None
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"MOE_ASYNC_CKPT_STALL: trainer rank 0 \(pid (\d+)\) stalls in its save 2", line)
+        if t_kill is None and m:
+            part = ckpt / "step_2.tmp"
+            at_stall = {"files": sorted(p.name for p in part.iterdir()),
+                        "latest": (ckpt / "latest").read_text().strip()}
+            seen = _descendants(proc.pid)
+            os.kill(int(m.group(1)), signal.SIGKILL)
+            t_kill = time.monotonic()
+    rc = proc.wait(timeout=120)
+    exit_s = time.monotonic() - t_kill if t_kill is not None else None
+    watchdog.cancel()
+    left = left_running(tag)
+    deadline = time.monotonic() + 30  # the run's reaper exits a few seconds after the driver
+    while time.monotonic() < deadline and any(_alive(p) for p in seen):
+        time.sleep(0.5)
+    alive = [(p, seen[p]) for p in seen if _alive(p)]
+    (run_a,) = list((tmp / "a").iterdir())
+    steps_a = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
+    listing_a = sorted(p.name for p in ckpt.iterdir())
+    latest_a = (ckpt / "latest").read_text().strip()
+    tracker_a = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+
+    tag_b = uuid.uuid4().hex
+    b = train(tmp / "b", f"num_steps={CRASH_STEPS}", f"trainer.load={ckpt}", *tp2, MOE_ASYNC_TEST_TAG=tag_b)
+    b["left"] = _procs_with_tag(tag_b)  # engines, Ray workers and raylet all gone
+    return {"ckpt": ckpt, "out": "".join(lines), "rc": rc, "exit_s": exit_s, "seen": seen, "at_stall": at_stall,
+            "left": left, "alive": alive, "steps_a": steps_a, "listing_a": listing_a, "latest_a": latest_a,
+            "tracker_a": tracker_a, "b": b}

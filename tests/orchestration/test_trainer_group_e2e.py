@@ -1,15 +1,15 @@
 """`moe-async train configs/cpu_smoke.yaml` with a multi-rank trainer (one Ray actor per
-Megatron rank) and two engines, against the same command at one process.
+Megatron rank) and two engines, against the same command at one process (the runs and their
+overrides: ``_sync_runs.py``; the shared ones: conftest.py).
 
-Every run: ``async.mode=sync``, seeded sampling (``rollout.sampling_seed``: the same batches
-whatever the layout, engine count or timing), a reward that is not constant on a random
-model's text (so GRPO advantages are not all 0), router replay R3, check mode on.
-
-- reference: 1 process, 1 engine, 4 steps; also the run that shows ``async.mode=sync`` through
-  the driver loop trains only fresh tokens (staleness 0) and reports the loop's metrics;
-- TP2 (default run): 2 engines, 3 steps, a checkpoint at step 3: per-step loss and grad norm
-  equal to the reference's within 1e-5, both engines served requests and hold the trainer's
-  weights, sample accounting, staleness bound, R3 replayed on every real token;
+- reference (``sync_reference``): 1 process, 1 engine, 4 steps; also the run that shows
+  ``async.mode=sync`` through the driver loop trains only fresh tokens (staleness 0) and
+  reports the loop's metrics;
+- TP2 (default run): 2 engines, the pair of ``tp2_crash_resume`` (test_ckpt_crash_resume.py's
+  runs): step 1 from scratch, then (its rank 0 killed in the save of step 2) steps 2 and 3
+  resumed from the step-1 checkpoint, saving step 3: per-step loss and grad norm equal to the
+  reference's within 1e-5, both engines served requests and hold the trainer's weights, sample
+  accounting, staleness bound, R3 replayed on every real token;
 - EP2 resumed from the TP2 checkpoint (slow): step 4's loss and grad norm equal the
   reference's step 4;
 - EP2 and PP2 from scratch (slow): as TP2.
@@ -18,58 +18,36 @@ model's text (so GRPO advantages are not all 0), router replay R3, check mode on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["async.mode=sync", "async.max_staleness=0", "eval_before=false", "eval_after=false",
-          "rollout.sampling_seed=7", "rollout.reward=function",
-          "rollout.reward_function=tests.orchestration._rewards:char_parity",
-          "trainer.router_replay=R3", "rollout.return_routed_experts=true", "weight_sync.check=true"]
-TOL = 1e-5
-
-
-def train(out: Path, *overrides: str, timeout: float = 600) -> dict:
-    """Run the CLI; returns summary, per-step metrics, stdout and wall seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "moe_async.cli", "train", str(ROOT / "configs/cpu_smoke.yaml"),
-           f"logging.output_dir={out}", *COMMON, *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    (run_dir,) = list(out.iterdir())
-    return {"summary": json.loads((run_dir / "summary.json").read_text()),
-            "steps": [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()],
-            "stdout": proc.stdout, "wall": wall}
+from tests.orchestration._sync_runs import TOL, assert_steps_equal, train
+from tests.orchestration.conftest import CRASH_STEPS
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ref"), "num_steps=4")
+def reference(sync_reference):
+    return sync_reference
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("ckpt")
+def ckpt_dir(tp2_crash_resume):
+    return tp2_crash_resume["ckpt"]
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory, ckpt_dir):
-    return train(tmp_path_factory.mktemp("tp2"), "num_steps=3", "engine.num_engines=2",
-                 "trainer.tensor_model_parallel_size=2", "trainer.save_interval=3", f"trainer.save_dir={ckpt_dir}")
+def tp2(tp2_crash_resume):
+    """The resumed TP2 run (steps 2..3), its step 1 (run a's, from scratch) in front."""
+    b = tp2_crash_resume["b"]
+    return {**b, "steps": tp2_crash_resume["steps_a"] + b["steps"], "trained_steps": len(b["steps"])}
 
 
 def check_multi_rank_run(run: dict, reference: dict, n_steps: int, world: int = 2) -> None:
     s, steps = run["summary"], run["steps"]
     assert s["trainer_world_size"] == world
     assert f"trainer: {world} rank(s)" in run["stdout"]
-    assert len(steps) == n_steps
+    assert [m["step"] for m in steps] == list(range(1, n_steps + 1))
+    trained = run.get("trained_steps", n_steps)  # a resumed run's buffer counts its own steps
     # both engines served requests and hold the trainer's weights after the last sync
     r = s["rollout"]
     assert r["rollout/engine_busy_s/0"] > 0 and r["rollout/engine_busy_s/1"] > 0
@@ -78,7 +56,7 @@ def check_multi_rank_run(run: dict, reference: dict, n_steps: int, world: int = 
     assert all(m["sync/check_tensors"] > 0 for m in steps)  # check mode compared every sync
     # accounting: every sample put is trained, dropped or still buffered
     b = s["buffer"]
-    assert b["samples_trained"] == n_steps * 2 * 4
+    assert b["samples_trained"] == trained * 2 * 4
     assert b["samples_put"] == b["samples_trained"] + b["samples_dropped"] + b["samples_buffered"]
     # every trained token within max_staleness (sync mode: 0)
     assert set(map(int, s["buffer"]["staleness_hist"])) == {0}
@@ -86,12 +64,8 @@ def check_multi_rank_run(run: dict, reference: dict, n_steps: int, world: int = 
     # R3 through the driver: every real token replayed the engine's experts on every rank
     assert all(m["train/replay_agreement"] == 1.0 for m in steps)
     # the same batches as the 1-process run, and the same loss and grad norm
+    assert_steps_equal(steps, reference)
     ref = reference["steps"]
-    for a, m in zip(ref, steps):
-        assert m["train/response_tokens"] == a["train/response_tokens"]
-        assert m["rollout/reward_mean"] == a["rollout/reward_mean"]
-        assert abs(m["train/loss"] - a["train/loss"]) <= TOL, (m["train/loss"], a["train/loss"])
-        assert abs(m["train/grad_norm"] - a["train/grad_norm"]) <= TOL, (m["train/grad_norm"], a["train/grad_norm"])
     print(f"\nwall {run['wall']:.1f} s; max |loss diff| "
           f"{max(abs(m['train/loss'] - a['train/loss']) for a, m in zip(ref, steps)):.2e}, max |grad norm diff| "
           f"{max(abs(m['train/grad_norm'] - a['train/grad_norm']) for a, m in zip(ref, steps)):.2e}")
@@ -124,7 +98,7 @@ def test_sync_mode_trains_only_fresh_tokens(reference):
 
 
 def test_tp2_two_engines_equal_one_process(tp2, reference):
-    check_multi_rank_run(tp2, reference, 3)
+    check_multi_rank_run(tp2, reference, CRASH_STEPS)
 
 
 def test_tp2_checkpoint_saved_by_every_rank(tp2, ckpt_dir):
