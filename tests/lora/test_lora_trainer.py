@@ -1,7 +1,7 @@
 """LoRA in the Megatron trainer against the reference on the other side: the base model's own
 logprobs (at init, B = 0) and Hugging Face ``peft`` loading the exported adapter onto the HF
-model (after one optimizer step). TP1 and PP2 (torchrun, 2 processes: the one multi-rank
-layout in the default run) in the default run; TP2 and EP2 are slow."""
+model (after one optimizer step). TP1 in the default run (a multi-rank LoRA trainer there:
+``test_lora_resume.py``'s TP2 resume); PP2, TP2 and EP2 (torchrun, 2 processes) are slow."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def _layout(tmp_path, layout: str) -> dict:
     return res
 
 
+@pytest.mark.slow
 def test_lora_pp2_matches_peft(tmp_path):
     """At PP2 each stage adapts its own layer; the export and the adapter sync gather both
     stages' adapters into one PEFT adapter (all 12 B tensors, peft's logprobs)."""
