@@ -29,14 +29,15 @@ def hf_deltas(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_c
     Raises:
         KeyError: an adapted Megatron weight with no HF name in the family's mapping table.
     """
-    table = family.table(family.arch_args(hf_config)).by_megatron
+    args = family.arch_args(hf_config)
+    table = family.table(args).by_megatron
     out: dict[str, Tensor] = {}
     for name in sorted(state):
         if name not in table:
             raise KeyError(f"LoRA adapter on {name!r}: the family's mapping table has no such Megatron weight")
         A, B = state[name]
         rule, hf_names = table[name]
-        for hf, b in zip(hf_names, rule.split(B.float(), family.arch_args(hf_config))):
+        for hf, b in zip(hf_names, rule.split(B.float(), args)):
             out[hf] = (b.contiguous() @ A.float()) * scaling
     return out
 

@@ -15,10 +15,11 @@ experts become PEFT's adapters on transformers' fused expert parameters
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -165,26 +166,35 @@ def write_peft(out_dir: str, tensors: dict[str, Tensor], config: JsonDict, dtype
     0600). FileExistsError if ``out_dir`` holds an adapter already, unless ``replace``: then the
     files are written under ``<out_dir>.tmp`` and that directory replaces ``out_dir`` (an
     interrupted write leaves the old adapter whole). Returns the tensor bytes written."""
-    import shutil
-
     from safetensors.torch import save_file
 
-    final = out_dir
-    if replace:
-        out_dir = final.rstrip(os.sep) + ".tmp"
-        shutil.rmtree(out_dir, ignore_errors=True)
-    elif os.path.exists(os.path.join(out_dir, ADAPTER_WEIGHTS)):
+    if not replace and os.path.exists(os.path.join(out_dir, ADAPTER_WEIGHTS)):
         raise FileExistsError(f"{out_dir} already holds {ADAPTER_WEIGHTS}")
-    os.makedirs(out_dir, exist_ok=True)
-    mask = os.umask(0)
-    os.umask(mask)
-    ts = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
-    save_file(ts, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        os.chmod(os.path.join(out_dir, name), 0o666 & ~mask)
-    if replace:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(out_dir, final)
+    with staged_dir(out_dir, replace) as out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        mask = os.umask(0)
+        os.umask(mask)
+        ts = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+        save_file(ts, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+            os.chmod(os.path.join(out_dir, name), 0o666 & ~mask)
     return sum(t.numel() * t.element_size() for t in ts.values())
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str, replace: bool) -> Iterator[str]:
+    """The directory to write ``out_dir``'s files into: ``out_dir`` itself, or with ``replace``
+    ``<out_dir>.tmp`` (emptied first), which replaces ``out_dir`` once the block ends without an
+    error (an interrupted write leaves the old directory whole)."""
+    import shutil
+
+    if not replace:
+        yield out_dir
+        return
+    tmp = out_dir.rstrip(os.sep) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    yield tmp
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)

@@ -364,13 +364,10 @@ class MegatronTrainer:
         ``out_dir`` (``replace``: over a directory there, via ``<out_dir>.tmp``; else
         FileExistsError for a non-empty one). Returns the safetensors file names (rank 0; [] on
         the others). Collective at world size > 1. Raises ValueError without ``trainer.lora``."""
-        import os
-        import shutil
-
         import torch.distributed as dist
 
         from moe_async.lora.merge import hf_deltas, merged_tensors
-        from moe_async.lora.peft_export import megatron_adapter_state
+        from moe_async.lora.peft_export import megatron_adapter_state, staged_dir
         from moe_async.megatron.export import write_hf
 
         if self.cfg.lora is None:
@@ -383,14 +380,9 @@ class MegatronTrainer:
                 pass
             return []
         deltas = hf_deltas(state, self.family, self.hf_config, self.cfg.lora.scaling)
-        final, out_dir = out_dir, (out_dir.rstrip(os.sep) + ".tmp" if replace else out_dir)
-        if replace:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        files, _ = write_hf(merged_tensors(base, deltas), self.family, self.hf_config, self.cfg.params_dtype,
-                            self.hf_path, out_dir, max_shard_size, False, False)
-        if replace:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(out_dir, final)
+        with staged_dir(out_dir, replace) as d:
+            files, _ = write_hf(merged_tensors(base, deltas), self.family, self.hf_config, self.cfg.params_dtype,
+                                self.hf_path, d, max_shard_size, False, False)
         return files
 
     def export_hf_weights(self, dtype: torch.dtype | None = None,
