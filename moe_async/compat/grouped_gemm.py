@@ -6,7 +6,8 @@ Answers ``transformer/moe/grouped_gemm_util.py``, whose ``ops`` is None without 
 kernel's only dtype), and builds its activation closures with ``jit_fuser`` (``torch.compile``:
 on CPU an inductor C++ build per new token count, and fused numerics unlike the sequential
 MLP's eager ops). :func:`gmm` has grouped_gemm's ``ops.gmm`` contract and runs each expert's
-rows as one ``torch.matmul`` (autograd as torch's), in any float dtype; the forward then runs
+rows with the sequential expert MLP's own GEMMs and operand layouts (bit-equal to it in bf16 on
+any CPU), in any float dtype; the forward then runs
 for fp32 models too, the activations eager, Megatron's own code otherwise unchanged.
 
 Design notes: ``docs/design/compat.md``."""
@@ -41,7 +42,26 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bo
     if a.shape[1] != k:
         raise ValueError(f"gmm: a has {a.shape[1]} columns, b's experts take {k} (trans_b={trans_b})")
     parts = torch.split(a, sizes, dim=0)
-    return torch.cat([torch.matmul(x, b[e].t() if trans_b else b[e]) for e, x in enumerate(parts)], dim=0)
+    return torch.cat([_ExpertLinear.apply(x, b[e] if trans_b else b[e].t()) for e, x in enumerate(parts)], dim=0)
+
+
+class _ExpertLinear(torch.autograd.Function):
+    """``x [n, K] @ w.T`` for ``w [N, K]`` (any strides) with the sequential expert MLP's own
+    GEMMs and operand layouts (Megatron-Core's ``LinearWithGradAccumulationAndAsyncCommunication``
+    without TE: ``x @ W.t()``, ``dy @ W``, ``dy.t() @ x`` on a row-major ``W``), so a bf16 CPU
+    BLAS picks the same kernels and rounds alike on any host; ``w``'s gradient is returned in
+    ``w``'s layout."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w = w.contiguous()
+        ctx.save_for_backward(x, w)
+        return torch.matmul(x, w.t())
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return dy.matmul(w), dy.t().matmul(x)
 
 
 def patch_grouped_mlp() -> bool:

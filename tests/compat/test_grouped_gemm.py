@@ -1,12 +1,16 @@
 """Compat mend 17's CPU grouped GEMM (``moe_async.compat.grouped_gemm.gmm``) has grouped_gemm's
 ``ops.gmm`` contract: per-expert products of the rows split by ``batch_sizes``, ``trans_b``,
-experts without rows, gradients (exactly those of per-expert ``torch.matmul``), and refusals of
-inputs that do not match. The GroupedMLP built on it: tests/trainer/test_grouped_mlp_cpu.py."""
+experts without rows, forward and gradients bit-equal to the sequential expert MLP's linear
+(Megatron-Core's ``linear_with_grad_accumulation_and_async_allreduce`` on each expert's row-major
+``[N, K]`` weight: the same GEMMs, so bf16 rounds alike on any CPU), and refusals of inputs that
+do not match. The GroupedMLP built on it: tests/trainer/test_grouped_mlp_cpu.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 
 from moe_async.compat.grouped_gemm import gmm
 
@@ -25,18 +29,23 @@ def test_equals_per_expert_matmul_forward_and_backward(sizes, trans_b):
     a, b, bs = _inputs(sizes, trans_b=trans_b)
     out = gmm(a, b, bs, trans_b=trans_b)
     assert out.shape == (sum(sizes), 5) and out.dtype == a.dtype
-    ref_a, ref_b = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    # the sequential MLP's weights: expert e's [N, K] row-major, its own leaf
+    ref_a = a.detach().clone().requires_grad_()
+    ref_w = [(b[e].detach() if trans_b else b[e].detach().t()).contiguous().requires_grad_() for e in range(len(sizes))]
     rows, ref = 0, []
     for e, s in enumerate(sizes):
-        w = ref_b[e].t() if trans_b else ref_b[e]
-        ref.append(ref_a[rows:rows + s] @ w)
+        ref.append(linear_with_grad_accumulation_and_async_allreduce(
+            ref_a[rows:rows + s], ref_w[e], None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+            sequence_parallel=False))
         rows += s
     ref_out = torch.cat(ref)
     assert torch.equal(out, ref_out)
     gy = torch.randn_like(out)
     out.backward(gy)
     ref_out.backward(gy)
-    assert torch.equal(a.grad, ref_a.grad) and torch.equal(b.grad, ref_b.grad)
+    assert torch.equal(a.grad, ref_a.grad)
+    for e in range(len(sizes)):
+        assert torch.equal(b.grad[e], ref_w[e].grad if trans_b else ref_w[e].grad.t())
     for e, s in enumerate(sizes):
         if s == 0:  # an expert without rows: a zero gradient, not None
             assert bool((b.grad[e] == 0).all())
@@ -46,7 +55,8 @@ def test_bf16():
     a, b, bs = _inputs([2, 3], dtype=torch.bfloat16)
     out = gmm(a, b, bs)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out[:2], a[:2] @ b[0]) and torch.equal(out[2:], a[2:] @ b[1])
+    w = [b[e].detach().t().contiguous() for e in (0, 1)]  # the sequential MLP's weight layout
+    assert torch.equal(out[:2], a[:2] @ w[0].t()) and torch.equal(out[2:], a[2:] @ w[1].t())
 
 
 @pytest.mark.parametrize("change,needle", [
