@@ -2,7 +2,7 @@
 rank 0 prints a JSON dict of results on the last line and writes it to TMP/res_<layout>.json.
 
     python _lora_checks.py TMP                      1 process (TP1)
-    torchrun --nproc_per_node 2 _lora_checks.py TMP tp2|ep2|pp2 the same checks at TP2, EP2 or PP2
+    torchrun --nproc_per_node 2 _lora_checks.py TMP tp2|ep2|pp2|cp2 the same checks at TP2, EP2, PP2 or CP2
 
 Checks on a tiny Mixtral (adapters on q/k/v/o and per-expert gate_up/down, rank 4, alpha 8):
 base logprobs (no LoRA) vs LoRA logprobs at init (B = 0: must be equal exactly); one optimizer
@@ -35,7 +35,7 @@ def main(tmp: str, layout: str) -> None:
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
     sizes = {"tp1": {}, "tp2": dict(tensor_model_parallel_size=2), "ep2": dict(expert_model_parallel_size=2),
-             "pp2": dict(pipeline_model_parallel_size=2)}[layout]
+             "pp2": dict(pipeline_model_parallel_size=2), "cp2": dict(context_parallel_size=2)}[layout]
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # once, so the trainers built here do not own it

@@ -1,7 +1,7 @@
 """LoRA in the Megatron trainer against the reference on the other side: the base model's own
 logprobs (at init, B = 0) and Hugging Face ``peft`` loading the exported adapter onto the HF
 model (after one optimizer step). TP1 in the default run (a multi-rank LoRA trainer there:
-``test_lora_resume.py``'s TP2 resume); PP2, TP2 and EP2 (torchrun, 2 processes) are slow."""
+``test_lora_resume.py``'s TP2 resume); PP2, TP2, EP2 and CP2 (torchrun, 2 processes) are slow."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def test_lora_pp2_matches_peft(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "cp2"])
 def test_lora_layouts_match_peft(tmp_path, layout):
-    """At TP2 (sequence parallel) and EP2 the same checks; at TP2 rank 0 holds the adapters the
+    """At TP2 (sequence parallel), EP2 and CP2 (each rank half of every sequence) the same checks; at TP2 rank 0 holds the adapters the
     plan counts (qkv B and o A halved: tests/plan/test_plan_lora.py)."""
     res = _layout(tmp_path, layout)
     if layout == "tp2":
