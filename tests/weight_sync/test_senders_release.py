@@ -2,7 +2,10 @@
 engine's own HF tensors: no Megatron): a sender that fails mid-sync ends the update on the
 engine at once (no wait for the failed sender's broadcast until the group's timeout), the
 engine keeps the previous version's weights, the groups are torn down in the fixed order and
-formed again, and the next sync equals the trainer's tensors."""
+formed again, and the next sync equals the trainer's tensors. A sender whose broadcast fails
+after its update call was posted (the engine already waits in it) abandons its group, so the
+engine's receive ends at once (not at its 600 s group timeout); SenderGroups forms every group
+again, under fresh names, before the next sync."""
 
 from __future__ import annotations
 
@@ -161,3 +164,125 @@ def test_a_failing_sender_ends_the_engines_update_at_once_and_the_next_sync_goes
     assert int(after["weight_version"]) == r0["base"] + 1  # still the previous version, not half-updated
     assert after["checksums"] == before["checksums"]
     assert r0["next_check"]["sync/check_tensors"] == len(before["checksums"])  # the next sync equals the trainer's
+
+
+def _destroy_reply(client, name: str) -> str:
+    try:
+        return f"destroyed: {client.destroy_weights_update_group(group_name=name)}"
+    except Exception as e:  # noqa: BLE001 - the engine's 400
+        return str(e)
+
+
+def _run_midcast(rank, port, url, model_dir, q):
+    """Rank 1's broadcast raises (no byte sent) at its bucket 1 of the second sync and at its
+    last bucket of the third, each after rank 0 posted that bucket's call; the fourth goes through."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from moe_async.engines.client import SyncEngineClient
+    from moe_async.models.checksum import tensor_checksum
+    from moe_async.weight_sync import group as group_mod
+    from moe_async.weight_sync import senders
+    from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.sender_groups import SenderGroups
+    from moe_async.weight_sync.transport import BroadcastTransport, check_engines
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out: dict = {"failed_s": [], "errors": [], "after": []}
+    client = SyncEngineClient(url, timeout_s=120)
+    cfg = WeightSyncConfig(bucket_bytes=16 * 1024, backend="gloo", timeout_s=T)
+
+    def make(name):
+        return BroadcastTransport([client], cfg, pause_mode="in_place", group_name=name) if rank == 0 else \
+            senders.SenderLink([client], cfg, rank=1, group_name=name)
+
+    real = group_mod.group_broadcast
+    calls = {"n": 0, "fail_at": None}
+
+    def flaky(group, tensor, src=0):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("injected: the link broke mid-broadcast")
+        return real(group, tensor, src)
+
+    group_mod.group_broadcast = flaky
+    try:
+        g = SenderGroups(rank, 2, _get_default_store(), make, base="midcast", key="midcast", timeout_s=T)
+        box = [int(client.weights_checksum()["weight_version"]) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        base = box[0]
+        g.sync(_Source(model_dir, rank, 1), base + 1)
+        (plan,) = senders._PLANS.values()
+        n1 = len(plan.plans[1].buckets)
+        if rank == 0:
+            before = client.weights_checksum()
+        for v, k in ((2, 2), (3, n1)):  # rank 1's 2nd bucket; its last one
+            calls.update(n=0, fail_at=k if rank == 1 else None)
+            t0 = time.perf_counter()
+            try:
+                g.sync(_Source(model_dir, rank, v), base + v)
+                out["errors"].append(None)
+            except Exception as e:  # noqa: BLE001
+                out["errors"].append(f"{type(e).__name__}: {e}")
+            out["failed_s"].append(time.perf_counter() - t0)
+            if rank == 0:
+                out["after"].append(client.weights_checksum())
+        calls.update(n=0, fail_at=None)
+        old = [g.name(n) for n in range(g.connects)]
+        g.sync(_Source(model_dir, rank, 4), base + 4)  # formed again first, under fresh names
+        if rank == 0:
+            sums = {n: tensor_checksum(t) for n, t in _tensors(model_dir, 4).items()}
+            out["next_check"] = check_engines([client], sums, base + 4)
+            out["before"] = before
+            names = [n for o in old for n in (o, senders.sender_group_name(o, 1))]
+            out["old_groups"] = {n: _destroy_reply(client, n) for n in names}
+        out.update(base=base, n1=n1, connects=g.connects)
+        dist.barrier()
+        g.close()
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        q.put((rank, buf.getvalue()))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+
+        q.put((rank, traceback.format_exc()))
+    finally:
+        client.close()
+        dist.destroy_process_group()
+
+
+def test_a_broadcast_failing_after_its_call_was_posted_ends_the_engines_wait_at_once(tiny_engine):
+    import torch.multiprocessing as mp
+
+    eng, model_dir = tiny_engine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_run_midcast, args=(r, port, eng.url, model_dir, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        res = dict(q.get(timeout=6 * T) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(isinstance(r, bytes) for r in res.values()), res
+    r0, r1 = (torch.load(io.BytesIO(res[r])) for r in (0, 1))
+    assert r1["n1"] >= 3
+    for r in (r0, r1):  # every rank fails naming rank 1's broken broadcast, far below the group's timeout
+        for e, dt in zip(r["errors"], r["failed_s"]):
+            assert e and "rank 1: WeightSyncError: sender 1, its bucket" in e and "injected: the link broke" in e, e
+            assert dt < T / 4, r["failed_s"]
+        assert r["connects"] == 3  # the first connect, then one before each sync after a failure
+    for after in r0["after"]:  # the engine kept the previous version's weights: nothing half-applied
+        assert int(after["weight_version"]) == r0["base"] + 1
+        assert after["checksums"] == r0["before"]["checksums"]
+    assert r0["next_check"]["sync/check_tensors"] == len(r0["before"]["checksums"])
+    # every earlier generation's groups are gone from the engine (left or abandoned, then destroyed)
+    assert len(r0["old_groups"]) == 4 and all(rep.endswith("HTTP 400: The group to be destroyed does not exist.")
+                                              for rep in r0["old_groups"].values()), r0["old_groups"]
