@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moe_async.distill.teacher import TeacherScorer
     from moe_async.trainer.megatron_trainer import MegatronTrainer
     from moe_async.weight_sync.outcome import SyncOutcome
-    from moe_async.weight_sync.senders import SenderLink
+    from moe_async.weight_sync.sender_groups import SenderGroups
     from moe_async.weight_sync.transport import WeightTransport
 
 
@@ -67,7 +67,7 @@ class TrainerActor:
         self._store: TCPStore | None = None
         self.trainer: MegatronTrainer | None = None
         self.transport: WeightTransport | None = None
-        self._link: SenderLink | None = None  # weight_sync.senders: all, ranks > 0: this rank's link
+        self._senders: SenderGroups | None = None  # weight_sync.senders: all: every sender's update group
 
     @property
     def _trainer(self) -> MegatronTrainer:
@@ -78,10 +78,12 @@ class TrainerActor:
 
     @property
     def _transport(self) -> WeightTransport:
-        """The weight transport; RuntimeError before :meth:`connect_engines`."""
-        if self.transport is None:
+        """The weight transport (several senders: rank 0's current one); RuntimeError before
+        :meth:`connect_engines`."""
+        tr = self._senders.transport if self._senders is not None else self.transport
+        if tr is None:
             raise RuntimeError("TrainerActor: connect_engines() first")
-        return self.transport
+        return tr
 
     def _enter(self, method: str) -> None:
         """Count the call; raise the test-only injected fault when it is due."""
@@ -195,33 +197,34 @@ class TrainerActor:
 
     def _connect_senders(self, urls: list[str]) -> None:
         """weight_sync.senders: all: rank 0's transport and every other rank's SenderLink, each
-        with its own update group, formed in rank order (a fresh store key per connect);
-        a previous group of this rank is left first. Collective."""
+        with its own update group, formed in rank order under fresh names and a fresh store
+        key (:class:`~moe_async.weight_sync.sender_groups.SenderGroups`); a previous group of
+        this rank is left first. Collective."""
         import os
 
         import ray
 
         from moe_async.engines.client import SyncEngineClient
-        from moe_async.weight_sync.senders import SenderLink, connect_senders
+        from moe_async.weight_sync.sender_groups import SenderGroups
+        from moe_async.weight_sync.senders import SenderLink
         from moe_async.weight_sync.transport import BroadcastTransport
 
         ws = self.cfg.weight_sync
         clients = [SyncEngineClient(u, timeout_s=ws.timeout_s) for u in urls]
         tp = self.cfg.engine.tensor_parallel_size
-        key = f"moe_async/sender_groups/{sum(self._calls.get(m, 0) for m in ('connect_engines', 'reconnect_engines'))}"
-        if self.rank == 0:
-            if self.transport is not None:
-                self.transport.shutdown()
-            self.transport = BroadcastTransport(clients, ws, pause_mode=self.cfg.engine.pause_mode,
-                                                master_address=os.environ["MASTER_ADDR"], ranks_per_engine=tp)
-        else:
-            if self._link is not None:
-                self._link.close()
+
+        def make(name: str) -> BroadcastTransport | SenderLink:
+            if self.rank == 0:
+                return BroadcastTransport(clients, ws, pause_mode=self.cfg.engine.pause_mode, group_name=name,
+                                          master_address=os.environ["MASTER_ADDR"], ranks_per_engine=tp)
             # the engines reach this sender's store on this rank's node
-            self._link = SenderLink(clients, ws, rank=self.rank, ranks_per_engine=tp,
-                                    master_address=ray.util.get_node_ip_address())
-        connect_senders(self.rank, self.world_size, self._store, transport=self.transport, link=self._link, key=key,
-                        timeout_s=ws.timeout_s)
+            return SenderLink(clients, ws, rank=self.rank, ranks_per_engine=tp, group_name=name,
+                              master_address=ray.util.get_node_ip_address())
+
+        if self._senders is None:
+            assert self._store is not None, "setup() first"
+            self._senders = SenderGroups(self.rank, self.world_size, self._store, make, timeout_s=ws.timeout_s)
+        self._senders.connect(make)
 
     def sync_weights(self) -> dict[str, float]:
         """Send the current weights to every engine under the trainer's version (rank 0 sends;
@@ -252,14 +255,10 @@ class TrainerActor:
         if self._trainer.cfg.lora is not None:
             return self._sync_adapter()
         if self._several_senders():
-            from moe_async.weight_sync.senders import sync_from_senders
-
-            from moe_async.weight_sync.transport import BroadcastTransport
-
-            # rank 0's is a BroadcastTransport (connect_engines); the other ranks send through their link
-            rank0 = self.transport if isinstance(self.transport, BroadcastTransport) else None
-            out = sync_from_senders(self.rank, self._trainer.hf_exporter(), self._trainer.version,
-                                    transport=rank0, link=self._link, send=send)
+            # every rank sends through its group (rank 0: its transport, read by ``send``); after
+            # a failed or engine-losing sync the groups are formed again before the next one
+            assert self._senders is not None, "connect_engines() first"
+            out = self._senders.sync(self._trainer.hf_exporter(), self._trainer.version, send=send)
             return out if self.rank == 0 else {}
         if self.world_size > 1 and self.cfg.weight_sync.transport != "disk":
             # streamed export: each tensor gathered straight into the bucket that is sent (stream_export.py)
@@ -404,9 +403,9 @@ class TrainerActor:
 
     def shutdown(self) -> None:
         if self.transport is not None:
-            self._transport.shutdown()
-        if self._link is not None:
-            self._link.close()
+            self.transport.shutdown()
+        if self._senders is not None:
+            self._senders.close()
 
 
 @ray.remote(num_cpus=0)

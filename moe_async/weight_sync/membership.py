@@ -12,8 +12,10 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Set
 from typing import Sequence, TypedDict
@@ -219,6 +221,22 @@ class GroupMembership:
         destroy_update_group(self.group)
         self.group = None
         self._store = None
+
+    def abandon(self) -> None:
+        """Leave after a failed collective: this side first (the group destroyed, this object's
+        references dropped and collected: a gloo group's sockets close, so an engine still
+        waiting in one of its broadcasts fails at once instead of at the group's timeout; the
+        caller must hold no other reference; the finished frames of an exception being handled
+        are cleared), then the engines' ``/destroy_weights_update_group``, which they answer
+        once that receive has ended."""
+        traceback.clear_frames(sys.exc_info()[2])
+        group, self.group, self._store = self.group, None, None
+        if group is None:
+            return
+        destroy_update_group(group)
+        del group
+        gc.collect()
+        self._destroy_on_engines(quiet=False)
 
 
 def form_in_order(memberships: Sequence[GroupMembership]) -> list[dist.ProcessGroup]:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 
+from moe_async.errors import one_line
 from moe_async.weight_sync.bucket import Bucket, nbytes_of
 from moe_async.weight_sync.read_ahead import timed_items
 from moe_async.weight_sync.stream_export import (Convert, ExportPlan, PackedExport, Shard, ShardSource, make_plan,
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
     from moe_async.protocols import WeightReceiver
+    from moe_async.weight_sync.outcome import SyncOutcome
     from moe_async.weight_sync.transport import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -295,18 +298,24 @@ def _glob(rank: int, group) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def ask_to_send(ok: bool, *, device: torch.device, group=None, coordinator: int = 0) -> bool:
+#: rank 0's answers in a bucket's turn (:func:`ask_to_send`)
+SKIP, SEND, LEAVE = 0, 1, 2
+
+
+def ask_to_send(ok: bool, *, device: torch.device, group=None, coordinator: int = 0) -> int:
     """A sender's side of one of its buckets' turn (point-to-point with ``coordinator``, in
     the walk's order): tell it whether the bucket can be sent (its bytes made, its group
-    formed), then wait for the answer: True once the bucket's update call is posted to every
-    engine (broadcast it now), False when nothing was posted for it (a failure on some rank:
-    do not broadcast; no engine waits for it)."""
+    formed), then wait for the answer: :data:`SEND` once the bucket's update call is posted to
+    every engine (broadcast it now); :data:`SKIP` when nothing was posted for it (a failure on
+    some rank: do not broadcast; no engine waits for it); :data:`LEAVE` when its call may have
+    been posted but the sync was abandoned (do not broadcast; abandon the group at once, so an
+    engine waiting in that broadcast fails now: :meth:`SenderLink.abandon`)."""
     import torch.distributed as dist
 
     dist.send(_flag(int(ok), device), dst=_glob(coordinator, group), group=group)
     t = _flag(0, device)
     dist.recv(t, src=_glob(coordinator, group), group=group)
-    return bool(t.item())
+    return int(t.item())
 
 
 class PostInTurn:
@@ -319,7 +328,8 @@ class PostInTurn:
     (nothing more is posted: the transport ends the sessions, the engines drop what they
     staged). After :meth:`abandon` (the transport failed and drains this) or :meth:`close`,
     every later turn is answered "do not send" while the walk runs to its end, so the other
-    ranks' gathers complete. ``stats['turn_seconds']``: time waiting for the senders' answers."""
+    ranks' gathers complete (a sender whose call was already posted is told :data:`LEAVE`).
+    ``stats['turn_seconds']``: time waiting for the senders' answers."""
 
     def __init__(self, items: Iterator[SenderItem], base: str, *, device: torch.device, group=None,
                  stats: dict[str, float] | None = None):
@@ -341,11 +351,14 @@ class PostInTurn:
     def __iter__(self) -> PostInTurn:
         return self
 
-    def _answer(self) -> None:
+    def _answer(self, posted: bool = True) -> None:
+        """Answer the owed turn: SEND, or once stopped LEAVE (its call was handed to the
+        transport, which may have posted it) / SKIP (``posted`` False: nothing was)."""
         import torch.distributed as dist
 
         if self.owed is not None:
-            dist.send(_flag(int(not self.stopped), self.device), dst=_glob(self.owed, self.group), group=self.group)
+            code = SEND if not self.stopped else LEAVE if posted else SKIP
+            dist.send(_flag(code, self.device), dst=_glob(self.owed, self.group), group=self.group)
             self.owed = None
 
     def __next__(self) -> tuple[Bucket, Tensor | None, bool]:
@@ -370,11 +383,11 @@ class PostInTurn:
                 self.stats["turn_seconds"] += time.perf_counter() - t0
                 self.owed = it.sender
                 if self.stopped:
-                    self._answer()
+                    self._answer(posted=False)
                     continue
                 if not ok.item():
                     self.stopped = True
-                    self._answer()
+                    self._answer(posted=False)
                     raise WeightSyncError(f"sender {it.sender} cannot send bucket {self.k} of the sync (its export or "
                                           f"group failed); nothing more is posted")
             it.bucket.group_name = sender_group_name(self.base, it.sender)
@@ -416,17 +429,20 @@ class SenderLink:
     def send(self, source: ShardSource, *, dtype: torch.dtype | None = None, group=None) -> dict[str, float]:
         """This rank's part of a sync (collective with every trainer rank): its pieces to their
         senders, its own buckets over its group. After a failure the walk goes on without
-        broadcasting (the other ranks' gathers complete), then the error is raised."""
+        broadcasting (the other ranks' gathers complete), then the error is raised. A
+        broadcast that fails after its call was posted, or a turn answered :data:`LEAVE`,
+        abandons the group at once (:meth:`abandon`)."""
         from moe_async.weight_sync.group import WeightSyncError, group_broadcast
 
         stats: dict[str, float] = {"turn_seconds": 0.0}
         err: BaseException | None = None
-        nbytes = 0
+        nbytes, k = 0, -1
         t0 = time.perf_counter()
         for it in source_sender_items(source, self.cfg.bucket_bytes, device=self.device, dtype=dtype, group=group,
                                       stats=stats):
             if it.flat is None:  # pragma: no cover - only global rank 0 sees other senders' buckets
                 continue
+            k += 1
             if err is None and it.error is not None:
                 err = WeightSyncError(f"sender {self.rank}: export failed: {it.error}")
             elif err is None and self.group is None:
@@ -434,18 +450,38 @@ class SenderLink:
             tt = time.perf_counter()
             go = ask_to_send(err is None, device=self.device, group=group)
             stats["turn_seconds"] += time.perf_counter() - tt
-            if go and err is None:
+            left = None
+            if go == LEAVE and self.group is not None:
+                left = "the sync was abandoned after its update call was posted"
+            elif go == SEND and err is None:
                 assert self.group is not None
                 try:
                     group_broadcast(self.group, it.flat, src=0)
                     nbytes += it.flat.numel()
-                except BaseException as e:  # noqa: BLE001 - raised after the walk
+                except Exception as e:  # noqa: BLE001 - raised after the walk
+                    left = f"its broadcast failed after its update call was posted: {type(e).__name__}: {e}"
+                    traceback.clear_frames(e.__traceback__)  # no frame keeps the group alive
+                except BaseException as e:  # noqa: BLE001 - raised after the walk, as itself
                     err = e
+                    traceback.clear_frames(e.__traceback__)
+                    left = "interrupted"
+            if left is not None:
+                self.abandon()
+                if err is None:
+                    err = WeightSyncError(f"sender {self.rank}, its bucket {k}: {one_line(left, 400)}; left its update "
+                                          f"group at once (an engine waiting in that broadcast fails now)")
             del it
         if err is not None:
             raise err
         return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0,
                 **{f"sync/export_{k}": v for k, v in stats.items()}}
+
+    def abandon(self) -> None:
+        """Leave the group at once after a failed or abandoned broadcast
+        (:meth:`~moe_async.weight_sync.membership.GroupMembership.abandon`: this side first, so an
+        engine waiting in the broadcast fails now on gloo); a re-form follows before the next sync."""
+        self.group = None
+        self.membership.abandon()
 
     def close(self) -> None:
         self.membership.leave()
@@ -467,9 +503,12 @@ def connect_senders(rank: int, world: int, store: Store | None, *, transport: We
                     key: str = "moe_async/sender_groups", timeout_s: float = 600.0) -> None:
     """Form every sender's update group in rank order (engines serve one join at a time:
     groups formed concurrently in different orders would wait on each other): rank 0 connects
-    ``transport`` (its group, turn 0), every other rank its ``link`` in its turn. ``store``:
-    shared by every trainer rank (e.g. the default process group's); ``key``: fresh per
-    connect. Raises GroupFormationError naming the first group that failed, on every later rank."""
+    ``transport`` (its group, turn 0), every other rank its ``link`` in its turn; then every
+    rank waits for the last turn. ``store``: shared by every trainer rank (e.g. the default
+    process group's); ``key``: fresh per connect. Raises GroupFormationError naming the first
+    group that failed, on every rank."""
+    import datetime
+
     from moe_async.weight_sync.membership import GroupFormationError, form_in_turn
 
     assert store is not None, "connect_senders: no store"
@@ -481,24 +520,35 @@ def connect_senders(rank: int, world: int, store: Store | None, *, transport: We
             store.set(f"{key}/0", f"group 0 failed: {e}")
             raise
         store.set(f"{key}/0", "ok")
-        return
-    assert link is not None
-    link.group = form_in_turn(link.membership, rank, world, store, key=key, timeout_s=timeout_s)
+    else:
+        assert link is not None
+        link.group = form_in_turn(link.membership, rank, world, store, key=key, timeout_s=timeout_s)
+    # a later group that failed fails the connect here too (each turn bounded by timeout_s)
+    store.wait([f"{key}/{world - 1}"], datetime.timedelta(seconds=timeout_s * world))
+    last = store.get(f"{key}/{world - 1}").decode()
+    if last != "ok":
+        raise GroupFormationError(f"update groups not formed: {last}")
 
 
 def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport: PackedSender | None = None,
-                      link: SenderLink | None = None, group=None, send: Callable[[PackedExport, int], R] | None = None) -> R | dict[str, float]:
+                      link: SenderLink | None = None, group=None, send: Callable[[PackedExport, int], R] | None = None
+                      ) -> R | dict[str, float] | SyncOutcome:
     """One sync from every rank (collective): rank 0 ``send(export, version)`` (default
     ``transport.send``) of :func:`sender_export`
     (pause, sessions, every bucket's update call, its own broadcasts, versioned last call,
     continue), every other rank ``link.send``. Every rank agrees on the outcome: the errors of
     all ranks are exchanged, and any one fails the sync on every rank (WeightSyncError naming
-    each failing rank). Returns this rank's metrics (rank 0: what ``send`` returned)."""
+    each failing rank), unless rank 0's ``send`` reported lost engines (a
+    :class:`~moe_async.weight_sync.outcome.SyncOutcome` not ``ok``, e.g. from
+    :func:`~moe_async.weight_sync.outcome.send_or_lost`): then every rank returns a SyncOutcome
+    naming them (their failure, not the sync's: the caller restarts them and re-forms the
+    groups), its ``error`` joining every rank's. Returns this rank's metrics (rank 0: what
+    ``send`` returned)."""
     import torch.distributed as dist
 
-    from moe_async.errors import one_line
     from moe_async.weight_sync.group import WeightSyncError
-    out: R | dict[str, float] = {}
+    from moe_async.weight_sync.outcome import SyncOutcome
+    out: R | dict[str, float] | SyncOutcome = {}
     err: str | None = None
     try:
         if rank == 0:
@@ -513,12 +563,20 @@ def sync_from_senders(rank: int, source: ShardSource, version: int, *, transport
             out = link.send(source, group=group)
     except Exception as e:  # noqa: BLE001 - agreed on below
         err = f"rank {rank}: {type(e).__name__}: {one_line(str(e))}"
-    errs: list = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
-    if len(errs) > 1:
-        dist.all_gather_object(errs, err, group=group)
+    lost = list(out.lost) if isinstance(out, SyncOutcome) and not out.ok else []
+    if isinstance(out, SyncOutcome) and out.error:
+        err = f"rank {rank}: {one_line(out.error)}"
+    mine = (err, lost)
+    got: list = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
+    if len(got) > 1:
+        dist.all_gather_object(got, mine, group=group)
     else:
-        errs = [err]
-    bad = [e for e in errs if e]
+        got = [mine]
+    bad = [e for e, _ in got if e]
+    lost = got[0][1]
+    if lost:  # as the 1-sender path (send_or_lost): reported, every rank alike
+        metrics = out.metrics if isinstance(out, SyncOutcome) else {}
+        return SyncOutcome(metrics, list(lost), "; ".join(bad))
     if bad:
         raise WeightSyncError("weight sync failed on " + "; ".join(bad))
     return out

@@ -113,9 +113,7 @@ class BroadcastTransport(WeightTransport):
 
     def __init__(
         self,
-        clients: Sequence[WeightReceiver],
-        cfg: WeightSyncConfig,
-        *,
+        clients: Sequence[WeightReceiver], cfg: WeightSyncConfig, *,
         pause_mode: str = "abort",
         ranks_per_engine: int | Sequence[int] = 1,
         master_address: str = "127.0.0.1",
@@ -472,6 +470,10 @@ class BroadcastTransport(WeightTransport):
             ack_s = time.perf_counter() - ta
         except BaseException:
             failed = True
+            if broadcasting:  # the group failed (a peer gone): abandoned before any reply is awaited, so an
+                log.warning("weight sync: a broadcast failed; abandoning the update group (connect() again)")
+                self.group = None  # engine waiting in that broadcast fails now (gloo), not at its timeout
+                self.membership.abandon()
             if streamed and buckets is not None and not exported:
                 _drain(buckets)  # the other ranks' gathers complete: no rank left in a collective
             deadline = time.monotonic() + self.cfg.timeout_s  # one bound for all replies
@@ -480,9 +482,6 @@ class BroadcastTransport(WeightTransport):
                     f.result(timeout=max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - the original error is what propagates
                     pass
-            if broadcasting:  # the group itself failed (a peer gone): it cannot be reused
-                log.warning("weight sync: a broadcast failed; leaving the update group (connect() again)")
-                self.close()
             if begins and not ends:
                 # abandoned before its last bucket (e.g. the exporter raised, an engine died):
                 # closing the sessions makes the engines drop what they staged (embedded

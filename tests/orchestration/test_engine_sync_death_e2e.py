@@ -45,10 +45,14 @@ def _kill_when_stalled(stall_dir: Path, proc: subprocess.Popen, out: dict) -> No
 # synced end to end (test_engine_recovery_e2e.py); an engine lost during the step sync is
 # test_engine_recovery.py::test_engine_lost_during_the_step_sync_recovered_without_failing
 @pytest.mark.slow
-def test_engine_killed_during_a_weight_sync_is_recovered_and_run_completes(tmp_path):
+@pytest.mark.parametrize("senders", [(), ("trainer.world_size=2", "weight_sync.senders=all")],
+                         ids=["one_sender", "every_rank_sends"])
+def test_engine_killed_during_a_weight_sync_is_recovered_and_run_completes(tmp_path, senders):
     stall, out_dir, tag = tmp_path / "stall", tmp_path / "runs", f"syncdeath-{os.getpid()}"
-    # the 2nd update call (bucket) of the sync from version 2 to 3: mid-sync
-    proc, watchdog = launch_train(out_dir, tag, "num_steps=6", "engine.num_engines=2",
+    # the 2nd update call (bucket) of the sync from version 2 to 3: mid-sync (every_rank_sends:
+    # that sync fails on every rank, which agree on the lost engine; each rank's SenderGroups
+    # forms every sender's group again, fresh names, for the recovery's sync)
+    proc, watchdog = launch_train(out_dir, tag, "num_steps=6", "engine.num_engines=2", *senders,
                                   MOE_ASYNC_ENGINE_SYNC_STALL=f"2:2:{stall}")
     kill: dict = {}
     killer = threading.Thread(target=_kill_when_stalled, args=(stall, proc, kill), daemon=True)

@@ -233,7 +233,17 @@ class _Posting:
         return {"sync/buckets": float(n)}
 
 
-def _agree(rank, port, q):
+def _lost_send(export, version):
+    """Rank 0's ``send_or_lost`` stand-in: the walk fails, and engine e1 no longer answers."""
+    from moe_async.weight_sync.outcome import SyncOutcome
+
+    try:
+        return _Posting().send(export, version)
+    except Exception as e:  # noqa: BLE001
+        return SyncOutcome({"sync/engines_lost": 1.0}, ["http://e1"], f"{type(e).__name__}: {e}")
+
+
+def _agree(rank, port, q, lost=False):
     import torch.distributed as dist
 
     from moe_async.weight_sync.config import WeightSyncConfig
@@ -245,15 +255,16 @@ def _agree(rank, port, q):
         # rank 1's link never formed its group: its broadcasts fail, its pieces still reach rank 0
         link = None if rank == 0 else SenderLink([], WeightSyncConfig(bucket_bytes=96, backend="gloo"), rank=1)
         try:
-            sync_from_senders(rank, _Source(rank), 1, transport=_Posting() if rank == 0 else None, link=link)
-            q.put((rank, "no error"))
+            out = sync_from_senders(rank, _Source(rank), 1, transport=_Posting() if rank == 0 else None, link=link,
+                                    send=_lost_send if lost else None)
+            q.put((rank, f"no error: {out!r}"))
         except Exception as e:  # noqa: BLE001
             q.put((rank, f"{type(e).__name__}: {e}"))
     finally:
         dist.destroy_process_group()
 
 
-def test_one_failing_sender_fails_the_sync_on_every_rank():
+def _two(lost=False) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -261,12 +272,25 @@ def test_one_failing_sender_fails_the_sync_on_every_rank():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_agree, args=(r, port, q)) for r in (0, 1)]
+    procs = [ctx.Process(target=_agree, args=(r, port, q, lost)) for r in (0, 1)]
     for p in procs:
         p.start()
     res = dict(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
+    return res
+
+
+def test_an_engine_lost_on_rank_0_is_every_ranks_outcome_not_an_error():
+    res = _two(lost=True)
+    for r in (0, 1):  # as send_or_lost on one sender: reported (the caller recovers), on every rank alike
+        assert res[r].startswith("no error: SyncOutcome(metrics="), res
+        assert "lost=['http://e1']" in res[r] and "rank 1: RuntimeError: sender 1: no update group" in res[r], res
+    assert "'sync/engines_lost': 1.0" in res[0] and "metrics={}" in res[1]
+
+
+def test_one_failing_sender_fails_the_sync_on_every_rank():
+    res = _two()
     for r in (0, 1):  # both ranks fail, naming rank 1's error; rank 0 posted nothing of rank 1's (told in turn)
         assert res[r].startswith("WeightSyncError: weight sync failed on rank 0: WeightSyncError: sender 1 cannot "
                                  "send bucket 1 of the sync"), res

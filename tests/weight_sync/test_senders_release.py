@@ -1,8 +1,11 @@
 """Several senders into a real embedded engine (2 gloo processes, synthetic shards of the
-engine's own HF tensors: no Megatron): a sender that fails mid-sync ends the update on the
-engine at once (no wait for the failed sender's broadcast until the group's timeout), the
-engine keeps the previous version's weights, the groups are torn down in the fixed order and
-formed again, and the next sync equals the trainer's tensors."""
+engine's own HF tensors: no Megatron), through each rank's SenderGroups: a sender that fails
+mid-sync ends the update on the engine at once (no wait for the failed sender's broadcast until
+the group's timeout), and so does a sender whose broadcast fails after its update call was
+posted (the engine already waits in it: the sender abandons its group, so the engine's receive
+ends at once, not at its 600 s group timeout); the engine keeps the previous version's weights;
+every group is formed again in the fixed order, under fresh names, before the next sync, which
+equals the trainer's tensors."""
 
 from __future__ import annotations
 
@@ -59,74 +62,89 @@ class _Source:
         return False
 
 
+def _destroy_reply(client, name: str) -> str:
+    try:
+        return f"destroyed: {client.destroy_weights_update_group(group_name=name)}"
+    except Exception as e:  # noqa: BLE001 - the engine's 400
+        return str(e)
+
+
 def _run(rank, port, url, model_dir, q):
+    """Sync 1 goes through; in sync 2 rank 1's split of a tensor in the middle of its buckets
+    raises; in syncs 3 and 4 rank 1's broadcast raises (no byte sent) at its bucket 1, then at
+    its last one, each after rank 0 posted that bucket's call; sync 5 goes through."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
     from moe_async.engines.client import SyncEngineClient
     from moe_async.models.checksum import tensor_checksum
+    from moe_async.weight_sync import group as group_mod
     from moe_async.weight_sync import senders
     from moe_async.weight_sync.config import WeightSyncConfig
+    from moe_async.weight_sync.sender_groups import SenderGroups
     from moe_async.weight_sync.transport import BroadcastTransport, check_engines
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    out: dict = {}
+    out: dict = {"failed_s": [], "errors": [], "after": []}
     client = SyncEngineClient(url, timeout_s=120)
     cfg = WeightSyncConfig(bucket_bytes=16 * 1024, backend="gloo", timeout_s=T)
-    store = _get_default_store()
 
-    def connect(key):
-        tr = BroadcastTransport([client], cfg, pause_mode="in_place") if rank == 0 else None
-        link = senders.SenderLink([client], cfg, rank=1) if rank == 1 else None
-        senders.connect_senders(rank, 2, store, transport=tr, link=link, key=key)
-        return tr, link
+    def make(name):
+        return BroadcastTransport([client], cfg, pause_mode="in_place", group_name=name) if rank == 0 else \
+            senders.SenderLink([client], cfg, rank=1, group_name=name)
 
-    def teardown(tr, link):  # the formation order's reverse: rank 1's group first
-        for r in (1, 0):
-            if r == rank:
-                if tr is not None:
-                    tr.shutdown()
-                if link is not None:
-                    link.close()
-            dist.barrier()
+    real = group_mod.group_broadcast
+    calls = {"n": 0, "fail_at": None}
 
-    def sums(v):
-        return {n: tensor_checksum(t) for n, t in _tensors(model_dir, v).items()}
+    def flaky(group, tensor, src=0):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("injected: the link broke mid-broadcast")
+        return real(group, tensor, src)
 
+    group_mod.group_broadcast = flaky
     try:
-        tr, link = connect("release/1")
+        g = SenderGroups(rank, 2, _get_default_store(), make, base="release", key="release", timeout_s=T)
         box = [int(client.weights_checksum()["weight_version"]) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         base = box[0]
-        senders.sync_from_senders(rank, _Source(model_dir, rank, 1), base + 1, transport=tr, link=link)
-        if rank == 0:
-            check_engines([client], sums(1), base + 1)
-            out["before"] = client.weights_checksum()
+        g.sync(_Source(model_dir, rank, 1), base + 1)
         (plan,) = senders._PLANS.values()
         mine = [p.hf_name for b in plan.plans[1].buckets for p in b]
+        n1 = len(plan.plans[1].buckets)
+        if rank == 0:
+            out["before"] = client.weights_checksum()
         fail = mine[len(mine) // 2] if rank == 1 else None  # a tensor in the middle of rank 1's buckets
-        t0 = time.perf_counter()
-        try:
-            senders.sync_from_senders(rank, _Source(model_dir, rank, 2, fail), base + 2, transport=tr, link=link)
-            out["error"] = None
-        except Exception as e:  # noqa: BLE001
-            out["error"] = f"{type(e).__name__}: {e}"
-        out["failed_s"] = time.perf_counter() - t0
+        for v, split, at in ((2, fail, None), (3, None, 2), (4, None, n1)):
+            calls.update(n=0, fail_at=at if rank == 1 else None)
+            t0 = time.perf_counter()
+            try:
+                g.sync(_Source(model_dir, rank, v, split), base + v)
+                out["errors"].append(None)
+            except Exception as e:  # noqa: BLE001
+                out["errors"].append(f"{type(e).__name__}: {e}")
+            out["failed_s"].append(time.perf_counter() - t0)
+            if rank == 0:
+                out["after"].append(client.weights_checksum())
+        calls.update(n=0, fail_at=None)
+        old = [g.name(n) for n in range(g.connects)]
+        g.sync(_Source(model_dir, rank, 5), base + 5)  # formed again first, under fresh names
         if rank == 0:
-            out["after_failed"] = client.weights_checksum()
-        teardown(tr, link)
-        tr, link = connect("release/2")  # formed again, in order
-        senders.sync_from_senders(rank, _Source(model_dir, rank, 2), base + 3, transport=tr, link=link)
-        if rank == 0:
-            out["next_check"] = check_engines([client], sums(2), base + 3)
-        teardown(tr, link)
-        out["base"], out["n_mine"] = base, len(mine)
+            sums = {n: tensor_checksum(t) for n, t in _tensors(model_dir, 5).items()}
+            out["next_check"] = check_engines([client], sums, base + 5)
+            names = [n for o in old for n in (o, senders.sender_group_name(o, 1))]
+            out["old_groups"] = {n: _destroy_reply(client, n) for n in names}
+        out.update(base=base, n1=n1, connects=g.connects)
+        dist.barrier()
+        g.close()
         buf = io.BytesIO()
         torch.save(out, buf)
         q.put((rank, buf.getvalue()))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, repr(e)))
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        q.put((rank, traceback.format_exc()))
     finally:
         client.close()
         dist.destroy_process_group()
@@ -145,7 +163,7 @@ def test_a_failing_sender_ends_the_engines_update_at_once_and_the_next_sync_goes
     for p in procs:
         p.start()
     try:
-        res = dict(q.get(timeout=4 * T) for _ in procs)
+        res = dict(q.get(timeout=6 * T) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -153,11 +171,18 @@ def test_a_failing_sender_ends_the_engines_update_at_once_and_the_next_sync_goes
                 p.kill()
     assert all(isinstance(r, bytes) for r in res.values()), res
     r0, r1 = (torch.load(io.BytesIO(res[r])) for r in (0, 1))
-    assert r1["n_mine"] >= 3  # rank 1 sends several buckets: the failure is mid-sync
-    for r in (r0, r1):  # every rank fails, naming rank 1's injected error, far below the group timeout
-        assert r["error"] and "rank 1: WeightSyncError: sender 1: export failed: ValueError: injected" in r["error"]
-        assert r["failed_s"] < T / 4, r["failed_s"]
-    before, after = r0["before"], r0["after_failed"]
-    assert int(after["weight_version"]) == r0["base"] + 1  # still the previous version, not half-updated
-    assert after["checksums"] == before["checksums"]
-    assert r0["next_check"]["sync/check_tensors"] == len(before["checksums"])  # the next sync equals the trainer's
+    assert r1["n1"] >= 3  # rank 1 sends several buckets: each failure is mid-sync
+    for r in (r0, r1):  # every rank fails naming rank 1's error, far below the group's timeout
+        split, *broken = r["errors"]
+        assert split and "rank 1: WeightSyncError: sender 1: export failed: ValueError: injected" in split, split
+        for e in broken:
+            assert e and "rank 1: WeightSyncError: sender 1, its bucket" in e and "injected: the link broke" in e, e
+        assert max(r["failed_s"]) < T / 4, r["failed_s"]
+        assert r["connects"] == 4  # the first connect, then one before each sync after a failure
+    for after in r0["after"]:  # the engine kept the previous version's weights: nothing half-applied
+        assert int(after["weight_version"]) == r0["base"] + 1
+        assert after["checksums"] == r0["before"]["checksums"]
+    assert r0["next_check"]["sync/check_tensors"] == len(r0["before"]["checksums"])  # equals the trainer's
+    # every earlier connect's groups are gone from the engine (left or abandoned, then destroyed)
+    assert len(r0["old_groups"]) == 6 and all(rep.endswith("HTTP 400: The group to be destroyed does not exist.")
+                                              for rep in r0["old_groups"].values()), r0["old_groups"]

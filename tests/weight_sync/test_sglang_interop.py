@@ -256,3 +256,47 @@ def test_a_second_senders_group_into_sglang_receivers(engines):
     finally:
         tr.shutdown()
         link.close()
+
+
+def test_a_senders_group_abandoned_mid_broadcast_ends_sglangs_receive_at_once(engines):
+    """Another sender's bucket is posted and SGLang's ``receive_weights_from_distributed`` waits
+    in its broadcast (the TP1 engine: a direct child of the sender in gloo's broadcast tree);
+    that sender abandons its group instead of broadcasting (its broadcast failed): the update
+    call fails within seconds naming the closed connection (the group's timeout: 20 s here),
+    and the engine does not take the version."""
+    from moe_async.weight_sync.bucket import Bucket
+    from moe_async.weight_sync.group import WeightSyncError
+    from moe_async.weight_sync.membership import form_in_order
+    from moe_async.weight_sync.senders import SenderLink
+    from moe_async.weight_sync.stream_export import PackedExport
+    from moe_async.weight_sync.transport import BroadcastTransport
+
+    eng = engines[0]
+    eng.wait_idle()
+    version = eng.version
+    tr = BroadcastTransport([eng], _cfg(timeout_s=60), group_name="gone")
+    link = SenderLink([eng], _cfg(timeout_s=60), rank=1, group_name="gone")
+    try:
+        form_in_order([tr.membership, link.membership])
+        tr.group, link.group = tr.membership.group, link.membership.group
+        own, other = _tensors(30, "s0"), _tensors(31, "s1")
+        b0 = Bucket(names=list(own), tensors=list(own.values()), nbytes=sum(t.nbytes for t in own.values()))
+        b1 = Bucket(names=list(other), tensors=list(other.values()), nbytes=sum(t.nbytes for t in other.values()),
+                    group_name=link.group_name)
+        gone = threading.Timer(1.0, link.abandon)  # once the engine waits in that broadcast
+
+        def items(bucket_bytes, *, stats, **kw):
+            stats.update(pack_seconds=0.0, wait_seconds=0.0)
+            yield b0, b0.flatten(), False
+            gone.start()
+            yield b1, None, True
+
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="update_weights_from_distributed failed: .*Connection closed by peer"):
+            tr.send(PackedExport(items), 9)
+        gone.join(30)
+        assert time.monotonic() - t0 < 8, time.monotonic() - t0
+        assert eng.version == version
+    finally:
+        tr.shutdown()
+        link.close()
