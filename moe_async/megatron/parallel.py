@@ -14,6 +14,7 @@ import functools
 import math
 import os
 
+from moe_async.compat import no_device_scope
 from moe_async.layout import ParallelLayout
 from moe_async.net import free_port
 
@@ -168,27 +169,6 @@ def parallel_layout(tp: int, pp: int, ep: int):
         ps.destroy_model_parallel()
         if own_pg:
             destroy_process_groups()
-
-
-@contextlib.contextmanager
-def no_device_scope():
-    """Suspend the CPU compat layer's ``CudaToCpuMode`` (when it is the innermost torch
-    function mode) for code that only moves CPU tensors and never names a CUDA device: the
-    mode costs a Python call on every torch op and tensor attribute (``.shape``,
-    ``.data_ptr()``), ~15k of them per conversion of a 4-layer MoE. No-op otherwise (CUDA,
-    no mode, or another mode on top)."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    from moe_async.compat import CudaToCpuMode
-
-    stack = _get_current_function_mode_stack()
-    if not stack or not isinstance(stack[-1], CudaToCpuMode):
-        yield
-        return
-    from torch.overrides import _pop_mode_temporarily
-
-    with _pop_mode_temporarily():
-        yield
 
 
 def cpu_tensors_only(fn):
