@@ -14,7 +14,6 @@ import functools
 import math
 import os
 
-from moe_async.compat import no_device_scope
 from moe_async.layout import ParallelLayout
 from moe_async.net import free_port
 
@@ -176,6 +175,8 @@ def cpu_tensors_only(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from moe_async.compat import no_device_scope  # imports torch: not at this module's import
+
         with no_device_scope():
             return fn(*args, **kwargs)
 

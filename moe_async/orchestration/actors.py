@@ -290,18 +290,15 @@ class TrainerActor:
         from moe_async.weight_sync.lora_sync import AdapterVersions, sync_adapter
 
         t0 = time.perf_counter()
-        if getattr(self, "_adapters", None) is None:
-            self._adapters = AdapterVersions(base="policy", max_staleness=self.cfg.async_.max_staleness)
-            self._adapter_buffers = AdapterBuffers()  # shared-memory buffers reused across syncs
-        # rank 0 writes the adapter straight into the next buffer it sends
-        tensors, config = self._trainer.export_lora(
-            with_config=True, out=self._adapter_buffers.destination if self.rank == 0 else None)
+        if getattr(self, "_adapters", None) is None:  # the engines' versions; shared-memory buffers kept across syncs
+            self._adapters = (AdapterVersions(base="policy", max_staleness=self.cfg.async_.max_staleness), AdapterBuffers())
+        versions, buffers = self._adapters  # rank 0 exports straight into the next buffer it sends
+        tensors, config = self._trainer.export_lora(with_config=True, out=buffers.destination if self.rank == 0 else None)
         version = self._trainer.version
         if self.rank != 0:
             return {}
         assert self.transport is not None, "connect_engines() first"
-        out = sync_adapter(self._transport.clients, self._adapters, version, tensors, config,
-                           buffers=self._adapter_buffers)
+        out = sync_adapter(self._transport.clients, versions, version, tensors, config, buffers=buffers)
         return {"sync/bytes": float(out["bytes"]), "sync/seconds": time.perf_counter() - t0,
                 "sync/pause_seconds": 0.0, "sync/adapter_unloaded": float(len(out["unloaded"]))}
 

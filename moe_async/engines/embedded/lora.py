@@ -11,12 +11,9 @@ eager per-expert loop that adds each token's adapter to ``gate_up`` and ``down``
 
 Versions: an adapter is held by each request that uses it (:meth:`acquire` / :meth:`release`);
 :meth:`unload` of a held adapter only marks it, and it leaves when its last request finishes,
-so an unload never waits for (or aborts) a request in flight.
-
-Memory: a loaded adapter owns one flat buffer (:attr:`EngineAdapter.storage`: the received
-bytes copied once; its tensors are views of it, the experts' ``B`` a strided view of PEFT's
-layout); the buffer of an adapter that left (no request holds it) is reused by the next load of
-the same size (:meth:`EngineLora.buffer`), so a load writes into memory the process already has.
+so an unload never waits for (or aborts) a request in flight. A loaded adapter's tensors view
+one flat buffer (:attr:`EngineAdapter.storage`), reused by a later load once it left
+(:meth:`EngineLora.buffer`): a load writes into pages the process has already.
 """
 
 from __future__ import annotations
