@@ -66,11 +66,62 @@ def test_bad_config_values_refused_naming_the_field(adapter, field, value, messa
         parse_peft("bad", dict(config, **{field: value}), tensors, model, torch.float32)
 
 
-def test_non_finite_tensor_refused_naming_it(adapter):
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_tensor_refused_naming_it(adapter, value):
+    """Separate tensors, and one received bucket (every tensor a view of one buffer, checked in
+    one pass): NaN and +-inf anywhere are refused, naming the tensor."""
+    from moe_async.engines.embedded.lora_routes import decode_adapter_tensors
+    from moe_async.weight_sync.lora_sync import lora_bucket_entries
+
     config, tensors, model = adapter
-    key = sorted(k for k in tensors if "lora_A" in k)[0]
-    bad = dict(tensors)
-    bad[key] = tensors[key].clone()
-    bad[key].view(-1)[0] = float("nan")
-    with pytest.raises(LoraError, match="non-finite"):
-        parse_peft("bad", config, bad, model, torch.float32)
+    key = sorted(k for k in tensors if "lora_B" in k)[-1]
+    bad = {k: v.clone() for k, v in tensors.items()}
+    bad[key].view(-1)[-1] = value
+    entries, _flat = lora_bucket_entries(bad)
+    bucket, _storage = decode_adapter_tensors(entries[0], "flattened_bucket")
+    for ts in (bad, bucket):
+        with pytest.raises(LoraError, match=f"tensor {key.replace('.', '[.]')} holds non-finite values"):
+            parse_peft("bad", config, ts, model, torch.float32)
+    parse_peft("good", config, decode_adapter_tensors(lora_bucket_entries(tensors)[0][0], "flattened_bucket")[0],
+               model, torch.float32)
+
+
+def test_received_adapter_is_a_copy_in_a_buffer_reused_once_no_request_holds_it(adapter):
+    """The engine copies a bucket once into a buffer of its own (the sender may rewrite its
+    memory after the reply); the buffer of an adapter that left serves the next load, never
+    while a request still runs on it."""
+    from moe_async.engines.embedded.lora import EngineLora
+    from moe_async.engines.embedded.lora_routes import decode_adapter_tensors
+    from moe_async.weight_sync.lora_sync import lora_bucket_entries
+
+    config, tensors, model = adapter
+    lora = EngineLora(model)
+    entries, flat = lora_bucket_entries(tensors)
+
+    def load(name: str) -> torch.Tensor:
+        ts, storage = decode_adapter_tensors(entries[0], "flattened_bucket", lora.buffer)
+        ad = parse_peft(name, config, ts, model, torch.float32, lora.modules)
+        assert storage is not None and ad.views(storage) and storage.numel() == flat.numel()
+        ad.storage = storage
+        lora.load(ad)
+        return storage
+
+    s1 = load("v1")
+    lora.acquire("v1")  # a request runs on v1
+    assert lora.unload("v1") is False  # marked; leaves with its request
+    s2 = load("v2")
+    assert s2.data_ptr() != s1.data_ptr()
+    lora.release("v1")  # v1's last request ended
+    assert lora.unload("v2") is True
+    s3 = load("v3")
+    assert s3.data_ptr() in (s1.data_ptr(), s2.data_ptr())
+    flat.fill_(0)  # the sender reuses its buffer
+    ad = lora.adapters["v3"]
+    path, (A, B) = sorted(ad.linear.items())[0]
+    assert torch.equal(A, tensors[f"base_model.model.{path}.lora_A.weight"])
+    assert torch.equal(B, tensors[f"base_model.model.{path}.lora_B.weight"])
+    epath, by = sorted(ad.experts.items())[0]
+    A, B = by["down_proj"]
+    E, r = A.shape[:2]
+    peft_b = [v for k, v in tensors.items() if k.startswith(f"base_model.model.{epath}.lora_B")]
+    assert any(torch.equal(B.permute(1, 2, 0).reshape(B.shape[1], r * E), v) for v in peft_b)
