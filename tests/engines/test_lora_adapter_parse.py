@@ -86,10 +86,11 @@ def test_non_finite_tensor_refused_naming_it(adapter, value):
                model, torch.float32)
 
 
-def test_received_adapter_is_a_copy_in_a_buffer_reused_once_no_request_holds_it(adapter):
-    """The engine copies a bucket once into a buffer of its own (the sender may rewrite its
-    memory after the reply); the buffer of an adapter that left serves the next load, never
-    while a request still runs on it."""
+def test_received_adapter_views_the_sender_until_unloaded_then_a_held_one_is_copied(adapter):
+    """A received bucket is not copied: the adapter views the sender's shared memory (as SGLang
+    keeps the tensors it is given). An unload while a request still holds the adapter copies it
+    out first (the sender may rewrite its memory once the unload answered); an unload of an
+    adapter no request holds just drops it."""
     from moe_async.engines.embedded.lora import EngineLora
     from moe_async.engines.embedded.lora_routes import decode_adapter_tensors
     from moe_async.weight_sync.lora_sync import lora_bucket_entries
@@ -98,30 +99,26 @@ def test_received_adapter_is_a_copy_in_a_buffer_reused_once_no_request_holds_it(
     lora = EngineLora(model)
     entries, flat = lora_bucket_entries(tensors)
 
-    def load(name: str) -> torch.Tensor:
-        ts, storage = decode_adapter_tensors(entries[0], "flattened_bucket", lora.buffer)
+    def load(name: str):
+        ts, bucket = decode_adapter_tensors(entries[0], "flattened_bucket")
         ad = parse_peft(name, config, ts, model, torch.float32, lora.modules)
-        assert storage is not None and ad.views(storage) and storage.numel() == flat.numel()
-        ad.storage = storage
+        assert bucket is not None and ad.views(bucket) and ad.views(flat)  # the sender's memory itself
+        ad.sender = bucket
         lora.load(ad)
-        return storage
+        return ad
 
-    s1 = load("v1")
+    v1, v2 = load("v1"), load("v2")
     lora.acquire("v1")  # a request runs on v1
-    assert lora.unload("v1") is False  # marked; leaves with its request
-    s2 = load("v2")
-    assert s2.data_ptr() != s1.data_ptr()
-    lora.release("v1")  # v1's last request ended
-    assert lora.unload("v2") is True
-    s3 = load("v3")
-    assert s3.data_ptr() in (s1.data_ptr(), s2.data_ptr())
+    assert lora.unload("v1") is False and not v1.views(flat) and v1.sender is None  # copied out
+    assert lora.unload("v2") is True and "v2" not in lora.adapters
     flat.fill_(0)  # the sender reuses its buffer
-    ad = lora.adapters["v3"]
-    path, (A, B) = sorted(ad.linear.items())[0]
+    path, (A, B) = sorted(v1.linear.items())[0]
     assert torch.equal(A, tensors[f"base_model.model.{path}.lora_A.weight"])
     assert torch.equal(B, tensors[f"base_model.model.{path}.lora_B.weight"])
-    epath, by = sorted(ad.experts.items())[0]
+    epath, by = sorted(v1.experts.items())[0]
     A, B = by["down_proj"]
     E, r = A.shape[:2]
     peft_b = [v for k, v in tensors.items() if k.startswith(f"base_model.model.{epath}.lora_B")]
     assert any(torch.equal(B.permute(1, 2, 0).reshape(B.shape[1], r * E), v) for v in peft_b)
+    lora.release("v1")  # its last request ended: gone
+    assert lora.adapters == {}

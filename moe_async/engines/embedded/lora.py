@@ -11,9 +11,10 @@ eager per-expert loop that adds each token's adapter to ``gate_up`` and ``down``
 
 Versions: an adapter is held by each request that uses it (:meth:`acquire` / :meth:`release`);
 :meth:`unload` of a held adapter only marks it, and it leaves when its last request finishes,
-so an unload never waits for (or aborts) a request in flight. A loaded adapter's tensors view
-one flat buffer (:attr:`EngineAdapter.storage`), reused by a later load once it left
-(:meth:`EngineLora.buffer`): a load writes into pages the process has already.
+so an unload never waits for (or aborts) a request in flight. A received bucket is not copied:
+the adapter's tensors view the sender's shared memory (:attr:`EngineAdapter.sender`), as
+SGLang's keep the tensors they were given, until the adapter is unloaded; one unloaded while
+requests still hold it is first copied out of that memory (the sender may reuse it then).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class EngineAdapter:
     experts: dict[str, dict[str, tuple[Tensor, Tensor]]] = field(default_factory=dict)
     holders: int = 0
     unloading: bool = False
-    #: the flat uint8 buffer the tensors view (reused once the adapter left), or None
-    storage: Tensor | None = None
+    #: the sender's bucket (shared memory) the tensors view, or None: theirs until unloaded
+    sender: Tensor | None = None
 
     def views(self, buf: Tensor) -> bool:
         """Some tensor of the adapter lies in ``buf``'s storage."""
@@ -183,9 +184,9 @@ def _fits_expert(W: object, A: Tensor, B: Tensor, r: int) -> bool:
     return tuple(A.shape) == (E * r, inn) and tuple(B.shape) == (out, r * E)
 
 
-#: flat buffers of adapters that left, kept for the next loads (a sync loads one version and
-#: unloads one: one is reused each time)
-MAX_SPARE_BUFFERS = 2
+#: senders' buckets kept mapped after their adapters left (the adapter sync cycles through
+#: max_staleness + 2 buffers)
+MAX_MAPPED = 4
 
 
 class EngineLora:
@@ -201,34 +202,19 @@ class EngineLora:
         self.rows: list[str | None] = []  # the current forward's adapter per batch row
         self._hooked: set[str] = set()
         self.modules = dict(model.named_modules())
-        self._spare: list[Tensor] = []
+        self._mapped: list[Tensor] = []
         self._lock = threading.Lock()
 
-    def buffer(self, nbytes: int) -> Tensor:
-        """A flat ``uint8`` buffer of ``nbytes`` for a load to copy an adapter into: the buffer
-        of an adapter that left, if one has that size (its pages already mapped), else a new one."""
+    def keep_mapped(self, bucket: Tensor) -> None:
+        """Hold the sender's ``bucket`` (the last :data:`MAX_MAPPED`): its shared memory stays
+        mapped after its adapter left, so a sender that sends the same segment again (reused
+        buffers) is read without a page fault per page, and an unload unmaps nothing."""
         with self._lock:
-            for i, b in enumerate(self._spare):
-                if b.numel() == nbytes:
-                    return self._spare.pop(i)
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def recycle(self, buf: Tensor | None) -> None:
-        """Keep ``buf`` (no adapter uses it any more) for :meth:`buffer`."""
-        if buf is None:
-            return
-        with self._lock:
-            self._spare = [*self._spare, buf][-MAX_SPARE_BUFFERS:]
+            self._mapped = [*(m for m in self._mapped if m.data_ptr() != bucket.data_ptr()), bucket][-MAX_MAPPED:]
 
     def hooked(self, ad: EngineAdapter) -> bool:
         """Every module ``ad`` adapts has its hook already (a :meth:`load` adds none)."""
         return all(p in self._hooked for p in (*ad.linear, *ad.experts))
-
-    def _remove(self, name: str) -> None:
-        """Drop ``name`` (no request holds it); its buffer is kept for the next load. Lock held."""
-        ad = self.adapters.pop(name)
-        if ad.storage is not None:
-            self._spare = [*self._spare, ad.storage][-MAX_SPARE_BUFFERS:]
 
     # -------------------------------------------------------------- registry
     def load(self, ad: EngineAdapter) -> None:
@@ -245,16 +231,22 @@ class EngineLora:
             self.adapters[ad.name] = ad
 
     def unload(self, name: str) -> bool:
-        """Remove ``name`` now if no request holds it (True), else when the last one finishes (False).
-        Raises LoraError if it is not loaded."""
+        """Remove ``name`` now if no request holds it (True), else when the last one finishes
+        (False; an adapter in a sender's memory is first copied out of it: a forward already
+        running may still read the old tensors, so the caller lets it end before the sender
+        is told). Raises LoraError if it is not loaded."""
         with self._lock:
             ad = self.adapters.get(name)
             if ad is None or ad.unloading:
                 raise LoraError(f"The LoRA adapter {name!r} is not loaded")
             if ad.holders:
+                if ad.sender is not None:
+                    ad.linear = {p: (A.clone(), B.clone()) for p, (A, B) in ad.linear.items()}
+                    ad.experts = {p: {q: (A.clone(), B.clone()) for q, (A, B) in d.items()} for p, d in ad.experts.items()}
+                    ad.sender = None
                 ad.unloading = True
                 return False
-            self._remove(name)
+            del self.adapters[name]
             return True
 
     def acquire(self, name: str) -> None:
@@ -273,7 +265,7 @@ class EngineLora:
                 return
             ad.holders -= 1
             if ad.unloading and ad.holders <= 0:
-                self._remove(name)
+                del self.adapters[name]
 
     @staticmethod
     def version_of(name: str) -> str:
