@@ -130,4 +130,4 @@ def sync_adapter(clients: Sequence[WeightReceiver], versions: AdapterVersions, v
                 if getattr(e, "status_code", None) != 400 or "not loaded" not in str(e):
                     raise
     buffers.release(unloaded)
-    return {"name": name, "bytes": adapter_bytes(tensors, dtype), "unloaded": unloaded}
+    return {"name": name, "bytes": buf.nbytes, "unloaded": unloaded}  # = adapter_bytes(tensors, dtype)
