@@ -18,7 +18,7 @@ import io
 import pickle
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from fastapi import APIRouter
@@ -120,12 +120,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         return v
 
 
-def decode_named_tensors(entry: str, load_format: str | None,
-                         into: Callable[[int], torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+def decode_named_tensors(entry: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs of one ``serialized_named_tensors`` entry (``docs/design/engines.md``).
-    With ``into`` a flattened bucket's bytes are first copied (one copy) into ``into(nbytes)``
-    (a 1-D ``uint8`` tensor of that size) and the tensors are views of that copy; else they
-    are views of the sender's memory.
 
     Raises:
         ValueError: not base64, not a payload of ``load_format``, a global not allowed, a
@@ -149,10 +145,6 @@ def decode_named_tensors(entry: str, load_format: str | None,
         flat = obj["flattened_tensor"]
         if flat.dtype != torch.uint8 or flat.dim() != 1:
             raise ValueError(f"flattened_tensor must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
-        if into is not None:
-            own = into(flat.numel())
-            own.copy_(flat)
-            flat = own
         out = []
         for m in obj["metadata"]:
             try:
