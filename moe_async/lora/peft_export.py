@@ -19,7 +19,7 @@ import contextlib
 import json
 import os
 import re
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 PEFT_PREFIX = "base_model.model."
+#: ``out(name, shape, dtype) -> Tensor | None``: where the export may write a PEFT tensor
+#: (e.g. ``AdapterBuffers.destination``); None: a tensor of its own
+Destination = Callable[[str, tuple[int, ...], torch.dtype], "Tensor | None"]
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 # transformers' fused expert parameters, in PEFT target_parameters order (the first is wrapped
@@ -41,14 +44,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 
 
-def _whole(t: Tensor, dim: int, group: ProcessGroup | None, gated: bool) -> Tensor:
-    """All-gather TP pieces of ``t`` along ``dim`` in ``group`` (size 1: ``t``); ``gated``: each
-    piece is ``[gate_r; up_r]`` along dim 0, reassembled as ``[gate; up]``."""
+def _whole(t: Tensor, dim: int, group: ProcessGroup | None, gated: bool, copy: bool = True) -> Tensor:
+    """All-gather TP pieces of ``t`` along ``dim`` in ``group`` (size 1: a copy of ``t``, or
+    with ``copy=False`` ``t`` detached); ``gated``: each piece is ``[gate_r; up_r]`` along dim 0,
+    reassembled as ``[gate; up]``."""
     import torch.distributed as dist
 
     n = group.size() if group is not None else 1
     if n == 1:
-        return t.detach().clone()
+        return t.detach().clone() if copy else t.detach()
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
     if gated:
@@ -57,12 +61,15 @@ def _whole(t: Tensor, dim: int, group: ProcessGroup | None, gated: bool) -> Tens
     return torch.cat(parts, dim=dim)
 
 
-def megatron_adapter_state(models: Sequence[GPTModel], linears: Sequence[Sequence[AdaptedLinear]]) -> dict[str, tuple[Tensor, Tensor]]:
+def megatron_adapter_state(models: Sequence[GPTModel], linears: Sequence[Sequence[AdaptedLinear]],
+                           copy: bool = True) -> dict[str, tuple[Tensor, Tensor]]:
     """``{global Megatron weight name: (A [r, in], B [out, r])}`` of every adapter of the whole
-    model, on every rank (collective at world size > 1: every rank calls it).
+    model, on every rank (collective at world size > 1: every rank calls it), fp32 on the CPU.
 
     ``models``: this rank's chunks; ``linears``: :func:`~moe_async.lora.layers.add_lora`'s result
-    per chunk. A shared expert adapter appears once per expert (same tensors)."""
+    per chunk. A shared expert adapter appears once per expert (same tensors). ``copy=False``:
+    a factor that needs no gather, cast or move is the parameter itself (detached; for a caller
+    that copies it at once, e.g. :func:`peft_state`)."""
     import torch.distributed as dist
 
     local: dict[str, tuple[Tensor, Tensor]] = {}
@@ -77,8 +84,8 @@ def megatron_adapter_state(models: Sequence[GPTModel], linears: Sequence[Sequenc
                 rest = re.sub(r"local_experts\.\d+\.", f"local_experts.{al.expert}.", rest)
             a = al.adapter
             gated = rest.endswith("linear_fc1.weight") and a.kind == "column"
-            A = _whole(a.A, 1, a.tp_group, False) if a.kind == "row" else a.A.detach().clone()
-            B = _whole(a.B, 0, a.tp_group, gated) if a.kind == "column" else a.B.detach().clone()
+            A = _whole(a.A, 1, a.tp_group, False, copy) if a.kind == "row" else _whole(a.A, 0, None, False, copy)
+            B = _whole(a.B, 0, a.tp_group, gated, copy) if a.kind == "column" else _whole(a.B, 0, None, False, copy)
             local[f"decoder.layers.{gl}.{rest}"] = (A.float().cpu(), B.float().cpu())
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return local
@@ -91,9 +98,12 @@ def megatron_adapter_state(models: Sequence[GPTModel], linears: Sequence[Sequenc
     return out
 
 
-def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_config: JsonDict) -> tuple[dict[str, Tensor], list[str], list[str]]:
+def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_config: JsonDict,
+               out: Destination | None = None) -> tuple[dict[str, Tensor], list[str], list[str]]:
     """Megatron adapters (:func:`megatron_adapter_state`) -> ``(PEFT tensors, target_modules,
-    target_parameters)`` under the HF names of ``family``'s mapping table.
+    target_parameters)`` under the HF names of ``family``'s mapping table. Every PEFT tensor is
+    a copy (none aliases ``state``), written where ``out(name, shape, dtype)`` says when it
+    returns a tensor (one copy from ``state``, no temporary), else a new tensor.
 
     Raises:
         KeyError: an adapted Megatron weight with no HF name in the table.
@@ -101,7 +111,13 @@ def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_
     """
     a = family.arch_args(hf_config)
     table = family.table(a).by_megatron
-    out: dict[str, Tensor] = {}
+    res: dict[str, Tensor] = {}
+
+    def dest(name: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        t = out(name, tuple(shape), dtype) if out is not None else None
+        res[name] = t if t is not None else torch.empty(tuple(shape), dtype=dtype)
+        return res[name]
+
     modules: set[str] = set()
     experts: dict[tuple[str, str], dict[int, tuple[Tensor, Tensor]]] = {}
     for name in sorted(state):
@@ -122,8 +138,8 @@ def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_
         bs = rule.split(B, a)
         for hf, b in zip(hf_names, bs):
             base = hf[: -len(".weight")]
-            out[f"{PEFT_PREFIX}{base}.lora_A.weight"] = A.clone()
-            out[f"{PEFT_PREFIX}{base}.lora_B.weight"] = b.contiguous()
+            dest(f"{PEFT_PREFIX}{base}.lora_A.weight", A.shape, A.dtype).copy_(A)
+            dest(f"{PEFT_PREFIX}{base}.lora_B.weight", b.shape, b.dtype).copy_(b)
             modules.add(base.rsplit(".", 1)[1])
     params: list[str] = []
     fcs_by_module: dict[str, list[str]] = {}
@@ -133,18 +149,20 @@ def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_
         n = a.num_experts or 0  # expert adapters exist only for a MoE family
         if sorted(per) != list(range(n)):
             raise ValueError(f"{module}: LoRA adapters on experts {sorted(per)} of {n}; PEFT adapts all of them")
-        As = torch.cat([per[e][0] for e in range(n)], dim=0)  # [E*r, in]
-        Bs = torch.stack([per[e][1] for e in range(n)], dim=-1)  # [out, r, E]
-        Bs = Bs.reshape(Bs.shape[0], -1)  # column j*E + e
+        A0, B0 = per[0]
+        (r, inn), (o, _) = A0.shape, B0.shape
         both = len(fcs_by_module[module]) == 2
         key = f"{module}.base_layer" if both and fc == "linear_fc1" else module
-        out[f"{PEFT_PREFIX}{key}.lora_A.weight"] = As.contiguous()
-        out[f"{PEFT_PREFIX}{key}.lora_B.weight"] = Bs.contiguous()
+        As = dest(f"{PEFT_PREFIX}{key}.lora_A.weight", (n * r, inn), A0.dtype)  # [E*r, in], expert-major
+        torch.cat([per[e][0] for e in range(n)], dim=0, out=As)
+        Bs = dest(f"{PEFT_PREFIX}{key}.lora_B.weight", (o, r * n), B0.dtype).view(o, r, n)  # column j*E + e
+        for e in range(n):  # one strided copy per expert (twice as fast as stack(out=) here)
+            Bs[:, :, e].copy_(per[e][1])
         pname = "mlp.experts." + EXPERT_PARAMS[fc]
         if pname not in params:
             params.append(pname)
     params.sort(key=lambda p: list(EXPERT_PARAMS.values()).index(p.rsplit(".", 1)[1]))
-    return out, sorted(modules), params
+    return res, sorted(modules), params
 
 
 def peft_config_dict(cfg: LoraConfig, target_modules: list[str], target_parameters: list[str],

@@ -170,32 +170,13 @@ def parallel_layout(tp: int, pp: int, ep: int):
             destroy_process_groups()
 
 
-@contextlib.contextmanager
-def no_device_scope():
-    """Suspend the CPU compat layer's ``CudaToCpuMode`` (when it is the innermost torch
-    function mode) for code that only moves CPU tensors and never names a CUDA device: the
-    mode costs a Python call on every torch op and tensor attribute (``.shape``,
-    ``.data_ptr()``), ~15k of them per conversion of a 4-layer MoE. No-op otherwise (CUDA,
-    no mode, or another mode on top)."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    from moe_async.compat import CudaToCpuMode
-
-    stack = _get_current_function_mode_stack()
-    if not stack or not isinstance(stack[-1], CudaToCpuMode):
-        yield
-        return
-    from torch.overrides import _pop_mode_temporarily
-
-    with _pop_mode_temporarily():
-        yield
-
-
 def cpu_tensors_only(fn):
     """Decorator: run ``fn`` under :func:`no_device_scope`."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from moe_async.compat import no_device_scope  # imports torch: not at this module's import
+
         with no_device_scope():
             return fn(*args, **kwargs)
 

@@ -285,18 +285,19 @@ class TrainerActor:
         versions beyond ``async.max_staleness``; rollouts then ask for that name."""
         import time
 
-        from moe_async.lora.peft_export import peft_config_dict
+        from moe_async.weight_sync.adapter_buffers import AdapterBuffers
         from moe_async.weight_sync.lora_sync import AdapterVersions, sync_adapter
 
         t0 = time.perf_counter()
-        tensors, config = self._trainer.export_lora(with_config=True)
+        if getattr(self, "_adapters", None) is None:  # the engines' versions; shared-memory buffers kept across syncs
+            self._adapters = (AdapterVersions(base="policy", max_staleness=self.cfg.async_.max_staleness), AdapterBuffers())
+        versions, buffers = self._adapters  # rank 0 exports straight into the next buffer it sends
+        tensors, config = self._trainer.export_lora(with_config=True, out=buffers.destination if self.rank == 0 else None)
         version = self._trainer.version
         if self.rank != 0:
             return {}
         assert self.transport is not None, "connect_engines() first"
-        if getattr(self, "_adapters", None) is None:
-            self._adapters = AdapterVersions(base="policy", max_staleness=self.cfg.async_.max_staleness)
-        out = sync_adapter(self._transport.clients, self._adapters, version, tensors, config)
+        out = sync_adapter(self._transport.clients, versions, version, tensors, config, buffers=buffers)
         return {"sync/bytes": float(out["bytes"]), "sync/seconds": time.perf_counter() - t0,
                 "sync/pause_seconds": 0.0, "sync/adapter_unloaded": float(len(out["unloaded"]))}
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, TypeVar, ove
 
 import torch
 
-from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed
+from moe_async.compat import apply_cpu_compat, cpu_device_scope, model_parallel_manual_seed, no_device_scope
 from moe_async.layout import ParallelLayout
 from moe_async.megatron.build import model_chunks
 from moe_async.megatron.hf_io import load_hf_weights
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer import ModuleSpec
 
     from moe_async.megatron.hf_export import HFExporter
+    from moe_async.lora.peft_export import Destination
 
 Tensor = torch.Tensor
 _T = TypeVar("_T")
@@ -329,28 +330,31 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ export
     @overload
     def export_lora(self, out_dir: str | None = None, with_config: Literal[False] = False,
-                    replace: bool = False) -> dict[str, Tensor]: ...
+                    replace: bool = False, out: Destination | None = None) -> dict[str, Tensor]: ...
 
     @overload
     def export_lora(self, out_dir: str | None = None, *, with_config: Literal[True],
-                    replace: bool = False) -> tuple[dict[str, Tensor], JsonDict]: ...
+                    replace: bool = False, out: Destination | None = None) -> tuple[dict[str, Tensor], JsonDict]: ...
 
     def export_lora(self, out_dir: str | None = None, with_config: bool = False,
-                    replace: bool = False) -> dict[str, Tensor] | tuple[dict[str, Tensor], JsonDict]:
+                    replace: bool = False, out: Destination | None = None) -> dict[str, Tensor] | tuple[dict[str, Tensor], JsonDict]:
         """The LoRA adapters as Hugging Face PEFT tensors (``base_model.model.<hf module>.lora_A/B.weight``,
         fp32, :mod:`moe_async.lora.peft_export`); ``with_config``: ``(tensors, adapter_config dict)``.
         With ``out_dir``, global rank 0 also writes ``adapter_model.safetensors`` +
         ``adapter_config.json`` there (``replace``: over an adapter already there,
-        :func:`~moe_async.lora.peft_export.write_peft`). Collective at world size > 1. Raises
-        ValueError without ``trainer.lora``."""
+        :func:`~moe_async.lora.peft_export.write_peft`). ``out(name, shape, dtype)`` (e.g.
+        ``AdapterBuffers.destination``) may return the tensor to write a PEFT tensor into (it is
+        then the one returned); None: a new tensor. The tensors never alias the parameters.
+        Collective at world size > 1. Raises ValueError without ``trainer.lora``."""
         import torch.distributed as dist
 
         from moe_async.lora.peft_export import megatron_adapter_state, peft_config_dict, peft_state, write_peft
 
         if self.cfg.lora is None:
             raise ValueError("export_lora: trainer.lora is not set (no adapters to export)")
-        state = megatron_adapter_state(self.models, self.lora_linears)
-        tensors, modules, params = peft_state(state, self.family, self.hf_config)
+        with no_device_scope():  # CPU tensors only: no Python call per torch op
+            state = megatron_adapter_state(self.models, self.lora_linears, copy=False)  # peft_state copies
+            tensors, modules, params = peft_state(state, self.family, self.hf_config, out)
         config = peft_config_dict(self.cfg.lora, modules, params, self.hf_path)
         if out_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             write_peft(out_dir, tensors, config, replace=replace)

@@ -1,12 +1,15 @@
 """Adapter-only weight sync: the trainer's LoRA adapter (PEFT tensors) to engines that serve it
 under versioned names, with no pause.
 
-Data path: ``MegatronTrainer.export_lora()`` (PEFT names, fp32) -> cast to the engine dtype ->
-one flattened bucket (all tensors in one buffer), one ``ForkingPickler`` entry per engine TP rank
-(base64; SGLang's ``serialized_named_tensors``, ``load_format="flattened_bucket"``) -> ``/load_lora_adapter_from_tensors`` under the name
-``{base}@{version}`` -> new requests use the newest name (``lora_path``) -> versions older than
-``version - max_staleness`` are unloaded (an engine keeps one still in use until its last request
-ends). Tokens generated on ``{base}@{version}`` record ``weight_version`` = version.
+Data path: ``MegatronTrainer.export_lora(out=buffers.destination)`` (PEFT names, fp32, written
+straight into a shared-memory buffer, :mod:`~moe_async.weight_sync.adapter_buffers`) -> one
+flattened bucket (all tensors in one buffer, cast to the wire dtype), one ``ForkingPickler``
+entry per engine TP rank (base64; SGLang's ``serialized_named_tensors``,
+``load_format="flattened_bucket"``; the bucket packed once, its entries pickled per engine) ->
+``/load_lora_adapter_from_tensors`` under the name ``{base}@{version}`` -> new requests use the
+newest name (``lora_path``) -> versions older than ``version - max_staleness`` are unloaded (an
+engine keeps one still in use until its last request ends) and their buffers are reused. Tokens
+generated on ``{base}@{version}`` record ``weight_version`` = version.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from typing import Sequence, TypedDict
 
 import torch
 
+from moe_async.compat import no_device_scope
 from moe_async.protocols import WeightReceiver
 from moe_async.types import JsonDict
+from moe_async.weight_sync.adapter_buffers import AdapterBuffers, PackedAdapter, layout_of
 from moe_async.weight_sync.tensor_ipc import forking_pickle
 
 
@@ -36,15 +41,12 @@ def lora_bucket_entries(tensors: dict[str, torch.Tensor], copies: int = 1,
                         dtype: torch.dtype | None = None) -> tuple[list[str], torch.Tensor]:
     """As :func:`lora_entries` with ``load_format="flattened_bucket"``: every tensor end to end in
     ONE uint8 buffer (one shared-memory segment instead of one per tensor; SGLang's tp_worker
-    rebuilds the dict with ``FlattenedTensorBucket``). Returns ``(entries, buffer)``: keep the
-    buffer alive until the engines answered."""
-    from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket
-
-    ts = [(n, (t if dtype is None else t.to(dtype)).contiguous()) for n, t in tensors.items()]
-    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in ts]) if ts else torch.empty(0, dtype=torch.uint8)
-    entries = serialize_flattened_bucket(flat, [n for n, _ in ts], [t.dtype for _, t in ts],
-                                         [tuple(t.shape) for _, t in ts], copies=copies)
-    return entries, flat
+    rebuilds the dict with ``FlattenedTensorBucket``; :class:`PackedAdapter`, as
+    :func:`sync_adapter` sends it). Returns ``(entries, buffer)``: keep the buffer alive while an
+    engine may read it."""
+    buf = PackedAdapter.allocate(layout_of(tensors, dtype))
+    buf.write(tensors)
+    return buf.entries(copies), buf.flat
 
 
 def adapter_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
@@ -92,9 +94,14 @@ class AdapterSync(TypedDict):
 
 def sync_adapter(clients: Sequence[WeightReceiver], versions: AdapterVersions, version: int, tensors: dict[str, torch.Tensor],
                  config: JsonDict, tp_sizes: Sequence[int] | None = None,
-                 dtype: torch.dtype | None = None) -> AdapterSync:
+                 dtype: torch.dtype | None = None, buffers: AdapterBuffers | None = None) -> AdapterSync:
     """Load ``tensors`` as ``versions.name(version)`` on every engine (blocking clients), then
     unload the versions beyond ``max_staleness``. Returns ``{"name", "bytes", "unloaded"}``.
+
+    ``buffers``: the sender's shared-memory buffers, kept across syncs (a buffer is reused once
+    the version it carried is unloaded everywhere; the exporter may write into the next one,
+    ``buffers.destination``); default: a new buffer for this sync. The bucket is packed once
+    for every engine.
 
     An engine that holds ``version`` already (a re-sync) or lacks an old one (restarted) is fine.
 
@@ -102,13 +109,18 @@ def sync_adapter(clients: Sequence[WeightReceiver], versions: AdapterVersions, v
         RuntimeError: an engine refused the adapter (its ``error_message``), naming the engine.
     """
     name = versions.name(version)
+    buffers = buffers if buffers is not None else AdapterBuffers()
+    with no_device_scope():  # CPU tensors only
+        buf = buffers.pack(tensors, dtype)
     for i, c in enumerate(clients):
-        entries, _flat = lora_bucket_entries(tensors, copies=(tp_sizes[i] if tp_sizes else 1), dtype=dtype)
+        with no_device_scope():
+            entries = buf.entries(tp_sizes[i] if tp_sizes else 1)
         try:
             c.load_lora_adapter_from_tensors(name, config, entries, load_format="flattened_bucket")
         except Exception as e:  # the client's EngineRequestError (a 400), duck-typed: engines is a higher layer
             if getattr(e, "status_code", None) != 400 or "already loaded" not in str(e):  # a re-sync: the engine holds this version already
                 raise RuntimeError(f"engine {i}: /load_lora_adapter_from_tensors {name!r}: {e}") from e
+    buffers.hold(name, buf)
     unloaded = versions.synced(version)
     for c in clients:
         for old in unloaded:
@@ -117,4 +129,5 @@ def sync_adapter(clients: Sequence[WeightReceiver], versions: AdapterVersions, v
             except Exception as e:  # a restarted engine never had it
                 if getattr(e, "status_code", None) != 400 or "not loaded" not in str(e):
                     raise
-    return {"name": name, "bytes": adapter_bytes(tensors, dtype), "unloaded": unloaded}
+    buffers.release(unloaded)
+    return {"name": name, "bytes": buf.nbytes, "unloaded": unloaded}  # = adapter_bytes(tensors, dtype)

@@ -56,6 +56,17 @@ def forking_pickle(obj: object) -> bytes:
     return buf.getvalue()
 
 
+def shared_uint8(nbytes: int) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor of ``nbytes`` in shared memory under torch's ``file_system``
+    strategy (pickled as a segment name, which a peer process can open; each pickle after the
+    first costs no copy), its pages touched."""
+    flat = torch.zeros(nbytes, dtype=torch.uint8)
+    if nbytes:
+        with _file_system_sharing():
+            flat.share_memory_()
+    return flat
+
+
 def bucket_metadata(names: Sequence[str], dtypes: Sequence[torch.dtype],
                     shapes: Sequence[Sequence[int]]) -> list[types.SimpleNamespace]:
     """SGLang's ``FlattenedTensorMetadata`` fields of tensors laid end to end from byte 0."""

@@ -132,28 +132,37 @@ def test_engine_with_synced_adapter_matches_peft(eng):
 
 def test_inflight_request_finishes_on_its_version(eng):
     """policy@1 generating slowly; policy@2 loaded and policy@1 unloaded meanwhile (no pause):
-    the request keeps version 1 on every token, a new one runs on 2, then @1 is gone."""
+    the request keeps version 1 on every token, a new one runs on 2, then @1 is gone. The
+    sender's buffers are reused (@3 is written into @1's once @1 was unloaded, while @1's
+    request still runs): the engine copied @1, so that request's tokens and logprobs stay peft's."""
+    from moe_async.weight_sync.adapter_buffers import AdapterBuffers
+
     c = SyncEngineClient(eng["url"], timeout_s=120)
     cfg1, t1 = _tensors(eng["a1"])
     cfg2, t2 = _tensors(eng["a2"])
-    versions = AdapterVersions(base="flight", max_staleness=0)
-    sync_adapter([c], versions, 1, t1, cfg1)
+    versions, buffers = AdapterVersions(base="flight", max_staleness=0), AdapterBuffers()
+    sync_adapter([c], versions, 1, t1, cfg1, buffers=buffers)
     httpx.post(eng["url"] + "/slow_down", json={"forward_sleep_time": 0.05})
     res: dict = {}
     th = threading.Thread(target=lambda: res.setdefault("old", _gen(eng["url"], PROMPTS[0], "flight@1", n=40)))
     th.start()
     time.sleep(1.0)
     t0 = time.perf_counter()
-    out = sync_adapter([c], versions, 2, t2, cfg2)  # loads @2, unloads @1 while it is in use
+    out = sync_adapter([c], versions, 2, t2, cfg2, buffers=buffers)  # loads @2, unloads @1 while it is in use
     res["sync_s"] = time.perf_counter() - t0
     assert out["unloaded"] == ["flight@1"]
-    new = _gen(eng["url"], PROMPTS[0], "flight@2", n=4)
+    sync_adapter([c], versions, 3, {k: 2 * v for k, v in t2.items()}, cfg2, buffers=buffers)  # into @1's buffer
+    assert buffers.allocated == 2 and th.is_alive()
+    new = _gen(eng["url"], PROMPTS[0], "flight@3", n=4)
     httpx.post(eng["url"] + "/slow_down", json={"forward_sleep_time": 0.0})
     th.join(120)
     old = res["old"]
     assert old["meta_info"]["finish_reason"]["type"] == "length" and len(old["output_ids"]) == 40
     assert old["meta_info"]["output_token_weight_versions"] == ["1"] * 40
-    assert new["meta_info"]["output_token_weight_versions"] == ["2"] * 4
+    assert new["meta_info"]["output_token_weight_versions"] == ["3"] * 4
+    ids, lps = _peft_greedy(eng["model"], eng["a1"], PROMPTS[0], 40)
+    assert old["output_ids"] == ids
+    assert max(abs(x[0] - y) for x, y in zip(old["meta_info"]["output_token_logprobs"], lps)) < 1e-4
     assert res["sync_s"] < 1.0 * 40 * 0.05  # the update did not wait for the old request
     with pytest.raises(EngineRequestError, match="not loaded"):  # gone with its last request
         c.generate(PROMPTS[0], {"max_new_tokens": 1}, lora_path="flight@1")

@@ -66,11 +66,59 @@ def test_bad_config_values_refused_naming_the_field(adapter, field, value, messa
         parse_peft("bad", dict(config, **{field: value}), tensors, model, torch.float32)
 
 
-def test_non_finite_tensor_refused_naming_it(adapter):
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_tensor_refused_naming_it(adapter, value):
+    """Separate tensors, and one received bucket (every tensor a view of one buffer, checked in
+    one pass): NaN and +-inf anywhere are refused, naming the tensor."""
+    from moe_async.engines.embedded.lora_routes import decode_adapter_tensors
+    from moe_async.weight_sync.lora_sync import lora_bucket_entries
+
     config, tensors, model = adapter
-    key = sorted(k for k in tensors if "lora_A" in k)[0]
-    bad = dict(tensors)
-    bad[key] = tensors[key].clone()
-    bad[key].view(-1)[0] = float("nan")
-    with pytest.raises(LoraError, match="non-finite"):
-        parse_peft("bad", config, bad, model, torch.float32)
+    key = sorted(k for k in tensors if "lora_B" in k)[-1]
+    bad = {k: v.clone() for k, v in tensors.items()}
+    bad[key].view(-1)[-1] = value
+    entries, _flat = lora_bucket_entries(bad)
+    bucket, _storage = decode_adapter_tensors(entries[0], "flattened_bucket")
+    for ts in (bad, bucket):
+        with pytest.raises(LoraError, match=f"tensor {key.replace('.', '[.]')} holds non-finite values"):
+            parse_peft("bad", config, ts, model, torch.float32)
+    parse_peft("good", config, decode_adapter_tensors(lora_bucket_entries(tensors)[0][0], "flattened_bucket")[0],
+               model, torch.float32)
+
+
+def test_received_adapter_views_the_sender_until_unloaded_then_a_held_one_is_copied(adapter):
+    """A received bucket is not copied: the adapter views the sender's shared memory (as SGLang
+    keeps the tensors it is given). An unload while a request still holds the adapter copies it
+    out first (the sender may rewrite its memory once the unload answered); an unload of an
+    adapter no request holds just drops it."""
+    from moe_async.engines.embedded.lora import EngineLora
+    from moe_async.engines.embedded.lora_routes import decode_adapter_tensors
+    from moe_async.weight_sync.lora_sync import lora_bucket_entries
+
+    config, tensors, model = adapter
+    lora = EngineLora(model)
+    entries, flat = lora_bucket_entries(tensors)
+
+    def load(name: str):
+        ts, bucket = decode_adapter_tensors(entries[0], "flattened_bucket")
+        ad = parse_peft(name, config, ts, model, torch.float32, lora.modules)
+        assert bucket is not None and ad.views(bucket) and ad.views(flat)  # the sender's memory itself
+        ad.sender = bucket
+        lora.load(ad)
+        return ad
+
+    v1, v2 = load("v1"), load("v2")
+    lora.acquire("v1")  # a request runs on v1
+    assert lora.unload("v1") is False and not v1.views(flat) and v1.sender is None  # copied out
+    assert lora.unload("v2") is True and "v2" not in lora.adapters
+    flat.fill_(0)  # the sender reuses its buffer
+    path, (A, B) = sorted(v1.linear.items())[0]
+    assert torch.equal(A, tensors[f"base_model.model.{path}.lora_A.weight"])
+    assert torch.equal(B, tensors[f"base_model.model.{path}.lora_B.weight"])
+    epath, by = sorted(v1.experts.items())[0]
+    A, B = by["down_proj"]
+    E, r = A.shape[:2]
+    peft_b = [v for k, v in tensors.items() if k.startswith(f"base_model.model.{epath}.lora_B")]
+    assert any(torch.equal(B.permute(1, 2, 0).reshape(B.shape[1], r * E), v) for v in peft_b)
+    lora.release("v1")  # its last request ended: gone
+    assert lora.adapters == {}

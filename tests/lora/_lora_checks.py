@@ -72,6 +72,14 @@ def main(tmp: str, layout: str) -> None:
     tensors = tr.export_lora(out_dir, replace=True)
     res["n_peft_tensors"] = len(tensors)
     res["peft_numel"] = sum(t.numel() for t in tensors.values())  # what the adapter sync sends
+    # the export written into the caller's tensors (the adapter sync's shared-memory slots): the
+    # same values, the caller's objects, and no exported tensor shares memory with a parameter
+    slots = {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
+    into = tr.export_lora(out=lambda n, shape, dtype: slots[n] if n != sorted(slots)[0] else None)
+    res["export_into_out"] = (sorted(into) == sorted(tensors) and all(torch.equal(into[k], tensors[k]) for k in tensors)
+                              and sum(into[k] is slots[k] for k in slots) == len(slots) - 1)
+    params = {p.untyped_storage().data_ptr() for m in tr.models for p in m.parameters()}
+    res["export_aliases_params"] = sum(t.untyped_storage().data_ptr() in params for t in [*tensors.values(), *into.values()])
     merged_dir = os.path.join(tmp, f"merged_{layout}")
     res["merged_files"] = tr.export_merged(merged_dir)
     tr.close()

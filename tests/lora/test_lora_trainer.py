@@ -22,6 +22,7 @@ def _check(res: dict) -> None:
     assert res["grad_norm"] > 0 and res["step_moved"] > 1e-2
     assert res["peft_keys_match"]  # every exported tensor is one peft placed
     assert res["peft_numel"] == 19968  # the plan's count of the sync's PEFT tensors (tests/plan/test_plan_lora.py)
+    assert res["export_into_out"] and res["export_aliases_params"] == 0  # export_lora(out=...): one copy, no alias
     # written over the step-0 export (replace), readable like any other run file (not 0600)
     assert res["file_modes_ok"] and not res["tmp_left"]
     assert res["b_nonzero"] == res["n_b"] == 12  # q/k/v/o + 2 fused expert params, x 2 layers

@@ -11,7 +11,10 @@ eager per-expert loop that adds each token's adapter to ``gate_up`` and ``down``
 
 Versions: an adapter is held by each request that uses it (:meth:`acquire` / :meth:`release`);
 :meth:`unload` of a held adapter only marks it, and it leaves when its last request finishes,
-so an unload never waits for (or aborts) a request in flight.
+so an unload never waits for (or aborts) a request in flight. A received bucket is not copied:
+the adapter's tensors view the sender's shared memory (:attr:`EngineAdapter.sender`), as
+SGLang's keep the tensors they were given, until the adapter is unloaded; one unloaded while
+requests still hold it is first copied out of that memory (the sender may reuse it then).
 """
 
 from __future__ import annotations
@@ -47,17 +50,29 @@ class EngineAdapter:
     experts: dict[str, dict[str, tuple[Tensor, Tensor]]] = field(default_factory=dict)
     holders: int = 0
     unloading: bool = False
+    #: the sender's bucket (shared memory) the tensors view, or None: theirs until unloaded
+    sender: Tensor | None = None
+
+    def views(self, buf: Tensor) -> bool:
+        """Some tensor of the adapter lies in ``buf``'s storage."""
+        base = buf.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == base for t in self._tensors())
+
+    def _tensors(self) -> list[Tensor]:
+        ts = [t for a, b in self.linear.values() for t in (a, b)]
+        return ts + [t for d in self.experts.values() for a, b in d.values() for t in (a, b)]
 
     @property
     def nbytes(self) -> int:
-        ts = [t for a, b in self.linear.values() for t in (a, b)]
-        ts += [t for d in self.experts.values() for a, b in d.values() for t in (a, b)]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 def parse_peft(name: str, config: JsonDict, tensors: dict[str, Tensor], model: torch.nn.Module,
-               dtype: torch.dtype) -> EngineAdapter:
-    """PEFT ``adapter_config.json`` + ``adapter_model.safetensors`` tensors -> an adapter for ``model``.
+               dtype: torch.dtype, modules: dict[str, torch.nn.Module] | None = None) -> EngineAdapter:
+    """PEFT ``adapter_config.json`` + ``adapter_model.safetensors`` tensors -> an adapter for ``model``
+    (``modules``: ``dict(model.named_modules())`` if the caller has it). The adapter's tensors are
+    views of ``tensors`` where those are contiguous and in ``dtype`` (the experts' ``B`` a strided
+    view ``[E, out, r]`` of PEFT's ``[out, r*E]``), else copies.
 
     Raises:
         LoraError: an unsupported config field (DoRA, rsLoRA is taken, bias, dropout is ignored at
@@ -82,8 +97,12 @@ def parse_peft(name: str, config: JsonDict, tensors: dict[str, Tensor], model: t
     if not math.isfinite(alpha):
         raise LoraError(f"adapter {name!r}: lora_alpha={config['lora_alpha']!r} must be finite")
     scaling = alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
+    if not _all_finite(list(tensors.values())):
+        for key in sorted(tensors):
+            if not _finite(tensors[key]):
+                raise LoraError(f"adapter {name!r}: tensor {key} holds non-finite values")
     params = list(config.get("target_parameters") or [])
-    modules = dict(model.named_modules())
+    modules = modules if modules is not None else dict(model.named_modules())
     pairs: dict[str, dict[str, Tensor]] = {}
     for key, t in tensors.items():
         m = re.match(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.default)?\.weight$", key)
@@ -94,10 +113,9 @@ def parse_peft(name: str, config: JsonDict, tensors: dict[str, Tensor], model: t
     for path, ab in sorted(pairs.items()):
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoraError(f"adapter {name!r}: {path} has {sorted(ab)} only")
-        for which in ("lora_A", "lora_B"):
-            if not bool(torch.isfinite(ab[which]).all()):
-                raise LoraError(f"adapter {name!r}: tensor {PEFT_PREFIX}{path}.{which}.weight holds non-finite values")
-        A, B = ab["lora_A"].to(dtype), ab["lora_B"].to(dtype)
+        A, B = ab["lora_A"], ab["lora_B"]
+        if A.dtype != dtype or B.dtype != dtype:
+            A, B = A.to(dtype), B.to(dtype)
         depth = 0
         base = path
         while base.endswith(".base_layer"):
@@ -128,11 +146,34 @@ def parse_peft(name: str, config: JsonDict, tensors: dict[str, Tensor], model: t
         if A.shape != (E * r, inn) or B.shape != (out, r * E):
             raise LoraError(f"adapter {name!r}: {path}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not fit "
                             f"{base}.{pname} {tuple(W.shape)} at r={r}")
-        ad.experts.setdefault(base, {})[pname] = (A.reshape(E, r, inn).contiguous(),
-                                                  B.reshape(out, r, E).permute(2, 0, 1).contiguous())
+        # B stays in PEFT's layout (column j*E + e): expert e's [out, r] is a strided view, no copy
+        ad.experts.setdefault(base, {})[pname] = (A.contiguous().reshape(E, r, inn),
+                                                  B.contiguous().reshape(out, r, E).permute(2, 0, 1))
     if not ad.linear and not ad.experts:
         raise LoraError(f"adapter {name!r}: no lora_A/lora_B tensors")
     return ad
+
+
+def _finite(t: Tensor) -> bool:
+    """No NaN or inf in ``t``: ``aminmax`` propagates NaN and shows +-inf and, unlike
+    ``isfinite(t).all()``, makes no temporary of ``t``'s size."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def _all_finite(ts: list[Tensor]) -> bool:
+    """No NaN or inf in any of ``ts``: one :func:`_finite` over their bytes when they lie end to
+    end in one storage in one dtype (a received bucket), else one per tensor."""
+    from moe_async.weight_sync.packing import contiguous_span
+
+    ts = [t for t in ts if t.numel()]
+    if ts and all(t.dtype == ts[0].dtype for t in ts):
+        span = contiguous_span(sorted(ts, key=lambda t: t.data_ptr()))
+        if span is not None:
+            return _finite(span.view(ts[0].dtype))
+    return all(_finite(t) for t in ts)
 
 
 def _fits_expert(W: object, A: Tensor, B: Tensor, r: int) -> bool:
@@ -143,9 +184,16 @@ def _fits_expert(W: object, A: Tensor, B: Tensor, r: int) -> bool:
     return tuple(A.shape) == (E * r, inn) and tuple(B.shape) == (out, r * E)
 
 
+#: senders' buckets kept mapped after their adapters left (the adapter sync cycles through
+#: max_staleness + 2 buffers)
+MAX_MAPPED = 4
+
+
 class EngineLora:
-    """The engine's adapters and the hooks that apply them. All methods run on the scheduler
-    thread (no lock needed) except :meth:`get` lookups from request decoding."""
+    """The engine's adapters and the hooks that apply them. The registry (:meth:`load`,
+    :meth:`unload`, :meth:`acquire`, :meth:`release`) is guarded by a lock and may be called
+    from any thread; a :meth:`load` that must add hooks (a module no adapter had before) runs
+    on the scheduler thread, between forward passes (:meth:`hooked` tells which)."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int = 64):
         self.model = model
@@ -153,8 +201,20 @@ class EngineLora:
         self.adapters: dict[str, EngineAdapter] = {}
         self.rows: list[str | None] = []  # the current forward's adapter per batch row
         self._hooked: set[str] = set()
-        self._modules = dict(model.named_modules())
-        self._lock = threading.Lock()  # acquire runs on request threads, the rest on the scheduler's
+        self.modules = dict(model.named_modules())
+        self._mapped: list[Tensor] = []
+        self._lock = threading.Lock()
+
+    def keep_mapped(self, bucket: Tensor) -> None:
+        """Hold the sender's ``bucket`` (the last :data:`MAX_MAPPED`): its shared memory stays
+        mapped after its adapter left, so a sender that sends the same segment again (reused
+        buffers) is read without a page fault per page, and an unload unmaps nothing."""
+        with self._lock:
+            self._mapped = [*(m for m in self._mapped if m.data_ptr() != bucket.data_ptr()), bucket][-MAX_MAPPED:]
+
+    def hooked(self, ad: EngineAdapter) -> bool:
+        """Every module ``ad`` adapts has its hook already (a :meth:`load` adds none)."""
+        return all(p in self._hooked for p in (*ad.linear, *ad.experts))
 
     # -------------------------------------------------------------- registry
     def load(self, ad: EngineAdapter) -> None:
@@ -171,13 +231,19 @@ class EngineLora:
             self.adapters[ad.name] = ad
 
     def unload(self, name: str) -> bool:
-        """Remove ``name`` now if no request holds it (True), else when the last one finishes (False).
-        Raises LoraError if it is not loaded."""
+        """Remove ``name`` now if no request holds it (True), else when the last one finishes
+        (False; an adapter in a sender's memory is first copied out of it: a forward already
+        running may still read the old tensors, so the caller lets it end before the sender
+        is told). Raises LoraError if it is not loaded."""
         with self._lock:
             ad = self.adapters.get(name)
             if ad is None or ad.unloading:
                 raise LoraError(f"The LoRA adapter {name!r} is not loaded")
             if ad.holders:
+                if ad.sender is not None:
+                    ad.linear = {p: (A.clone(), B.clone()) for p, (A, B) in ad.linear.items()}
+                    ad.experts = {p: {q: (A.clone(), B.clone()) for q, (A, B) in d.items()} for p, d in ad.experts.items()}
+                    ad.sender = None
                 ad.unloading = True
                 return False
             del self.adapters[name]
@@ -208,7 +274,7 @@ class EngineLora:
         return name.rsplit("@", 1)[1] if "@" in name else name
 
     def names(self) -> list[str]:
-        return [n for n, a in self.adapters.items() if not a.unloading]
+        return [n for n, a in list(self.adapters.items()) if not a.unloading]
 
     # -------------------------------------------------------------- forward
     def _active(self) -> list[tuple[EngineAdapter, Tensor]]:
@@ -222,7 +288,7 @@ class EngineLora:
     def _hook_linear(self, path: str) -> None:
         if path in self._hooked:
             return
-        mod = self._modules[path]
+        mod = self.modules[path]
 
         def hook(_m: torch.nn.Module, args: tuple, y: Tensor) -> Tensor:
             active = self._active()
@@ -246,7 +312,7 @@ class EngineLora:
     def _hook_experts(self, path: str) -> None:
         if path in self._hooked:
             return
-        mod = self._modules[path]
+        mod = self.modules[path]
         base_forward = mod.forward
 
         def forward(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:

@@ -2,9 +2,13 @@
 ``managers/io_struct.py``): ``/load_lora_adapter`` (a PEFT directory), ``/load_lora_adapter_from_tensors``
 (the PEFT config + serialized tensors, one entry per TP rank: this engine is one rank and reads
 entry 0), ``/unload_lora_adapter``. Success: SGLang's ``LoRAUpdateOutput`` (``success``,
-``loaded_adapters``); a bad body, adapter or tensor: 400 naming it. Loads and unloads run on the
-scheduler thread between forward passes; an unload of an adapter still in use returns at once
-and the adapter leaves with its last request (no wait, no abort)."""
+``loaded_adapters``); a bad body, adapter or tensor: 400 naming it. A flattened bucket is not
+copied: the adapter views the sender's memory until it is unloaded (as SGLang keeps the tensors;
+the sender reuses that memory only after the unload). A load that adds forward hooks (the first
+adapter on a module) runs on the scheduler thread between forward passes; other loads and
+unloads change the registry at once, without waiting for a forward to end. An unload of an
+adapter still in use copies it (if it views a sender's memory), waits for the forward running
+then, and returns; the adapter leaves with its last request (no abort)."""
 
 from __future__ import annotations
 
@@ -78,11 +82,12 @@ def read_peft_dir(path: str) -> tuple[JsonDict, dict[str, Tensor]]:
         raise LoraError(f"lora_path {path!r}: cannot read the adapter: {type(e).__name__}: {e}") from None
 
 
-def decode_adapter_tensors(entry: str, load_format: str | None) -> dict:
-    """One ``serialized_named_tensors`` entry -> ``{name: tensor}`` (copies): with ``load_format``
-    None a pickled dict of tensors (SGLang's tp_worker uses the object as the dict), with
-    ``"flattened_bucket"`` a bucket (:func:`~moe_async.engines.embedded.tensor_update.decode_named_tensors`).
-    Raises ValueError naming what is wrong."""
+def decode_adapter_tensors(entry: str, load_format: str | None) -> tuple[dict[str, Tensor], Tensor | None]:
+    """One ``serialized_named_tensors`` entry -> ``({name: tensor}, bucket)``: with
+    ``load_format`` None a pickled dict of tensors (SGLang's tp_worker uses the object as the
+    dict; each cloned, bucket None), with ``"flattened_bucket"`` views of the sender's bucket
+    (:func:`~moe_async.engines.embedded.tensor_update.decode_named_tensors`, no copy; the
+    bucket's ``uint8`` tensor returned). Raises ValueError naming what is wrong."""
     import base64
     import binascii
     import io
@@ -92,7 +97,11 @@ def decode_adapter_tensors(entry: str, load_format: str | None) -> dict:
     from moe_async.engines.embedded.tensor_update import RestrictedUnpickler
 
     if load_format == "flattened_bucket":
-        return {n: t.clone() for n, t in decode_named_tensors(entry, load_format)}
+        named = decode_named_tensors(entry, load_format)
+        if not named:
+            return {}, None
+        t = named[0][1]
+        return dict(named), torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
     if load_format is not None:
         raise ValueError(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
     try:
@@ -103,7 +112,7 @@ def decode_adapter_tensors(entry: str, load_format: str | None) -> dict:
         raise ValueError(f"serialized_named_tensors[0] cannot be deserialised: {type(e).__name__}: {e}") from None
     if not (isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())):
         raise ValueError(f"serialized_named_tensors[0] must hold a dict of name -> tensor, got {type(obj).__name__}")
-    return {k: v.clone() for k, v in obj.items()}
+    return {k: v.clone() for k, v in obj.items()}, None
 
 
 def lora_router(scheduler: Scheduler, dtype: torch.dtype) -> APIRouter:
@@ -114,10 +123,16 @@ def lora_router(scheduler: Scheduler, dtype: torch.dtype) -> APIRouter:
     async def on_sched(fn):
         return await asyncio.wrap_future(scheduler.call(fn))
 
-    async def load(name: str, config: dict, tensors: dict) -> JSONResponse:
+    async def load(name: str, config: dict, tensors: dict, bucket: Tensor | None = None) -> JSONResponse:
         try:
-            ad = parse_peft(name, config, tensors, scheduler.model, dtype)
-            await on_sched(lambda: lora.load(ad))
+            ad = parse_peft(name, config, tensors, scheduler.model, dtype, lora.modules)
+            if bucket is not None and ad.views(bucket):
+                ad.sender = bucket  # the sender's memory, until unloaded
+                lora.keep_mapped(bucket)
+            if lora.hooked(ad):
+                lora.load(ad)  # no hook to add: the registry changes under its lock, at once
+            else:
+                await on_sched(lambda: lora.load(ad))
         except LoraError as e:
             return _out(False, str(e), lora.names())
         return _out(True, None, lora.names())
@@ -135,15 +150,16 @@ def lora_router(scheduler: Scheduler, dtype: torch.dtype) -> APIRouter:
         if not body.serialized_named_tensors:
             return _out(False, "serialized_named_tensors is empty (one entry per TP rank)", lora.names())
         try:
-            tensors = decode_adapter_tensors(body.serialized_named_tensors[0], body.load_format)
+            tensors, bucket = decode_adapter_tensors(body.serialized_named_tensors[0], body.load_format)
         except ValueError as e:
             return _out(False, str(e), lora.names())
-        return await load(body.lora_name, body.config_dict, tensors)
+        return await load(body.lora_name, body.config_dict, tensors, bucket)
 
     @router.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterReqInput):
         try:
-            await on_sched(lambda: lora.unload(body.lora_name))
+            if not lora.unload(body.lora_name):  # held: marked (and copied out of the sender's memory)
+                await on_sched(lambda: None)  # the forward running now (it may read the old tensors) ends
         except LoraError as e:
             return _out(False, str(e), lora.names())
         return _out(True, None, lora.names())
