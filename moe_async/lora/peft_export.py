@@ -26,7 +26,6 @@ import torch
 from moe_async.lora.config import LoraConfig
 from moe_async.lora.layers import AdaptedLinear
 from moe_async.types import JsonDict
-from moe_async.models.family import ModelFamily
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -61,32 +60,50 @@ def _whole(t: Tensor, dim: int, group: ProcessGroup | None, gated: bool, copy: b
     return torch.cat(parts, dim=dim)
 
 
+def adapter_names(models: Sequence[GPTModel], linears: Sequence[Sequence[AdaptedLinear]]) -> list[list[str]]:
+    """The global Megatron weight name (global layer index, global expert index) of each adapter
+    of ``linears`` (per chunk, in order): the keys :func:`megatron_adapter_state` gives them."""
+    out = []
+    for model, lins in zip(models, linears):
+        layers, names = model.decoder.layers, []
+        for al in lins:
+            m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", al.weight_name)
+            assert m is not None
+            rest = m.group(2)
+            if al.expert is not None:
+                rest = re.sub(r"local_experts\.\d+\.", f"local_experts.{al.expert}.", rest)
+            names.append(f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.{rest}")
+        out.append(names)
+    return out
+
+
 def megatron_adapter_state(models: Sequence[GPTModel], linears: Sequence[Sequence[AdaptedLinear]],
-                           copy: bool = True) -> dict[str, tuple[Tensor, Tensor]]:
+                           copy: bool = True, names: Sequence[Sequence[str]] | None = None,
+                           ) -> dict[str, tuple[Tensor, Tensor]]:
     """``{global Megatron weight name: (A [r, in], B [out, r])}`` of every adapter of the whole
     model, on every rank (collective at world size > 1: every rank calls it), fp32 on the CPU.
 
     ``models``: this rank's chunks; ``linears``: :func:`~moe_async.lora.layers.add_lora`'s result
-    per chunk. A shared expert adapter appears once per expert (same tensors). ``copy=False``:
-    a factor that needs no gather, cast or move is the parameter itself (detached; for a caller
-    that copies it at once, e.g. :func:`peft_state`)."""
+    per chunk; ``names``: :func:`adapter_names` of them when the caller kept it. A shared expert
+    adapter appears once per expert (same tensors). ``copy=False``: a factor that needs no
+    gather, cast or move is the parameter itself (detached; for a caller that copies it at
+    once, e.g. :func:`~moe_async.lora.peft_tensors.peft_state`)."""
     import torch.distributed as dist
 
+    names = names if names is not None else adapter_names(models, linears)
     local: dict[str, tuple[Tensor, Tensor]] = {}
-    for model, lins in zip(models, linears):
-        layers = model.decoder.layers
-        for al in lins:
-            m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", al.weight_name)
-            assert m is not None
-            gl = layers[int(m.group(1))].layer_number - 1
-            rest = m.group(2)
-            if al.expert is not None:
-                rest = re.sub(r"local_experts\.\d+\.", f"local_experts.{al.expert}.", rest)
+    cpu = torch.device("cpu")
+    for lins, keys in zip(linears, names):
+        for al, key in zip(lins, keys):
             a = al.adapter
-            gated = rest.endswith("linear_fc1.weight") and a.kind == "column"
+            gated = key.endswith("linear_fc1.weight") and a.kind == "column"
             A = _whole(a.A, 1, a.tp_group, False, copy) if a.kind == "row" else _whole(a.A, 0, None, False, copy)
             B = _whole(a.B, 0, a.tp_group, gated, copy) if a.kind == "column" else _whole(a.B, 0, None, False, copy)
-            local[f"decoder.layers.{gl}.{rest}"] = (A.float().cpu(), B.float().cpu())
+            if A.dtype != torch.float32 or A.device != cpu:
+                A = A.float().cpu()
+            if B.dtype != torch.float32 or B.device != cpu:
+                B = B.float().cpu()
+            local[key] = (A, B)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return local
     every: list[dict[str, tuple[Tensor, Tensor]] | None] = [None] * dist.get_world_size()
@@ -96,73 +113,6 @@ def megatron_adapter_state(models: Sequence[GPTModel], linears: Sequence[Sequenc
         for k, v in (d or {}).items():
             out.setdefault(k, v)
     return out
-
-
-def peft_state(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_config: JsonDict,
-               out: Destination | None = None) -> tuple[dict[str, Tensor], list[str], list[str]]:
-    """Megatron adapters (:func:`megatron_adapter_state`) -> ``(PEFT tensors, target_modules,
-    target_parameters)`` under the HF names of ``family``'s mapping table. Every PEFT tensor is
-    a copy (none aliases ``state``), written where ``out(name, shape, dtype)`` says when it
-    returns a tensor (one copy from ``state``, no temporary), else a new tensor.
-
-    Raises:
-        KeyError: an adapted Megatron weight with no HF name in the table.
-        ValueError: some but not all experts of a layer adapted.
-    """
-    a = family.arch_args(hf_config)
-    table = family.table(a).by_megatron
-    res: dict[str, Tensor] = {}
-
-    def dest(name: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-        t = out(name, tuple(shape), dtype) if out is not None else None
-        res[name] = t if t is not None else torch.empty(tuple(shape), dtype=dtype)
-        return res[name]
-
-    modules: set[str] = set()
-    experts: dict[tuple[str, str], dict[int, tuple[Tensor, Tensor]]] = {}
-    for name in sorted(state):
-        A, B = state[name]
-        if name not in table:
-            raise KeyError(f"LoRA adapter on {name!r}: the family's mapping table has no such Megatron weight")
-        rule, hf_names = table[name]
-        m = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", name)
-        if m is not None:
-            e, fc = int(m.group(1)), m.group(2)
-            # transformers 5 holds every family's routed experts fused at ``model.layers.{i}.mlp.experts``
-            # (whatever the on-disk names, e.g. Mixtral's block_sparse_moe.experts.N.w1): PEFT's names
-            layer = re.match(r"decoder\.layers\.(\d+)\.", name)
-            assert layer is not None
-            module = f"model.layers.{layer.group(1)}.mlp.experts"
-            experts.setdefault((module, fc), {})[e] = (A, B)
-            continue
-        bs = rule.split(B, a)
-        for hf, b in zip(hf_names, bs):
-            base = hf[: -len(".weight")]
-            dest(f"{PEFT_PREFIX}{base}.lora_A.weight", A.shape, A.dtype).copy_(A)
-            dest(f"{PEFT_PREFIX}{base}.lora_B.weight", b.shape, b.dtype).copy_(b)
-            modules.add(base.rsplit(".", 1)[1])
-    params: list[str] = []
-    fcs_by_module: dict[str, list[str]] = {}
-    for module, fc in experts:
-        fcs_by_module.setdefault(module, []).append(fc)
-    for (module, fc), per in sorted(experts.items()):
-        n = a.num_experts or 0  # expert adapters exist only for a MoE family
-        if sorted(per) != list(range(n)):
-            raise ValueError(f"{module}: LoRA adapters on experts {sorted(per)} of {n}; PEFT adapts all of them")
-        A0, B0 = per[0]
-        (r, inn), (o, _) = A0.shape, B0.shape
-        both = len(fcs_by_module[module]) == 2
-        key = f"{module}.base_layer" if both and fc == "linear_fc1" else module
-        As = dest(f"{PEFT_PREFIX}{key}.lora_A.weight", (n * r, inn), A0.dtype)  # [E*r, in], expert-major
-        torch.cat([per[e][0] for e in range(n)], dim=0, out=As)
-        Bs = dest(f"{PEFT_PREFIX}{key}.lora_B.weight", (o, r * n), B0.dtype).view(o, r, n)  # column j*E + e
-        for e in range(n):  # one strided copy per expert (twice as fast as stack(out=) here)
-            Bs[:, :, e].copy_(per[e][1])
-        pname = "mlp.experts." + EXPERT_PARAMS[fc]
-        if pname not in params:
-            params.append(pname)
-    params.sort(key=lambda p: list(EXPERT_PARAMS.values()).index(p.rsplit(".", 1)[1]))
-    return res, sorted(modules), params
 
 
 def peft_config_dict(cfg: LoraConfig, target_modules: list[str], target_parameters: list[str],

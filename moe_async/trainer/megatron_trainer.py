@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from moe_async.megatron.hf_export import HFExporter
     from moe_async.lora.peft_export import Destination
+    from moe_async.lora.peft_tensors import PeftExporter
 
 Tensor = torch.Tensor
 _T = TypeVar("_T")
@@ -98,6 +99,7 @@ class MegatronTrainer:
         torch.set_num_threads(cfg.num_threads)
         self._owns_dist = False
         self._owns_mp = False
+        self._peft_exporter: PeftExporter | None = None  # export_lora's names and plan, made on its first call
         if init_distributed(master_addr, master_port):  # moe_async.megatron.parallel
             self._owns_dist = True
         # ETP x EP vs the world, naming the fields (the caller gets no trainer to close)
@@ -339,7 +341,7 @@ class MegatronTrainer:
     def export_lora(self, out_dir: str | None = None, with_config: bool = False,
                     replace: bool = False, out: Destination | None = None) -> dict[str, Tensor] | tuple[dict[str, Tensor], JsonDict]:
         """The LoRA adapters as Hugging Face PEFT tensors (``base_model.model.<hf module>.lora_A/B.weight``,
-        fp32, :mod:`moe_async.lora.peft_export`); ``with_config``: ``(tensors, adapter_config dict)``.
+        fp32, :mod:`moe_async.lora.peft_export`, planned once per layout: :mod:`moe_async.lora.peft_tensors`); ``with_config``: ``(tensors, adapter_config dict)``.
         With ``out_dir``, global rank 0 also writes ``adapter_model.safetensors`` +
         ``adapter_config.json`` there (``replace``: over an adapter already there,
         :func:`~moe_async.lora.peft_export.write_peft`). ``out(name, shape, dtype)`` (e.g.
@@ -348,13 +350,15 @@ class MegatronTrainer:
         Collective at world size > 1. Raises ValueError without ``trainer.lora``."""
         import torch.distributed as dist
 
-        from moe_async.lora.peft_export import megatron_adapter_state, peft_config_dict, peft_state, write_peft
+        from moe_async.lora.peft_export import peft_config_dict, write_peft
+        from moe_async.lora.peft_tensors import PeftExporter
 
         if self.cfg.lora is None:
             raise ValueError("export_lora: trainer.lora is not set (no adapters to export)")
         with no_device_scope():  # CPU tensors only: no Python call per torch op
-            state = megatron_adapter_state(self.models, self.lora_linears, copy=False)  # peft_state copies
-            tensors, modules, params = peft_state(state, self.family, self.hf_config, out)
+            if self._peft_exporter is None:
+                self._peft_exporter = PeftExporter(self.models, self.lora_linears, self.family, self.hf_config)
+            tensors, modules, params = self._peft_exporter(out)
         config = peft_config_dict(self.cfg.lora, modules, params, self.hf_path)
         if out_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             write_peft(out_dir, tensors, config, replace=replace)

@@ -58,6 +58,17 @@ class EngineAdapter:
         base = buf.untyped_storage().data_ptr()
         return any(t.untyped_storage().data_ptr() == base for t in self._tensors())
 
+    def viewed_by_all(self, buf: Tensor) -> bool:
+        """Every tensor of the adapter lies in ``buf``'s storage (none is a copy)."""
+        base = buf.untyped_storage().data_ptr()
+        return all(t.untyped_storage().data_ptr() == base for t in self._tensors())
+
+    def renamed(self, name: str) -> EngineAdapter:
+        """A new adapter ``name`` with this one's scaling and tensors (the same tensor objects,
+        in dicts of its own), no holders, not unloading."""
+        return EngineAdapter(name, self.scaling, dict(self.linear), {p: dict(d) for p, d in self.experts.items()},
+                             sender=self.sender)
+
     def _tensors(self) -> list[Tensor]:
         ts = [t for a, b in self.linear.values() for t in (a, b)]
         return ts + [t for d in self.experts.values() for a, b in d.values() for t in (a, b)]
@@ -99,7 +110,7 @@ def parse_peft(name: str, config: JsonDict, tensors: dict[str, Tensor], model: t
     scaling = alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
     if not _all_finite(list(tensors.values())):
         for key in sorted(tensors):
-            if not _finite(tensors[key]):
+            if not is_finite(tensors[key]):
                 raise LoraError(f"adapter {name!r}: tensor {key} holds non-finite values")
     params = list(config.get("target_parameters") or [])
     modules = modules if modules is not None else dict(model.named_modules())
@@ -154,7 +165,7 @@ def parse_peft(name: str, config: JsonDict, tensors: dict[str, Tensor], model: t
     return ad
 
 
-def _finite(t: Tensor) -> bool:
+def is_finite(t: Tensor) -> bool:
     """No NaN or inf in ``t``: ``aminmax`` propagates NaN and shows +-inf and, unlike
     ``isfinite(t).all()``, makes no temporary of ``t``'s size."""
     if t.numel() == 0 or not t.is_floating_point():
@@ -164,16 +175,21 @@ def _finite(t: Tensor) -> bool:
 
 
 def _all_finite(ts: list[Tensor]) -> bool:
-    """No NaN or inf in any of ``ts``: one :func:`_finite` over their bytes when they lie end to
-    end in one storage in one dtype (a received bucket), else one per tensor."""
+    """No NaN or inf in any of ``ts`` (:func:`finite_spans`, one :func:`is_finite` each)."""
+    return all(is_finite(t) for t in finite_spans(ts))
+
+
+def finite_spans(ts: list[Tensor]) -> list[Tensor]:
+    """What a finiteness check of ``ts`` reads: one view over their bytes when they lie end to
+    end in one storage in one dtype (a received bucket), else the non-empty tensors."""
     from moe_async.weight_sync.packing import contiguous_span
 
     ts = [t for t in ts if t.numel()]
     if ts and all(t.dtype == ts[0].dtype for t in ts):
         span = contiguous_span(sorted(ts, key=lambda t: t.data_ptr()))
         if span is not None:
-            return _finite(span.view(ts[0].dtype))
-    return all(_finite(t) for t in ts)
+            return [span.view(ts[0].dtype)]
+    return ts
 
 
 def _fits_expert(W: object, A: Tensor, B: Tensor, r: int) -> bool:
@@ -182,11 +198,6 @@ def _fits_expert(W: object, A: Tensor, B: Tensor, r: int) -> bool:
         return False
     E, out, inn = W.shape
     return tuple(A.shape) == (E * r, inn) and tuple(B.shape) == (out, r * E)
-
-
-#: senders' buckets kept mapped after their adapters left (the adapter sync cycles through
-#: max_staleness + 2 buffers)
-MAX_MAPPED = 4
 
 
 class EngineLora:
@@ -202,15 +213,7 @@ class EngineLora:
         self.rows: list[str | None] = []  # the current forward's adapter per batch row
         self._hooked: set[str] = set()
         self.modules = dict(model.named_modules())
-        self._mapped: list[Tensor] = []
         self._lock = threading.Lock()
-
-    def keep_mapped(self, bucket: Tensor) -> None:
-        """Hold the sender's ``bucket`` (the last :data:`MAX_MAPPED`): its shared memory stays
-        mapped after its adapter left, so a sender that sends the same segment again (reused
-        buffers) is read without a page fault per page, and an unload unmaps nothing."""
-        with self._lock:
-            self._mapped = [*(m for m in self._mapped if m.data_ptr() != bucket.data_ptr()), bucket][-MAX_MAPPED:]
 
     def hooked(self, ad: EngineAdapter) -> bool:
         """Every module ``ad`` adapts has its hook already (a :meth:`load` adds none)."""

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from moe_async.engines.embedded.lora import LoraError, parse_peft
-from moe_async.engines.embedded.tensor_update import decode_named_tensors
+from moe_async.engines.embedded.lora import EngineAdapter, LoraError, parse_peft
+from moe_async.engines.embedded.lora_bucket import BucketAdapters
+from moe_async.engines.embedded.tensor_update import decode_named_tensors, flattened_bucket, load_entry
 from moe_async.engines.embedded.weight_update import _Req
 from moe_async.types import JsonDict
 
@@ -123,12 +124,11 @@ def lora_router(scheduler: Scheduler, dtype: torch.dtype) -> APIRouter:
     async def on_sched(fn):
         return await asyncio.wrap_future(scheduler.call(fn))
 
-    async def load(name: str, config: dict, tensors: dict, bucket: Tensor | None = None) -> JSONResponse:
+    buckets = BucketAdapters(scheduler.model, lora.modules, dtype)
+
+    async def load(name: str, parse: Callable[[], EngineAdapter]) -> JSONResponse:
         try:
-            ad = parse_peft(name, config, tensors, scheduler.model, dtype, lora.modules)
-            if bucket is not None and ad.views(bucket):
-                ad.sender = bucket  # the sender's memory, until unloaded
-                lora.keep_mapped(bucket)
+            ad = parse()
             if lora.hooked(ad):
                 lora.load(ad)  # no hook to add: the registry changes under its lock, at once
             else:
@@ -143,17 +143,22 @@ def lora_router(scheduler: Scheduler, dtype: torch.dtype) -> APIRouter:
             cfg, tensors = read_peft_dir(body.lora_path)
         except LoraError as e:
             return _out(False, str(e), lora.names())
-        return await load(body.lora_name, cfg, tensors)
+        return await load(body.lora_name, lambda: parse_peft(body.lora_name, cfg, tensors, scheduler.model, dtype,
+                                                             lora.modules))
 
     @router.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(body: LoadLoRAAdapterFromTensorsReqInput):
         if not body.serialized_named_tensors:
             return _out(False, "serialized_named_tensors is empty (one entry per TP rank)", lora.names())
+        entry, name, cfg = body.serialized_named_tensors[0], body.lora_name, body.config_dict
         try:
-            tensors, bucket = decode_adapter_tensors(body.serialized_named_tensors[0], body.load_format)
+            if body.load_format == "flattened_bucket":  # parsed once per bucket layout
+                flat, meta = flattened_bucket(load_entry(entry))
+                return await load(name, lambda: buckets.parse(name, cfg, flat, meta))
+            tensors, _ = decode_adapter_tensors(entry, body.load_format)
         except ValueError as e:
             return _out(False, str(e), lora.names())
-        return await load(body.lora_name, body.config_dict, tensors, bucket)
+        return await load(name, lambda: parse_peft(name, cfg, tensors, scheduler.model, dtype, lora.modules))
 
     @router.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterReqInput):

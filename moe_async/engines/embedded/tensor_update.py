@@ -129,39 +129,58 @@ def decode_named_tensors(entry: str, load_format: str | None) -> list[tuple[str,
     """
     if load_format not in (None, "direct", "flattened_bucket"):
         raise ValueError(f"load_format must be null, 'direct' or 'flattened_bucket', got {load_format!r}")
+    obj = load_entry(entry)
+    if load_format == "flattened_bucket":
+        return bucket_views(*flattened_bucket(obj))
+    if not (isinstance(obj, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], torch.Tensor) for p in obj)):
+        raise ValueError(f"load_format={load_format!r} needs a list of (name, tensor) pairs")
+    return [(str(n), t) for n, t in obj]
+
+
+def load_entry(entry: str) -> object:
+    """The object one base64 ``serialized_named_tensors`` entry pickles (:class:`RestrictedUnpickler`).
+    Raises ValueError: not base64, or it cannot be unpickled (naming why)."""
     try:
         raw = base64.b64decode(entry, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"serialized_named_tensors[0] is not base64: {e}") from None
     try:
-        obj = RestrictedUnpickler(io.BytesIO(raw)).load()
+        return RestrictedUnpickler(io.BytesIO(raw)).load()
     except Exception as e:  # noqa: BLE001 - any unpickling failure is the sender's
         raise ValueError(f"serialized_named_tensors[0] cannot be deserialised: {type(e).__name__}: {e}") from None
-    if load_format == "flattened_bucket":
-        if not (isinstance(obj, dict) and isinstance(obj.get("flattened_tensor"), torch.Tensor)
-                and isinstance(obj.get("metadata"), list)):
-            raise ValueError("load_format='flattened_bucket' needs a dict with 'flattened_tensor' (a tensor) "
-                             f"and 'metadata' (a list), got {type(obj).__name__}")
-        flat = obj["flattened_tensor"]
-        if flat.dtype != torch.uint8 or flat.dim() != 1:
-            raise ValueError(f"flattened_tensor must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
-        out = []
-        for m in obj["metadata"]:
-            try:
-                name, shape, dtype = m.name, torch.Size(m.shape), m.dtype
-                start, end = int(m.start_idx), int(m.end_idx)
-            except (AttributeError, TypeError) as e:
-                raise ValueError(f"a flattened_bucket metadata entry lacks a field: {e}") from None
-            nb = nbytes_of(shape, dtype)
-            if not (0 <= start <= end <= flat.numel()) or end - start != nb:
-                raise ValueError(f"{name}: bytes [{start}, {end}) do not hold {tuple(shape)} {dtype} "
-                                 f"in a flat tensor of {flat.numel()} bytes")
-            out.append((name, flat[start:end].view(dtype).reshape(shape)))
-        return out
-    if not (isinstance(obj, (list, tuple)) and all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], torch.Tensor) for p in obj)):
-        raise ValueError(f"load_format={load_format!r} needs a list of (name, tensor) pairs")
-    return [(str(n), t) for n, t in obj]
+
+
+def flattened_bucket(obj: object) -> tuple[torch.Tensor, list]:
+    """``(flattened_tensor, metadata)`` of a ``load_format="flattened_bucket"`` payload.
+    Raises ValueError: not such a dict, or the tensor is not 1-D ``uint8``."""
+    if not (isinstance(obj, dict) and isinstance(obj.get("flattened_tensor"), torch.Tensor)
+            and isinstance(obj.get("metadata"), list)):
+        raise ValueError("load_format='flattened_bucket' needs a dict with 'flattened_tensor' (a tensor) "
+                         f"and 'metadata' (a list), got {type(obj).__name__}")
+    flat = obj["flattened_tensor"]
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(f"flattened_tensor must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
+    return flat, obj["metadata"]
+
+
+def bucket_views(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Tensor]]:
+    """``(name, view of flat)`` of each metadata entry (SGLang's ``FlattenedTensorMetadata``
+    fields). Raises ValueError: an entry lacks a field, or its bytes are out of ``flat``'s
+    bounds or of the wrong size for its shape and dtype."""
+    out = []
+    for m in metadata:
+        try:
+            name, shape, dtype = m.name, torch.Size(m.shape), m.dtype
+            start, end = int(m.start_idx), int(m.end_idx)
+        except (AttributeError, TypeError) as e:
+            raise ValueError(f"a flattened_bucket metadata entry lacks a field: {e}") from None
+        nb = nbytes_of(shape, dtype)
+        if not (0 <= start <= end <= flat.numel()) or end - start != nb:
+            raise ValueError(f"{name}: bytes [{start}, {end}) do not hold {tuple(shape)} {dtype} "
+                             f"in a flat tensor of {flat.numel()} bytes")
+        out.append((name, flat[start:end].view(dtype).reshape(shape)))
+    return out
 
 
 @torch.no_grad()
