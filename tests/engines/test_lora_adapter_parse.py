@@ -122,3 +122,40 @@ def test_received_adapter_views_the_sender_until_unloaded_then_a_held_one_is_cop
     assert any(torch.equal(B.permute(1, 2, 0).reshape(B.shape[1], r * E), v) for v in peft_b)
     lora.release("v1")  # its last request ended: gone
     assert lora.adapters == {}
+
+
+def test_bucket_sent_again_reuses_its_parse_and_reads_the_new_values(adapter):
+    """A sender's reused buffers (two, alternating, as the adapter sync sends them): the second
+    load of a bucket reuses its parse (views, no decode), yet the adapter holds the bucket's
+    new values, equal to a full parse of them; a non-finite value written into a reused
+    bucket is still refused naming the tensor; another config parses in full."""
+    from moe_async.engines.embedded.lora_bucket import BucketAdapters
+    from moe_async.engines.embedded.tensor_update import flattened_bucket, load_entry
+    from moe_async.weight_sync.adapter_buffers import PackedAdapter, layout_of
+
+    config, tensors, model = adapter
+    parser = BucketAdapters(model, dict(model.named_modules()), torch.float32)
+    bufs = [PackedAdapter.allocate(layout_of(tensors)) for _ in range(3)]
+    bufs[2].write(tensors)  # another sender's bucket, kept mapped before these
+    parser.parse("other", config, *flattened_bucket(load_entry(bufs[2].entries()[0])))
+
+    def send(v: int, buf: PackedAdapter, cfg: dict = config, values: dict | None = None):
+        buf.write(values or {k: (v + 1) * t for k, t in tensors.items()})
+        return parser.parse(f"p@{v}", cfg, *flattened_bucket(load_entry(buf.entries()[0])))
+
+    for v in range(4):
+        ad = send(v, bufs[v % 2])
+        assert parser.reused == max(0, v - 1) and ad.name == f"p@{v}" and ad.views(bufs[v % 2].flat)
+        ref = parse_peft("ref", config, {k: (v + 1) * t for k, t in tensors.items()}, model, torch.float32)
+        for path, (A, B) in ref.linear.items():
+            assert torch.equal(ad.linear[path][0], A) and torch.equal(ad.linear[path][1], B)
+        for path, by in ref.experts.items():
+            for q, (A, B) in by.items():
+                assert torch.equal(ad.experts[path][q][0], A) and torch.equal(ad.experts[path][q][1], B)
+    key = sorted(k for k in tensors if "lora_A" in k)[0]
+    bad = {k: t.clone() for k, t in tensors.items()}
+    bad[key].view(-1)[0] = math.nan
+    with pytest.raises(LoraError, match=f"tensor {key.replace('.', '[.]')} holds non-finite values"):
+        send(4, bufs[0], values=bad)
+    ad = send(5, bufs[1], cfg=dict(config, lora_alpha=2 * config["lora_alpha"]))
+    assert parser.reused == 2 and ad.scaling == 2 * config["lora_alpha"] / config["r"]

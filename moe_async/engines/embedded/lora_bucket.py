@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 MAX_MAPPED = 4
 
 
-@dataclass
+@dataclass(eq=False)  # found by identity (its tensors have no truth value)
 class _Mapped:
     """A bucket held mapped: ``bucket`` (``uint8`` over its whole storage), the ``key`` of the
     last load from it, that load's adapter as a ``template`` (its tensors all views of
