@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from moe_async.weight_sync.tensor_ipc import serialize_flattened_bucket, shared_uint8
+from moe_async.weight_sync.tensor_ipc import bucket_metadata, serialize_bucket, shared_uint8
 
 Tensor = torch.Tensor
 #: ``(name, dtype, shape)`` of each tensor, in bucket order
@@ -40,11 +40,13 @@ def layout_of(tensors: dict[str, Tensor], dtype: torch.dtype | None = None) -> L
 @dataclass
 class PackedAdapter:
     """One flattened bucket in shared memory: ``flat`` (1-D ``uint8``), ``slots[name]`` the
-    view of each tensor in it (its layout's dtype and shape)."""
+    view of each tensor in it (its layout's dtype and shape), ``meta`` its SGLang
+    ``FlattenedTensorMetadata`` fields (:func:`~moe_async.weight_sync.tensor_ipc.bucket_metadata`)."""
 
     layout: Layout
     flat: Tensor
     slots: dict[str, Tensor]
+    meta: list
 
     @classmethod
     def allocate(cls, layout: Layout) -> PackedAdapter:
@@ -55,7 +57,8 @@ class PackedAdapter:
         for (n, d, s), nb in zip(layout, sizes):
             slots[n] = flat[off:off + nb].view(d).view(s)
             off += nb
-        return cls(layout, flat, slots)
+        meta = bucket_metadata([n for n, _, _ in layout], [d for _, d, _ in layout], [s for _, _, s in layout])
+        return cls(layout, flat, slots, meta)
 
     @property
     def nbytes(self) -> int:
@@ -64,8 +67,7 @@ class PackedAdapter:
     def entries(self, copies: int = 1) -> list[str]:
         """``serialized_named_tensors`` of the bucket (``load_format="flattened_bucket"``),
         ``copies`` entries (engine TP size), for ONE send (see the module's note)."""
-        return serialize_flattened_bucket(self.flat, [n for n, _, _ in self.layout], [d for _, d, _ in self.layout],
-                                          [s for _, _, s in self.layout], copies=copies)
+        return serialize_bucket(self.flat, self.meta, copies=copies)
 
     def write(self, tensors: dict[str, Tensor]) -> None:
         """Copy (and cast) ``tensors`` into their slots; a tensor that is its slot (the exporter

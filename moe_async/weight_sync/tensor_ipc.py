@@ -91,11 +91,16 @@ def serialize_flattened_bucket(flat: torch.Tensor, names: Sequence[str], dtypes:
     Raises:
         ValueError: ``flat`` is not 1-D uint8 or its size differs from the tensors' bytes.
     """
+    return serialize_bucket(flat, bucket_metadata(names, dtypes, shapes), copies)
+
+
+def serialize_bucket(flat: torch.Tensor, meta: Sequence[types.SimpleNamespace], copies: int = 1) -> list[str]:
+    """:func:`serialize_flattened_bucket` with the bucket's :func:`bucket_metadata` given
+    (a sender that keeps a bucket's layout computes it once). Raises as it."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"flat must be a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
-    meta = bucket_metadata(names, dtypes, shapes)
     total = meta[-1].end_idx if meta else 0
     if total != flat.numel():
         raise ValueError(f"the bucket's tensors hold {total} bytes, flat has {flat.numel()}")
-    payload = {"flattened_tensor": flat, "metadata": meta}
+    payload = {"flattened_tensor": flat, "metadata": list(meta)}
     return [base64.b64encode(forking_pickle(payload)).decode("ascii") for _ in range(copies)]

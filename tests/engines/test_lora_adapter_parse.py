@@ -159,3 +159,17 @@ def test_bucket_sent_again_reuses_its_parse_and_reads_the_new_values(adapter):
         send(4, bufs[0], values=bad)
     ad = send(5, bufs[1], cfg=dict(config, lora_alpha=2 * config["lora_alpha"]))
     assert parser.reused == 2 and ad.scaling == 2 * config["lora_alpha"] / config["r"]
+
+
+def test_finiteness_check_exact_when_the_sum_overflows():
+    """The check's fast pass is a sum: finite values whose sum overflows are still finite
+    (settled by ``aminmax``), and one NaN or inf anywhere is found, even among +-inf pairs."""
+    from moe_async.engines.embedded.lora import is_finite
+
+    big = torch.full((64,), 3e38)
+    assert is_finite(big) and is_finite(torch.full((8,), 6e4, dtype=torch.float16))
+    for bad in (math.nan, math.inf, -math.inf):
+        t = big.clone()
+        t[17] = bad
+        assert not is_finite(t) and not is_finite(torch.tensor([1.0, bad]))
+    assert not is_finite(torch.tensor([math.inf, -math.inf]))
