@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -67,14 +67,20 @@ def _row_steps(names: Sequence[str], key: str, B: Tensor, split: Callable[[Tenso
     steps = []
     for i, (n, p) in enumerate(zip(names, parts, strict=True)):
         shape = tuple(p.shape)
-        idx = (p[:, 0] // r).long() if p.dim() == 2 and p.shape[1] == r else None
-        if idx is None or not len(idx) or not torch.equal(p, probe.index_select(0, idx)):
+        idx = (p[:, 0] // r).long() if p.dim() == 2 and p.shape[1] == r and len(p) else None
+        if idx is None or not (0 <= int(idx.min()) and int(idx.max()) < rows) \
+                or not torch.equal(p, probe.index_select(0, idx)):
             steps.append(Step(n, shape, B.dtype, "split", (key,), split=split, part=i))
         elif torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + len(idx))):
             steps.append(Step(n, shape, B.dtype, "rows", (key,), start=int(idx[0])))
         else:
             steps.append(Step(n, shape, B.dtype, "rows", (key,), index=idx))
     return steps
+
+
+def _bound(split: Callable[[Tensor, Any], list[Tensor]], a: Any) -> Callable[[Tensor], list[Tensor]]:
+    """``split`` of a mapping rule with the family's arch args ``a`` bound."""
+    return lambda t: split(t, a)
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ def plan_peft(state: dict[str, tuple[Tensor, Tensor]], family: ModelFamily, hf_c
             continue
         bases = [hf[: -len(".weight")] for hf in hf_names]
         b_steps = _row_steps([f"{PEFT_PREFIX}{b}.lora_B.weight" for b in bases], name, B,
-                             lambda t, rule=rule: rule.split(t, a))
+                             _bound(rule.split, a))
         for base, bs in zip(bases, b_steps):
             steps.append(Step(f"{PEFT_PREFIX}{base}.lora_A.weight", tuple(A.shape), A.dtype, "A", (name,)))
             steps.append(Step(bs.name, bs.shape, bs.dtype, "B", (name,)) if bs.start == 0 and bs.shape == tuple(B.shape)
