@@ -5,7 +5,7 @@ Data path: each rank's adapters (:class:`~moe_async.lora.layers.AdaptedLinear`) 
 on in; a gated ``linear_fc1``'s ``B`` pieces are ``[gate_r; up_r]``, reassembled as
 ``[gate; up]``) -> keyed by the global Megatron weight name (global layer index, global expert
 index) -> all ranks' dicts gathered (adapters are small) -> HF PEFT names via the family's
-mapping table: a fused Megatron weight (``linear_qkv``, ``linear_fc1``) gives its ``B`` to the
+mapping table (:mod:`moe_async.lora.peft_tensors`, planned once per adapter layout): a fused Megatron weight (``linear_qkv``, ``linear_fc1``) gives its ``B`` to the
 HF names through the same split as the weight, and the shared ``A`` to each of them; routed
 experts become PEFT's adapters on transformers' fused expert parameters
 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``; ``lora_A``

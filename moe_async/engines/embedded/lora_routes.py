@@ -4,7 +4,8 @@
 entry 0), ``/unload_lora_adapter``. Success: SGLang's ``LoRAUpdateOutput`` (``success``,
 ``loaded_adapters``); a bad body, adapter or tensor: 400 naming it. A flattened bucket is not
 copied: the adapter views the sender's memory until it is unloaded (as SGLang keeps the tensors;
-the sender reuses that memory only after the unload). A load that adds forward hooks (the first
+the sender reuses that memory only after the unload), and a bucket sent again reuses its parse
+(:mod:`~moe_async.engines.embedded.lora_bucket`). A load that adds forward hooks (the first
 adapter on a module) runs on the scheduler thread between forward passes; other loads and
 unloads change the registry at once, without waiting for a forward to end. An unload of an
 adapter still in use copies it (if it views a sender's memory), waits for the forward running

@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(state)
     # what start-up made (modules, model, tokenizer) lives as long as the process: out of the
     # collector's sight, a full collection (set off now and then by per-request objects) does
-    # not walk it (~0.2 s each for the demo model on a CPU, in the middle of a request)
+    # not walk it (~0.2 s each for the demo model on a CPU, in the middle of a request);
+    # start-up's garbage is collected first, not frozen
+    gc.collect()
     gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     state.scheduler.stop()
