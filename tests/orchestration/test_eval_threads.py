@@ -122,3 +122,10 @@ def test_config_refuses_eval_threads_that_cannot_work(kw, match) -> None:
     with pytest.raises(ValidationError, match=match):
         EngineConfig(**kw)
     assert EngineConfig(eval_num_threads=2, cpu_affinity=[0, 1]).eval_num_threads == 2
+
+
+def test_teacher_engine_eval_threads_refused() -> None:
+    from moe_async.distill.config import TeacherConfig
+
+    with pytest.raises(ValidationError, match="teacher.engine.eval_num_threads"):
+        TeacherConfig(engine=EngineConfig(eval_num_threads=2))
