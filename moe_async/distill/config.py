@@ -61,4 +61,7 @@ class TeacherConfig(ConfigModel):
         if self.urls is not None and not self.urls:
             raise ValueError("teacher.urls is an empty list: name at least one server, or leave it unset to start "
                              "teacher engines")
+        if self.engine.eval_num_threads is not None:
+            raise ValueError("teacher.engine.eval_num_threads: only the policy's engines change threads around "
+                             "held-out evaluations (engine.eval_num_threads); leave it null")
         return self

@@ -160,6 +160,13 @@ def _not_found_then(call: _Call[R]) -> Callable[[BaseException], _Call[R]]:
     return recover
 
 
+def _not_found_is_none(e: BaseException) -> None:
+    """``recover`` of an endpoint only the embedded engine has: a 404 (SGLang) is the answer None."""
+    if isinstance(e, EngineRequestError) and e.status_code == 404:
+        return None
+    raise e
+
+
 def _refused_is_false(e: BaseException) -> bool:
     """``recover`` of ``/flush_cache``: a 400 (requests in flight) is the answer False."""
     if isinstance(e, EngineRequestError) and e.status_code == 400:
@@ -409,6 +416,14 @@ class _Calls:
         the wire's string version parsed to the trainer's int)."""
         return _Call("GET", "/weights_checksum",
                      decode=lambda r: {**(info := r.json()), "weight_version": as_version(info.get("weight_version"))})
+
+    @_Endpoint
+    def set_num_threads(self, num_threads: int) -> _Call[int | None]:
+        """Torch threads of the engine's forward passes from the next one on (embedded engine's
+        ``POST /set_num_threads``); returns the count now in effect, None when the engine has
+        no such endpoint (SGLang: a 404)."""
+        return _Call("POST", "/set_num_threads", {"num_threads": int(num_threads)},
+                     decode=lambda r: int(r.json()["num_threads"]), recover=_not_found_is_none)
 
     @_Endpoint
     def weights_layout(self) -> _Call[EngineReply | None]:

@@ -39,6 +39,12 @@ class EngineConfig(ConfigModel):
     base_port: int = Field(0, ge=0, le=65535, description="0 = pick free ports.")
     max_running_requests: int = Field(16, ge=1, description="Decode batch size cap.")
     num_threads: int = Field(1, ge=1, description="torch threads in each engine process.")
+    eval_num_threads: int | None = Field(
+        None, ge=1, description="torch threads of each embedded engine's forward passes while the driver waits on a "
+        "held-out evaluation (the trainer computes nothing then), back to num_threads after (its POST "
+        "/set_num_threads). None: num_threads throughout. Only backend='embedded'; with cpu_affinity at most its "
+        "core count.",
+    )
     cpu_affinity: list[StrictInt] | None = Field(
         None,
         description="Core ids every engine server process is pinned to (os.sched_setaffinity, Linux); "
@@ -104,6 +110,13 @@ class EngineConfig(ConfigModel):
         if self.backend != "embedded" and self.device != "cpu":
             raise ValueError(f"engine.device={self.device!r} with engine.backend={self.backend!r}: only the embedded "
                              "engine takes a device; SGLang places its ranks on the GPUs it is given")
+        et = self.eval_num_threads
+        if et is not None and self.backend != "embedded":
+            raise ValueError(f"engine.eval_num_threads={et} with engine.backend={self.backend!r}: only the embedded "
+                             "engine can change its threads; leave it null")
+        if et is not None and self.cpu_affinity is not None and et > len(self.cpu_affinity):
+            raise ValueError(f"engine.eval_num_threads={et} exceeds the {len(self.cpu_affinity)} core(s) of "
+                             f"engine.cpu_affinity={self.cpu_affinity}: the engine's threads would share them")
         if self.backend == "embedded" and tp > 1:
             raise ValueError(f"engine.tensor_parallel_size={tp} with engine.backend='embedded': the embedded CPU "
                              "engine is one process (one update-group rank); use backend='sglang' for TP > 1")

@@ -29,6 +29,7 @@ from moe_async.logging.timeline import Timeline
 from moe_async.affinity import check_run_placement
 from moe_async.orchestration.checkpointer import Checkpointer, ray_checkpoint_writer
 from moe_async.orchestration.engine_recovery import EngineRecovery
+from moe_async.orchestration.eval_threads import EvalThreads
 from moe_async.orchestration.evaluator import Evaluator
 from moe_async.orchestration.lifecycle import (dead_engines, eval_get, init_ray, refuse_prompt_room,
                                                sigterm_to_checkpoint, sigterm_to_exit)
@@ -137,7 +138,8 @@ def run_experiment(cfg: ExperimentConfig, console: RunConsole | None = None) -> 
             lambda label: eval_get(run.rollout.evaluate.remote(), f"held-out eval ({label})", eval_s),
             summary, timeline, run_dir, resumed=load_path is not None,
             teacher_point=(lambda: eval_get(run.rollout.evaluate_teacher.remote(), "teacher held-out eval", eval_s))
-            if cfg.teacher.enabled and cfg.teacher.eval else None)
+            if cfg.teacher.enabled and cfg.teacher.eval else None,
+            engine_threads=EvalThreads(run.recovery.live_urls, cfg.engine.eval_num_threads, cfg.engine.num_threads))
         ev0 = evaluator.before(start_step)  # eval_before and the curve's first point, before generation
         if ev0:
             logger.log(ev0, start_step)

@@ -9,12 +9,14 @@ Without a curve, ``eval_before``/``eval_after`` are one greedy evaluation each. 
 (pre-emption) has no ``eval_after``. With a distillation teacher (``teacher.eval``) the teacher
 is evaluated once before the curve's first point (``eval_teacher``: the reference the student
 moves toward; not on a resumed run). The evaluations themselves are callables (Ray calls in a
-run; their timeouts name ``rollout.eval_timeout_s``).
+run; their timeouts name ``rollout.eval_timeout_s``); the policy's each run inside ``engine_threads``
+(:class:`~moe_async.orchestration.eval_threads.EvalThreads`: the engines' evaluation threads).
 
 Design notes: ``docs/design/orchestration.md``."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -42,22 +44,34 @@ class Evaluator:
             step-0 record from ``run_dir/metrics.jsonl``.
         teacher_point: ``() -> dict``, the teacher's held-out evaluation (``evaluate_heldout``'s
             dict); None: no teacher evaluation.
+        engine_threads: context entered around each curve point and greedy evaluation
+            (default: none).
     """
 
     def __init__(self, eval_before: bool, eval_after: bool, eval_interval: int, num_steps: int,
                  curve_point: Callable[[], JsonDict], greedy: Callable[[str], JsonDict],
                  summary: JsonDict, timeline: Phases, run_dir: Path, resumed: bool,
-                 teacher_point: Callable[[], JsonDict] | None = None):
+                 teacher_point: Callable[[], JsonDict] | None = None,
+                 engine_threads: AbstractContextManager[object] | None = None):
         self.eval_before, self.eval_after = eval_before, eval_after
-        self.curve = EvalCurve(eval_interval, num_steps, curve_point)
+        self._threads = engine_threads or nullcontext()
+        self.curve = EvalCurve(eval_interval, num_steps, self._point(curve_point))
         self._greedy = greedy
         self._summary = summary
         self._timeline = timeline
         self._run_dir, self._resumed = run_dir, resumed
         self._teacher_point = teacher_point
 
+    def _point(self, curve_point: Callable[[], JsonDict]) -> Callable[[], JsonDict]:
+        def run() -> JsonDict:
+            with self._threads:
+                return curve_point()
+        return run
+
     def _evaluate(self, key: str, label: str) -> None:
-        report_eval(self._summary, key, label, self._greedy(label))
+        with self._threads:
+            ev = self._greedy(label)
+        report_eval(self._summary, key, label, ev)
 
     def before(self, start_step: int) -> dict[str, float]:
         """``eval_before`` and the curve's first point (at ``start_step``), before generation

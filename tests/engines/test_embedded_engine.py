@@ -117,6 +117,20 @@ def test_greedy_concurrent_matches_hf(engine):
         _check_against_hf(model, p, o, 12)
 
 
+def test_set_num_threads_takes_effect_on_the_forward_thread(engine):
+    """``/set_num_threads``: the count in effect on the scheduler thread (where forwards run)
+    follows the call both ways; greedy answers on 2 threads still equal HF's; 0 is a 422."""
+    eng, _, model = engine
+    p = _prompt(7, 3)
+    with SyncEngineClient(eng.url, timeout_s=60) as c:
+        assert c.set_num_threads(2) == 2
+        _check_against_hf(model, p, c.generate(p, {"temperature": 0.0, "max_new_tokens": 8},
+                                               return_routed_experts=True), 8)
+        assert c.set_num_threads(1) == 1
+        r = httpx.post(f"{eng.url}/set_num_threads", json={"num_threads": 0})
+        assert r.status_code == 422 and "num_threads" in r.text
+
+
 def test_batch_input_and_sampling(engine):
     eng, _, _ = engine
     body = {

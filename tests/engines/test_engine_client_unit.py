@@ -131,7 +131,8 @@ def test_nodes_per_engine_refusals(kw, match):
 # path -> statuses answered in order (the last one repeats); bodies of the 200s and errors
 _SCRIPT = {"/get_model_info": [503, 503, 200], "/continue_generation": [503], "/generate": [500],
            "/flush_cache": [400], "/get_weight_version": [404], "/model_info": [200],
-           "/init_weights_update_group": [503], "/weights_layout": [404], "/weights_checksum": [200]}
+           "/init_weights_update_group": [503], "/weights_layout": [404], "/weights_checksum": [200],
+           "/set_num_threads": [404]}
 _BODY = {"/get_model_info": {"model_path": "m"}, "/model_info": {"weight_version": "7"},
          "/generate": {"error": {"message": "boom"}}, "/weights_checksum": {"weight_version": "3", "checksums": {}}}
 
@@ -141,7 +142,8 @@ def test_both_clients_run_one_retry_and_recovery_policy(kind):
     """The async and the blocking client make the same requests and give the same answers:
     idempotent calls retried on 5xx up to ``retries`` attempts, ``generate`` and the
     weight-group collectives never on a 5xx, 400 from /flush_cache = False, 404 from
-    /get_weight_version -> /model_info, /weights_layout 404 = None, /health unreachable = False."""
+    /get_weight_version -> /model_info, /weights_layout and /set_num_threads 404 = None (SGLang), /health
+    unreachable = False."""
     import asyncio
     import inspect
 
@@ -182,9 +184,10 @@ def test_both_clients_run_one_retry_and_recovery_policy(kind):
     assert run(c.weights_layout) is None
     assert run(c.weights_checksum) == {"weight_version": 3, "checksums": {}}
     assert run(c.health) is False
+    assert run(c.set_num_threads, 2) is None
     assert calls == ["/get_model_info"] * 3 + ["/continue_generation"] * 3 + [
         "/generate", "/flush_cache", "/get_weight_version", "/model_info", "/init_weights_update_group",
-        "/weights_layout", "/weights_checksum", "/health"]
+        "/weights_layout", "/weights_checksum", "/health", "/set_num_threads"]
     # the client method shows the endpoint's own arguments (bound: without self)
     spec = inspect.signature(EngineClient.generate.spec)
     assert inspect.signature(c.generate) == spec.replace(parameters=list(spec.parameters.values())[1:])

@@ -4,8 +4,8 @@ CUDA device.
 Run: ``python -m moe_async.engines.embedded.server --model-path DIR --port N [--device
 cpu|cuda|auto]`` (``cuda`` without a visible GPU: one line naming ``engine.device``, exit 2).
 Serves ``/generate`` (every SGLang request and sampling field honoured or refused with a 400
-naming it), the OpenAI-compatible ``/v1/*``, pause/continue/abort/flush, and the weight-update
-endpoints of :mod:`moe_async.engines.embedded.weight_update`.
+naming it), the OpenAI-compatible ``/v1/*``, pause/continue/abort/flush, the weight-update
+endpoints of :mod:`moe_async.engines.embedded.weight_update`, and ``/set_num_threads`` (ours).
 
 Design notes: ``docs/design/engines.md``."""
 
@@ -25,7 +25,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from moe_async.engines.embedded.admission import Admission
 from moe_async.engines.embedded.lora_routes import lora_router
@@ -60,6 +60,18 @@ class AbortReq(_Body):
 
 class SlowDownReqInput(_Body):
     forward_sleep_time: float | None = None
+
+
+class SetNumThreadsReq(_Body):
+    num_threads: int = Field(ge=1)
+
+
+def set_forward_threads(n: int) -> int:
+    """torch's intra-op threads for the forward passes of the calling thread (run it on the
+    scheduler thread: torch's OpenMP / MKL thread counts are per calling thread); returns the
+    count now in effect there."""
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -284,6 +296,13 @@ def create_app(state: EngineState) -> FastAPI:
         """SGLang's debug knob: sleep ``forward_sleep_time`` s after each decode step."""
         sched.forward_sleep_s = float(body.forward_sleep_time or 0.0)
         return Response(status_code=200)
+
+    @app.post("/set_num_threads")
+    async def set_num_threads(body: SetNumThreadsReq):
+        """Not SGLang's: torch threads of the forward passes from the next one on (``engine.
+        eval_num_threads`` while the trainer idles); ``{"num_threads": n}``. A body without a
+        positive ``num_threads`` is a 422 naming it."""
+        return {"num_threads": await on_sched(lambda: set_forward_threads(body.num_threads))}
 
     app.include_router(weight_update_router(state.weights))
     app.include_router(tensor_update_router(state.weights))
