@@ -29,7 +29,17 @@ def refuse_layout_before_run_dir(cfg: ExperimentConfig) -> bool:
     where = cfg.model.hf_path if cfg.model.source == "hf" else f"model.source={cfg.model.source}"
     if errs := hf_config_layout_errors(cfg, hf_config, str(where)):
         raise UserInputError(f"layout does not fit the model {where}: " + "; ".join(errs))
+    _refuse_lora_matching_nothing(cfg, hf_config, str(where))
     return True
+
+
+def _refuse_lora_matching_nothing(cfg: ExperimentConfig, hf_config: dict | None, where: str) -> None:
+    """UserInputError when ``trainer.lora`` adapts no linear of the model (plan's
+    :func:`~moe_async.plan.report.lora_match_error`)."""
+    from moe_async.plan.report import lora_match_error
+
+    if hf_config is not None and (why := lora_match_error(cfg, hf_config, where)):
+        raise UserInputError(why)
 
 
 def made_model_checks(cfg: ExperimentConfig, model_path: str, room_checked: bool, layout_checked: bool) -> None:
@@ -42,6 +52,10 @@ def made_model_checks(cfg: ExperimentConfig, model_path: str, room_checked: bool
         refuse_prompt_room(cfg, model_path)
     if not layout_checked and (errs := model_layout_errors(cfg, model_path)):
         raise UserInputError(f"layout does not fit the model {model_path}: " + "; ".join(errs))
+    if not layout_checked and cfg.trainer.lora is not None:
+        from moe_async.models.prepare import configured_hf_config
+
+        _refuse_lora_matching_nothing(cfg, configured_hf_config(cfg.model), model_path)
     if cfg.teacher.enabled:  # teacher.top_k against the vocabulary
         from moe_async.orchestration.teacher_pool import check_teacher_top_k
 

@@ -132,3 +132,46 @@ def test_lora_resume_same_fields_passes_start_up(tmp_path):
         == (str(step), 2)
     assert resolve_checkpoint(load_config(SMOKE, [f"trainer.load={_lora_step(tmp_path / 'full', None)}",
                                                   "num_steps=3"]))[1] == 2
+
+
+# ------------------------------------------------ target modules that match no linear of the model
+def test_lora_matching_nothing_refused_before_processes(tmp_path, monkeypatch, capsys):
+    """cpu_smoke's model has MoE layers only (no dense or shared-expert MLP): MLP targets with
+    experts 'off' adapt nothing. Before, the run started and its first train step failed with
+    IndexError after ~45 s; now one line naming the fields, exit 2, no run dir, no process."""
+    import moe_async.orchestration.driver as driver
+
+    def no_process(*a, **k):
+        raise AssertionError("a process or Ray was started")
+
+    monkeypatch.setattr(driver, "init_ray", no_process)
+    runs = tmp_path / "runs"
+    assert main(["train", str(SMOKE), *LORA, "trainer.lora.target_modules=[gate_proj,up_proj,down_proj]",
+                 "trainer.lora.experts='off'", f"logging.output_dir={runs}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "moe-async: trainer.lora.target_modules=['gate_proj', 'up_proj', 'down_proj'] with trainer.lora.experts='off' "
+        "adapt no linear of the model model.source=random_moe (mixtral: GQA attention, no dense or shared-expert MLP, "
+        "2 MoE layer(s) of routed experts)"), err
+    assert not runs.exists()
+
+
+def test_adapted_kinds_per_family():
+    """What add_lora attaches: GQA's qkv and o, MLA's o only, MLPs, routed experts."""
+    from moe_async.models.prepare import configured_hf_config
+    from moe_async.plan.arch import model_shape
+    from moe_async.plan.lora import adapted_kinds
+    from moe_async.plan.report import make_plan
+
+    mix = model_shape(configured_hf_config(load_config(SMOKE).model), "smoke")
+    ds3 = make_plan(load_config(SMOKE.parent / "deepseek_v3.yaml"), family_check=False).shape
+
+    def kinds(shape, targets, experts="per_expert"):
+        return adapted_kinds(shape, LoraConfig(target_modules=targets, experts=experts))
+
+    assert kinds(mix, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) == \
+        ["qkv", "o", "experts"]
+    assert kinds(mix, ["gate_proj", "up_proj", "down_proj"], "off") == []
+    assert kinds(ds3, ["q_proj", "k_proj", "v_proj"], "off") == []  # MLA: no fused q/k/v
+    assert kinds(ds3, ["o_proj"], "off") == ["o"]
+    assert kinds(ds3, ["down_proj"], "off") == ["mlp"]  # dense first layers and the shared expert
