@@ -233,3 +233,29 @@ def test_truncated_step_file_named_at_start_up(tmp_path, name, text):
     (step / name).write_text(text)
     with pytest.raises(UserInputError, match=rf"trainer\.load=.*cannot read the step from .*step_3/{name} \("):
         resolve_checkpoint(load_config(SMOKE, [f"trainer.load={step}"]))
+
+
+# ------------------------------------------------------------ a tokenizer without a chat template
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}{{ m['content'] }}{% endfor %}"])
+def test_model_without_chat_template_refused_before_ray(tmp_path, template):
+    """Every generated-task prompt goes through the tokenizer's chat template: a model dir whose
+    tokenizer has none is refused before any Ray process, naming the model (before, the run
+    started and its first held-out evaluation failed with transformers' traceback, exit 1)."""
+    import json
+
+    from moe_async.models.prepare import configured_hf_config, load_smollm2_tokenizer
+    from moe_async.orchestration.start_checks import made_model_checks
+
+    cfg = load_config(SMOKE)
+    model = tmp_path / "model"
+    tok = load_smollm2_tokenizer()
+    tok.chat_template = template
+    tok.save_pretrained(str(model))
+    if template is None:
+        (model / "chat_template.jinja").unlink(missing_ok=True)
+    (model / "config.json").write_text(json.dumps(configured_hf_config(cfg.model)))
+    if template is None:
+        with pytest.raises(UserInputError, match=rf"model {model}: its tokenizer has no chat template"):
+            made_model_checks(cfg, str(model), True, True)
+    else:
+        made_model_checks(cfg, str(model), True, True)

@@ -87,34 +87,49 @@ def lora_record(cfg: LoraConfig, base: str, base_digest: str) -> JsonDict:
     return {"base": base, "base_digest": base_digest, **{k: getattr(cfg, k) for k in _KEPT}}
 
 
-def check_lora_resume(path: str, saved: JsonDict | None, cfg: LoraConfig | None, base: str,
-                      base_digest: Callable[[], str]) -> None:
-    """Refuse, before any state changes, a resume that would put adapters on another base or
-    into another adapter shape. ``saved``: the checkpoint's ``lora`` record (None: saved without
-    ``trainer.lora``); ``cfg``: this trainer's ``trainer.lora``; ``base_digest()``: this
-    trainer's base digest (called only when both have LoRA).
+def check_lora_fields(path: str, saved: JsonDict | None, cfg: LoraConfig | None) -> None:
+    """Refuse a resume whose ``trainer.lora`` disagrees with the checkpoint's adapters, from the
+    checkpoint's ``moe_async_state.json`` alone (the driver calls it before any process starts).
+    ``saved``: the checkpoint's ``lora`` record (None: saved without ``trainer.lora``); ``cfg``:
+    the configured ``trainer.lora``.
 
     Raises:
         UserInputError (a ValueError): a LoRA checkpoint into a trainer without ``trainer.lora``
-            or the reverse, a differing ``trainer.lora`` field (named), or another base (both
-            bases and digests named).
-    """
+            or the reverse, or a differing ``rank`` / ``alpha`` / ``target_modules`` /
+            ``experts`` (named, both values)."""
     from moe_async.errors import UserInputError
 
     if saved is None and cfg is None:
         return
     if cfg is None:
         assert saved is not None
-        raise UserInputError(f"checkpoint {path} holds LoRA adapters only (trainer.lora.rank={saved['rank']}, "
-                             f"base {saved['base']}); set trainer.lora as it was saved to resume it")
+        raise UserInputError(f"checkpoint {path} holds LoRA adapters only (trainer.lora.rank={saved.get('rank')}, "
+                             f"base {saved.get('base')}); set trainer.lora as it was saved to resume it")
     if saved is None:
         raise UserInputError(f"checkpoint {path} was saved without trainer.lora (a full model checkpoint); "
                              "a LoRA trainer resumes only from its own adapter checkpoints (the base comes from "
-                             "model.path)")
+                             "the model section: model.source, model.hf_path)")
     for k in _KEPT:
         if saved.get(k) != getattr(cfg, k):
             raise UserInputError(f"checkpoint {path}: its adapters have trainer.lora.{k}={saved.get(k)!r}, this "
                                  f"trainer trainer.lora.{k}={getattr(cfg, k)!r}; resume with the saved value")
+
+
+def check_lora_resume(path: str, saved: JsonDict | None, cfg: LoraConfig | None, base: str,
+                      base_digest: Callable[[], str]) -> None:
+    """Refuse, before any state changes, a resume that would put adapters on another base or
+    into another adapter shape: :func:`check_lora_fields`, then (both with LoRA) the base's
+    digest. ``base_digest()``: this trainer's base digest (called only when both have LoRA).
+
+    Raises:
+        UserInputError (a ValueError): as :func:`check_lora_fields`, or another base (both
+            bases and digests named).
+    """
+    from moe_async.errors import UserInputError
+
+    check_lora_fields(path, saved, cfg)
+    if saved is None or cfg is None:
+        return
     now = base_digest()
     if saved.get("base_digest") != now:
         raise UserInputError(f"checkpoint {path}: its LoRA adapters were trained on base {saved.get('base')} "

@@ -537,8 +537,9 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
     Raises:
         UserInputError (a ValueError) naming ``trainer.load`` when the path does not exist or
         is not such a checkpoint or its step file cannot be read, naming ``num_steps``
-        when it is not above the checkpoint's step, and naming the first tensor whose shape
-        differs when it is another model's checkpoint (from its metadata: ``ckpt_shapes``).
+        when it is not above the checkpoint's step, naming the first tensor whose shape
+        differs when it is another model's checkpoint (from its metadata: ``ckpt_shapes``),
+        naming ``trainer.lora`` when it disagrees with the saved adapters (``check_lora_fields``).
     """
     import json
     import os
@@ -567,17 +568,21 @@ def resolve_checkpoint(cfg: ExperimentConfig) -> tuple[str | None, int]:
             "metadata.json and moe_async_version.txt written by trainer.save_interval); a converter's "
             "model-only checkpoint is not a run to resume: start from those weights with model.source=hf "
             "model.hf_path=<the HF checkpoint>")
-    f_p = ver_p
+    f_p, state = ver_p, {}  # state: moe_async_state.json's object ({}: none, an older checkpoint)
     try:
         with open(ver_p) as f:
             step = int(f.read().strip())
         if os.path.isfile(state_p):
             f_p = state_p
             with open(state_p) as f:
-                step = int(json.load(f).get("extra", {}).get("step", step))
+                state = json.load(f)
+            step = int(state.get("extra", {}).get("step", step))
     except (OSError, ValueError, AttributeError, TypeError) as e:  # unreadable, not an int / JSON object
         raise UserInputError(f"trainer.load={cfg.trainer.load!r}: cannot read the step from {f_p} "
                              f"({type(e).__name__}: {e})") from e
+    from moe_async.lora.checkpoint import check_lora_fields  # trainer.lora against the saved adapters
+
+    check_lora_fields(p, state.get("lora") or None, cfg.trainer.lora)
     if cfg.num_steps <= step:
         raise UserInputError(f"num_steps={cfg.num_steps} counts steps in total and the checkpoint trainer.load={p} "
                              f"is at step {step}: nothing left to train (set num_steps above {step})")

@@ -73,3 +73,105 @@ def test_show_config_refuses_in_one_line_exit_2(capsys):
     err = capsys.readouterr().err.splitlines()  # the config refusals' form: file, then the field's message
     assert err == [f"moe-async: invalid config {SMOKE}:", "  trainer.lora.dropout=0.1 with trainer.lora.experts="
                    "'per_expert': PEFT's adapters on fused expert parameters take no dropout; set dropout 0 or experts 'off'"]
+
+
+# ------------------------------------- a LoRA checkpoint's trainer.lora checked before any process
+def _lora_step(tmp_path: Path, lora: dict | None) -> Path:
+    """A step dir as a run with trainer.save_interval writes it (the side files only)."""
+    import json
+
+    step = tmp_path / "ckpt" / "step_2"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    (step / "moe_async_version.txt").write_text("2")
+    (step / "moe_async_state.json").write_text(json.dumps({"version": 2, "extra": {"step": 2},
+                                                           **({"lora": lora} if lora else {})}))
+    return step
+
+
+_SAVED = {"base": "/cache/random_moe-x", "base_digest": "ab" * 32, "rank": 4, "alpha": 32.0,
+          "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+          "experts": "per_expert"}
+
+
+@pytest.mark.parametrize("saved, overrides, message", [
+    (_SAVED, [], "holds LoRA adapters only (trainer.lora.rank=4, base /cache/random_moe-x); set trainer.lora"),
+    (_SAVED, ["trainer.lora.rank=8"], "its adapters have trainer.lora.rank=4, this trainer trainer.lora.rank=8"),
+    (_SAVED, ["trainer.lora.rank=4", "trainer.lora.alpha=16"], "trainer.lora.alpha=32.0, this trainer trainer.lora.alpha=16.0"),
+    (_SAVED, ["trainer.lora.rank=4", "trainer.lora.experts=shared"], "trainer.lora.experts='per_expert', this trainer"),
+    (None, ["trainer.lora.rank=4"], "was saved without trainer.lora (a full model checkpoint)"),
+])
+def test_lora_resume_mismatch_refused_before_processes(tmp_path, monkeypatch, capsys, saved, overrides, message):
+    """A resume whose trainer.lora disagrees with the checkpoint's adapters: refused from
+    moe_async_state.json in one line, exit 2, no run dir, no process (before, the trainer actor
+    refused it after the model, engines and trainer had started, leaving a run dir)."""
+    import moe_async.orchestration.driver as driver
+    from moe_async.errors import UserInputError
+
+    step = _lora_step(tmp_path, saved)
+    cfg = [f"trainer.load={step}", "num_steps=3", *overrides]
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        driver.resolve_checkpoint(load_config(SMOKE, cfg))
+
+    def no_process(*a, **k):
+        raise AssertionError("a process or Ray was started")
+
+    monkeypatch.setattr(driver, "init_ray", no_process)
+    runs = tmp_path / "runs"
+    assert main(["train", str(SMOKE), *cfg, f"logging.output_dir={runs}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0] and str(step) in err[0]
+    assert not runs.exists()
+
+
+def test_lora_resume_same_fields_passes_start_up(tmp_path):
+    step = _lora_step(tmp_path, _SAVED)
+    from moe_async.orchestration.driver import resolve_checkpoint
+
+    assert resolve_checkpoint(load_config(SMOKE, [f"trainer.load={step}", "num_steps=3", "trainer.lora.rank=4"])) \
+        == (str(step), 2)
+    assert resolve_checkpoint(load_config(SMOKE, [f"trainer.load={_lora_step(tmp_path / 'full', None)}",
+                                                  "num_steps=3"]))[1] == 2
+
+
+# ------------------------------------------------ target modules that match no linear of the model
+def test_lora_matching_nothing_refused_before_processes(tmp_path, monkeypatch, capsys):
+    """cpu_smoke's model has MoE layers only (no dense or shared-expert MLP): MLP targets with
+    experts 'off' adapt nothing. Before, the run started and its first train step failed with
+    IndexError after ~45 s; now one line naming the fields, exit 2, no run dir, no process."""
+    import moe_async.orchestration.driver as driver
+
+    def no_process(*a, **k):
+        raise AssertionError("a process or Ray was started")
+
+    monkeypatch.setattr(driver, "init_ray", no_process)
+    runs = tmp_path / "runs"
+    assert main(["train", str(SMOKE), *LORA, "trainer.lora.target_modules=[gate_proj,up_proj,down_proj]",
+                 "trainer.lora.experts='off'", f"logging.output_dir={runs}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "moe-async: trainer.lora.target_modules=['gate_proj', 'up_proj', 'down_proj'] with trainer.lora.experts='off' "
+        "adapt no linear of the model model.source=random_moe (mixtral: GQA attention, no dense or shared-expert MLP, "
+        "2 MoE layer(s) of routed experts)"), err
+    assert not runs.exists()
+
+
+def test_adapted_kinds_per_family():
+    """What add_lora attaches: GQA's qkv and o, MLA's o only, MLPs, routed experts."""
+    from moe_async.models.prepare import configured_hf_config
+    from moe_async.plan.arch import model_shape
+    from moe_async.plan.lora import adapted_kinds
+    from moe_async.plan.report import make_plan
+
+    mix = model_shape(configured_hf_config(load_config(SMOKE).model), "smoke")
+    ds3 = make_plan(load_config(SMOKE.parent / "deepseek_v3.yaml"), family_check=False).shape
+
+    def kinds(shape, targets, experts="per_expert"):
+        return adapted_kinds(shape, LoraConfig(target_modules=targets, experts=experts))
+
+    assert kinds(mix, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) == \
+        ["qkv", "o", "experts"]
+    assert kinds(mix, ["gate_proj", "up_proj", "down_proj"], "off") == []
+    assert kinds(ds3, ["q_proj", "k_proj", "v_proj"], "off") == []  # MLA: no fused q/k/v
+    assert kinds(ds3, ["o_proj"], "off") == ["o"]
+    assert kinds(ds3, ["down_proj"], "off") == ["mlp"]  # dense first layers and the shared expert
