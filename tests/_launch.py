@@ -111,17 +111,19 @@ def slow_marked(values: list, slow: set) -> list:
     return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
 
 
-def finished_train(out, *overrides: str, timeout: float = 900):
+def finished_train(out, *overrides: str, timeout: float = 900, cwd=None):
     """``moe-async train configs/cpu_smoke.yaml logging.output_dir=out *overrides`` to completion
-    (exit 0 asserted; wandb offline, one thread per process): ``(process, run dir, summary.json,
-    the metrics.jsonl records)``."""
+    (exit 0 asserted; wandb offline, one thread per process), run in ``cwd`` (default: the
+    repository; this repository's package first on PYTHONPATH either way): ``(process, run dir,
+    summary.json, the metrics.jsonl records)``."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "moe_async.cli", "train", str(root / "configs/cpu_smoke.yaml"),
            f"logging.output_dir={out}", *overrides]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd or root, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = list(Path(out).iterdir())
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -9,7 +9,9 @@ environment (no trainer, no engine server is started).
 
 Runs the real placement (moe_async.orchestration.placement), the real TrainerGroup start-up
 (rank 0's rendezvous, every rank's environment) and the real EnginePool, with the actor
-classes swapped. Prints one JSON document (the last stdout line).
+classes swapped. Several modes in one call run one after another, each on its own Ray instance
+(``python _placement_checks.py gpus8 two_nodes multinode_engines``). Prints one JSON document
+(the last stdout line): ``{mode: results}``.
 """
 
 from __future__ import annotations
@@ -140,21 +142,24 @@ def run(cfg) -> dict:
     return out
 
 
-def main(mode: str) -> None:
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+def check(mode: str) -> dict:
+    """One mode's checks on its own Ray instance (shut down before returning)."""
     res: dict = {}
     if mode == "gpus8":
         ray.init(address="local", num_cpus=2, num_gpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
-        cfg = load_config(SMOKE, ["trainer.world_size=4", "engine.backend=sglang", "engine.num_engines=2",
-                                  "engine.tensor_parallel_size=2"])
-        res = run(cfg)
-        # a job that needs more GPUs than declared fails, naming the need and the supply (C23)
-        big = load_config(SMOKE, ["trainer.world_size=16"])
         try:
-            place_trainer(big, timeout_s=3)
-        except PlacementError as e:
-            res["too_big"] = str(e)
-        res["free_after"] = ray.available_resources().get("GPU", 0.0)
+            cfg = load_config(SMOKE, ["trainer.world_size=4", "engine.backend=sglang", "engine.num_engines=2",
+                                      "engine.tensor_parallel_size=2"])
+            res = run(cfg)
+            # a job that needs more GPUs than declared fails, naming the need and the supply (C23)
+            big = load_config(SMOKE, ["trainer.world_size=16"])
+            try:
+                place_trainer(big, timeout_s=3)
+            except PlacementError as e:
+                res["too_big"] = str(e)
+            res["free_after"] = ray.available_resources().get("GPU", 0.0)
+        finally:
+            ray.shutdown()
     elif mode == "two_nodes":
         from ray.cluster_utils import Cluster
 
@@ -217,8 +222,23 @@ def main(mode: str) -> None:
         finally:
             ray.shutdown()
             cluster.shutdown()
-    print(json.dumps(res))
+    return res
+
+
+def main(modes: list[str]) -> None:
+    """Each mode in turn in this process (one interpreter start-up and import for all);
+    prints ``{mode: its results, or {"error": the traceback}}``."""
+    import traceback
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    out: dict = {}
+    for mode in modes:
+        try:
+            out[mode] = check(mode)
+        except Exception:  # noqa: BLE001 - named in the JSON, the next mode still runs
+            out[mode] = {"error": traceback.format_exc()}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

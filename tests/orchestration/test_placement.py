@@ -2,8 +2,9 @@
 only report their environment (tests/orchestration/_placement_checks.py: the real placement,
 TrainerGroup start-up and EnginePool, the actor classes swapped).
 
-Each check runs in its own process with its own TMPDIR, so its Ray instance (and the
-``ray_current_cluster`` file a local cluster writes) is no one else's.
+The checks the selected tests read run in one process with its own TMPDIR (one interpreter
+start-up for all), each on its own Ray instance, so no Ray instance (nor the
+``ray_current_cluster`` file a local cluster writes) is anyone else's.
 """
 
 from __future__ import annotations
@@ -17,14 +18,30 @@ from _launch import run_json
 HERE = os.path.dirname(__file__)
 
 
-def _run(mode: str) -> dict:
-    tmp = tempfile.mkdtemp(prefix="mray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    return run_json(os.path.join(HERE, "_placement_checks.py"), mode, timeout=300, TMPDIR=tmp)
+#: each mode of _placement_checks.py: the fixture of this module that reads it, its time limit [s]
+MODES = {"gpus8": ("gpus8", 300), "two_nodes": ("two_nodes", 300), "multinode_engines": ("multinode", 600)}
 
 
 @pytest.fixture(scope="module")
-def gpus8():
-    return _run("gpus8")
+def checks(request) -> dict:
+    """``{mode: results}`` of the modes some selected test of this module reads, from one
+    ``_placement_checks.py`` process."""
+    used = {name for item in request.session.items if item.path == request.path for name in item.fixturenames}
+    modes = [m for m, (fixture, _) in MODES.items() if fixture in used]
+    tmp = tempfile.mkdtemp(prefix="mray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    return run_json(os.path.join(HERE, "_placement_checks.py"), *modes, timeout=sum(MODES[m][1] for m in modes),
+                    TMPDIR=tmp)
+
+
+def _mode(checks: dict, mode: str) -> dict:
+    res = checks[mode]
+    assert "error" not in res, res["error"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def gpus8(checks):
+    return _mode(checks, "gpus8")
 
 
 def test_trainer_and_engines_get_distinct_devices(gpus8):
@@ -57,8 +74,8 @@ def test_too_few_gpus_named_and_nothing_held(gpus8):
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    return _run("two_nodes")
+def two_nodes(checks):
+    return _mode(checks, "two_nodes")
 
 
 def test_two_node_cluster_ranks_in_node_order(two_nodes):
@@ -80,9 +97,8 @@ def test_two_node_cluster_ranks_in_node_order(two_nodes):
 
 
 @pytest.fixture(scope="module")
-def multinode():
-    tmp = tempfile.mkdtemp(prefix="mray", dir="/tmp")
-    return run_json(os.path.join(HERE, "_placement_checks.py"), "multinode_engines", timeout=600, TMPDIR=tmp)
+def multinode(checks):
+    return _mode(checks, "multinode_engines")
 
 
 def _sglang_args(cmd: list[str]):

@@ -1,5 +1,7 @@
 """Checkpoints and resume of `moe-async train`: trainer.save_interval writes step_<N> plus
-`latest`; trainer.load continues the run (weights, version, prompts) at another launch."""
+`latest` (at the interval and the last step); trainer.load continues the run (weights,
+version, prompts, the buffered groups) at another launch. The saved run is conftest.py's
+shared smoke run; this module adds one resumed run."""
 
 from __future__ import annotations
 
@@ -15,8 +17,12 @@ import pytest
 
 from moe_async.config import load_config
 
+from tests.orchestration.conftest import SMOKE_SAVE_INTERVAL, SMOKE_STEPS
+
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "configs/cpu_smoke.yaml"
+LAST = SMOKE_STEPS  # the saved run's last step: its latest checkpoint
+SAVED = (SMOKE_SAVE_INTERVAL, LAST)  # the steps it saved (its interval, its last step)
 
 
 def _procs_with_tag(tag: str) -> list[int]:
@@ -49,20 +55,20 @@ def _train(out: Path, *overrides: str, cwd: Path = ROOT) -> tuple[dict, list[dic
 
 
 @pytest.fixture(scope="module")
-def save_resume(tmp_path_factory) -> dict:
-    """Two runs shared by this module's resume tests: the smoke config (fully_async, K=1) for 2
-    steps saving every step into ``ckpt`` (given relative to the driver's cwd), then a run
-    resumed from that save_dir up to num_steps=3 saving into ``ckpt2``. ``ckpt``'s listing and
-    tracker files are read between the two runs."""
-    tmp = tmp_path_factory.mktemp("resume")
-    ckpt = tmp.resolve() / "ckpt"  # given relative to the driver's cwd: resolved by the driver
-    s1, _ = _train(tmp / "a", "num_steps=2", "trainer.save_interval=1", "trainer.save_dir=ckpt", cwd=tmp)
+def save_resume(smoke_r3_run, tmp_path_factory) -> dict:
+    """The saved run is conftest.py's shared smoke run (fully_async, K=1, R3, 5 steps, saving at
+    steps 3 and 5 into ``ckpt``, given relative to its driver's cwd); ``ckpt``'s listing and
+    tracker files are read, then a run resumed from that save_dir (its ``latest``: step 5) up to
+    num_steps=6 (R3 as saved) saving into ``ckpt2``."""
+    _, run_dir, s1, _ = smoke_r3_run
+    ckpt = run_dir.parent.parent.resolve() / "ckpt"  # <the run's cwd>/ckpt
     after_1 = {"names": sorted(p.name for p in ckpt.iterdir()), "latest": (ckpt / "latest").read_text(),
                "tracker": (ckpt / "latest_checkpointed_iteration.txt").read_text(),
-               "links": [os.readlink(ckpt / f"iter_000000{n}") for n in (1, 2)]}
-    # resume from the save_dir (its `latest`) up to num_steps=3 in total: one more step
-    ckpt2 = tmp / "ckpt2"
-    s2, steps2 = _train(tmp / "b", "num_steps=3", f"trainer.load={ckpt}", "trainer.save_interval=5",
+               "links": [os.readlink(ckpt / f"iter_{n:07d}") for n in SAVED]}
+    # resume from the save_dir (its `latest`) up to one step beyond the saved run
+    ckpt2 = tmp_path_factory.mktemp("resume") / "ckpt2"
+    s2, steps2 = _train(ckpt2.parent / "b", f"num_steps={LAST + 1}", "trainer.router_replay=R3",
+                        f"trainer.load={ckpt}", "trainer.save_interval=10",
                         f"trainer.save_dir={ckpt2}")  # saves at its last step only
     return {"ckpt": ckpt, "ckpt2": ckpt2, "s1": s1, "s2": s2, "steps2": steps2, "after_1": after_1}
 
@@ -70,45 +76,45 @@ def save_resume(tmp_path_factory) -> dict:
 def test_save_then_resume_continues_weights_version_and_prompts(save_resume) -> None:
     r = save_resume
     ckpt, ckpt2, s1, s2, steps2, after_1 = r["ckpt"], r["ckpt2"], r["s1"], r["s2"], r["steps2"], r["after_1"]
-    assert after_1["names"] == ["iter_0000001", "iter_0000002", "latest",
-                                "latest_checkpointed_iteration.txt", "moe_async_owner.json",
-                                "step_1", "step_2"]  # no *.tmp
-    assert after_1["latest"].strip() == "step_2"
+    assert after_1["names"] == [*(f"iter_{n:07d}" for n in SAVED), "latest", "latest_checkpointed_iteration.txt",
+                                "moe_async_owner.json", *(f"step_{n}" for n in SAVED)]  # no *.tmp
+    assert after_1["latest"].strip() == f"step_{LAST}"
     # Megatron-LM's container (its --load reads the tracker, then iter_<N:07d>): links to the step dirs
-    assert after_1["tracker"].strip() == "2"
-    assert after_1["links"] == ["step_1", "step_2"]
-    for n in (1, 2):
+    assert after_1["tracker"].strip() == str(LAST)
+    assert after_1["links"] == [f"step_{n}" for n in SAVED]
+    for n in SAVED:
         assert (ckpt / f"step_{n}" / "moe_async_version.txt").read_text() == str(n)
         state = json.loads((ckpt / f"step_{n}" / "moe_async_state.json").read_text())
         assert state["version"] == n and state["extra"]["step"] == n
         assert (ckpt / f"step_{n}" / "moe_async_rng" / "rank_0.pt").is_file()
-    assert s1["last_checkpoint"] == str(ckpt / "step_2")
-    pos = json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]["dataset"]
-    assert pos["epoch"] * 200 + pos["pos"] >= 2 * 2  # at least the 2 steps x 2 prompts trained
+    assert s1["last_checkpoint"] == str(ckpt / f"step_{LAST}")  # the relative save_dir, under the run's cwd
+    pos = json.loads((ckpt / f"step_{LAST}" / "moe_async_state.json").read_text())["extra"]["dataset"]
+    assert pos["epoch"] * 200 + pos["pos"] >= LAST * 2  # at least the steps x 2 prompts trained
 
-    # the resumed run (num_steps=3: one more step)
-    assert s2["resumed_from"] == str(ckpt / "step_2") and s2["start_step"] == 2
+    # the resumed run (one more step)
+    assert s2["resumed_from"] == str(ckpt / f"step_{LAST}") and s2["start_step"] == LAST
     # the trainer right after the load holds the saved run's final weights, bit for bit
     assert s2["loaded_weights_digest"] == s1["final_weights_digest"]
     assert s2["resume_sync"]["sync/bytes"] > 0
-    assert [m["step"] for m in steps2] == [3]
-    assert steps2[0]["train/weight_version"] == 3.0  # continues from version 2, not 0
-    # every trained group was made by the engines at the loaded version 2 (buffer v0 = 2), except
+    assert [m["step"] for m in steps2] == [LAST + 1]
+    assert steps2[0]["train/weight_version"] == LAST + 1.0  # continues from the saved version, not 0
+    # every trained group was made by the engines at the loaded version (buffer v0 = LAST), except
     # the groups restored from the checkpoint's buffer (made before the save, at most K=1 behind)
     restored = s2["buffer_restored"]["restored"] - s2["buffer_restored"]["dropped_stale"]
     assert steps2[0]["buffer/staleness_max"] <= (1.0 if restored else 0.0)
-    assert sorted(p.name for p in ckpt2.iterdir()) == ["iter_0000003", "latest", "latest_checkpointed_iteration.txt",
-                                                      "moe_async_owner.json", "step_3"]
-    extra3 = json.loads((ckpt2 / "step_3" / "moe_async_state.json").read_text())["extra"]
+    assert sorted(p.name for p in ckpt2.iterdir()) == [f"iter_{LAST + 1:07d}", "latest",
+                                                      "latest_checkpointed_iteration.txt", "moe_async_owner.json",
+                                                      f"step_{LAST + 1}"]
+    extra3 = json.loads((ckpt2 / f"step_{LAST + 1}" / "moe_async_state.json").read_text())["extra"]
     pos3, rs2, rs3 = extra3["dataset"], s1["draws"], extra3["run_state"]
     # prompts continue from the saved trained frontier (run_state.py), not the loader cursor:
-    # at least the 2 trained in step 3 beyond it, and no draw trained twice (the ledger refuses)
-    saved = json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]["run_state"]
-    assert saved["step"] == 2 and saved["weight_version"] == 2 and saved["counts"]["trained"] == 2 * 2
+    # at least the 2 trained in the resumed step beyond it, and no draw trained twice (the ledger refuses)
+    saved = json.loads((ckpt / f"step_{LAST}" / "moe_async_state.json").read_text())["extra"]["run_state"]
+    assert saved["step"] == LAST and saved["weight_version"] == LAST and saved["counts"]["trained"] == LAST * 2
     assert pos3["epoch"] * 200 + pos3["pos"] >= saved["frontier"] + 2
-    assert rs3["counts"]["trained"] == 3 * 2 and rs3["frontier"] >= saved["frontier"]
-    assert rs2["counts"]["trained"] == 2 * 2
-    assert s2["final_weight_version"] == 3 and s2["engine_weight_versions"] == [3]
+    assert rs3["counts"]["trained"] == (LAST + 1) * 2 and rs3["frontier"] >= saved["frontier"]
+    assert rs2["counts"]["trained"] == LAST * 2
+    assert s2["final_weight_version"] == LAST + 1 and s2["engine_weight_versions"] == [LAST + 1]
     assert s2["final_weights_match"] is True
     assert s2["buffer"]["samples_trained"] == 1 * 2 * 4  # 1 step x 2 groups x G
 
@@ -199,41 +205,41 @@ def test_rng_restored_at_same_layout_only(tmp_path) -> None:
 
 def test_restored_buffered_groups_are_trained_after_resume_not_redrawn(save_resume) -> None:
     """The buffer's contents in the whole-run checkpoint, end to end: the fully_async run (K=1)
-    saves at step 2 with groups buffered (generated ahead under version 1 or 2); the run
-    resumed from it puts them back (stale ones at the loaded version dropped, reason ``stale``),
-    trains the oldest fresh ones in its first step (their rewards and per-token staleness are
-    that batch's) and never draws them again (``rollout/skipped_restored``; the draw ledger
-    refuses a draw settled twice): over both runs every prompt is trained once, dropped with a
-    reason, or pending."""
+    saves at its last step with groups buffered (generated ahead under the saved version or the
+    one before); the run resumed from it puts them back (stale ones at the loaded version
+    dropped, reason ``stale``), trains the oldest fresh ones in its first step (their rewards and
+    per-token staleness are that batch's) and never draws them again
+    (``rollout/skipped_restored``; the draw ledger refuses a draw settled twice): over both runs
+    every prompt is trained once, dropped with a reason, or pending."""
     ckpt, s2, steps2 = save_resume["ckpt"], save_resume["s2"], save_resume["steps2"]
-    extra = json.loads((ckpt / "step_2" / "moe_async_state.json").read_text())["extra"]
+    extra = json.loads((ckpt / f"step_{LAST}" / "moe_async_state.json").read_text())["extra"]
     snap, rs = extra["buffer"], extra["run_state"]
     groups = snap["groups"]
     assert groups, f"the checkpoint's buffer held no group (generation did not run ahead): {snap['counters']}"
     assert snap["counters"]["buffered_groups"] == len(groups)
     seqs = [g["samples"][0]["metadata"]["draw_seq"] for g in groups]
     assert all(s >= rs["frontier"] and str(s) not in rs["settled"] for s in seqs)  # pending in the ledger
-    stale = [g for g in groups if 2 - min(v for s in g["samples"] for v in s["weight_versions"]) > 1]
+    stale = [g for g in groups if LAST - min(v for s in g["samples"] for v in s["weight_versions"]) > 1]
     fresh = [g for g in groups if g not in stale]
-    assert fresh, groups  # at K=1 a group generated under version >= 1 is fresh at version 2
+    assert fresh, groups  # at K=1 a group generated under version >= LAST - 1 is fresh at version LAST
 
-    assert s2["start_step"] == 2 and [m["step"] for m in steps2] == [3]
+    assert s2["start_step"] == LAST and [m["step"] for m in steps2] == [LAST + 1]
     assert s2["buffer_restored"] == {"restored": len(groups), "dropped_stale": len(stale)}
-    # step 3's batch (B=2, FIFO) begins with the restored fresh groups: their tokens are the only
-    # ones at staleness >= 1 (the resumed engines generate at the loaded version 2)
+    # the resumed step's batch (B=2, FIFO) begins with the restored fresh groups: their tokens are
+    # the only ones at staleness >= 1 (the resumed engines generate at the loaded version)
     first = fresh[:2]
-    want = Counter(2 - v for g in first for s in g["samples"] for v in s["weight_versions"])
+    want = Counter(LAST - v for g in first for s in g["samples"] for v in s["weight_versions"])
     got = {int(k.rsplit("/", 1)[1]): v for k, v in steps2[0].items() if k.startswith("buffer/staleness_hist/")}
     assert {k: v for k, v in got.items() if k >= 1} == {k: float(v) for k, v in want.items() if k >= 1}
     if len(first) == 2:  # the whole batch restored: its rewards are the saved ones
         rewards = [s["reward"] for g in first for s in g["samples"]]
         assert steps2[0]["rollout/reward_mean"] == sum(rewards) / len(rewards)
         assert got == {k: float(v) for k, v in want.items()}
-    # not drawn again: each restored draw passed over by the resumed prompts at most once, and
-    # the ledger (which refuses a second settle) counts 3 steps x 2 prompts trained, the stale ones dropped
+    # not drawn again: each restored draw passed over by the resumed prompts at most once, and the
+    # ledger (which refuses a second settle) counts every step's 2 prompts trained, the stale ones dropped
     assert s2["rollout"].get("rollout/skipped_restored", 0.0) <= len(groups)
     d = s2["draws"]
-    assert d["counts"]["trained"] == 3 * 2 and d["counts"].get("stale", 0) >= len(stale)
+    assert d["counts"]["trained"] == (LAST + 1) * 2 and d["counts"].get("stale", 0) >= len(stale)
     for g in first:
         seq = g["samples"][0]["metadata"]["draw_seq"]
         assert seq < d["frontier"] or d["settled"].get(str(seq)) == "trained", (seq, d)

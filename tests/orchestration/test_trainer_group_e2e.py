@@ -2,7 +2,8 @@
 Megatron rank) and two engines, against the same command at one process (the runs and their
 overrides: ``_sync_runs.py``; the shared ones: conftest.py).
 
-- reference (``sync_reference``): 1 process, 1 engine, 4 steps; also the run that shows
+- reference (``sync_reference``): 1 process, 1 engine, 4 steps in two runs (pre-empted after
+  step 2, then resumed: test_preemption_resume.py's pair); also the runs that show
   ``async.mode=sync`` through the driver loop trains only fresh tokens (staleness 0) and
   reports the loop's metrics;
 - TP2 (default run): 2 engines, the pair of ``tp2_crash_resume`` (test_ckpt_crash_resume.py's
@@ -83,18 +84,19 @@ def test_sync_mode_trains_only_fresh_tokens(reference):
     """`async.mode=sync` through the same driver loop: every trained token is on-policy
     (staleness 0), and the loop's metrics (staleness histogram, idle fractions, samples/s) are
     reported."""
-    summary, steps = reference["summary"], reference["steps"]
+    steps = reference["steps"]
     assert len(steps) == 4
-    hist = summary["buffer"]["staleness_hist"]
-    assert set(map(int, hist)) == {0} and sum(hist.values()) > 0  # every trained token: staleness 0
+    for summary in (reference["a"]["summary"], reference["b"]["summary"]):  # the pre-empted run, the resumed one
+        hist = summary["buffer"]["staleness_hist"]
+        assert set(map(int, hist)) == {0} and sum(hist.values()) > 0  # every trained token: staleness 0
+        assert summary["buffer"]["samples_dropped"] == 0
+        assert summary["perf"]["perf/samples_per_s"] > 0
     for m in steps:
         assert m["buffer/staleness_max"] == 0
         assert m["buffer/staleness_hist/0"] == m["train/response_tokens"]
         assert not any(k.startswith("buffer/staleness_hist/") and k != "buffer/staleness_hist/0" for k in m)
         assert 0 <= m["perf/trainer_idle_frac"] <= 1 and 0 <= m["perf/engine_idle_frac"] <= 1
         assert m["perf/samples_per_s"] > 0
-    assert summary["buffer"]["samples_dropped"] == 0
-    assert summary["perf"]["perf/samples_per_s"] > 0
 
 
 def test_tp2_two_engines_equal_one_process(tp2, reference):

@@ -1,9 +1,10 @@
 """C28 on a real MegatronTrainer: NaN under a zero mask trains; a NaN loss or gradient fails the
 step before the optimizer, naming the sample, on every rank; NaN weights are never exported.
 
-``_finite_checks.py one TMP OUT.json`` (1 process) or under torchrun (2 ranks) with
-``dp2 TMP OUT.json`` (DP2) or ``pp2 TMP OUT.json`` (PP2); rank 0 writes a JSON dict of
-results to OUT.json."""
+``_finite_checks.py one TMP OUT_DIR`` (1 process) or under torchrun (2 ranks) with
+``dp2,pp2 TMP OUT_DIR`` (DP2 then PP2 in one launch, Megatron's parallel state destroyed
+between them; either alone also works); rank 0 writes each mode's JSON dict of results to
+``OUT_DIR/<mode>.json``."""
 
 from __future__ import annotations
 
@@ -125,10 +126,15 @@ def one_process(tmp: str, out: str, mode: str = "one") -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    mode, tmp, out = sys.argv[1:4]
-    if mode in ("dp2", "pp2"):
-        torch.distributed.init_process_group("gloo")
-        one_process(tmp, out, mode)
-        torch.distributed.destroy_process_group()
+    modes, tmp, out_dir = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+    if modes == ["one"]:
+        one_process(os.path.join(tmp, "one"), os.path.join(out_dir, "one.json"))
     else:
-        one_process(tmp, out)
+        from megatron.core import parallel_state as ps
+
+        assert set(modes) <= {"dp2", "pp2"}, modes
+        torch.distributed.init_process_group("gloo")
+        for mode in modes:  # each mode's first trainer initialised the parallel state at its layout
+            one_process(os.path.join(tmp, mode), os.path.join(out_dir, f"{mode}.json"), mode)
+            ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()

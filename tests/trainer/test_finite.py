@@ -1,9 +1,9 @@
 """C28: a non-finite value where the mask is zero never poisons a step, and a non-finite loss,
 gradient or weight never passes silently (moe_async/trainer/loss.py, moe_async/trainer/finite.py).
 
-The trainer checks run ``_finite_checks.py`` in a fresh process (1 process) and under a 2-rank
-torchrun: DP2 (the NaN sample sits in rank 1's slice, the NaN gradient is made on rank 0 and the
-NaN weight on rank 1 only) and PP2 (the loss, the NaN gradient's origin and the final norm on the
+The trainer checks run ``_finite_checks.py`` in a fresh process (1 process) and in one 2-rank
+torchrun for both layouts: DP2 (the NaN sample sits in rank 1's slice, the NaN gradient is made
+on rank 0 and the NaN weight on rank 1 only) and PP2 (the loss, the NaN gradient's origin and the final norm on the
 last stage only), so every failure must be agreed by all ranks."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from _launch import free_port, run
+from _launch import free_port, run, selected_params
 
 from moe_async.trainer.loss import grpo_token_loss, masked_mean
 
@@ -98,15 +98,21 @@ def cpu_only():
 
 
 def test_trainer_one_process(cpu_only, tmp_path):
-    out = tmp_path / "out.json"
-    run([sys.executable, os.path.join(HERE, "_finite_checks.py"), "one", str(tmp_path), str(out)], timeout=240)
-    _check_trainer(json.loads(out.read_text()), 1)
+    run([sys.executable, os.path.join(HERE, "_finite_checks.py"), "one", str(tmp_path), str(tmp_path)], timeout=240)
+    _check_trainer(json.loads((tmp_path / "one.json").read_text()), 1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cpu_only, request, tmp_path_factory) -> dict:
+    """One 2-rank torchrun of every selected layout (DP2, PP2): ``{layout: results}``."""
+    layouts = sorted(selected_params(request, "layout"))
+    tmp = tmp_path_factory.mktemp("finite")
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+         f"--master_port={free_port()}", os.path.join(HERE, "_finite_checks.py"), ",".join(layouts), str(tmp),
+         str(tmp)], timeout=150 + 150 * len(layouts))
+    return {layout: json.loads((tmp / f"{layout}.json").read_text()) for layout in layouts}
 
 
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])
-def test_trainer_two_ranks(cpu_only, tmp_path, layout):
-    out = tmp_path / "out.json"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-         f"--master_port={free_port()}", os.path.join(HERE, "_finite_checks.py"), layout, str(tmp_path), str(out)],
-        timeout=300)
-    _check_trainer(json.loads(out.read_text()), 2, pp=layout == "pp2")
+def test_trainer_two_ranks(two_ranks, layout):
+    _check_trainer(two_ranks[layout], 2, pp=layout == "pp2")
