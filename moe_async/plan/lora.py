@@ -81,15 +81,3 @@ def lora_counts(shape: ModelShape, layers: list[LayerParams], cfg: LoraConfig, l
         total += layer_lora(shape, lp, cfg, lay)
     return total
 
-
-def adapted_kinds(shape: ModelShape, cfg: LoraConfig) -> list[str]:
-    """The kinds of linear that ``cfg`` adapts in ``shape``, as ``moe_async.lora.layers.add_lora``
-    attaches them: ``qkv`` (GQA's fused q/k/v; MLA has none), ``o`` (the attention output, GQA
-    and MLA), ``mlp`` (dense MLPs and shared experts), ``experts`` (routed, unless ``experts:
-    off``). Empty: the targets match no linear of the model (nothing would train)."""
-    t = set(cfg.target_modules)
-    mlp = bool(t & {"gate_proj", "down_proj"})  # gate/up are named together (LoraConfig)
-    kinds = [("qkv", "q_proj" in t and bool(shape.num_key_value_heads)), ("o", "o_proj" in t),
-             ("mlp", mlp and any(lp.mlp_tp for lp in shape.layers)),
-             ("experts", mlp and cfg.experts != "off" and any(lp.moe and lp.expert for lp in shape.layers))]
-    return [k for k, on in kinds if on]
