@@ -95,7 +95,8 @@ def test_tiny_deepseek_v3_counts_mla_o_as_the_trainer():
     lo = LoraConfig(rank=4, alpha=8.0)
     one = lora_counts(shape, list(shape.layers), lo, ParallelLayout(world_size=1))
     assert one.peft == 20_480 and one.dense + one.expert == 19_712
-    o = lora_counts(shape, list(shape.layers), LoraConfig(rank=4, target_modules=["o_proj"]), ParallelLayout(world_size=1))
+    o = lora_counts(shape, list(shape.layers), LoraConfig(rank=4, target_modules=["o_proj"]),
+                    ParallelLayout(world_size=1))
     assert o.peft == o.dense == 3 * (4 * 96 + 64 * 4)
     tp2 = lora_counts(shape, list(shape.layers), lo, ParallelLayout(tp=2, world_size=2))
     assert tp2.peft == 20_480 and tp2.dense == one.dense - 3 * 192 - (384 + 192) - 2 * (128 + 64)
