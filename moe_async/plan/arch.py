@@ -70,6 +70,7 @@ class ModelShape:
     act_attn: int  # per-token widths stored by attention, split over TP heads: q + k + v + its output
     kv_cache_per_token_layer: int
     act_attn_whole: int = 0  # per-token widths every TP rank computes whole (MLA's latents)
+    v_head_dim: int = 0  # MLA's value head width (its o projection takes num_attention_heads x it); 0: GQA
     rope: str = ""  # the RoPE read from the config (type and YaRN scaling), one line
     not_counted: tuple[str, ...] = field(default=())
 
@@ -136,9 +137,9 @@ def _gqa(f: _Fields, *, qk_norm: bool, bias: bool) -> tuple[int, int, int, int, 
     return attn_tp, attn_kv, norms, nh, ng, d, 2 * q + 2 * kv
 
 
-def _mla(f: _Fields) -> tuple[int, int, int, int, int]:
+def _mla(f: _Fields) -> tuple[int, int, int, int, int, int]:
     """DeepSeek-V3 MLA attention of one layer: (attn_tp, replicated, act width split over TP heads, act
-    width of the latents every TP rank computes whole, kv cache per token)."""
+    width of the latents every TP rank computes whole, kv cache per token, v_head_dim)."""
     h, nh = f.int("hidden_size"), f.int("num_attention_heads")
     rq = f.int("q_lora_rank", None)
     rkv, dn, dr, dv = (f.int("kv_lora_rank"), f.int("qk_nope_head_dim"), f.int("qk_rope_head_dim"),
@@ -151,7 +152,7 @@ def _mla(f: _Fields) -> tuple[int, int, int, int, int]:
     up += rkv * nh * (dn + dv) + nh * dv * h  # kv_b, o_proj
     down += h * (rkv + dr) + rkv + 2 * h  # kv_a_proj_with_mqa, kv_a_layernorm, the two layer norms
     act = 2 * qd + 2 * nh * dv  # q and k, v and the attention output (split over TP heads)
-    return up, down, act, (rq or 0) + rkv + dr, rkv + dr  # latents: on every TP rank
+    return up, down, act, (rq or 0) + rkv + dr, rkv + dr, dv  # latents: on every TP rank
 
 
 def _moe_layers(f: _Fields, n_layers: int, is_moe, attn: tuple[int, int, int], *, experts: int, i_moe: int,
@@ -192,7 +193,7 @@ def model_shape(d: JsonDict, source: str) -> ModelShape:
     h, n_layers, vocab = f.int("hidden_size"), f.int("num_hidden_layers"), f.int("vocab_size")
     tied = f.bool("tie_word_embeddings", False)
     not_counted: list[str] = []
-    act_whole = 0
+    act_whole = dv = 0
     if mt in ("qwen3_moe", "mixtral"):
         experts = f.int("num_local_experts" if mt == "mixtral" else "num_experts")
         i_moe = f.int("intermediate_size" if mt == "mixtral" else "moe_intermediate_size")  # Mixtral: one width
@@ -213,7 +214,7 @@ def model_shape(d: JsonDict, source: str) -> ModelShape:
         first_dense = f.int("first_k_dense_replace", 0, minimum=0)
         shared_i = f.int("n_shared_experts", 0, minimum=0) * i_moe
         if mt == "deepseek_v3":
-            a_tp, rep, act, act_whole, kv_cache = _mla(f)
+            a_tp, rep, act, act_whole, kv_cache, dv = _mla(f)
             a_kv, nh, ng = 0, f.int("num_attention_heads"), None
             freq = f.int("moe_layer_freq", 1)
             is_moe = lambda i: i >= first_dense and i % freq == 0  # noqa: E731
@@ -236,7 +237,7 @@ def model_shape(d: JsonDict, source: str) -> ModelShape:
         moe_intermediate_size=i_moe, dense_intermediate_size=dense_i,
         shared_intermediate_size=shared_i, layers=layers, embedding=vocab * h, output=0 if tied else vocab * h,
         final_norm=h, tied=tied, act_attn=act, act_attn_whole=act_whole, kv_cache_per_token_layer=kv_cache,
-        not_counted=tuple(not_counted), rope=rope_row(d))
+        v_head_dim=dv, not_counted=tuple(not_counted), rope=rope_row(d))
 
 
 def rope_row(d: JsonDict) -> str:

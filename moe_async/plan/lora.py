@@ -8,8 +8,9 @@ their width; routed experts (``I`` = ``moe_intermediate_size``) one adapter per 
 its EP rank (``per_expert``: ``E / EP`` of them) or one per layer on every rank (``shared``).
 The sync sends the PEFT tensors (fp32): the fused weights' ``A`` once per part (q, k, v: 3;
 gate, up: 2) and every routed expert's adapter (``shared``: the one adapter per expert).
-MLA attention (no KV groups) has no fused qkv to adapt; its o projection is not counted.
-"""
+MLA attention (no KV groups) has no fused qkv to adapt; its o projection (``linear_proj``, HF
+``o_proj``) is a row linear ``[H, nh v_head_dim]``. No adapter at all (``peft == 0`` over the
+model's layers): the targets match no linear of the model."""
 
 from __future__ import annotations
 
@@ -55,8 +56,10 @@ def layer_lora(shape: ModelShape, lp: LayerParams, cfg: LoraConfig, lay: Paralle
         q, kv = nh * d, ng * d
         if "q_proj" in t:
             out += _linear(r, H, q + 2 * kv, "column", lay.tp, a_copies=3)
-        if "o_proj" in t:
-            out += _linear(r, q, H, "row", lay.tp)
+    else:  # MLA: the attention output is nh v heads; no fused qkv
+        q = nh * shape.v_head_dim
+    if "o_proj" in t:
+        out += _linear(r, q, H, "row", lay.tp)
     width = (shape.shared_intermediate_size if lp.moe else shape.dense_intermediate_size) or 0
     if width and lp.mlp_tp:
         if "gate_proj" in t:
@@ -78,15 +81,3 @@ def lora_counts(shape: ModelShape, layers: list[LayerParams], cfg: LoraConfig, l
         total += layer_lora(shape, lp, cfg, lay)
     return total
 
-
-def adapted_kinds(shape: ModelShape, cfg: LoraConfig) -> list[str]:
-    """The kinds of linear that ``cfg`` adapts in ``shape``, as ``moe_async.lora.layers.add_lora``
-    attaches them: ``qkv`` (GQA's fused q/k/v; MLA has none), ``o`` (the attention output, GQA
-    and MLA), ``mlp`` (dense MLPs and shared experts), ``experts`` (routed, unless ``experts:
-    off``). Empty: the targets match no linear of the model (nothing would train)."""
-    t = set(cfg.target_modules)
-    mlp = bool(t & {"gate_proj", "down_proj"})  # gate/up are named together (LoraConfig)
-    kinds = [("qkv", "q_proj" in t and bool(shape.num_key_value_heads)), ("o", "o_proj" in t),
-             ("mlp", mlp and any(lp.mlp_tp for lp in shape.layers)),
-             ("experts", mlp and cfg.experts != "off" and any(lp.moe and lp.expert for lp in shape.layers))]
-    return [k for k, on in kinds if on]

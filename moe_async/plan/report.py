@@ -182,20 +182,21 @@ def hf_config_layout_errors(cfg, hf_config: dict, where: str) -> list[str]:
 
 def lora_match_error(cfg, hf_config: dict, where: str) -> str | None:
     """The refusal of a ``trainer.lora`` whose target modules and ``experts`` match no linear of
-    the model ``hf_config`` describes (:func:`~moe_async.plan.lora.adapted_kinds`; the trainer
-    would build no adapter and fail in its first step), naming the fields and the model; None
-    when something is adapted, without ``trainer.lora``, or when plan does not know the
-    ``model_type``."""
+    the model ``hf_config`` describes (no exported adapter element in
+    :func:`~moe_async.plan.lora.lora_counts`; the trainer would build no adapter and fail in its
+    first step), naming the fields and the model; None when something is adapted, without
+    ``trainer.lora``, or when plan does not know the ``model_type``."""
     lo = cfg.trainer.lora
     if lo is None or hf_config.get("model_type") not in SUPPORTED:
         return None
-    from moe_async.plan.lora import adapted_kinds
+    from moe_async.layout import ParallelLayout
+    from moe_async.plan.lora import lora_counts
 
     try:
         shape = model_shape(hf_config, where)
     except ArchError:
         return None
-    if adapted_kinds(shape, lo):
+    if lora_counts(shape, list(shape.layers), lo, ParallelLayout(world_size=1)).peft:
         return None
     attn = "MLA attention (no fused q/k/v; o_proj only)" if not shape.num_key_value_heads else "GQA attention"
     mlp = "dense or shared-expert MLPs" if any(lp.mlp_tp for lp in shape.layers) else "no dense or shared-expert MLP"

@@ -156,22 +156,36 @@ def test_lora_matching_nothing_refused_before_processes(tmp_path, monkeypatch, c
     assert not runs.exists()
 
 
-def test_adapted_kinds_per_family():
-    """What add_lora attaches: GQA's qkv and o, MLA's o only, MLPs, routed experts."""
+def test_targets_that_adapt_nothing_per_family():
+    """The plan counts what add_lora attaches (GQA's qkv and o, MLA's o only, MLPs, routed
+    experts), and the refusal is a count of 0 exported elements: per family, the target sets
+    that adapt nothing are refused and the others counted (default rank 16)."""
+    import types
+
+    from moe_async.layout import ParallelLayout
     from moe_async.models.prepare import configured_hf_config
     from moe_async.plan.arch import model_shape
-    from moe_async.plan.lora import adapted_kinds
-    from moe_async.plan.report import make_plan
+    from moe_async.plan.lora import lora_counts
+    from moe_async.plan.report import lora_match_error
 
-    mix = model_shape(configured_hf_config(load_config(SMOKE).model), "smoke")
-    ds3 = make_plan(load_config(SMOKE.parent / "deepseek_v3.yaml"), family_check=False).shape
+    mix_hf = configured_hf_config(load_config(SMOKE).model)
+    ds3_hf = load_config(SMOKE.parent / "deepseek_v3.yaml").model.arch
+    mix, ds3 = model_shape(mix_hf, "smoke"), model_shape(ds3_hf, "ds3")
 
-    def kinds(shape, targets, experts="per_expert"):
-        return adapted_kinds(shape, LoraConfig(target_modules=targets, experts=experts))
+    def peft(shape, targets, experts="per_expert"):
+        lo = LoraConfig(target_modules=targets, experts=experts)
+        n = lora_counts(shape, list(shape.layers), lo, ParallelLayout(world_size=1)).peft
+        refused = lora_match_error(types.SimpleNamespace(trainer=types.SimpleNamespace(lora=lo)),
+                                   mix_hf if shape is mix else ds3_hf, shape.source)
+        assert (refused is not None) == (n == 0), (targets, experts, n, refused)
+        return n
 
-    assert kinds(mix, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) == \
-        ["qkv", "o", "experts"]
-    assert kinds(mix, ["gate_proj", "up_proj", "down_proj"], "off") == []
-    assert kinds(ds3, ["q_proj", "k_proj", "v_proj"], "off") == []  # MLA: no fused q/k/v
-    assert kinds(ds3, ["o_proj"], "off") == ["o"]
-    assert kinds(ds3, ["down_proj"], "off") == ["mlp"]  # dense first layers and the shared expert
+    assert peft(mix, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) > 0
+    assert peft(mix, ["q_proj", "k_proj", "v_proj"], "off") > 0 and peft(mix, ["o_proj"], "off") > 0
+    assert peft(mix, ["gate_proj", "up_proj", "down_proj"], "off") == 0  # MoE layers only
+    assert peft(ds3, ["q_proj", "k_proj", "v_proj"], "off") == 0  # MLA: no fused q/k/v
+    # MLA's o: 61 layers x (A 16 x (128 heads x v_head_dim 128) + B 7168 x 16)
+    assert peft(ds3, ["o_proj"], "off") == 61 * (16 * 128 * 128 + 7168 * 16) == 22_986_752
+    # down_proj alone: 3 dense MLPs of 18432 and 58 shared experts of 2048, A 16 x width + B 7168 x 16
+    assert peft(ds3, ["down_proj"], "off") == 3 * (16 * 18432 + 7168 * 16) + 58 * (16 * 2048 + 7168 * 16)
+    assert peft(ds3, ["q_proj", "k_proj", "v_proj"], "per_expert") == 0  # no MLP target: no expert adapter

@@ -1,7 +1,8 @@
 """LoRA in the Megatron trainer against the reference on the other side: the base model's own
 logprobs (at init, B = 0) and Hugging Face ``peft`` loading the exported adapter onto the HF
 model (after one optimizer step). TP1 in the default run (a multi-rank LoRA trainer there:
-``test_lora_resume.py``'s TP2 resume); PP2, TP2, EP2 and CP2 (torchrun, 2 processes) are slow."""
+``test_lora_resume.py``'s TP2 resume); PP2, TP2, EP2 and CP2 (torchrun, 2 processes) are slow.
+The plan's adapter counts against a tiny DeepSeek-V3's trainer and export (MLA: o_proj only)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,26 @@ def test_lora_layouts_match_peft(tmp_path, layout):
     res = _layout(tmp_path, layout)
     if layout == "tp2":
         assert res["adapter_numel"] == 18_944 - 2 * (256 + 128)
+
+
+def test_deepseek_v3_plan_counts_equal_the_trainers_and_export(tmp_path):
+    """MLA attention: add_lora adapts its o projection (``linear_proj``, 4 heads x v_head_dim 24
+    = 96 inputs, hidden 64), and the plan counts it. Tiny DeepSeek-V3, rank 4, all seven
+    targets: per layer o A 4x96 + B 64x4 = 640; layer 0's dense MLP (96) 1,920 exported; each
+    MoE layer's shared expert (32) 1,152 and 8 experts x 896 = 7,168. Exported: 3 x 640 + 1,920
+    + 2 x (1,152 + 7,168) = 20,480 (the plan without MLA's o: 18,560); on the TP1 trainer
+    (fused A once): 19,712."""
+    from moe_async.layout import ParallelLayout
+    from moe_async.lora.config import LoraConfig
+    from moe_async.plan.arch import model_shape
+    from moe_async.plan.lora import lora_counts
+
+    res = cpu_check_json(os.path.join(HERE, "_lora_ds3_counts.py"), str(tmp_path), timeout=240)
+    shape = model_shape(res["hf_config"], "tiny deepseek_v3")
+    plan = lora_counts(shape, list(shape.layers), LoraConfig(rank=res["rank"], alpha=8.0), ParallelLayout(world_size=1))
+    assert res["peft_numel"] == plan.peft == 20_480
+    assert res["adapter_numel"] == plan.dense + plan.expert == 19_712
+    o = {k: v for k, v in res["peft_shapes"].items() if ".self_attn.o_proj." in k}
+    assert o == {f"base_model.model.model.layers.{i}.self_attn.o_proj.lora_{f}.weight": s
+                 for i in range(3) for f, s in (("A", [4, 96]), ("B", [64, 4]))}
+    assert not [k for k in res["peft_shapes"] if ".self_attn." in k and ".o_proj." not in k]  # MLA: o only

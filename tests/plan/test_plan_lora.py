@@ -77,3 +77,26 @@ def test_tiny_mixtral_counts_equal_the_trainers():
     shared = lora_counts(shape, list(shape.layers), lo.model_copy(update={"experts": "shared"}),
                          ParallelLayout(world_size=1))
     assert shared.expert == 2 * 2048 and shared.peft == 19_968  # one adapter per layer, exported per expert
+
+
+# tests/lora/_lora_ds3_counts.py's tiny DeepSeek-V3 (MLA, 4 heads of v_head_dim 24: o takes 96 of hidden 64;
+# layer 0 dense of 96, layers 1-2 MoE: 8 experts of 32 and one shared expert of 32)
+TINY_DS3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_attention_heads": 4, "num_hidden_layers": 3, "first_k_dense_replace": 1, "q_lora_rank": 32,
+            "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 24,
+            "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 4, "vocab_size": 256}
+
+
+def test_tiny_deepseek_v3_counts_mla_o_as_the_trainer():
+    """MLA's o projection is adapted (A [4, 96] split by TP, B [64, 4] whole): 20,480 exported
+    elements and 19,712 trainer parameters at TP1 (tests/lora/test_lora_trainer.py measures
+    both on the trainer); at TP2 o's A, the dense and shared fc2's A and the fc1 B halved."""
+    shape = model_shape(TINY_DS3, "tiny")
+    lo = LoraConfig(rank=4, alpha=8.0)
+    one = lora_counts(shape, list(shape.layers), lo, ParallelLayout(world_size=1))
+    assert one.peft == 20_480 and one.dense + one.expert == 19_712
+    o = lora_counts(shape, list(shape.layers), LoraConfig(rank=4, target_modules=["o_proj"]),
+                    ParallelLayout(world_size=1))
+    assert o.peft == o.dense == 3 * (4 * 96 + 64 * 4)
+    tp2 = lora_counts(shape, list(shape.layers), lo, ParallelLayout(tp=2, world_size=2))
+    assert tp2.peft == 20_480 and tp2.dense == one.dense - 3 * 192 - (384 + 192) - 2 * (128 + 64)
