@@ -30,7 +30,10 @@ demo: setup
 smoke: setup
 	$(VENV)/bin/moe-async train configs/cpu_smoke.yaml $(ARGS)
 
+# compileall first: where PYTHONDONTWRITEBYTECODE is set, every process the tests start (ranks,
+# actors, engines) would otherwise compile moe_async/ from source again
 test: setup
+	$(PY) -m compileall -q moe_async tests > /dev/null
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
 
 # The documentation site (mkdocs.yml over docs/) into site/; --strict: a broken link or anchor
@@ -54,4 +57,5 @@ gpu-check-wheels: setup
 
 # the tests `make test` deselects (marked slow; listed in docs/getting-started.md)
 test-slow: setup
+	$(PY) -m compileall -q moe_async tests > /dev/null
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow $(ARGS)

@@ -243,17 +243,19 @@ def test_model_without_chat_template_refused_before_ray(tmp_path, template):
     started and its first held-out evaluation failed with transformers' traceback, exit 1)."""
     import json
 
+    from moe_async.models.config import ModelConfig
     from moe_async.models.prepare import configured_hf_config, load_smollm2_tokenizer
     from moe_async.orchestration.start_checks import made_model_checks
 
-    cfg = load_config(SMOKE)
     model = tmp_path / "model"
+    smoke = load_config(SMOKE)
     tok = load_smollm2_tokenizer()
     tok.chat_template = template
     tok.save_pretrained(str(model))
     if template is None:
         (model / "chat_template.jinja").unlink(missing_ok=True)
-    (model / "config.json").write_text(json.dumps(configured_hf_config(cfg.model)))
+    (model / "config.json").write_text(json.dumps(configured_hf_config(smoke.model)))
+    cfg = smoke.model_copy(update={"model": ModelConfig(source="hf", hf_path=str(model))})  # a user's checkpoint
     if template is None:
         with pytest.raises(UserInputError, match=rf"model {model}: its tokenizer has no chat template"):
             made_model_checks(cfg, str(model), True, True)

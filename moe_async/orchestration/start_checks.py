@@ -60,8 +60,11 @@ def made_model_checks(cfg: ExperimentConfig, model_path: str, room_checked: bool
         from moe_async.orchestration.teacher_pool import check_teacher_top_k
 
         check_teacher_top_k(cfg, model_path)
-    # prompts are rendered through the tokenizer's chat template unless files give raw strings
-    if cfg.rollout.agent.enabled or not cfg.data.enabled or cfg.data.apply_chat_template:
+    # prompts are rendered through the tokenizer's chat template unless files give raw strings;
+    # the models made here (random_moe, smollm2_upcycled) carry a ChatML template by construction,
+    # so only a user's checkpoint (source=hf) pays for loading its tokenizer at start-up
+    templated = cfg.rollout.agent.enabled or not cfg.data.enabled or cfg.data.apply_chat_template
+    if templated and (cfg.model.source == "hf" or (cfg.rollout.agent.enabled and cfg.rollout.agent.tools)):
         from moe_async.models.prepare import load_tokenizer
 
         tok = load_tokenizer(model_path)

@@ -54,6 +54,7 @@ def test_prefault_of_a_view_and_refusals(tmp_path):
     assert prefault_read(t.view(3, 4096)[:, :10]) is False  # not contiguous: nothing done
 
 
+@pytest.mark.slow  # a benchmark run (two families through tools/bench_convert.py); the conversion itself is tests/tools/test_convert*.py
 def test_bench_takes_several_families_in_one_run(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_convert.py"), "--family", "qwen3_moe", "llama",
            "--layers", "2", "--hidden", "64", "--ffn", "64", "--experts", "4", "--vocab", "512", "--repeats", "1",
