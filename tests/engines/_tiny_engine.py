@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 @contextlib.contextmanager
 def launch_tiny_chat_engine(model_dir, **cfg_kw):
-    """Yields ``SimpleNamespace(url, model, tokenizer, model_dir)``: ``model`` is the served
+    """Yields ``SimpleNamespace(url, model, tokenizer, model_dir, log_path)``: ``model`` is the served
     weights loaded by transformers (fp32, eval) for reference outputs."""
     from _tiny import make_tiny_mixtral
     from transformers import AutoModelForCausalLM
@@ -33,6 +33,6 @@ def launch_tiny_chat_engine(model_dir, **cfg_kw):
                                    **cfg_kw), model_dir, 0)
     eng.launch()
     try:
-        yield SimpleNamespace(url=eng.url, model=model, tokenizer=tok, model_dir=model_dir)
+        yield SimpleNamespace(url=eng.url, model=model, tokenizer=tok, model_dir=model_dir, log_path=eng.log_path)
     finally:
         eng.shutdown()

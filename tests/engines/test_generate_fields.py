@@ -594,3 +594,28 @@ def test_tables_cover_sglang_exactly():
     assert set(request.FIELDS) == set(_gen_fields())
     assert set(sampling.FIELDS) == set(api_types.SamplingParams.__struct_fields__)
     assert list(sampling.FIELDS) == list(api_types.SamplingParams.__struct_fields__)  # message order
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
+def test_client_gone_before_its_body_leaves_no_traceback(served, route):
+    """A client that closes its connection before sending the whole body (a run stopping with
+    requests on the wire) is not an error of the engine: nothing is written to its log (before,
+    uvicorn's ``Exception in ASGI application`` with starlette's ``ClientDisconnect``), and the
+    engine answers the next request."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    u = urlparse(served.url)
+    with open(served.log_path, "rb") as f:
+        start = len(f.read())
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(f"POST {route} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: 1000\r\n\r\n{{\"text\": \"hi".encode())
+        time.sleep(0.5)  # the server reads the headers and waits for the rest of the body
+    time.sleep(1.0)
+    r = httpx.post(served.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 200 and "text" in r.json()
+    with open(served.log_path, "rb") as f:
+        new = f.read()[start:].decode("utf-8", "replace")
+    assert "Traceback" not in new and "ClientDisconnect" not in new, new[-3000:]

@@ -13,7 +13,8 @@ import uuid
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from moe_async.engines.embedded.sampling import RequestError
 from moe_async.types import Tokenizer, JsonDict
@@ -162,6 +163,8 @@ def register_openai_routes(app: FastAPI, *, generate: Generate, tokenizer: Token
             return await handler(_check_fields(await body_of(request), fields, route))
         except RequestError as e:
             return error_response(str(e))
+        except ClientDisconnect:  # the client left before its body arrived: no one to answer
+            return Response(status_code=499)
 
     def pass_through(body: JsonDict, g: JsonDict) -> None:
         """The SGLang request fields both /v1 routes hand to ``/generate`` as given."""

@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
 
 from moe_async.engines.embedded.admission import Admission
 from moe_async.engines.embedded.lora_routes import lora_router
@@ -251,6 +252,8 @@ def create_app(state: EngineState) -> FastAPI:
             body = await request.json()
         except ValueError:
             return _error("the /generate body is not valid JSON")
+        except ClientDisconnect:  # the client left before its body arrived (a run stopping): no one to answer
+            return Response(status_code=499)
         try:
             return await run_generate(body)
         except RequestError as e:
