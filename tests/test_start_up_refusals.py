@@ -257,7 +257,8 @@ def test_model_without_chat_template_refused_before_ray(tmp_path, template):
     (model / "config.json").write_text(json.dumps(configured_hf_config(smoke.model)))
     cfg = smoke.model_copy(update={"model": ModelConfig(source="hf", hf_path=str(model))})  # a user's checkpoint
     if template is None:
-        with pytest.raises(UserInputError, match=rf"model {model}: its tokenizer has no chat template"):
+        with pytest.raises(UserInputError, match=rf"model {model}: its tokenizer has no chat template") as ei:
             made_model_checks(cfg, str(model), True, True)
+        assert "apply_chat_template" not in str(ei.value)  # task prompts (rollout.task) have no such switch
     else:
         made_model_checks(cfg, str(model), True, True)

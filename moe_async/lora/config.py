@@ -49,7 +49,7 @@ class LoraConfig(ConfigModel):
         for group in FUSED_GROUPS:
             have = [t for t in group if t in v]
             if have and len(have) != len(group):
-                raise ValueError(f"trainer.lora.target_modules: {have} without {[t for t in group if t not in v]}: "
+                raise ValueError(f"{have} without {[t for t in group if t not in v]}: "
                                  f"Megatron fuses {list(group)} into one linear; name all of them or none")
         return sorted(set(v), key=PEFT_TARGETS.index)
 

@@ -70,7 +70,8 @@ def made_model_checks(cfg: ExperimentConfig, model_path: str, room_checked: bool
         tok = load_tokenizer(model_path)
         if not getattr(tok, "chat_template", None):
             raise UserInputError(f"model {model_path}: its tokenizer has no chat template (tokenizer_config.json's "
-                                 "chat_template or chat_template.jinja), and every prompt is rendered through it; "
-                                 "add one, or give string prompts with data.apply_chat_template=false")
+                                 "chat_template or chat_template.jinja), and every prompt is rendered through it; add one"
+                                 + (", or give string prompts with data.apply_chat_template=false"
+                                    if cfg.data.enabled and not cfg.rollout.agent.enabled else ""))
         if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's chat template shows the tools
             check_template_shows_tools(cfg.rollout.agent, tok, model_path)

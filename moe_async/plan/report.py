@@ -93,6 +93,8 @@ def make_plan(cfg, *, family_check: bool = True) -> Plan:
     errs = check_layout(shape, cfg)
     if errs:
         raise PlanError("layout does not fit the model or cluster:\n  " + "\n  ".join(errs))
+    if why := lora_match_error(cfg, d, source):  # as train refuses it, before any process
+        raise PlanError(why)
     tr, en, sy = estimate_trainer(shape, cfg), estimate_engine(shape, cfg), estimate_sync(shape, cfg)
     c = cfg.cluster
     assert tr.layout.world_size is not None  # the trainer's layout has its world size
@@ -202,6 +204,6 @@ def lora_match_error(cfg, hf_config: dict, where: str) -> str | None:
     mlp = "dense or shared-expert MLPs" if any(lp.mlp_tp for lp in shape.layers) else "no dense or shared-expert MLP"
     return (f"trainer.lora.target_modules={lo.target_modules} with trainer.lora.experts={lo.experts!r} adapt no "
             f"linear of the model {where} ({shape.model_type}: {attn}, {mlp}, "
-            f"{shape.num_moe_layers} MoE layer(s) of routed experts): nothing would train; add target modules "
-            "or set trainer.lora.experts='per_expert'")
+            f"{shape.num_moe_layers} MoE layer(s) of routed experts): nothing would train; add target modules"
+            + (" or set trainer.lora.experts='per_expert'" if lo.experts == "off" and shape.num_moe_layers else ""))
 

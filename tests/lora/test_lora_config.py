@@ -189,3 +189,16 @@ def test_targets_that_adapt_nothing_per_family():
     # down_proj alone: 3 dense MLPs of 18432 and 58 shared experts of 2048, A 16 x width + B 7168 x 16
     assert peft(ds3, ["down_proj"], "off") == 3 * (16 * 18432 + 7168 * 16) + 58 * (16 * 2048 + 7168 * 16)
     assert peft(ds3, ["q_proj", "k_proj", "v_proj"], "per_expert") == 0  # no MLP target: no expert adapter
+
+
+def test_plan_refuses_targets_that_adapt_nothing(capsys):
+    """`moe-async plan` refuses what train refuses (exit 2, naming both fields), instead of a
+    table of 0 adapter parameters; the hint to adapt routed experts only where they are off."""
+    ds3 = str(SMOKE.parent / "deepseek_v3.yaml")
+    assert main(["plan", ds3, "trainer.lora.rank=16", "trainer.lora.target_modules=[q_proj,k_proj,v_proj]"]) == 2
+    err = capsys.readouterr().err
+    assert ("trainer.lora.target_modules=['q_proj', 'k_proj', 'v_proj'] with trainer.lora.experts='per_expert' "
+            "adapt no linear of the model") in err and "MLA attention" in err, err
+    assert err.rstrip().endswith("nothing would train; add target modules"), err
+    assert main(["plan", ds3, "trainer.lora.rank=16", "trainer.lora.target_modules=[o_proj]"]) in (0, 3)
+    assert "adapter parameters per GPU" in capsys.readouterr().out
