@@ -64,7 +64,8 @@ def made_model_checks(cfg: ExperimentConfig, model_path: str, room_checked: bool
     # the models made here (random_moe, smollm2_upcycled) carry a ChatML template by construction,
     # so only a user's checkpoint (source=hf) pays for loading its tokenizer at start-up
     templated = cfg.rollout.agent.enabled or not cfg.data.enabled or cfg.data.apply_chat_template
-    if templated and (cfg.model.source == "hf" or (cfg.rollout.agent.enabled and cfg.rollout.agent.tools)):
+    tools = cfg.rollout.agent.enabled and bool(cfg.rollout.agent.tools)
+    if templated and (cfg.model.source == "hf" or tools):
         from moe_async.models.prepare import load_tokenizer
 
         tok = load_tokenizer(model_path)
@@ -73,5 +74,5 @@ def made_model_checks(cfg: ExperimentConfig, model_path: str, room_checked: bool
                                  "chat_template or chat_template.jinja), and every prompt is rendered through it; add one"
                                  + (", or give string prompts with data.apply_chat_template=false"
                                     if cfg.data.enabled and not cfg.rollout.agent.enabled else ""))
-        if cfg.rollout.agent.enabled and cfg.rollout.agent.tools:  # the model's chat template shows the tools
+        if tools:  # the model's chat template shows the tools
             check_template_shows_tools(cfg.rollout.agent, tok, model_path)

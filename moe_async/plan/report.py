@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_async.errors import read_json_object
+from moe_async.lora.config import LoraConfig
 from moe_async.plan.arch import SUPPORTED, ArchError, ModelShape, model_shape
 from moe_async.plan.memory import (
     GiB,
@@ -93,7 +94,7 @@ def make_plan(cfg, *, family_check: bool = True) -> Plan:
     errs = check_layout(shape, cfg)
     if errs:
         raise PlanError("layout does not fit the model or cluster:\n  " + "\n  ".join(errs))
-    if why := lora_match_error(cfg, d, source):  # as train refuses it, before any process
+    if cfg.trainer.lora is not None and (why := lora_shape_error(cfg.trainer.lora, shape)):  # as train refuses it
         raise PlanError(why)
     tr, en, sy = estimate_trainer(shape, cfg), estimate_engine(shape, cfg), estimate_sync(shape, cfg)
     c = cfg.cluster
@@ -191,15 +192,22 @@ def lora_match_error(cfg, hf_config: dict, where: str) -> str | None:
     lo = cfg.trainer.lora
     if lo is None or hf_config.get("model_type") not in SUPPORTED:
         return None
-    from moe_async.layout import ParallelLayout
-    from moe_async.plan.lora import lora_counts
-
     try:
         shape = model_shape(hf_config, where)
     except ArchError:
         return None
+    return lora_shape_error(lo, shape)
+
+
+def lora_shape_error(lo: LoraConfig, shape: ModelShape) -> str | None:
+    """:func:`lora_match_error` for a model shape already made (``shape.source`` names the
+    model): the refusal, or None when ``lo`` adapts at least one element."""
+    from moe_async.layout import ParallelLayout
+    from moe_async.plan.lora import lora_counts
+
     if lora_counts(shape, list(shape.layers), lo, ParallelLayout(world_size=1)).peft:
         return None
+    where = shape.source
     attn = "MLA attention (no fused q/k/v; o_proj only)" if not shape.num_key_value_heads else "GQA attention"
     mlp = "dense or shared-expert MLPs" if any(lp.mlp_tp for lp in shape.layers) else "no dense or shared-expert MLP"
     return (f"trainer.lora.target_modules={lo.target_modules} with trainer.lora.experts={lo.experts!r} adapt no "
