@@ -121,6 +121,43 @@ def no_device_scope():
 
 
 # ---------------------------------------------------------------------------------------
+# Mend 19: Megatron's ``jit_fuser`` is ``torch.compile``, applied when its modules are imported
+# (core/fusions/*, transformer/moe/router.py, ...). Without CUDA each process paid ~3.7 s of CPU
+# importing dynamo and inductor at the first decoration, and dynamo traced
+# ``TopKRouter._apply_expert_bias`` on every router's first call. Installed when this module is
+# imported (before Megatron's, in the trainer): ``torch.compile`` of a function defined in a
+# ``megatron.*`` module returns it unchanged (Megatron's own ``noop_decorator``: the same ops,
+# eager); every other caller gets torch's ``compile``.
+# ---------------------------------------------------------------------------------------
+_TORCH_COMPILE = torch.compile
+
+
+def _compile_except_megatron(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile`` with torch's signature, except that a function or module defined in a
+    ``megatron.*`` module comes back unchanged (eager). Decorator form (``model=None``) too."""
+    if model is None:
+        return lambda m: _compile_except_megatron(m, **kwargs)
+    if str(getattr(model, "__module__", "") or "").startswith("megatron."):
+        return model
+    return _TORCH_COMPILE(model, **kwargs)
+
+
+def _patch_megatron_jit_eager() -> None:
+    """Mend 19 (idempotent); where ``megatron.core.jit`` was imported before this module, also
+    Megatron's ``disable_jit_fuser`` for the modules it has not decorated yet."""
+    torch.compile = _compile_except_megatron  # type: ignore[assignment]
+    import sys
+
+    jit = sys.modules.get("megatron.core.jit")
+    if jit is not None:
+        jit.disable_jit_fuser()
+
+
+if not torch.cuda.is_available():
+    _patch_megatron_jit_eager()
+
+
+# ---------------------------------------------------------------------------------------
 # Mend 1: RNG tracker. Answers tensor_parallel/random.py (model_parallel_cuda_manual_seed
 # and CudaRNGStatesTracker use torch.cuda RNG state; attention dropout forks it).
 # ---------------------------------------------------------------------------------------
@@ -507,6 +544,8 @@ def apply_cpu_compat() -> bool:
 
             if patch_grouped_mlp():  # transformer/moe/grouped_gemm_util.py, experts.py (GroupedMLP)
                 _APPLIED.append("grouped_gemm")
+            _patch_megatron_jit_eager()
+            _APPLIED.append("megatron_jit_eager")  # core/jit.py: jit_fuser (torch.compile) users
             _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
         if not _mode_active():
             CudaToCpuMode().__enter__()

@@ -64,6 +64,16 @@ def main() -> None:
     r["grouped_gemm"] = [gg.grouped_gemm_is_available(), gg.ops.gmm is gmm, cpu_gmm_installed(),
                          experts.jit_fuser.__name__]
     r["cwo_fp8"] = [mrandom.CheckpointWithoutOutput(fp8=False).fp8, mrandom.CheckpointWithoutOutput(fp8=True).fp8]
+    # mend 19, Megatron imported first: its jit_fuser turned to noop_decorator for modules decorated
+    # later; torch.compile leaves megatron.* functions eager and still wraps everyone else's
+    from megatron.core import jit as mjit
+    from megatron.core.utils import divide
+
+    def _mine(x):
+        return x + 1
+
+    r["jit_late"] = [mjit.jit_fuser.__name__, torch.compile(divide) is divide, torch.compile(_mine) is _mine,
+                     torch.compile(mode="default")(_mine) is _mine]
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         pass

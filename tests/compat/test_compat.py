@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,7 +38,7 @@ def test_applied_and_idempotent(r):
     assert r["mends"] == ["rng_tracker", "cuda_streams", "current_device", "te_general_gemm",
                           "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "uneven_first_dim_gather",
                           "recompute_rng_state", "checkpoint_without_output_fp8", "hybrid_device_optimizer",
-                          "dist_opt_torch_adam_step", "grouped_gemm", "cuda_to_cpu_mode"]
+                          "dist_opt_torch_adam_step", "grouped_gemm", "megatron_jit_eager", "cuda_to_cpu_mode"]
     assert r["modes_on_stack"] == 1
 
 
@@ -49,6 +52,20 @@ def test_mends_work(r):
     assert r["move_numpy"] == "ndarray" and r["move_numpy_utils"] == "ndarray"
     assert r["grouped_gemm"] == [True, True, True, "noop_decorator"]  # mend 17
     assert r["cwo_fp8"] == [False, True]  # mend 18
+    assert r["jit_late"] == ["noop_decorator", True, False, False]  # mend 19, Megatron imported first
+
+
+def test_megatron_jit_fuser_eager_when_compat_comes_first():
+    """Mend 19 in the trainer's order (moe_async.compat, then Megatron): the router's and the
+    fusions' jit_fuser functions are plain functions and neither dynamo nor inductor is imported
+    (each cost a trainer process ~3.7 s of CPU)."""
+    code = ("import sys, json, moe_async.compat\n"
+            "from megatron.core.transformer.moe.router import TopKRouter\n"
+            "from megatron.core.fusions import fused_bias_geglu as g\n"
+            "print(json.dumps([type(TopKRouter.__dict__['_apply_expert_bias']).__name__,"
+            " type(g.geglu).__name__, 'torch._inductor' in sys.modules, 'torch._dynamo' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["function", "function", False, False]
 
 
 def test_cpu_rng_tracker(r):
