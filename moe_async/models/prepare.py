@@ -98,11 +98,29 @@ def save_checkpoint_atomic(model, tokenizer, final: Path) -> Path:
     return final
 
 
-def load_tokenizer(path: str | Path):
-    """Tokenizer of a checkpoint dir (pad = eos when the tokenizer has no pad token)."""
-    from transformers import AutoTokenizer
+# tokenizer_config.json classes that name transformers' generic tokenizers.json backend: loaded
+# by that class directly, the object AutoTokenizer would build, without AutoTokenizer's imports
+# (transformers' model registry and torch: ~4 s of CPU in every process that loads one)
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+
+def load_tokenizer(path: str | Path):
+    """Tokenizer of a checkpoint dir (pad = eos when the tokenizer has no pad token): transformers'
+    ``AutoTokenizer``, or, when ``tokenizer_config.json`` names the generic ``tokenizer.json``
+    backend and that file exists, that class itself (the same object, without importing torch)."""
+    p = Path(path)
+    try:
+        cls_name = json.loads((p / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        cls_name = None  # AutoTokenizer names what is missing or wrong
+    if cls_name in _GENERIC_TOKENIZER_CLASSES and (p / "tokenizer.json").is_file():
+        from transformers import TokenizersBackend
+
+        tok = TokenizersBackend.from_pretrained(str(path))
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -57,6 +57,32 @@ def test_random_moe_deterministic_and_loadable(tmp_path) -> None:
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_generic_tokenizer_equals_auto_tokenizer_without_its_imports(tmp_path) -> None:
+    """load_tokenizer of a tokenizer_config.json naming the generic backend: the class, ids, chat
+    template, special tokens and pad AutoTokenizer gives, in a process that never imports
+    transformers' auto registry; another class name (or no config) still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    a = prep.prepare_hf_checkpoint(_rand_cfg(tmp_path / "a"))
+    msgs = [{"role": "user", "content": "12 + 7 = ? é <|im_end|>"}]
+    code = ("import json, sys\nfrom moe_async.models.prepare import load_tokenizer\n"
+            f"t = load_tokenizer({str(a)!r})\n"
+            f"m = {msgs!r}\n"
+            "print(json.dumps([type(t).__name__, t(m[0]['content'])['input_ids'], t.apply_chat_template(m, "
+            "add_generation_prompt=True, tokenize=False), t.all_special_ids, t.pad_token_id, "
+            "'transformers.models.auto.tokenization_auto' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    ref = AutoTokenizer.from_pretrained(str(a))
+    ref.pad_token = ref.pad_token or ref.eos_token
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        type(ref).__name__, ref(msgs[0]["content"])["input_ids"],
+        ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), ref.all_special_ids,
+        ref.pad_token_id, False]
+    tc = json.loads((a / "tokenizer_config.json").read_text())
+    (a / "tokenizer_config.json").write_text(json.dumps({**tc, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(prep.load_tokenizer(a)).__name__ == type(AutoTokenizer.from_pretrained(str(a))).__name__
+
+
 def test_cache_reused(tmp_path) -> None:
     cfg = _rand_cfg(tmp_path)
     p = prep.prepare_hf_checkpoint(cfg)
