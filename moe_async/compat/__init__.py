@@ -145,7 +145,7 @@ def _compile_except_megatron(model: Any = None, **kwargs: Any) -> Any:
 def _patch_megatron_jit_eager() -> None:
     """Mend 19 (idempotent); where ``megatron.core.jit`` was imported before this module, also
     Megatron's ``disable_jit_fuser`` for the modules it has not decorated yet."""
-    torch.compile = _compile_except_megatron  # type: ignore[assignment]
+    torch.compile = _compile_except_megatron
     import sys
 
     jit = sys.modules.get("megatron.core.jit")
