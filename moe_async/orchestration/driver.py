@@ -295,10 +295,9 @@ class _Run:
 def _start(cfg: ExperimentConfig, procs: _Procs, model_path: str, load_path: str | None, start_step: int,
            summary: JsonDict, timeline: Timeline, logger: RunLogger, console: RunConsole, run_dir: Path,
            stop_on_sigterm: bool) -> _Run:
-    """Place and start engines (and the teacher's), the trainer ranks, load ``load_path``
-    (synced to the engines), the buffer and rollout actors, the saved data side back;
-    ``stop_on_sigterm``: a SIGTERM (the driver's or a rank's) stops the loop after a checkpoint."""
-    from moe_async.orchestration.actors import RolloutActor
+    """Place and start engines (the teacher's, the rollout actor), the trainer ranks, load ``load_path`` (synced
+    to the engines), the buffer, the saved data side back; ``stop_on_sigterm``: SIGTERM stops after a checkpoint."""
+    from moe_async.orchestration.rollout_actor import RolloutActor
     from moe_async.orchestration.buffer_actor import BufferActor
     from moe_async.orchestration.engine_pool import EnginePool
     from moe_async.orchestration.placement import (check_tensor_transport_nodes, cluster_gpus, place_engines,
@@ -314,6 +313,7 @@ def _start(cfg: ExperimentConfig, procs: _Procs, model_path: str, load_path: str
     engines = procs.engines = EnginePool(cfg, model_path, placement=engine_slots)
     timeline.phase("start engines")
     engines.start()  # their servers start while the teacher's and the trainer ranks do (2 cores: ~10 s less)
+    rollout = RolloutActor.remote(cfg, model_path)  # type: ignore[attr-defined]  # its tokenizer and prompts too
     if cfg.teacher.enabled:  # distillation: the teacher's own servers (moe_async/distill)
         from moe_async.orchestration.teacher_pool import start_teacher
 
@@ -350,7 +350,7 @@ def _start(cfg: ExperimentConfig, procs: _Procs, model_path: str, load_path: str
               f"(weight_version {trainer.version()})", flush=True)
     B, K = cfg.rollout.prompts_per_step, cfg.effective_staleness
     buffer = BufferActor.remote(B, K, trainer.version())  # type: ignore[attr-defined]  # v0 = loaded version
-    rollout = RolloutActor.remote(cfg, model_path, urls, buffer, teacher_urls)  # type: ignore[attr-defined]
+    _rget(rollout.connect.remote(urls, buffer, teacher_urls), "rollout.connect")
     if cfg.trainer.lora is not None and load_path is not None:  # the resumed adapter, synced above
         _rget(rollout.set_lora_path.remote(f"policy@{trainer.version()}"), "rollout.set_lora_path")
     # engine failures: dead engines restarted/retired between waits, and one lost during a weight
