@@ -80,7 +80,10 @@ def _rank_main(local_rank: int, conn) -> None:
                 conn.send(("ok", {"success": ok, "message": msg}))
             elif op == "exit":
                 conn.send(("ok", None))
-                return
+                # at once: the interpreter's own exit can wait seconds on the gloo groups' teardown
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
         except Exception as e:  # noqa: BLE001 - reported to the test
             conn.send(("err", f"{type(e).__name__}: {e}"))
 
