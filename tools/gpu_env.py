@@ -8,7 +8,9 @@
 ``uv pip compile`` (the ``uv`` wheel of the test extra) resolves ``pyproject.toml`` with its ``gpu``
 extra (sglang 0.5.23 with all its dependencies, Transformer Engine, megatron-core and the product's
 own pins) against the package index for ``x86_64-manylinux_2_34`` at each Python version; nothing is
-downloaded but metadata (transformer-engine-torch is an sdist: uv builds only its metadata).
+downloaded but metadata (transformer-engine-torch is an sdist: uv builds only its metadata), and no
+interpreter: the metadata builds use a local Python (uv would otherwise first try to download a
+CPython of the target version, seconds of retries where that host is unreachable).
 ``check`` resolves with the committed lock as constraints and fails when there is no solution (a
 conflict: uv's own explanation is printed) or when the resolution is not exactly the lock (a pin
 changed in pyproject.toml without ``make gpu-lock``). Exit code 0: every Python resolved and agrees;
@@ -86,7 +88,7 @@ def resolve(python: str, constraints: list[Path] = (), pins: list[str] = (), out
     as constraints); ``out``: also write the annotated result there (a lock). Raises
     ``subprocess.TimeoutExpired`` past ``timeout_s``."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [uv_bin(), "pip", "compile", str(project), "--extra", "gpu", "--no-config",
+        cmd = [uv_bin(), "pip", "compile", str(project), "--extra", "gpu", "--no-config", "--no-python-downloads",
                "--python-version", python, "--python-platform", PLATFORM, "--quiet",
                "--custom-compile-command", "make gpu-lock"]
         for c in constraints:

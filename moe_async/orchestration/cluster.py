@@ -5,7 +5,8 @@
     python -m moe_async.orchestration.cluster --preflight --gpus-per-node G CONFIG.yaml [key=value ...]
 
 Polls until the job's own nodes (``--tag``) have joined and the GPUs the config needs are
-available, then exits 0; a bad config exits 2, a timeout 1 (``need ...; have ...``), a watched
+available (a cluster that falls short prints one ``waiting ... need ...; have ...`` line
+first), then exits 0; a bad config exits 2, a timeout 1 (``need ...; have ...``), a watched
 launcher step that exits first 3.
 
 Design notes: ``docs/design/orchestration.md``."""
@@ -18,7 +19,7 @@ import os
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
     from moe_async.config import ExperimentConfig
@@ -128,9 +129,11 @@ def _alive(pid: int | None) -> bool:
 
 def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag: str | None = None,
                      watch_pid: int | None = None, poll_s: float = 0.5,
-                     watch_workers: Sequence[int] = ()) -> dict[str, float]:
+                     watch_workers: Sequence[int] = (),
+                     on_short: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
     """Connect to ``address`` once its port answers, then poll until :func:`cluster_has` meets
     ``need``; returns what the cluster has. Leaves the connection closed (``ray.shutdown``).
+    ``on_short(have)`` is called once, at the first poll that falls short of ``need``.
 
     Raises:
         ClusterTimeout: after ``timeout_s``: ``need ... ; have ...`` (what is missing).
@@ -174,6 +177,9 @@ def wait_for_cluster(address: str, need: dict[str, float], timeout_s: float, tag
             have = cluster_has(tag)
             if all(have.get(k, 0.0) >= v for k, v in need.items()):
                 return have
+            if on_short is not None:
+                on_short(have)
+                on_short = None
             if time.monotonic() > deadline:
                 missing = ", ".join(f"{k} ({have.get(k, 0.0):g} of {v:g})" for k, v in need.items()
                                     if have.get(k, 0.0) < v)
@@ -215,8 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--address is required")
     need = {"nodes": 1.0} if a.head_only else required_resources(cfg, a.nodes, a.gpus_per_node)
     t0 = time.monotonic()
+
+    def waiting(have: dict[str, float]) -> None:
+        print(f"[moe-async] waiting for the Ray cluster at {a.address}: need {_fmt(need)}; have "
+              f"{_fmt({k: have.get(k, 0.0) for k in need})}", flush=True)
+
     try:
-        have = wait_for_cluster(a.address, need, a.timeout, a.tag, a.watch_pid, watch_workers=a.watch_worker_pid)
+        have = wait_for_cluster(a.address, need, a.timeout, a.tag, a.watch_pid, watch_workers=a.watch_worker_pid,
+                                on_short=waiting)
     except ClusterTimeout as e:
         print(f"moe-async: the Ray cluster is not ready: {e}", file=sys.stderr)
         return EXIT_TIMEOUT

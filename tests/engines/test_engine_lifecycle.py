@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,8 +50,8 @@ def test_restart_after_kill_and_two_engines_least_loaded(model_dir):
     cfg = EngineConfig(num_engines=2, startup_timeout_s=120, max_running_requests=4)
     engines = [make_engine(cfg, model_dir) for _ in range(cfg.num_engines)]
     try:
-        for e in engines:
-            e.launch()
+        with ThreadPoolExecutor(len(engines)) as ex:  # side by side, as each engine actor starts its own
+            list(ex.map(lambda e: e.launch(), engines))
         assert ensure_healthy(engines) == []
         url, pid = engines[1].url, engines[1].proc.pid
         os.kill(pid, signal.SIGKILL)  # the engine dies

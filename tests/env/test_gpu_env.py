@@ -59,6 +59,22 @@ def test_a_pin_conflicting_with_sglang_does_not_resolve(tmp_path):
     assert "transformers==5.23.0" in res.output, res.output
 
 
+def test_resolve_downloads_no_interpreter(monkeypatch):
+    """uv resolves with the interpreters at hand: it is not sent to download a CPython of the
+    target version first (seconds of retries where that host is unreachable)."""
+    cmds = []
+
+    def run(cmd, **kw):
+        cmds.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_text("torch==2.14.1\n")
+        return G.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(G.subprocess, "run", run)
+    res = G.resolve("3.12")
+    assert res.ok and res.pins == {"torch": "2.14.1"}
+    assert "--no-python-downloads" in cmds[0] and cmds[0][cmds[0].index("--python-version") + 1] == "3.12"
+
+
 def test_drift_from_the_lock_is_named():
     res = G.Resolution("3.12", True, {"torch": "2.14.1", "sglang": "0.5.23", "uvloop": "0.23.0"}, "")
     lock = {"torch": "2.14.1", "sglang": "0.5.22", "flashinfer-python": "0.7.2"}

@@ -51,16 +51,21 @@ def test_wait_goes_on_when_a_node_joins_and_times_out_naming_need_and_have(ray_e
     try:
         # no second node: gives up after its timeout with what it needs and has
         t0 = time.monotonic()
-        p = subprocess.run(_wait_cmd(cluster.address, 3), env=ray_env, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(_wait_cmd(cluster.address, 1), env=ray_env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 1, (p.stdout, p.stderr[-3000:])
         assert "need 1 node, 4 GPU; have 1 node, 2 GPU" in p.stderr and "missing: GPU (2 of 4)" in p.stderr, p.stderr
-        assert time.monotonic() - t0 >= 3
+        assert time.monotonic() - t0 >= 1
 
-        # a second node with 2 GPUs joins 5 s after the wait started: it goes on then, not later
+        # a second node with 2 GPUs joins once the wait has polled and found too few: it goes on then
         waiter = subprocess.Popen(_wait_cmd(cluster.address, 120), env=ray_env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
+        assert waiter.stdout is not None and waiter.stderr is not None
+        before = []  # up to the wait's "waiting ..." line: it has polled a cluster short of GPUs
+        while (line := waiter.stdout.readline()) and "waiting for" not in line:
+            before.append(line)
+        assert f"waiting for the Ray cluster at {cluster.address}: need 1 node, 4 GPU; have 1 node, 2 GPU" in line, \
+            (line, before, waiter.stderr.read()[-3000:] if line == "" else "")
         t0 = time.monotonic()
-        time.sleep(5)
         cluster.add_node(num_cpus=1, num_gpus=2)
         t_join = time.monotonic() - t0
         out, err = waiter.communicate(timeout=120)
@@ -79,7 +84,7 @@ def test_wait_goes_on_when_a_node_joins_and_times_out_naming_need_and_have(ray_e
 
         holder = Holder.options(num_gpus=2, num_cpus=0).remote()
         assert ray.get(holder.ping.remote()) == 1
-        p = subprocess.run(_wait_cmd(cluster.address, 3), env=ray_env, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(_wait_cmd(cluster.address, 1), env=ray_env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 1 and "need 1 node, 4 GPU; have 2 nodes, 2 GPU" in p.stderr, (p.stdout, p.stderr[-3000:])
         ray.kill(holder)
         p = subprocess.run(_wait_cmd(cluster.address, 60), env=ray_env, capture_output=True, text=True, timeout=120)

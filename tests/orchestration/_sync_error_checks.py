@@ -17,6 +17,8 @@ import os
 import socket
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
@@ -97,8 +99,13 @@ def main() -> None:
     model_dir = tempfile.mkdtemp(prefix="syncerr")
     make_tiny_mixtral(model_dir, tie=False)
     eng = make_engine(EngineConfig(startup_timeout_s=600, num_threads=1, max_running_requests=4), model_dir, 0)
-    eng.launch()
+    # the engine boots while Ray starts (launch() waits for its health): its process is
+    # started first, with this thread idle, then Ray's
+    launched = ThreadPoolExecutor(1).submit(eng.launch)
+    while eng.proc is None and not launched.done():
+        time.sleep(0.01)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    launched.result()
     res = {"url": eng.url}
     try:
         cfg = load_config(SMOKE, ["trainer.world_size=2", "weight_sync.backend=gloo", "weight_sync.timeout_s=60"])

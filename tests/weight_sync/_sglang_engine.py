@@ -49,6 +49,7 @@ def _rank_main(local_rank: int, conn) -> None:
 
     # SGLang's joins wait torch's default_pg_timeout (30 min): a join reaching this rank
     # after its sender died would block it that long; 20 s here keeps the tests bounded
+    # (per join: an ``init`` may carry its own ``join_timeout_s``, SGLang reads this at each join)
     import datetime
 
     import torch.distributed.distributed_c10d as c10d
@@ -65,6 +66,7 @@ def _rank_main(local_rank: int, conn) -> None:
         op, kw = conn.recv()
         try:
             if op == "init":
+                c10d.default_pg_timeout = datetime.timedelta(seconds=kw.pop("join_timeout_s"))
                 ok, msg = wu.init_weights_update_group(**kw)
                 pg = wu._model_update_group.get(kw["group_name"])
                 conn.send(("ok", {"success": ok, "message": msg,
@@ -78,7 +80,10 @@ def _rank_main(local_rank: int, conn) -> None:
                 conn.send(("ok", {"success": ok, "message": msg}))
             elif op == "exit":
                 conn.send(("ok", None))
-                return
+                # at once: the interpreter's own exit can wait seconds on the gloo groups' teardown
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
         except Exception as e:  # noqa: BLE001 - reported to the test
             conn.send(("err", f"{type(e).__name__}: {e}"))
 
@@ -106,7 +111,8 @@ class SGLangEngine:
         self.joins: list[dict] = []  # every rank's reply to every join
         self.version: str | None = None
         self.calls: list[str] = []
-        #: optional ``hook(group_name)`` run before a join is forwarded (tests delay/hang joins)
+        #: optional ``hook(group_name)`` run before a join is forwarded (tests delay/hang joins);
+        #: it may return that join's timeout on the ranks in seconds (None: JOIN_TIMEOUT_S)
         self.before_join = None
         self.inflight = 0  # joins and rank calls not yet answered
         self._io = threading.Lock()
@@ -153,12 +159,11 @@ class SGLangEngine:
             self.inflight -= 1
 
     def _join(self, master_address, master_port, rank_offset, world_size, group_name, backend):
-        if self.before_join is not None:
-            self.before_join(group_name)
+        join_timeout_s = self.before_join(group_name) if self.before_join is not None else None
         with self.join_lock:
             self.calls.append(f"init:{group_name}")
             kw = dict(master_address=master_address, master_port=master_port, world_size=world_size,
-                      group_name=group_name, backend=backend)
+                      group_name=group_name, backend=backend, join_timeout_s=join_timeout_s or JOIN_TIMEOUT_S)
             # a DP replica's ranks follow the previous replica's (rank_offset + d * tp + t)
             outs = self._all("init", [{**kw, "rank_offset": rank_offset} for _ in range(self.n)])
             self.joins.extend(outs)

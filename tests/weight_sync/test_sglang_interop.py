@@ -108,10 +108,16 @@ def test_declared_world_that_differs_fails_at_once(engines):
         BroadcastTransport(engines, _cfg(), ranks_per_engine=[1, 2], world_size=5)
 
 
-def _delay_opposite(engines, delay_s: float) -> None:
-    """Engine 0 gets stage 0's join first, engine 1 stage 1's (C12's arrival orders)."""
+def _delay_opposite(engines, delay_s: float, late_join_timeout_s: float | None = None) -> None:
+    """Engine 0 gets stage 0's join first, engine 1 stage 1's (C12's arrival orders); a
+    delayed join's ranks give up after ``late_join_timeout_s`` (None: the engines' default)."""
     def later(name_late):
-        return lambda g: time.sleep(delay_s) if g == name_late else None
+        def hook(g):
+            if g == name_late:
+                time.sleep(delay_s)
+                return late_join_timeout_s
+            return None
+        return hook
 
     engines[0].before_join = later("pp1")
     engines[1].before_join = later("pp0")
@@ -129,7 +135,9 @@ def test_pp_senders_fixed_order_vs_opposite_joins(engines):
     trs = [BroadcastTransport(engines, _cfg(timeout_s=timeout), ranks_per_engine=[1, 2], group_name=f"pp{k}")
            for k in range(2)]
     try:
-        _delay_opposite(engines, 1.0)
+        # the late joins reach the engines after their senders gave up: their ranks' connects
+        # to the closed stores are retried until the join timeout, 3 s here (not the 20 s default)
+        _delay_opposite(engines, 1.0, late_join_timeout_s=3.0)
         errs: dict[int, BaseException] = {}
         took: dict[int, float] = {}
 
@@ -150,7 +158,9 @@ def test_pp_senders_fixed_order_vs_opposite_joins(engines):
         for k, e in errs.items():
             assert isinstance(e, GroupFormationError) and "every partial group was destroyed" in str(e)
             assert took[k] < timeout + 10, took
-        # the fixed order: pp0 wholly formed before pp1's joins go out (delays still on)
+        # the fixed order: pp0 wholly formed before pp1's joins go out (delays still on, the
+        # default join timeout: these joins must form)
+        _delay_opposite(engines, 1.0)
         for t in trs:
             t.close()
         for e in engines:  # joins that reached an engine after their sender gave up end first
