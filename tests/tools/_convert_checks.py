@@ -1,25 +1,28 @@
-"""Conversion checks (case C3) run as three launches; results go to JSON files under TMP.
+"""Conversion checks of test_convert.py, one function per launch of _convert_launches.py
+(which runs them with the GLM-4.5 and uneven-PP checks in the same three launches); the
+results are returned as dicts, every path under TMP.
 
-    python _convert_checks.py prep TMP
-        makes the tiny HF checkpoints (before Megatron is imported): ``mix`` (Mixtral, untied)
+    make_checkpoints(TMP)   (prep, before Megatron is imported)
+        the tiny HF checkpoints: ``mix`` (Mixtral, untied)
         and ``qwen`` (Qwen3-MoE, tied, norm_topk_prob=False), each 2 layers, 4 experts top-2,
         fp32, ``llama`` (dense, bf16, tied) and ``ds`` (deepseek_v3: MLA, first layer dense,
         shared expert, non-zero fp32 ``e_score_correction_bias``), re-saved by transformers as 3+ safetensors shards with
         ``model.safetensors.index.json``, plus a fake tokenizer file; ``{name}_fused``: the
         same weights in transformers' in-memory layout (fused ``experts.gate_up_proj`` /
-        ``down_proj``), sharded; the HF logits on a fixed prompt. Then, 1 process: HF ->
+        ``down_proj``), sharded; the HF logits on a fixed prompt.
+    prep(TMP)   (1 process) HF ->
         Megatron at EP1 (CLI ``main``), the converted Megatron model's logits vs HF, Megatron
         -> HF from EP1; the error cases (extra / missing HF key, config mismatch, extra /
-        missing torch_dist tensor). Writes TMP/prep.json.
-    torchrun --nproc_per_node 2 _convert_checks.py w2 TMP
+        missing torch_dist tensor).
+    w2(TMP)   (2 ranks, the gloo process group already initialised)
         HF -> Megatron at EP2 and at TP2 (and EP2 from the fused layout; deepseek_v3 at EP2
         and TP2); Megatron -> HF loading the EP1 checkpoint at EP2 and the TP2 checkpoint at
-        TP2. Writes TMP/w2.json.
-    python _convert_checks.py final TMP
+        TP2.
+    final(TMP)   (1 process)
         Megatron -> HF at 1 process from the EP2 / TP2 checkpoints; every round-tripped dir
         compared with the original tensors (bit-exact, same names and dtypes) and by the
         logits of the transformers model loaded from it; the Megatron model loaded from the
-        EP2 checkpoint vs HF logits; experts saved exactly once at EP2. Writes TMP/final.json.
+        EP2 checkpoint vs HF logits; experts saved exactly once at EP2.
 """
 
 from __future__ import annotations
@@ -41,10 +44,6 @@ NAMES = ("mix", "qwen")  # MoE, fp32: every layout, logits vs Megatron
 ALL = (*NAMES, "llama", "ds")  # + dense Llama, bf16: EP1 / TP2; DeepSeek-V3: EP1 / EP2 / TP2
 SHARD = {"mix": "300KB", "qwen": "300KB", "llama": "60KB", "ds": "300KB"}  # -> 3+ files each
 PROMPT = [[5, 17, 99, 3, 250, 41, 7, 128, 64, 200, 11, 2]]
-
-
-def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def p(tmp: str, *a: str) -> str:
@@ -102,8 +101,8 @@ def hf_tensors(d: str) -> dict:
     return dict(iter_hf_tensors(d))
 
 
-def megatron_logits(meg: str, hf_dir: str) -> torch.Tensor:
-    """Logits [1,S,V] of the 1-process Megatron model loaded from torch_dist ``meg``."""
+def megatron_logits(meg: str, hf_dir: str, prompt: list = PROMPT) -> torch.Tensor:
+    """Logits [1,S,V] on ``prompt`` of the 1-process Megatron model loaded from torch_dist ``meg``."""
     from moe_async.models import hf_config_dict
     from moe_async.megatron.build import build_model
     from moe_async.megatron.dist_ckpt import load_megatron_into_model
@@ -119,7 +118,7 @@ def megatron_logits(meg: str, hf_dir: str) -> torch.Tensor:
         model, vocab = build_model(cfg, 1, 1, 1, vocab_div=div)
         load_megatron_into_model(model, meg)
         model.eval()
-        tok = torch.tensor(PROMPT)
+        tok = torch.tensor(prompt)
         S = tok.shape[1]
         pos = torch.arange(S).unsqueeze(0)
         mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None]
@@ -225,8 +224,7 @@ def error_cases(tmp: str) -> dict:
     return res
 
 
-def main_prep(tmp: str) -> None:
-    make_checkpoints(tmp)  # before Megatron is imported
+def prep(tmp: str) -> dict:
     import convert_hf_to_megatron as h2m_cli
     import convert_megatron_to_hf as m2h_cli
 
@@ -246,17 +244,13 @@ def main_prep(tmp: str) -> None:
     res["errors"] = error_cases(tmp)
     res["n_hf_files"] = {n: len(set(json.load(open(p(tmp, n, "model.safetensors.index.json")))["weight_map"].values()))
                          for n in ALL}
-    with open(p(tmp, "prep.json"), "w") as f:
-        json.dump(res, f)
+    return res
 
 
-def main_w2(tmp: str) -> None:
-    import torch.distributed as dist
-
+def w2(tmp: str) -> None:
     import convert_hf_to_megatron as h2m_cli
     import convert_megatron_to_hf as m2h_cli
 
-    dist.init_process_group("gloo")
     for name in NAMES:
         h2m_cli.main(["--hf", p(tmp, name), "--out", p(tmp, f"meg_ep2_{name}"), "--ep", "2", "--no-progress"])
         h2m_cli.main(["--hf", p(tmp, name), "--out", p(tmp, f"meg_tp2_{name}"), "--tp", "2", "--no-progress"])
@@ -278,11 +272,6 @@ def main_w2(tmp: str) -> None:
                   "--out", p(tmp, "back_ep1at2_ds"), "--ep", "2", "--max-shard-size", "300KB", "--no-progress"])
     m2h_cli.main(["--megatron", p(tmp, "meg_v96_mix"), "--hf-config", p(tmp, "mix"),
                   "--out", p(tmp, "back_v96at2_mix"), "--tp", "2", "--max-shard-size", "300KB", "--no-progress"])
-    if rank() == 0:
-        with open(p(tmp, "w2.json"), "w") as f:
-            json.dump({"ok": True}, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def compare_dirs(orig: str, back: str) -> dict:
@@ -311,7 +300,7 @@ def experts_saved_once(meg: str) -> bool:
     return ok
 
 
-def main_final(tmp: str) -> None:
+def final(tmp: str) -> dict:
     import convert_megatron_to_hf as m2h_cli
     from transformers import AutoModelForCausalLM
 
@@ -356,11 +345,4 @@ def main_final(tmp: str) -> None:
         ml = megatron_logits(p(tmp, f"meg_ep2_{name}"), p(tmp, name))
         res[f"meg_logits_ep2_{name}"] = {"maxdiff": float((ml - hl).abs().max())}
         res[f"experts_once_ep2_{name}"] = experts_saved_once(p(tmp, f"meg_ep2_{name}"))
-    with open(p(tmp, "final.json"), "w") as f:
-        json.dump(res, f)
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    mode, tmp = sys.argv[1], sys.argv[2]
-    {"prep": main_prep, "w2": main_w2, "final": main_final}[mode](tmp)
+    return res

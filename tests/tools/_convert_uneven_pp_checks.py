@@ -1,17 +1,19 @@
 """Uneven pipeline stages in the converters: a 4-layer tiny Mixtral (untied) converted HF ->
 torch_dist at PP2 with 3 + 1 layers, loaded by MegatronTrainer at that uneven PP2 and at PP1,
-and converted back to HF at both; results as JSON in TMP.
+and converted back to HF at both; one function per launch of _convert_launches.py, the
+results returned as dicts, every path under TMP.
 
-    torchrun --nproc_per_node 2 _convert_uneven_pp_checks.py w2 TMP
-        rank 0 makes the HF checkpoints ``src`` and ``other`` (another seed; the trainers are
-        built from it, so only the load makes them equal ``src``); the CLI
-        ``main`` converts it at --pp 2 --num-layers-in-first-pipeline-stage 3 (``meg``); a
-        trainer at the same uneven PP2 loads it (its layer numbers per rank, its exported
-        checksums); ``meg`` back to HF at that uneven PP2 (``back_pp2``). TMP/w2.json.
-    python _convert_uneven_pp_checks.py w1 TMP
+    make_hf(TMP)   (prep, before Megatron is imported)
+        the HF checkpoints ``src`` and ``other`` (another seed; the trainers are built from it,
+        so only the load makes them equal ``src``).
+    w2(TMP)   (2 ranks, the gloo process group already initialised)
+        the CLI ``main`` converts ``src`` at --pp 2 --num-layers-in-first-pipeline-stage 3
+        (``meg``); a trainer at the same uneven PP2 loads it (its layer numbers per rank, its
+        exported checksums); ``meg`` back to HF at that uneven PP2 (``back_pp2``).
+    w1(TMP)   (1 process)
         a trainer at PP1 loads ``meg`` (checksums); ``meg`` back to HF at PP1 (``back_pp1``);
         the source and both round trips' checksums, the conversion metadata and Megatron-LM's
-        args saved in ``common.pt``. TMP/w1.json.
+        args saved in ``common.pt``.
 """
 
 from __future__ import annotations
@@ -43,24 +45,21 @@ def _checksums(d: str) -> dict:
     return {k: tensor_checksum(t) for k, t in iter_hf_tensors(d)}
 
 
+def make_hf(tmp: str) -> None:
+    from _tiny import make_tiny_mixtral
+
+    make_tiny_mixtral(os.path.join(tmp, "src"), tie=False, seed=3, num_hidden_layers=4)
+    make_tiny_mixtral(os.path.join(tmp, "other"), tie=False, seed=4, num_hidden_layers=4)
+
+
 def w2(tmp: str) -> dict:
-    import torch.distributed as dist
-
-    rank = int(os.environ["RANK"])
-    src = os.path.join(tmp, "src")
-    if rank == 0:
-        from _tiny import make_tiny_mixtral
-
-        make_tiny_mixtral(src, tie=False, seed=3, num_hidden_layers=4)
-        make_tiny_mixtral(os.path.join(tmp, "other"), tie=False, seed=4, num_hidden_layers=4)
-    dist.init_process_group("gloo")  # rank 1 waits here until rank 0 has written it
     import convert_hf_to_megatron as h2m_cli
     import convert_megatron_to_hf as m2h_cli
     from _checks import gather
 
     from moe_async.trainer.megatron_trainer import MegatronTrainer
 
-    meg = os.path.join(tmp, "meg")
+    src, meg = os.path.join(tmp, "src"), os.path.join(tmp, "meg")
     h2m_cli.main(["--hf", src, "--out", meg, "--pp", "2", "--num-layers-in-first-pipeline-stage", "3",
                   "--no-progress"])
     res: dict = {}
@@ -95,12 +94,3 @@ def w1(tmp: str) -> dict:
     res["mlm_args"] = [args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
                        args.pipeline_model_parallel_size]
     return res
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    mode, tmp = sys.argv[1], sys.argv[2]
-    out = {"w2": w2, "w1": w1}[mode](tmp)
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(os.path.join(tmp, f"{mode}.json"), "w") as f:
-            json.dump(out, f)

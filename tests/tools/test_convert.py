@@ -3,23 +3,18 @@ EP1 / EP2 / TP2, for mixtral (untied), qwen3_moe (tied, norm_topk_prob=False), f
 HF expert layouts; loud on every unused source / unset target; the converted Megatron
 model's logits equal transformers' within 1e-4 (fp32).
 
-Three launches (see _convert_checks.py): a 1-process prep (HF checkpoints, EP1 conversions,
-error cases), ONE 2-process torchrun for every EP2 / TP2 conversion (both directions), and a
-1-process final pass (EP2/TP2 checkpoints back to HF at 1 process, all comparisons).
+Three launches shared with test_convert_glm4_moe.py and test_convert_uneven_pp.py (the
+``convert_results`` fixture of conftest.py; the checks in _convert_checks.py): a 1-process prep
+(HF checkpoints, EP1 conversions, error cases), ONE 2-process torchrun for every EP2 / TP2
+conversion (both directions), and a 1-process final pass (EP2/TP2 checkpoints back to HF at 1
+process, all comparisons).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-from _launch import merged_json, torchrun
-from _launch import run as _run
 
-HERE = os.path.dirname(__file__)
-SCRIPT = os.path.join(HERE, "_convert_checks.py")
 NAMES = ["mix", "qwen"]
 # back_{src}_{name}: src = where the torch_dist checkpoint was written / how it was read back
 # (ep1at2: saved at EP1, read at EP2; v96at2: vocab padded at TP1 to 288 rows, read at TP2)
@@ -29,15 +24,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo conv
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("convert"))
-    times = {"prep": _run([sys.executable, SCRIPT, "prep", tmp], timeout=300)}
-    times["w2"] = torchrun(2, SCRIPT, "w2", tmp, timeout=400)
-    times["final"] = _run([sys.executable, SCRIPT, "final", tmp], timeout=300)
-    out = merged_json(tmp, "prep", "final")
-    out["times"] = times
-    print("conversion check wall times (s):", times)
-    return out
+def res(convert_results):
+    return convert_results["convert"]
 
 
 @pytest.mark.parametrize("key", [f"{s}_{n}" for s in SOURCES for n in NAMES] + ["v96at2_mix"])

@@ -2,8 +2,9 @@
 (--num-layers-in-first-pipeline-stage 3), loaded by MegatronTrainer at the same uneven PP2 and
 at PP1, and back to HF at both: every tensor bit-equal to the source; the stage sizes are
 recorded in moe_async_convert.json and in Megatron-LM's args. Stage sizes that do not fit
-the model are refused naming the flag, before anything is written. One 2-process torchrun
-and one process (see _convert_uneven_pp_checks.py)."""
+the model are refused naming the flag, before anything is written. The checks
+(_convert_uneven_pp_checks.py) run in the 2-process torchrun and the final process shared with
+test_convert.py (conftest.py's ``convert_results``)."""
 
 from __future__ import annotations
 
@@ -13,23 +14,17 @@ import sys
 
 import pytest
 import torch
-from _launch import merged_json, torchrun
-from _launch import run as _run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-SCRIPT = os.path.join(HERE, "_convert_uneven_pp_checks.py")
 sys.path.insert(0, os.path.join(ROOT, "tests", "models"))
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo conversion checks")
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("convert_uneven_pp"))
-    torchrun(2, SCRIPT, "w2", tmp, timeout=400)
-    _run([sys.executable, SCRIPT, "w1", tmp], timeout=300)
-    return merged_json(tmp, "w2", "w1")
+def res(convert_results):
+    return convert_results["uneven_pp"]
 
 
 def test_layers_split_three_and_one(res):
