@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` with a refused input reported as one ``convert_hf_to_megatron: error: ...`` line, exit 2
-    (:func:`moe_async.megatron.convert.run_tool`)."""
-    from moe_async.megatron.convert import run_tool
+    (:func:`moe_async.megatron.tool_args.run_tool`)."""
+    from moe_async.megatron.tool_args import run_tool
 
     return run_tool(main, "convert_hf_to_megatron", argv)
 

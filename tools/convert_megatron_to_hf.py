@@ -45,15 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from moe_async.megatron.convert import megatron_to_hf_checkpoint
-    from moe_async.megatron.export import parse_size
+    from moe_async.megatron.tool_args import parse_size
 
     try:
         ok = parse_size(args.max_shard_size) > 0
     except ValueError:
         ok = False
-    if not ok:
+    if not ok:  # before torch is imported
         ap.error(f"--max-shard-size {args.max_shard_size!r}: expected a positive size such as 5GB, 500MB, 2GiB")
+
+    from moe_async.megatron.convert import megatron_to_hf_checkpoint
 
     st = megatron_to_hf_checkpoint(args.megatron, args.hf_config, args.out, max_shard_size=args.max_shard_size,
                                    tp=args.tp, pp=args.pp, ep=args.ep, progress=not args.no_progress,
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` with a refused input reported as one ``convert_megatron_to_hf: error: ...`` line, exit 2
-    (:func:`moe_async.megatron.convert.run_tool`)."""
-    from moe_async.megatron.convert import run_tool
+    (:func:`moe_async.megatron.tool_args.run_tool`)."""
+    from moe_async.megatron.tool_args import run_tool
 
     return run_tool(main, "convert_megatron_to_hf", argv)
 

@@ -8,5 +8,7 @@ Modules (none is imported by this package's ``__init__``; import the one you nee
 - ``hf_io``: HF safetensors/config input and the streaming HF load;
 - ``export``: full HF tensors out of the model chunks, the sharded safetensors writer;
 - ``dist_ckpt``: torch_dist save/load strategies, checkpoint file checks, metadata;
-- ``convert``: HF <-> Megatron conversions composed from the above.
+- ``convert``: HF <-> Megatron conversions composed from the above;
+- ``tool_args``: the converter CLIs' torch-free part (refusal as one error line, size and
+  output-dir checks).
 """

@@ -3,7 +3,8 @@
 The converters' library (``tools/convert_*.py``): the family's mapping table and the trainer's
 sharding helpers, the same path as the trainer's HF load and export. A layout the model cannot
 take, an unparsable JSON input, an unused HF key or a missing tensor is refused naming it before
-anything is written; the CLIs print one ``error:`` line and exit 2 (:func:`run_tool`).
+anything is written; the CLIs print one ``error:`` line and exit 2
+(:func:`moe_async.megatron.tool_args.run_tool`).
 
 Design notes: ``docs/design/megatron.md``."""
 
@@ -20,7 +21,7 @@ from moe_async.megatron import container
 from moe_async.megatron.build import DEFAULT_VOCAB_DIV, build_model
 from moe_async.megatron.dist_ckpt import load_megatron_into_model, save_strategy, whole_glu_tensors
 from moe_async.megatron.dist_ckpt_files import checkpoint_dtype, read_torch_dist_metadata, saved_vocab_rows
-from moe_async.megatron.export import check_out_dir, write_hf
+from moe_async.megatron.export import write_hf
 from moe_async.megatron.hf_export import HFExporter
 from moe_async.megatron.hf_io import (
     check_hf_keys,
@@ -32,6 +33,7 @@ from moe_async.megatron.hf_io import (
 )
 from moe_async.megatron.parallel import check_layout, global_rank, parallel_layout, world_size
 from moe_async.megatron.te_spec_names import add_te_extra_state, to_te_names
+from moe_async.megatron.tool_args import check_out_dir
 from moe_async.models import get_family
 from moe_async.models.deepseek_v3.hf_extras import hf_extras
 
@@ -79,21 +81,22 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     are checked before any process group, model or file exists. Returns stats on every
     rank: ``seconds``, ``phases`` (seconds per step), ``bytes_read`` (summed over ranks),
     ``hf_bytes``, ``world``."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
     clock = _Clock()
     hf_cfg = read_hf_config(hf_dir)
     fam = get_family(hf_cfg.get("model_type"))
     a = fam.arch_args(hf_cfg)  # refuses an unsupported config, naming the field
-    check_layout(hf_cfg, tp, pp, ep, first=first, last=last)
-    check_out_dir(out_dir)
+    check_out_dir(out_dir)  # the checks without Megatron (imported by check_layout) first
     index = read_hf_index(hf_dir)
+    check_layout(hf_cfg, tp, pp, ep, first=first, last=last)
     extras = hf_extras(hf_cfg, index)  # DeepSeek-V3: MTP keys skipped (logged), FP8 weights + scales
     check_hf_keys(fam, a, extras.weights(index))  # refuse unused / missing keys before building anything
     dtype = hf_checkpoint_dtype(hf_cfg, extras.plain(index))
     hf_bytes = sum(os.path.getsize(p) for p in set(index.values()))
     clock.mark("checks_s")
+    import torch.distributed as dist  # after the checks: a refused output dir or file costs no Megatron import
+    from megatron.core import dist_checkpointing
+
+    clock.mark("import_s")
     with parallel_layout(tp, pp, ep):
         clock.mark("setup_s")
         model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div, first=first,
@@ -161,18 +164,15 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     ``moe_async_convert.json`` is a ValueError naming the file). The layout is checked by
     :func:`check_layout` first. ``fsync``: fsync each written safetensors file. Returns stats
     on every rank (``seconds``, ``phases``, ``files``, ``bytes_written``, ``world``)."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing  # noqa: F401 - imported before the clock starts
-
     clock = _Clock()
     hf_cfg = read_hf_config(hf_config_dir)
     fam = get_family(hf_cfg.get("model_type"))
     arch_now = fam.arch_args(hf_cfg)
-    check_layout(hf_cfg, tp, pp, ep, first=first, last=last)
-    check_out_dir(out_dir)
+    check_out_dir(out_dir)  # the checks without Megatron (imported by check_layout) first
     if not os.path.isdir(megatron_dir):
         raise FileNotFoundError(f"Megatron checkpoint dir {megatron_dir} "
                                 + ("is a file, not a directory" if os.path.exists(megatron_dir) else "does not exist"))
+    check_layout(hf_cfg, tp, pp, ep, first=first, last=last)
     megatron_dir = container.resolve(megatron_dir)  # a Megatron-LM container root -> its iteration dir
     saved_cfg_p = os.path.join(megatron_dir, "hf_config.json")
     if os.path.exists(saved_cfg_p):
@@ -196,6 +196,10 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     written: list[str] = []
     nbytes = 0
     clock.mark("checks_s")
+    import torch.distributed as dist  # after the checks: a refused output dir or file costs no Megatron import
+    from megatron.core import dist_checkpointing  # noqa: F401 - its import timed apart (import_s)
+
+    clock.mark("import_s")
     with parallel_layout(tp, pp, ep):
         clock.mark("setup_s")
         model, vocab = build_model(hf_cfg, tp, pp, ep, params_dtype=dtype, vocab_div=vocab_div,
@@ -219,18 +223,3 @@ def megatron_to_hf_checkpoint(megatron_dir: str, hf_config_dir: str, out_dir: st
     clock.mark("teardown_s")
     return {"seconds": clock.total(), "phases": clock.phases, "files": written, "bytes_written": nbytes,
             "world": world}
-
-
-def run_tool(main, prog: str, argv: list[str] | None = None) -> int:
-    """Run a converter's ``main(argv)`` with a refused input (bad layout, config, keys, files)
-    reported as one ``<prog>: error: ...`` line on stderr and exit status 2 instead of a
-    traceback; other exceptions propagate with theirs."""
-    import sys
-
-    try:
-        return main(argv)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"{prog}: error: {msg}", file=sys.stderr)
-        return 2
-

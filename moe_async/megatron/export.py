@@ -5,7 +5,6 @@
 - :func:`write_hf`: HF tensors (:class:`moe_async.megatron.hf_export.HFExporter`) -> :class:`ShardWriter`
   (safetensors files of at most ``max_shard_size`` bytes + ``model.safetensors.index.json``),
   side files (:data:`HF_SIDE_FILES`) copied from the reference HF dir.
-- :func:`check_out_dir` (``FileExistsError`` naming the flag), :func:`parse_size` ("5GB" -> bytes).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 
 from moe_async.megatron.hf_io import FP32_ANYWAY, INDEX_NAME, whole_param
 from moe_async.megatron.parallel import cpu_tensors_only, world_size
+from moe_async.megatron.tool_args import check_out_dir, parse_size
 
 Tensor = torch.Tensor
 # Files copied from the reference HF dir next to the converted weights (when present).
@@ -35,35 +35,6 @@ HF_SIDE_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-
-def parse_size(text: str | int) -> int:
-    """``"5GB"`` / ``"500MB"`` / ``"10KB"`` / ``"123"`` -> bytes (powers of 1000, as
-    transformers' ``max_shard_size``; ``GiB``/``MiB``/``KiB`` are powers of 1024)."""
-    if isinstance(text, int):
-        return text
-    t = text.strip().upper()
-    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    for u, m in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * m)
-    return int(t)
-
-
-def check_out_dir(out_dir: str, flag: str = "--out") -> None:
-    """Refuse an output dir that cannot take a conversion: FileExistsError naming ``flag`` and
-    the path when it is an existing file, a non-empty directory, or lies under a file."""
-    if os.path.exists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise FileExistsError(f"{flag} {out_dir} is an existing file, not a directory")
-        if os.listdir(out_dir):
-            raise FileExistsError(f"{flag} {out_dir} exists and is not empty")
-        return
-    up = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(up):
-        up = os.path.dirname(up)
-    if not os.path.isdir(up):
-        raise FileExistsError(f"{flag} {out_dir} cannot be created: {up} is a file, not a directory")
 
 
 class ShardWriter:

@@ -175,7 +175,7 @@ def test_cli_out_is_a_file_is_named(mix, tmp_path):
 def test_out_is_a_file_or_under_one_megatron_to_hf(mix, tmp_path):
     """The same for convert_megatron_to_hf (checked before the checkpoint is even looked at),
     and an --out below a file."""
-    from moe_async.megatron.export import check_out_dir
+    from moe_async.megatron.tool_args import check_out_dir
     from moe_async.megatron.convert import megatron_to_hf_checkpoint
 
     f = tmp_path / "f"
