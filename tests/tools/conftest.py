@@ -1,11 +1,10 @@
-"""The conversion checks shared by several test modules of this directory: three launches
-(starting the processes is the costly part) serve test_convert.py, test_convert_glm4_moe.py
+"""The conversion checks shared by several test modules of this directory: one launch
+(starting the processes is the costly part) serves test_convert.py, test_convert_glm4_moe.py
 and test_convert_uneven_pp.py."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -14,25 +13,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="session")
 def convert_results(tmp_path_factory) -> dict:
-    """``{family: results}`` of the three launches of ``_convert_launches.py`` (a 1-process prep,
-    ONE 2-process torchrun, a 1-process final pass), ``family`` one of ``convert``,
-    ``glm4_moe``, ``uneven_pp``, each with its launches' results merged; the wall time of each
-    launch under ``times``. Skipped where CUDA is available (CPU/gloo checks)."""
+    """``{family: results}`` of the one 2-process launch of ``_convert_launches.py`` (rank 0
+    alone for the 1-process parts before and after the 2-rank part), ``family`` one of
+    ``convert``, ``glm4_moe``, ``uneven_pp``; seconds per part under ``times``. Skipped where
+    CUDA is available (CPU/gloo checks)."""
+    import json
+
     import torch
-    from _launch import merged_json, torchrun
-    from _launch import run as _run
+    from _launch import torchrun
 
     if torch.cuda.is_available():
         pytest.skip("CPU/gloo conversion checks")
     pytest.importorskip("megatron.core")
-    script = os.path.join(HERE, "_convert_launches.py")
     tmp = str(tmp_path_factory.mktemp("convert"))
-    times = {"prep": _run([sys.executable, script, "prep", tmp], timeout=400)}
-    times["w2"] = torchrun(2, script, "w2", tmp, timeout=600)
-    times["final"] = _run([sys.executable, script, "final", tmp], timeout=400)
-    print("conversion check wall times (s):", times)
-    out: dict = {"times": times}
-    for name in ("prep", "w2", "final"):
-        for family, res in merged_json(tmp, name).items():
-            out.setdefault(family, {}).update(res)
+    wall = torchrun(2, os.path.join(HERE, "_convert_launches.py"), tmp, timeout=1200)
+    with open(os.path.join(tmp, "results.json")) as f:
+        out = json.load(f)
+    print(f"conversion checks: {wall:.1f} s wall, seconds per part:", out["times"])
     return out
