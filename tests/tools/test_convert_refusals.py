@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _cli import cli_in_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -31,21 +32,17 @@ def llama(tmp_path_factory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("llama") / "hf"))
 
 
-def test_cli_refuses_ep_not_dividing_experts(mix, tmp_path):
+def test_cli_refuses_ep_not_dividing_experts(mix, tmp_path, capsys, monkeypatch):
     """``--ep 3`` in one process: one error line naming --ep and num_experts, exit status 2,
     no traceback (was Megatron's 'world_size (1) is not divisible by ...' traceback), and
     nothing written."""
     out = tmp_path / "meg"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"), "--hf", mix,
-                        "--out", str(out), "--ep", "3", "--no-progress"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
-    assert "convert_hf_to_megatron: error:" in p.stderr
-    assert "--ep 3 does not divide num_experts=4" in p.stderr
-    assert "Traceback" not in p.stderr
+    rc, err = cli_in_process("convert_hf_to_megatron", ["--hf", mix, "--out", str(out), "--ep", "3"], capsys,
+                             monkeypatch)
+    assert rc == 2, err
+    assert "convert_hf_to_megatron: error:" in err
+    assert "--ep 3 does not divide num_experts=4" in err
+    assert "Traceback" not in err
     assert not out.exists()
 
 
@@ -264,7 +261,7 @@ def test_truncated_distcp_cli_one_line(mix, meg, tmp_path):
     assert f"convert_megatron_to_hf: error: {shard} (torch_dist data) is truncated" in p.stderr
 
 
-def test_truncated_hf_safetensors_is_named(mix, tmp_path):
+def test_truncated_hf_safetensors_is_named(mix, tmp_path, capsys, monkeypatch):
     """A truncated HF ``.safetensors`` input: one error line naming the file, exit 2 (was a
     SafetensorError traceback, exit 1); the same check guards the trainer's HF load."""
     import shutil
@@ -283,10 +280,11 @@ def test_truncated_hf_safetensors_is_named(mix, tmp_path):
     with pytest.raises(CheckpointReadError, match="shorter than the 8-byte header length"):
         check_safetensors_file(str(st))
     st.write_bytes(data[:200])
-    p = _cli("convert_hf_to_megatron.py", "--hf", str(hf), "--out", str(tmp_path / "out"))
-    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
-    assert "Traceback" not in p.stderr
-    assert f"cannot read safetensors file {st}" in p.stderr
+    rc, err = cli_in_process("convert_hf_to_megatron", ["--hf", str(hf), "--out", str(tmp_path / "out")], capsys,
+                             monkeypatch)
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert f"convert_hf_to_megatron: error: cannot read safetensors file {st}" in err
 
 
 @pytest.mark.parametrize("size", ["0", "0MB", "lots"])

@@ -9,11 +9,11 @@ test_convert.py (conftest.py's ``convert_results``)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from _cli import cli_in_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -77,17 +77,13 @@ def test_stage_sizes_accepted(mix4, pp, first, last):
     check_layout(hf_config_dict(mix4), 1, pp, 1, world=pp, first=first, last=last)  # no error
 
 
-def test_cli_refusal_is_one_line_and_writes_nothing(mix4, tmp_path):
+def test_cli_refusal_is_one_line_and_writes_nothing(mix4, tmp_path, capsys, monkeypatch):
     out = tmp_path / "meg"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"), "--hf", mix4,
-                        "--out", str(out), "--pp", "2", "--num-layers-in-last-pipeline-stage", "4", "--no-progress"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-4000:])
-    assert "convert_hf_to_megatron: error:" in p.stderr and "--num-layers-in-last-pipeline-stage 4" in p.stderr
-    assert "Traceback" not in p.stderr and not out.exists()
+    rc, err = cli_in_process("convert_hf_to_megatron", ["--hf", mix4, "--out", str(out), "--pp", "2",
+                                                        "--num-layers-in-last-pipeline-stage", "4"], capsys, monkeypatch)
+    assert rc == 2, err
+    assert "convert_hf_to_megatron: error:" in err and "--num-layers-in-last-pipeline-stage 4" in err
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_trainer_checkpoint_args_record_uneven_stages(mix4):
