@@ -10,7 +10,10 @@ Design notes: ``docs/design/compat.md``."""
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import sys
 import threading
+from types import FrameType
 from typing import Any
 
 import torch
@@ -146,15 +149,39 @@ def _patch_megatron_jit_eager() -> None:
     """Mend 19 (idempotent); where ``megatron.core.jit`` was imported before this module, also
     Megatron's ``disable_jit_fuser`` for the modules it has not decorated yet."""
     torch.compile = _compile_except_megatron
-    import sys
-
     jit = sys.modules.get("megatron.core.jit")
     if jit is not None:
         jit.disable_jit_fuser()
 
 
+# Mend 20: Megatron-Core imports wandb at module level when it is installed (core/timers.py, the
+# inference engine and context), ~0.6 s of CPU in every trainer process, for writers this project
+# never passes it. Without CUDA, an ``import wandb`` made by a ``megatron.*`` module's own code
+# raises ImportError (Megatron's fallback: ``wandb = None``); every other importer gets wandb.
+class _WandbHiddenFromMegatron(importlib.abc.MetaPathFinder):
+    """``find_spec`` that refuses ``wandb`` to an import statement executed in a ``megatron.*``
+    module (the first frame outside importlib); None (the next finder) for everything else."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname != "wandb":
+            return None
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
+            frame = frame.f_back
+        if frame is not None and str(frame.f_globals.get("__name__", "")).startswith("megatron."):
+            raise ImportError("wandb is not imported by Megatron-Core on CPU (moe_async.compat)")
+        return None
+
+
+def _hide_wandb_from_megatron() -> None:
+    """Mend 20 (idempotent): the finder first on ``sys.meta_path``."""
+    if not any(isinstance(f, _WandbHiddenFromMegatron) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WandbHiddenFromMegatron())
+
+
 if not torch.cuda.is_available():
     _patch_megatron_jit_eager()
+    _hide_wandb_from_megatron()
 
 
 # ---------------------------------------------------------------------------------------
@@ -546,6 +573,8 @@ def apply_cpu_compat() -> bool:
                 _APPLIED.append("grouped_gemm")
             _patch_megatron_jit_eager()
             _APPLIED.append("megatron_jit_eager")  # core/jit.py: jit_fuser (torch.compile) users
+            _hide_wandb_from_megatron()
+            _APPLIED.append("megatron_without_wandb")  # core/timers.py, inference/: optional wandb
             _APPLIED.append("cuda_to_cpu_mode")  # schedules.py, optimizer.py, clip_grads.py
         if not _mode_active():
             CudaToCpuMode().__enter__()

@@ -38,7 +38,7 @@ def test_applied_and_idempotent(r):
     assert r["mends"] == ["rng_tracker", "cuda_streams", "current_device", "te_general_gemm",
                           "maybe_move_tensor_to_cpu", "torch_norm_sequence_parallel", "uneven_first_dim_gather",
                           "recompute_rng_state", "checkpoint_without_output_fp8", "hybrid_device_optimizer",
-                          "dist_opt_torch_adam_step", "grouped_gemm", "megatron_jit_eager", "cuda_to_cpu_mode"]
+                          "dist_opt_torch_adam_step", "grouped_gemm", "megatron_jit_eager", "megatron_without_wandb", "cuda_to_cpu_mode"]
     assert r["modes_on_stack"] == 1
 
 
@@ -66,6 +66,20 @@ def test_megatron_jit_fuser_eager_when_compat_comes_first():
             " type(g.geglu).__name__, 'torch._inductor' in sys.modules, 'torch._dynamo' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["function", "function", False, False]
+
+
+def test_megatron_imports_no_wandb_but_others_still_do():
+    """Mend 20: after moe_async.compat, Megatron's modules that import wandb when installed
+    (timers, the inference context) get their fallback (None); an import of wandb from
+    anywhere else still works and is the real package."""
+    code = ("import sys, json, moe_async.compat\n"
+            "from megatron.core import timers\n"
+            "from megatron.core.inference.contexts import dynamic_context as dc\n"
+            "seen = 'wandb' in sys.modules\n"
+            "import wandb\n"
+            "print(json.dumps([timers.wandb is None, dc.HAVE_WANDB, seen, hasattr(wandb, 'init')]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False, False, True]
 
 
 def test_cpu_rng_tracker(r):
