@@ -98,7 +98,7 @@ def save_checkpoint_atomic(model, tokenizer, final: Path) -> Path:
     return final
 
 
-# tokenizer_config.json classes that name transformers' generic tokenizers.json backend: loaded
+# tokenizer_config.json classes that name transformers' generic tokenizer.json backend: loaded
 # by that class directly, the object AutoTokenizer would build, without AutoTokenizer's imports
 # (transformers' model registry and torch: ~4 s of CPU in every process that loads one)
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})

@@ -3,9 +3,9 @@
 :class:`moe_async.orchestration.buffer_actor.BufferActor`, the engines'
 :class:`moe_async.orchestration.engine_pool.EngineActor`).
 
-The trainer ranks and the engines are placed on bundles of their own (:mod:`moe_async.orchestration.placement`). Every process sets
-its own thread count (``trainer.num_threads``, ``engine.num_threads``) so trainer and
-engines do not oversubscribe them. The actors only adapt the plain classes of
+The trainer ranks and the engines are placed on bundles of their own
+(:mod:`moe_async.orchestration.placement`). Every process sets its own thread count
+(``trainer.num_threads``, ``engine.num_threads``) so trainer and engines do not oversubscribe them. The actors only adapt the plain classes of
 ``buffer``, ``trainer``, ``engines`` and ``rollout`` to Ray; they hold no logic of their own.
 """
 
@@ -20,7 +20,6 @@ from moe_async.config import ExperimentConfig
 from moe_async.types import Group, JsonDict
 
 if TYPE_CHECKING:
-    from ray.actor import ActorHandle
     from torch.distributed import TCPStore
 
     from moe_async.trainer.megatron_trainer import MegatronTrainer

@@ -36,18 +36,20 @@ class RolloutActor:
         from moe_async.rollout.tasks import TaskDataset
 
         self.cfg = cfg
-        self.tok = tok = load_tokenizer(model_path)
+        tok = load_tokenizer(model_path)
         if cfg.data.enabled:  # prompt files (moe_async/data), rewards per data_source
             from moe_async.data.dataset import FileDataset
 
             self.dataset: FileDataset | TaskDataset = FileDataset(cfg.data, tok, system_prompt=cfg.rollout.system_prompt)
         else:
             self.dataset = TaskDataset(cfg.rollout, tok)
-        self.hf_cfg = hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
+        hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
         from moe_async.models import get_family  # router replay: SGLang sends routes without a shape
 
         a = get_family(hf_cfg.get("model_type")).arch_args(hf_cfg)
         self.moe_shape = dict(moe_layers=a.num_layers, top_k=a.top_k) if a.num_experts else {}
+        self.eos_token_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        self.max_context_len = int(hf_cfg.get("max_position_embeddings", 2048))
         from moe_async.rollout.rewards import build_reward_fn
 
         if cfg.data.enabled:
@@ -71,17 +73,16 @@ class RolloutActor:
         from moe_async.engines.client import EngineClient
         from moe_async.rollout.manager import RolloutManager
 
-        cfg, tok = self.cfg, self.tok
+        cfg = self.cfg
         self.clients = [EngineClient(u, timeout_s=cfg.engine.request_timeout_s, **self.moe_shape) for u in urls]
-        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.manager = RolloutManager(
             cfg.rollout,
             self.dataset,
             self.clients,
             BufferProxy(buffer),
             self.reward_pool,
-            eos_token_ids=eos,
-            max_context_len=int(self.hf_cfg.get("max_position_embeddings", 2048)),
+            eos_token_ids=self.eos_token_ids,
+            max_context_len=self.max_context_len,
             no_engine_wait_s=cfg.engine.startup_timeout_s + 60.0,  # an engine restart (engine_recovery)
             teacher=self._teacher(teacher_urls),
         )
