@@ -58,6 +58,24 @@ def start(grace_s: float = 5.0) -> str | None:
     return tag
 
 
+def _signal_all(tag: str, sig: int, within_s: float) -> None:
+    """Send ``sig`` to every tagged process, again to any that appears later (a child started
+    while the others were signalled), until none is left or ``within_s`` seconds have passed."""
+    end = time.monotonic() + within_s
+    signalled: set[int] = set()
+    while pids := tagged(tag):
+        for pid in pids:
+            if sig == signal.SIGKILL or pid not in signalled:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+                signalled.add(pid)
+        if time.monotonic() >= end:
+            return
+        time.sleep(0.1)
+
+
 def reap(driver_pid: int, tag: str, grace_s: float) -> int:
     """Wait for ``driver_pid`` to exit, then stop what is left of the run; returns how many
     processes it had to signal."""
@@ -75,15 +93,8 @@ def reap(driver_pid: int, tag: str, grace_s: float) -> int:
     while tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.25)
     left = tagged(tag)
-    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
-        for pid in tagged(tag):
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        end = time.monotonic() + wait_s
-        while tagged(tag) and time.monotonic() < end:
-            time.sleep(0.1)
+    _signal_all(tag, signal.SIGTERM, 3.0)
+    _signal_all(tag, signal.SIGKILL, 10.0)
     return len(left)
 
 
