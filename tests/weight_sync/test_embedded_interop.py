@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import signal
 import subprocess
@@ -35,13 +34,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:weight_sync.bucket_bytes")
 def _sglang_common():
     import _sglang_import
 
+    from moe_async.compat.sglang_cpu import import_sglang  # the stubs, taken out of sys.modules after
+
     _sglang_import.load_io_struct()  # an ImportError fails the test, as in the contract tests
-    finder = _sglang_import._StubFinder()
-    sys.meta_path.insert(0, finder)
-    try:
-        return importlib.import_module("sglang.srt.utils.common")
-    finally:
-        sys.meta_path.remove(finder)
+    return import_sglang("sglang.srt.utils.common")
 
 
 def _rand(shapes, seed):
