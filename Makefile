@@ -5,6 +5,9 @@ VENV ?= .venv
 # build machines a local CPU wheel). Elsewhere: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
+# pytest-xdist workers for `make test` (0: one process); each test module is one work unit,
+# modules sharing a session fixture one unit together (tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo smoke test typecheck test-slow docs gpu-lock gpu-check-wheels
 setup: $(VENV)/.installed
@@ -34,7 +37,7 @@ smoke: setup
 # actors, engines) would otherwise compile moe_async/ from source again
 test: setup
 	$(PY) -m compileall -q moe_async tests > /dev/null
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 # The documentation site (mkdocs.yml over docs/) into site/; --strict: a broken link or anchor
 # fails the build (never add -q: it hides the warnings --strict counts).
@@ -58,4 +61,4 @@ gpu-check-wheels: setup
 # the tests `make test` deselects (marked slow; listed in docs/getting-started.md)
 test-slow: setup
 	$(PY) -m compileall -q moe_async tests > /dev/null
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m slow $(ARGS)
