@@ -111,16 +111,17 @@ def slow_marked(values: list, slow: set) -> list:
     return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
 
 
-def finished_train(out, *overrides: str, timeout: float = 900, cwd=None):
+def finished_train(out, *overrides: str, timeout: float = 900, cwd=None, env_extra: dict | None = None):
     """``moe-async train configs/cpu_smoke.yaml logging.output_dir=out *overrides`` to completion
-    (exit 0 asserted; wandb offline, one thread per process), run in ``cwd`` (default: the
-    repository; this repository's package first on PYTHONPATH either way): ``(process, run dir,
-    summary.json, the metrics.jsonl records)``."""
+    (exit 0 asserted; wandb offline, one thread per process, ``env_extra`` added to the
+    environment), run in ``cwd`` (default: the repository; this repository's package first on
+    PYTHONPATH either way): ``(process, run dir, summary.json, the metrics.jsonl records)``."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": path,
+           **(env_extra or {})}
     cmd = [sys.executable, "-m", "moe_async.cli", "train", str(root / "configs/cpu_smoke.yaml"),
            f"logging.output_dir={out}", *overrides]
     proc = subprocess.run(cmd, cwd=cwd or root, env=env, capture_output=True, text=True, timeout=timeout)

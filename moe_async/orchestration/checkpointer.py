@@ -81,9 +81,11 @@ def ray_checkpoint_writer(trainer: TrainerGroup, rollout: ActorHandle, buffer: A
     ``save_dir`` with the data position, the draw ledger (``run_state.py``, settled first) and
     the buffer snapshot in it. ``rollout``/``buffer``: the Ray actor handles; ``get(ref, what)``
     a bounded ``ray.get`` naming the call; ``reply_s``: the ledger drain's bound."""
+    from moe_async.orchestration.preemption import wait_buffered_if_asked
     from moe_async.orchestration.run_state import record_settled
 
     def write(at_step: int, data: JsonDict | None) -> str:
+        wait_buffered_if_asked(lambda: int(get(buffer.stats.remote(), "buffer.stats")["buffered_groups"]))
         data = data if data is not None else get(rollout.data_state.remote(), "rollout.data_state")
         record_settled(ledger, [], rollout, buffer, reply_s)
         rs = ledger.state_dict(weight_version=trainer.version(), step=at_step, max_staleness=max_staleness)

@@ -121,6 +121,26 @@ def stall_if_due(rank: int, n: int, tmp: str) -> None:
         time.sleep(3600)
 
 
+CKPT_WAIT_BUFFERED_ENV = "MOE_ASYNC_CKPT_WAIT_BUFFERED"
+
+
+def wait_buffered_if_asked(buffered: Callable[[], int], timeout_s: float = 60.0) -> None:
+    """Test-only: when ``MOE_ASYNC_CKPT_WAIT_BUFFERED=N`` is set, wait (0.2 s polls, at most
+    ``timeout_s``) until ``buffered()``, the buffer's count of finished untrained groups, is at
+    least N, so that a test's save holds groups generated ahead of training however loaded the
+    machine is.
+
+    Raises: ValueError naming the variable when N is not a whole number."""
+    value = os.environ.get(CKPT_WAIT_BUFFERED_ENV)
+    if not value:
+        return
+    if not value.isdigit():
+        raise ValueError(f"{CKPT_WAIT_BUFFERED_ENV}={value!r}: expected a whole number of groups")
+    end = time.monotonic() + timeout_s
+    while buffered() < int(value) and time.monotonic() < end:
+        time.sleep(0.2)
+
+
 SIGTERM_MODES = ("checkpoint", "exit")
 
 

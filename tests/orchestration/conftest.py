@@ -23,19 +23,19 @@ PREEMPT_STEP = 2  # ... the first of them pre-empted after this step
 @pytest.fixture(scope="session")
 def smoke_r3_run(tmp_path_factory):
     """``moe-async train configs/cpu_smoke.yaml num_steps=5 trainer.router_replay=R3
-    trainer.save_interval=3 trainer.save_dir=ckpt rollout.max_concurrent_groups=4`` run in a
-    fresh directory (4 groups in flight for 2 per step: generation runs ahead of training even on
-    a loaded machine, so the last save holds buffered groups; the smoke config otherwise as
-    shipped: fully_async K=1, held-out eval before and after, wandb offline; the
+    trainer.save_interval=3 trainer.save_dir=ckpt`` run in a fresh directory (the smoke config
+    otherwise as shipped: fully_async K=1, held-out eval before and after, wandb offline; the
     run dir under ``<dir>/runs``, the checkpoints of steps 3 and 5 in ``<dir>/ckpt``, the
     relative save_dir resolved against the driver's cwd): (the finished process, its run dir,
     summary.json, the metrics.jsonl records). Read by test_e2e_smoke.py (the pipeline end to
     end), test_e2e_report.py (``moe-async report`` on it; R3 so that routing agreement is
-    logged) and test_resume.py (the saved run its resumed run continues)."""
+    logged) and test_resume.py (the saved run its resumed run continues). Each save waits until a
+    finished group is buffered (the test hook ``MOE_ASYNC_CKPT_WAIT_BUFFERED=1``): generation is
+    the smoke run's bottleneck, and the resume checks need a save with groups generated ahead."""
     tmp = tmp_path_factory.mktemp("smoke")
     return finished_train(tmp / "runs", f"num_steps={SMOKE_STEPS}", "trainer.router_replay=R3",
-                          f"trainer.save_interval={SMOKE_SAVE_INTERVAL}", "trainer.save_dir=ckpt",
-                          "rollout.max_concurrent_groups=4", cwd=tmp)
+                          f"trainer.save_interval={SMOKE_SAVE_INTERVAL}", "trainer.save_dir=ckpt", cwd=tmp,
+                          env_extra={"MOE_ASYNC_CKPT_WAIT_BUFFERED": "1"})
 
 
 @pytest.fixture(scope="session")

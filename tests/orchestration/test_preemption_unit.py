@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from moe_async.orchestration.preemption import CKPT_STALL_ENV, StopCheck, stall_if_due
+from moe_async.orchestration.preemption import (CKPT_STALL_ENV, CKPT_WAIT_BUFFERED_ENV, StopCheck, stall_if_due,
+                                                wait_buffered_if_asked)
 
 
 def test_rank_handler_flags_first_sigterm_and_passes_the_second_on() -> None:
@@ -137,3 +138,21 @@ def test_save_schedule_interval_last_step_and_the_stop_path() -> None:
     # stopped before it finished a step: the checkpoint it resumed from is the last one
     assert not resumed.due_on_stop(2) and resumed.due_on_stop(3)
     assert SaveSchedule(save_interval=1, num_steps=3, start_step=1).due_on_stop(2) is False
+
+
+def test_wait_buffered_polls_until_n_groups_and_names_a_bad_value(monkeypatch) -> None:
+    counts = iter([0, 0, 1, 2, 5])
+    calls = []
+
+    def buffered() -> int:
+        calls.append(1)
+        return next(counts)
+
+    wait_buffered_if_asked(buffered)  # unset: not even asked
+    assert calls == []
+    monkeypatch.setenv(CKPT_WAIT_BUFFERED_ENV, "2")
+    wait_buffered_if_asked(buffered, timeout_s=30)
+    assert len(calls) == 4  # 0, 0, 1, then 2 >= 2
+    monkeypatch.setenv(CKPT_WAIT_BUFFERED_ENV, "many")
+    with pytest.raises(ValueError, match="MOE_ASYNC_CKPT_WAIT_BUFFERED='many'"):
+        wait_buffered_if_asked(lambda: 0)
