@@ -99,15 +99,12 @@ def load_sglang() -> types.SimpleNamespace:
     sys.path.insert(0, os.path.join(HERE, "..", "engines"))
     import _sglang_import as si
 
+    from moe_async.compat.sglang_cpu import import_sglang  # its stub modules leave sys.modules after
+
     io = si.load_io_struct()
-    finder = si._StubFinder()
-    sys.meta_path.insert(0, finder)
-    try:
-        wu = importlib.import_module("sglang.srt.managers.scheduler_components.weight_updater")
-        fw = importlib.import_module("sglang.srt.managers.scheduler_components.flush_wrapper")
-        dis = importlib.import_module("sglang.srt.disaggregation.utils")
-    finally:
-        sys.meta_path.remove(finder)
+    wu = import_sglang("sglang.srt.managers.scheduler_components.weight_updater")
+    fw = import_sglang("sglang.srt.managers.scheduler_components.flush_wrapper")
+    dis = import_sglang("sglang.srt.disaggregation.utils")
     spec = importlib.util.find_spec("sglang.srt.managers.scheduler")
     src = open(spec.origin).read()
     cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "Scheduler")
