@@ -2,9 +2,9 @@
 so test modules in every sub-directory import the shared launch helpers as ``_launch``.
 
 Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test module is one work
-unit (its module-scoped fixtures are built once), and modules that share a session-scoped fixture of this suite (one smoke run read by
-three modules, one conversion launch read by three) are one unit together, so that no fixture is
-built twice, once per worker."""
+unit (its module-scoped fixtures are built once), and modules that share a session-scoped
+fixture of this suite (one smoke run read by three modules, one conversion launch read by
+three) are one unit together, so that no fixture is built twice, once per worker."""
 from __future__ import annotations
 
 import pytest
