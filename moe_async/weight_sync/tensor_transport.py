@@ -54,6 +54,16 @@ class TensorTransport(BroadcastTransport):
         """The current CUDA device when CUDA is available (IPC handles), else CPU (shared memory)."""
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
+    def _new_send_buf(self, nbytes: int) -> torch.Tensor:
+        """On CPU, allocated in shared memory at once: the first handle to a plain CPU tensor
+        moves its bytes into a new segment (torch's ``share_memory_``), and a write the
+        exporter thread makes into the buffer during that copy would be lost."""
+        if self.device.type != "cpu":
+            return super()._new_send_buf(nbytes)
+        from moe_async.weight_sync.tensor_ipc import shared_uint8
+
+        return shared_uint8(nbytes)
+
     def connect(self) -> None:
         """Read the engines' common ``/weights_layout`` (embedded engines); nothing to join."""
         self._set_layout(self._common_layout())

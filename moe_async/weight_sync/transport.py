@@ -221,11 +221,17 @@ class BroadcastTransport(WeightTransport):
         if v is not None:
             return v
         if self._send_buf is None:
-            self._send_buf = torch.empty(self._send_nbytes, dtype=torch.uint8, device=self.device)
+            self._send_buf = self._new_send_buf(self._send_nbytes)
             self._views = {}
         off, shp, dt, nb = slot
         v = self._views[name] = self._send_buf[off: off + nb].view(dt).view(shp)
         return v
+
+    def _new_send_buf(self, nbytes: int) -> torch.Tensor:
+        """The send buffer behind :meth:`destination`: ``nbytes`` of 1-D ``uint8`` on
+        :attr:`device`. Its memory must never move once views of it are handed out (an
+        exporter thread writes into them while earlier buckets are sent)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _common_layout(self) -> dict | None:
         """The engines' send order when all publish the same one (embedded engines), else None

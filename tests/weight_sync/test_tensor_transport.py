@@ -7,6 +7,7 @@ embedded engine, a separate process that opens the sender's CPU shared memory by
 * SGLang's semantics: outside a session refused with SGLang's message (nothing applied); an
   unversioned call in a plain session applied at once; an unknown field a 422 naming it;
   a payload with a global outside the allow-list a 400 naming it (never unpickled);
+* the send buffer in shared memory from its allocation (its views never move);
 * a 1-process MegatronTrainer's sync through this path (parameters moved into the send
   buffer, now shared memory): check mode equal to the trainer's checksums, also after a
   train step in that memory.
@@ -107,6 +108,30 @@ def _payload(named):
     from moe_async.weight_sync.tensor_ipc import forking_pickle
 
     return base64.b64encode(forking_pickle(named)).decode()
+
+
+def test_send_buffer_is_shared_from_the_start_and_never_moves(tiny_shapes, tensor_transport):
+    """The destination views lie in shared memory before any send: a handle to a plain CPU
+    tensor moves its bytes to a new segment, and an exporter thread writing a later tensor
+    into the buffer during that copy would lose it. The views keep their address across
+    syncs and the engine receives what was written into them."""
+    client, tr = tensor_transport
+    w = _rand(tiny_shapes, 7)
+    views = {n: tr.destination(n, tuple(t.shape), t.dtype) for n, t in w.items()}
+    assert all(v is not None for v in views.values()) and tr._send_buf.is_shared()
+    ptrs = {n: v.data_ptr() for n, v in views.items()}
+
+    def export(ws):  # like the trainer: each tensor written into its view when it is yielded
+        for n in tr.layout:
+            views[n].copy_(ws[n])
+            yield n, views[n]
+
+    v0 = client.weights_checksum()["weight_version"]
+    for i, ws in enumerate((w, _rand(tiny_shapes, 8))):
+        tr.send(export(ws), v0 + 1 + i)
+        s = client.weights_checksum()
+        assert s["weight_version"] == v0 + 1 + i and s["checksums"] == _sums(ws)
+        assert {n: v.data_ptr() for n, v in views.items()} == ptrs
 
 
 def test_sglang_session_semantics_and_refusals(tiny_engine, tiny_shapes):
