@@ -73,11 +73,12 @@ def test_console_and_files(smoke_run):
 
 def test_generation_span_and_groups_in_flight_at_stop(smoke_run):
     """perf/gen_seconds is the wall-clock span of generation (overlapping requests once), so
-    its sum fits in the run's wall time; the per-request sum is kept apart. Groups still
+    its sum fits in the run's wall time; the per-request sum is kept apart (a step trained
+    on groups generated ahead may see no generation in its window: 0). Groups still
     generating at the end are in_flight_at_stop, not drops."""
     _, _, summary, steps = smoke_run
     r, b = summary["rollout"], summary["buffer"]
-    assert all(m["perf/gen_seconds"] > 0 for m in steps)
+    assert steps[0]["perf/gen_seconds"] > 0 and all(m["perf/gen_seconds"] >= 0 for m in steps)
     assert sum(m["perf/gen_seconds"] for m in steps) <= summary["wall_seconds"]
     assert r["rollout/request_seconds_sum"] >= r["rollout/gen_wall_seconds"] >= sum(m["perf/gen_seconds"] for m in steps)
     assert "stopped" not in b["drop_reasons"] and "rollout/dropped/stopped" not in r
