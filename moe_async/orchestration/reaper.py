@@ -5,8 +5,13 @@ The driver tags its environment with :data:`TAG_VAR` before it starts the local 
 every process of the run inherits it (Ray's GCS, raylet and agents, the actors' workers, the
 engine servers, the reward worker processes). :func:`start` spawns this module as a separate
 process in a session of its own (a signal to the driver's process group does not reach it); it
-waits on the driver's pidfd and, once the driver has exited, gives the run ``grace_s`` to stop
-by itself, then SIGTERMs and finally SIGKILLs every live process that carries the tag.
+waits on the driver's pidfd, noting the driver's descendants every second, and, once the driver
+has exited, gives the run ``grace_s`` to stop by itself, then SIGTERMs and finally SIGKILLs
+every live process of the run: those that carry the tag, and those it saw under the driver (the
+same PID and start time) with their children. The tag alone misses some: a process that sets
+its title (``setproctitle``, as Ray's dashboard and runtime-env agents do) may overwrite the
+memory ``/proc/<pid>/environ`` reads, and the driver's own helpers started before the tag
+(wandb's service) never had it.
 Linux only (``/proc``, ``os.pidfd_open``); elsewhere :func:`start` does nothing.
 """
 
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Callable
 
 TAG_VAR = "MOE_ASYNC_RUN_TAG"
 
@@ -41,6 +47,40 @@ def tagged(tag: str) -> list[int]:
     return out
 
 
+def _live() -> dict[int, tuple[int, float]]:
+    """PID -> (parent PID, start time in clock ticks since boot) of every live (not zombie) process."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            out[int(name)] = (int(fields[1]), float(fields[19]))
+    return out
+
+
+def descendants(known: dict[int, float], live: dict[int, tuple[int, float]] | None = None) -> dict[int, float]:
+    """The live members of ``known`` (PID -> start time) and every live process under one of them;
+    a member that died, or whose PID now has another start time (reused), is dropped, with what
+    hangs under such a PID."""
+    live = _live() if live is None else live
+    out = {pid: st for pid, st in known.items() if pid in live and live[pid][1] == st}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in live.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = list(out)
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out[c] = live[c][1]
+                todo.append(c)
+    return out
+
+
 def start(grace_s: float = 5.0) -> str | None:
     """Tag this (the driver's) environment and spawn the reaper watching this process; returns
     the tag, or None where pidfds are not available. Call before the local Ray starts."""
@@ -58,12 +98,12 @@ def start(grace_s: float = 5.0) -> str | None:
     return tag
 
 
-def _signal_all(tag: str, sig: int, within_s: float) -> None:
-    """Send ``sig`` to every tagged process, again to any that appears later (a child started
-    while the others were signalled), until none is left or ``within_s`` seconds have passed."""
+def _signal_all(find: Callable[[], list[int]], sig: int, within_s: float) -> None:
+    """Send ``sig`` to every process ``find()`` lists, again to any that appears later (a child
+    started while the others were signalled), until none is left or ``within_s`` seconds have passed."""
     end = time.monotonic() + within_s
     signalled: set[int] = set()
-    while pids := tagged(tag):
+    while pids := find():
         for pid in pids:
             if sig == signal.SIGKILL or pid not in signalled:
                 try:
@@ -77,24 +117,35 @@ def _signal_all(tag: str, sig: int, within_s: float) -> None:
 
 
 def reap(driver_pid: int, tag: str, grace_s: float) -> int:
-    """Wait for ``driver_pid`` to exit, then stop what is left of the run; returns how many
-    processes it had to signal."""
+    """Wait for ``driver_pid`` to exit, then stop what is left of the run (its tagged processes
+    and the descendants seen while it ran); returns how many processes it had to signal."""
+    me = os.getpid()
+    known: dict[int, float] = {}
     try:
         fd = os.pidfd_open(driver_pid)
     except ProcessLookupError:
         fd = None
     if fd is not None:
+        if (st := _live().get(driver_pid)) is not None:
+            known[driver_pid] = st[1]
         p = select.poll()
         p.register(fd, select.POLLIN)
         while not p.poll(1000):
-            pass
+            known = descendants(known)
         os.close(fd)
+
+    def run_processes() -> list[int]:
+        nonlocal known
+        live = _live()
+        known = descendants(known, live)
+        return sorted((set(known) | set(tagged(tag))) - {me})
+
     deadline = time.monotonic() + grace_s  # a clean exit has already stopped everything
-    while tagged(tag) and time.monotonic() < deadline:
+    while run_processes() and time.monotonic() < deadline:
         time.sleep(0.25)
-    left = tagged(tag)
-    _signal_all(tag, signal.SIGTERM, 3.0)
-    _signal_all(tag, signal.SIGKILL, 10.0)
+    left = run_processes()
+    _signal_all(run_processes, signal.SIGTERM, 3.0)
+    _signal_all(run_processes, signal.SIGKILL, 10.0)
     return len(left)
 
 

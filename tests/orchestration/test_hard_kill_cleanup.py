@@ -1,9 +1,11 @@
 """A hard kill leaves nothing running: ``kill -9`` of the driver of ``moe-async train`` in the
 middle of a step (process-based reward workers on), and separately of its whole process
 group; within 60 s no process the run started is alive (Ray's GCS, raylet and agents, the
-actors' workers, the engine server, the reward worker processes and their resource tracker),
-checked by PID (every process whose environment carries this test's tag), and a next run on
-the same machine starts cleanly."""
+actors' workers, the engine server, the reward worker processes and their resource tracker,
+wandb's service), checked by PID: every process whose environment carries this test's tag,
+and every descendant of the driver seen while it ran (psutil's process tree, the same PID and
+start time: Ray's agents set their title over what ``/proc/<pid>/environ`` reads, so their
+tag may not show); and a next run on the same machine starts cleanly."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,30 +62,59 @@ def _start(tmp: Path, tag: str) -> tuple[subprocess.Popen, Path]:
     return p, runs
 
 
-def _wait_mid_step(p: subprocess.Popen, runs: Path, tag: str, timeout_s: float = 400.0) -> dict[int, str]:
-    """Wait until step 1's metrics are written (step 2 under way); returns the run's processes."""
+def _tree(p: subprocess.Popen, tree: dict[int, float]) -> None:
+    """Add the driver's live descendants (PID -> start time) to ``tree``."""
+    try:
+        for c in psutil.Process(p.pid).children(recursive=True):
+            try:
+                tree.setdefault(c.pid, c.create_time())
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+
+
+def _wait_mid_step(p: subprocess.Popen, runs: Path, tag: str, tree: dict[int, float],
+                   timeout_s: float = 400.0) -> dict[int, str]:
+    """Wait until step 1's metrics are written (step 2 under way), noting the driver's
+    descendants in ``tree``; returns the run's tagged processes."""
     t0 = time.monotonic()
     seen: dict[int, str] = {}
     while time.monotonic() - t0 < timeout_s:
         assert p.poll() is None, f"the run exited ({p.returncode}) before its first step"
         seen.update(_tagged(tag))
+        _tree(p, tree)
         m = list(runs.glob("*/metrics.jsonl"))
         if m and m[0].read_text().count("\n") >= 1:
             seen.update(_tagged(tag))
+            _tree(p, tree)
             return seen
         time.sleep(0.5)
     raise AssertionError(f"no step within {timeout_s:.0f} s")
 
 
-def _survivors(tag: str, within_s: float) -> dict[int, str]:
+def _alive(tag: str, tree: dict[int, float]) -> dict[int, str]:
+    """The tagged processes and the live members of ``tree`` (same start time): PID -> command line."""
+    out = _tagged(tag)
+    for pid, t in tree.items():
+        try:
+            q = psutil.Process(pid)
+            if pid not in out and q.create_time() == t and q.status() != psutil.STATUS_ZOMBIE:
+                out[pid] = " ".join(q.cmdline())[:200]
+        except psutil.Error:
+            pass
+    return out
+
+
+def _survivors(tag: str, tree: dict[int, float], within_s: float) -> dict[int, str]:
     t0 = time.monotonic()
-    while _tagged(tag) and time.monotonic() - t0 < within_s:
+    while _alive(tag, tree) and time.monotonic() - t0 < within_s:
         time.sleep(0.5)
-    return _tagged(tag)
+    return _alive(tag, tree)
 
 
-def _kill_all(tag: str) -> None:
-    for pid in _tagged(tag):
+def _kill_all(tag: str, tree: dict[int, float]) -> None:
+    for pid in _alive(tag, tree):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -93,18 +125,19 @@ def _kill_all(tag: str) -> None:
 def test_kill_9_leaves_nothing_running(tmp_path, what) -> None:
     tag = uuid.uuid4().hex
     p, runs = _start(tmp_path, tag)
+    tree: dict[int, float] = {}
     try:
-        seen = _wait_mid_step(p, runs, tag)
+        seen = _wait_mid_step(p, runs, tag, tree)
         assert {"gcs_server", "raylet", "engine", "reward_worker", "ray_worker"} <= _kinds(seen), seen
         if what == "driver":
             os.kill(p.pid, signal.SIGKILL)
         else:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
-        left = _survivors(tag, GONE_WITHIN_S)
+        left = _survivors(tag, tree, GONE_WITHIN_S)
         assert left == {}, (f"alive {GONE_WITHIN_S:.0f} s after kill -9 of the {what}", left,
                             (tmp_path / "out.log").read_text()[-3000:])
     finally:
-        _kill_all(tag)
+        _kill_all(tag, tree)
         if p.poll() is None:
             p.kill()
