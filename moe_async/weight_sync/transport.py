@@ -1,11 +1,9 @@
 """Weight transports: how a versioned set of HF-named tensors reaches the engines.
 
 :class:`BroadcastTransport` (NCCL/gloo broadcast of flattened buckets inside an update session,
-as slime and SGLang's ``update_weights_from_distributed``); the colocated
-:class:`~moe_async.weight_sync.tensor_transport.TensorTransport` and the fallback
-:class:`~moe_async.weight_sync.disk_transport.DiskTransport` are their own modules
-(:func:`~moe_async.weight_sync.factory.make_transport` picks one). ``send`` returns a :class:`SyncOutcome`: an engine
-lost mid-sync is reported, not raised; the version is set only with the last bucket.
+as slime and SGLang's ``update_weights_from_distributed``); the colocated ``TensorTransport`` and
+the fallback ``DiskTransport`` are their own modules (``factory.make_transport`` picks one). The
+version is set only with the last bucket.
 
 Design notes: ``docs/design/weight_sync.md``."""
 
@@ -201,18 +199,18 @@ class BroadcastTransport(WeightTransport):
         """Where an exporter may write tensor ``name`` so that it is sent without packing.
 
         A view of this transport's send buffer (on the backend's device: CUDA for NCCL, else
-        CPU; reused by every sync: valid until the
-        next ``send``), laid out in the engines' ``/weights_layout`` order, so a bucket of
-        consecutive names is one span (:func:`contiguous_span`). None when the engines publish
-        no layout (SGLang) or ``name``/``shape``/``dtype`` differ from it: the exporter then
-        makes its own copy and the bucket is packed. Memory: one copy of the model, allocated
-        on first use. The same tensor object is returned for a name until the layout changes
-        (callers must not resize it or change its ``.data``). Use: ``send(trainer.export_hf_weights(out=transport.destination), v)``.
+        CPU; reused by every sync), laid out in the engines' ``/weights_layout`` order, so a
+        bucket of consecutive names is one span (:func:`contiguous_span`). None when the
+        engines publish no layout (SGLang) or ``name``/``shape``/``dtype`` differ from it: the
+        exporter then makes its own copy and the bucket is packed. Memory: one copy of the
+        model, allocated on first use, never moved; the same tensor per name until the layout
+        changes (callers must not resize it or change its ``.data``).
+        Use: ``send(trainer.export_hf_weights(out=transport.destination), v)``.
 
         Only the exporter of this transport may write into these views: a 1-process
         ``MegatronTrainer`` moves its parameters into them (``relayout_params``) and then
         yields them without a copy (the buffer is its weights; it survives a re-connect with
-        the same layout, and a different layout gets a new buffer).
+        the same layout; a different layout gets a new buffer).
         """
         slot = self._slots.get(name)
         if slot is None or tuple(shape) != slot[1] or dtype != slot[2]:
@@ -224,13 +222,10 @@ class BroadcastTransport(WeightTransport):
             self._send_buf = self._new_send_buf(self._send_nbytes)
             self._views = {}
         off, shp, dt, nb = slot
-        v = self._views[name] = self._send_buf[off: off + nb].view(dt).view(shp)
-        return v
+        return self._views.setdefault(name, self._send_buf[off: off + nb].view(dt).view(shp))
 
     def _new_send_buf(self, nbytes: int) -> torch.Tensor:
-        """The send buffer behind :meth:`destination`: ``nbytes`` of 1-D ``uint8`` on
-        :attr:`device`. Its memory must never move once views of it are handed out (an
-        exporter thread writes into them while earlier buckets are sent)."""
+        """:meth:`destination`'s buffer: ``nbytes`` of ``uint8`` on :attr:`device`."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _common_layout(self) -> dict | None:
