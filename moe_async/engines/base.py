@@ -114,6 +114,8 @@ class _SubprocessEngine(Engine):
         self.model_path = str(model_path)
         self.host = cfg.host
         self.port = port or free_port(cfg.host)
+        self._auto_port = not port  # chosen here: another may be tried (first launch only)
+        self._was_healthy = False
         self.proc: subprocess.Popen | None = None
         self.log_path: str | None = None
         self._log_file: io.BufferedWriter | None = None
@@ -142,6 +144,23 @@ class _SubprocessEngine(Engine):
         return self.proc is not None and self.proc.poll() is None
 
     def launch(self) -> "Engine":
+        """Start the server and wait until ``/health`` answers. A port this engine chose itself
+        (``port=0``) can be taken by another process before the server binds it: on its first
+        launch the server is then started again on another free port (3 tries in all); a
+        restart keeps its port. Raises EngineLaunchError (the log's tail in the message)."""
+        tries = 1
+        while True:
+            try:
+                return self._launch_once()
+            except EngineLaunchError as e:
+                if not (self._auto_port and not self._was_healthy and tries < 3
+                        and "address already in use" in str(e).lower()):
+                    raise
+            if self.log_path and os.path.exists(self.log_path):
+                os.remove(self.log_path)  # that try's log; the next try writes its own
+            self.port, tries = free_port(self.host), tries + 1
+
+    def _launch_once(self) -> "Engine":
         if self.alive:
             return self
         from moe_async.affinity import check_cpu_affinity
@@ -176,6 +195,7 @@ class _SubprocessEngine(Engine):
                     f"{self.name} server exited with code {rc} during startup; log tail:\n{self.log_tail()}"
                 )
             if health_ok(self.url, 2.0):
+                self._was_healthy = True
                 return self
             time.sleep(0.2)
         tail = self.log_tail()

@@ -1,5 +1,5 @@
 """Engine lifecycle: restart on death, no orphan when the parent is SIGKILLed, several
-engines behind least-loaded dispatch."""
+engines behind least-loaded dispatch; a port taken between choosing it and binding it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_async.engines.base import ensure_healthy, make_engine
+from moe_async.engines.base import EngineLaunchError, ensure_healthy, make_engine
 from moe_async.engines.multi_client import MultiEngineClient
 from moe_async.engines.config import EngineConfig
 
@@ -83,6 +83,27 @@ def test_restart_after_kill_and_two_engines_least_loaded(model_dir):
         for e in engines:
             e.shutdown()
     assert not any(e.alive for e in engines)
+
+
+def test_port_taken_before_the_server_binds_it(model_dir):
+    """A port the engine chose (``port=0``) that another process takes before the server binds
+    it: the first launch starts the server again on another free port. A port given by the
+    caller is kept: the launch fails, naming the cause."""
+    import socket
+
+    cfg = EngineConfig(startup_timeout_s=120, max_running_requests=4)
+    eng = make_engine(cfg, model_dir)
+    taken = eng.port
+    with socket.socket() as blocker:
+        blocker.bind((eng.host, taken))
+        blocker.listen()
+        try:
+            eng.launch()
+            assert eng.port != taken and eng.healthy()
+        finally:
+            eng.shutdown()
+        with pytest.raises(EngineLaunchError, match="address already in use"):
+            make_engine(cfg, model_dir, taken).launch()
 
 
 def test_server_exits_when_parent_is_killed(model_dir):
