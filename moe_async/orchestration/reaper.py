@@ -29,24 +29,6 @@ from typing import Callable
 TAG_VAR = "MOE_ASYNC_RUN_TAG"
 
 
-def tagged(tag: str) -> list[int]:
-    """PIDs of the live (not zombie) processes whose environment holds ``TAG_VAR=tag``."""
-    want, me, out = f"{TAG_VAR}={tag}".encode(), os.getpid(), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if want in f.read().split(b"\0"):
-                    out.append(int(name))
-        except OSError:
-            continue
-    return out
-
-
 def _live() -> dict[int, tuple[int, float]]:
     """PID -> (parent PID, start time in clock ticks since boot) of every live (not zombie) process."""
     out = {}
@@ -60,6 +42,22 @@ def _live() -> dict[int, tuple[int, float]]:
             continue
         if fields[0] != b"Z":
             out[int(name)] = (int(fields[1]), float(fields[19]))
+    return out
+
+
+def tagged(tag: str, live: dict[int, tuple[int, float]] | None = None) -> list[int]:
+    """PIDs of the live (not zombie) processes (of ``live``, default: read now) whose
+    environment holds ``TAG_VAR=tag``; never this process."""
+    want, me, out = f"{TAG_VAR}={tag}".encode(), os.getpid(), []
+    for pid in (_live() if live is None else live):
+        if pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    out.append(pid)
+        except OSError:
+            continue
     return out
 
 
@@ -138,7 +136,7 @@ def reap(driver_pid: int, tag: str, grace_s: float) -> int:
         nonlocal known
         live = _live()
         known = descendants(known, live)
-        return sorted((set(known) | set(tagged(tag))) - {me})
+        return sorted((set(known) | set(tagged(tag, live))) - {me})
 
     deadline = time.monotonic() + grace_s  # a clean exit has already stopped everything
     while run_processes() and time.monotonic() < deadline:
